@@ -1,0 +1,135 @@
+//! The client's error type.
+
+use std::io;
+use std::path::PathBuf;
+
+use feedstore_proto::frame::DecodeError;
+use feedstore_proto::{Handle, Status};
+use feedstore_shm::ShmError;
+
+/// Everything a client operation can fail with. Each variant names a condition the caller can act
+/// on: retry later (`Full`, `NotSealed`), reconnect (`Disconnected`), drop the handle
+/// (`NotFound`, `Stale`), or fix the program (`PermissionDenied`, `InvalidArgument`).
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// No daemon answers on the socket.
+    #[error("cannot connect to feedstored at {path} (is the daemon running?)")]
+    Connect {
+        /// The socket path tried.
+        path: PathBuf,
+        /// Why.
+        source: io::Error,
+    },
+    /// The daemon went away (stopped, restarted or crashed). Reconnect with a new [`Client`];
+    /// handles from before a restart are stale.
+    ///
+    /// [`Client`]: crate::Client
+    #[error("disconnected from feedstored")]
+    Disconnected {
+        /// The socket error, if there was one (none for a clean end of stream).
+        #[source]
+        source: Option<io::Error>,
+    },
+    /// No live object has this handle.
+    #[error("object {handle} not found")]
+    NotFound {
+        /// The handle asked for.
+        handle: Handle,
+    },
+    /// The handle's slot was reused or it predates a daemon restart.
+    #[error("stale handle {handle}")]
+    Stale {
+        /// The handle asked for.
+        handle: Handle,
+    },
+    /// The object exists but is not sealed yet.
+    #[error("object {handle} is not sealed yet")]
+    NotSealed {
+        /// The handle asked for.
+        handle: Handle,
+    },
+    /// The handle belongs to another node.
+    #[error("object {handle} belongs to node {:08x}", handle.node_id)]
+    WrongNode {
+        /// The handle asked for.
+        handle: Handle,
+    },
+    /// No room for the object within the create timeout: every remaining object is leased,
+    /// pinned or being written.
+    #[error("store full: no room for {size_bytes} bytes within the timeout")]
+    Full {
+        /// The object size asked for.
+        size_bytes: u64,
+    },
+    /// The object can never fit: it is larger than a segment.
+    #[error("object of {size_bytes} bytes is larger than any segment")]
+    TooLarge {
+        /// The object size asked for.
+        size_bytes: u64,
+    },
+    /// This connection may not do that (a reader creating, a uid not on the allow-list).
+    #[error("permission denied: {reason}")]
+    PermissionDenied {
+        /// The daemon's explanation.
+        reason: String,
+    },
+    /// The object is being written by another client.
+    #[error("object {handle} is being written by another client")]
+    NotOwner {
+        /// The handle.
+        handle: Handle,
+    },
+    /// The operation does not apply in the object's state.
+    #[error("operation does not apply to object {handle} in its state")]
+    InvalidState {
+        /// The handle.
+        handle: Handle,
+    },
+    /// An argument is out of range.
+    #[error("invalid argument: {0}")]
+    InvalidArgument(String),
+    /// The daemon is shutting down.
+    #[error("feedstored is shutting down")]
+    ShuttingDown,
+    /// The daemon's reply could not be understood.
+    #[error("protocol error: {0}")]
+    Protocol(String),
+    /// A reply frame was malformed.
+    #[error("malformed reply")]
+    Decode(#[from] DecodeError),
+    /// Mapping a segment failed.
+    #[error("cannot map a shared-memory segment")]
+    Map(#[from] ShmError),
+}
+
+impl Error {
+    /// The error for a per-object status from the daemon.
+    pub(crate) fn from_status(status: Status, handle: Handle, size_bytes: u64, message: &str) -> Error {
+        match status {
+            Status::NotFound => Error::NotFound { handle },
+            Status::Stale => Error::Stale { handle },
+            Status::NotSealed => Error::NotSealed { handle },
+            Status::WrongNode => Error::WrongNode { handle },
+            Status::Full => Error::Full { size_bytes },
+            Status::TooLarge => Error::TooLarge { size_bytes },
+            Status::PermissionDenied => Error::PermissionDenied {
+                reason: if message.is_empty() { "not allowed for this connection".into() } else { message.into() },
+            },
+            Status::NotOwner => Error::NotOwner { handle },
+            Status::InvalidState => Error::InvalidState { handle },
+            Status::InvalidArgument => Error::InvalidArgument(if message.is_empty() {
+                "rejected by the daemon".into()
+            } else {
+                message.into()
+            }),
+            Status::ShuttingDown => Error::ShuttingDown,
+            other => Error::Protocol(format!("daemon answered {other}: {message}")),
+        }
+    }
+
+    /// Whether the connection is gone and a new client is needed.
+    pub fn is_disconnected(&self) -> bool {
+        matches!(self, Error::Disconnected { .. })
+    }
+}

@@ -1,0 +1,36 @@
+//! The feedstore client: what producers and trainers link to talk to their node's `feedstored`.
+//!
+//! Objects live in shared memory owned by the daemon. A writer reserves an object, writes it in
+//! place and seals it; from then on any process on the node can read it by [`Handle`] without a
+//! copy: [`Client::get`] returns a [`Lease`] that derefs to the bytes where they lie.
+//!
+//! Key decision: the socket carries only small control frames (about 40 bytes for a get); object
+//! bytes never cross it. Segments are mapped once per connection — read-only for readers, so the
+//! kernel rejects a stray write — and each get is one round trip that returns an offset into a
+//! mapping the client already has. Dropping a lease sends a one-way release, so reading costs one
+//! round trip, not two.
+//!
+//! ```no_run
+//! use feedstore_consumer::Client;
+//!
+//! # fn main() -> Result<(), feedstore_consumer::Error> {
+//! let writer = Client::connect_writer()?;
+//! let handle = writer.put(b"a decoded sample")?;
+//!
+//! let reader = Client::connect_reader()?;
+//! let sample = reader.get(handle)?; // a lease: no copy, released on drop
+//! assert_eq!(&*sample, b"a decoded sample");
+//! # Ok(())
+//! # }
+//! ```
+
+mod client;
+mod error;
+mod lease;
+mod writer;
+
+pub use client::{Client, ConnectOptions, CreateOptions};
+pub use error::Error;
+pub use feedstore_proto::{Handle, Role, StoreStats};
+pub use lease::Lease;
+pub use writer::ObjectWriter;

@@ -1,0 +1,117 @@
+//! What both sides of a feedstore socket or mapping must agree on.
+//!
+//! This crate is the contract between the `feedstored` daemon and every client (Rust, C, Python,
+//! and later a peer node pulling objects by handle). It holds no I/O and no `unsafe`:
+//!
+//! - [`Handle`]: the fixed 16-byte name of an object — node id, daemon epoch, slot, generation.
+//!   A handle stays meaningful across processes and nodes; a stale or forged one resolves to
+//!   [`Status::NotFound`] or [`Status::Stale`], never to another object's bytes.
+//! - [`frame`]: the length-prefixed, versioned binary frames spoken over the daemon's Unix socket,
+//!   with a hard maximum size so a malformed peer can cost at most one connection.
+//! - [`Status`]: the wire status codes a caller can act on.
+//!
+//! Key decision: frames are hand-encoded little-endian structs rather than a serde format, so the
+//! layout is the documentation, decoding is allocation-light and every length is checked before
+//! it is trusted (the bytes come from another process).
+//!
+//! ```
+//! use feedstore_proto::{frame::{Request, Frame}, Handle};
+//!
+//! # fn main() -> Result<(), feedstore_proto::frame::DecodeError> {
+//! let handle = Handle { node_id: 7, epoch: 42, slot: 3, generation: 1 };
+//! let mut wire = Vec::new();
+//! Request::Get { handles: vec![handle] }.encode(9, &mut wire);
+//! let frame = Frame::parse(&wire, feedstore_proto::frame::MAX_PAYLOAD_BYTES)?.expect("whole frame");
+//! assert_eq!(frame.header.request_id, 9);
+//! assert_eq!(Request::decode(&frame)?, Request::Get { handles: vec![handle] });
+//! # Ok(())
+//! # }
+//! ```
+
+pub mod frame;
+mod handle;
+mod stats;
+mod status;
+mod wire;
+
+pub use handle::Handle;
+pub use stats::StoreStats;
+pub use status::Status;
+
+/// Every object's offset and reserved length is a multiple of this many bytes, so tensors laid
+/// out in an object are aligned for SIMD loads and never share a cache line with a neighbour.
+pub const OBJECT_ALIGN_BYTES: u64 = 64;
+
+/// Environment variable both the daemon and clients read for the socket path.
+pub const SOCKET_ENV: &str = "FEEDSTORE_SOCKET";
+
+/// The socket path used when neither a flag nor [`SOCKET_ENV`] names one:
+/// `/tmp/feedstore-<uid>.sock`, so two users on one node never collide.
+pub fn default_socket_path() -> std::path::PathBuf {
+    if let Some(path) = std::env::var_os(SOCKET_ENV) {
+        return path.into();
+    }
+    format!("/tmp/feedstore-{}.sock", current_uid()).into()
+}
+
+/// The effective uid of this process, read without `unsafe`: `/proc/self` belongs to it.
+fn current_uid() -> u32 {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::metadata("/proc/self")
+        .map(|m| m.uid())
+        .unwrap_or(0)
+}
+
+/// What a client asks to be when it connects.
+///
+/// Readers receive read-only segment file descriptors and can only map them `PROT_READ`;
+/// writers receive read-write descriptors and may create objects.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[repr(u8)]
+pub enum Role {
+    /// Maps segments read-only; may get, release and read stats.
+    Reader = 1,
+    /// Maps segments read-write; may also create, seal, abort and delete.
+    Writer = 2,
+}
+
+impl Role {
+    /// Decodes the wire byte.
+    pub fn from_u8(v: u8) -> Option<Role> {
+        match v {
+            1 => Some(Role::Reader),
+            2 => Some(Role::Writer),
+            _ => None,
+        }
+    }
+}
+
+/// A shared-memory segment as the daemon announces it in its hello reply.
+///
+/// The segment's file descriptor travels beside the frame by `SCM_RIGHTS`, in the same order as
+/// the segments are listed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SegmentInfo {
+    /// Index of the segment; object locations name it.
+    pub id: u32,
+    /// Length of the mapping in bytes.
+    pub size_bytes: u64,
+    /// Bit set of `SEGMENT_*` flags.
+    pub flags: u32,
+}
+
+/// [`SegmentInfo::flags`]: the segment is backed by hugetlbfs pages.
+pub const SEGMENT_HUGETLB: u32 = 1;
+/// [`SegmentInfo::flags`]: the descriptor that came with it allows writable mappings.
+pub const SEGMENT_WRITABLE: u32 = 2;
+
+/// Where a sealed or reserved object lives: a byte range in one segment.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Location {
+    /// The segment's id.
+    pub segment: u32,
+    /// Offset from the start of the segment, a multiple of [`OBJECT_ALIGN_BYTES`].
+    pub offset: u64,
+    /// The object's length in bytes as the writer asked for it.
+    pub len: u64,
+}

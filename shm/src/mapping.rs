@@ -1,0 +1,190 @@
+//! Client-side mappings of segments.
+
+use std::os::fd::{AsFd, OwnedFd};
+
+use memmap2::{Advice, MmapOptions, MmapRaw};
+
+use crate::ShmError;
+
+/// How a segment is mapped.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Access {
+    /// `PROT_READ`; the only choice for a descriptor opened read-only.
+    ReadOnly,
+    /// `PROT_READ | PROT_WRITE`.
+    ReadWrite,
+}
+
+/// A whole segment mapped `MAP_SHARED` into this process.
+///
+/// The mapping owns its descriptor's memory for as long as it lives: dropping the daemon's
+/// segment, or the daemon itself dying, does not unmap it. Views handed to users keep the
+/// mapping alive through an `Arc` (see the consumer's `Lease`).
+#[derive(Debug)]
+pub struct Mapping {
+    map: MmapRaw,
+    access: Access,
+}
+
+// SAFETY: the mapping is plain shared memory; `Mapping` exposes it only through `unsafe` accessors
+// whose callers uphold the aliasing rules, so sharing the handle between threads is sound.
+unsafe impl Send for Mapping {}
+// SAFETY: as above; `&Mapping` gives no safe access to the bytes.
+unsafe impl Sync for Mapping {}
+
+impl Mapping {
+    /// Maps the first `len` bytes of a segment descriptor.
+    ///
+    /// Refuses descriptors that are not sealed against shrinking or are shorter than `len`, so the
+    /// mapping can never be truncated under this process (which would turn reads into `SIGBUS`).
+    /// `populate` builds the page tables now (`MAP_POPULATE`) instead of on first touch, so the
+    /// first get or put of each page does not pay a page fault.
+    pub fn new(fd: OwnedFd, len: u64, access: Access, populate: bool) -> Result<Mapping, ShmError> {
+        crate::segment::check_sealed(fd.as_fd(), len)?;
+        let map_err = |source: std::io::Error| ShmError::Map {
+            len,
+            access,
+            source,
+        };
+        let len_usize = usize::try_from(len)
+            .map_err(|_| map_err(std::io::Error::from_raw_os_error(libc::EFBIG)))?;
+        let mut opts = MmapOptions::new();
+        opts.len(len_usize);
+        if populate {
+            opts.populate();
+        }
+        let map = match access {
+            Access::ReadOnly => opts.map_raw_read_only(&fd),
+            Access::ReadWrite => opts.map_raw(&fd),
+        }
+        .map_err(map_err)?;
+        // Best effort: only effective where shmem THP is `advise` or stronger.
+        let _ = map.advise(Advice::HugePage);
+        Ok(Mapping { map, access })
+    }
+
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        self.map.len()
+    }
+
+    /// Whether the mapping is empty (never, for a real segment).
+    pub fn is_empty(&self) -> bool {
+        self.map.len() == 0
+    }
+
+    /// How the mapping was made.
+    pub fn access(&self) -> Access {
+        self.access
+    }
+
+    /// Whether `ptr` points into this mapping.
+    pub fn contains(&self, ptr: *const u8) -> bool {
+        let start = self.map.as_ptr() as usize;
+        (start..start + self.map.len()).contains(&(ptr as usize))
+    }
+
+    /// Pointer to `offset`, if `offset..offset + len` lies inside the mapping.
+    pub fn range_ptr(&self, offset: u64, len: u64) -> Option<*mut u8> {
+        let end = offset.checked_add(len)?;
+        if end > self.map.len() as u64 {
+            return None;
+        }
+        // `offset <= len() <= isize::MAX`, so the add stays inside the allocation.
+        Some(self.map.as_mut_ptr().wrapping_add(offset as usize))
+    }
+
+    /// Borrows `len` bytes at `offset` for reading.
+    ///
+    /// # Safety
+    /// The caller must hold a right to read the range that keeps it immutable for the returned
+    /// lifetime: in feedstore, a lease on a sealed object. The daemon never hands out a writable
+    /// range that overlaps a sealed or leased object; a writer process that scribbles outside its
+    /// own reservation breaks that contract, which this process cannot check.
+    pub unsafe fn bytes(&self, offset: u64, len: u64) -> Option<&[u8]> {
+        let ptr = self.range_ptr(offset, len)?;
+        // SAFETY: the range lies inside the live mapping (checked above); immutability for the
+        // lifetime is the caller's contract.
+        Some(unsafe { std::slice::from_raw_parts(ptr, len as usize) })
+    }
+
+    /// Borrows `len` bytes at `offset` for writing. `None` for a read-only mapping or a range
+    /// outside it.
+    ///
+    /// # Safety
+    /// The caller must have exclusive write access to the range for the returned lifetime: in
+    /// feedstore, an unsealed reservation created by this client. No other `&[u8]` or `&mut [u8]`
+    /// over the range may exist in this process meanwhile.
+    #[allow(clippy::mut_from_ref)]
+    pub unsafe fn bytes_mut(&self, offset: u64, len: u64) -> Option<&mut [u8]> {
+        if self.access != Access::ReadWrite {
+            return None;
+        }
+        let ptr = self.range_ptr(offset, len)?;
+        // SAFETY: the range lies inside a live writable mapping (checked above); exclusivity for
+        // the lifetime is the caller's contract.
+        Some(unsafe { std::slice::from_raw_parts_mut(ptr, len as usize) })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{HugePages, Segment, SegmentOptions};
+
+    fn segment() -> Segment {
+        Segment::create(&SegmentOptions {
+            name: "map-test".into(),
+            size_bytes: 1 << 16,
+            huge_pages: HugePages::Off,
+            prefault: true,
+        })
+        .unwrap()
+    }
+
+    #[test]
+    fn readonly_descriptor_refuses_a_writable_mapping() {
+        let seg = segment();
+        let ro = seg.reopen_readonly().unwrap();
+        let err = Mapping::new(ro, seg.size_bytes(), Access::ReadWrite, false).unwrap_err();
+        let os = err.os_error().and_then(|e| e.raw_os_error());
+        assert_eq!(os, Some(libc::EACCES), "{err}");
+    }
+
+    #[test]
+    fn writes_through_one_mapping_are_seen_through_another() {
+        let seg = segment();
+        let rw = Mapping::new(
+            seg.fd().try_clone_to_owned().unwrap(),
+            seg.size_bytes(),
+            Access::ReadWrite,
+            true,
+        )
+        .unwrap();
+        let ro = Mapping::new(
+            seg.reopen_readonly().unwrap(),
+            seg.size_bytes(),
+            Access::ReadOnly,
+            true,
+        )
+        .unwrap();
+        // SAFETY: this test is the only user of the range.
+        unsafe { rw.bytes_mut(128, 4).unwrap() }.copy_from_slice(b"feed");
+        // SAFETY: no writer touches the range any more.
+        assert_eq!(unsafe { ro.bytes(128, 4).unwrap() }, b"feed");
+        // SAFETY: a read-only mapping never yields a mutable slice.
+        assert!(unsafe { ro.bytes_mut(128, 4) }.is_none());
+        // SAFETY: out-of-range requests return None before any slice is formed.
+        assert!(unsafe { ro.bytes(seg.size_bytes() - 2, 4) }.is_none());
+        assert!(unsafe { ro.bytes(u64::MAX, 2) }.is_none());
+    }
+
+    #[test]
+    fn unsealed_descriptor_is_refused() {
+        let fd = nix::sys::memfd::memfd_create(c"plain", nix::sys::memfd::MFdFlags::MFD_CLOEXEC)
+            .unwrap();
+        nix::unistd::ftruncate(&fd, 4096).unwrap();
+        let err = Mapping::new(fd, 4096, Access::ReadOnly, false).unwrap_err();
+        assert!(matches!(err, ShmError::NotASegment { .. }), "{err}");
+    }
+}

@@ -1,0 +1,267 @@
+//! Daemon-side segments: memfd files sized, sealed and pre-faulted once.
+
+use std::ffi::CString;
+use std::io;
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
+
+use nix::fcntl::{FallocateFlags, FcntlArg, OFlag, SealFlag};
+use nix::sys::memfd::{MFdFlags, memfd_create};
+use nix::sys::stat::Mode;
+
+use crate::ShmError;
+
+/// Whether segments use hugetlbfs pages.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum HugePages {
+    /// Huge pages when enough are reserved; otherwise 4 KiB pages (with `MADV_HUGEPAGE` advice
+    /// in each mapping, which helps where shmem THP is enabled).
+    #[default]
+    Auto,
+    /// Huge pages or refuse to start.
+    On,
+    /// Always 4 KiB pages.
+    Off,
+}
+
+/// How to create a [`Segment`].
+#[derive(Debug, Clone)]
+pub struct SegmentOptions {
+    /// Name shown in `/proc/<pid>/fd` (`memfd:<name>`).
+    pub name: String,
+    /// Requested size; rounded up to the page size in use.
+    pub size_bytes: u64,
+    /// Huge page policy.
+    pub huge_pages: HugePages,
+    /// Allocate every page now (`fallocate`), so the first write by a producer does not pay for
+    /// page allocation and zeroing (measured here: ~0.7 GB/s cold vs 11-18 GB/s warm).
+    pub prefault: bool,
+}
+
+/// The node's huge page reserve, read from `/proc/meminfo`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HugePageInfo {
+    /// Default huge page size in bytes.
+    pub page_bytes: u64,
+    /// Free pages in the reserve.
+    pub free_pages: u64,
+}
+
+impl HugePageInfo {
+    /// Reads `/proc/meminfo`; `None` when the kernel has no hugetlb support.
+    pub fn read() -> Option<HugePageInfo> {
+        let meminfo = std::fs::read_to_string("/proc/meminfo").ok()?;
+        let field = |name: &str| {
+            meminfo.lines().find_map(|l| {
+                let rest = l.strip_prefix(name)?.trim_start_matches(':').trim();
+                rest.split_whitespace().next()?.parse::<u64>().ok()
+            })
+        };
+        Some(HugePageInfo {
+            page_bytes: field("Hugepagesize")? * 1024,
+            free_pages: field("HugePages_Free")?,
+        })
+    }
+
+    fn pages_for(&self, size_bytes: u64) -> u64 {
+        size_bytes.div_ceil(self.page_bytes)
+    }
+}
+
+/// A shared-memory segment owned by the daemon.
+///
+/// Its size never changes after creation (sealed), so any mapping of it stays valid for its whole
+/// length for as long as it exists.
+#[derive(Debug)]
+pub struct Segment {
+    fd: OwnedFd,
+    size_bytes: u64,
+    hugetlb: bool,
+}
+
+impl Segment {
+    /// Creates, sizes, seals and (optionally) pre-faults a segment.
+    pub fn create(opts: &SegmentOptions) -> Result<Segment, ShmError> {
+        let huge = HugePageInfo::read();
+        let want_huge = match (opts.huge_pages, huge) {
+            (HugePages::Off, _) => false,
+            (HugePages::On, None) => {
+                return Err(ShmError::HugePagesUnavailable {
+                    needed_pages: opts.size_bytes.div_ceil(2 << 20),
+                    free_pages: 0,
+                });
+            }
+            (HugePages::On, Some(info)) => {
+                let needed_pages = info.pages_for(opts.size_bytes);
+                if info.free_pages < needed_pages {
+                    return Err(ShmError::HugePagesUnavailable {
+                        needed_pages,
+                        free_pages: info.free_pages,
+                    });
+                }
+                true
+            }
+            (HugePages::Auto, Some(info)) => info.free_pages >= info.pages_for(opts.size_bytes),
+            (HugePages::Auto, None) => false,
+        };
+        if want_huge {
+            match Self::create_with(opts, true) {
+                Ok(seg) => return Ok(seg),
+                // Another process took the pages between our look and our allocation.
+                Err(err) if opts.huge_pages == HugePages::Auto => {
+                    tracing::warn!(error = %err, "huge page segment failed; falling back to 4 KiB pages");
+                }
+                Err(err) => return Err(err),
+            }
+        }
+        Self::create_with(opts, false)
+    }
+
+    fn create_with(opts: &SegmentOptions, hugetlb: bool) -> Result<Segment, ShmError> {
+        let name =
+            CString::new(format!("feedstore:{}", opts.name)).map_err(|_| ShmError::Create {
+                name: opts.name.clone(),
+                source: io::Error::new(io::ErrorKind::InvalidInput, "name contains NUL"),
+            })?;
+        let mut flags = MFdFlags::MFD_CLOEXEC | MFdFlags::MFD_ALLOW_SEALING;
+        if hugetlb {
+            flags |= MFdFlags::MFD_HUGETLB;
+        }
+        let fd = memfd_create(name.as_c_str(), flags).map_err(|e| ShmError::Create {
+            name: opts.name.clone(),
+            source: e.into(),
+        })?;
+
+        let page = if hugetlb {
+            HugePageInfo::read().map_or(2 << 20, |i| i.page_bytes)
+        } else {
+            page_size()
+        };
+        let size_bytes = opts.size_bytes.max(1).next_multiple_of(page);
+        let resize_err = |e: nix::Error| ShmError::Resize {
+            size_bytes,
+            source: e.into(),
+        };
+        let len = i64::try_from(size_bytes).map_err(|_| resize_err(nix::Error::EFBIG))?;
+        nix::unistd::ftruncate(&fd, len).map_err(resize_err)?;
+        if opts.prefault {
+            nix::fcntl::fallocate(&fd, FallocateFlags::empty(), 0, len).map_err(|e| {
+                ShmError::Prefault {
+                    size_bytes,
+                    source: e.into(),
+                }
+            })?;
+        }
+        let seals = SealFlag::F_SEAL_SHRINK | SealFlag::F_SEAL_GROW | SealFlag::F_SEAL_SEAL;
+        nix::fcntl::fcntl(&fd, FcntlArg::F_ADD_SEALS(seals))
+            .map_err(|e| ShmError::Seal { source: e.into() })?;
+        tracing::debug!(name = %opts.name, size_bytes, hugetlb, prefault = opts.prefault, "segment created");
+        Ok(Segment {
+            fd,
+            size_bytes,
+            hugetlb,
+        })
+    }
+
+    /// The read-write descriptor (for writers).
+    pub fn fd(&self) -> BorrowedFd<'_> {
+        self.fd.as_fd()
+    }
+
+    /// A new descriptor for the same memory opened `O_RDONLY` (for readers): mapping it writable
+    /// fails with `EACCES`, and `mprotect` cannot upgrade a mapping of it either.
+    pub fn reopen_readonly(&self) -> Result<OwnedFd, ShmError> {
+        let path = format!("/proc/self/fd/{}", self.fd.as_raw_fd());
+        let fd = nix::fcntl::open(
+            path.as_str(),
+            OFlag::O_RDONLY | OFlag::O_CLOEXEC,
+            Mode::empty(),
+        )
+        .map_err(|e| ShmError::Reopen { source: e.into() })?;
+        Ok(fd)
+    }
+
+    /// Size in bytes (the requested size rounded up to whole pages).
+    pub fn size_bytes(&self) -> u64 {
+        self.size_bytes
+    }
+
+    /// Whether the segment lives on hugetlbfs pages.
+    pub fn is_hugetlb(&self) -> bool {
+        self.hugetlb
+    }
+}
+
+/// The base page size.
+pub(crate) fn page_size() -> u64 {
+    nix::unistd::sysconf(nix::unistd::SysconfVar::PAGE_SIZE)
+        .ok()
+        .flatten()
+        .map_or(4096, |v| v as u64)
+}
+
+/// Checks that `fd` is a segment sealed against size changes and at least `len` bytes long.
+pub(crate) fn check_sealed(fd: BorrowedFd<'_>, len: u64) -> Result<(), ShmError> {
+    let seals =
+        nix::fcntl::fcntl(fd, FcntlArg::F_GET_SEALS).map_err(|e| ShmError::NotASegment {
+            reason: format!("F_GET_SEALS failed: {e}"),
+        })?;
+    let seals = SealFlag::from_bits_truncate(seals);
+    if !seals.contains(SealFlag::F_SEAL_SHRINK) {
+        return Err(ShmError::NotASegment {
+            reason: "not sealed against shrinking".into(),
+        });
+    }
+    let actual = nix::sys::stat::fstat(fd)
+        .map_err(|e| ShmError::NotASegment {
+            reason: format!("fstat failed: {e}"),
+        })?
+        .st_size as u64;
+    if actual < len {
+        return Err(ShmError::NotASegment {
+            reason: format!("descriptor holds {actual} bytes, {len} announced"),
+        });
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn segment_is_sealed_against_resizing() {
+        let seg = Segment::create(&SegmentOptions {
+            name: "t".into(),
+            size_bytes: 10_000,
+            huge_pages: HugePages::Off,
+            prefault: true,
+        })
+        .unwrap();
+        assert_eq!(seg.size_bytes() % page_size(), 0);
+        assert!(seg.size_bytes() >= 10_000);
+        let err = nix::unistd::ftruncate(seg.fd(), 0).unwrap_err();
+        assert_eq!(err, nix::Error::EPERM);
+        check_sealed(seg.fd(), seg.size_bytes()).unwrap();
+        let ro = seg.reopen_readonly().unwrap();
+        check_sealed(ro.as_fd(), seg.size_bytes()).unwrap();
+    }
+
+    #[test]
+    fn huge_pages_on_without_reserve_names_the_knob() {
+        let Some(info) = HugePageInfo::read() else {
+            return;
+        };
+        let size = (info.free_pages + 1) * info.page_bytes;
+        let err = Segment::create(&SegmentOptions {
+            name: "t".into(),
+            size_bytes: size,
+            huge_pages: HugePages::On,
+            prefault: false,
+        })
+        .unwrap_err();
+        assert!(
+            err.to_string().contains("/proc/sys/vm/nr_hugepages"),
+            "{err}"
+        );
+    }
+}

@@ -1,0 +1,307 @@
+//! Daemon configuration: defaults, `feedstore.toml`, command-line flags, in that order of
+//! increasing precedence.
+
+use std::path::{Path, PathBuf};
+
+use feedstore_shm::HugePages;
+use serde::Deserialize;
+
+/// Most segments a daemon may have: all their descriptors travel in one `SCM_RIGHTS` message,
+/// which the kernel caps at 253.
+pub const MAX_SEGMENTS: u64 = 250;
+
+/// Everything the daemon needs to start, fully resolved.
+#[derive(Debug, Clone)]
+pub struct DaemonConfig {
+    /// Unix socket path clients connect to.
+    pub socket: PathBuf,
+    /// Total shared memory owned by the daemon.
+    pub capacity_bytes: u64,
+    /// Size of each segment; the last one takes the remainder. The largest object is one segment.
+    pub segment_bytes: u64,
+    /// Huge page policy.
+    pub huge_pages: HugePages,
+    /// Allocate every page at start so producers write into warm memory.
+    pub prefault: bool,
+    /// This node's id in handles.
+    pub node_id: u32,
+    /// Group given access to the socket (mode 0660 instead of 0600).
+    pub socket_group: Option<String>,
+    /// Uids allowed besides the daemon's own and root.
+    pub allow_uids: Vec<u32>,
+    /// Largest frame payload accepted from a client.
+    pub max_frame_bytes: u32,
+    /// Longest a create may wait for space, whatever the client asks.
+    pub max_create_wait_ms: u32,
+    /// Tokio worker threads; 1 runs everything on one thread (lowest latency).
+    pub worker_threads: usize,
+}
+
+/// The default capacity: 2 GiB, or a quarter of the node's memory if that is less.
+pub fn default_capacity_bytes() -> u64 {
+    let quarter = meminfo_bytes("MemTotal").map_or(u64::MAX, |t| t / 4);
+    (2u64 << 30).min(quarter).max(64 << 20)
+}
+
+impl Default for DaemonConfig {
+    fn default() -> Self {
+        let capacity_bytes = default_capacity_bytes();
+        DaemonConfig {
+            socket: feedstore_proto::default_socket_path(),
+            capacity_bytes,
+            segment_bytes: capacity_bytes,
+            huge_pages: HugePages::Auto,
+            prefault: true,
+            node_id: default_node_id(),
+            socket_group: None,
+            allow_uids: Vec::new(),
+            max_frame_bytes: feedstore_proto::frame::MAX_PAYLOAD_BYTES,
+            max_create_wait_ms: 10 * 60 * 1000,
+            worker_threads: 1,
+        }
+    }
+}
+
+/// The `feedstore.toml` file. Every key is optional; flags override it.
+///
+/// ```toml
+/// socket = "/run/feedstore/feedstored.sock"
+/// capacity = "8GiB"
+/// huge-pages = "auto"
+/// prefault = true
+/// socket-group = "trainers"
+/// allow-uids = [1001, 1002]
+/// ```
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "kebab-case")]
+pub struct FileConfig {
+    /// See [`DaemonConfig::socket`].
+    pub socket: Option<PathBuf>,
+    /// See [`DaemonConfig::capacity_bytes`]; a size such as `"8GiB"`.
+    pub capacity: Option<String>,
+    /// See [`DaemonConfig::segment_bytes`].
+    pub segment_size: Option<String>,
+    /// `auto`, `on` or `off`.
+    pub huge_pages: Option<String>,
+    /// See [`DaemonConfig::prefault`].
+    pub prefault: Option<bool>,
+    /// See [`DaemonConfig::node_id`].
+    pub node_id: Option<u32>,
+    /// See [`DaemonConfig::socket_group`].
+    pub socket_group: Option<String>,
+    /// See [`DaemonConfig::allow_uids`].
+    pub allow_uids: Option<Vec<u32>>,
+    /// See [`DaemonConfig::max_frame_bytes`].
+    pub max_frame_bytes: Option<u32>,
+    /// See [`DaemonConfig::worker_threads`].
+    pub worker_threads: Option<usize>,
+}
+
+/// A configuration error, printed as one line by the binary.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ConfigError {
+    /// The config file could not be read.
+    #[error("cannot read config file {path}")]
+    Read {
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// The config file is not valid TOML for this schema.
+    #[error("invalid config file {path}: {message}")]
+    Parse {
+        /// The file.
+        path: PathBuf,
+        /// The parser's message.
+        message: String,
+    },
+    /// A value is out of its domain.
+    #[error("invalid {key}: {message}")]
+    Value {
+        /// The key or flag.
+        key: &'static str,
+        /// Why.
+        message: String,
+    },
+}
+
+impl FileConfig {
+    /// Reads and parses a config file.
+    pub fn load(path: &Path) -> Result<FileConfig, ConfigError> {
+        let text = std::fs::read_to_string(path)
+            .map_err(|source| ConfigError::Read { path: path.to_owned(), source })?;
+        toml::from_str(&text)
+            .map_err(|e| ConfigError::Parse { path: path.to_owned(), message: e.message().to_owned() })
+    }
+
+    /// Applies the file's keys over `cfg`.
+    pub fn apply(self, cfg: &mut DaemonConfig) -> Result<(), ConfigError> {
+        if let Some(v) = self.socket {
+            cfg.socket = v;
+        }
+        if let Some(v) = self.capacity {
+            cfg.capacity_bytes = parse_bytes(&v).map_err(|message| ConfigError::Value { key: "capacity", message })?;
+            cfg.segment_bytes = cfg.capacity_bytes;
+        }
+        if let Some(v) = self.segment_size {
+            cfg.segment_bytes =
+                parse_bytes(&v).map_err(|message| ConfigError::Value { key: "segment-size", message })?;
+        }
+        if let Some(v) = self.huge_pages {
+            cfg.huge_pages = parse_huge_pages(&v)?;
+        }
+        if let Some(v) = self.prefault {
+            cfg.prefault = v;
+        }
+        if let Some(v) = self.node_id {
+            cfg.node_id = v;
+        }
+        if let Some(v) = self.socket_group {
+            cfg.socket_group = Some(v);
+        }
+        if let Some(v) = self.allow_uids {
+            cfg.allow_uids = v;
+        }
+        if let Some(v) = self.max_frame_bytes {
+            cfg.max_frame_bytes = v;
+        }
+        if let Some(v) = self.worker_threads {
+            cfg.worker_threads = v;
+        }
+        Ok(())
+    }
+}
+
+impl DaemonConfig {
+    /// Checks values that no parser can: sizes in range, segments that tile the capacity.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        if self.capacity_bytes < (1 << 20) {
+            return Err(ConfigError::Value { key: "capacity", message: "must be at least 1MiB".into() });
+        }
+        if self.segment_bytes == 0 || self.segment_bytes > self.capacity_bytes {
+            return Err(ConfigError::Value {
+                key: "segment-size",
+                message: format!(
+                    "must be between 1 byte and the capacity ({})",
+                    format_bytes(self.capacity_bytes)
+                ),
+            });
+        }
+        if self.capacity_bytes.div_ceil(self.segment_bytes) > MAX_SEGMENTS {
+            return Err(ConfigError::Value { key: "segment-size", message: format!("more than {MAX_SEGMENTS} segments; raise it") });
+        }
+        if self.max_frame_bytes < 4096 {
+            return Err(ConfigError::Value { key: "max-frame-bytes", message: "must be at least 4096".into() });
+        }
+        if self.worker_threads == 0 {
+            return Err(ConfigError::Value { key: "worker-threads", message: "must be at least 1".into() });
+        }
+        Ok(())
+    }
+
+    /// Segment sizes tiling the capacity.
+    pub fn segment_sizes(&self) -> Vec<u64> {
+        let mut left = self.capacity_bytes;
+        let mut sizes = Vec::new();
+        while left > 0 {
+            let s = left.min(self.segment_bytes);
+            sizes.push(s);
+            left -= s;
+        }
+        sizes
+    }
+}
+
+/// Parses `auto`, `on` or `off`.
+pub fn parse_huge_pages(s: &str) -> Result<HugePages, ConfigError> {
+    match s.to_ascii_lowercase().as_str() {
+        "auto" => Ok(HugePages::Auto),
+        "on" | "true" | "yes" => Ok(HugePages::On),
+        "off" | "false" | "no" => Ok(HugePages::Off),
+        _ => Err(ConfigError::Value { key: "huge-pages", message: format!("{s:?} is not auto, on or off") }),
+    }
+}
+
+/// Parses a byte size: `4096`, `64KiB`, `512MiB`, `8GiB`, `1.5G` (K/M/G/T are powers of 1024
+/// too, as for memory everywhere else on the node).
+pub fn parse_bytes(s: &str) -> Result<u64, String> {
+    let t = s.trim();
+    let split = t.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let value: f64 = num.parse().map_err(|_| format!("{s:?} is not a size such as 512MiB or 8GiB"))?;
+    let shift = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 0,
+        "k" | "kb" | "kib" => 10,
+        "m" | "mb" | "mib" => 20,
+        "g" | "gb" | "gib" => 30,
+        "t" | "tb" | "tib" => 40,
+        other => return Err(format!("unknown unit {other:?} in {s:?} (use B, KiB, MiB, GiB or TiB)")),
+    };
+    let bytes = value * (1u64 << shift) as f64;
+    if !(bytes.is_finite() && bytes >= 0.0 && bytes < u64::MAX as f64) {
+        return Err(format!("{s:?} is out of range"));
+    }
+    Ok(bytes as u64)
+}
+
+/// Formats bytes for people: `1.5 GiB`.
+pub fn format_bytes(b: u64) -> String {
+    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut v = b as f64;
+    let mut i = 0;
+    while v >= 1024.0 && i + 1 < UNITS.len() {
+        v /= 1024.0;
+        i += 1;
+    }
+    if i == 0 { format!("{b} B") } else { format!("{v:.1} {}", UNITS[i]) }
+}
+
+/// A field of `/proc/meminfo`, in bytes.
+pub fn meminfo_bytes(field: &str) -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    text.lines().find_map(|l| {
+        let rest = l.strip_prefix(field)?.strip_prefix(':')?;
+        Some(rest.split_whitespace().next()?.parse::<u64>().ok()? * 1024)
+    })
+}
+
+/// A stable node id: FNV-1a of the host name, so every daemon on a host agrees without config.
+pub fn default_node_id() -> u32 {
+    let host = nix::unistd::gethostname().map(|h| h.to_string_lossy().into_owned()).unwrap_or_default();
+    host.bytes().fold(0x811c_9dc5u32, |h, b| (h ^ u32::from(b)).wrapping_mul(0x0100_0193))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_parse_in_binary_units() {
+        assert_eq!(parse_bytes("4096").unwrap(), 4096);
+        assert_eq!(parse_bytes("64KiB").unwrap(), 64 << 10);
+        assert_eq!(parse_bytes("8GiB").unwrap(), 8 << 30);
+        assert_eq!(parse_bytes("1.5G").unwrap(), 3 << 29);
+        assert_eq!(parse_bytes(" 2 MiB ").unwrap(), 2 << 20);
+        assert!(parse_bytes("lots").is_err());
+        assert!(parse_bytes("3 parsecs").unwrap_err().contains("unknown unit"));
+    }
+
+    #[test]
+    fn file_overrides_defaults_and_rejects_unknown_keys() {
+        let mut cfg = DaemonConfig::default();
+        let file: FileConfig = toml::from_str("capacity = \"64MiB\"\nhuge-pages = \"off\"").unwrap();
+        file.apply(&mut cfg).unwrap();
+        assert_eq!(cfg.capacity_bytes, 64 << 20);
+        assert_eq!(cfg.segment_bytes, 64 << 20);
+        assert_eq!(cfg.huge_pages, HugePages::Off);
+        assert!(toml::from_str::<FileConfig>("capacty = \"1GiB\"").is_err());
+    }
+
+    #[test]
+    fn segments_tile_the_capacity() {
+        let cfg = DaemonConfig { capacity_bytes: 10 << 20, segment_bytes: 4 << 20, ..Default::default() };
+        assert_eq!(cfg.segment_sizes(), vec![4 << 20, 4 << 20, 2 << 20]);
+    }
+}

@@ -1,0 +1,289 @@
+//! Starting, running and stopping a daemon.
+
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Instant;
+
+use feedstore_shm::{Segment, SegmentOptions, ShmError};
+use tokio::net::UnixListener;
+
+use crate::config::{DaemonConfig, format_bytes, meminfo_bytes};
+use crate::objects::Objects;
+use crate::server::{AccessPolicy, Shared, serve_connection};
+
+/// Why the daemon could not start. Each prints as one line a user can act on.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum StartError {
+    /// A live daemon already answers on the socket.
+    #[error("socket {path} is in use by another feedstored (pid {pid}); stop it or pass --socket")]
+    SocketInUse {
+        /// The socket path.
+        path: PathBuf,
+        /// The other daemon's pid.
+        pid: i32,
+    },
+    /// Binding or configuring the socket failed.
+    #[error("cannot listen on {path}")]
+    Socket {
+        /// The socket path.
+        path: PathBuf,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// The requested capacity exceeds the memory the node can give.
+    #[error(
+        "capacity {} exceeds the {} of memory available on this node; lower --capacity",
+        format_bytes(*capacity_bytes),
+        format_bytes(*available_bytes)
+    )]
+    CapacityTooLarge {
+        /// Requested capacity.
+        capacity_bytes: u64,
+        /// `MemAvailable`.
+        available_bytes: u64,
+    },
+    /// `--socket-group` names no group.
+    #[error("unknown group {name:?} for --socket-group")]
+    UnknownGroup {
+        /// The name given.
+        name: String,
+    },
+    /// Creating the shared memory failed.
+    #[error(transparent)]
+    Shm(#[from] ShmError),
+    /// The async runtime could not start.
+    #[error("cannot start the runtime")]
+    Runtime(#[source] std::io::Error),
+}
+
+/// A daemon whose segments exist and whose socket is bound, ready to serve.
+pub struct Daemon {
+    shared: Arc<Shared>,
+    listener: std::os::unix::net::UnixListener,
+    socket: PathBuf,
+    worker_threads: usize,
+}
+
+impl Daemon {
+    /// Creates the segments and binds the socket. Nothing is served until [`Daemon::serve`] or
+    /// [`Daemon::spawn`].
+    pub fn bind(config: &DaemonConfig) -> Result<Daemon, StartError> {
+        if let Some(available) = meminfo_bytes("MemAvailable")
+            && config.capacity_bytes > available
+        {
+            return Err(StartError::CapacityTooLarge {
+                capacity_bytes: config.capacity_bytes,
+                available_bytes: available,
+            });
+        }
+        let gid = match &config.socket_group {
+            Some(name) => Some(
+                nix::unistd::Group::from_name(name)
+                    .ok()
+                    .flatten()
+                    .ok_or_else(|| StartError::UnknownGroup { name: name.clone() })?
+                    .gid
+                    .as_raw(),
+            ),
+            None => None,
+        };
+        let started = Instant::now();
+        let mut segments = Vec::new();
+        for (i, size) in config.segment_sizes().into_iter().enumerate() {
+            segments.push(Segment::create(&SegmentOptions {
+                name: format!("segment-{i}"),
+                size_bytes: size,
+                huge_pages: config.huge_pages,
+                prefault: config.prefault,
+            })?);
+        }
+        let hugetlb = segments.iter().all(Segment::is_hugetlb);
+        let sizes: Vec<u64> = segments.iter().map(Segment::size_bytes).collect();
+        tracing::info!(
+            capacity = %format_bytes(sizes.iter().sum()),
+            segments = segments.len(),
+            huge_pages = hugetlb,
+            prefault = config.prefault,
+            elapsed_ms = started.elapsed().as_millis() as u64,
+            "shared memory ready"
+        );
+        if !hugetlb {
+            log_thp_state();
+        }
+
+        let listener = bind_socket(&config.socket, gid)?;
+        let epoch = random_epoch();
+        let mut uids: std::collections::HashSet<u32> = config.allow_uids.iter().copied().collect();
+        uids.insert(nix::unistd::geteuid().as_raw());
+        let objects = Objects::new(config.node_id, epoch, &sizes, hugetlb);
+        let shared = Shared::new(
+            objects,
+            segments,
+            config.node_id,
+            epoch,
+            AccessPolicy { uids, gid },
+            config.max_frame_bytes,
+            config.max_create_wait_ms,
+        )?;
+        tracing::info!(socket = %config.socket.display(), node_id = config.node_id, epoch, "listening");
+        Ok(Daemon {
+            shared: Arc::new(shared),
+            listener,
+            socket: config.socket.clone(),
+            worker_threads: config.worker_threads,
+        })
+    }
+
+    /// The socket clients connect to.
+    pub fn socket_path(&self) -> &Path {
+        &self.socket
+    }
+
+    /// Serves on the calling thread until `shutdown` completes, then removes the socket file.
+    pub fn serve(self, shutdown: impl Future<Output = ()>) -> Result<(), StartError> {
+        let runtime = if self.worker_threads <= 1 {
+            tokio::runtime::Builder::new_current_thread().enable_all().build()
+        } else {
+            tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(self.worker_threads)
+                .enable_all()
+                .build()
+        }
+        .map_err(StartError::Runtime)?;
+        let Daemon { shared, listener, socket, .. } = self;
+        runtime.block_on(async move {
+            listener.set_nonblocking(true).map_err(|source| StartError::Socket { path: socket.clone(), source })?;
+            let listener = UnixListener::from_std(listener)
+                .map_err(|source| StartError::Socket { path: socket.clone(), source })?;
+            tokio::pin!(shutdown);
+            loop {
+                tokio::select! {
+                    accepted = listener.accept() => match accepted {
+                        Ok((stream, _)) => {
+                            tokio::spawn(serve_connection(shared.clone(), stream));
+                        }
+                        Err(e) => {
+                            tracing::warn!(error = %e, "accept failed");
+                            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+                        }
+                    },
+                    _ = &mut shutdown => break,
+                }
+            }
+            let _ = std::fs::remove_file(&socket);
+            let stats = shared.with_objects(|o| o.stats());
+            tracing::info!(
+                objects = stats.objects_sealed,
+                clients = stats.clients,
+                used = %format_bytes(stats.used_bytes),
+                "shutting down; socket removed"
+            );
+            Ok::<(), StartError>(())
+        })?;
+        // Dropping the runtime cancels every connection task; clients see end of stream.
+        drop(runtime);
+        Ok(())
+    }
+
+    /// Serves on a background thread, for embedding (the demo, tests). The daemon stops when the
+    /// returned handle is stopped or dropped.
+    pub fn spawn(self) -> DaemonHandle {
+        let socket = self.socket.clone();
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let thread = std::thread::Builder::new()
+            .name("feedstored".into())
+            .spawn(move || {
+                if let Err(e) = self.serve(async {
+                    let _ = stopped.await;
+                }) {
+                    tracing::error!(error = %e, "embedded daemon failed");
+                }
+            })
+            .expect("spawning the daemon thread");
+        DaemonHandle { stop: Some(stop), thread: Some(thread), socket }
+    }
+}
+
+/// An embedded daemon running on a background thread.
+pub struct DaemonHandle {
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+    socket: PathBuf,
+}
+
+impl DaemonHandle {
+    /// The socket clients connect to.
+    pub fn socket_path(&self) -> &Path {
+        &self.socket
+    }
+
+    /// Stops serving and waits for the thread.
+    pub fn stop(mut self) {
+        self.stop_now();
+    }
+
+    fn stop_now(&mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
+}
+
+impl Drop for DaemonHandle {
+    fn drop(&mut self) {
+        self.stop_now();
+    }
+}
+
+fn bind_socket(path: &Path, gid: Option<u32>) -> Result<std::os::unix::net::UnixListener, StartError> {
+    let sock_err = |source| StartError::Socket { path: path.to_owned(), source };
+    if path.exists() {
+        match std::os::unix::net::UnixStream::connect(path) {
+            Ok(live) => {
+                let pid = nix::sys::socket::getsockopt(&live, nix::sys::socket::sockopt::PeerCredentials)
+                    .map(|c| c.pid())
+                    .unwrap_or(0);
+                return Err(StartError::SocketInUse { path: path.to_owned(), pid });
+            }
+            Err(_) => {
+                tracing::info!(socket = %path.display(), "removing stale socket file from a previous run");
+                std::fs::remove_file(path).map_err(sock_err)?;
+            }
+        }
+    }
+    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::create_dir_all(dir).map_err(sock_err)?;
+    }
+    let listener = std::os::unix::net::UnixListener::bind(path).map_err(sock_err)?;
+    let mode = if gid.is_some() { 0o660 } else { 0o600 };
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode)).map_err(sock_err)?;
+    if let Some(gid) = gid {
+        nix::unistd::chown(path, None, Some(nix::unistd::Gid::from_raw(gid)))
+            .map_err(|e| sock_err(e.into()))?;
+    }
+    Ok(listener)
+}
+
+fn log_thp_state() {
+    let thp = std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/shmem_enabled").unwrap_or_default();
+    let active = thp.split_whitespace().find(|w| w.starts_with('[')).unwrap_or("[unknown]");
+    tracing::info!(
+        shmem_thp = active,
+        "segments use 4 KiB pages; reserve huge pages (/proc/sys/vm/nr_hugepages) for faster first writes"
+    );
+}
+
+/// A non-zero random number, different for each daemon start, so handles from an earlier run are
+/// recognised as stale.
+fn random_epoch() -> u32 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u128(std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default().as_nanos());
+    h.write_u32(std::process::id());
+    (h.finish() as u32).max(1)
+}

@@ -1,0 +1,41 @@
+//! The `feedstored` daemon: owner of a node's shared memory and of every object in it.
+//!
+//! One daemon runs per node. It creates the shared-memory segments (memfd, huge pages when the
+//! node has them, pre-faulted), and serves clients over a Unix socket: writers reserve an object,
+//! write it in place and seal it; readers get a lease on a sealed object and read it in place.
+//! The daemon never copies object bytes; it only hands out byte ranges and tracks who holds
+//! what.
+//!
+//! Key decision: all bookkeeping (allocator, object table, leases, LRU) lives in the daemon's
+//! private memory behind a single lock, and every client's holdings are tied to its socket
+//! connection. A client that dies — even by `kill -9` — closes its socket, and the daemon
+//! reclaims everything it held. No client can corrupt the metadata, because no client can reach
+//! it.
+//!
+//! Layers, bottom up: [`alloc`] (free space in a segment), [`objects`] (object lifecycle, leases,
+//! eviction), [`server`] (the socket protocol), [`daemon`] (start, serve, stop), [`cli`] (the
+//! binary's flags).
+//!
+//! ```no_run
+//! use feedstore_store::{config::DaemonConfig, daemon::Daemon};
+//!
+//! # fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! let config = DaemonConfig {
+//!     socket: "/tmp/feedstore-example.sock".into(),
+//!     capacity_bytes: 256 << 20,
+//!     segment_bytes: 256 << 20,
+//!     ..DaemonConfig::default()
+//! };
+//! let daemon = Daemon::bind(&config)?.spawn(); // serves on a background thread
+//! // ... connect clients to daemon.socket_path() ...
+//! daemon.stop();
+//! # Ok(())
+//! # }
+//! ```
+
+pub mod alloc;
+pub mod cli;
+pub mod config;
+pub mod daemon;
+pub mod objects;
+pub mod server;

@@ -1,0 +1,406 @@
+//! The control socket: one tokio task per client connection.
+//!
+//! A connection's life: `SO_PEERCRED` is checked against the allow-list, the client says hello
+//! and receives one descriptor per segment by `SCM_RIGHTS` (read-only for readers), then frames
+//! flow until the client goes away — for any reason, `kill -9` included — at which point its
+//! unsealed objects are aborted and its leases returned. A malformed or oversized frame closes
+//! that one connection with a logged reason.
+//!
+//! A create that finds the store full waits here, not in the object model: it re-tries whenever
+//! space is freed, until its deadline. While it waits the connection keeps reading, so leases the
+//! same client releases from another thread still reach the daemon (otherwise a client could
+//! deadlock against its own leases).
+
+use std::collections::{HashSet, VecDeque};
+use std::io::IoSlice;
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use feedstore_proto::frame::{
+    CREATE_PIN, Created, DecodeError, Frame, Opcode, Request, Response,
+};
+use feedstore_proto::{Handle, Role, SEGMENT_HUGETLB, SEGMENT_WRITABLE, SegmentInfo, Status};
+use feedstore_shm::Segment;
+use nix::sys::socket::{ControlMessage, MsgFlags};
+use tokio::io::{AsyncReadExt, AsyncWriteExt, Interest};
+use tokio::net::UnixStream;
+use tokio::sync::watch;
+use tokio::time::Instant;
+
+use crate::objects::{ClientInfo, ConnId, Objects};
+
+/// Who may connect, decided from `SO_PEERCRED`.
+#[derive(Debug, Clone)]
+pub struct AccessPolicy {
+    /// Allowed uids (the daemon's own uid and root are always allowed).
+    pub uids: HashSet<u32>,
+    /// Peers whose primary gid is this group are allowed too.
+    pub gid: Option<u32>,
+}
+
+impl AccessPolicy {
+    fn allows(&self, uid: u32, gid: u32) -> bool {
+        uid == 0 || self.uids.contains(&uid) || self.gid == Some(gid)
+    }
+}
+
+/// State shared by all connections.
+pub struct Shared {
+    objects: Mutex<Objects>,
+    segments: Vec<Segment>,
+    readonly_fds: Vec<OwnedFd>,
+    node_id: u32,
+    epoch: u32,
+    max_frame_bytes: u32,
+    max_create_wait_ms: u32,
+    policy: AccessPolicy,
+    freed: watch::Sender<u64>,
+}
+
+impl Shared {
+    /// Wraps the daemon's segments and object state.
+    pub fn new(
+        objects: Objects,
+        segments: Vec<Segment>,
+        node_id: u32,
+        epoch: u32,
+        policy: AccessPolicy,
+        max_frame_bytes: u32,
+        max_create_wait_ms: u32,
+    ) -> Result<Shared, feedstore_shm::ShmError> {
+        let readonly_fds = segments.iter().map(Segment::reopen_readonly).collect::<Result<_, _>>()?;
+        Ok(Shared {
+            objects: Mutex::new(objects),
+            segments,
+            readonly_fds,
+            node_id,
+            epoch,
+            max_frame_bytes,
+            max_create_wait_ms,
+            policy,
+            freed: watch::Sender::new(0),
+        })
+    }
+
+    /// Runs `f` on the object state, then wakes creates waiting for space if it freed any.
+    pub fn with_objects<R>(&self, f: impl FnOnce(&mut Objects) -> R) -> R {
+        let mut objects = self.lock();
+        let before = objects.freed_epoch();
+        let result = f(&mut objects);
+        let after = objects.freed_epoch();
+        drop(objects);
+        if after != before {
+            self.freed.send_replace(after);
+        }
+        result
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Objects> {
+        // A panic while holding the lock is a daemon bug; the state is still consistent enough to
+        // keep serving other clients, so recover instead of cascading the panic.
+        self.objects.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn segment_infos(&self, role: Role) -> Vec<SegmentInfo> {
+        self.segments
+            .iter()
+            .enumerate()
+            .map(|(i, s)| SegmentInfo {
+                id: i as u32,
+                size_bytes: s.size_bytes(),
+                flags: if s.is_hugetlb() { SEGMENT_HUGETLB } else { 0 }
+                    | if role == Role::Writer { SEGMENT_WRITABLE } else { 0 },
+            })
+            .collect()
+    }
+}
+
+/// Why a connection ended.
+#[derive(Debug, thiserror::Error)]
+enum ConnEnd {
+    #[error("client closed the connection")]
+    Closed,
+    #[error("socket error")]
+    Io(#[from] std::io::Error),
+    #[error("malformed frame: {0}")]
+    Malformed(#[from] DecodeError),
+    #[error("protocol violation: {0}")]
+    Protocol(String),
+    #[error("uid {uid} is not allowed to connect")]
+    Denied { uid: u32 },
+}
+
+/// Serves one accepted connection to its end, then reclaims everything it held.
+pub async fn serve_connection(shared: Arc<Shared>, stream: UnixStream) {
+    let cred = match stream.peer_cred() {
+        Ok(c) => c,
+        Err(e) => {
+            tracing::warn!(error = %e, "cannot read peer credentials; closing connection");
+            return;
+        }
+    };
+    let mut conn = Connection {
+        shared: shared.clone(),
+        stream,
+        rbuf: Vec::with_capacity(64 << 10),
+        wbuf: Vec::with_capacity(4 << 10),
+        deferred: VecDeque::new(),
+        id: None,
+        uid: cred.uid(),
+        gid: cred.gid(),
+        pid: cred.pid().unwrap_or(0),
+    };
+    let end = conn.run().await;
+    let (uid, pid) = (conn.uid, conn.pid);
+    if let Some(id) = conn.id {
+        let name = shared.lock().client(id).map(|c| c.name.clone()).unwrap_or_default();
+        let reclaimed = shared.with_objects(|o| o.disconnect(id));
+        let err = end.as_ref().err();
+        match err {
+            Some(ConnEnd::Malformed(_) | ConnEnd::Protocol(_)) => {
+                tracing::warn!(conn = id, pid, uid, %name, reason = %err.unwrap(), "closing connection");
+            }
+            _ => {}
+        }
+        if reclaimed.aborted + reclaimed.leases > 0 {
+            tracing::info!(
+                conn = id, pid, %name,
+                aborted_objects = reclaimed.aborted,
+                released_leases = reclaimed.leases,
+                "client disconnected; reclaimed its unsealed objects and leases"
+            );
+        } else {
+            tracing::info!(conn = id, pid, %name, "client disconnected");
+        }
+    } else if let Err(e) = end {
+        match e {
+            ConnEnd::Closed => {}
+            e => tracing::warn!(pid, uid, reason = %e, "connection refused before hello"),
+        }
+    }
+}
+
+struct Connection {
+    shared: Arc<Shared>,
+    stream: UnixStream,
+    rbuf: Vec<u8>,
+    wbuf: Vec<u8>,
+    /// Whole frames read while a create was waiting, to be handled after it.
+    deferred: VecDeque<Vec<u8>>,
+    id: Option<ConnId>,
+    uid: u32,
+    gid: u32,
+    pid: i32,
+}
+
+impl Connection {
+    async fn run(&mut self) -> Result<(), ConnEnd> {
+        loop {
+            let frame_bytes = match self.deferred.pop_front() {
+                Some(f) => f,
+                None => match self.take_frame()? {
+                    Some(f) => f,
+                    None => {
+                        self.fill().await?;
+                        continue;
+                    }
+                },
+            };
+            let frame = Frame::parse(&frame_bytes, self.shared.max_frame_bytes)?
+                .expect("a taken frame is whole");
+            let request = Request::decode(&frame)?;
+            self.dispatch(frame.header.request_id, request).await?;
+        }
+    }
+
+    /// Reads more bytes; `Closed` at end of stream.
+    async fn fill(&mut self) -> Result<(), ConnEnd> {
+        self.rbuf.reserve(16 << 10);
+        let n = self.stream.read_buf(&mut self.rbuf).await?;
+        if n == 0 {
+            return Err(if self.rbuf.is_empty() {
+                ConnEnd::Closed
+            } else {
+                ConnEnd::Malformed(DecodeError::Truncated { need: 16, have: self.rbuf.len() })
+            });
+        }
+        Ok(())
+    }
+
+    /// Removes one whole frame from the front of the read buffer, if there is one.
+    fn take_frame(&mut self) -> Result<Option<Vec<u8>>, ConnEnd> {
+        let Some(frame) = Frame::parse(&self.rbuf, self.shared.max_frame_bytes)? else {
+            return Ok(None);
+        };
+        let len = frame.len();
+        Ok(Some(self.rbuf.drain(..len).collect()))
+    }
+
+    async fn dispatch(&mut self, request_id: u32, request: Request) -> Result<(), ConnEnd> {
+        let op = request.opcode();
+        let Some(id) = self.id else {
+            return match request {
+                Request::Hello { role, client_name } => {
+                    self.hello(request_id, role, client_name).await
+                }
+                _ => Err(ConnEnd::Protocol(format!("{op:?} before hello"))),
+            };
+        };
+        let shared = self.shared.clone();
+        let response = match request {
+            Request::Hello { .. } => return Err(ConnEnd::Protocol("second hello".into())),
+            Request::Create { sizes, timeout_ms, flags } => {
+                if sizes.is_empty() {
+                    Response::Error { status: Status::InvalidArgument, message: "empty create batch".into() }
+                } else {
+                    let mut results = Vec::with_capacity(sizes.len());
+                    let wait = Duration::from_millis(u64::from(timeout_ms.min(shared.max_create_wait_ms)));
+                    let deadline = Instant::now() + wait;
+                    for size in sizes {
+                        results.push(self.create_one(id, size, flags & CREATE_PIN != 0, deadline).await?);
+                    }
+                    Response::Created(results)
+                }
+            }
+            Request::Seal { handles } => Response::Done(each(&shared, id, &handles, Objects::seal)),
+            Request::Abort { handles } => Response::Done(each(&shared, id, &handles, Objects::abort)),
+            Request::Delete { handles } => Response::Done(each(&shared, id, &handles, Objects::delete)),
+            Request::Get { handles } => Response::Got(
+                shared.with_objects(|o| handles.iter().map(|&h| o.get(id, h)).collect()),
+            ),
+            Request::Release { handles } => {
+                self.release(id, &handles);
+                return Ok(());
+            }
+            Request::Stats => Response::Stats(shared.lock().stats()),
+        };
+        self.reply(op, request_id, &response).await
+    }
+
+    async fn hello(&mut self, request_id: u32, role: Role, name: String) -> Result<(), ConnEnd> {
+        let shared = self.shared.clone();
+        if !shared.policy.allows(self.uid, self.gid) {
+            let message = format!(
+                "uid {} is not allowed by this feedstored; add it with --allow-uid or use --socket-group",
+                self.uid
+            );
+            let response = Response::Error { status: Status::PermissionDenied, message };
+            self.reply(Opcode::Hello, request_id, &response).await?;
+            return Err(ConnEnd::Denied { uid: self.uid });
+        }
+        let info = ClientInfo { role, uid: self.uid, pid: self.pid, name: name.clone() };
+        let id = shared.with_objects(|o| o.connect(info));
+        self.id = Some(id);
+        tracing::info!(conn = id, pid = self.pid, uid = self.uid, ?role, %name, "client connected");
+        let response = Response::Hello {
+            node_id: shared.node_id,
+            epoch: shared.epoch,
+            segments: shared.segment_infos(role),
+        };
+        self.wbuf.clear();
+        response.encode(Opcode::Hello, request_id, &mut self.wbuf);
+        let fds: Vec<i32> = match role {
+            Role::Writer => shared.segments.iter().map(|s| s.fd().as_raw_fd()).collect(),
+            Role::Reader => shared.readonly_fds.iter().map(|f| f.as_raw_fd()).collect(),
+        };
+        // The descriptors ride on the first byte of the reply; the rest follows as plain bytes.
+        let wbuf = std::mem::take(&mut self.wbuf);
+        let sock = self.stream.as_raw_fd();
+        let sent = self
+            .stream
+            .async_io(Interest::WRITABLE, || {
+                let cmsg = [ControlMessage::ScmRights(&fds)];
+                nix::sys::socket::sendmsg::<()>(sock, &[IoSlice::new(&wbuf)], &cmsg, MsgFlags::MSG_NOSIGNAL, None)
+                    .map_err(std::io::Error::from)
+            })
+            .await?;
+        self.stream.write_all(&wbuf[sent..]).await?;
+        self.wbuf = wbuf;
+        Ok(())
+    }
+
+    async fn reply(&mut self, op: Opcode, request_id: u32, response: &Response) -> Result<(), ConnEnd> {
+        self.wbuf.clear();
+        response.encode(op, request_id, &mut self.wbuf);
+        self.stream.write_all(&self.wbuf).await?;
+        Ok(())
+    }
+
+    fn release(&self, id: ConnId, handles: &[Handle]) {
+        self.shared.with_objects(|o| {
+            for &h in handles {
+                if let Err(status) = o.release(id, h) {
+                    tracing::debug!(conn = id, handle = %h, %status, "release of a lease not held");
+                }
+            }
+        });
+    }
+
+    /// One create, waiting for space until `deadline` while still serving releases.
+    async fn create_one(
+        &mut self,
+        id: ConnId,
+        size: u64,
+        pinned: bool,
+        deadline: Instant,
+    ) -> Result<Result<Created, Status>, ConnEnd> {
+        let shared = self.shared.clone();
+        let mut freed = shared.freed.subscribe();
+        let mut waited = false;
+        loop {
+            freed.borrow_and_update();
+            match shared.with_objects(|o| o.create(id, size, pinned)) {
+                Err(Status::Full) => {}
+                other => return Ok(other),
+            }
+            if Instant::now() >= deadline {
+                let stats = shared.with_objects(|o| {
+                    o.note_create_full();
+                    o.stats()
+                });
+                tracing::warn!(
+                    conn = id, size, used = stats.used_bytes, capacity = stats.capacity_bytes,
+                    leases = stats.leases, pinned = stats.objects_pinned,
+                    "create failed: store full of leased, pinned or unsealed objects"
+                );
+                return Ok(Err(Status::Full));
+            }
+            if !waited {
+                waited = true;
+                shared.with_objects(Objects::note_create_waited);
+                tracing::debug!(conn = id, size, "create waiting for space");
+            }
+            tokio::select! {
+                _ = freed.changed() => {}
+                _ = tokio::time::sleep_until(deadline) => {}
+                read = self.stream.read_buf(&mut self.rbuf) => {
+                    if read? == 0 {
+                        return Err(ConnEnd::Closed);
+                    }
+                    while let Some(frame) = self.take_frame()? {
+                        let parsed = Frame::parse(&frame, self.shared.max_frame_bytes)?.expect("whole");
+                        if parsed.header.opcode == Opcode::Release as u16 {
+                            if let Request::Release { handles } = Request::decode(&parsed)? {
+                                self.release(id, &handles);
+                            }
+                        } else {
+                            self.deferred.push_back(frame);
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+fn each(
+    shared: &Shared,
+    id: ConnId,
+    handles: &[Handle],
+    op: fn(&mut Objects, ConnId, Handle) -> Result<(), Status>,
+) -> Vec<Status> {
+    shared.with_objects(|o| {
+        handles.iter().map(|&h| op(o, id, h).err().unwrap_or(Status::Ok)).collect()
+    })
+}
