@@ -1,1 +1,67 @@
-fn main() {}
+//! `feedstore`: the command-line front of the feedstore object store.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+mod demo;
+mod stat;
+
+/// feedstore: a per-node shared-memory object store that keeps training GPUs fed.
+///
+/// `feedstored` (a separate binary) owns the node's shared memory; this tool inspects it and runs
+/// the end-to-end demo.
+#[derive(Debug, Parser)]
+#[command(name = "feedstore", version, about, long_about)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Print a running daemon's statistics: capacity, used, objects, leases, clients,
+    /// fragmentation, evictions.
+    Stat(stat::Args),
+    /// Start an embedded daemon (or use a running one), put and get objects through the real
+    /// socket and shared memory from several processes' worth of threads, and print what it cost.
+    Demo(demo::Args),
+}
+
+/// The socket flag shared by subcommands.
+#[derive(Debug, clap::Args)]
+struct SocketArg {
+    /// The daemon's socket [default: $FEEDSTORE_SOCKET or /tmp/feedstore-<uid>.sock].
+    #[arg(long, value_name = "PATH")]
+    socket: Option<PathBuf>,
+}
+
+impl SocketArg {
+    fn path(&self) -> PathBuf {
+        self.socket
+            .clone()
+            .unwrap_or_else(feedstore_proto::default_socket_path)
+    }
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    feedstore_store::cli::init_logging_with_default("warn");
+    let result = match cli.command {
+        Command::Stat(args) => stat::run(args),
+        Command::Demo(args) => demo::run(args),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            let line = e
+                .chain()
+                .map(|c| c.to_string())
+                .collect::<Vec<_>>()
+                .join(": ");
+            eprintln!("feedstore: error: {line}");
+            ExitCode::FAILURE
+        }
+    }
+}

@@ -78,8 +78,15 @@ impl ConnectOptions {
 
 fn default_name() -> String {
     let exe = std::env::current_exe().ok();
-    let exe = exe.as_deref().and_then(|p| p.file_name()).map(|n| n.to_string_lossy().into_owned());
-    format!("{}[{}]", exe.unwrap_or_else(|| "client".into()), std::process::id())
+    let exe = exe
+        .as_deref()
+        .and_then(|p| p.file_name())
+        .map(|n| n.to_string_lossy().into_owned());
+    format!(
+        "{}[{}]",
+        exe.unwrap_or_else(|| "client".into()),
+        std::process::id()
+    )
 }
 
 /// Options for one create.
@@ -113,8 +120,10 @@ struct CallState {
 
 /// A connection to the node's `feedstored`.
 ///
-/// Cheap to clone (an `Arc`) and safe to share between threads; calls from several threads are
-/// serialised on the one socket. Leases and writers keep the connection alive.
+/// Cheap to clone (an `Arc`) and safe to share between threads. Calls from several threads are
+/// serialised on the one socket, so a create waiting for space delays the other threads' calls
+/// on the same client (lease releases still go through); give a thread that must not wait its
+/// own client. Leases and writers keep the connection alive.
 ///
 /// When the daemon goes away every call fails with [`Error::Disconnected`]; make a new client.
 /// Existing leases keep their mappings valid (the memory stays until the last mapping goes).
@@ -147,17 +156,27 @@ impl Client {
 
     /// Connects with explicit options.
     pub fn connect_with(opts: ConnectOptions) -> Result<Client, Error> {
-        let stream = UnixStream::connect(&opts.socket)
-            .map_err(|source| Error::Connect { path: opts.socket.clone(), source })?;
+        let stream = UnixStream::connect(&opts.socket).map_err(|source| Error::Connect {
+            path: opts.socket.clone(),
+            source,
+        })?;
         let mut wbuf = Vec::with_capacity(256);
-        Request::Hello { role: opts.role, client_name: opts.name.clone() }.encode(0, &mut wbuf);
+        Request::Hello {
+            role: opts.role,
+            client_name: opts.name.clone(),
+        }
+        .encode(0, &mut wbuf);
         send_all(&stream, &wbuf)?;
         let mut rbuf = Vec::with_capacity(4096);
         let (frame_len, fds) = recv_hello(&stream, &mut rbuf)?;
         let frame = Frame::parse(&rbuf[..frame_len], frame::MAX_PAYLOAD_BYTES)?
             .ok_or_else(|| Error::Protocol("short hello reply".into()))?;
         let (node_id, epoch, infos) = match Response::decode(&frame)? {
-            Response::Hello { node_id, epoch, segments } => (node_id, epoch, segments),
+            Response::Hello {
+                node_id,
+                epoch,
+                segments,
+            } => (node_id, epoch, segments),
             Response::Error { status, message } => {
                 return Err(Error::from_status(status, Handle::default(), 0, &message));
             }
@@ -178,13 +197,22 @@ impl Client {
         let mut segments = Vec::with_capacity(infos.len());
         for (i, (info, fd)) in infos.iter().zip(fds).enumerate() {
             check_segment_id(info, i)?;
-            segments.push(Arc::new(Mapping::new(fd, info.size_bytes, access, opts.populate)?));
+            segments.push(Arc::new(Mapping::new(
+                fd,
+                info.size_bytes,
+                access,
+                opts.populate,
+            )?));
         }
         tracing::debug!(node_id, epoch, segments = segments.len(), role = ?opts.role, "connected");
         Ok(Client {
             inner: Arc::new(Inner {
                 stream,
-                call: Mutex::new(CallState { next_id: 1, wbuf, rbuf }),
+                call: Mutex::new(CallState {
+                    next_id: 1,
+                    wbuf,
+                    rbuf,
+                }),
                 send: Mutex::new(()),
                 segments,
                 node_id,
@@ -219,7 +247,9 @@ impl Client {
 
     /// [`Client::create`] with explicit options.
     pub fn create_with(&self, size_bytes: u64, opts: CreateOptions) -> Result<ObjectWriter, Error> {
-        self.create_batch(&[size_bytes], opts)?.pop().expect("one result per size")
+        self.create_batch(&[size_bytes], opts)?
+            .pop()
+            .expect("one result per size")
     }
 
     /// Reserves one object per size in one round trip. Each result stands alone: a `Full` for one
@@ -248,7 +278,12 @@ impl Client {
             .map(|(r, &size)| match r {
                 Ok(c) => {
                     let mapping = self.mapping(c.location)?.clone();
-                    Ok(ObjectWriter::new(self.clone(), c.handle, mapping, c.location))
+                    Ok(ObjectWriter::new(
+                        self.clone(),
+                        c.handle,
+                        mapping,
+                        c.location,
+                    ))
                 }
                 Err(status) => Err(Error::from_status(status, Handle::default(), size, "")),
             })
@@ -290,7 +325,9 @@ impl Client {
     /// Takes a lease on a sealed object and returns a read-only view of its bytes in shared
     /// memory. The lease is released when the view is dropped.
     pub fn get(&self, handle: Handle) -> Result<Lease, Error> {
-        self.get_batch(&[handle])?.pop().expect("one result per handle")
+        self.get_batch(&[handle])?
+            .pop()
+            .expect("one result per handle")
     }
 
     /// Leases several objects in one round trip.
@@ -298,7 +335,9 @@ impl Client {
         if handles.is_empty() {
             return Ok(Vec::new());
         }
-        let results = match self.call(&Request::Get { handles: handles.to_vec() })? {
+        let results = match self.call(&Request::Get {
+            handles: handles.to_vec(),
+        })? {
             Response::Got(r) if r.len() == handles.len() => r,
             other => return Err(unexpected(other)),
         };
@@ -318,12 +357,19 @@ impl Client {
     /// Deletes an object. Its bytes stay readable through existing leases and are reused once the
     /// last one is released.
     pub fn delete(&self, handle: Handle) -> Result<(), Error> {
-        self.delete_batch(&[handle])?.pop().expect("one result per handle")
+        self.delete_batch(&[handle])?
+            .pop()
+            .expect("one result per handle")
     }
 
     /// Deletes several objects in one round trip.
     pub fn delete_batch(&self, handles: &[Handle]) -> Result<Vec<Result<(), Error>>, Error> {
-        self.each(Request::Delete { handles: handles.to_vec() }, handles)
+        self.each(
+            Request::Delete {
+                handles: handles.to_vec(),
+            },
+            handles,
+        )
     }
 
     /// A snapshot of the daemon's statistics.
@@ -339,7 +385,11 @@ impl Client {
         self.inner.segments.iter().any(|m| m.contains(ptr))
     }
 
-    pub(crate) fn each(&self, request: Request, handles: &[Handle]) -> Result<Vec<Result<(), Error>>, Error> {
+    pub(crate) fn each(
+        &self,
+        request: Request,
+        handles: &[Handle],
+    ) -> Result<Vec<Result<(), Error>>, Error> {
         if handles.is_empty() {
             return Ok(Vec::new());
         }
@@ -350,7 +400,13 @@ impl Client {
         Ok(statuses
             .into_iter()
             .zip(handles)
-            .map(|(s, &h)| if s == Status::Ok { Ok(()) } else { Err(Error::from_status(s, h, 0, "")) })
+            .map(|(s, &h)| {
+                if s == Status::Ok {
+                    Ok(())
+                } else {
+                    Err(Error::from_status(s, h, 0, ""))
+                }
+            })
             .collect())
     }
 
@@ -359,9 +415,14 @@ impl Client {
             .inner
             .segments
             .get(loc.segment as usize)
-            .ok_or_else(|| Error::Protocol(format!("daemon named unknown segment {}", loc.segment)))?;
+            .ok_or_else(|| {
+                Error::Protocol(format!("daemon named unknown segment {}", loc.segment))
+            })?;
         if mapping.range_ptr(loc.offset, loc.len).is_none() {
-            return Err(Error::Protocol(format!("daemon named a range outside segment {}", loc.segment)));
+            return Err(Error::Protocol(format!(
+                "daemon named a range outside segment {}",
+                loc.segment
+            )));
         }
         Ok(mapping)
     }
@@ -378,14 +439,18 @@ impl Client {
         state.next_id = state.next_id.wrapping_add(1);
         state.wbuf.clear();
         request.encode(id, &mut state.wbuf);
-        let result = self.send(&state.wbuf).and_then(|()| read_reply(&inner.stream, &mut state.rbuf, id));
+        let result = self
+            .send(&state.wbuf)
+            .and_then(|()| read_reply(&inner.stream, &mut state.rbuf, id));
         if let Err(e) = &result
             && e.is_disconnected()
         {
             inner.broken.store(true, Ordering::Relaxed);
         }
         match result? {
-            Response::Error { status, message } => Err(Error::from_status(status, Handle::default(), 0, &message)),
+            Response::Error { status, message } => {
+                Err(Error::from_status(status, Handle::default(), 0, &message))
+            }
             response => Ok(response),
         }
     }
@@ -396,7 +461,10 @@ impl Client {
             return;
         }
         let mut buf = Vec::with_capacity(frame::HEADER_BYTES + 4 + 16 * handles.len());
-        Request::Release { handles: handles.to_vec() }.encode(0, &mut buf);
+        Request::Release {
+            handles: handles.to_vec(),
+        }
+        .encode(0, &mut buf);
         if self.send(&buf).is_err() {
             self.inner.broken.store(true, Ordering::Relaxed);
         }
@@ -414,7 +482,10 @@ fn unexpected(response: Response) -> Error {
 
 fn check_segment_id(info: &SegmentInfo, index: usize) -> Result<(), Error> {
     if info.id as usize != index {
-        return Err(Error::Protocol(format!("segment {} announced at position {index}", info.id)));
+        return Err(Error::Protocol(format!(
+            "segment {} announced at position {index}",
+            info.id
+        )));
     }
     Ok(())
 }
@@ -446,7 +517,10 @@ impl RecvBuf {
     fn new(leftover: &[u8]) -> RecvBuf {
         let mut data = vec![0u8; (64 << 10).max(leftover.len())];
         data[..leftover.len()].copy_from_slice(leftover);
-        RecvBuf { data, filled: leftover.len() }
+        RecvBuf {
+            data,
+            filled: leftover.len(),
+        }
     }
 }
 
@@ -499,7 +573,10 @@ fn recv_hello(stream: &UnixStream, rbuf: &mut Vec<u8>) -> Result<(usize, Vec<Own
             )
             .map_err(|e| disconnected(e.into()))?;
             let mut received = Vec::new();
-            for c in msg.cmsgs().map_err(|e| Error::Protocol(format!("bad control message: {e}")))? {
+            for c in msg
+                .cmsgs()
+                .map_err(|e| Error::Protocol(format!("bad control message: {e}")))?
+            {
                 if let ControlMessageOwned::ScmRights(raw) = c {
                     received.extend(raw);
                 }
@@ -508,7 +585,11 @@ fn recv_hello(stream: &UnixStream, rbuf: &mut Vec<u8>) -> Result<(usize, Vec<Own
         };
         // SAFETY: SCM_RIGHTS installed these descriptors in this process just now; nothing else
         // owns them.
-        fds.extend(received.into_iter().map(|fd| unsafe { OwnedFd::from_raw_fd(fd) }));
+        fds.extend(
+            received
+                .into_iter()
+                .map(|fd| unsafe { OwnedFd::from_raw_fd(fd) }),
+        );
         rbuf.truncate(start + n);
         if n == 0 {
             return Err(Error::Disconnected { source: None });

@@ -105,7 +105,12 @@ pub enum Error {
 
 impl Error {
     /// The error for a per-object status from the daemon.
-    pub(crate) fn from_status(status: Status, handle: Handle, size_bytes: u64, message: &str) -> Error {
+    pub(crate) fn from_status(
+        status: Status,
+        handle: Handle,
+        size_bytes: u64,
+        message: &str,
+    ) -> Error {
         match status {
             Status::NotFound => Error::NotFound { handle },
             Status::Stale => Error::Stale { handle },
@@ -114,7 +119,11 @@ impl Error {
             Status::Full => Error::Full { size_bytes },
             Status::TooLarge => Error::TooLarge { size_bytes },
             Status::PermissionDenied => Error::PermissionDenied {
-                reason: if message.is_empty() { "not allowed for this connection".into() } else { message.into() },
+                reason: if message.is_empty() {
+                    "not allowed for this connection".into()
+                } else {
+                    message.into()
+                },
             },
             Status::NotOwner => Error::NotOwner { handle },
             Status::InvalidState => Error::InvalidState { handle },

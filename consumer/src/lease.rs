@@ -29,9 +29,22 @@ unsafe impl Send for Lease {}
 unsafe impl Sync for Lease {}
 
 impl Lease {
-    pub(crate) fn new(client: Client, handle: Handle, mapping: Arc<Mapping>, loc: Location) -> Lease {
-        let ptr = mapping.range_ptr(loc.offset, loc.len).expect("range checked by Client::mapping");
-        Lease { client, handle, _mapping: mapping, ptr, len: loc.len as usize }
+    pub(crate) fn new(
+        client: Client,
+        handle: Handle,
+        mapping: Arc<Mapping>,
+        loc: Location,
+    ) -> Lease {
+        let ptr = mapping
+            .range_ptr(loc.offset, loc.len)
+            .expect("range checked by Client::mapping");
+        Lease {
+            client,
+            handle,
+            _mapping: mapping,
+            ptr,
+            len: loc.len as usize,
+        }
     }
 
     /// The object's handle.
@@ -64,7 +77,10 @@ impl AsRef<[u8]> for Lease {
 
 impl std::fmt::Debug for Lease {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Lease").field("handle", &self.handle).field("len", &self.len).finish()
+        f.debug_struct("Lease")
+            .field("handle", &self.handle)
+            .field("len", &self.len)
+            .finish()
     }
 }
 

@@ -23,8 +23,24 @@ pub struct ObjectWriter {
 }
 
 impl ObjectWriter {
-    pub(crate) fn new(client: Client, handle: Handle, mapping: Arc<Mapping>, location: Location) -> Self {
-        ObjectWriter { client, handle, mapping, location, done: false }
+    pub(crate) fn new(
+        client: Client,
+        handle: Handle,
+        mapping: Arc<Mapping>,
+        location: Location,
+    ) -> Self {
+        ObjectWriter {
+            client,
+            handle,
+            mapping,
+            location,
+            done: false,
+        }
+    }
+
+    /// The handle the object will have once sealed. Until then no other client can get it.
+    pub fn handle(&self) -> Handle {
+        self.handle
     }
 
     /// Length of the object in bytes.
@@ -42,8 +58,11 @@ impl ObjectWriter {
     pub fn as_mut_slice(&mut self) -> &mut [u8] {
         // SAFETY: the daemon reserved this range for this connection alone until seal or abort,
         // and `&mut self` makes this the only view of it in this process.
-        unsafe { self.mapping.bytes_mut(self.location.offset, self.location.len) }
-            .expect("writers map segments read-write, and the range was checked")
+        unsafe {
+            self.mapping
+                .bytes_mut(self.location.offset, self.location.len)
+        }
+        .expect("writers map segments read-write, and the range was checked")
     }
 
     /// Publishes the object: immutable and visible to every client from now on.
@@ -51,7 +70,12 @@ impl ObjectWriter {
         self.done = true;
         let handle = self.handle;
         self.client
-            .each(Request::Seal { handles: vec![handle] }, &[handle])?
+            .each(
+                Request::Seal {
+                    handles: vec![handle],
+                },
+                &[handle],
+            )?
             .pop()
             .expect("one result")?;
         Ok(handle)
@@ -59,9 +83,17 @@ impl ObjectWriter {
 
     /// Seals several writers in one round trip. On failure the writers that were not sealed are
     /// aborted.
-    pub fn seal_batch(client: &Client, mut writers: Vec<ObjectWriter>) -> Result<Vec<Handle>, Error> {
+    pub fn seal_batch(
+        client: &Client,
+        mut writers: Vec<ObjectWriter>,
+    ) -> Result<Vec<Handle>, Error> {
         let handles: Vec<Handle> = writers.iter().map(|w| w.handle).collect();
-        let results = client.each(Request::Seal { handles: handles.clone() }, &handles)?;
+        let results = client.each(
+            Request::Seal {
+                handles: handles.clone(),
+            },
+            &handles,
+        )?;
         let mut first_err = None;
         for (w, r) in writers.iter_mut().zip(results) {
             match r {
@@ -82,13 +114,24 @@ impl ObjectWriter {
     pub fn abort(mut self) -> Result<(), Error> {
         self.done = true;
         let handle = self.handle;
-        self.client.each(Request::Abort { handles: vec![handle] }, &[handle])?.pop().expect("one result")
+        self.client
+            .each(
+                Request::Abort {
+                    handles: vec![handle],
+                },
+                &[handle],
+            )?
+            .pop()
+            .expect("one result")
     }
 }
 
 impl std::fmt::Debug for ObjectWriter {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ObjectWriter").field("handle", &self.handle).field("len", &self.location.len).finish()
+        f.debug_struct("ObjectWriter")
+            .field("handle", &self.handle)
+            .field("len", &self.location.len)
+            .finish()
     }
 }
 
@@ -96,7 +139,12 @@ impl Drop for ObjectWriter {
     fn drop(&mut self) {
         if !self.done {
             let handle = self.handle;
-            if let Err(e) = self.client.each(Request::Abort { handles: vec![handle] }, &[handle]) {
+            if let Err(e) = self.client.each(
+                Request::Abort {
+                    handles: vec![handle],
+                },
+                &[handle],
+            ) {
                 tracing::debug!(%handle, error = %e, "abort of a dropped writer failed");
             }
         }

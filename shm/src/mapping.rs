@@ -176,6 +176,7 @@ mod tests {
         assert!(unsafe { ro.bytes_mut(128, 4) }.is_none());
         // SAFETY: out-of-range requests return None before any slice is formed.
         assert!(unsafe { ro.bytes(seg.size_bytes() - 2, 4) }.is_none());
+        // SAFETY: as above; an overflowing range is refused.
         assert!(unsafe { ro.bytes(u64::MAX, 2) }.is_none());
     }
 

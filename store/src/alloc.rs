@@ -70,8 +70,14 @@ impl Allocator {
     /// If the block overlaps free space: a double free is a daemon bug that must not silently hand
     /// the same bytes to two objects.
     pub fn free(&mut self, block: Block) {
-        let Block { mut offset, mut len } = block;
-        assert!(offset + len <= self.capacity, "free of {block:?} beyond capacity");
+        let Block {
+            mut offset,
+            mut len,
+        } = block;
+        assert!(
+            offset + len <= self.capacity,
+            "free of {block:?} beyond capacity"
+        );
         if let Some((&prev_off, &prev_len)) = self.by_offset.range(..=offset).next_back() {
             assert!(prev_off + prev_len <= offset, "double free of {block:?}");
             if prev_off + prev_len == offset {
@@ -129,7 +135,9 @@ impl Allocator {
 
     /// Free ranges in offset order (for tests and diagnostics).
     pub fn free_list(&self) -> impl Iterator<Item = Block> + '_ {
-        self.by_offset.iter().map(|(&offset, &len)| Block { offset, len })
+        self.by_offset
+            .iter()
+            .map(|(&offset, &len)| Block { offset, len })
     }
 }
 
@@ -146,7 +154,13 @@ mod tests {
         assert!(a.allocate(1 << 30).is_none(), "only 1 GiB - 64 B left");
         a.free(one);
         let whole = a.allocate(1 << 30).unwrap();
-        assert_eq!(whole, Block { offset: 0, len: 1 << 30 });
+        assert_eq!(
+            whole,
+            Block {
+                offset: 0,
+                len: 1 << 30
+            }
+        );
         assert_eq!(a.free_bytes(), 0);
     }
 

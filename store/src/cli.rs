@@ -103,9 +103,15 @@ impl Args {
 
 /// Installs the log subscriber: `FEEDSTORE_LOG` (or `RUST_LOG`) filters, default `info`.
 pub fn init_logging() {
+    init_logging_with_default("info");
+}
+
+/// Installs the log subscriber with another default level (tools that print their own output
+/// default to `warn`).
+pub fn init_logging_with_default(default: &str) {
     let filter = std::env::var("FEEDSTORE_LOG")
         .or_else(|_| std::env::var("RUST_LOG"))
-        .unwrap_or_else(|_| "info".into());
+        .unwrap_or_else(|_| default.into());
     let _ = tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::new(filter))
         .with_writer(std::io::stderr)
@@ -144,7 +150,10 @@ pub fn main() -> ExitCode {
     };
     let result = daemon.serve(async {
         use tokio::signal::unix::{SignalKind, signal};
-        let (Ok(mut term), Ok(mut int)) = (signal(SignalKind::terminate()), signal(SignalKind::interrupt())) else {
+        let (Ok(mut term), Ok(mut int)) = (
+            signal(SignalKind::terminate()),
+            signal(SignalKind::interrupt()),
+        ) else {
             tracing::error!("cannot install signal handlers; stop with SIGKILL");
             return std::future::pending().await;
         };

@@ -130,10 +130,14 @@ pub enum ConfigError {
 impl FileConfig {
     /// Reads and parses a config file.
     pub fn load(path: &Path) -> Result<FileConfig, ConfigError> {
-        let text = std::fs::read_to_string(path)
-            .map_err(|source| ConfigError::Read { path: path.to_owned(), source })?;
-        toml::from_str(&text)
-            .map_err(|e| ConfigError::Parse { path: path.to_owned(), message: e.message().to_owned() })
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: path.to_owned(),
+            source,
+        })?;
+        toml::from_str(&text).map_err(|e| ConfigError::Parse {
+            path: path.to_owned(),
+            message: e.message().to_owned(),
+        })
     }
 
     /// Applies the file's keys over `cfg`.
@@ -142,12 +146,17 @@ impl FileConfig {
             cfg.socket = v;
         }
         if let Some(v) = self.capacity {
-            cfg.capacity_bytes = parse_bytes(&v).map_err(|message| ConfigError::Value { key: "capacity", message })?;
+            cfg.capacity_bytes = parse_bytes(&v).map_err(|message| ConfigError::Value {
+                key: "capacity",
+                message,
+            })?;
             cfg.segment_bytes = cfg.capacity_bytes;
         }
         if let Some(v) = self.segment_size {
-            cfg.segment_bytes =
-                parse_bytes(&v).map_err(|message| ConfigError::Value { key: "segment-size", message })?;
+            cfg.segment_bytes = parse_bytes(&v).map_err(|message| ConfigError::Value {
+                key: "segment-size",
+                message,
+            })?;
         }
         if let Some(v) = self.huge_pages {
             cfg.huge_pages = parse_huge_pages(&v)?;
@@ -178,7 +187,10 @@ impl DaemonConfig {
     /// Checks values that no parser can: sizes in range, segments that tile the capacity.
     pub fn validate(&self) -> Result<(), ConfigError> {
         if self.capacity_bytes < (1 << 20) {
-            return Err(ConfigError::Value { key: "capacity", message: "must be at least 1MiB".into() });
+            return Err(ConfigError::Value {
+                key: "capacity",
+                message: "must be at least 1MiB".into(),
+            });
         }
         if self.segment_bytes == 0 || self.segment_bytes > self.capacity_bytes {
             return Err(ConfigError::Value {
@@ -190,13 +202,22 @@ impl DaemonConfig {
             });
         }
         if self.capacity_bytes.div_ceil(self.segment_bytes) > MAX_SEGMENTS {
-            return Err(ConfigError::Value { key: "segment-size", message: format!("more than {MAX_SEGMENTS} segments; raise it") });
+            return Err(ConfigError::Value {
+                key: "segment-size",
+                message: format!("more than {MAX_SEGMENTS} segments; raise it"),
+            });
         }
         if self.max_frame_bytes < 4096 {
-            return Err(ConfigError::Value { key: "max-frame-bytes", message: "must be at least 4096".into() });
+            return Err(ConfigError::Value {
+                key: "max-frame-bytes",
+                message: "must be at least 4096".into(),
+            });
         }
         if self.worker_threads == 0 {
-            return Err(ConfigError::Value { key: "worker-threads", message: "must be at least 1".into() });
+            return Err(ConfigError::Value {
+                key: "worker-threads",
+                message: "must be at least 1".into(),
+            });
         }
         Ok(())
     }
@@ -220,7 +241,10 @@ pub fn parse_huge_pages(s: &str) -> Result<HugePages, ConfigError> {
         "auto" => Ok(HugePages::Auto),
         "on" | "true" | "yes" => Ok(HugePages::On),
         "off" | "false" | "no" => Ok(HugePages::Off),
-        _ => Err(ConfigError::Value { key: "huge-pages", message: format!("{s:?} is not auto, on or off") }),
+        _ => Err(ConfigError::Value {
+            key: "huge-pages",
+            message: format!("{s:?} is not auto, on or off"),
+        }),
     }
 }
 
@@ -228,16 +252,24 @@ pub fn parse_huge_pages(s: &str) -> Result<HugePages, ConfigError> {
 /// too, as for memory everywhere else on the node).
 pub fn parse_bytes(s: &str) -> Result<u64, String> {
     let t = s.trim();
-    let split = t.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(t.len());
+    let split = t
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(t.len());
     let (num, unit) = t.split_at(split);
-    let value: f64 = num.parse().map_err(|_| format!("{s:?} is not a size such as 512MiB or 8GiB"))?;
+    let value: f64 = num
+        .parse()
+        .map_err(|_| format!("{s:?} is not a size such as 512MiB or 8GiB"))?;
     let shift = match unit.trim().to_ascii_lowercase().as_str() {
         "" | "b" => 0,
         "k" | "kb" | "kib" => 10,
         "m" | "mb" | "mib" => 20,
         "g" | "gb" | "gib" => 30,
         "t" | "tb" | "tib" => 40,
-        other => return Err(format!("unknown unit {other:?} in {s:?} (use B, KiB, MiB, GiB or TiB)")),
+        other => {
+            return Err(format!(
+                "unknown unit {other:?} in {s:?} (use B, KiB, MiB, GiB or TiB)"
+            ));
+        }
     };
     let bytes = value * (1u64 << shift) as f64;
     if !(bytes.is_finite() && bytes >= 0.0 && bytes < u64::MAX as f64) {
@@ -255,7 +287,11 @@ pub fn format_bytes(b: u64) -> String {
         v /= 1024.0;
         i += 1;
     }
-    if i == 0 { format!("{b} B") } else { format!("{v:.1} {}", UNITS[i]) }
+    if i == 0 {
+        format!("{b} B")
+    } else {
+        format!("{v:.1} {}", UNITS[i])
+    }
 }
 
 /// A field of `/proc/meminfo`, in bytes.
@@ -269,8 +305,12 @@ pub fn meminfo_bytes(field: &str) -> Option<u64> {
 
 /// A stable node id: FNV-1a of the host name, so every daemon on a host agrees without config.
 pub fn default_node_id() -> u32 {
-    let host = nix::unistd::gethostname().map(|h| h.to_string_lossy().into_owned()).unwrap_or_default();
-    host.bytes().fold(0x811c_9dc5u32, |h, b| (h ^ u32::from(b)).wrapping_mul(0x0100_0193))
+    let host = nix::unistd::gethostname()
+        .map(|h| h.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    host.bytes().fold(0x811c_9dc5u32, |h, b| {
+        (h ^ u32::from(b)).wrapping_mul(0x0100_0193)
+    })
 }
 
 #[cfg(test)]
@@ -285,13 +325,18 @@ mod tests {
         assert_eq!(parse_bytes("1.5G").unwrap(), 3 << 29);
         assert_eq!(parse_bytes(" 2 MiB ").unwrap(), 2 << 20);
         assert!(parse_bytes("lots").is_err());
-        assert!(parse_bytes("3 parsecs").unwrap_err().contains("unknown unit"));
+        assert!(
+            parse_bytes("3 parsecs")
+                .unwrap_err()
+                .contains("unknown unit")
+        );
     }
 
     #[test]
     fn file_overrides_defaults_and_rejects_unknown_keys() {
         let mut cfg = DaemonConfig::default();
-        let file: FileConfig = toml::from_str("capacity = \"64MiB\"\nhuge-pages = \"off\"").unwrap();
+        let file: FileConfig =
+            toml::from_str("capacity = \"64MiB\"\nhuge-pages = \"off\"").unwrap();
         file.apply(&mut cfg).unwrap();
         assert_eq!(cfg.capacity_bytes, 64 << 20);
         assert_eq!(cfg.segment_bytes, 64 << 20);
@@ -301,7 +346,11 @@ mod tests {
 
     #[test]
     fn segments_tile_the_capacity() {
-        let cfg = DaemonConfig { capacity_bytes: 10 << 20, segment_bytes: 4 << 20, ..Default::default() };
+        let cfg = DaemonConfig {
+            capacity_bytes: 10 << 20,
+            segment_bytes: 4 << 20,
+            ..Default::default()
+        };
         assert_eq!(cfg.segment_sizes(), vec![4 << 20, 4 << 20, 2 << 20]);
     }
 }

@@ -89,6 +89,8 @@ impl Daemon {
             ),
             None => None,
         };
+        // Refuse a socket another daemon serves before spending seconds on shared memory.
+        check_socket_free(&config.socket)?;
         let started = Instant::now();
         let mut segments = Vec::new();
         for (i, size) in config.segment_sizes().into_iter().enumerate() {
@@ -144,7 +146,9 @@ impl Daemon {
     /// Serves on the calling thread until `shutdown` completes, then removes the socket file.
     pub fn serve(self, shutdown: impl Future<Output = ()>) -> Result<(), StartError> {
         let runtime = if self.worker_threads <= 1 {
-            tokio::runtime::Builder::new_current_thread().enable_all().build()
+            tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
         } else {
             tokio::runtime::Builder::new_multi_thread()
                 .worker_threads(self.worker_threads)
@@ -152,11 +156,24 @@ impl Daemon {
                 .build()
         }
         .map_err(StartError::Runtime)?;
-        let Daemon { shared, listener, socket, .. } = self;
+        let Daemon {
+            shared,
+            listener,
+            socket,
+            ..
+        } = self;
         runtime.block_on(async move {
-            listener.set_nonblocking(true).map_err(|source| StartError::Socket { path: socket.clone(), source })?;
-            let listener = UnixListener::from_std(listener)
-                .map_err(|source| StartError::Socket { path: socket.clone(), source })?;
+            listener
+                .set_nonblocking(true)
+                .map_err(|source| StartError::Socket {
+                    path: socket.clone(),
+                    source,
+                })?;
+            let listener =
+                UnixListener::from_std(listener).map_err(|source| StartError::Socket {
+                    path: socket.clone(),
+                    source,
+                })?;
             tokio::pin!(shutdown);
             loop {
                 tokio::select! {
@@ -202,7 +219,11 @@ impl Daemon {
                 }
             })
             .expect("spawning the daemon thread");
-        DaemonHandle { stop: Some(stop), thread: Some(thread), socket }
+        DaemonHandle {
+            stop: Some(stop),
+            thread: Some(thread),
+            socket,
+        }
     }
 }
 
@@ -240,15 +261,23 @@ impl Drop for DaemonHandle {
     }
 }
 
-fn bind_socket(path: &Path, gid: Option<u32>) -> Result<std::os::unix::net::UnixListener, StartError> {
-    let sock_err = |source| StartError::Socket { path: path.to_owned(), source };
+/// Fails if a live daemon answers on `path`; removes a stale socket file left by a crash.
+fn check_socket_free(path: &Path) -> Result<(), StartError> {
+    let sock_err = |source| StartError::Socket {
+        path: path.to_owned(),
+        source,
+    };
     if path.exists() {
         match std::os::unix::net::UnixStream::connect(path) {
             Ok(live) => {
-                let pid = nix::sys::socket::getsockopt(&live, nix::sys::socket::sockopt::PeerCredentials)
-                    .map(|c| c.pid())
-                    .unwrap_or(0);
-                return Err(StartError::SocketInUse { path: path.to_owned(), pid });
+                let pid =
+                    nix::sys::socket::getsockopt(&live, nix::sys::socket::sockopt::PeerCredentials)
+                        .map(|c| c.pid())
+                        .unwrap_or(0);
+                return Err(StartError::SocketInUse {
+                    path: path.to_owned(),
+                    pid,
+                });
             }
             Err(_) => {
                 tracing::info!(socket = %path.display(), "removing stale socket file from a previous run");
@@ -256,6 +285,18 @@ fn bind_socket(path: &Path, gid: Option<u32>) -> Result<std::os::unix::net::Unix
             }
         }
     }
+    Ok(())
+}
+
+fn bind_socket(
+    path: &Path,
+    gid: Option<u32>,
+) -> Result<std::os::unix::net::UnixListener, StartError> {
+    let sock_err = |source| StartError::Socket {
+        path: path.to_owned(),
+        source,
+    };
+    check_socket_free(path)?;
     if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
         std::fs::create_dir_all(dir).map_err(sock_err)?;
     }
@@ -270,8 +311,12 @@ fn bind_socket(path: &Path, gid: Option<u32>) -> Result<std::os::unix::net::Unix
 }
 
 fn log_thp_state() {
-    let thp = std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/shmem_enabled").unwrap_or_default();
-    let active = thp.split_whitespace().find(|w| w.starts_with('[')).unwrap_or("[unknown]");
+    let thp = std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/shmem_enabled")
+        .unwrap_or_default();
+    let active = thp
+        .split_whitespace()
+        .find(|w| w.starts_with('['))
+        .unwrap_or("[unknown]");
     tracing::info!(
         shmem_thp = active,
         "segments use 4 KiB pages; reserve huge pages (/proc/sys/vm/nr_hugepages) for faster first writes"
@@ -283,7 +328,12 @@ fn log_thp_state() {
 fn random_epoch() -> u32 {
     use std::hash::{BuildHasher, Hasher};
     let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-    h.write_u128(std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default().as_nanos());
+    h.write_u128(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap_or_default()
+            .as_nanos(),
+    );
     h.write_u32(std::process::id());
     (h.finish() as u32).max(1)
 }

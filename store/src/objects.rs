@@ -46,7 +46,11 @@ impl Object {
     }
 
     fn location(&self) -> Location {
-        Location { segment: self.segment, offset: self.block.offset, len: self.len }
+        Location {
+            segment: self.segment,
+            offset: self.block.offset,
+            len: self.len,
+        }
     }
 }
 
@@ -113,8 +117,9 @@ pub struct Objects {
     conns: HashMap<ConnId, Conn>,
     next_conn: ConnId,
     counters: Counters,
-    /// Bumped whenever space is freed; creates waiting for room watch it.
-    freed_epoch: u64,
+    /// Bumped whenever space is freed or an object becomes evictable, i.e. whenever a create
+    /// that found no room might now find some; creates waiting for room watch it.
+    space_epoch: u64,
 }
 
 impl Objects {
@@ -132,7 +137,7 @@ impl Objects {
             conns: HashMap::new(),
             next_conn: 1,
             counters: Counters::default(),
-            freed_epoch: 0,
+            space_epoch: 0,
         }
     }
 
@@ -140,7 +145,14 @@ impl Objects {
     pub fn connect(&mut self, info: ClientInfo) -> ConnId {
         let id = self.next_conn;
         self.next_conn += 1;
-        self.conns.insert(id, Conn { info, writing: HashSet::new(), leases: HashMap::new() });
+        self.conns.insert(
+            id,
+            Conn {
+                info,
+                writing: HashSet::new(),
+                leases: HashMap::new(),
+            },
+        );
         id
     }
 
@@ -151,7 +163,9 @@ impl Objects {
 
     /// Forgets a connection: aborts what it was writing and returns its leases.
     pub fn disconnect(&mut self, conn: ConnId) -> Reclaimed {
-        let Some(c) = self.conns.remove(&conn) else { return Reclaimed::default() };
+        let Some(c) = self.conns.remove(&conn) else {
+            return Reclaimed::default();
+        };
         let mut reclaimed = Reclaimed::default();
         for slot in c.writing {
             self.free(slot);
@@ -166,9 +180,9 @@ impl Objects {
         reclaimed
     }
 
-    /// A counter bumped whenever space is freed.
-    pub fn freed_epoch(&self) -> u64 {
-        self.freed_epoch
+    /// A counter bumped whenever space is freed or becomes evictable.
+    pub fn space_epoch(&self) -> u64 {
+        self.space_epoch
     }
 
     /// Counts a create that had to wait for space.
@@ -182,7 +196,7 @@ impl Objects {
     }
 
     /// Reserves a writable object of `size` bytes for `conn`, evicting LRU objects if needed.
-    /// `Err(Status::Full)` means no room now; the caller may wait for [`Self::freed_epoch`].
+    /// `Err(Status::Full)` means no room now; the caller may wait for [`Self::space_epoch`].
     pub fn create(&mut self, conn: ConnId, size: u64, pinned: bool) -> Result<Created, Status> {
         self.require_writer(conn)?;
         if size == 0 {
@@ -225,8 +239,16 @@ impl Objects {
             lru_tick: None,
         });
         let handle = self.handle(slot);
-        self.conns.get_mut(&conn).expect("writer checked above").writing.insert(slot);
-        let location = self.slots[slot as usize].object.as_ref().expect("just set").location();
+        self.conns
+            .get_mut(&conn)
+            .expect("writer checked above")
+            .writing
+            .insert(slot);
+        let location = self.slots[slot as usize]
+            .object
+            .as_ref()
+            .expect("just set")
+            .location();
         tracing::debug!(%handle, size, segment, offset = block.offset, "object created");
         Ok(Created { handle, location })
     }
@@ -241,7 +263,11 @@ impl Objects {
             State::Writing { .. } => return Err(Status::NotOwner),
             State::Sealed => return Err(Status::InvalidState),
         }
-        self.conns.get_mut(&conn).expect("writer checked").writing.remove(&slot);
+        self.conns
+            .get_mut(&conn)
+            .expect("writer checked")
+            .writing
+            .remove(&slot);
         self.touch(slot);
         tracing::debug!(%handle, "object sealed");
         Ok(())
@@ -256,7 +282,11 @@ impl Objects {
             State::Writing { .. } => return Err(Status::NotOwner),
             State::Sealed => return Err(Status::InvalidState),
         }
-        self.conns.get_mut(&conn).expect("writer checked").writing.remove(&slot);
+        self.conns
+            .get_mut(&conn)
+            .expect("writer checked")
+            .writing
+            .remove(&slot);
         self.free(slot);
         tracing::debug!(%handle, "object aborted");
         Ok(())
@@ -323,7 +353,12 @@ impl Objects {
     pub fn stats(&self) -> StoreStats {
         let mut s = StoreStats {
             capacity_bytes: self.segments.iter().map(Allocator::capacity).sum(),
-            largest_free_bytes: self.segments.iter().map(Allocator::largest_free).max().unwrap_or(0),
+            largest_free_bytes: self
+                .segments
+                .iter()
+                .map(Allocator::largest_free)
+                .max()
+                .unwrap_or(0),
             clients: self.conns.len() as u64,
             evictions: self.counters.evictions,
             evicted_bytes: self.counters.evicted_bytes,
@@ -335,7 +370,8 @@ impl Objects {
             huge_pages: u64::from(self.hugetlb),
             ..StoreStats::default()
         };
-        s.used_bytes = s.capacity_bytes - self.segments.iter().map(Allocator::free_bytes).sum::<u64>();
+        s.used_bytes =
+            s.capacity_bytes - self.segments.iter().map(Allocator::free_bytes).sum::<u64>();
         for obj in self.slots.iter().filter_map(|s| s.object.as_ref()) {
             match obj.state {
                 State::Writing { .. } => s.objects_writing += 1,
@@ -367,7 +403,10 @@ impl Objects {
         if handle.epoch != self.epoch {
             return Err(Status::Stale);
         }
-        let slot = self.slots.get(handle.slot as usize).ok_or(Status::NotFound)?;
+        let slot = self
+            .slots
+            .get(handle.slot as usize)
+            .ok_or(Status::NotFound)?;
         if slot.generation != handle.generation {
             return Err(Status::Stale);
         }
@@ -386,7 +425,10 @@ impl Objects {
     }
 
     fn object_mut(&mut self, slot: u32) -> &mut Object {
-        self.slots[slot as usize].object.as_mut().expect("resolved slot holds an object")
+        self.slots[slot as usize]
+            .object
+            .as_mut()
+            .expect("resolved slot holds an object")
     }
 
     fn drop_leases(&mut self, slot: u32, count: u32) {
@@ -401,7 +443,10 @@ impl Objects {
 
     /// Re-files a slot in the LRU index: out if not evictable, else as most recently used.
     fn touch(&mut self, slot: u32) {
-        let obj = self.slots[slot as usize].object.as_mut().expect("live slot");
+        let obj = self.slots[slot as usize]
+            .object
+            .as_mut()
+            .expect("live slot");
         if let Some(tick) = obj.lru_tick.take() {
             self.lru.remove(&tick);
         }
@@ -409,6 +454,7 @@ impl Objects {
             self.tick += 1;
             obj.lru_tick = Some(self.tick);
             self.lru.insert(self.tick, slot);
+            self.space_epoch += 1;
         }
     }
 
@@ -417,7 +463,12 @@ impl Objects {
             return false;
         };
         let handle = self.handle(slot);
-        let len = self.slots[slot as usize].object.as_ref().expect("lru holds live slots").block.len;
+        let len = self.slots[slot as usize]
+            .object
+            .as_ref()
+            .expect("lru holds live slots")
+            .block
+            .len;
         self.free(slot);
         self.counters.evictions += 1;
         self.counters.evicted_bytes += len;
@@ -426,13 +477,16 @@ impl Objects {
     }
 
     fn free(&mut self, slot: u32) {
-        let obj = self.slots[slot as usize].object.take().expect("free of a live slot");
+        let obj = self.slots[slot as usize]
+            .object
+            .take()
+            .expect("free of a live slot");
         if let Some(tick) = obj.lru_tick {
             self.lru.remove(&tick);
         }
         self.segments[obj.segment as usize].free(obj.block);
         self.free_slots.push_back(slot);
-        self.freed_epoch += 1;
+        self.space_epoch += 1;
     }
 }
 
@@ -442,7 +496,12 @@ mod tests {
 
     fn store(capacity: u64) -> (Objects, ConnId, ConnId) {
         let mut o = Objects::new(7, 99, &[capacity], false);
-        let info = |role| ClientInfo { role, uid: 0, pid: 1, name: "t".into() };
+        let info = |role| ClientInfo {
+            role,
+            uid: 0,
+            pid: 1,
+            name: "t".into(),
+        };
         let w = o.connect(info(Role::Writer));
         let r = o.connect(info(Role::Reader));
         (o, w, r)
@@ -466,13 +525,21 @@ mod tests {
     #[test]
     fn readers_cannot_write() {
         let (mut o, _, r) = store(1 << 20);
-        assert_eq!(o.create(r, 10, false).unwrap_err(), Status::PermissionDenied);
+        assert_eq!(
+            o.create(r, 10, false).unwrap_err(),
+            Status::PermissionDenied
+        );
     }
 
     #[test]
     fn only_the_owner_seals() {
         let mut o = Objects::new(1, 1, &[1 << 20], false);
-        let info = || ClientInfo { role: Role::Writer, uid: 0, pid: 1, name: "t".into() };
+        let info = || ClientInfo {
+            role: Role::Writer,
+            uid: 0,
+            pid: 1,
+            name: "t".into(),
+        };
         let (a, b) = (o.connect(info()), o.connect(info()));
         let c = o.create(a, 10, false).unwrap();
         assert_eq!(o.seal(b, c.handle), Err(Status::NotOwner));
@@ -496,7 +563,10 @@ mod tests {
         };
         assert_eq!(o.get(r, forged(|h| h.epoch ^= 1)), Err(Status::Stale));
         assert_eq!(o.get(r, forged(|h| h.node_id ^= 1)), Err(Status::WrongNode));
-        assert_eq!(o.get(r, forged(|h| h.slot = 1_000_000)), Err(Status::NotFound));
+        assert_eq!(
+            o.get(r, forged(|h| h.slot = 1_000_000)),
+            Err(Status::NotFound)
+        );
         assert_eq!(o.get(r, forged(|h| h.generation += 1)), Err(Status::Stale));
     }
 
@@ -544,7 +614,10 @@ mod tests {
     #[test]
     fn too_large_and_zero_sized_objects_are_refused() {
         let (mut o, w, _) = store(1 << 20);
-        assert_eq!(o.create(w, (1 << 20) + 1, false).unwrap_err(), Status::TooLarge);
+        assert_eq!(
+            o.create(w, (1 << 20) + 1, false).unwrap_err(),
+            Status::TooLarge
+        );
         assert_eq!(o.create(w, 0, false).unwrap_err(), Status::InvalidArgument);
         assert_eq!(o.create(w, u64::MAX, false).unwrap_err(), Status::TooLarge);
     }
@@ -556,8 +629,20 @@ mod tests {
         let _open = o.create(w, 4096, false).unwrap();
         o.get(r, sealed).unwrap();
         o.get(r, sealed).unwrap();
-        assert_eq!(o.disconnect(r), Reclaimed { aborted: 0, leases: 2 });
-        assert_eq!(o.disconnect(w), Reclaimed { aborted: 1, leases: 0 });
+        assert_eq!(
+            o.disconnect(r),
+            Reclaimed {
+                aborted: 0,
+                leases: 2
+            }
+        );
+        assert_eq!(
+            o.disconnect(w),
+            Reclaimed {
+                aborted: 1,
+                leases: 0
+            }
+        );
         let s = o.stats();
         assert_eq!((s.leases, s.objects_writing, s.objects_sealed), (0, 0, 1));
         assert_eq!(s.used_bytes, 4096);

@@ -17,9 +17,7 @@ use std::os::fd::{AsRawFd, OwnedFd};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
-use feedstore_proto::frame::{
-    CREATE_PIN, Created, DecodeError, Frame, Opcode, Request, Response,
-};
+use feedstore_proto::frame::{CREATE_PIN, Created, DecodeError, Frame, Opcode, Request, Response};
 use feedstore_proto::{Handle, Role, SEGMENT_HUGETLB, SEGMENT_WRITABLE, SegmentInfo, Status};
 use feedstore_shm::Segment;
 use nix::sys::socket::{ControlMessage, MsgFlags};
@@ -55,7 +53,7 @@ pub struct Shared {
     max_frame_bytes: u32,
     max_create_wait_ms: u32,
     policy: AccessPolicy,
-    freed: watch::Sender<u64>,
+    space: watch::Sender<u64>,
 }
 
 impl Shared {
@@ -69,7 +67,10 @@ impl Shared {
         max_frame_bytes: u32,
         max_create_wait_ms: u32,
     ) -> Result<Shared, feedstore_shm::ShmError> {
-        let readonly_fds = segments.iter().map(Segment::reopen_readonly).collect::<Result<_, _>>()?;
+        let readonly_fds = segments
+            .iter()
+            .map(Segment::reopen_readonly)
+            .collect::<Result<_, _>>()?;
         Ok(Shared {
             objects: Mutex::new(objects),
             segments,
@@ -79,19 +80,20 @@ impl Shared {
             max_frame_bytes,
             max_create_wait_ms,
             policy,
-            freed: watch::Sender::new(0),
+            space: watch::Sender::new(0),
         })
     }
 
-    /// Runs `f` on the object state, then wakes creates waiting for space if it freed any.
+    /// Runs `f` on the object state, then wakes creates waiting for space if it freed some or
+    /// made some evictable.
     pub fn with_objects<R>(&self, f: impl FnOnce(&mut Objects) -> R) -> R {
         let mut objects = self.lock();
-        let before = objects.freed_epoch();
+        let before = objects.space_epoch();
         let result = f(&mut objects);
-        let after = objects.freed_epoch();
+        let after = objects.space_epoch();
         drop(objects);
         if after != before {
-            self.freed.send_replace(after);
+            self.space.send_replace(after);
         }
         result
     }
@@ -110,7 +112,11 @@ impl Shared {
                 id: i as u32,
                 size_bytes: s.size_bytes(),
                 flags: if s.is_hugetlb() { SEGMENT_HUGETLB } else { 0 }
-                    | if role == Role::Writer { SEGMENT_WRITABLE } else { 0 },
+                    | if role == Role::Writer {
+                        SEGMENT_WRITABLE
+                    } else {
+                        0
+                    },
             })
             .collect()
     }
@@ -154,14 +160,14 @@ pub async fn serve_connection(shared: Arc<Shared>, stream: UnixStream) {
     let end = conn.run().await;
     let (uid, pid) = (conn.uid, conn.pid);
     if let Some(id) = conn.id {
-        let name = shared.lock().client(id).map(|c| c.name.clone()).unwrap_or_default();
+        let name = shared
+            .lock()
+            .client(id)
+            .map(|c| c.name.clone())
+            .unwrap_or_default();
         let reclaimed = shared.with_objects(|o| o.disconnect(id));
-        let err = end.as_ref().err();
-        match err {
-            Some(ConnEnd::Malformed(_) | ConnEnd::Protocol(_)) => {
-                tracing::warn!(conn = id, pid, uid, %name, reason = %err.unwrap(), "closing connection");
-            }
-            _ => {}
+        if let Err(reason @ (ConnEnd::Malformed(_) | ConnEnd::Protocol(_))) = &end {
+            tracing::warn!(conn = id, pid, uid, %name, %reason, "closing connection");
         }
         if reclaimed.aborted + reclaimed.leases > 0 {
             tracing::info!(
@@ -222,7 +228,10 @@ impl Connection {
             return Err(if self.rbuf.is_empty() {
                 ConnEnd::Closed
             } else {
-                ConnEnd::Malformed(DecodeError::Truncated { need: 16, have: self.rbuf.len() })
+                ConnEnd::Malformed(DecodeError::Truncated {
+                    need: 16,
+                    have: self.rbuf.len(),
+                })
             });
         }
         Ok(())
@@ -250,22 +259,37 @@ impl Connection {
         let shared = self.shared.clone();
         let response = match request {
             Request::Hello { .. } => return Err(ConnEnd::Protocol("second hello".into())),
-            Request::Create { sizes, timeout_ms, flags } => {
+            Request::Create {
+                sizes,
+                timeout_ms,
+                flags,
+            } => {
                 if sizes.is_empty() {
-                    Response::Error { status: Status::InvalidArgument, message: "empty create batch".into() }
+                    Response::Error {
+                        status: Status::InvalidArgument,
+                        message: "empty create batch".into(),
+                    }
                 } else {
                     let mut results = Vec::with_capacity(sizes.len());
-                    let wait = Duration::from_millis(u64::from(timeout_ms.min(shared.max_create_wait_ms)));
+                    let wait =
+                        Duration::from_millis(u64::from(timeout_ms.min(shared.max_create_wait_ms)));
                     let deadline = Instant::now() + wait;
                     for size in sizes {
-                        results.push(self.create_one(id, size, flags & CREATE_PIN != 0, deadline).await?);
+                        results.push(
+                            self.create_one(id, size, flags & CREATE_PIN != 0, deadline)
+                                .await?,
+                        );
                     }
                     Response::Created(results)
                 }
             }
             Request::Seal { handles } => Response::Done(each(&shared, id, &handles, Objects::seal)),
-            Request::Abort { handles } => Response::Done(each(&shared, id, &handles, Objects::abort)),
-            Request::Delete { handles } => Response::Done(each(&shared, id, &handles, Objects::delete)),
+            Request::Abort { handles } => {
+                Response::Done(each(&shared, id, &handles, Objects::abort))
+            }
+            Request::Delete { handles } => {
+                Response::Done(each(&shared, id, &handles, Objects::delete))
+            }
             Request::Get { handles } => Response::Got(
                 shared.with_objects(|o| handles.iter().map(|&h| o.get(id, h)).collect()),
             ),
@@ -285,11 +309,19 @@ impl Connection {
                 "uid {} is not allowed by this feedstored; add it with --allow-uid or use --socket-group",
                 self.uid
             );
-            let response = Response::Error { status: Status::PermissionDenied, message };
+            let response = Response::Error {
+                status: Status::PermissionDenied,
+                message,
+            };
             self.reply(Opcode::Hello, request_id, &response).await?;
             return Err(ConnEnd::Denied { uid: self.uid });
         }
-        let info = ClientInfo { role, uid: self.uid, pid: self.pid, name: name.clone() };
+        let info = ClientInfo {
+            role,
+            uid: self.uid,
+            pid: self.pid,
+            name: name.clone(),
+        };
         let id = shared.with_objects(|o| o.connect(info));
         self.id = Some(id);
         tracing::info!(conn = id, pid = self.pid, uid = self.uid, ?role, %name, "client connected");
@@ -311,8 +343,14 @@ impl Connection {
             .stream
             .async_io(Interest::WRITABLE, || {
                 let cmsg = [ControlMessage::ScmRights(&fds)];
-                nix::sys::socket::sendmsg::<()>(sock, &[IoSlice::new(&wbuf)], &cmsg, MsgFlags::MSG_NOSIGNAL, None)
-                    .map_err(std::io::Error::from)
+                nix::sys::socket::sendmsg::<()>(
+                    sock,
+                    &[IoSlice::new(&wbuf)],
+                    &cmsg,
+                    MsgFlags::MSG_NOSIGNAL,
+                    None,
+                )
+                .map_err(std::io::Error::from)
             })
             .await?;
         self.stream.write_all(&wbuf[sent..]).await?;
@@ -320,7 +358,12 @@ impl Connection {
         Ok(())
     }
 
-    async fn reply(&mut self, op: Opcode, request_id: u32, response: &Response) -> Result<(), ConnEnd> {
+    async fn reply(
+        &mut self,
+        op: Opcode,
+        request_id: u32,
+        response: &Response,
+    ) -> Result<(), ConnEnd> {
         self.wbuf.clear();
         response.encode(op, request_id, &mut self.wbuf);
         self.stream.write_all(&self.wbuf).await?;
@@ -346,10 +389,10 @@ impl Connection {
         deadline: Instant,
     ) -> Result<Result<Created, Status>, ConnEnd> {
         let shared = self.shared.clone();
-        let mut freed = shared.freed.subscribe();
+        let mut space = shared.space.subscribe();
         let mut waited = false;
         loop {
-            freed.borrow_and_update();
+            space.borrow_and_update();
             match shared.with_objects(|o| o.create(id, size, pinned)) {
                 Err(Status::Full) => {}
                 other => return Ok(other),
@@ -360,8 +403,12 @@ impl Connection {
                     o.stats()
                 });
                 tracing::warn!(
-                    conn = id, size, used = stats.used_bytes, capacity = stats.capacity_bytes,
-                    leases = stats.leases, pinned = stats.objects_pinned,
+                    conn = id,
+                    size,
+                    used = stats.used_bytes,
+                    capacity = stats.capacity_bytes,
+                    leases = stats.leases,
+                    pinned = stats.objects_pinned,
                     "create failed: store full of leased, pinned or unsealed objects"
                 );
                 return Ok(Err(Status::Full));
@@ -372,7 +419,7 @@ impl Connection {
                 tracing::debug!(conn = id, size, "create waiting for space");
             }
             tokio::select! {
-                _ = freed.changed() => {}
+                _ = space.changed() => {}
                 _ = tokio::time::sleep_until(deadline) => {}
                 read = self.stream.read_buf(&mut self.rbuf) => {
                     if read? == 0 {
@@ -401,6 +448,9 @@ fn each(
     op: fn(&mut Objects, ConnId, Handle) -> Result<(), Status>,
 ) -> Vec<Status> {
     shared.with_objects(|o| {
-        handles.iter().map(|&h| op(o, id, h).err().unwrap_or(Status::Ok)).collect()
+        handles
+            .iter()
+            .map(|&h| op(o, id, h).err().unwrap_or(Status::Ok))
+            .collect()
     })
 }

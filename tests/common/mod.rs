@@ -1,0 +1,241 @@
+//! Harness for the end-to-end tests: a real `feedstored` process per test, real client processes
+//! (this test binary re-executed in a child role), deadlines instead of sleeps, and a watchdog so
+//! a deadlock fails the run instead of hanging it.
+
+#![allow(dead_code)]
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, ChildStdout, Command, Stdio};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::{Duration, Instant};
+
+use feedstore_consumer::{Client, ConnectOptions, Role, StoreStats};
+
+/// A fresh directory for one test.
+pub fn scratch_dir(test: &str) -> PathBuf {
+    static N: AtomicU32 = AtomicU32::new(0);
+    let dir = std::env::temp_dir().join(format!(
+        "feedstore-test-{}-{}-{}",
+        std::process::id(),
+        N.fetch_add(1, Ordering::Relaxed),
+        test
+    ));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// A `feedstored` child process, killed on drop.
+pub struct DaemonProcess {
+    pub child: Child,
+    pub socket: PathBuf,
+    pub log: PathBuf,
+}
+
+impl DaemonProcess {
+    /// Starts `feedstored` on a socket in `dir` with extra flags, and waits until it answers.
+    pub fn start(dir: &Path, extra: &[&str]) -> DaemonProcess {
+        let socket = dir.join("feedstored.sock");
+        let log = dir.join(format!(
+            "feedstored-{}.log",
+            Instant::now().elapsed().as_nanos()
+        ));
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_feedstored"));
+        cmd.arg("--socket").arg(&socket);
+        if !extra.contains(&"--capacity") {
+            cmd.args(["--capacity", "64MiB"]);
+        }
+        cmd.args(extra);
+        cmd.env("FEEDSTORE_LOG", "debug");
+        cmd.stdout(Stdio::null())
+            .stderr(std::fs::File::create(&log).unwrap());
+        let child = cmd.spawn().expect("spawning feedstored");
+        let mut d = DaemonProcess { child, socket, log };
+        d.wait_ready();
+        d
+    }
+
+    fn wait_ready(&mut self) {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                panic!(
+                    "feedstored exited early with {status}:\n{}",
+                    self.log_text()
+                );
+            }
+            if std::os::unix::net::UnixStream::connect(&self.socket).is_ok() {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "feedstored did not come up:\n{}",
+                self.log_text()
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    pub fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    pub fn writer(&self) -> Client {
+        connect(&self.socket, Role::Writer)
+    }
+
+    pub fn reader(&self) -> Client {
+        connect(&self.socket, Role::Reader)
+    }
+
+    /// Sends a signal and waits for the exit status.
+    pub fn signal_and_wait(
+        &mut self,
+        signal: nix::sys::signal::Signal,
+    ) -> std::process::ExitStatus {
+        let pid = nix::unistd::Pid::from_raw(self.child.id() as i32);
+        nix::sys::signal::kill(pid, signal).unwrap();
+        wait_child(&mut self.child, Duration::from_secs(20))
+    }
+}
+
+impl Drop for DaemonProcess {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        if std::thread::panicking() {
+            eprintln!(
+                "--- feedstored log ({}) ---\n{}",
+                self.log.display(),
+                self.log_text()
+            );
+        }
+    }
+}
+
+pub fn connect(socket: &Path, role: Role) -> Client {
+    ConnectOptions::new(role)
+        .socket(socket)
+        .create_timeout(Duration::from_millis(200))
+        .connect()
+        .expect("connecting to feedstored")
+}
+
+pub fn wait_child(child: &mut Child, limit: Duration) -> std::process::ExitStatus {
+    let deadline = Instant::now() + limit;
+    loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            return status;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "child {} did not exit",
+            child.id()
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+/// Polls the daemon's stats until `pred` holds, or fails after 20 s with the last snapshot.
+pub fn wait_for_stats(
+    client: &Client,
+    what: &str,
+    pred: impl Fn(&StoreStats) -> bool,
+) -> StoreStats {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let s = client.stats().unwrap();
+        if pred(&s) {
+            return s;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "timed out waiting for {what}; last stats {s:#?}"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+/// A client process: this test binary re-run as the ignored `child_process` test, told what to
+/// do through the environment. It prints `READY <detail>` once in position and then waits to be
+/// killed.
+pub struct ClientProcess {
+    pub child: Child,
+    stdout: BufReader<ChildStdout>,
+}
+
+pub const CHILD_ENV: &str = "FEEDSTORE_TEST_CHILD";
+
+impl ClientProcess {
+    pub fn spawn(socket: &Path, role_args: &str) -> ClientProcess {
+        let mut child = Command::new(std::env::current_exe().unwrap())
+            .args([
+                "--ignored",
+                "--exact",
+                "child_process",
+                "--nocapture",
+                "--test-threads=1",
+            ])
+            .env(CHILD_ENV, role_args)
+            .env("FEEDSTORE_SOCKET", socket)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .unwrap();
+        let stdout = BufReader::new(child.stdout.take().unwrap());
+        ClientProcess { child, stdout }
+    }
+
+    /// Waits for the child's `READY` line and returns what follows it.
+    pub fn ready(&mut self) -> String {
+        let mut line = String::new();
+        loop {
+            line.clear();
+            let n = self.stdout.read_line(&mut line).unwrap();
+            assert!(n > 0, "client process exited before it was ready");
+            // libtest may print its own "test child_process ... " before the child's line.
+            if let Some(at) = line.find("READY") {
+                return line[at + "READY".len()..].trim().to_owned();
+            }
+        }
+    }
+
+    pub fn kill9(mut self) {
+        let pid = nix::unistd::Pid::from_raw(self.child.id() as i32);
+        nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGKILL).unwrap();
+        let status = wait_child(&mut self.child, Duration::from_secs(20));
+        use std::os::unix::process::ExitStatusExt;
+        assert_eq!(status.signal(), Some(libc::SIGKILL));
+    }
+}
+
+/// Aborts the whole test process if a test runs longer than `limit` (a deadlock must fail CI,
+/// not hang it). Dropping the guard disarms it.
+pub struct Watchdog {
+    _disarm: std::sync::mpsc::Sender<()>,
+}
+
+pub fn watchdog(test: &'static str, limit: Duration) -> Watchdog {
+    let (tx, rx) = std::sync::mpsc::channel::<()>();
+    std::thread::spawn(move || {
+        if let Err(std::sync::mpsc::RecvTimeoutError::Timeout) = rx.recv_timeout(limit) {
+            eprintln!("watchdog: test {test} still running after {limit:?}; aborting");
+            std::process::abort();
+        }
+    });
+    Watchdog { _disarm: tx }
+}
+
+/// Deterministic bytes for object `seed`.
+pub fn pattern(seed: u64, len: usize) -> Vec<u8> {
+    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x as u8
+        })
+        .collect()
+}

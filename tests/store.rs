@@ -1,0 +1,736 @@
+//! End-to-end tests of the store core: a real `feedstored` process, real client processes, the
+//! real socket and real shared memory.
+
+mod common;
+
+use std::io::{Read, Write};
+use std::os::fd::{FromRawFd, OwnedFd, RawFd};
+use std::os::unix::fs::PermissionsExt;
+use std::os::unix::net::UnixStream;
+use std::time::Duration;
+
+use common::*;
+use feedstore_consumer::{CreateOptions, Error, Handle, Role};
+use feedstore_proto::frame::{Frame, MAX_PAYLOAD_BYTES, Request, Response};
+use feedstore_shm::{Access, Mapping};
+use nix::sys::signal::Signal;
+
+const LIMIT: Duration = Duration::from_secs(120);
+
+/// Entry point of the client processes the crash tests spawn and kill; it does nothing unless
+/// the parent set [`CHILD_ENV`].
+#[test]
+#[ignore = "child-process entry point, run by the crash tests"]
+fn child_process() {
+    let Ok(task) = std::env::var(CHILD_ENV) else {
+        return;
+    };
+    let mut words = task.split_whitespace();
+    let say = |s: String| {
+        println!("READY {s}");
+        std::io::stdout().flush().unwrap();
+    };
+    match words.next() {
+        // Reserve an object, write half of it, never seal.
+        Some("write-half") => {
+            let size: u64 = words.next().unwrap().parse().unwrap();
+            let client = feedstore_consumer::Client::connect_writer().unwrap();
+            let mut w = client.create(size).unwrap();
+            let half = w.len() / 2;
+            w.as_mut_slice()[..half].fill(0xEE);
+            say(w.handle().to_string());
+            std::thread::sleep(Duration::from_secs(3600));
+            drop(w);
+        }
+        // Lease every handle given (each several times) and hold the leases.
+        Some("hold-leases") => {
+            let client = feedstore_consumer::Client::connect_reader().unwrap();
+            let mut leases = Vec::new();
+            for h in words {
+                let h: Handle = h.parse().unwrap();
+                for _ in 0..3 {
+                    leases.push(client.get(h).unwrap());
+                }
+            }
+            say(format!("{}", leases.len()));
+            std::thread::sleep(Duration::from_secs(3600));
+            drop(leases);
+        }
+        other => panic!("unknown child task {other:?}"),
+    }
+}
+
+#[test]
+fn put_get_bytes_equal() {
+    let _w = watchdog("put_get_bytes_equal", LIMIT);
+    let dir = scratch_dir("put-get");
+    let daemon = DaemonProcess::start(&dir, &[]);
+    let writer = daemon.writer();
+    let reader = daemon.reader();
+    let sizes = [1usize, 63, 64, 65, 4095, 4096, 4097, 1 << 20, (4 << 20) + 3];
+    let mut handles = Vec::new();
+    for (i, &size) in sizes.iter().enumerate() {
+        handles.push((writer.put(&pattern(i as u64, size)).unwrap(), i, size));
+    }
+    for &(h, i, size) in &handles {
+        let lease = reader.get(h).unwrap();
+        assert_eq!(lease.len(), size);
+        assert!(
+            *lease == pattern(i as u64, size)[..],
+            "object {i} of {size} bytes differs"
+        );
+        assert!(
+            reader.maps(lease.as_ptr()),
+            "the view points into the shared mapping"
+        );
+        assert_eq!(
+            lease.as_ptr() as usize % 64,
+            0,
+            "objects are 64-byte aligned"
+        );
+    }
+    // Batched variants.
+    let blobs: Vec<Vec<u8>> = (0..50)
+        .map(|i| pattern(100 + i, 1000 + i as usize))
+        .collect();
+    let refs: Vec<&[u8]> = blobs.iter().map(Vec::as_slice).collect();
+    let batch = writer.put_batch(&refs).unwrap();
+    let leases = reader.get_batch(&batch).unwrap();
+    for (lease, blob) in leases.iter().zip(&blobs) {
+        assert_eq!(&**lease.as_ref().unwrap(), blob.as_slice());
+    }
+    let s = reader.stats().unwrap();
+    assert_eq!(s.objects_sealed, (sizes.len() + blobs.len()) as u64);
+    assert_eq!(s.leases, 50);
+    drop(leases);
+    wait_for_stats(&reader, "batch leases released", |s| s.leases == 0);
+}
+
+/// Reads `/proc/self/maps` for the permissions of the mapping containing `ptr`.
+fn mapping_perms(ptr: *const u8) -> String {
+    let addr = ptr as usize;
+    let maps = std::fs::read_to_string("/proc/self/maps").unwrap();
+    for line in maps.lines() {
+        let mut f = line.split_whitespace();
+        let (range, perms) = (f.next().unwrap(), f.next().unwrap());
+        let (lo, hi) = range.split_once('-').unwrap();
+        let (lo, hi) = (
+            usize::from_str_radix(lo, 16).unwrap(),
+            usize::from_str_radix(hi, 16).unwrap(),
+        );
+        if (lo..hi).contains(&addr) {
+            return perms.to_owned();
+        }
+    }
+    panic!("{ptr:?} is not mapped");
+}
+
+/// The hello handshake by hand, to get at the descriptors a reader is given.
+fn raw_hello(socket: &std::path::Path, role: Role) -> (UnixStream, Vec<OwnedFd>, Response) {
+    let stream = UnixStream::connect(socket).unwrap();
+    let mut out = Vec::new();
+    Request::Hello {
+        role,
+        client_name: "raw".into(),
+    }
+    .encode(1, &mut out);
+    (&stream).write_all(&out).unwrap();
+    let mut buf = vec![0u8; 4096];
+    let mut cmsg = nix::cmsg_space!([RawFd; 16]);
+    let mut iov = [std::io::IoSliceMut::new(&mut buf)];
+    let msg = nix::sys::socket::recvmsg::<()>(
+        std::os::fd::AsRawFd::as_raw_fd(&stream),
+        &mut iov,
+        Some(&mut cmsg),
+        nix::sys::socket::MsgFlags::MSG_CMSG_CLOEXEC,
+    )
+    .unwrap();
+    let mut fds = Vec::new();
+    for c in msg.cmsgs().unwrap() {
+        if let nix::sys::socket::ControlMessageOwned::ScmRights(raw) = c {
+            // SAFETY: received just now by SCM_RIGHTS; owned by nobody else.
+            fds.extend(
+                raw.into_iter()
+                    .map(|fd| unsafe { OwnedFd::from_raw_fd(fd) }),
+            );
+        }
+    }
+    let n = msg.bytes;
+    let frame = Frame::parse(&buf[..n], MAX_PAYLOAD_BYTES).unwrap().unwrap();
+    let response = Response::decode(&frame).unwrap();
+    (stream, fds, response)
+}
+
+#[test]
+fn reader_cannot_write() {
+    let _w = watchdog("reader_cannot_write", LIMIT);
+    let dir = scratch_dir("reader-ro");
+    let daemon = DaemonProcess::start(&dir, &[]);
+    // 1. The descriptor a reader receives refuses a writable mapping.
+    let (_stream, fds, response) = raw_hello(&daemon.socket, Role::Reader);
+    let Response::Hello { segments, .. } = response else {
+        panic!("{response:?}")
+    };
+    assert_eq!(fds.len(), segments.len());
+    let size = segments[0].size_bytes;
+    let fd = fds.into_iter().next().unwrap();
+    let raw = std::os::fd::AsRawFd::as_raw_fd(&fd);
+    // SAFETY: a fresh mapping request; the kernel refuses it before anything is mapped.
+    let p = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            size as usize,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_SHARED,
+            raw,
+            0,
+        )
+    };
+    assert_eq!(p, libc::MAP_FAILED);
+    assert_eq!(
+        std::io::Error::last_os_error().raw_os_error(),
+        Some(libc::EACCES)
+    );
+    let err = Mapping::new(fd.try_clone().unwrap(), size, Access::ReadWrite, false).unwrap_err();
+    assert_eq!(
+        err.os_error().and_then(|e| e.raw_os_error()),
+        Some(libc::EACCES)
+    );
+    // A read-only mapping cannot be upgraded with mprotect either.
+    let ro = Mapping::new(fd, size, Access::ReadOnly, false).unwrap();
+    let ptr = ro.range_ptr(0, 4096).unwrap();
+    // SAFETY: changing protection of a page we mapped; the kernel refuses it.
+    let rc = unsafe { libc::mprotect(ptr.cast(), 4096, libc::PROT_READ | libc::PROT_WRITE) };
+    assert_eq!(rc, -1);
+    assert_eq!(
+        std::io::Error::last_os_error().raw_os_error(),
+        Some(libc::EACCES)
+    );
+
+    // 2. The client library maps reader views read-only, and readers cannot create.
+    let writer = daemon.writer();
+    let reader = daemon.reader();
+    let h = writer.put(b"immutable").unwrap();
+    let lease = reader.get(h).unwrap();
+    assert_eq!(mapping_perms(lease.as_ptr()), "r--s");
+    assert!(matches!(
+        reader.create(10),
+        Err(Error::PermissionDenied { .. })
+    ));
+    assert!(matches!(
+        reader.delete(h),
+        Err(Error::PermissionDenied { .. })
+    ));
+    // The writer's own view is read-write.
+    let w = writer.create(10).unwrap();
+    drop(w);
+}
+
+#[test]
+fn writer_killed_mid_write_is_reclaimed() {
+    let _w = watchdog("writer_killed_mid_write_is_reclaimed", LIMIT);
+    let dir = scratch_dir("kill-writer");
+    let daemon = DaemonProcess::start(&dir, &[]);
+    let observer = daemon.writer();
+    let before = observer.stats().unwrap();
+    let mut child = ClientProcess::spawn(&daemon.socket, "write-half 3000000");
+    let detail = child.ready();
+    let handle: Handle = detail.parse().unwrap();
+    let s = observer.stats().unwrap();
+    assert_eq!(s.objects_writing, 1);
+    assert!(s.used_bytes >= 3_000_000);
+    // Half-written: invisible to everyone.
+    assert!(matches!(
+        daemon.reader().get(handle),
+        Err(Error::NotSealed { .. })
+    ));
+    child.kill9();
+    let s = wait_for_stats(&observer, "the killed writer's object to be aborted", |s| {
+        s.objects_writing == 0
+    });
+    assert_eq!(s.used_bytes, before.used_bytes, "space reclaimed");
+    assert_eq!(s.aborted_on_disconnect, 1);
+    assert!(matches!(
+        daemon.reader().get(handle),
+        Err(Error::NotFound { .. })
+    ));
+    // The space is usable again: the whole store fits one object now.
+    let big = observer.create(s.capacity_bytes).unwrap();
+    big.abort().unwrap();
+    assert!(
+        daemon
+            .log_text()
+            .contains("reclaimed its unsealed objects and leases")
+    );
+}
+
+#[test]
+fn reader_killed_holding_leases_is_reclaimed() {
+    let _w = watchdog("reader_killed_holding_leases_is_reclaimed", LIMIT);
+    let dir = scratch_dir("kill-reader");
+    let daemon = DaemonProcess::start(&dir, &[]);
+    let writer = daemon.writer();
+    let handles: Vec<Handle> = (0..4)
+        .map(|i| writer.put(&pattern(i, 1 << 20)).unwrap())
+        .collect();
+    let list = handles
+        .iter()
+        .map(ToString::to_string)
+        .collect::<Vec<_>>()
+        .join(" ");
+    let mut child = ClientProcess::spawn(&daemon.socket, &format!("hold-leases {list}"));
+    assert_eq!(child.ready(), "12");
+    assert_eq!(writer.stats().unwrap().leases, 12);
+    // Deleting a leased object only hides it; its bytes stay until the holder lets go.
+    writer.delete(handles[0]).unwrap();
+    let s = writer.stats().unwrap();
+    assert_eq!((s.objects_delete_pending, s.objects_sealed), (1, 3));
+    let used_with_pending = s.used_bytes;
+    // Leased objects are never evicted: a create needing their space fails Full.
+    let free = s.capacity_bytes - used_with_pending;
+    assert!(matches!(
+        writer.create_with(
+            free + (1 << 20),
+            CreateOptions {
+                timeout: Some(Duration::ZERO),
+                pin: false
+            }
+        ),
+        Err(Error::Full { .. })
+    ));
+    child.kill9();
+    let s = wait_for_stats(&writer, "leases to be reclaimed", |s| s.leases == 0);
+    assert_eq!(s.leases_reclaimed, 12);
+    assert_eq!(s.objects_delete_pending, 0, "the pending delete completed");
+    assert_eq!(s.used_bytes, used_with_pending - (1 << 20));
+    // The remaining objects are intact and readable.
+    let reader = daemon.reader();
+    for (i, h) in handles.iter().enumerate().skip(1) {
+        assert!(*reader.get(*h).unwrap() == pattern(i as u64, 1 << 20)[..]);
+    }
+}
+
+#[test]
+fn forged_and_stale_handles_are_rejected() {
+    let _w = watchdog("forged_and_stale_handles_are_rejected", LIMIT);
+    let dir = scratch_dir("forged");
+    let daemon = DaemonProcess::start(&dir, &["--node-id", "7"]);
+    let writer = daemon.writer();
+    let reader = daemon.reader();
+    let live: Vec<Handle> = (0..16)
+        .map(|i| writer.put(&pattern(i, 100)).unwrap())
+        .collect();
+    // Random handles, and random ones on this node and epoch: none resolves.
+    let mut x = 0x1234_5678_9abc_def0u64;
+    let mut next = || {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        x
+    };
+    for i in 0..2000 {
+        let mut h = Handle {
+            node_id: next() as u32,
+            epoch: next() as u32,
+            slot: next() as u32,
+            generation: next() as u32,
+        };
+        if i % 2 == 0 {
+            h.node_id = 7;
+            h.epoch = live[0].epoch;
+            h.slot %= 64;
+            if live
+                .iter()
+                .any(|l| l.slot == h.slot && l.generation == h.generation)
+            {
+                continue;
+            }
+        }
+        match reader.get(h) {
+            Err(Error::NotFound { .. } | Error::Stale { .. } | Error::WrongNode { .. }) => {}
+            other => panic!("forged handle {h} gave {other:?}"),
+        }
+    }
+    // A deleted object's handle, then its slot reused.
+    let victim = live[3];
+    writer.delete(victim).unwrap();
+    assert!(matches!(reader.get(victim), Err(Error::NotFound { .. })));
+    let mut reused = None;
+    for i in 0..64 {
+        let h = writer.put(&pattern(1000 + i, 100)).unwrap();
+        if h.slot == victim.slot {
+            reused = Some((h, i));
+            break;
+        }
+    }
+    let (reused, seed) = reused.expect("slot reused");
+    assert!(matches!(reader.get(victim), Err(Error::Stale { .. })));
+    assert_eq!(
+        &*reader.get(reused).unwrap(),
+        &pattern(1000 + seed, 100)[..]
+    );
+    // Every live object still reads its own bytes.
+    for (i, h) in live.iter().enumerate().filter(|(i, _)| *i != 3) {
+        assert_eq!(&*reader.get(*h).unwrap(), &pattern(i as u64, 100)[..]);
+    }
+}
+
+#[test]
+fn full_store_evicts_lru_then_applies_backpressure() {
+    let _w = watchdog("full_store_evicts_lru_then_applies_backpressure", LIMIT);
+    let dir = scratch_dir("full");
+    let daemon = DaemonProcess::start(&dir, &["--capacity", "8MiB"]);
+    let writer = daemon.writer();
+    let reader = daemon.reader();
+    let mib = |i: u64| pattern(i, 1 << 20);
+    let first: Vec<Handle> = (0..8).map(|i| writer.put(&mib(i)).unwrap()).collect();
+    // Touch object 0 so it is recently used; 1 is now the least recently used.
+    drop(reader.get(first[0]).unwrap());
+    let ninth = writer.put(&mib(8)).unwrap();
+    let s = writer.stats().unwrap();
+    assert_eq!(s.evictions, 1);
+    assert!(
+        matches!(
+            reader.get(first[1]),
+            Err(Error::NotFound { .. } | Error::Stale { .. })
+        ),
+        "LRU victim"
+    );
+    assert_eq!(
+        &*reader.get(first[0]).unwrap(),
+        &mib(0)[..],
+        "recently used survives"
+    );
+    // Lease everything that is left: nothing is evictable, so a create waits then fails Full.
+    let mut held: Vec<_> = first
+        .iter()
+        .enumerate()
+        .filter(|(i, _)| *i != 1)
+        .map(|(_, h)| reader.get(*h).unwrap())
+        .collect();
+    held.push(reader.get(ninth).unwrap());
+    let err = writer
+        .create_with(
+            1 << 20,
+            CreateOptions {
+                timeout: Some(Duration::from_millis(100)),
+                pin: false,
+            },
+        )
+        .unwrap_err();
+    assert!(
+        matches!(err, Error::Full { size_bytes } if size_bytes == 1 << 20),
+        "{err:?}"
+    );
+    let s = writer.stats().unwrap();
+    assert_eq!((s.creates_waited, s.creates_full), (1, 1));
+    assert!(
+        s.used_bytes <= s.capacity_bytes,
+        "never grows past capacity"
+    );
+    // A create waiting for space succeeds as soon as a lease is released elsewhere.
+    let waiter = {
+        let writer = writer.clone();
+        std::thread::spawn(move || {
+            let mut w = writer
+                .create_with(
+                    1 << 20,
+                    CreateOptions {
+                        timeout: Some(Duration::from_secs(60)),
+                        pin: false,
+                    },
+                )
+                .unwrap();
+            w.as_mut_slice().fill(7);
+            w.seal().unwrap()
+        })
+    };
+    // Poll through another connection: the waiting create occupies the writer's.
+    wait_for_stats(&reader, "the create to start waiting", |s| {
+        s.creates_waited == 2
+    });
+    held.pop(); // releases the ninth object's lease: now evictable
+    let tenth = waiter.join().unwrap();
+    assert!(reader.get(tenth).unwrap().iter().all(|&b| b == 7));
+    assert_eq!(writer.stats().unwrap().evictions, 2);
+    // A pinned object is never evicted.
+    drop(held);
+    let pinned = {
+        let mut w = writer
+            .create_with(
+                1 << 20,
+                CreateOptions {
+                    timeout: None,
+                    pin: true,
+                },
+            )
+            .unwrap();
+        w.as_mut_slice().copy_from_slice(&mib(99));
+        w.seal().unwrap()
+    };
+    for i in 0..20 {
+        writer.put(&mib(200 + i)).unwrap();
+    }
+    assert_eq!(&*reader.get(pinned).unwrap(), &mib(99)[..]);
+    assert_eq!(writer.stats().unwrap().objects_pinned, 1);
+    // Larger than the store: refused at once, not waited for.
+    assert!(matches!(
+        writer.create(9 << 20),
+        Err(Error::TooLarge { .. })
+    ));
+}
+
+/// Opens a raw connection, sends `bytes`, and reports whether the daemon closed it.
+fn send_raw_expect_close(socket: &std::path::Path, bytes: &[u8]) {
+    let mut s = UnixStream::connect(socket).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+    let _ = s.write_all(bytes);
+    let mut buf = [0u8; 256];
+    loop {
+        match s.read(&mut buf) {
+            Ok(0) => return,
+            Ok(_) => continue, // an error reply may precede the close
+            Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => return,
+            Err(e) => panic!("daemon did not close a connection after bad input: {e}"),
+        }
+    }
+}
+
+fn hello_bytes() -> Vec<u8> {
+    let mut out = Vec::new();
+    Request::Hello {
+        role: Role::Writer,
+        client_name: "raw".into(),
+    }
+    .encode(1, &mut out);
+    out
+}
+
+#[test]
+fn malformed_frames_are_rejected() {
+    let _w = watchdog("malformed_frames_are_rejected", LIMIT);
+    let dir = scratch_dir("malformed");
+    let daemon = DaemonProcess::start(&dir, &[]);
+    // A healthy client with a lease, to show nobody else is harmed.
+    let writer = daemon.writer();
+    let bystander = daemon.reader();
+    let h = writer.put(b"still here").unwrap();
+    let lease = bystander.get(h).unwrap();
+
+    // Garbage instead of a header.
+    send_raw_expect_close(&daemon.socket, b"GET / HTTP/1.1\r\n\r\n");
+    // A valid header announcing a payload over the maximum.
+    let mut oversized = Vec::new();
+    Request::Stats.encode(1, &mut oversized);
+    oversized[12..16].copy_from_slice(&(64u32 << 20).to_le_bytes());
+    send_raw_expect_close(&daemon.socket, &oversized);
+    // Another protocol version.
+    let mut version = hello_bytes();
+    version[2] = 99;
+    send_raw_expect_close(&daemon.socket, &version);
+    // A request before hello.
+    let mut early = Vec::new();
+    Request::Stats.encode(1, &mut early);
+    send_raw_expect_close(&daemon.socket, &early);
+    // A truncated frame, then end of stream.
+    let hello = hello_bytes();
+    {
+        let mut s = UnixStream::connect(&daemon.socket).unwrap();
+        s.write_all(&hello[..hello.len() - 3]).unwrap();
+    }
+    // A frame whose element count lies about its length.
+    let mut lying = hello_bytes();
+    let mut get = Vec::new();
+    Request::Get { handles: vec![h] }.encode(2, &mut get);
+    get[16..20].copy_from_slice(&1000u32.to_le_bytes());
+    lying.extend_from_slice(&get);
+    send_raw_expect_close(&daemon.socket, &lying);
+    // An unknown opcode after a good hello.
+    let mut unknown = hello_bytes();
+    let mut stats = Vec::new();
+    Request::Stats.encode(2, &mut stats);
+    stats[4] = 0x55;
+    unknown.extend_from_slice(&stats);
+    send_raw_expect_close(&daemon.socket, &unknown);
+
+    // The bystander's lease, connection and data are untouched; the daemon still serves.
+    assert_eq!(&*lease, b"still here");
+    assert_eq!(&*bystander.get(h).unwrap(), b"still here");
+    let s = wait_for_stats(&writer, "raw connections to be gone", |s| s.clients == 2);
+    assert_eq!(s.leases, 1);
+    let log = daemon.log_text();
+    for reason in [
+        "bad magic",
+        "exceeds the maximum",
+        "unsupported protocol version",
+        "before hello",
+        "truncated",
+        "unknown opcode",
+    ] {
+        assert!(
+            log.contains(reason),
+            "daemon log should name {reason:?}:\n{log}"
+        );
+    }
+}
+
+#[test]
+fn daemon_restart_is_seen_as_disconnected() {
+    let _w = watchdog("daemon_restart_is_seen_as_disconnected", LIMIT);
+    let dir = scratch_dir("restart");
+    let mut daemon = DaemonProcess::start(&dir, &[]);
+    let writer = daemon.writer();
+    let reader = daemon.reader();
+    let h = writer.put(b"before the restart").unwrap();
+    let lease = reader.get(h).unwrap();
+    let status = daemon.signal_and_wait(Signal::SIGTERM);
+    assert!(status.success(), "clean exit on SIGTERM: {status}");
+    assert!(!daemon.socket.exists(), "socket file removed on shutdown");
+    assert!(matches!(reader.get(h), Err(Error::Disconnected { .. })));
+    assert!(matches!(writer.put(b"x"), Err(Error::Disconnected { .. })));
+    assert!(
+        matches!(writer.stats(), Err(Error::Disconnected { .. })),
+        "stays disconnected"
+    );
+    // The old view still reads its bytes: the mapping outlives the daemon.
+    assert_eq!(&*lease, b"before the restart");
+    drop(lease); // the release goes nowhere, quietly
+
+    let daemon2 = DaemonProcess::start(&dir, &[]);
+    let reader2 = daemon2.reader();
+    assert_ne!(reader2.epoch(), reader.epoch());
+    assert!(
+        matches!(reader2.get(h), Err(Error::Stale { .. })),
+        "old handles are stale"
+    );
+    let h2 = daemon2.writer().put(b"after").unwrap();
+    assert_eq!(&*reader2.get(h2).unwrap(), b"after");
+}
+
+#[test]
+fn daemon_command_line_errors_are_one_clear_line() {
+    let _w = watchdog("daemon_command_line_errors_are_one_clear_line", LIMIT);
+    let dir = scratch_dir("cli");
+    let daemon = DaemonProcess::start(&dir, &[]);
+    let mode = std::fs::metadata(&daemon.socket)
+        .unwrap()
+        .permissions()
+        .mode()
+        & 0o777;
+    assert_eq!(mode, 0o600, "socket is private by default");
+    let run = |args: &[&str]| {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_feedstored"))
+            .args(args)
+            .output()
+            .unwrap();
+        (
+            out.status,
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    let sock = daemon.socket.to_str().unwrap();
+    let (status, err) = run(&["--socket", sock, "--capacity", "16MiB"]);
+    assert!(!status.success());
+    assert!(err.contains("in use by another feedstored"), "{err}");
+    assert_eq!(err.trim().lines().count(), 1, "one line: {err}");
+
+    let other = dir.join("other.sock");
+    let other = other.to_str().unwrap();
+    let (status, err) = run(&["--socket", other, "--capacity", "100TiB"]);
+    assert!(!status.success());
+    assert!(
+        err.contains("exceeds") && err.contains("available"),
+        "{err}"
+    );
+
+    let (status, err) = run(&["--socket", other, "--capacity", "lots"]);
+    assert!(!status.success());
+    assert!(err.contains("512MiB"), "{err}");
+
+    let (status, err) = run(&[
+        "--socket",
+        other,
+        "--capacity",
+        "64MiB",
+        "--huge-pages",
+        "on",
+        "--prefault",
+        "false",
+    ]);
+    let free = feedstore_shm::HugePageInfo::read().map_or(0, |i| i.free_pages * i.page_bytes);
+    if free < 64 << 20 {
+        assert!(!status.success());
+        assert!(err.contains("/proc/sys/vm/nr_hugepages"), "{err}");
+    }
+    let config = dir.join("feedstore.toml");
+    std::fs::write(&config, "capacty = \"1GiB\"\n").unwrap();
+    let (status, err) = run(&["--config", config.to_str().unwrap()]);
+    assert!(!status.success());
+    assert!(
+        err.contains("unknown field") && err.contains("capacty"),
+        "{err}"
+    );
+
+    let (status, out) = {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_feedstored"))
+            .arg("--help")
+            .output()
+            .unwrap();
+        (
+            out.status,
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+        )
+    };
+    assert!(status.success());
+    for flag in [
+        "--socket",
+        "--capacity",
+        "--huge-pages",
+        "--config",
+        "--prefault",
+        "--allow-uid",
+    ] {
+        assert!(out.contains(flag), "--help lists {flag}");
+    }
+}
+
+#[test]
+fn stat_command_prints_the_store() {
+    let _w = watchdog("stat_command_prints_the_store", LIMIT);
+    let dir = scratch_dir("stat");
+    let daemon = DaemonProcess::start(&dir, &["--capacity", "32MiB"]);
+    let writer = daemon.writer();
+    let h = writer.put(&[1u8; 1 << 20]).unwrap();
+    let _lease = daemon.reader().get(h).unwrap();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_feedstore"))
+        .args(["stat", "--socket", daemon.socket.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = String::from_utf8_lossy(&out.stdout);
+    for field in [
+        "capacity        32.0 MiB",
+        "used            1.0 MiB",
+        "1 sealed",
+        "leases          1",
+        "fragmentation",
+        "evictions",
+    ] {
+        assert!(text.contains(field), "stat output lacks {field:?}:\n{text}");
+    }
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_feedstore"))
+        .args([
+            "stat",
+            "--socket",
+            dir.join("nobody.sock").to_str().unwrap(),
+        ])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("is the daemon running?"), "{err}");
+}
