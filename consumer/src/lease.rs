@@ -11,7 +11,8 @@ use crate::Client;
 /// A lease on a sealed object: derefs to its bytes, in place in shared memory.
 ///
 /// While the lease lives the daemon will not evict, reuse or free the object (a delete waits for
-/// it). Dropping the lease returns it to the daemon. The view keeps the segment mapped even if the
+/// it). Dropping the lease returns it to the daemon: with the client's next request, or after
+/// the connection's release delay (1 ms by default), whichever comes first. The view keeps the segment mapped even if the
 /// client or the daemon goes away, so the bytes stay valid for the lease's whole life.
 pub struct Lease {
     client: Client,
@@ -86,6 +87,6 @@ impl std::fmt::Debug for Lease {
 
 impl Drop for Lease {
     fn drop(&mut self) {
-        self.client.release(&[self.handle]);
+        self.client.release(self.handle);
     }
 }

@@ -7,8 +7,9 @@
 //! Key decision: the socket carries only small control frames (about 40 bytes for a get); object
 //! bytes never cross it. Segments are mapped once per connection — read-only for readers, so the
 //! kernel rejects a stray write — and each get is one round trip that returns an offset into a
-//! mapping the client already has. Dropping a lease sends a one-way release, so reading costs one
-//! round trip, not two.
+//! mapping the client already has. Dropping a lease queues a one-way release that rides in the
+//! same `send` as the next request (or goes alone 1 ms later), so reading costs one round trip and
+//! one daemon wake-up, not two.
 //!
 //! ```no_run
 //! use feedstore_consumer::Client;

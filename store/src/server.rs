@@ -92,7 +92,8 @@ impl Shared {
         let result = f(&mut objects);
         let after = objects.space_epoch();
         drop(objects);
-        if after != before {
+        // Only creates that found the store full subscribe; skip the wake-up machinery otherwise.
+        if after != before && self.space.receiver_count() > 0 {
             self.space.send_replace(after);
         }
         result
