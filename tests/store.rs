@@ -738,3 +738,63 @@ fn stat_command_prints_the_store() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("is the daemon running?"), "{err}");
 }
+
+/// Reserves huge pages for the duration of a test (root only) and gives them back on drop.
+struct HugePageReserve {
+    previous: Option<u64>,
+}
+
+const NR_HUGEPAGES: &str = "/proc/sys/vm/nr_hugepages";
+
+impl HugePageReserve {
+    fn add(pages: u64) -> Option<HugePageReserve> {
+        let previous: u64 = std::fs::read_to_string(NR_HUGEPAGES)
+            .ok()?
+            .trim()
+            .parse()
+            .ok()?;
+        std::fs::write(NR_HUGEPAGES, (previous + pages).to_string()).ok()?;
+        let reserve = HugePageReserve {
+            previous: Some(previous),
+        };
+        let free = feedstore_shm::HugePageInfo::read().map_or(0, |i| i.free_pages);
+        (free >= pages).then_some(reserve)
+    }
+}
+
+impl Drop for HugePageReserve {
+    fn drop(&mut self) {
+        if let Some(previous) = self.previous {
+            let _ = std::fs::write(NR_HUGEPAGES, previous.to_string());
+        }
+    }
+}
+
+#[test]
+fn huge_page_segments_serve_objects() {
+    let _w = watchdog("huge_page_segments_serve_objects", LIMIT);
+    let Some(_reserve) = HugePageReserve::add(40) else {
+        eprintln!(
+            "SKIPPED huge_page_segments_serve_objects: cannot reserve huge pages here (needs root)"
+        );
+        return;
+    };
+    let dir = scratch_dir("huge");
+    let daemon = DaemonProcess::start(&dir, &["--capacity", "64MiB", "--huge-pages", "on"]);
+    let writer = daemon.writer();
+    let reader = daemon.reader();
+    let s = writer.stats().unwrap();
+    assert_eq!(s.huge_pages, 1, "segments on hugetlbfs");
+    let blob = pattern(5, 3 << 20);
+    let h = writer.put(&blob).unwrap();
+    let lease = reader.get(h).unwrap();
+    assert_eq!(&*lease, &blob[..]);
+    assert_eq!(mapping_perms(lease.as_ptr()), "r--s");
+    let text = std::process::Command::new(env!("CARGO_BIN_EXE_feedstore"))
+        .args(["stat", "--socket", daemon.socket.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert!(String::from_utf8_lossy(&text.stdout).contains("huge pages"));
+    drop(lease);
+    drop(daemon); // before the reserve is given back
+}
