@@ -166,13 +166,23 @@ impl ReleaseQueue {
             if state.closed {
                 return;
             }
+            // Sleep out the whole window even if a request takes the queue meanwhile: waking
+            // and re-arming on every release would cost a context switch per lease.
             state.armed = true;
-            let (mut s, _) = self
-                .wake
-                .wait_timeout_while(state, self.delay, |p| !p.handles.is_empty() && !p.closed)
-                .unwrap_or_else(|e| e.into_inner());
-            let due = std::mem::take(&mut s.handles);
-            drop(s);
+            let deadline = std::time::Instant::now() + self.delay;
+            loop {
+                let now = std::time::Instant::now();
+                if now >= deadline || state.closed {
+                    break;
+                }
+                state = self
+                    .wake
+                    .wait_timeout(state, deadline - now)
+                    .unwrap_or_else(|e| e.into_inner())
+                    .0;
+            }
+            let due = std::mem::take(&mut state.handles);
+            drop(state);
             if !due.is_empty() {
                 match client.upgrade() {
                     Some(inner) => Client { inner }.send_release(&due),
