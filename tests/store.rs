@@ -56,6 +56,11 @@ fn child_process() {
             std::thread::sleep(Duration::from_secs(3600));
             drop(leases);
         }
+        // Connect and report the outcome.
+        Some("connect") => match feedstore_consumer::Client::connect_reader() {
+            Ok(c) => say(format!("ok {}", c.stats().unwrap().clients)),
+            Err(e) => say(format!("err {e}")),
+        },
         other => panic!("unknown child task {other:?}"),
     }
 }
@@ -797,4 +802,88 @@ fn huge_page_segments_serve_objects() {
     assert!(String::from_utf8_lossy(&text.stdout).contains("huge pages"));
     drop(lease);
     drop(daemon); // before the reserve is given back
+}
+
+/// Spawns the `connect` child as uid 65534 with primary gid `gid` and `nogroup` (65534) as a
+/// supplementary group, and returns what it reports.
+fn connect_as_nobody(socket: &std::path::Path, gid: u32) -> String {
+    use std::os::unix::process::CommandExt;
+    let mut cmd = std::process::Command::new(std::env::current_exe().unwrap());
+    cmd.args([
+        "--ignored",
+        "--exact",
+        "child_process",
+        "--nocapture",
+        "--test-threads=1",
+    ])
+    .env(CHILD_ENV, "connect")
+    .env("FEEDSTORE_SOCKET", socket)
+    .stdout(std::process::Stdio::piped());
+    let drop_privileges = move || -> std::io::Result<()> {
+        use nix::unistd::{Gid, Uid, setgid, setgroups, setuid};
+        setgroups(&[Gid::from_raw(65534)])?;
+        setgid(Gid::from_raw(gid))?;
+        setuid(Uid::from_raw(65534))?;
+        Ok(())
+    };
+    // SAFETY: the closure makes only async-signal-safe system calls (setgroups, setgid, setuid)
+    // between fork and exec, and allocates nothing.
+    unsafe { cmd.pre_exec(drop_privileges) };
+    let out = cmd.output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    let at = text
+        .find("READY")
+        .unwrap_or_else(|| panic!("child said: {text}"));
+    text[at + "READY".len()..]
+        .lines()
+        .next()
+        .unwrap()
+        .trim()
+        .to_owned()
+}
+
+#[test]
+fn peer_credentials_are_checked() {
+    let _w = watchdog("peer_credentials_are_checked", LIMIT);
+    if !nix::unistd::geteuid().is_root() {
+        eprintln!(
+            "SKIPPED peer_credentials_are_checked: needs root to run a client as another uid"
+        );
+        return;
+    }
+    let dir = scratch_dir("peercred");
+    std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o755)).unwrap();
+    // The socket is group-accessible to nogroup, so uid 65534 (supplementary nogroup) can open
+    // it; SO_PEERCRED reports its primary gid 1000 and uid 65534, which the daemon does not allow.
+    let daemon = DaemonProcess::start(&dir, &["--socket-group", "nogroup"]);
+    let mode = std::fs::metadata(&daemon.socket)
+        .unwrap()
+        .permissions()
+        .mode()
+        & 0o777;
+    assert_eq!(mode, 0o660);
+    let said = connect_as_nobody(&daemon.socket, 1000);
+    assert!(
+        said.starts_with("err permission denied") && said.contains("uid 65534"),
+        "{said}"
+    );
+    // Primary group nogroup: allowed through --socket-group.
+    assert!(
+        connect_as_nobody(&daemon.socket, 65534).starts_with("ok"),
+        "group member allowed"
+    );
+    assert!(
+        daemon.log_text().contains("not allowed"),
+        "the refusal was logged"
+    );
+    drop(daemon);
+
+    // The same peer with its uid on the allow-list.
+    let dir = scratch_dir("peercred-allow");
+    std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let daemon = DaemonProcess::start(&dir, &["--socket-group", "nogroup", "--allow-uid", "65534"]);
+    assert!(
+        connect_as_nobody(&daemon.socket, 1000).starts_with("ok"),
+        "allow-listed uid"
+    );
 }

@@ -5,7 +5,7 @@ use std::process::ExitCode;
 
 use clap::Parser;
 
-use crate::config::{DaemonConfig, FileConfig, parse_bytes, parse_huge_pages};
+use crate::config::{DaemonConfig, Settings};
 use crate::daemon::Daemon;
 
 /// feedstored: the per-node shared-memory object store daemon.
@@ -16,47 +16,12 @@ use crate::daemon::Daemon;
 #[derive(Debug, Parser)]
 #[command(name = "feedstored", version, about, long_about)]
 pub struct Args {
-    /// Unix socket to listen on [default: $FEEDSTORE_SOCKET or /tmp/feedstore-<uid>.sock].
-    #[arg(long, value_name = "PATH")]
-    pub socket: Option<PathBuf>,
+    /// The daemon's settings.
+    #[command(flatten)]
+    pub settings: Settings,
 
-    /// Total shared memory to own, e.g. 512MiB or 8GiB [default: 2GiB, or a quarter of RAM if
-    /// less]. Must fit in available memory.
-    #[arg(long, value_name = "SIZE", value_parser = parse_bytes)]
-    pub capacity: Option<u64>,
-
-    /// Split the capacity into segments of this size (the largest object is one segment)
-    /// [default: one segment].
-    #[arg(long, value_name = "SIZE", value_parser = parse_bytes)]
-    pub segment_size: Option<u64>,
-
-    /// Huge pages: `auto` uses them when enough are reserved, `on` refuses to start without
-    /// them, `off` never uses them [default: auto].
-    #[arg(long, value_name = "MODE")]
-    pub huge_pages: Option<String>,
-
-    /// Allocate all shared memory at start so writes never pay first-touch page faults
-    /// [default: true].
-    #[arg(long, value_name = "BOOL")]
-    pub prefault: Option<bool>,
-
-    /// This node's id in object handles [default: a hash of the host name].
-    #[arg(long, value_name = "ID")]
-    pub node_id: Option<u32>,
-
-    /// Let members of this group connect (socket mode 0660 instead of 0600).
-    #[arg(long, value_name = "GROUP")]
-    pub socket_group: Option<String>,
-
-    /// Also allow this uid to connect (repeatable). The daemon's own uid and root always may.
-    #[arg(long = "allow-uid", value_name = "UID")]
-    pub allow_uids: Vec<u32>,
-
-    /// Async worker threads; 1 serves everything on one thread, the lowest latency [default: 1].
-    #[arg(long, value_name = "N")]
-    pub worker_threads: Option<usize>,
-
-    /// Read settings from this TOML file; flags override it.
+    /// Read settings from this TOML file (the flags' names as keys, e.g. `capacity = "8GiB"`);
+    /// flags override it.
     #[arg(long, value_name = "FILE")]
     pub config: Option<PathBuf>,
 }
@@ -66,36 +31,9 @@ impl Args {
     pub fn resolve(self) -> Result<DaemonConfig, crate::config::ConfigError> {
         let mut cfg = DaemonConfig::default();
         if let Some(path) = &self.config {
-            FileConfig::load(path)?.apply(&mut cfg)?;
+            Settings::load(path)?.apply(&mut cfg)?;
         }
-        if let Some(v) = self.socket {
-            cfg.socket = v;
-        }
-        if let Some(v) = self.capacity {
-            cfg.capacity_bytes = v;
-            cfg.segment_bytes = v;
-        }
-        if let Some(v) = self.segment_size {
-            cfg.segment_bytes = v;
-        }
-        if let Some(v) = &self.huge_pages {
-            cfg.huge_pages = parse_huge_pages(v)?;
-        }
-        if let Some(v) = self.prefault {
-            cfg.prefault = v;
-        }
-        if let Some(v) = self.node_id {
-            cfg.node_id = v;
-        }
-        if let Some(v) = self.socket_group {
-            cfg.socket_group = Some(v);
-        }
-        if !self.allow_uids.is_empty() {
-            cfg.allow_uids = self.allow_uids;
-        }
-        if let Some(v) = self.worker_threads {
-            cfg.worker_threads = v;
-        }
+        self.settings.apply(&mut cfg)?;
         cfg.validate()?;
         Ok(cfg)
     }

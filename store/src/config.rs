@@ -62,7 +62,9 @@ impl Default for DaemonConfig {
     }
 }
 
-/// The `feedstore.toml` file. Every key is optional; flags override it.
+/// Settings a user can give, as `feedstored` flags or as keys of a `feedstore.toml` file (the same
+/// names, kebab-case). Every one is optional; what is not given keeps its default, and flags
+/// override the file.
 ///
 /// ```toml
 /// socket = "/run/feedstore/feedstored.sock"
@@ -72,28 +74,52 @@ impl Default for DaemonConfig {
 /// socket-group = "trainers"
 /// allow-uids = [1001, 1002]
 /// ```
-#[derive(Debug, Default, Deserialize)]
+#[derive(Debug, Default, Deserialize, clap::Args)]
 #[serde(deny_unknown_fields, rename_all = "kebab-case")]
-pub struct FileConfig {
-    /// See [`DaemonConfig::socket`].
+pub struct Settings {
+    /// Unix socket to listen on [default: $FEEDSTORE_SOCKET or /tmp/feedstore-<uid>.sock].
+    #[arg(long, value_name = "PATH")]
     pub socket: Option<PathBuf>,
-    /// See [`DaemonConfig::capacity_bytes`]; a size such as `"8GiB"`.
+
+    /// Total shared memory to own, e.g. 512MiB or 8GiB [default: 2GiB, or a quarter of RAM if
+    /// less]. Must fit in available memory.
+    #[arg(long, value_name = "SIZE")]
     pub capacity: Option<String>,
-    /// See [`DaemonConfig::segment_bytes`].
+
+    /// Split the capacity into segments of this size (the largest object is one segment)
+    /// [default: one segment].
+    #[arg(long, value_name = "SIZE")]
     pub segment_size: Option<String>,
-    /// `auto`, `on` or `off`.
+
+    /// Huge pages: `auto` uses them when enough are reserved, `on` refuses to start without
+    /// them, `off` never uses them [default: auto].
+    #[arg(long, value_name = "MODE")]
     pub huge_pages: Option<String>,
-    /// See [`DaemonConfig::prefault`].
+
+    /// Allocate all shared memory at start so writes never pay first-touch page faults
+    /// [default: true].
+    #[arg(long, value_name = "BOOL")]
     pub prefault: Option<bool>,
-    /// See [`DaemonConfig::node_id`].
+
+    /// This node's id in object handles [default: a hash of the host name].
+    #[arg(long, value_name = "ID")]
     pub node_id: Option<u32>,
-    /// See [`DaemonConfig::socket_group`].
+
+    /// Let members of this group connect (socket mode 0660 instead of 0600).
+    #[arg(long, value_name = "GROUP")]
     pub socket_group: Option<String>,
-    /// See [`DaemonConfig::allow_uids`].
+
+    /// Also allow this uid to connect (repeatable; `allow-uids = [...]` in the file). The
+    /// daemon's own uid and root always may.
+    #[arg(long = "allow-uid", value_name = "UID")]
     pub allow_uids: Option<Vec<u32>>,
-    /// See [`DaemonConfig::max_frame_bytes`].
+
+    /// Largest frame payload accepted from a client [default: 1MiB].
+    #[arg(long, value_name = "BYTES")]
     pub max_frame_bytes: Option<u32>,
-    /// See [`DaemonConfig::worker_threads`].
+
+    /// Async worker threads; 1 serves everything on one thread, the lowest latency [default: 1].
+    #[arg(long, value_name = "N")]
     pub worker_threads: Option<usize>,
 }
 
@@ -127,9 +153,9 @@ pub enum ConfigError {
     },
 }
 
-impl FileConfig {
-    /// Reads and parses a config file.
-    pub fn load(path: &Path) -> Result<FileConfig, ConfigError> {
+impl Settings {
+    /// Reads and parses a `feedstore.toml` file.
+    pub fn load(path: &Path) -> Result<Settings, ConfigError> {
         let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
             path: path.to_owned(),
             source,
@@ -140,45 +166,31 @@ impl FileConfig {
         })
     }
 
-    /// Applies the file's keys over `cfg`.
+    /// Applies the settings that are given over `cfg`.
     pub fn apply(self, cfg: &mut DaemonConfig) -> Result<(), ConfigError> {
+        let bytes =
+            |key, v: &str| parse_bytes(v).map_err(|message| ConfigError::Value { key, message });
         if let Some(v) = self.socket {
             cfg.socket = v;
         }
         if let Some(v) = self.capacity {
-            cfg.capacity_bytes = parse_bytes(&v).map_err(|message| ConfigError::Value {
-                key: "capacity",
-                message,
-            })?;
+            cfg.capacity_bytes = bytes("capacity", &v)?;
             cfg.segment_bytes = cfg.capacity_bytes;
         }
         if let Some(v) = self.segment_size {
-            cfg.segment_bytes = parse_bytes(&v).map_err(|message| ConfigError::Value {
-                key: "segment-size",
-                message,
-            })?;
+            cfg.segment_bytes = bytes("segment-size", &v)?;
         }
         if let Some(v) = self.huge_pages {
             cfg.huge_pages = parse_huge_pages(&v)?;
         }
-        if let Some(v) = self.prefault {
-            cfg.prefault = v;
-        }
-        if let Some(v) = self.node_id {
-            cfg.node_id = v;
-        }
-        if let Some(v) = self.socket_group {
-            cfg.socket_group = Some(v);
-        }
-        if let Some(v) = self.allow_uids {
-            cfg.allow_uids = v;
-        }
-        if let Some(v) = self.max_frame_bytes {
-            cfg.max_frame_bytes = v;
-        }
-        if let Some(v) = self.worker_threads {
-            cfg.worker_threads = v;
-        }
+        cfg.prefault = self.prefault.unwrap_or(cfg.prefault);
+        cfg.node_id = self.node_id.unwrap_or(cfg.node_id);
+        cfg.socket_group = self.socket_group.or(cfg.socket_group.take());
+        cfg.allow_uids = self
+            .allow_uids
+            .unwrap_or(std::mem::take(&mut cfg.allow_uids));
+        cfg.max_frame_bytes = self.max_frame_bytes.unwrap_or(cfg.max_frame_bytes);
+        cfg.worker_threads = self.worker_threads.unwrap_or(cfg.worker_threads);
         Ok(())
     }
 }
@@ -335,13 +347,12 @@ mod tests {
     #[test]
     fn file_overrides_defaults_and_rejects_unknown_keys() {
         let mut cfg = DaemonConfig::default();
-        let file: FileConfig =
-            toml::from_str("capacity = \"64MiB\"\nhuge-pages = \"off\"").unwrap();
+        let file: Settings = toml::from_str("capacity = \"64MiB\"\nhuge-pages = \"off\"").unwrap();
         file.apply(&mut cfg).unwrap();
         assert_eq!(cfg.capacity_bytes, 64 << 20);
         assert_eq!(cfg.segment_bytes, 64 << 20);
         assert_eq!(cfg.huge_pages, HugePages::Off);
-        assert!(toml::from_str::<FileConfig>("capacty = \"1GiB\"").is_err());
+        assert!(toml::from_str::<Settings>("capacty = \"1GiB\"").is_err());
     }
 
     #[test]

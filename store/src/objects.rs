@@ -255,19 +255,8 @@ impl Objects {
 
     /// Seals an object `conn` created: it becomes immutable and visible.
     pub fn seal(&mut self, conn: ConnId, handle: Handle) -> Result<(), Status> {
-        self.require_writer(conn)?;
-        let slot = self.resolve(handle)?;
-        let obj = self.object_mut(slot);
-        match obj.state {
-            State::Writing { owner } if owner == conn => obj.state = State::Sealed,
-            State::Writing { .. } => return Err(Status::NotOwner),
-            State::Sealed => return Err(Status::InvalidState),
-        }
-        self.conns
-            .get_mut(&conn)
-            .expect("writer checked")
-            .writing
-            .remove(&slot);
+        let slot = self.end_reservation(conn, handle)?;
+        self.object_mut(slot).state = State::Sealed;
         self.touch(slot);
         tracing::debug!(%handle, "object sealed");
         Ok(())
@@ -275,6 +264,14 @@ impl Objects {
 
     /// Gives back an object `conn` created and has not sealed.
     pub fn abort(&mut self, conn: ConnId, handle: Handle) -> Result<(), Status> {
+        let slot = self.end_reservation(conn, handle)?;
+        self.free(slot);
+        tracing::debug!(%handle, "object aborted");
+        Ok(())
+    }
+
+    /// Ends `conn`'s reservation of an unsealed object it created, returning its slot.
+    fn end_reservation(&mut self, conn: ConnId, handle: Handle) -> Result<u32, Status> {
         self.require_writer(conn)?;
         let slot = self.resolve(handle)?;
         match self.object_mut(slot).state {
@@ -287,9 +284,7 @@ impl Objects {
             .expect("writer checked")
             .writing
             .remove(&slot);
-        self.free(slot);
-        tracing::debug!(%handle, "object aborted");
-        Ok(())
+        Ok(slot)
     }
 
     /// Takes a lease on a sealed object for `conn` and says where it lives.
