@@ -557,8 +557,13 @@ impl Client {
         let result = self
             .send(&state.wbuf)
             .and_then(|()| read_reply(&inner.stream, &mut state.rbuf, id));
+        // After a socket, framing or decoding error the byte stream is no longer in step with
+        // the daemon; fail every later call instead of misreading the next reply.
         if let Err(e) = &result
-            && e.is_disconnected()
+            && matches!(
+                e,
+                Error::Disconnected { .. } | Error::Protocol(_) | Error::Decode(_)
+            )
         {
             inner.broken.store(true, Ordering::Relaxed);
         }

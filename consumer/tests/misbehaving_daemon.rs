@@ -1,0 +1,134 @@
+//! The client against a peer that breaks the protocol, over a real Unix socket: a wrong request
+//! id or a truncated reply must give a clear error, and the connection must refuse further use
+//! instead of misreading the next reply.
+
+use std::io::{Read, Write};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::PathBuf;
+
+use feedstore_consumer::{ConnectOptions, Error, Handle, Role};
+use feedstore_proto::frame::{Frame, HEADER_BYTES, MAX_PAYLOAD_BYTES, Opcode, Response};
+
+/// Serves one connection: a hello reply with no segments, then `answer` for each request.
+fn fake_daemon(name: &str, answer: fn(u32, &mut UnixStream)) -> PathBuf {
+    let path =
+        std::env::temp_dir().join(format!("feedstore-fake-{}-{name}.sock", std::process::id()));
+    let _ = std::fs::remove_file(&path);
+    let listener = UnixListener::bind(&path).unwrap();
+    std::thread::spawn(move || {
+        let (mut s, _) = listener.accept().unwrap();
+        let mut buf = Vec::new();
+        let mut chunk = [0u8; 4096];
+        loop {
+            let (request_id, opcode, len) = loop {
+                if let Some(f) = Frame::parse(&buf, MAX_PAYLOAD_BYTES).unwrap() {
+                    break (f.header.request_id, f.header.opcode, f.len());
+                }
+                let n = s.read(&mut chunk).unwrap_or(0);
+                if n == 0 {
+                    return;
+                }
+                buf.extend_from_slice(&chunk[..n]);
+            };
+            buf.drain(..len);
+            if opcode == Opcode::Hello as u16 {
+                let mut out = Vec::new();
+                Response::Hello {
+                    node_id: 1,
+                    epoch: 1,
+                    segments: vec![],
+                }
+                .encode(Opcode::Hello, request_id, &mut out);
+                s.write_all(&out).unwrap();
+            } else if opcode != Opcode::Release as u16 {
+                answer(request_id, &mut s);
+            }
+        }
+    });
+    path
+}
+
+fn handle() -> Handle {
+    Handle {
+        node_id: 1,
+        epoch: 1,
+        slot: 0,
+        generation: 1,
+    }
+}
+
+#[test]
+fn reply_to_another_request_breaks_the_connection() {
+    let path = fake_daemon("wrong-id", |id, s| {
+        let mut out = Vec::new();
+        Response::Got(vec![Err(feedstore_proto::Status::NotFound)]).encode(
+            Opcode::Get,
+            id + 7,
+            &mut out,
+        );
+        s.write_all(&out).unwrap();
+    });
+    let client = ConnectOptions::new(Role::Reader)
+        .socket(&path)
+        .connect()
+        .unwrap();
+    let err = client.get(handle()).unwrap_err();
+    assert!(
+        matches!(&err, Error::Protocol(m) if m.contains("while waiting for")),
+        "{err:?}"
+    );
+    assert!(
+        client.stats().unwrap_err().is_disconnected(),
+        "no further use after a protocol error"
+    );
+}
+
+#[test]
+fn truncated_reply_then_close_is_disconnected() {
+    let path = fake_daemon("truncated", |id, s| {
+        let mut out = Vec::new();
+        Response::Got(vec![Err(feedstore_proto::Status::NotFound)]).encode(
+            Opcode::Get,
+            id,
+            &mut out,
+        );
+        s.write_all(&out[..HEADER_BYTES + 3]).unwrap();
+        s.shutdown(std::net::Shutdown::Both).unwrap();
+    });
+    let client = ConnectOptions::new(Role::Reader)
+        .socket(&path)
+        .connect()
+        .unwrap();
+    assert!(client.get(handle()).unwrap_err().is_disconnected());
+}
+
+#[test]
+fn malformed_reply_payload_is_a_decode_error() {
+    let path = fake_daemon("garbage", |id, s| {
+        // A valid header whose payload claims a million results.
+        let mut out = Vec::new();
+        Response::Got(vec![]).encode(Opcode::Get, id, &mut out);
+        out[HEADER_BYTES..HEADER_BYTES + 4].copy_from_slice(&1_000_000u32.to_le_bytes());
+        s.write_all(&out).unwrap();
+    });
+    let client = ConnectOptions::new(Role::Reader)
+        .socket(&path)
+        .connect()
+        .unwrap();
+    assert!(matches!(client.get(handle()), Err(Error::Decode(_))));
+    assert!(client.get(handle()).unwrap_err().is_disconnected());
+}
+
+#[test]
+fn wrong_reply_kind_is_a_protocol_error() {
+    let path = fake_daemon("kind", |id, s| {
+        let mut out = Vec::new();
+        Response::Done(vec![feedstore_proto::Status::Ok]).encode(Opcode::Seal, id, &mut out);
+        s.write_all(&out).unwrap();
+    });
+    let client = ConnectOptions::new(Role::Reader)
+        .socket(&path)
+        .connect()
+        .unwrap();
+    assert!(matches!(client.get(handle()), Err(Error::Protocol(_))));
+}
