@@ -56,6 +56,26 @@ fn child_process() {
             std::thread::sleep(Duration::from_secs(3600));
             drop(leases);
         }
+        // Put self-describing objects forever, printing each sealed handle; the parent kills
+        // this process at a random moment, often mid-write.
+        Some("put-loop") => {
+            let seed: u64 = words.next().unwrap().parse().unwrap();
+            let client = feedstore_consumer::Client::connect_writer().unwrap();
+            let mut x = seed | 1;
+            println!("READY");
+            loop {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                let len = 16 + (x % (256 << 10)) as usize;
+                let Ok(mut w) = client.create(len as u64) else {
+                    continue;
+                };
+                write_self_describing(w.as_mut_slice(), x);
+                let h = w.seal().unwrap();
+                println!("H {h}");
+            }
+        }
         // Connect and report the outcome.
         Some("connect") => match feedstore_consumer::Client::connect_reader() {
             Ok(c) => say(format!("ok {}", c.stats().unwrap().clients)),
@@ -63,6 +83,20 @@ fn child_process() {
         },
         other => panic!("unknown child task {other:?}"),
     }
+}
+
+/// Fills `buf` with `[seed u64][len u64][pattern(seed)...]`, checkable without knowing `seed`.
+fn write_self_describing(buf: &mut [u8], seed: u64) {
+    let len = buf.len();
+    buf[..8].copy_from_slice(&seed.to_le_bytes());
+    buf[8..16].copy_from_slice(&(len as u64).to_le_bytes());
+    buf[16..].copy_from_slice(&pattern(seed, len - 16));
+}
+
+fn is_self_describing(buf: &[u8]) -> bool {
+    let seed = u64::from_le_bytes(buf[..8].try_into().unwrap());
+    let len = u64::from_le_bytes(buf[8..16].try_into().unwrap()) as usize;
+    len == buf.len() && buf[16..] == pattern(seed, len - 16)[..]
 }
 
 #[test]
@@ -886,4 +920,114 @@ fn peer_credentials_are_checked() {
         connect_as_nobody(&daemon.socket, 1000).starts_with("ok"),
         "allow-listed uid"
     );
+}
+
+#[test]
+fn writers_killed_at_random_never_expose_partial_objects() {
+    use std::io::BufRead;
+    use std::sync::atomic::{AtomicU64, Ordering};
+    use std::sync::{Arc, Mutex, mpsc};
+    let _w = watchdog(
+        "writers_killed_at_random_never_expose_partial_objects",
+        LIMIT,
+    );
+    let dir = scratch_dir("stress");
+    // Small: eviction and backpressure run throughout.
+    let daemon = DaemonProcess::start(&dir, &["--capacity", "8MiB"]);
+    let (tx, rx) = mpsc::channel::<Handle>();
+    let rx = Arc::new(Mutex::new(rx));
+    let (verified, gone) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
+    let readers: Vec<_> = (0..2)
+        .map(|_| {
+            let (client, rx, verified, gone) =
+                (daemon.reader(), rx.clone(), verified.clone(), gone.clone());
+            std::thread::spawn(move || {
+                loop {
+                    let Ok(h) = rx.lock().unwrap().recv() else {
+                        return;
+                    };
+                    match client.get(h) {
+                        Ok(lease) => {
+                            assert!(
+                                is_self_describing(&lease),
+                                "object {h} read back partial or foreign bytes"
+                            );
+                            verified.fetch_add(1, Ordering::Relaxed);
+                        }
+                        Err(Error::NotFound { .. } | Error::Stale { .. }) => {
+                            gone.fetch_add(1, Ordering::Relaxed); // evicted before we got to it
+                        }
+                        Err(e) => panic!("get of {h}: {e}"),
+                    }
+                }
+            })
+        })
+        .collect();
+    let mut x = 0x5eed_u64;
+    let mut kills = 0;
+    for round in 0..12u64 {
+        let mut writers: Vec<ClientProcess> = (0..2)
+            .map(|i| {
+                ClientProcess::spawn(&daemon.socket, &format!("put-loop {}", round * 10 + i + 1))
+            })
+            .collect();
+        for w in &mut writers {
+            w.ready();
+        }
+        // Forward handles as they are sealed, for a random 20-120 ms, then kill -9 both.
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        let until = std::time::Instant::now() + Duration::from_millis(20 + x % 100);
+        let forwarders: Vec<_> = writers
+            .iter_mut()
+            .map(|w| {
+                let stdout = w.take_stdout();
+                let tx = tx.clone();
+                std::thread::spawn(move || {
+                    for line in stdout.lines() {
+                        let Ok(line) = line else { return };
+                        if let Some(h) = line.strip_prefix("H ") {
+                            let _ = tx.send(h.trim().parse().unwrap());
+                        }
+                    }
+                })
+            })
+            .collect();
+        std::thread::sleep(until.saturating_duration_since(std::time::Instant::now()));
+        for w in writers {
+            w.kill9();
+            kills += 1;
+        }
+        for f in forwarders {
+            f.join().unwrap();
+        }
+    }
+    drop(tx);
+    for r in readers {
+        r.join().unwrap();
+    }
+    let observer = daemon.writer();
+    let s = wait_for_stats(
+        &observer,
+        "every killed writer's reservation to be aborted",
+        |s| s.objects_writing == 0 && s.leases == 0,
+    );
+    assert!(
+        verified.load(Ordering::Relaxed) > 0,
+        "readers verified objects"
+    );
+    assert!(s.evictions > 0, "eviction took part");
+    assert_eq!(s.clients, 1, "only the observer is left");
+    eprintln!(
+        "stress: {kills} writers killed, {} objects verified, {} evicted before read, {} reservations aborted",
+        verified.load(Ordering::Relaxed),
+        gone.load(Ordering::Relaxed),
+        s.aborted_on_disconnect
+    );
+    // Every byte is reclaimable: no reservation or lease of a killed writer leaked.
+    let big = observer
+        .create(s.capacity_bytes)
+        .expect("whole store reclaimable");
+    big.abort().unwrap();
 }

@@ -162,7 +162,7 @@ pub fn wait_for_stats(
 /// killed.
 pub struct ClientProcess {
     pub child: Child,
-    stdout: BufReader<ChildStdout>,
+    stdout: Option<BufReader<ChildStdout>>,
 }
 
 pub const CHILD_ENV: &str = "FEEDSTORE_TEST_CHILD";
@@ -183,7 +183,7 @@ impl ClientProcess {
             .stderr(Stdio::inherit())
             .spawn()
             .unwrap();
-        let stdout = BufReader::new(child.stdout.take().unwrap());
+        let stdout = Some(BufReader::new(child.stdout.take().unwrap()));
         ClientProcess { child, stdout }
     }
 
@@ -192,13 +192,23 @@ impl ClientProcess {
         let mut line = String::new();
         loop {
             line.clear();
-            let n = self.stdout.read_line(&mut line).unwrap();
+            let n = self
+                .stdout
+                .as_mut()
+                .expect("stdout not handed over")
+                .read_line(&mut line)
+                .unwrap();
             assert!(n > 0, "client process exited before it was ready");
             // libtest may print its own "test child_process ... " before the child's line.
             if let Some(at) = line.find("READY") {
                 return line[at + "READY".len()..].trim().to_owned();
             }
         }
+    }
+
+    /// Hands over the child's remaining output (after `READY`).
+    pub fn take_stdout(&mut self) -> BufReader<ChildStdout> {
+        self.stdout.take().expect("stdout handed over once")
     }
 
     pub fn kill9(mut self) {
