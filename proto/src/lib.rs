@@ -9,6 +9,8 @@
 //! - [`frame`]: the length-prefixed, versioned binary frames spoken over the daemon's Unix socket,
 //!   with a hard maximum size so a malformed peer can cost at most one connection.
 //! - [`Status`]: the wire status codes a caller can act on.
+//! - [`sample`]: the layout of a training sample inside an object — raw aligned arrays written in
+//!   place, plus a small rkyv archive describing them, validated by every reader.
 //!
 //! Key decision: frames are hand-encoded little-endian structs rather than a serde format, so the
 //! layout is the documentation, decoding is allocation-light and every length is checked before
@@ -30,6 +32,7 @@
 
 pub mod frame;
 mod handle;
+pub mod sample;
 mod stats;
 mod status;
 mod wire;
