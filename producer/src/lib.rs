@@ -1,0 +1,27 @@
+//! feedstore producers: turn a manifest of multimodal records into samples written once into
+//! the node's shared-memory store.
+//!
+//! This crate grows with issue 3. What is here so far:
+//!
+//! - [`chat`]: conversations to token ids and loss labels with Qwen's chat template and Qwen-VL
+//!   image-token expansion, matching Hugging Face's tokenizer output token for token.
+//!
+//! The sample layout the producer writes lives in `feedstore_proto::sample`, the crate both the
+//! producer and the readers depend on.
+//!
+//! ```no_run
+//! use feedstore_producer::chat::{ChatTokenizer, Message, Role};
+//!
+//! # fn main() -> Result<(), feedstore_producer::chat::ChatError> {
+//! let tokenizer = ChatTokenizer::from_file("tokenizer.json".as_ref(), 8192)?;
+//! let conversation = [
+//!     Message { role: Role::User, content: "<image>\nwhat is the blue shape?".into() },
+//!     Message { role: Role::Assistant, content: "rectangle".into() },
+//! ];
+//! let encoded = tokenizer.encode(&conversation, &[4])?; // one image of 4 merged patches
+//! assert_eq!(encoded.ids.len(), encoded.labels.len());
+//! # Ok(())
+//! # }
+//! ```
+
+pub mod chat;
