@@ -5,6 +5,8 @@
 //!
 //! - [`chat`]: conversations to token ids and loss labels with Qwen's chat template and Qwen-VL
 //!   image-token expansion, matching Hugging Face's tokenizer output token for token.
+//! - [`vision`]: probe (with a decompression-bomb guard), plan the output size, decode, resize
+//!   (bicubic, matching Pillow) and normalise into the sample's region in one pass.
 //!
 //! The sample layout the producer writes lives in `feedstore_proto::sample`, the crate both the
 //! producer and the readers depend on.
@@ -25,3 +27,4 @@
 //! ```
 
 pub mod chat;
+pub mod vision;

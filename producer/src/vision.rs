@@ -1,0 +1,405 @@
+//! Images: probe, plan, decode, resize, normalize, with the final pass writing straight into the
+//! sample's region in shared memory.
+//!
+//! The order matters for both safety and speed:
+//!
+//! 1. [`probe`] reads only the header: format and dimensions. The decompression-bomb guard
+//!    (`max_source_pixels`) refuses an image before a single pixel is decoded.
+//! 2. [`ImageTransform::target_size`] decides the output size from the dimensions alone (fixed,
+//!    shorter side, or Qwen-VL's `smart_resize`). That size fixes the tensor's shape and the number
+//!    of image tokens, so the sample's object can be reserved at its final size before any decoding.
+//! 3. [`ImageTransform::decode_into`] decodes (JPEG/PNG/WebP via `image`, zune-jpeg for JPEG),
+//!    resizes with `fast_image_resize` (bicubic, Pillow's filter), and runs one pass that
+//!    normalises, converts dtype and layout and writes into `dst`, which is the region of the
+//!    object in shared memory. For `u8` HWC output the resize writes into `dst` directly.
+
+use std::io::Cursor;
+
+use fast_image_resize::images::{Image, ImageRef};
+use fast_image_resize::{FilterType, PixelType, ResizeAlg, ResizeOptions, Resizer};
+use feedstore_proto::sample::{DType, TensorLayout};
+
+/// How to size the output.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum ResizeMode {
+    /// Exactly `width` × `height`; the aspect ratio is not kept.
+    Fixed {
+        /// Output width.
+        width: u32,
+        /// Output height.
+        height: u32,
+    },
+    /// The shorter side becomes `size`; the other keeps the aspect ratio.
+    ShorterSide(u32),
+    /// Qwen-VL's `smart_resize`: both sides multiples of `factor` (patch × merge, 28 for
+    /// Qwen2/2.5-VL), area within `min_pixels..=max_pixels`, aspect ratio kept as closely as
+    /// that allows.
+    QwenVl {
+        /// Smallest area.
+        min_pixels: u64,
+        /// Largest area.
+        max_pixels: u64,
+        /// Side multiple.
+        factor: u32,
+    },
+}
+
+/// Why an image was rejected. Each rejects one sample, not the run.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ImageError {
+    /// The bytes are no image format this build reads.
+    #[error("unrecognised or unsupported image format")]
+    UnknownFormat,
+    /// The header or the pixel data is broken or truncated.
+    #[error("corrupt image: {0}")]
+    Corrupt(String),
+    /// Zero width or height.
+    #[error("image has zero width or height")]
+    Empty,
+    /// The data ends before the image does (a partial download, a cut file).
+    #[error("truncated image: the data ends before the last pixel row")]
+    Truncated,
+    /// More pixels than allowed, refused before decoding (decompression-bomb guard).
+    #[error("image of {width}x{height} exceeds the limit of {max_pixels} pixels")]
+    TooLarge {
+        /// Width from the header.
+        width: u32,
+        /// Height from the header.
+        height: u32,
+        /// The limit.
+        max_pixels: u64,
+    },
+    /// Qwen-VL refuses aspect ratios over 200.
+    #[error("aspect ratio {ratio:.0} exceeds 200")]
+    AspectRatio {
+        /// Longer side over shorter side.
+        ratio: f64,
+    },
+    /// The destination region has the wrong size.
+    #[error("destination of {have} bytes, {need} needed")]
+    Destination {
+        /// Bytes needed.
+        need: usize,
+        /// Bytes given.
+        have: usize,
+    },
+    /// The resizer failed.
+    #[error("resize failed: {0}")]
+    Resize(String),
+}
+
+/// What [`probe`] learns from the header.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Probe {
+    /// Width in pixels.
+    pub width: u32,
+    /// Height in pixels.
+    pub height: u32,
+}
+
+fn reader(encoded: &[u8]) -> Result<image::ImageReader<Cursor<&[u8]>>, ImageError> {
+    let reader = image::ImageReader::new(Cursor::new(encoded))
+        .with_guessed_format()
+        .map_err(|e| ImageError::Corrupt(e.to_string()))?;
+    if reader.format().is_none() {
+        return Err(ImageError::UnknownFormat);
+    }
+    Ok(reader)
+}
+
+fn classify(e: image::ImageError) -> ImageError {
+    match e {
+        image::ImageError::Unsupported(_) => ImageError::UnknownFormat,
+        other => ImageError::Corrupt(other.to_string()),
+    }
+}
+
+/// Reads the format and dimensions from the header, without decoding pixels, and applies the
+/// decompression-bomb guard.
+pub fn probe(encoded: &[u8], max_source_pixels: u64) -> Result<Probe, ImageError> {
+    let (width, height) = reader(encoded)?.into_dimensions().map_err(classify)?;
+    if width == 0 || height == 0 {
+        return Err(ImageError::Empty);
+    }
+    if u64::from(width) * u64::from(height) > max_source_pixels {
+        return Err(ImageError::TooLarge {
+            width,
+            height,
+            max_pixels: max_source_pixels,
+        });
+    }
+    Ok(Probe { width, height })
+}
+
+/// Decodes to RGB8. JPEGs go to zune-jpeg directly: first in strict mode, so a truncated file is
+/// refused rather than padded with grey (the lenient decoder, like a browser, renders what it has);
+/// a complete file that strict mode dislikes for other reasons (stray bytes between markers, which
+/// real cameras write) is decoded again leniently.
+fn decode_rgb(encoded: &[u8], probe: Probe) -> Result<image::RgbImage, ImageError> {
+    let mut reader = reader(encoded)?;
+    if reader.format() != Some(image::ImageFormat::Jpeg) {
+        let mut limits = image::Limits::default();
+        limits.max_image_width = Some(probe.width);
+        limits.max_image_height = Some(probe.height);
+        reader.limits(limits);
+        return Ok(reader.decode().map_err(classify)?.into_rgb8());
+    }
+    let jpeg = |strict: bool| {
+        let options = zune_core::options::DecoderOptions::default()
+            .set_strict_mode(strict)
+            .set_max_width(probe.width as usize)
+            .set_max_height(probe.height as usize)
+            .jpeg_set_out_colorspace(zune_core::colorspace::ColorSpace::RGB);
+        let mut decoder = zune_jpeg::JpegDecoder::new_with_options(
+            zune_core::bytestream::ZCursor::new(encoded),
+            options,
+        );
+        let pixels = decoder.decode()?;
+        let (w, h) = decoder
+            .dimensions()
+            .expect("dimensions known after decoding");
+        Ok::<_, zune_jpeg::errors::DecodeErrors>((pixels, w as u32, h as u32))
+    };
+    let (pixels, w, h) = match jpeg(true) {
+        Ok(decoded) => decoded,
+        // Baseline scans run out as ExhaustedData, others as "Premature end of buffer".
+        Err(zune_jpeg::errors::DecodeErrors::ExhaustedData) => return Err(ImageError::Truncated),
+        Err(zune_jpeg::errors::DecodeErrors::FormatStatic(m)) if m.contains("Premature end") => {
+            return Err(ImageError::Truncated);
+        }
+        Err(_) => jpeg(false).map_err(|e| ImageError::Corrupt(e.to_string()))?,
+    };
+    image::RgbImage::from_raw(w, h, pixels)
+        .ok_or_else(|| ImageError::Corrupt("decoder returned a short buffer".into()))
+}
+
+/// Mean and standard deviation per channel of OpenAI CLIP, which Qwen-VL's processor uses.
+pub const CLIP_MEAN: [f32; 3] = [0.481_454_66, 0.457_827_5, 0.408_210_73];
+/// See [`CLIP_MEAN`]. Quoted digit for digit from the reference processor (`OPENAI_CLIP_STD`).
+#[allow(clippy::excessive_precision)]
+pub const CLIP_STD: [f32; 3] = [0.268_629_54, 0.261_302_58, 0.275_777_11];
+
+/// The whole image transform of one pipeline.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ImageTransform {
+    /// Output size rule.
+    pub resize: ResizeMode,
+    /// Per-channel mean, on the 0..1 scale (ignored for `u8` output).
+    pub mean: [f32; 3],
+    /// Per-channel standard deviation, on the 0..1 scale (ignored for `u8` output).
+    pub std: [f32; 3],
+    /// Output element type.
+    pub dtype: DType,
+    /// Output memory order.
+    pub layout: TensorLayout,
+    /// Decompression-bomb guard: images with more pixels are refused before decoding.
+    pub max_source_pixels: u64,
+}
+
+impl ImageTransform {
+    /// Qwen2/2.5-VL's defaults: smart resize to 28-pixel multiples within 56² to 1280 × 28²
+    /// pixels, CLIP normalisation, f32 CHW.
+    pub fn qwen_vl() -> ImageTransform {
+        ImageTransform {
+            resize: ResizeMode::QwenVl {
+                min_pixels: 56 * 56,
+                max_pixels: 14 * 14 * 4 * 1280,
+                factor: 28,
+            },
+            mean: CLIP_MEAN,
+            std: CLIP_STD,
+            dtype: DType::F32,
+            layout: TensorLayout::Chw,
+            max_source_pixels: 64 << 20,
+        }
+    }
+
+    /// The output `(width, height)` for a source of `width` × `height`.
+    pub fn target_size(&self, width: u32, height: u32) -> Result<(u32, u32), ImageError> {
+        if width == 0 || height == 0 {
+            return Err(ImageError::Empty);
+        }
+        match self.resize {
+            ResizeMode::Fixed { width, height } => Ok((width, height)),
+            ResizeMode::ShorterSide(size) => {
+                let scale = f64::from(size) / f64::from(width.min(height));
+                let w = ((f64::from(width) * scale).round() as u32).max(1);
+                let h = ((f64::from(height) * scale).round() as u32).max(1);
+                Ok((w, h))
+            }
+            ResizeMode::QwenVl {
+                min_pixels,
+                max_pixels,
+                factor,
+            } => smart_resize(height, width, factor, min_pixels, max_pixels).map(|(h, w)| (w, h)),
+        }
+    }
+
+    /// The output tensor's shape for an output of `width` × `height`.
+    pub fn shape(&self, width: u32, height: u32) -> [u32; 3] {
+        match self.layout {
+            TensorLayout::Hwc => [height, width, 3],
+            TensorLayout::Chw => [3, height, width],
+        }
+    }
+
+    /// Decodes `encoded`, resizes it to `target` and writes the normalised tensor into `dst`
+    /// (`shape(target) × dtype` bytes). `scratch` is reused between calls on one worker.
+    pub fn decode_into(
+        &self,
+        encoded: &[u8],
+        target: (u32, u32),
+        dst: &mut [u8],
+        scratch: &mut Scratch,
+    ) -> Result<(), ImageError> {
+        let (tw, th) = target;
+        let pixels = tw as usize * th as usize;
+        let need = pixels * 3 * self.dtype.size_bytes() as usize;
+        if dst.len() != need {
+            return Err(ImageError::Destination {
+                need,
+                have: dst.len(),
+            });
+        }
+        let probe = probe(encoded, self.max_source_pixels)?;
+        let rgb = decode_rgb(encoded, probe)?;
+        let (sw, sh) = rgb.dimensions();
+        let direct = self.dtype == DType::U8 && self.layout == TensorLayout::Hwc;
+        let resized: &[u8] = if (sw, sh) == (tw, th) {
+            if direct {
+                dst.copy_from_slice(rgb.as_raw());
+                return Ok(());
+            }
+            scratch.rgb.clear();
+            scratch.rgb.extend_from_slice(rgb.as_raw());
+            &scratch.rgb
+        } else {
+            let src = ImageRef::new(sw, sh, rgb.as_raw(), PixelType::U8x3)
+                .map_err(|e| ImageError::Resize(e.to_string()))?;
+            let out: &mut [u8] = if direct {
+                dst
+            } else {
+                scratch.rgb.resize(pixels * 3, 0);
+                &mut scratch.rgb
+            };
+            let mut out_image = Image::from_slice_u8(tw, th, out, PixelType::U8x3)
+                .map_err(|e| ImageError::Resize(e.to_string()))?;
+            let options =
+                ResizeOptions::new().resize_alg(ResizeAlg::Convolution(FilterType::CatmullRom));
+            scratch
+                .resizer
+                .resize(&src, &mut out_image, &options)
+                .map_err(|e| ImageError::Resize(e.to_string()))?;
+            if direct {
+                return Ok(());
+            }
+            &scratch.rgb
+        };
+        self.normalize(resized, th as usize, tw as usize, dst);
+        Ok(())
+    }
+
+    /// One pass over the resized RGB pixels: per-channel lookup table (256 entries: every `u8`
+    /// value's normalised output), layout transpose, dtype conversion, written into `dst`.
+    fn normalize(&self, rgb: &[u8], h: usize, w: usize, dst: &mut [u8]) {
+        let plane = h * w;
+        let index = |i: usize, c: usize| match self.layout {
+            TensorLayout::Hwc => i * 3 + c,
+            TensorLayout::Chw => c * plane + i,
+        };
+        let lut: [[f32; 256]; 3] = std::array::from_fn(|c| {
+            std::array::from_fn(|v| (v as f32 / 255.0 - self.mean[c]) / self.std[c])
+        });
+        match self.dtype {
+            DType::U8 => {
+                for (i, px) in rgb.chunks_exact(3).enumerate() {
+                    for c in 0..3 {
+                        dst[index(i, c)] = px[c];
+                    }
+                }
+            }
+            DType::F32 => write_converted(
+                rgb,
+                &lut,
+                bytemuck::cast_slice_mut::<u8, f32>(dst),
+                index,
+                |v| v,
+            ),
+            DType::F16 => write_converted(
+                rgb,
+                &lut,
+                bytemuck::cast_slice_mut::<u8, half::f16>(dst),
+                index,
+                half::f16::from_f32,
+            ),
+            DType::BF16 => write_converted(
+                rgb,
+                &lut,
+                bytemuck::cast_slice_mut::<u8, half::bf16>(dst),
+                index,
+                half::bf16::from_f32,
+            ),
+        }
+    }
+}
+
+fn write_converted<T: Copy>(
+    rgb: &[u8],
+    lut: &[[f32; 256]; 3],
+    dst: &mut [T],
+    index: impl Fn(usize, usize) -> usize,
+    convert: impl Fn(f32) -> T,
+) {
+    let table: [[T; 256]; 3] = std::array::from_fn(|c| std::array::from_fn(|v| convert(lut[c][v])));
+    for (i, px) in rgb.chunks_exact(3).enumerate() {
+        for c in 0..3 {
+            dst[index(i, c)] = table[c][px[c] as usize];
+        }
+    }
+}
+
+/// Buffers reused from one image to the next on a worker.
+#[derive(Default)]
+pub struct Scratch {
+    rgb: Vec<u8>,
+    resizer: Resizer,
+}
+
+impl std::fmt::Debug for Scratch {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Scratch")
+            .field("rgb_capacity", &self.rgb.capacity())
+            .finish()
+    }
+}
+
+/// Qwen-VL's `smart_resize`, returning `(height, width)`: both multiples of `factor`, the area
+/// brought within `[min_pixels, max_pixels]` by scaling both sides by the same factor. Rounds half
+/// to even, as the Python original's `round` does.
+pub fn smart_resize(
+    height: u32,
+    width: u32,
+    factor: u32,
+    min_pixels: u64,
+    max_pixels: u64,
+) -> Result<(u32, u32), ImageError> {
+    let (h, w, f) = (f64::from(height), f64::from(width), f64::from(factor));
+    let ratio = h.max(w) / h.min(w);
+    if ratio > 200.0 {
+        return Err(ImageError::AspectRatio { ratio });
+    }
+    let round_by = |v: f64| (v / f).round_ties_even() * f;
+    let mut h_bar = f.max(round_by(h));
+    let mut w_bar = f.max(round_by(w));
+    if h_bar * w_bar > max_pixels as f64 {
+        let beta = (h * w / max_pixels as f64).sqrt();
+        h_bar = (h / beta / f).floor() * f;
+        w_bar = (w / beta / f).floor() * f;
+    } else if h_bar * w_bar < min_pixels as f64 {
+        let beta = (min_pixels as f64 / (h * w)).sqrt();
+        h_bar = (h * beta / f).ceil() * f;
+        w_bar = (w * beta / f).ceil() * f;
+    }
+    Ok((h_bar as u32, w_bar as u32))
+}

@@ -1,0 +1,190 @@
+//! The image stage against Pillow: `smart_resize` sizes equal Qwen's Python rule, resized pixels
+//! equal Pillow's bicubic resize of the same photo (within JPEG-decoder rounding), normalisation
+//! and layout are exact, and bad images are refused with a reason.
+
+use feedstore_producer::vision::{
+    CLIP_MEAN, CLIP_STD, ImageError, ImageTransform, ResizeMode, Scratch, probe, smart_resize,
+};
+use feedstore_proto::sample::{DType, TensorLayout};
+
+const DATA: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/data");
+
+fn goldens() -> serde_json::Value {
+    serde_json::from_str(&std::fs::read_to_string(format!("{DATA}/resize_goldens.json")).unwrap())
+        .unwrap()
+}
+
+fn u8_hwc(width: u32, height: u32) -> ImageTransform {
+    ImageTransform {
+        resize: ResizeMode::Fixed { width, height },
+        dtype: DType::U8,
+        layout: TensorLayout::Hwc,
+        ..ImageTransform::qwen_vl()
+    }
+}
+
+#[test]
+fn smart_resize_matches_qwens_python() {
+    let g = goldens();
+    let cases = g["smart_resize"].as_array().unwrap();
+    assert_eq!(cases.len(), 360);
+    for c in cases {
+        let n = |k: &str| c[k].as_u64().unwrap();
+        let got = smart_resize(
+            n("height") as u32,
+            n("width") as u32,
+            28,
+            n("min_pixels"),
+            n("max_pixels"),
+        );
+        match (c["out_height"].as_u64(), got) {
+            (Some(h), Ok((gh, gw))) => {
+                assert_eq!((gh, gw), (h as u32, n("out_width") as u32), "{c}")
+            }
+            (None, Err(ImageError::AspectRatio { .. })) => {}
+            (want, got) => panic!("{c}: expected {want:?}, got {got:?}"),
+        }
+    }
+}
+
+#[test]
+fn resized_pixels_match_pillow() {
+    let g = goldens();
+    let mut scratch = Scratch::default();
+    for r in g["resized"].as_array().unwrap() {
+        let photo = std::fs::read(format!("{DATA}/{}", r["photo"].as_str().unwrap())).unwrap();
+        let (w, h) = (
+            r["width"].as_u64().unwrap() as u32,
+            r["height"].as_u64().unwrap() as u32,
+        );
+        let golden = image::open(format!("{DATA}/{}", r["golden"].as_str().unwrap()))
+            .unwrap()
+            .into_rgb8();
+        let mut ours = vec![0u8; (w * h * 3) as usize];
+        u8_hwc(w, h)
+            .decode_into(&photo, (w, h), &mut ours, &mut scratch)
+            .unwrap();
+        let diffs: Vec<u32> = ours
+            .iter()
+            .zip(golden.as_raw())
+            .map(|(&a, &b)| u32::from(a.abs_diff(b)))
+            .collect();
+        let mean = diffs.iter().sum::<u32>() as f64 / diffs.len() as f64;
+        let max = *diffs.iter().max().unwrap();
+        let png = r["photo"].as_str().unwrap().ends_with(".png");
+        eprintln!("{}: {w}x{h} mean |diff| {mean:.3}, max {max}", r["photo"]);
+        // PNG decoding is exact, so only the resize differs; JPEG decoders (zune-jpeg vs libjpeg)
+        // round their IDCT differently. Measured: PNG mean 0.13, max 2; JPEG mean <= 0.31, max 8.
+        assert!(
+            mean < if png { 0.2 } else { 0.5 },
+            "{}: mean |diff| {mean}",
+            r["golden"]
+        );
+        assert!(
+            max <= if png { 2 } else { 12 },
+            "{}: max |diff| {max}",
+            r["golden"]
+        );
+    }
+}
+
+#[test]
+fn normalisation_dtype_and_layout_are_exact() {
+    let photo = std::fs::read(format!("{DATA}/photos/chelsea.png")).unwrap();
+    let p = probe(&photo, u64::MAX).unwrap();
+    let qwen = ImageTransform::qwen_vl();
+    let (w, h) = qwen.target_size(p.width, p.height).unwrap();
+    assert_eq!((w % 28, h % 28), (0, 0));
+    let mut scratch = Scratch::default();
+    let mut hwc = vec![0u8; (w * h * 3) as usize];
+    u8_hwc(w, h)
+        .decode_into(&photo, (w, h), &mut hwc, &mut scratch)
+        .unwrap();
+    let mut chw = vec![0u8; (w * h * 3 * 4) as usize];
+    qwen.decode_into(&photo, (w, h), &mut chw, &mut scratch)
+        .unwrap();
+    assert_eq!(qwen.shape(w, h), [3, h, w]);
+    let chw: &[f32] = bytemuck::cast_slice(&chw);
+    let plane = (w * h) as usize;
+    for i in (0..plane).step_by(97) {
+        for c in 0..3 {
+            let want = (f32::from(hwc[i * 3 + c]) / 255.0 - CLIP_MEAN[c]) / CLIP_STD[c];
+            assert_eq!(chw[c * plane + i], want, "pixel {i} channel {c}");
+        }
+    }
+    let bf16 = ImageTransform {
+        dtype: DType::BF16,
+        layout: TensorLayout::Hwc,
+        ..qwen.clone()
+    };
+    let mut out = vec![0u8; (w * h * 3 * 2) as usize];
+    bf16.decode_into(&photo, (w, h), &mut out, &mut scratch)
+        .unwrap();
+    let out: &[half::bf16] = bytemuck::cast_slice(&out);
+    assert_eq!(
+        out[5],
+        half::bf16::from_f32((f32::from(hwc[5]) / 255.0 - CLIP_MEAN[2]) / CLIP_STD[2])
+    );
+}
+
+#[test]
+fn bad_images_are_refused_with_a_reason() {
+    let photo = std::fs::read(format!("{DATA}/photos/grace_hopper.jpg")).unwrap();
+    let mut scratch = Scratch::default();
+    let t = u8_hwc(28, 28);
+    let mut dst = vec![0u8; 28 * 28 * 3];
+    // Truncated JPEG: the header probes, but the pixels end early; refused, not padded with grey.
+    let truncated = &photo[..photo.len() / 3];
+    assert!(matches!(
+        t.decode_into(truncated, (28, 28), &mut dst, &mut scratch),
+        Err(ImageError::Truncated)
+    ));
+    // Truncated PNG too.
+    let png = std::fs::read(format!("{DATA}/photos/chelsea.png")).unwrap();
+    assert!(matches!(
+        t.decode_into(&png[..png.len() / 2], (28, 28), &mut dst, &mut scratch),
+        Err(ImageError::Corrupt(_))
+    ));
+    // Not an image at all, and a format this build does not read (GIF).
+    assert!(matches!(
+        probe(b"{\"json\": true}", u64::MAX),
+        Err(ImageError::UnknownFormat)
+    ));
+    assert!(matches!(
+        probe(b"GIF89a\x01\x00\x01\x00\x00\x00\x00", u64::MAX),
+        Err(ImageError::UnknownFormat)
+    ));
+    // Decompression bomb: a tiny PNG that claims a huge canvas is refused from its header.
+    let mut bomb = Vec::new();
+    image::RgbImage::new(20_000, 1)
+        .write_to(
+            &mut std::io::Cursor::new(&mut bomb),
+            image::ImageFormat::Png,
+        )
+        .unwrap();
+    let guarded = ImageTransform {
+        max_source_pixels: 10_000,
+        ..t.clone()
+    };
+    assert!(bomb.len() < 1000, "the bomb is small on disk");
+    assert!(matches!(
+        guarded.decode_into(&bomb, (28, 28), &mut dst, &mut scratch),
+        Err(ImageError::TooLarge {
+            width: 20_000,
+            height: 1,
+            ..
+        })
+    ));
+    // Absurd aspect ratio under Qwen-VL sizing, and a wrong-sized destination.
+    assert!(matches!(
+        ImageTransform::qwen_vl().target_size(20_000, 1),
+        Err(ImageError::AspectRatio { .. })
+    ));
+    assert!(matches!(
+        t.decode_into(&photo, (28, 28), &mut dst[1..], &mut scratch),
+        Err(ImageError::Destination { .. })
+    ));
+    // And the good photo still decodes after all that.
+    t.decode_into(&photo, (28, 28), &mut dst, &mut scratch)
+        .unwrap();
+}
