@@ -5,6 +5,8 @@
 //!
 //! - [`chat`]: conversations to token ids and loss labels with Qwen's chat template and Qwen-VL
 //!   image-token expansion, matching Hugging Face's tokenizer output token for token.
+//! - [`manifest`]: LLaVA / Qwen-VL JSONL records, every bad line a [`manifest::Reject`] with its
+//!   line number, id and reason, never the end of the run.
 //! - [`vision`]: probe (with a decompression-bomb guard), plan the output size, decode, resize
 //!   (bicubic, matching Pillow) and normalise into the sample's region in one pass.
 //!
@@ -27,4 +29,5 @@
 //! ```
 
 pub mod chat;
+pub mod manifest;
 pub mod vision;

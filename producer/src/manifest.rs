@@ -1,0 +1,454 @@
+//! Manifests: LLaVA / Qwen-VL style JSONL, one record per line.
+//!
+//! ```json
+//! {"id": "vqa-1", "image": "s3://bucket/images/1.png",
+//!  "conversations": [{"from": "human", "value": "<image>\nwhat shape?"}, {"from": "gpt", "value": "circle"}]}
+//! {"id": "doc-2", "images": ["a.jpg", "b.jpg"], "conversations": [...]}
+//! {"id": "txt-3", "text": "plain text, trained on in full"}
+//! ```
+//!
+//! Image references are `s3://bucket/key` or file paths, relative ones resolved against the
+//! manifest's folder. A bad line never stops the run: [`Manifest`] yields a [`Reject`] with the
+//! line number, the id when it could be read, and the reason, and goes on with the next line.
+
+use std::io::{BufRead, BufReader, Read};
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+use crate::chat::{Message, Role};
+
+/// Where an image comes from.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub enum ImageSource {
+    /// An object in S3 (or an S3-compatible store).
+    S3 {
+        /// Bucket.
+        bucket: String,
+        /// Key.
+        key: String,
+    },
+    /// A file on this node.
+    Local(PathBuf),
+}
+
+impl std::fmt::Display for ImageSource {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            ImageSource::S3 { bucket, key } => write!(f, "s3://{bucket}/{key}"),
+            ImageSource::Local(path) => write!(f, "{}", path.display()),
+        }
+    }
+}
+
+/// What a record trains on.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Content {
+    /// A conversation; only the assistant's replies count in the loss.
+    Conversation(Vec<Message>),
+    /// Plain text; every token counts.
+    Text(String),
+}
+
+/// One good record.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Record {
+    /// 1-based line number in the manifest.
+    pub line: u64,
+    /// The record's id.
+    pub id: String,
+    /// Images, in the order of their `<image>` placeholders.
+    pub images: Vec<ImageSource>,
+    /// What to train on.
+    pub content: Content,
+}
+
+/// A sample that will not be produced, as written to the rejects JSONL file.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Reject {
+    /// 1-based line number in the manifest.
+    pub line: u64,
+    /// The record's id, when it could be read.
+    pub id: Option<String>,
+    /// The pipeline stage that refused it (`manifest`, `fetch`, `decode`, `tokenize`, `write`).
+    pub stage: String,
+    /// Why, in words.
+    pub reason: String,
+}
+
+impl Reject {
+    fn manifest(line: u64, id: Option<String>, reason: impl Into<String>) -> Reject {
+        Reject {
+            line,
+            id,
+            stage: "manifest".into(),
+            reason: reason.into(),
+        }
+    }
+}
+
+#[derive(Deserialize)]
+struct RawRecord {
+    id: Option<serde_json::Value>,
+    image: Option<serde_json::Value>,
+    images: Option<serde_json::Value>,
+    conversations: Option<Vec<RawTurn>>,
+    text: Option<String>,
+}
+
+#[derive(Deserialize)]
+struct RawTurn {
+    from: String,
+    value: String,
+}
+
+/// The longest line read; longer ones are rejected without being held in memory whole.
+pub const MAX_LINE_BYTES: u64 = 16 << 20;
+
+/// Reads a manifest, yielding a record or a reject per non-blank line.
+pub struct Manifest<R> {
+    reader: BufReader<R>,
+    base: PathBuf,
+    line: u64,
+    buf: Vec<u8>,
+}
+
+impl Manifest<std::fs::File> {
+    /// Opens a manifest file; relative image paths resolve against its folder.
+    pub fn open(path: &Path) -> std::io::Result<Manifest<std::fs::File>> {
+        let file = std::fs::File::open(path)?;
+        let base = path.parent().map(Path::to_path_buf).unwrap_or_default();
+        Ok(Manifest::new(file, base))
+    }
+}
+
+impl<R: Read> Manifest<R> {
+    /// Reads a manifest from any reader; relative image paths resolve against `base`.
+    pub fn new(reader: R, base: PathBuf) -> Manifest<R> {
+        Manifest {
+            reader: BufReader::with_capacity(1 << 20, reader),
+            base,
+            line: 0,
+            buf: Vec::new(),
+        }
+    }
+
+    /// Reads the next line into `buf`; `Ok(false)` at the end. Over-long lines are consumed and
+    /// reported as `Err(length)` without keeping more than the limit.
+    fn next_line(&mut self) -> std::io::Result<Result<bool, u64>> {
+        self.buf.clear();
+        let n = (&mut self.reader)
+            .take(MAX_LINE_BYTES + 1)
+            .read_until(b'\n', &mut self.buf)?;
+        if n == 0 {
+            return Ok(Ok(false));
+        }
+        self.line += 1;
+        if n as u64 > MAX_LINE_BYTES && self.buf.last() != Some(&b'\n') {
+            let mut skipped = n as u64;
+            loop {
+                self.buf.clear();
+                let m = (&mut self.reader)
+                    .take(1 << 20)
+                    .read_until(b'\n', &mut self.buf)?;
+                skipped += m as u64;
+                if m == 0 || self.buf.last() == Some(&b'\n') {
+                    break;
+                }
+            }
+            return Ok(Err(skipped));
+        }
+        Ok(Ok(true))
+    }
+
+    fn parse(&self) -> Result<Option<Record>, Reject> {
+        let line = self.line;
+        let mut text = std::str::from_utf8(&self.buf)
+            .map_err(|e| Reject::manifest(line, None, format!("not UTF-8: {e}")))?;
+        if line == 1 {
+            text = text.trim_start_matches('\u{feff}');
+        }
+        let text = text.trim();
+        if text.is_empty() {
+            return Ok(None);
+        }
+        let raw: RawRecord = serde_json::from_str(text)
+            .map_err(|e| Reject::manifest(line, None, format!("malformed JSON: {e}")))?;
+        let id = match raw.id {
+            Some(serde_json::Value::String(s)) if !s.is_empty() => s,
+            Some(serde_json::Value::Number(n)) => n.to_string(),
+            Some(_) => {
+                return Err(Reject::manifest(
+                    line,
+                    None,
+                    "field \"id\" must be a non-empty string or a number",
+                ));
+            }
+            None => return Err(Reject::manifest(line, None, "missing field \"id\"")),
+        };
+        let reject = |reason: String| Reject::manifest(line, Some(id.clone()), reason);
+        let mut refs = Vec::new();
+        for (field, value) in [("image", raw.image), ("images", raw.images)] {
+            match value {
+                None | Some(serde_json::Value::Null) => {}
+                Some(serde_json::Value::String(s)) if field == "image" => refs.push(s),
+                Some(serde_json::Value::Array(items)) if field == "images" => {
+                    for item in items {
+                        match item {
+                            serde_json::Value::String(s) => refs.push(s),
+                            other => {
+                                return Err(reject(format!(
+                                    "\"images\" holds a non-string {other}"
+                                )));
+                            }
+                        }
+                    }
+                }
+                Some(other) => {
+                    return Err(reject(format!(
+                        "field \"{field}\" has the wrong type: {other}"
+                    )));
+                }
+            }
+        }
+        let images = refs
+            .iter()
+            .map(|r| self.image_source(r))
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(reject)?;
+        let content = match (raw.conversations, raw.text) {
+            (Some(turns), None) => {
+                if turns.is_empty() {
+                    return Err(reject("\"conversations\" is empty".into()));
+                }
+                let messages = turns
+                    .into_iter()
+                    .map(|t| {
+                        let role = Role::from_llava(&t.from).ok_or_else(|| {
+                            format!(
+                                "unknown speaker \"from\": {:?} (expected human, gpt or system)",
+                                t.from
+                            )
+                        })?;
+                        Ok(Message {
+                            role,
+                            content: t.value,
+                        })
+                    })
+                    .collect::<Result<Vec<_>, String>>()
+                    .map_err(reject)?;
+                Content::Conversation(messages)
+            }
+            (None, Some(_)) if !images.is_empty() => {
+                return Err(reject(format!(
+                    "a \"text\" record cannot have images ({} given)",
+                    images.len()
+                )));
+            }
+            (None, Some(text)) => Content::Text(text),
+            (Some(_), Some(_)) => {
+                return Err(reject(
+                    "record has both \"conversations\" and \"text\"".into(),
+                ));
+            }
+            (None, None) => {
+                return Err(reject(
+                    "missing field \"conversations\" (or \"text\")".into(),
+                ));
+            }
+        };
+        Ok(Some(Record {
+            line,
+            id,
+            images,
+            content,
+        }))
+    }
+
+    fn image_source(&self, reference: &str) -> Result<ImageSource, String> {
+        if reference.trim().is_empty() {
+            return Err("empty image reference".into());
+        }
+        if let Some(rest) = reference.strip_prefix("s3://") {
+            return match rest.split_once('/') {
+                Some((bucket, key)) if !bucket.is_empty() && !key.is_empty() => {
+                    Ok(ImageSource::S3 {
+                        bucket: bucket.into(),
+                        key: key.into(),
+                    })
+                }
+                _ => Err(format!(
+                    "image reference {reference:?} is not s3://bucket/key"
+                )),
+            };
+        }
+        if let Some((scheme, _)) = reference.split_once("://") {
+            return Err(format!(
+                "image reference {reference:?}: scheme {scheme}:// is not supported (use s3:// or a path)"
+            ));
+        }
+        let path = Path::new(reference);
+        Ok(ImageSource::Local(if path.is_absolute() {
+            path.to_path_buf()
+        } else {
+            self.base.join(path)
+        }))
+    }
+}
+
+impl<R: Read> Iterator for Manifest<R> {
+    type Item = Result<Record, Reject>;
+
+    fn next(&mut self) -> Option<Self::Item> {
+        loop {
+            match self.next_line() {
+                Err(e) => {
+                    return Some(Err(Reject::manifest(
+                        self.line + 1,
+                        None,
+                        format!("cannot read the manifest: {e}"),
+                    )));
+                }
+                Ok(Ok(false)) => return None,
+                Ok(Err(len)) => {
+                    return Some(Err(Reject::manifest(
+                        self.line,
+                        None,
+                        format!("line of {len} bytes exceeds the limit of {MAX_LINE_BYTES}"),
+                    )));
+                }
+                Ok(Ok(true)) => match self.parse() {
+                    Ok(None) => continue,
+                    Ok(Some(record)) => return Some(Ok(record)),
+                    Err(reject) => return Some(Err(reject)),
+                },
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn read(text: &str) -> Vec<Result<Record, Reject>> {
+        Manifest::new(text.as_bytes(), PathBuf::from("/data/set")).collect()
+    }
+
+    #[test]
+    fn good_records_of_every_shape() {
+        let out = read(concat!(
+            "\u{feff}{\"id\": \"a\", \"image\": \"s3://bkt/img/1.png\", \"conversations\": [{\"from\": \"human\", \"value\": \"<image>\\nq\"}, {\"from\": \"gpt\", \"value\": \"r\"}]}\r\n",
+            "\n",
+            "{\"id\": 7, \"images\": [\"x/1.jpg\", \"/abs/2.jpg\"], \"conversations\": [{\"from\": \"system\", \"value\": \"s\"}, {\"from\": \"human\", \"value\": \"<image><image>\"}, {\"from\": \"gpt\", \"value\": \"ok\"}]}\n",
+            "{\"id\": \"t\", \"text\": \"hello world\"}",
+        ));
+        assert_eq!(out.len(), 3);
+        let a = out[0].as_ref().unwrap();
+        assert_eq!((a.line, a.id.as_str()), (1, "a"));
+        assert_eq!(
+            a.images,
+            vec![ImageSource::S3 {
+                bucket: "bkt".into(),
+                key: "img/1.png".into()
+            }]
+        );
+        let b = out[1].as_ref().unwrap();
+        assert_eq!((b.line, b.id.as_str()), (3, "7"));
+        assert_eq!(
+            b.images,
+            vec![
+                ImageSource::Local("/data/set/x/1.jpg".into()),
+                ImageSource::Local("/abs/2.jpg".into())
+            ]
+        );
+        assert!(
+            matches!(&b.content, Content::Conversation(m) if m.len() == 3 && m[0].role == Role::System)
+        );
+        assert_eq!(
+            out[2].as_ref().unwrap().content,
+            Content::Text("hello world".into())
+        );
+    }
+
+    #[test]
+    fn every_kind_of_bad_line_is_a_reject_with_its_line_and_reason() {
+        let cases: &[(&str, &str)] = &[
+            (
+                "{\"id\": \"a\", \"image\": \"1.png\", \"conversations\": [",
+                "malformed JSON",
+            ),
+            ("not json at all", "malformed JSON"),
+            (
+                "{\"image\": \"1.png\", \"conversations\": []}",
+                "missing field \"id\"",
+            ),
+            (
+                "{\"id\": \"b\", \"image\": \"1.png\"}",
+                "missing field \"conversations\"",
+            ),
+            ("{\"id\": \"c\", \"conversations\": []}", "is empty"),
+            (
+                "{\"id\": \"d\", \"conversations\": [{\"from\": \"robot\", \"value\": \"x\"}]}",
+                "unknown speaker",
+            ),
+            (
+                "{\"id\": \"e\", \"image\": 5, \"conversations\": [{\"from\": \"gpt\", \"value\": \"x\"}]}",
+                "wrong type",
+            ),
+            (
+                "{\"id\": \"f\", \"image\": \"http://x/1.png\", \"conversations\": [{\"from\": \"gpt\", \"value\": \"x\"}]}",
+                "not supported",
+            ),
+            (
+                "{\"id\": \"g\", \"image\": \"s3://bucket-only\", \"conversations\": [{\"from\": \"gpt\", \"value\": \"x\"}]}",
+                "not s3://bucket/key",
+            ),
+            (
+                "{\"id\": \"h\", \"image\": \" \", \"conversations\": [{\"from\": \"gpt\", \"value\": \"x\"}]}",
+                "empty image reference",
+            ),
+            (
+                "{\"id\": \"i\", \"text\": \"t\", \"image\": \"1.png\"}",
+                "cannot have images",
+            ),
+            ("{\"id\": [1], \"text\": \"t\"}", "\"id\" must be"),
+        ];
+        let text: String = cases.iter().map(|(l, _)| format!("{l}\n")).collect();
+        let out = read(&text);
+        assert_eq!(out.len(), cases.len());
+        for (i, ((_, want), got)) in cases.iter().zip(&out).enumerate() {
+            let reject = got.as_ref().unwrap_err();
+            assert_eq!(reject.line, i as u64 + 1);
+            assert_eq!(reject.stage, "manifest");
+            assert!(
+                reject.reason.contains(want),
+                "line {}: {:?} lacks {want:?}",
+                i + 1,
+                reject.reason
+            );
+        }
+        assert_eq!(out[1].as_ref().unwrap_err().id, None);
+        assert_eq!(out[3].as_ref().unwrap_err().id.as_deref(), Some("b"));
+    }
+
+    #[test]
+    fn an_over_long_line_is_rejected_and_the_next_one_read() {
+        let long = format!(
+            "{{\"id\": \"big\", \"text\": \"{}\"}}\n",
+            "x".repeat(MAX_LINE_BYTES as usize + 10)
+        );
+        let text = format!("{long}{{\"id\": \"next\", \"text\": \"ok\"}}\n");
+        let out = read(&text);
+        assert_eq!(out.len(), 2);
+        assert!(
+            out[0]
+                .as_ref()
+                .unwrap_err()
+                .reason
+                .contains("exceeds the limit")
+        );
+        assert_eq!(out[1].as_ref().unwrap().id, "next");
+        assert_eq!(out[1].as_ref().unwrap().line, 2);
+    }
+}
