@@ -202,6 +202,25 @@ impl ChatTokenizer {
     }
 }
 
+impl ChatTokenizer {
+    /// Tokenizes plain text; every token counts in the loss.
+    pub fn encode_text(&self, text: &str) -> Result<Encoded, ChatError> {
+        let encoding = self
+            .tokenizer
+            .encode(text, false)
+            .map_err(|e| ChatError::Encode(e.to_string()))?;
+        let ids = encoding.get_ids().to_vec();
+        if ids.len() > self.max_tokens {
+            return Err(ChatError::TooLong {
+                tokens: ids.len(),
+                max: self.max_tokens,
+            });
+        }
+        let labels = ids.iter().map(|&id| id as i32).collect();
+        Ok(Encoded { ids, labels })
+    }
+}
+
 /// Number of `<|image_pad|>` tokens for an image resized to `height` × `width` pixels: one per
 /// `merge × merge` block of `patch × patch` patches (Qwen2/2.5-VL: patch 14, merge 2, so one
 /// token per 28 × 28 pixels; Qwen3-VL: patch 16).

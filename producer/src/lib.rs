@@ -7,6 +7,8 @@
 //!   image-token expansion, matching Hugging Face's tokenizer output token for token.
 //! - [`manifest`]: LLaVA / Qwen-VL JSONL records, every bad line a [`manifest::Reject`] with its
 //!   line number, id and reason, never the end of the run.
+//! - [`pipeline`]: records in, samples sealed in the store out: tokio fetches, CPU workers, every
+//!   failure a reject, with the [`profile`] stage profiler naming the bottleneck.
 //! - [`vision`]: probe (with a decompression-bomb guard), plan the output size, decode, resize
 //!   (bicubic, matching Pillow) and normalise into the sample's region in one pass.
 //!
@@ -30,4 +32,6 @@
 
 pub mod chat;
 pub mod manifest;
+pub mod pipeline;
+pub mod profile;
 pub mod vision;

@@ -253,6 +253,25 @@ impl ImageTransform {
         dst: &mut [u8],
         scratch: &mut Scratch,
     ) -> Result<(), ImageError> {
+        let rgb = self.decode(encoded)?;
+        self.resize_into(&rgb, target, dst, scratch)
+    }
+
+    /// Decodes to RGB8, after the header check and the decompression-bomb guard.
+    pub fn decode(&self, encoded: &[u8]) -> Result<image::RgbImage, ImageError> {
+        let probe = probe(encoded, self.max_source_pixels)?;
+        decode_rgb(encoded, probe)
+    }
+
+    /// Resizes decoded pixels to `target` and writes the normalised tensor into `dst`
+    /// (`shape(target) × dtype` bytes): the pass that writes shared memory.
+    pub fn resize_into(
+        &self,
+        rgb: &image::RgbImage,
+        target: (u32, u32),
+        dst: &mut [u8],
+        scratch: &mut Scratch,
+    ) -> Result<(), ImageError> {
         let (tw, th) = target;
         let pixels = tw as usize * th as usize;
         let need = pixels * 3 * self.dtype.size_bytes() as usize;
@@ -262,8 +281,6 @@ impl ImageTransform {
                 have: dst.len(),
             });
         }
-        let probe = probe(encoded, self.max_source_pixels)?;
-        let rgb = decode_rgb(encoded, probe)?;
         let (sw, sh) = rgb.dimensions();
         let direct = self.dtype == DType::U8 && self.layout == TensorLayout::Hwc;
         let resized: &[u8] = if (sw, sh) == (tw, th) {
@@ -271,9 +288,7 @@ impl ImageTransform {
                 dst.copy_from_slice(rgb.as_raw());
                 return Ok(());
             }
-            scratch.rgb.clear();
-            scratch.rgb.extend_from_slice(rgb.as_raw());
-            &scratch.rgb
+            rgb.as_raw()
         } else {
             let src = ImageRef::new(sw, sh, rgb.as_raw(), PixelType::U8x3)
                 .map_err(|e| ImageError::Resize(e.to_string()))?;

@@ -1,0 +1,426 @@
+//! The producer pipeline: records in, sealed samples out, every failure a reject.
+//!
+//! ```text
+//! manifest ──▶ fetch tasks (tokio, at most `fetch_concurrency` in flight) ──▶ bounded queue
+//!          └─▶ rejects                                                          │
+//!                       CPU workers (threads, one store connection each) ◀─────┘
+//!                       probe → plan sizes → tokenize → reserve the object at its final size
+//!                       → decode → resize/normalise into shared memory → finish → seal
+//! ```
+//!
+//! IO never blocks a CPU worker and CPU work never runs on the IO runtime. The queue between
+//! them is bounded, so a slow CPU side holds fetches back (and memory stays bounded) instead of
+//! piling up images. A sample is written exactly once, straight into its object; a failure after
+//! the object was reserved drops the writer, which aborts it, so nothing half-written is ever
+//! visible.
+
+use std::future::Future;
+use std::path::PathBuf;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use feedstore_consumer::{Client, ConnectOptions, Handle, Role};
+use feedstore_proto::sample::{KeyValue, SampleInfo, SamplePlan};
+
+use crate::chat::{ChatTokenizer, image_pad_tokens};
+use crate::manifest::{Content, ImageSource, Record, Reject};
+use crate::profile::{Profiler, Stage, StageProfile};
+use crate::vision::{ImageTransform, Scratch};
+
+/// Why an image could not be fetched.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum FetchError {
+    /// No such object or file.
+    #[error("not found: {0}")]
+    NotFound(String),
+    /// The source refused access.
+    #[error("access denied: {0}")]
+    AccessDenied(String),
+    /// This fetcher does not serve that kind of source.
+    #[error("unsupported source {0}")]
+    Unsupported(String),
+    /// Any other failure, after retries where they apply.
+    #[error("{0}")]
+    Other(String),
+}
+
+/// Where image bytes come from. One implementation per kind of source; the pipeline does not
+/// know which it is talking to.
+pub trait Fetch: Send + Sync + 'static {
+    /// Reads the whole object.
+    fn fetch<'a>(
+        &'a self,
+        source: &'a ImageSource,
+    ) -> Pin<Box<dyn Future<Output = Result<Vec<u8>, FetchError>> + Send + 'a>>;
+}
+
+/// Reads local files through tokio.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct LocalFiles;
+
+impl Fetch for LocalFiles {
+    fn fetch<'a>(
+        &'a self,
+        source: &'a ImageSource,
+    ) -> Pin<Box<dyn Future<Output = Result<Vec<u8>, FetchError>> + Send + 'a>> {
+        Box::pin(async move {
+            let ImageSource::Local(path) = source else {
+                return Err(FetchError::Unsupported(format!(
+                    "{source} (no S3 endpoint configured)"
+                )));
+            };
+            tokio::fs::read(path).await.map_err(|e| match e.kind() {
+                std::io::ErrorKind::NotFound => FetchError::NotFound(path.display().to_string()),
+                std::io::ErrorKind::PermissionDenied => {
+                    FetchError::AccessDenied(path.display().to_string())
+                }
+                _ => FetchError::Other(format!("{}: {e}", path.display())),
+            })
+        })
+    }
+}
+
+/// How a producer runs.
+#[derive(Debug, Clone)]
+pub struct ProducerConfig {
+    /// The daemon's socket.
+    pub socket: PathBuf,
+    /// Image fetches in flight at most.
+    pub fetch_concurrency: usize,
+    /// CPU workers (decode, resize, tokenize, write).
+    pub workers: usize,
+    /// The image transform.
+    pub transform: ImageTransform,
+    /// Vision patch size in pixels (14 for Qwen2/2.5-VL, 16 for Qwen3-VL).
+    pub patch_size: u32,
+    /// Patches merged per image token along each side (2 for Qwen-VL).
+    pub merge_size: u32,
+    /// How long a worker waits for store space before rejecting a sample as `write: store full`.
+    pub create_timeout: Duration,
+}
+
+impl ProducerConfig {
+    /// Defaults: 32 fetches in flight, one worker per core, Qwen2.5-VL's image settings.
+    pub fn new(socket: PathBuf) -> ProducerConfig {
+        ProducerConfig {
+            socket,
+            fetch_concurrency: 32,
+            workers: std::thread::available_parallelism().map_or(1, |n| n.get()),
+            transform: ImageTransform::qwen_vl(),
+            patch_size: 14,
+            merge_size: 2,
+            create_timeout: Duration::from_secs(30),
+        }
+    }
+}
+
+/// One sample sealed in the store.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Produced {
+    /// Its handle.
+    pub handle: Handle,
+    /// Manifest line.
+    pub line: u64,
+    /// Record id.
+    pub id: String,
+    /// Object size in bytes.
+    pub bytes: u64,
+}
+
+/// Something the pipeline reports as it runs.
+#[derive(Debug)]
+pub enum Event {
+    /// A sample was sealed.
+    Produced(Produced),
+    /// A record was rejected.
+    Rejected(Reject),
+}
+
+/// The end of a run.
+#[derive(Debug, Clone)]
+pub struct Summary {
+    /// Samples sealed.
+    pub produced: u64,
+    /// Records rejected.
+    pub rejected: u64,
+    /// Where the time went.
+    pub profile: StageProfile,
+}
+
+impl Summary {
+    /// Rejected over all records seen.
+    pub fn reject_rate(&self) -> f64 {
+        let total = self.produced + self.rejected;
+        if total == 0 {
+            0.0
+        } else {
+            self.rejected as f64 / total as f64
+        }
+    }
+}
+
+/// Why a run could not start.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ProducerError {
+    /// The store is not reachable.
+    #[error("cannot connect to the store")]
+    Connect(#[source] feedstore_consumer::Error),
+    /// The async runtime could not start.
+    #[error("cannot start the runtime")]
+    Runtime(#[source] std::io::Error),
+}
+
+struct Job {
+    record: Record,
+    images: Vec<Vec<u8>>,
+}
+
+/// Runs the pipeline over `records` to the end, calling `on_event` (on this thread) for every
+/// sample and reject as they happen.
+pub fn run(
+    config: &ProducerConfig,
+    tokenizer: Arc<ChatTokenizer>,
+    fetcher: Arc<dyn Fetch>,
+    records: impl Iterator<Item = Result<Record, Reject>> + Send + 'static,
+    mut on_event: impl FnMut(&Event, &Profiler),
+) -> Result<Summary, ProducerError> {
+    let started = Instant::now();
+    let profiler = Arc::new(Profiler::default());
+    let workers = config.workers.max(1);
+    let clients = (0..workers)
+        .map(|i| {
+            ConnectOptions::new(Role::Writer)
+                .socket(&config.socket)
+                .name(format!("producer-worker-{i}"))
+                .create_timeout(config.create_timeout)
+                .connect()
+                .map_err(ProducerError::Connect)
+        })
+        .collect::<Result<Vec<Client>, _>>()?;
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(ProducerError::Runtime)?;
+
+    let (job_tx, job_rx) = tokio::sync::mpsc::channel::<Job>(workers * 2);
+    let job_rx = Arc::new(std::sync::Mutex::new(job_rx));
+    let (event_tx, event_rx) = std::sync::mpsc::channel::<Event>();
+
+    let mut threads = Vec::new();
+    for client in clients {
+        let (job_rx, event_tx, profiler) = (job_rx.clone(), event_tx.clone(), profiler.clone());
+        let (tokenizer, config) = (tokenizer.clone(), config.clone());
+        threads.push(std::thread::spawn(move || {
+            let mut scratch = Scratch::default();
+            loop {
+                let waited = Instant::now();
+                let job = job_rx
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .blocking_recv();
+                profiler.cpu_idle(waited.elapsed());
+                let Some(job) = job else { return };
+                let event =
+                    match produce(&config, &client, &tokenizer, &profiler, &mut scratch, job) {
+                        Ok(p) => Event::Produced(p),
+                        Err(r) => Event::Rejected(r),
+                    };
+                if event_tx.send(event).is_err() {
+                    return;
+                }
+            }
+        }));
+    }
+
+    let fetch_concurrency = config.fetch_concurrency.max(1);
+    let io = {
+        let (event_tx, profiler) = (event_tx.clone(), profiler.clone());
+        std::thread::spawn(move || {
+            runtime.block_on(async move {
+                let permits = Arc::new(tokio::sync::Semaphore::new(fetch_concurrency));
+                for item in records {
+                    let record = match item {
+                        Ok(r) => r,
+                        Err(reject) => {
+                            let _ = event_tx.send(Event::Rejected(reject));
+                            continue;
+                        }
+                    };
+                    let permit = permits.clone().acquire_owned().await.expect("never closed");
+                    let (fetcher, job_tx, event_tx, profiler) = (
+                        fetcher.clone(),
+                        job_tx.clone(),
+                        event_tx.clone(),
+                        profiler.clone(),
+                    );
+                    tokio::spawn(async move {
+                        let _permit = permit;
+                        match fetch_all(&*fetcher, &record, &profiler).await {
+                            Ok(images) => {
+                                let queued = Instant::now();
+                                let _ = job_tx.send(Job { record, images }).await;
+                                profiler.fetch_blocked(queued.elapsed());
+                            }
+                            Err(reject) => {
+                                let _ = event_tx.send(Event::Rejected(reject));
+                            }
+                        }
+                    });
+                }
+                // Every fetch holds a permit until its job is queued: all permits back means done.
+                let _ = permits.acquire_many(fetch_concurrency as u32).await;
+            });
+        })
+    };
+    drop(event_tx);
+
+    let (mut produced, mut rejected) = (0, 0);
+    for event in event_rx {
+        match &event {
+            Event::Produced(_) => produced += 1,
+            Event::Rejected(_) => rejected += 1,
+        }
+        on_event(&event, &profiler);
+    }
+    io.join().expect("the IO thread does not panic");
+    for t in threads {
+        t.join().expect("a worker does not panic");
+    }
+    let profile = profiler.snapshot(started.elapsed(), workers, fetch_concurrency);
+    Ok(Summary {
+        produced,
+        rejected,
+        profile,
+    })
+}
+
+async fn fetch_all(
+    fetcher: &dyn Fetch,
+    record: &Record,
+    profiler: &Profiler,
+) -> Result<Vec<Vec<u8>>, Reject> {
+    let mut images = Vec::with_capacity(record.images.len());
+    for source in &record.images {
+        profiler.fetch_in_flight(1);
+        let started = Instant::now();
+        let result = fetcher.fetch(source).await;
+        profiler.fetch_in_flight(-1);
+        profiler.record(Stage::Fetch, started.elapsed());
+        match result {
+            Ok(bytes) => {
+                profiler.fetched(bytes.len() as u64);
+                images.push(bytes);
+            }
+            Err(e) => return Err(reject(record, "fetch", format!("{source}: {e}"))),
+        }
+    }
+    Ok(images)
+}
+
+fn reject(record: &Record, stage: &str, reason: String) -> Reject {
+    Reject {
+        line: record.line,
+        id: Some(record.id.clone()),
+        stage: stage.into(),
+        reason,
+    }
+}
+
+/// One sample, start to seal, on a CPU worker.
+fn produce(
+    config: &ProducerConfig,
+    client: &Client,
+    tokenizer: &ChatTokenizer,
+    profiler: &Profiler,
+    scratch: &mut Scratch,
+    job: Job,
+) -> Result<Produced, Reject> {
+    let Job { record, images } = job;
+    let t = &config.transform;
+
+    // Decode first: the sizes, the token count and the object's size all follow from it.
+    let started = Instant::now();
+    let mut decoded = Vec::with_capacity(images.len());
+    for (bytes, source) in images.iter().zip(&record.images) {
+        let rgb = t
+            .decode(bytes)
+            .map_err(|e| reject(&record, "decode", format!("{source}: {e}")))?;
+        let (w, h) = rgb.dimensions();
+        let target = t
+            .target_size(w, h)
+            .map_err(|e| reject(&record, "decode", format!("{source}: {e}")))?;
+        decoded.push((rgb, target));
+    }
+    drop(images);
+    profiler.record(Stage::Decode, started.elapsed());
+
+    let started = Instant::now();
+    let pads: Vec<usize> = decoded
+        .iter()
+        .map(|(_, (w, h))| image_pad_tokens(*h, *w, config.patch_size, config.merge_size))
+        .collect();
+    let encoded = match &record.content {
+        Content::Conversation(messages) => tokenizer.encode(messages, &pads),
+        Content::Text(text) => tokenizer.encode_text(text),
+    }
+    .map_err(|e| reject(&record, "tokenize", e.to_string()))?;
+    profiler.record(Stage::Tokenize, started.elapsed());
+
+    let mut plan = SamplePlan::new();
+    for (_, (w, h)) in &decoded {
+        let shape = t.shape(*w, *h);
+        plan.add_image(t.dtype, t.layout, &shape);
+    }
+    plan.set_token_count(encoded.ids.len());
+    let info = SampleInfo {
+        id: record.id.clone(),
+        source_keys: record.images.iter().map(ToString::to_string).collect(),
+        image_grid_thw: decoded
+            .iter()
+            .map(|(_, (w, h))| [1, h / config.patch_size, w / config.patch_size])
+            .collect(),
+        metadata: vec![KeyValue {
+            key: "line".into(),
+            value: record.line.to_string(),
+        }],
+    };
+
+    let started = Instant::now();
+    let size = plan.object_bytes(&info);
+    let mut object = client
+        .create(size)
+        .map_err(|e| reject(&record, "write", e.to_string()))?;
+    let reserving = started.elapsed();
+
+    // From here on a failure drops `object`, which aborts it: nothing half-written is visible.
+    let started = Instant::now();
+    {
+        let regions = plan
+            .regions(object.as_mut_slice())
+            .map_err(|e| reject(&record, "write", e.to_string()))?;
+        for ((rgb, target), region) in decoded.iter().zip(regions.images) {
+            t.resize_into(rgb, *target, region, scratch)
+                .map_err(|e| reject(&record, "decode", e.to_string()))?;
+        }
+        regions.tokens.copy_from_slice(&encoded.ids);
+        regions.labels.copy_from_slice(&encoded.labels);
+    }
+    profiler.record(Stage::Resize, started.elapsed());
+
+    let started = Instant::now();
+    plan.finish(object.as_mut_slice(), &info)
+        .map_err(|e| reject(&record, "write", e.to_string()))?;
+    let handle = object
+        .seal()
+        .map_err(|e| reject(&record, "write", e.to_string()))?;
+    profiler.record(Stage::Write, reserving + started.elapsed());
+    Ok(Produced {
+        handle,
+        line: record.line,
+        id: record.id,
+        bytes: size,
+    })
+}

@@ -1,0 +1,244 @@
+//! The stage profiler: where a producer's time goes, and which knob to turn.
+//!
+//! Every fix to a data pipeline exposes the next bottleneck, so the producer measures each stage
+//! as it runs: busy time and item count per stage, how long CPU workers sat idle waiting for
+//! fetched images (the pipeline is fetch-bound), and how long fetched images waited for a free
+//! CPU worker (it is CPU-bound). [`StageProfile::verdict`] turns those into one sentence naming
+//! the bottleneck and the flag to change.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+/// A pipeline stage.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Stage {
+    /// Reading image bytes (S3 or local files).
+    Fetch,
+    /// Decoding the image.
+    Decode,
+    /// Resizing, normalising and writing pixels into shared memory.
+    Resize,
+    /// Chat template, tokenization, labels.
+    Tokenize,
+    /// Reserving, finishing and sealing the object.
+    Write,
+}
+
+/// All stages, in pipeline order.
+pub const STAGES: [Stage; 5] = [
+    Stage::Fetch,
+    Stage::Decode,
+    Stage::Resize,
+    Stage::Tokenize,
+    Stage::Write,
+];
+
+impl Stage {
+    /// Lower-case name.
+    pub fn name(self) -> &'static str {
+        match self {
+            Stage::Fetch => "fetch",
+            Stage::Decode => "decode",
+            Stage::Resize => "resize+normalize",
+            Stage::Tokenize => "tokenize",
+            Stage::Write => "write",
+        }
+    }
+}
+
+#[derive(Debug, Default)]
+struct Counter {
+    busy_ns: AtomicU64,
+    items: AtomicU64,
+}
+
+/// Live counters, shared by every task and worker of one producer.
+#[derive(Debug, Default)]
+pub struct Profiler {
+    stages: [Counter; 5],
+    /// CPU workers waiting for work.
+    cpu_idle_ns: AtomicU64,
+    /// Fetched records waiting for a CPU worker.
+    fetch_blocked_ns: AtomicU64,
+    fetch_in_flight: AtomicU64,
+    fetched_bytes: AtomicU64,
+}
+
+impl Profiler {
+    /// Adds busy time to a stage.
+    pub fn record(&self, stage: Stage, busy: Duration) {
+        let c = &self.stages[stage as usize];
+        c.busy_ns
+            .fetch_add(busy.as_nanos() as u64, Ordering::Relaxed);
+        c.items.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Adds time a CPU worker spent waiting for input.
+    pub fn cpu_idle(&self, d: Duration) {
+        self.cpu_idle_ns
+            .fetch_add(d.as_nanos() as u64, Ordering::Relaxed);
+    }
+
+    /// Adds time a fetched record waited for a CPU worker.
+    pub fn fetch_blocked(&self, d: Duration) {
+        self.fetch_blocked_ns
+            .fetch_add(d.as_nanos() as u64, Ordering::Relaxed);
+    }
+
+    /// Counts bytes fetched.
+    pub fn fetched(&self, bytes: u64) {
+        self.fetched_bytes.fetch_add(bytes, Ordering::Relaxed);
+    }
+
+    /// A fetch started (+1) or ended (-1).
+    pub fn fetch_in_flight(&self, delta: i64) {
+        if delta >= 0 {
+            self.fetch_in_flight
+                .fetch_add(delta as u64, Ordering::Relaxed);
+        } else {
+            self.fetch_in_flight
+                .fetch_sub(delta.unsigned_abs(), Ordering::Relaxed);
+        }
+    }
+
+    /// A snapshot.
+    pub fn snapshot(
+        &self,
+        wall: Duration,
+        cpu_workers: usize,
+        fetch_concurrency: usize,
+    ) -> StageProfile {
+        let ns = |a: &AtomicU64| Duration::from_nanos(a.load(Ordering::Relaxed));
+        StageProfile {
+            wall,
+            cpu_workers,
+            fetch_concurrency,
+            stages: STAGES.map(|s| {
+                let c = &self.stages[s as usize];
+                (s, ns(&c.busy_ns), c.items.load(Ordering::Relaxed))
+            }),
+            cpu_idle: ns(&self.cpu_idle_ns),
+            fetch_blocked: ns(&self.fetch_blocked_ns),
+            fetch_in_flight: self.fetch_in_flight.load(Ordering::Relaxed),
+            fetched_bytes: self.fetched_bytes.load(Ordering::Relaxed),
+        }
+    }
+}
+
+/// What the profiler measured, at one moment.
+#[derive(Debug, Clone)]
+pub struct StageProfile {
+    /// Wall-clock time so far.
+    pub wall: Duration,
+    /// CPU workers.
+    pub cpu_workers: usize,
+    /// Fetch concurrency limit.
+    pub fetch_concurrency: usize,
+    /// Per stage: busy time (summed over concurrent tasks) and items.
+    pub stages: [(Stage, Duration, u64); 5],
+    /// Total time CPU workers waited for fetched input.
+    pub cpu_idle: Duration,
+    /// Total time fetched records waited for a CPU worker.
+    pub fetch_blocked: Duration,
+    /// Fetches in flight now.
+    pub fetch_in_flight: u64,
+    /// Bytes fetched.
+    pub fetched_bytes: u64,
+}
+
+impl StageProfile {
+    /// Share of the CPU workers' time spent waiting for input.
+    pub fn cpu_idle_share(&self) -> f64 {
+        let capacity = self.wall.as_secs_f64() * self.cpu_workers as f64;
+        if capacity == 0.0 {
+            0.0
+        } else {
+            (self.cpu_idle.as_secs_f64() / capacity).min(1.0)
+        }
+    }
+
+    /// One sentence: the bottleneck and the knob to turn.
+    pub fn verdict(&self) -> String {
+        let idle = self.cpu_idle_share();
+        let fetch_busy = self.stages[0].1.as_secs_f64();
+        let blocked = self.fetch_blocked.as_secs_f64();
+        if idle > 0.5 && blocked < fetch_busy * 0.1 {
+            format!(
+                "fetch-bound: CPU workers waited for images {:.0}% of the time; raise --fetch-concurrency (now {})",
+                idle * 100.0,
+                self.fetch_concurrency
+            )
+        } else if blocked > fetch_busy * 0.25 || idle < 0.1 {
+            let (stage, busy, _) = self.stages[1..]
+                .iter()
+                .max_by_key(|(_, busy, _)| *busy)
+                .copied()
+                .expect("four CPU stages");
+            format!(
+                "CPU-bound: fetched images waited for a worker; {} takes the most time ({:.1} s); add cores or --workers (now {})",
+                stage.name(),
+                busy.as_secs_f64(),
+                self.cpu_workers
+            )
+        } else {
+            "balanced: neither fetching nor CPU work waits on the other for long".into()
+        }
+    }
+
+    /// A table of the stages, for the end-of-run report.
+    pub fn table(&self) -> String {
+        let mut out = String::from("  stage              busy (s)   items   per item\n");
+        for (stage, busy, items) in &self.stages {
+            let per = if *items == 0 {
+                0.0
+            } else {
+                busy.as_secs_f64() * 1e3 / *items as f64
+            };
+            out.push_str(&format!(
+                "  {:<18} {:>8.2} {:>7}   {:>6.2} ms\n",
+                stage.name(),
+                busy.as_secs_f64(),
+                items,
+                per
+            ));
+        }
+        out.push_str(&format!(
+            "  CPU workers idle {:.0}% of the time; fetched records waited {:.2} s for a worker; {:.1} MB fetched\n",
+            self.cpu_idle_share() * 100.0,
+            self.fetch_blocked.as_secs_f64(),
+            self.fetched_bytes as f64 / 1e6
+        ));
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn profile(cpu_idle_s: u64, fetch_blocked_s: u64, fetch_busy_s: u64) -> StageProfile {
+        let p = Profiler::default();
+        p.record(Stage::Fetch, Duration::from_secs(fetch_busy_s));
+        p.record(Stage::Decode, Duration::from_secs(3));
+        p.record(Stage::Resize, Duration::from_secs(5));
+        p.cpu_idle(Duration::from_secs(cpu_idle_s));
+        p.fetch_blocked(Duration::from_secs(fetch_blocked_s));
+        p.snapshot(Duration::from_secs(10), 2, 8)
+    }
+
+    #[test]
+    fn verdict_names_the_bottleneck_and_the_knob() {
+        let fetch_bound = profile(16, 0, 40).verdict();
+        assert!(
+            fetch_bound.starts_with("fetch-bound")
+                && fetch_bound.contains("--fetch-concurrency (now 8)"),
+            "{fetch_bound}"
+        );
+        let cpu_bound = profile(0, 30, 40).verdict();
+        assert!(
+            cpu_bound.starts_with("CPU-bound") && cpu_bound.contains("resize+normalize"),
+            "{cpu_bound}"
+        );
+        assert!(profile(6, 2, 40).verdict().starts_with("balanced"));
+    }
+}
