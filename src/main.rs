@@ -6,6 +6,7 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand};
 
 mod demo;
+mod produce;
 mod stat;
 
 /// feedstore: a per-node shared-memory object store that keeps training GPUs fed.
@@ -27,6 +28,10 @@ enum Command {
     /// Start an embedded daemon (or use a running one), put and get objects through the real
     /// socket and shared memory from several processes' worth of threads, and print what it cost.
     Demo(demo::Args),
+    /// Read a JSONL manifest, fetch, decode, resize, normalise and tokenize each record, and write
+    /// each sample once into the running daemon's shared memory. Bad records go to a rejects
+    /// file; the run ends with a stage profile naming the bottleneck.
+    Produce(produce::Args),
 }
 
 /// The socket flag shared by subcommands.
@@ -51,6 +56,7 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Stat(args) => stat::run(args),
         Command::Demo(args) => demo::run(args),
+        Command::Produce(args) => produce::run_produce(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
