@@ -179,9 +179,26 @@ impl ChatTokenizer {
                 max: self.max_tokens,
             });
         }
+        self.encode_with(&text, |start, end| {
+            spans.iter().any(|s| s.start <= start && end <= s.end)
+        })
+    }
+
+    /// Tokenizes plain text; every token counts in the loss.
+    pub fn encode_text(&self, text: &str) -> Result<Encoded, ChatError> {
+        self.encode_with(text, |_, _| true)
+    }
+
+    /// Tokenizes `text` once, refuses it past the maximum, and labels each token by whether its
+    /// byte range is `trained`.
+    fn encode_with(
+        &self,
+        text: &str,
+        trained: impl Fn(usize, usize) -> bool,
+    ) -> Result<Encoded, ChatError> {
         let encoding = self
             .tokenizer
-            .encode(text.as_str(), false)
+            .encode(text, false)
             .map_err(|e| ChatError::Encode(e.to_string()))?;
         let ids = encoding.get_ids().to_vec();
         if ids.len() > self.max_tokens {
@@ -194,29 +211,13 @@ impl ChatTokenizer {
             .iter()
             .zip(encoding.get_offsets())
             .map(|(&id, &(start, end))| {
-                let trained = spans.iter().any(|s| s.start <= start && end <= s.end);
-                if trained { id as i32 } else { IGNORE_INDEX }
+                if trained(start, end) {
+                    id as i32
+                } else {
+                    IGNORE_INDEX
+                }
             })
             .collect();
-        Ok(Encoded { ids, labels })
-    }
-}
-
-impl ChatTokenizer {
-    /// Tokenizes plain text; every token counts in the loss.
-    pub fn encode_text(&self, text: &str) -> Result<Encoded, ChatError> {
-        let encoding = self
-            .tokenizer
-            .encode(text, false)
-            .map_err(|e| ChatError::Encode(e.to_string()))?;
-        let ids = encoding.get_ids().to_vec();
-        if ids.len() > self.max_tokens {
-            return Err(ChatError::TooLong {
-                tokens: ids.len(),
-                max: self.max_tokens,
-            });
-        }
-        let labels = ids.iter().map(|&id| id as i32).collect();
         Ok(Encoded { ids, labels })
     }
 }

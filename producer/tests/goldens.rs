@@ -7,7 +7,7 @@ use std::io::Read;
 use feedstore_producer::chat::{ChatError, ChatTokenizer, Message, Role};
 use feedstore_proto::sample::IGNORE_INDEX;
 
-fn tokenizer(max_tokens: usize) -> ChatTokenizer {
+fn tokenizer_json() -> Vec<u8> {
     let gz = std::fs::read(concat!(
         env!("CARGO_MANIFEST_DIR"),
         "/tests/data/qwen3-tokenizer.json.gz"
@@ -17,7 +17,20 @@ fn tokenizer(max_tokens: usize) -> ChatTokenizer {
     flate2::read::GzDecoder::new(&gz[..])
         .read_to_end(&mut json)
         .unwrap();
-    ChatTokenizer::from_bytes(&json, max_tokens).unwrap()
+    json
+}
+
+fn tokenizer(max_tokens: usize) -> ChatTokenizer {
+    ChatTokenizer::from_bytes(&tokenizer_json(), max_tokens).unwrap()
+}
+
+fn image_tokens(case: &serde_json::Value) -> Vec<usize> {
+    case["image_tokens"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_u64().unwrap() as usize)
+        .collect()
 }
 
 fn goldens() -> serde_json::Value {
@@ -49,12 +62,7 @@ fn token_ids_match_hugging_face() {
     assert_eq!(cases.len(), 10);
     for case in cases {
         let name = case["name"].as_str().unwrap();
-        let images: Vec<usize> = case["image_tokens"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|v| v.as_u64().unwrap() as usize)
-            .collect();
+        let images = image_tokens(case);
         let expected: Vec<u32> = case["ids"]
             .as_array()
             .unwrap()
@@ -71,26 +79,10 @@ fn token_ids_match_hugging_face() {
 fn labels_train_on_exactly_the_assistant_replies() {
     let tok = tokenizer(1 << 20);
     let goldens = goldens();
-    let tk = {
-        let gz = std::fs::read(concat!(
-            env!("CARGO_MANIFEST_DIR"),
-            "/tests/data/qwen3-tokenizer.json.gz"
-        ))
-        .unwrap();
-        let mut json = Vec::new();
-        flate2::read::GzDecoder::new(&gz[..])
-            .read_to_end(&mut json)
-            .unwrap();
-        tokenizers::Tokenizer::from_bytes(&json).unwrap()
-    };
+    let tk = tokenizers::Tokenizer::from_bytes(tokenizer_json()).unwrap();
     for case in goldens["cases"].as_array().unwrap() {
         let name = case["name"].as_str().unwrap();
-        let images: Vec<usize> = case["image_tokens"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|v| v.as_u64().unwrap() as usize)
-            .collect();
+        let images = image_tokens(case);
         let conv = conversation(case);
         let encoded = tok.encode(&conv, &images).unwrap();
         // The trained tokens, decoded, are the assistant replies each closed by <|im_end|>.
