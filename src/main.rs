@@ -31,7 +31,7 @@ enum Command {
     /// Read a JSONL manifest, fetch, decode, resize, normalise and tokenize each record, and write
     /// each sample once into the running daemon's shared memory. Bad records go to a rejects
     /// file; the run ends with a stage profile naming the bottleneck.
-    Produce(produce::Args),
+    Produce(Box<produce::Args>),
 }
 
 /// The socket flag shared by subcommands.
@@ -56,7 +56,7 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Stat(args) => stat::run(args),
         Command::Demo(args) => demo::run(args),
-        Command::Produce(args) => produce::run_produce(args),
+        Command::Produce(args) => produce::run_produce(*args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -8,7 +8,8 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, bail};
 use feedstore_producer::chat::ChatTokenizer;
 use feedstore_producer::manifest::Manifest;
-use feedstore_producer::pipeline::{Event, LocalFiles, ProducerConfig, run};
+use feedstore_producer::pipeline::{Event, ProducerConfig, run};
+use feedstore_producer::s3::{S3Fetcher, S3Options};
 use feedstore_producer::vision::ResizeMode;
 use feedstore_proto::sample::{DType, TensorLayout};
 
@@ -68,6 +69,20 @@ pub struct Args {
     /// Exit non-zero when more than this share of records is rejected (0.05 = 5%).
     #[arg(long, value_name = "SHARE", default_value_t = 0.05)]
     max_reject_rate: f64,
+    /// S3 endpoint for s3:// images, e.g. http://127.0.0.1:9000 for a self-hosted store
+    /// [default: $AWS_ENDPOINT_URL, else AWS]. Credentials come from the standard AWS chain.
+    #[arg(long, value_name = "URL")]
+    s3_endpoint: Option<String>,
+    /// S3 region [default: $AWS_REGION, else us-east-1].
+    #[arg(long, value_name = "REGION")]
+    s3_region: Option<String>,
+    /// Address buckets by path (endpoint/bucket/key), as most self-hosted stores need.
+    #[arg(long)]
+    s3_path_style: bool,
+    /// Attempts per S3 object before the record is rejected; retries back off exponentially with
+    /// jitter on throttling, 5xx, timeouts and resets.
+    #[arg(long, value_name = "N", default_value_t = 5)]
+    s3_max_attempts: u32,
 }
 
 fn image_size(args: &Args) -> anyhow::Result<ResizeMode> {
@@ -139,6 +154,18 @@ pub fn run_produce(args: Args) -> anyhow::Result<()> {
         config.workers,
         config.fetch_concurrency
     );
+    let s3_options = S3Options {
+        endpoint: args.s3_endpoint.clone(),
+        region: args.s3_region.clone(),
+        force_path_style: args.s3_path_style,
+        max_attempts: args.s3_max_attempts,
+        ..S3Options::default()
+    };
+    let fetcher = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .context("starting a runtime for the S3 client")?
+        .block_on(S3Fetcher::new(&s3_options));
     let started = Instant::now();
     let mut last = Instant::now();
     let (mut produced, mut rejected, mut bytes) = (0u64, 0u64, 0u64);
@@ -146,7 +173,7 @@ pub fn run_produce(args: Args) -> anyhow::Result<()> {
     let summary = run(
         &config,
         tokenizer,
-        Arc::new(LocalFiles),
+        Arc::new(fetcher),
         manifest,
         |event, profiler| {
             match event {

@@ -9,6 +9,7 @@
 //!   line number, id and reason, never the end of the run.
 //! - [`pipeline`]: records in, samples sealed in the store out: tokio fetches, CPU workers, every
 //!   failure a reject, with the [`profile`] stage profiler naming the bottleneck.
+//! - [`s3`]: the S3 fetcher (AWS SDK, standard configuration, retries with backoff and jitter).
 //! - [`vision`]: probe (with a decompression-bomb guard), plan the output size, decode, resize
 //!   (bicubic, matching Pillow) and normalise into the sample's region in one pass.
 //!
@@ -34,4 +35,5 @@ pub mod chat;
 pub mod manifest;
 pub mod pipeline;
 pub mod profile;
+pub mod s3;
 pub mod vision;

@@ -314,7 +314,8 @@ async fn fetch_all(
                 profiler.fetched(bytes.len() as u64);
                 images.push(bytes);
             }
-            Err(e) => return Err(reject(record, "fetch", format!("{source}: {e}"))),
+            // Every FetchError names its source already.
+            Err(e) => return Err(reject(record, "fetch", e.to_string())),
         }
     }
     Ok(images)
