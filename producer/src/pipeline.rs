@@ -20,6 +20,7 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use bytes::Bytes;
 use feedstore_consumer::{Client, ConnectOptions, Handle, Role};
 use feedstore_proto::sample::{KeyValue, SampleInfo, SamplePlan};
 
@@ -49,11 +50,11 @@ pub enum FetchError {
 /// Where image bytes come from. One implementation per kind of source; the pipeline does not
 /// know which it is talking to.
 pub trait Fetch: Send + Sync + 'static {
-    /// Reads the whole object.
+    /// Reads the whole object. `Bytes`, so a client's own buffer is handed over, not copied.
     fn fetch<'a>(
         &'a self,
         source: &'a ImageSource,
-    ) -> Pin<Box<dyn Future<Output = Result<Vec<u8>, FetchError>> + Send + 'a>>;
+    ) -> Pin<Box<dyn Future<Output = Result<Bytes, FetchError>> + Send + 'a>>;
 }
 
 /// Reads local files through tokio.
@@ -64,20 +65,25 @@ impl Fetch for LocalFiles {
     fn fetch<'a>(
         &'a self,
         source: &'a ImageSource,
-    ) -> Pin<Box<dyn Future<Output = Result<Vec<u8>, FetchError>> + Send + 'a>> {
+    ) -> Pin<Box<dyn Future<Output = Result<Bytes, FetchError>> + Send + 'a>> {
         Box::pin(async move {
             let ImageSource::Local(path) = source else {
                 return Err(FetchError::Unsupported(format!(
                     "{source} (no S3 endpoint configured)"
                 )));
             };
-            tokio::fs::read(path).await.map_err(|e| match e.kind() {
-                std::io::ErrorKind::NotFound => FetchError::NotFound(path.display().to_string()),
-                std::io::ErrorKind::PermissionDenied => {
-                    FetchError::AccessDenied(path.display().to_string())
-                }
-                _ => FetchError::Other(format!("{}: {e}", path.display())),
-            })
+            tokio::fs::read(path)
+                .await
+                .map(Bytes::from)
+                .map_err(|e| match e.kind() {
+                    std::io::ErrorKind::NotFound => {
+                        FetchError::NotFound(path.display().to_string())
+                    }
+                    std::io::ErrorKind::PermissionDenied => {
+                        FetchError::AccessDenied(path.display().to_string())
+                    }
+                    _ => FetchError::Other(format!("{}: {e}", path.display())),
+                })
         })
     }
 }
@@ -175,7 +181,7 @@ pub enum ProducerError {
 
 struct Job {
     record: Record,
-    images: Vec<Vec<u8>>,
+    images: Vec<Bytes>,
 }
 
 /// Runs the pipeline over `records` to the end, calling `on_event` (on this thread) for every
@@ -301,7 +307,7 @@ async fn fetch_all(
     fetcher: &dyn Fetch,
     record: &Record,
     profiler: &Profiler,
-) -> Result<Vec<Vec<u8>>, Reject> {
+) -> Result<Vec<Bytes>, Reject> {
     let mut images = Vec::with_capacity(record.images.len());
     for source in &record.images {
         profiler.fetch_in_flight(1);

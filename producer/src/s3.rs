@@ -8,6 +8,8 @@
 //! rejected with the reason.
 
 use std::pin::Pin;
+
+use bytes::Bytes;
 use std::time::Duration;
 
 use aws_config::BehaviorVersion;
@@ -109,7 +111,7 @@ impl S3Fetcher {
         &self.client
     }
 
-    async fn get(&self, bucket: &str, key: &str) -> Result<Vec<u8>, FetchError> {
+    async fn get(&self, bucket: &str, key: &str) -> Result<Bytes, FetchError> {
         let uri = format!("s3://{bucket}/{key}");
         let response = self
             .client
@@ -143,7 +145,7 @@ impl S3Fetcher {
             response.body.collect().await.map_err(|e| {
                 FetchError::Other(format!("{uri}: body: {}", DisplayErrorContext(&e)))
             })?;
-        Ok(body.into_bytes().to_vec())
+        Ok(body.into_bytes())
     }
 }
 
@@ -151,7 +153,7 @@ impl Fetch for S3Fetcher {
     fn fetch<'a>(
         &'a self,
         source: &'a ImageSource,
-    ) -> Pin<Box<dyn Future<Output = Result<Vec<u8>, FetchError>> + Send + 'a>> {
+    ) -> Pin<Box<dyn Future<Output = Result<Bytes, FetchError>> + Send + 'a>> {
         match source {
             ImageSource::S3 { bucket, key } => Box::pin(self.get(bucket, key)),
             ImageSource::Local(_) => self.local.fetch(source),
