@@ -2,27 +2,11 @@
 //! with the same Qwen3 chat template (goldens from `tests/data/make_goldens.py`), and labels
 //! train on exactly the assistant's replies.
 
-use std::io::Read;
+use feedstore_producer::chat::{ChatError, Message, Role};
+mod common;
 
-use feedstore_producer::chat::{ChatError, ChatTokenizer, Message, Role};
+use common::{tokenizer, tokenizer_json};
 use feedstore_proto::sample::IGNORE_INDEX;
-
-fn tokenizer_json() -> Vec<u8> {
-    let gz = std::fs::read(concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/tests/data/qwen3-tokenizer.json.gz"
-    ))
-    .unwrap();
-    let mut json = Vec::new();
-    flate2::read::GzDecoder::new(&gz[..])
-        .read_to_end(&mut json)
-        .unwrap();
-    json
-}
-
-fn tokenizer(max_tokens: usize) -> ChatTokenizer {
-    ChatTokenizer::from_bytes(&tokenizer_json(), max_tokens).unwrap()
-}
 
 fn image_tokens(case: &serde_json::Value) -> Vec<usize> {
     case["image_tokens"]

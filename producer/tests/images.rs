@@ -5,9 +5,10 @@
 use feedstore_producer::vision::{
     CLIP_MEAN, CLIP_STD, ImageError, ImageTransform, ResizeMode, Scratch, probe, smart_resize,
 };
-use feedstore_proto::sample::{DType, TensorLayout};
+mod common;
 
-const DATA: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/data");
+use common::DATA;
+use feedstore_proto::sample::{DType, TensorLayout};
 
 fn goldens() -> serde_json::Value {
     serde_json::from_str(&std::fs::read_to_string(format!("{DATA}/resize_goldens.json")).unwrap())

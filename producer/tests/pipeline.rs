@@ -4,30 +4,21 @@
 //! a reject with its line, id, stage and reason; the run never stops early and leaves nothing
 //! half-written.
 
+mod common;
+
 use std::collections::BTreeMap;
-use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+use common::{DATA, tokenizer};
 use feedstore_consumer::{ConnectOptions, Role};
-use feedstore_producer::chat::{ChatTokenizer, Message, Role as Speaker, image_pad_tokens};
+use feedstore_producer::chat::{Message, Role as Speaker, image_pad_tokens};
 use feedstore_producer::manifest::Manifest;
 use feedstore_producer::pipeline::{Event, LocalFiles, ProducerConfig, run};
 use feedstore_producer::vision::Scratch;
 use feedstore_proto::sample::SampleView;
 use feedstore_store::config::DaemonConfig;
 use feedstore_store::daemon::Daemon;
-
-const DATA: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/data");
-
-fn tokenizer(max_tokens: usize) -> ChatTokenizer {
-    let gz = std::fs::read(format!("{DATA}/qwen3-tokenizer.json.gz")).unwrap();
-    let mut json = Vec::new();
-    flate2::read::GzDecoder::new(&gz[..])
-        .read_to_end(&mut json)
-        .unwrap();
-    ChatTokenizer::from_bytes(&json, max_tokens).unwrap()
-}
 
 fn scratch_dir(name: &str) -> PathBuf {
     let dir =

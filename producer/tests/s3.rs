@@ -3,20 +3,19 @@
 //! bucket is a clear not-found, and the pipeline produces from `s3://` references, rejecting the
 //! missing one with its reason.
 
-use std::io::Read;
+mod common;
+
 use std::net::TcpStream;
 use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use feedstore_producer::chat::ChatTokenizer;
+use common::DATA;
 use feedstore_producer::manifest::{ImageSource, Manifest};
 use feedstore_producer::pipeline::{Event, Fetch, FetchError, ProducerConfig, run};
 use feedstore_producer::s3::{S3Fetcher, S3Options};
 use feedstore_store::config::DaemonConfig;
 use feedstore_store::daemon::Daemon;
-
-const DATA: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/data");
 
 /// A `moto_server` process on a free loopback port, killed on drop.
 struct Moto {
@@ -147,12 +146,7 @@ fn fetches_from_s3_and_rejects_missing_objects() {
     })
     .unwrap()
     .spawn();
-    let gz = std::fs::read(format!("{DATA}/qwen3-tokenizer.json.gz")).unwrap();
-    let mut json = Vec::new();
-    flate2::read::GzDecoder::new(&gz[..])
-        .read_to_end(&mut json)
-        .unwrap();
-    let tokenizer = Arc::new(ChatTokenizer::from_bytes(&json, 4096).unwrap());
+    let tokenizer = Arc::new(common::tokenizer(4096));
     let mut config = ProducerConfig::new(socket);
     config.workers = 2;
     let mut rejects = Vec::new();
