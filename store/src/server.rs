@@ -193,8 +193,8 @@ struct Connection {
     stream: UnixStream,
     rbuf: Vec<u8>,
     wbuf: Vec<u8>,
-    /// Whole frames read while a create was waiting, to be handled after it.
-    deferred: VecDeque<Vec<u8>>,
+    /// Requests (with their ids) read while a create was waiting, to be handled after it.
+    deferred: VecDeque<(u32, Request)>,
     id: Option<ConnId>,
     uid: u32,
     gid: u32,
@@ -204,20 +204,17 @@ struct Connection {
 impl Connection {
     async fn run(&mut self) -> Result<(), ConnEnd> {
         loop {
-            let frame_bytes = match self.deferred.pop_front() {
-                Some(f) => f,
-                None => match self.take_frame()? {
-                    Some(f) => f,
+            let (request_id, request) = match self.deferred.pop_front() {
+                Some(r) => r,
+                None => match self.take_request()? {
+                    Some(r) => r,
                     None => {
                         self.fill().await?;
                         continue;
                     }
                 },
             };
-            let frame = Frame::parse(&frame_bytes, self.shared.max_frame_bytes)?
-                .expect("a taken frame is whole");
-            let request = Request::decode(&frame)?;
-            self.dispatch(frame.header.request_id, request).await?;
+            self.dispatch(request_id, request).await?;
         }
     }
 
@@ -238,13 +235,16 @@ impl Connection {
         Ok(())
     }
 
-    /// Removes one whole frame from the front of the read buffer, if there is one.
-    fn take_frame(&mut self) -> Result<Option<Vec<u8>>, ConnEnd> {
+    /// Decodes the request at the front of the read buffer, if it is whole, and removes its
+    /// bytes. Decoding reads the buffer in place: a frame is parsed once and never copied.
+    fn take_request(&mut self) -> Result<Option<(u32, Request)>, ConnEnd> {
         let Some(frame) = Frame::parse(&self.rbuf, self.shared.max_frame_bytes)? else {
             return Ok(None);
         };
-        let len = frame.len();
-        Ok(Some(self.rbuf.drain(..len).collect()))
+        let (len, request_id) = (frame.len(), frame.header.request_id);
+        let request = Request::decode(&frame)?;
+        self.rbuf.drain(..len);
+        Ok(Some((request_id, request)))
     }
 
     async fn dispatch(&mut self, request_id: u32, request: Request) -> Result<(), ConnEnd> {
@@ -426,14 +426,10 @@ impl Connection {
                     if read? == 0 {
                         return Err(ConnEnd::Closed);
                     }
-                    while let Some(frame) = self.take_frame()? {
-                        let parsed = Frame::parse(&frame, self.shared.max_frame_bytes)?.expect("whole");
-                        if parsed.header.opcode == Opcode::Release as u16 {
-                            if let Request::Release { handles } = Request::decode(&parsed)? {
-                                self.release(id, &handles);
-                            }
-                        } else {
-                            self.deferred.push_back(frame);
+                    while let Some((request_id, request)) = self.take_request()? {
+                        match request {
+                            Request::Release { handles } => self.release(id, &handles),
+                            other => self.deferred.push_back((request_id, other)),
                         }
                     }
                 }
