@@ -17,8 +17,6 @@ use feedstore_producer::manifest::Manifest;
 use feedstore_producer::pipeline::{Event, LocalFiles, ProducerConfig, run};
 use feedstore_producer::vision::Scratch;
 use feedstore_proto::sample::SampleView;
-use feedstore_store::config::DaemonConfig;
-use feedstore_store::daemon::Daemon;
 
 fn scratch_dir(name: &str) -> PathBuf {
     let dir =
@@ -137,14 +135,7 @@ fn good_samples_arrive_and_every_bad_record_is_rejected_with_its_reason() {
     std::fs::write(&manifest_path, lines.join("\n")).unwrap();
 
     let socket = dir.join("feedstored.sock");
-    let daemon = Daemon::bind(&DaemonConfig {
-        socket: socket.clone(),
-        capacity_bytes: 256 << 20,
-        segment_bytes: 256 << 20,
-        ..DaemonConfig::default()
-    })
-    .unwrap()
-    .spawn();
+    let daemon = common::embedded_daemon(&socket, 256 << 20);
 
     let mut config = ProducerConfig::new(socket.clone());
     config.workers = 2;

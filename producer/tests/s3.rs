@@ -14,8 +14,6 @@ use common::DATA;
 use feedstore_producer::manifest::{ImageSource, Manifest};
 use feedstore_producer::pipeline::{Event, Fetch, FetchError, ProducerConfig, run};
 use feedstore_producer::s3::{S3Fetcher, S3Options};
-use feedstore_store::config::DaemonConfig;
-use feedstore_store::daemon::Daemon;
 
 /// A `moto_server` process on a free loopback port, killed on drop.
 struct Moto {
@@ -138,14 +136,7 @@ fn fetches_from_s3_and_rejects_missing_objects() {
     let manifest_path = dir.join("m.jsonl");
     std::fs::write(&manifest_path, lines.join("\n")).unwrap();
     let socket = dir.join("feedstored.sock");
-    let daemon = Daemon::bind(&DaemonConfig {
-        socket: socket.clone(),
-        capacity_bytes: 128 << 20,
-        segment_bytes: 128 << 20,
-        ..DaemonConfig::default()
-    })
-    .unwrap()
-    .spawn();
+    let daemon = common::embedded_daemon(&socket, 128 << 20);
     let tokenizer = Arc::new(common::tokenizer(4096));
     let mut config = ProducerConfig::new(socket);
     config.workers = 2;

@@ -23,3 +23,19 @@ pub fn tokenizer_json() -> Vec<u8> {
 pub fn tokenizer(max_tokens: usize) -> ChatTokenizer {
     ChatTokenizer::from_bytes(&tokenizer_json(), max_tokens).unwrap()
 }
+
+/// A real daemon (socket, shared memory) serving on a background thread of this process.
+pub fn embedded_daemon(
+    socket: &std::path::Path,
+    capacity_bytes: u64,
+) -> feedstore_store::daemon::DaemonHandle {
+    let config = feedstore_store::config::DaemonConfig {
+        socket: socket.to_owned(),
+        capacity_bytes,
+        segment_bytes: capacity_bytes,
+        ..feedstore_store::config::DaemonConfig::default()
+    };
+    feedstore_store::daemon::Daemon::bind(&config)
+        .unwrap()
+        .spawn()
+}
