@@ -3,8 +3,8 @@
 //! Configured the standard AWS way: `AWS_ENDPOINT_URL`, `AWS_REGION`, and the usual credential
 //! chain (environment, profile), with options to override the endpoint and region and to force
 //! path-style addressing (needed by most self-hosted stores). Transient failures (throttling,
-//! 5xx, timeouts, connection resets) are retried by the SDK's standard mode, with exponential
-//! backoff and jitter. A missing key or bucket and a refused access are final: the sample is
+//! 5xx, timeouts, connection resets) are retried with exponential backoff and jitter: by the
+//! SDK's standard mode up to the response head, and here when a body is cut off or stalls. A missing key or bucket and a refused access are final: the sample is
 //! rejected with the reason.
 
 use std::pin::Pin;
@@ -15,6 +15,7 @@ use std::time::Duration;
 use aws_config::BehaviorVersion;
 use aws_config::retry::RetryConfig;
 use aws_config::timeout::TimeoutConfig;
+use aws_sdk_s3::config::http::HttpResponse;
 use aws_sdk_s3::error::{DisplayErrorContext, SdkError};
 use aws_smithy_http_client::tls::{Provider, rustls_provider::CryptoMode};
 
@@ -34,7 +35,7 @@ pub struct S3Options {
     pub max_attempts: u32,
     /// Backoff before the first retry; doubles each time, with jitter.
     pub initial_backoff: Duration,
-    /// Limit on one attempt (connect, request, whole body).
+    /// Limit on one attempt: the request up to its response head, and then the whole body.
     pub attempt_timeout: Duration,
     /// Static access key id and secret, for self-hosted stores and tests [default: the standard
     /// credential chain].
@@ -60,6 +61,9 @@ impl Default for S3Options {
 pub struct S3Fetcher {
     client: aws_sdk_s3::Client,
     local: LocalFiles,
+    max_attempts: u32,
+    initial_backoff: Duration,
+    attempt_timeout: Duration,
 }
 
 impl S3Fetcher {
@@ -103,6 +107,9 @@ impl S3Fetcher {
         S3Fetcher {
             client: aws_sdk_s3::Client::from_conf(config),
             local: LocalFiles,
+            max_attempts: options.max_attempts.max(1),
+            initial_backoff: options.initial_backoff,
+            attempt_timeout: options.attempt_timeout,
         }
     }
 
@@ -113,40 +120,72 @@ impl S3Fetcher {
 
     async fn get(&self, bucket: &str, key: &str) -> Result<Bytes, FetchError> {
         let uri = format!("s3://{bucket}/{key}");
-        let response = self
-            .client
-            .get_object()
-            .bucket(bucket)
-            .key(key)
-            .send()
-            .await
-            .map_err(|e| {
-                let status = match &e {
-                    SdkError::ServiceError(s) => Some(s.raw().status().as_u16()),
-                    _ => None,
+        let mut attempt = 1;
+        loop {
+            let response = self
+                .client
+                .get_object()
+                .bucket(bucket)
+                .key(key)
+                .send()
+                .await
+                .map_err(|e| request_error(&uri, e))?;
+            // The SDK retries a request until its response head arrives; a body cut off or
+            // stalled after that is retried here, the whole GET again.
+            let failure =
+                match tokio::time::timeout(self.attempt_timeout, response.body.collect()).await {
+                    Ok(Ok(body)) => return Ok(body.into_bytes()),
+                    Ok(Err(e)) => format!("body: {}", DisplayErrorContext(&e)),
+                    Err(_) => format!(
+                        "body not complete within the {:?} attempt timeout",
+                        self.attempt_timeout
+                    ),
                 };
-                let no_such_key =
-                    matches!(&e, SdkError::ServiceError(s) if s.err().is_no_such_key());
-                match status {
-                    _ if no_such_key => FetchError::NotFound(uri.clone()),
-                    Some(404) => {
-                        FetchError::NotFound(format!("{uri} ({})", DisplayErrorContext(&e)))
-                    }
-                    Some(403) => {
-                        FetchError::AccessDenied(format!("{uri} ({})", DisplayErrorContext(&e)))
-                    }
-                    _ => FetchError::Other(format!(
-                        "{uri}: {} (after retries)",
-                        DisplayErrorContext(&e)
-                    )),
-                }
-            })?;
-        let body =
-            response.body.collect().await.map_err(|e| {
-                FetchError::Other(format!("{uri}: body: {}", DisplayErrorContext(&e)))
-            })?;
-        Ok(body.into_bytes())
+            if attempt >= self.max_attempts {
+                return Err(FetchError::Other(format!(
+                    "{uri}: {failure} (after {attempt} attempts)"
+                )));
+            }
+            tracing::debug!(%uri, attempt, %failure, "retrying");
+            tokio::time::sleep(backoff(self.initial_backoff, attempt)).await;
+            attempt += 1;
+        }
     }
+}
+
+/// Maps a request error (after the SDK's own retries) to a fetch error.
+fn request_error(
+    uri: &str,
+    e: SdkError<aws_sdk_s3::operation::get_object::GetObjectError, HttpResponse>,
+) -> FetchError {
+    let status = match &e {
+        SdkError::ServiceError(s) => Some(s.raw().status().as_u16()),
+        _ => None,
+    };
+    let no_such_key = matches!(&e, SdkError::ServiceError(s) if s.err().is_no_such_key());
+    match status {
+        _ if no_such_key => FetchError::NotFound(uri.to_owned()),
+        Some(404) => FetchError::NotFound(format!("{uri} ({})", DisplayErrorContext(&e))),
+        Some(403) => FetchError::AccessDenied(format!("{uri} ({})", DisplayErrorContext(&e))),
+        _ => FetchError::Other(format!(
+            "{uri}: {} (after retries)",
+            DisplayErrorContext(&e)
+        )),
+    }
+}
+
+/// Exponential backoff with full jitter: a random wait in [0, initial × 2^(attempt-1)], capped
+/// at 20 s, as the SDK's standard retry mode does.
+fn backoff(initial: Duration, attempt: u32) -> Duration {
+    use std::hash::{BuildHasher, Hasher};
+    let ceiling = initial
+        .saturating_mul(1 << (attempt - 1).min(16))
+        .min(Duration::from_secs(20));
+    // A randomly keyed hasher is jitter enough, without a dependency on a RNG.
+    let mut hasher = std::collections::hash_map::RandomState::new().build_hasher();
+    hasher.write_u32(attempt);
+    let unit = (hasher.finish() >> 11) as f64 / (1u64 << 53) as f64;
+    ceiling.mul_f64(unit)
 }
 
 impl Fetch for S3Fetcher {

@@ -5,57 +5,19 @@
 
 mod common;
 
-use std::net::TcpStream;
-use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use common::DATA;
 use feedstore_producer::manifest::{ImageSource, Manifest};
 use feedstore_producer::pipeline::{Event, Fetch, FetchError, ProducerConfig, run};
 use feedstore_producer::s3::{S3Fetcher, S3Options};
+use feedstore_testkit::moto::Moto;
+use feedstore_testkit::proxy::{Fault, FaultProxy, Plan, Rule};
 
-/// A `moto_server` process on a free loopback port, killed on drop.
-struct Moto {
-    child: Child,
-    port: u16,
-}
-
-impl Moto {
-    fn start() -> Moto {
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
-        let child = Command::new("moto_server")
-            .args(["-H", "127.0.0.1", "-p", &port.to_string()])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("moto_server must be installed: pip install 'moto[server]' (.ci/run does)");
-        let deadline = Instant::now() + Duration::from_secs(60);
-        while TcpStream::connect(("127.0.0.1", port)).is_err() {
-            assert!(
-                Instant::now() < deadline,
-                "moto_server did not come up on port {port}"
-            );
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        Moto { child, port }
-    }
-}
-
-impl Drop for Moto {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-fn options(port: u16) -> S3Options {
+fn options(endpoint: String) -> S3Options {
     S3Options {
-        endpoint: Some(format!("http://127.0.0.1:{port}")),
+        endpoint: Some(endpoint),
         region: Some("us-east-1".into()),
         force_path_style: true,
         static_credentials: Some(("testing".into(), "testing".into())),
@@ -73,12 +35,12 @@ fn s3(bucket: &str, key: &str) -> ImageSource {
 
 #[test]
 fn fetches_from_s3_and_rejects_missing_objects() {
-    let moto = Moto::start();
+    let moto = Moto::start().unwrap();
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
         .unwrap();
-    let fetcher = runtime.block_on(S3Fetcher::new(&options(moto.port)));
+    let fetcher = runtime.block_on(S3Fetcher::new(&options(moto.endpoint())));
     let photos = ["grace_hopper.jpg", "rocket.jpg", "chelsea.png"];
     runtime.block_on(async {
         fetcher
@@ -164,4 +126,121 @@ fn fetches_from_s3_and_rejects_missing_objects() {
         rejects[0].reason
     );
     daemon.stop();
+}
+
+#[test]
+fn transient_failures_are_retried_and_final_ones_are_not() {
+    let moto = Moto::start().unwrap();
+    let photo = std::fs::read(format!("{DATA}/photos/rocket.jpg")).unwrap();
+    let keys = [
+        "status-500",
+        "slow-down",
+        "reset",
+        "cut",
+        "stall",
+        "trickle",
+        "always-500",
+        "denied",
+    ];
+    let proxy = FaultProxy::start(
+        moto.addr(),
+        Plan {
+            latency: Duration::from_millis(5),
+            rules: vec![
+                Rule::new("img/status-500", Fault::Status(500)).times(2),
+                Rule::new("img/slow-down", Fault::Status(503)).times(3),
+                Rule::new("img/reset", Fault::ResetBeforeResponse).times(1),
+                Rule::new("img/cut", Fault::ResetMidBody).times(2),
+                Rule::new("img/stall", Fault::StallBody(Duration::from_secs(3))).times(1),
+                Rule::new(
+                    "img/trickle",
+                    Fault::SlowBody {
+                        chunk: 4096,
+                        pause: Duration::from_millis(2),
+                    },
+                ),
+                Rule::new("img/always-500", Fault::Status(500)),
+                Rule::new("img/denied", Fault::Status(403)),
+            ],
+        },
+    )
+    .unwrap();
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    runtime.block_on(async {
+        // Uploads go straight to moto; fetches go through the proxy.
+        let direct = S3Fetcher::new(&options(moto.endpoint())).await;
+        direct
+            .client()
+            .create_bucket()
+            .bucket("faults")
+            .send()
+            .await
+            .unwrap();
+        for key in keys {
+            direct
+                .client()
+                .put_object()
+                .bucket("faults")
+                .key(format!("img/{key}"))
+                .body(photo.clone().into())
+                .send()
+                .await
+                .unwrap();
+        }
+        let fetcher = S3Fetcher::new(&S3Options {
+            max_attempts: 4,
+            initial_backoff: Duration::from_millis(20),
+            attempt_timeout: Duration::from_secs(1),
+            ..options(proxy.endpoint())
+        })
+        .await;
+        for key in [
+            "status-500",
+            "slow-down",
+            "reset",
+            "cut",
+            "stall",
+            "trickle",
+        ] {
+            let got = fetcher
+                .fetch(&s3("faults", &format!("img/{key}")))
+                .await
+                .unwrap_or_else(|e| panic!("{key}: {e}"));
+            assert!(got == photo, "{key}: byte for byte");
+        }
+        let err = fetcher
+            .fetch(&s3("faults", "img/always-500"))
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(&err, FetchError::Other(m) if m.contains("after retries")),
+            "{err}"
+        );
+        let err = fetcher
+            .fetch(&s3("faults", "img/denied"))
+            .await
+            .unwrap_err();
+        assert!(matches!(err, FetchError::AccessDenied(_)), "{err}");
+    });
+    // The faults really happened, and each retry was one more request.
+    for (key, requests) in [
+        ("status-500", 3),
+        ("slow-down", 4),
+        ("reset", 2),
+        ("cut", 3),
+        ("stall", 2),
+        ("trickle", 1),
+        ("always-500", 4),
+        ("denied", 1),
+    ] {
+        assert_eq!(
+            proxy.requests_for(&format!("img/{key}")),
+            requests,
+            "requests for {key}: {:?}",
+            proxy.seen()
+        );
+    }
 }

@@ -1,0 +1,25 @@
+//! Test harness pieces shared by feedstore's integration tests and benchmarks.
+//!
+//! Tests talk to real components: a real S3-compatible server ([`moto::Moto`], PyPI's
+//! `moto[server]`) and real sockets. This kernel has no netem, so network latency and faults come
+//! from [`proxy::FaultProxy`], an HTTP/1.1 proxy on loopback that adds per-request latency,
+//! answers with 5xx, stalls or trickles bodies, and resets connections, following a [`proxy::Plan`]
+//! that a test can change while it runs.
+//!
+//! ```no_run
+//! use std::time::Duration;
+//! use feedstore_testkit::moto::Moto;
+//! use feedstore_testkit::proxy::{Fault, FaultProxy, Plan, Rule};
+//!
+//! let moto = Moto::start()?;
+//! let proxy = FaultProxy::start(moto.addr(), Plan {
+//!     latency: Duration::from_millis(20),
+//!     rules: vec![Rule::new("img/flaky.jpg", Fault::Status(503)).times(2)],
+//! })?;
+//! // Point the S3 client at proxy.endpoint(): every request waits 20 ms, and the first two
+//! // requests for img/flaky.jpg get a 503.
+//! # Ok::<(), std::io::Error>(())
+//! ```
+
+pub mod moto;
+pub mod proxy;
