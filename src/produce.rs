@@ -31,6 +31,10 @@ pub struct Args {
     /// [default: <manifest>.rejects.jsonl].
     #[arg(long, value_name = "FILE")]
     rejects: Option<PathBuf>,
+    /// Also write each produced sample's handle here, one JSON object per line with line, id,
+    /// handle (node:epoch:slot:generation in hex) and bytes, for readers to fetch it by.
+    #[arg(long, value_name = "FILE")]
+    handles: Option<PathBuf>,
     /// Output image size: `qwen` (Qwen-VL smart resize between --min-pixels and --max-pixels,
     /// sides multiples of patch × merge), `WxH` (fixed, e.g. 448x448), or `short:N` (shorter
     /// side N, aspect kept).
@@ -83,6 +87,9 @@ pub struct Args {
     /// jitter on throttling, 5xx, timeouts and resets.
     #[arg(long, value_name = "N", default_value_t = 5)]
     s3_max_attempts: u32,
+    /// Seconds one S3 attempt may take, the whole body included, before it is retried.
+    #[arg(long, value_name = "SECONDS", default_value_t = 30.0)]
+    s3_attempt_timeout: f64,
 }
 
 fn image_size(args: &Args) -> anyhow::Result<ResizeMode> {
@@ -143,10 +150,16 @@ pub fn run_produce(args: Args) -> anyhow::Result<()> {
         p.push(".rejects.jsonl");
         p.into()
     });
-    let mut rejects = std::io::BufWriter::new(
-        std::fs::File::create(&rejects_path)
-            .with_context(|| format!("creating {}", rejects_path.display()))?,
-    );
+    let create = |path: &std::path::Path| {
+        std::fs::File::create(path)
+            .map(std::io::BufWriter::new)
+            .with_context(|| format!("creating {}", path.display()))
+    };
+    let mut rejects = create(&rejects_path)?;
+    let mut handles = args.handles.as_deref().map(create).transpose()?;
+    if !(args.s3_attempt_timeout > 0.0 && args.s3_attempt_timeout.is_finite()) {
+        bail!("--s3-attempt-timeout must be a positive number of seconds");
+    }
     eprintln!(
         "producing from {} into the store at {} with {} workers and {} fetches in flight",
         args.manifest.display(),
@@ -159,6 +172,7 @@ pub fn run_produce(args: Args) -> anyhow::Result<()> {
         region: args.s3_region.clone(),
         force_path_style: args.s3_path_style,
         max_attempts: args.s3_max_attempts,
+        attempt_timeout: Duration::from_secs_f64(args.s3_attempt_timeout),
         ..S3Options::default()
     };
     let fetcher = tokio::runtime::Builder::new_current_thread()
@@ -180,6 +194,14 @@ pub fn run_produce(args: Args) -> anyhow::Result<()> {
                 Event::Produced(p) => {
                     produced += 1;
                     bytes += p.bytes;
+                    if let Some(out) = handles.as_mut() {
+                        let row = serde_json::json!({
+                            "line": p.line, "id": p.id, "handle": p.handle.to_string(), "bytes": p.bytes,
+                        });
+                        if let Err(e) = writeln!(out, "{row}") {
+                            write_error.get_or_insert(e);
+                        }
+                    }
                 }
                 Event::Rejected(r) => {
                     rejected += 1;
@@ -204,8 +226,11 @@ pub fn run_produce(args: Args) -> anyhow::Result<()> {
         },
     )?;
     rejects.flush().context("writing the rejects file")?;
+    if let Some(out) = handles.as_mut() {
+        out.flush().context("writing the handles file")?;
+    }
     if let Some(e) = write_error {
-        return Err(e).context("writing the rejects file");
+        return Err(e).context("writing the rejects or handles file");
     }
     let wall = summary.profile.wall.as_secs_f64();
     println!(

@@ -1,16 +1,32 @@
 //! `feedstore produce` as a user runs it: a real `feedstored` process, a manifest with good and
 //! bad records, a rejects file, a summary with the stage profile and verdict, and a non-zero exit
-//! when the reject rate passes the threshold.
+//! when the reject rate passes the threshold. Then the same CLI over S3: a real `moto_server`
+//! behind a fault-injecting proxy (latency on every request, 5xx, resets, stalled and trickled
+//! bodies) and a manifest mixing good records with fourteen kinds of bad ones.
 
 mod common;
 
+use std::collections::BTreeMap;
 use std::io::Read;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
 
 use common::*;
 
 const DATA: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/producer/tests/data");
+
+/// The committed Qwen3 tokenizer, decompressed into `dir`.
+fn tokenizer_file(dir: &Path) -> PathBuf {
+    let gz = std::fs::read(format!("{DATA}/qwen3-tokenizer.json.gz")).unwrap();
+    let mut json = Vec::new();
+    flate2::read::GzDecoder::new(&gz[..])
+        .read_to_end(&mut json)
+        .unwrap();
+    let path = dir.join("tokenizer.json");
+    std::fs::write(&path, json).unwrap();
+    path
+}
 
 #[test]
 fn produce_writes_samples_and_lists_rejects() {
@@ -20,13 +36,7 @@ fn produce_writes_samples_and_lists_rejects() {
     );
     let dir = scratch_dir("produce");
     let daemon = DaemonProcess::start(&dir, &[]);
-    let gz = std::fs::read(format!("{DATA}/qwen3-tokenizer.json.gz")).unwrap();
-    let mut json = Vec::new();
-    flate2::read::GzDecoder::new(&gz[..])
-        .read_to_end(&mut json)
-        .unwrap();
-    let tokenizer = dir.join("tokenizer.json");
-    std::fs::write(&tokenizer, json).unwrap();
+    let tokenizer = tokenizer_file(&dir);
     let record = |id: &str, image: &str| {
         serde_json::json!({"id": id, "image": image, "conversations": [
             {"from": "human", "value": "<image>\nwhat is this?"}, {"from": "gpt", "value": "a photo"}]})
@@ -87,4 +97,448 @@ fn produce_writes_samples_and_lists_rejects() {
     assert!(!out.status.success());
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(stderr.contains("above --max-reject-rate"), "{stderr}");
+}
+
+/// A small PNG of `width` × `height` black pixels.
+fn png(width: u32, height: u32) -> Vec<u8> {
+    let mut out = Vec::new();
+    image::RgbImage::new(width, height)
+        .write_to(&mut std::io::Cursor::new(&mut out), image::ImageFormat::Png)
+        .unwrap();
+    out
+}
+
+/// A LLaVA-style record with one image.
+fn llava(id: &str, image: &str, turns: &serde_json::Value) -> String {
+    serde_json::json!({"id": id, "image": image, "conversations": turns}).to_string()
+}
+
+#[test]
+fn produce_from_s3_behind_a_faulty_network() {
+    use feedstore_producer::s3::{S3Fetcher, S3Options};
+    use feedstore_proto::sample::SampleView;
+    use feedstore_testkit::moto::Moto;
+    use feedstore_testkit::proxy::{Fault, FaultProxy, Plan, Rule};
+
+    let _w = watchdog(
+        "produce_from_s3_behind_a_faulty_network",
+        Duration::from_secs(300),
+    );
+    let dir = scratch_dir("produce-s3");
+    let daemon = DaemonProcess::start(&dir, &["--capacity", "128MiB"]);
+    let tokenizer = tokenizer_file(&dir);
+    let goldens: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(format!("{DATA}/qwen3_goldens.json")).unwrap(),
+    )
+    .unwrap();
+    let golden = |name: &str| {
+        goldens["cases"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|c| c["name"] == name)
+            .unwrap()
+            .clone()
+    };
+    // Hugging Face's ids for one 224×224 image (64 image tokens), and for text alone.
+    let with_image = golden("image after text");
+    assert_eq!(with_image["image_tokens"], serde_json::json!([64]));
+    let text_only = golden("text only");
+
+    // S3 content: the test photos under several keys (one per fault they meet) and bad objects.
+    let photo = |name: &str| std::fs::read(format!("{DATA}/photos/{name}")).unwrap();
+    let rocket = photo("rocket.jpg");
+    let objects: Vec<(&str, Vec<u8>)> = vec![
+        ("img/hopper.jpg", photo("grace_hopper.jpg")),
+        ("img/rocket.jpg", rocket.clone()),
+        ("img/chelsea.png", photo("chelsea.png")),
+        ("img/rocket-reset.jpg", rocket.clone()),
+        ("img/chelsea-stall.png", photo("chelsea.png")),
+        ("img/hopper-trickle.jpg", photo("grace_hopper.jpg")),
+        ("img/denied.jpg", rocket.clone()),
+        ("img/always-500.jpg", rocket.clone()),
+        ("img/truncated.jpg", rocket[..rocket.len() / 3].to_vec()),
+        (
+            "img/corrupt.png",
+            b"\x89PNG\r\n\x1a\nthis is not a png".to_vec(),
+        ),
+        ("img/empty.jpg", Vec::new()),
+        (
+            "img/anim.gif",
+            b"GIF89a\x01\x00\x01\x00\x00\x00\x00;".to_vec(),
+        ),
+        ("img/bomb.png", png(3000, 3000)),
+    ];
+    let moto = Moto::start().unwrap();
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    runtime.block_on(async {
+        let s3 = S3Fetcher::new(&S3Options {
+            endpoint: Some(moto.endpoint()),
+            force_path_style: true,
+            static_credentials: Some(("testing".into(), "testing".into())),
+            ..S3Options::default()
+        })
+        .await;
+        s3.client()
+            .create_bucket()
+            .bucket("vqa-data")
+            .send()
+            .await
+            .unwrap();
+        for (key, body) in &objects {
+            s3.client()
+                .put_object()
+                .bucket("vqa-data")
+                .key(*key)
+                .body(body.clone().into())
+                .send()
+                .await
+                .unwrap();
+        }
+    });
+    let proxy = FaultProxy::start(
+        moto.addr(),
+        Plan {
+            latency: Duration::from_millis(30),
+            rules: vec![
+                Rule::new("img/hopper.jpg", Fault::Status(500)).times(2),
+                Rule::new("img/rocket.jpg", Fault::ResetMidBody).times(1),
+                Rule::new("img/chelsea.png", Fault::Status(503)).times(3),
+                Rule::new("img/rocket-reset.jpg", Fault::ResetBeforeResponse).times(1),
+                Rule::new(
+                    "img/chelsea-stall",
+                    Fault::StallBody(Duration::from_secs(4)),
+                )
+                .times(1),
+                Rule::new(
+                    "img/hopper-trickle",
+                    Fault::SlowBody {
+                        chunk: 8 << 10,
+                        pause: Duration::from_millis(5),
+                    },
+                ),
+                Rule::new("img/denied.jpg", Fault::Status(403)),
+                Rule::new("img/always-500.jpg", Fault::Status(500)),
+            ],
+        },
+    )
+    .unwrap();
+
+    let turns = &with_image["conversation"];
+    let s3 = |key: &str| format!("s3://vqa-data/{key}");
+    // (id, source photo for the pixel check, manifest line)
+    let good: Vec<(&str, Option<&str>, String)> = vec![
+        (
+            "hopper",
+            Some("grace_hopper"),
+            llava("hopper", &s3("img/hopper.jpg"), turns),
+        ),
+        (
+            "rocket",
+            Some("rocket"),
+            llava("rocket", &s3("img/rocket.jpg"), turns),
+        ),
+        (
+            "chelsea",
+            Some("chelsea"),
+            llava("chelsea", &s3("img/chelsea.png"), turns),
+        ),
+        (
+            "rocket-reset",
+            Some("rocket"),
+            llava("rocket-reset", &s3("img/rocket-reset.jpg"), turns),
+        ),
+        (
+            "chelsea-stall",
+            Some("chelsea"),
+            llava("chelsea-stall", &s3("img/chelsea-stall.png"), turns),
+        ),
+        (
+            "hopper-trickle",
+            Some("grace_hopper"),
+            llava("hopper-trickle", &s3("img/hopper-trickle.jpg"), turns),
+        ),
+        (
+            "words",
+            None,
+            serde_json::json!({"id": "words", "conversations": text_only["conversation"]})
+                .to_string(),
+        ),
+    ];
+    // (id, manifest line, stage, words in the reason): fourteen kinds of bad record.
+    let bad: Vec<(&str, String, &str, &str)> = vec![
+        (
+            "missing-key",
+            llava("missing-key", &s3("img/nope.jpg"), turns),
+            "fetch",
+            "not found",
+        ),
+        (
+            "missing-bucket",
+            llava("missing-bucket", "s3://no-such-bucket/a.jpg", turns),
+            "fetch",
+            "not found",
+        ),
+        (
+            "denied",
+            llava("denied", &s3("img/denied.jpg"), turns),
+            "fetch",
+            "access denied",
+        ),
+        (
+            "always-500",
+            llava("always-500", &s3("img/always-500.jpg"), turns),
+            "fetch",
+            "after retries",
+        ),
+        (
+            "truncated",
+            llava("truncated", &s3("img/truncated.jpg"), turns),
+            "decode",
+            "truncated",
+        ),
+        (
+            "corrupt",
+            llava("corrupt", &s3("img/corrupt.png"), turns),
+            "decode",
+            "corrupt",
+        ),
+        (
+            "empty",
+            llava("empty", &s3("img/empty.jpg"), turns),
+            "decode",
+            "",
+        ),
+        (
+            "gif",
+            llava("gif", &s3("img/anim.gif"), turns),
+            "decode",
+            "unsupported",
+        ),
+        (
+            "bomb",
+            llava("bomb", &s3("img/bomb.png"), turns),
+            "decode",
+            "exceeds the limit",
+        ),
+        (
+            "malformed",
+            "{\"id\": \"malformed\", \"conversations\": [".into(),
+            "manifest",
+            "malformed JSON",
+        ),
+        (
+            "speaker",
+            llava(
+                "speaker",
+                &s3("img/hopper.jpg"),
+                &serde_json::json!([{"from": "robot", "value": "<image>"}]),
+            ),
+            "manifest",
+            "unknown speaker",
+        ),
+        (
+            "no-content",
+            serde_json::json!({"id": "no-content"}).to_string(),
+            "manifest",
+            "missing field",
+        ),
+        (
+            "too-long",
+            serde_json::json!({"id": "too-long", "text": "word ".repeat(3000)}).to_string(),
+            "tokenize",
+            "exceed the maximum",
+        ),
+        (
+            "placeholders",
+            llava(
+                "placeholders",
+                &s3("img/chelsea.png"),
+                &serde_json::json!([{"from": "human", "value": "<image><image>"}, {"from": "gpt", "value": "x"}]),
+            ),
+            "tokenize",
+            "placeholders",
+        ),
+    ];
+    let mut lines = Vec::new();
+    for i in 0..good.len().max(bad.len()) {
+        if let Some(g) = good.get(i) {
+            lines.push(g.2.clone());
+        }
+        if let Some(b) = bad.get(i) {
+            lines.push(b.1.clone());
+        }
+    }
+    let manifest = dir.join("vqa.jsonl");
+    std::fs::write(&manifest, lines.join("\n")).unwrap();
+    let handles = dir.join("handles.jsonl");
+
+    let out = Command::new(env!("CARGO_BIN_EXE_feedstore"))
+        .args(["produce", "--socket", daemon.socket.to_str().unwrap()])
+        .arg("--manifest")
+        .arg(&manifest)
+        .arg("--tokenizer")
+        .arg(&tokenizer)
+        .arg("--handles")
+        .arg(&handles)
+        .args([
+            "--image-size",
+            "224x224",
+            "--dtype",
+            "u8",
+            "--layout",
+            "hwc",
+        ])
+        .args(["--max-source-pixels", "4000000", "--max-tokens", "2048"])
+        .args(["--workers", "2", "--fetch-concurrency", "8"])
+        .args(["--s3-endpoint", &proxy.endpoint(), "--s3-path-style"])
+        .args(["--s3-max-attempts", "4", "--s3-attempt-timeout", "1.5"])
+        .args(["--max-reject-rate", "1"])
+        .env("AWS_ACCESS_KEY_ID", "testing")
+        .env("AWS_SECRET_ACCESS_KEY", "testing")
+        .env("AWS_CONFIG_FILE", dir.join("no-aws-config"))
+        .env(
+            "AWS_SHARED_CREDENTIALS_FILE",
+            dir.join("no-aws-credentials"),
+        )
+        .env("AWS_EC2_METADATA_DISABLED", "true")
+        .env_remove("AWS_ENDPOINT_URL")
+        .env_remove("AWS_PROFILE")
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}\n{stdout}");
+    assert!(
+        stdout.contains(&format!("produced {} samples", good.len())),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains(&format!("rejected {} ", bad.len())),
+        "{stdout}"
+    );
+
+    // Every bad record is in the rejects file, once, at its line, with its stage and reason.
+    let rejects: BTreeMap<u64, serde_json::Value> =
+        std::fs::read_to_string(dir.join("vqa.jsonl.rejects.jsonl"))
+            .unwrap()
+            .lines()
+            .map(|l| {
+                let row: serde_json::Value = serde_json::from_str(l).unwrap();
+                (row["line"].as_u64().unwrap(), row)
+            })
+            .collect();
+    assert_eq!(rejects.len(), bad.len(), "{rejects:#?}");
+    for (id, text, stage, words) in &bad {
+        let line = lines.iter().position(|l| l == text).unwrap() as u64 + 1;
+        let row = &rejects[&line];
+        assert_eq!(row["stage"], *stage, "{id}: {row}");
+        assert!(
+            row["reason"]
+                .as_str()
+                .unwrap()
+                .to_lowercase()
+                .contains(&words.to_lowercase()),
+            "{id}: {row}"
+        );
+        if *id != "malformed" {
+            assert_eq!(row["id"], *id, "{row}");
+        }
+    }
+
+    // Every good sample is in the store: pixels as Pillow resizes the same photo (an
+    // independent decoder and resizer), token ids as Hugging Face's tokenizer gives them.
+    let chat = feedstore_producer::chat::ChatTokenizer::from_file(&tokenizer, 2048).unwrap();
+    let reader = daemon.reader();
+    let rows: Vec<serde_json::Value> = std::fs::read_to_string(&handles)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(rows.len(), good.len());
+    for (id, photo, _) in &good {
+        let row = rows.iter().find(|r| r["id"] == *id).unwrap();
+        let handle: feedstore_proto::Handle = row["handle"].as_str().unwrap().parse().unwrap();
+        let lease = reader.get(handle).unwrap();
+        let sample = SampleView::new(&lease).unwrap();
+        assert_eq!(sample.id(), *id);
+        let expected = match photo {
+            Some(photo) => {
+                let image = sample.image(0).unwrap();
+                let golden = image::open(format!("{DATA}/resized/{photo}-224.png"))
+                    .unwrap()
+                    .into_rgb8();
+                let diffs: Vec<u32> = image
+                    .bytes()
+                    .iter()
+                    .zip(golden.as_raw())
+                    .map(|(&a, &b)| u32::from(a.abs_diff(b)))
+                    .collect();
+                assert_eq!(diffs.len(), 224 * 224 * 3, "{id}");
+                let mean = diffs.iter().sum::<u32>() as f64 / diffs.len() as f64;
+                let max = *diffs.iter().max().unwrap();
+                // As in producer/tests/images.rs: PNG decoding is exact; JPEG decoders round
+                // their IDCT differently.
+                let png = *photo == "chelsea";
+                assert!(
+                    mean < if png { 0.2 } else { 0.5 } && max <= if png { 2 } else { 12 },
+                    "{id}: mean |diff| {mean:.3}, max {max} against Pillow"
+                );
+                assert_eq!(sample.image_grid_thw(0), Some([1, 16, 16]));
+                &with_image
+            }
+            None => &text_only,
+        };
+        let ids: Vec<u32> = serde_json::from_value(expected["ids"].clone()).unwrap();
+        assert_eq!(
+            sample.tokens(),
+            &ids[..],
+            "{id}: token ids equal Hugging Face's"
+        );
+        let messages: Vec<_> = expected["conversation"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|t| feedstore_producer::chat::Message {
+                role: feedstore_producer::chat::Role::from_llava(t["from"].as_str().unwrap())
+                    .unwrap(),
+                content: t["value"].as_str().unwrap().into(),
+            })
+            .collect();
+        let pads: Vec<usize> = serde_json::from_value(expected["image_tokens"].clone()).unwrap();
+        assert_eq!(
+            sample.labels(),
+            &chat.encode(&messages, &pads).unwrap().labels[..],
+            "{id}"
+        );
+    }
+    let stats = reader.stats().unwrap();
+    assert_eq!(
+        (stats.objects_sealed, stats.objects_writing),
+        (good.len() as u64, 0)
+    );
+
+    // The transient faults were met and retried, not rejected; final ones were not retried.
+    for (key, at_least) in [
+        ("img/hopper.jpg", 3),
+        ("img/rocket.jpg", 2),
+        ("img/chelsea.png", 4),
+        ("img/rocket-reset.jpg", 2),
+        ("img/chelsea-stall.png", 2),
+        ("img/always-500.jpg", 4),
+    ] {
+        assert!(
+            proxy.requests_for(key) >= at_least,
+            "{key}: {} requests",
+            proxy.requests_for(key)
+        );
+    }
+    assert_eq!(proxy.requests_for("img/denied.jpg"), 1, "403 is final");
+    assert!(
+        stderr.contains("fetches in flight"),
+        "progress lines: {stderr}"
+    );
 }
