@@ -9,39 +9,13 @@
 //! Run: `cargo bench --bench produce` (needs `pip install pillow numpy` for the baseline).
 
 use std::hint::black_box;
-use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Instant;
 
 use feedstore_producer::vision::{ImageTransform, Scratch};
 
-const PHOTOS: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/producer/tests/data/photos");
-
-fn derive_images(dir: &Path) -> Vec<PathBuf> {
-    std::fs::create_dir_all(dir).unwrap();
-    let mut out = Vec::new();
-    for name in ["grace_hopper.jpg", "rocket.jpg", "chelsea.png"] {
-        let img = image::open(format!("{PHOTOS}/{name}")).unwrap().into_rgb8();
-        for long in [512u32, 1024, 2048] {
-            let (w, h) = img.dimensions();
-            let scale = f64::from(long) / f64::from(w.max(h));
-            let (nw, nh) = (
-                (f64::from(w) * scale).round() as u32,
-                (f64::from(h) * scale).round() as u32,
-            );
-            let resized =
-                image::imageops::resize(&img, nw, nh, image::imageops::FilterType::Triangle);
-            let path = dir.join(format!("{}-{long}.jpg", name.split('.').next().unwrap()));
-            let mut bytes = Vec::new();
-            image::codecs::jpeg::JpegEncoder::new_with_quality(&mut bytes, 90)
-                .encode_image(&resized)
-                .unwrap();
-            std::fs::write(&path, bytes).unwrap();
-            out.push(path);
-        }
-    }
-    out
-}
+mod common;
+use common::derive_images;
 
 const PYTHON: &str = r#"
 import math, sys, time

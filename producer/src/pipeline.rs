@@ -196,16 +196,27 @@ pub fn run(
     let started = Instant::now();
     let profiler = Arc::new(Profiler::default());
     let workers = config.workers.max(1);
-    let clients = (0..workers)
-        .map(|i| {
-            ConnectOptions::new(Role::Writer)
-                .socket(&config.socket)
-                .name(format!("producer-worker-{i}"))
-                .create_timeout(config.create_timeout)
-                .connect()
-                .map_err(ProducerError::Connect)
-        })
-        .collect::<Result<Vec<Client>, _>>()?;
+    // Each worker's connection maps (and pre-faults) the store's memory: done in parallel, it is
+    // the producer's cold start.
+    let clients = std::thread::scope(|scope| {
+        let connecting: Vec<_> = (0..workers)
+            .map(|i| {
+                scope.spawn(move || {
+                    ConnectOptions::new(Role::Writer)
+                        .socket(&config.socket)
+                        .name(format!("producer-worker-{i}"))
+                        .create_timeout(config.create_timeout)
+                        .connect()
+                        .map_err(ProducerError::Connect)
+                })
+            })
+            .collect();
+        connecting
+            .into_iter()
+            .map(|c| c.join().expect("connecting does not panic"))
+            .collect::<Result<Vec<Client>, _>>()
+    })?;
+    profiler.started(started.elapsed());
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()

@@ -62,6 +62,7 @@ pub struct Profiler {
     fetch_blocked_ns: AtomicU64,
     fetch_in_flight: AtomicU64,
     fetched_bytes: AtomicU64,
+    startup_ns: AtomicU64,
 }
 
 impl Profiler {
@@ -83,6 +84,13 @@ impl Profiler {
     pub fn fetch_blocked(&self, d: Duration) {
         self.fetch_blocked_ns
             .fetch_add(d.as_nanos() as u64, Ordering::Relaxed);
+    }
+
+    /// Records how long the producer took to start (its CPU workers connecting to the store)
+    /// before any work could run.
+    pub fn started(&self, startup: Duration) {
+        self.startup_ns
+            .store(startup.as_nanos() as u64, Ordering::Relaxed);
     }
 
     /// Counts bytes fetched.
@@ -121,6 +129,7 @@ impl Profiler {
             fetch_blocked: ns(&self.fetch_blocked_ns),
             fetch_in_flight: self.fetch_in_flight.load(Ordering::Relaxed),
             fetched_bytes: self.fetched_bytes.load(Ordering::Relaxed),
+            startup: ns(&self.startup_ns).min(wall),
         }
     }
 }
@@ -144,12 +153,14 @@ pub struct StageProfile {
     pub fetch_in_flight: u64,
     /// Bytes fetched.
     pub fetched_bytes: u64,
+    /// Time before the CPU workers could start (connecting to the store, mapping its memory).
+    pub startup: Duration,
 }
 
 impl StageProfile {
-    /// Share of the CPU workers' time spent waiting for input.
+    /// Share of the CPU workers' time since they started spent waiting for input.
     pub fn cpu_idle_share(&self) -> f64 {
-        let capacity = self.wall.as_secs_f64() * self.cpu_workers as f64;
+        let capacity = (self.wall - self.startup).as_secs_f64() * self.cpu_workers as f64;
         if capacity == 0.0 {
             0.0
         } else {
@@ -203,6 +214,10 @@ impl StageProfile {
             ));
         }
         out.push_str(&format!(
+            "  startup {:.2} s (CPU workers connecting to the store and mapping it)\n",
+            self.startup.as_secs_f64()
+        ));
+        out.push_str(&format!(
             "  CPU workers idle {:.0}% of the time; fetched records waited {:.2} s for a worker; {:.1} MB fetched\n",
             self.cpu_idle_share() * 100.0,
             self.fetch_blocked.as_secs_f64(),
@@ -223,7 +238,8 @@ mod tests {
         p.record(Stage::Resize, Duration::from_secs(5));
         p.cpu_idle(Duration::from_secs(cpu_idle_s));
         p.fetch_blocked(Duration::from_secs(fetch_blocked_s));
-        p.snapshot(Duration::from_secs(10), 2, 8)
+        p.started(Duration::from_secs(2));
+        p.snapshot(Duration::from_secs(12), 2, 8)
     }
 
     #[test]

@@ -1,0 +1,36 @@
+//! What the benchmarks share: test images derived from the committed photos.
+
+#![allow(dead_code)]
+
+use std::path::{Path, PathBuf};
+
+/// The committed test photos.
+pub const PHOTOS: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/producer/tests/data/photos");
+
+/// Writes the 9 benchmark JPEGs into `dir`: each test photo rescaled so its long side is 512,
+/// 1024 and 2048 px, re-encoded at quality 90 (the sizes SFT data has).
+pub fn derive_images(dir: &Path) -> Vec<PathBuf> {
+    std::fs::create_dir_all(dir).unwrap();
+    let mut out = Vec::new();
+    for name in ["grace_hopper.jpg", "rocket.jpg", "chelsea.png"] {
+        let img = image::open(format!("{PHOTOS}/{name}")).unwrap().into_rgb8();
+        for long in [512u32, 1024, 2048] {
+            let (w, h) = img.dimensions();
+            let scale = f64::from(long) / f64::from(w.max(h));
+            let (nw, nh) = (
+                (f64::from(w) * scale).round() as u32,
+                (f64::from(h) * scale).round() as u32,
+            );
+            let resized =
+                image::imageops::resize(&img, nw, nh, image::imageops::FilterType::Triangle);
+            let path = dir.join(format!("{}-{long}.jpg", name.split('.').next().unwrap()));
+            let mut bytes = Vec::new();
+            image::codecs::jpeg::JpegEncoder::new_with_quality(&mut bytes, 90)
+                .encode_image(&resized)
+                .unwrap();
+            std::fs::write(&path, bytes).unwrap();
+            out.push(path);
+        }
+    }
+    out
+}

@@ -1,0 +1,240 @@
+//! Fetching from S3 with latency: does concurrency hide it, and does the profiler name the
+//! bottleneck?
+//!
+//! A real `moto_server` on loopback serves the 9 derived benchmark JPEGs (long side 512-2048 px)
+//! under many keys, behind the test harness's proxy adding a fixed latency to every request, as
+//! a far-away S3 would. Three parts, one run:
+//!
+//! 1. the unloaded cost of one GET straight to moto (what the latency adds to);
+//! 2. `S3Fetcher` throughput at several concurrencies behind the proxy, against the ideal
+//!    `concurrency / (latency + unloaded cost)`: the share of the ideal reached is the share of
+//!    the latency hidden;
+//! 3. the whole producer (`feedstore produce`'s pipeline, 2 CPU workers, a real store) behind the
+//!    proxy at one fetch in flight and at 64, with the profiler's verdict for each.
+//!
+//! Run: `cargo bench --bench fetch` (needs `pip install 'moto[server]'`); `-- --quick` for a
+//! shorter run, `-- --latency-ms N` to change the added latency (default 50).
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use feedstore_producer::chat::ChatTokenizer;
+use feedstore_producer::manifest::{ImageSource, Manifest};
+use feedstore_producer::pipeline::{Fetch, ProducerConfig, run};
+use feedstore_producer::s3::{S3Fetcher, S3Options};
+use feedstore_testkit::moto::Moto;
+use feedstore_testkit::proxy::{FaultProxy, Plan};
+
+mod common;
+
+const BUCKET: &str = "bench-images";
+const TOKENIZER: &str = concat!(
+    env!("CARGO_MANIFEST_DIR"),
+    "/producer/tests/data/qwen3-tokenizer.json.gz"
+);
+
+fn options(endpoint: String) -> S3Options {
+    S3Options {
+        endpoint: Some(endpoint),
+        force_path_style: true,
+        static_credentials: Some(("bench".into(), "bench".into())),
+        ..S3Options::default()
+    }
+}
+
+fn source(key: &str) -> ImageSource {
+    ImageSource::S3 {
+        bucket: BUCKET.into(),
+        key: key.into(),
+    }
+}
+
+/// Fetches every key once with at most `concurrency` in flight; returns (wall, bytes).
+async fn fetch_all(
+    fetcher: &Arc<S3Fetcher>,
+    keys: &[String],
+    concurrency: usize,
+) -> (Duration, u64) {
+    let permits = Arc::new(tokio::sync::Semaphore::new(concurrency));
+    let mut tasks = tokio::task::JoinSet::new();
+    let started = Instant::now();
+    for key in keys {
+        let permit = permits.clone().acquire_owned().await.unwrap();
+        let (fetcher, key) = (fetcher.clone(), key.clone());
+        tasks.spawn(async move {
+            let bytes = fetcher.fetch(&source(&key)).await.unwrap();
+            drop(permit);
+            bytes.len() as u64
+        });
+    }
+    let mut total = 0;
+    while let Some(n) = tasks.join_next().await {
+        total += n.unwrap();
+    }
+    (started.elapsed(), total)
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    let quick = args.iter().any(|a| a == "--quick");
+    let latency = Duration::from_millis(
+        args.iter()
+            .position(|a| a == "--latency-ms")
+            .and_then(|i| args.get(i + 1))
+            .map_or(50, |v| v.parse().expect("--latency-ms N")),
+    );
+    let copies = if quick { 4 } else { 16 };
+    let dir = std::env::temp_dir().join(format!("feedstore-bench-fetch-{}", std::process::id()));
+    let images = common::derive_images(&dir.join("images"));
+    let moto = Moto::start().expect("moto_server (pip install 'moto[server]')");
+    let proxy = FaultProxy::start(
+        moto.addr(),
+        Plan {
+            latency,
+            rules: Vec::new(),
+        },
+    )
+    .unwrap();
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+
+    // Upload: each image under `copies` keys, so no fetch is served from a client cache.
+    let mut keys = Vec::new();
+    runtime.block_on(async {
+        let direct = S3Fetcher::new(&options(moto.endpoint())).await;
+        direct
+            .client()
+            .create_bucket()
+            .bucket(BUCKET)
+            .send()
+            .await
+            .unwrap();
+        for (i, path) in images.iter().enumerate() {
+            let body = std::fs::read(path).unwrap();
+            for c in 0..copies {
+                let key = format!("img/{c}/{i}.jpg");
+                direct
+                    .client()
+                    .put_object()
+                    .bucket(BUCKET)
+                    .key(&key)
+                    .body(body.clone().into())
+                    .send()
+                    .await
+                    .unwrap();
+                keys.push(key);
+            }
+        }
+    });
+    let mean_bytes: u64 = images
+        .iter()
+        .map(|p| std::fs::metadata(p).unwrap().len())
+        .sum::<u64>()
+        / images.len() as u64;
+    println!(
+        "## S3 fetch behind a {} ms proxy ({} objects, mean {:.0} KB, moto_server on loopback)",
+        latency.as_millis(),
+        keys.len(),
+        mean_bytes as f64 / 1e3
+    );
+    println!();
+
+    // 1. Straight to moto: the unloaded cost of one GET, and the most moto serves at once.
+    let (unloaded, ceiling) = runtime.block_on(async {
+        let direct = Arc::new(S3Fetcher::new(&options(moto.endpoint())).await);
+        fetch_all(&direct, &keys[..keys.len().min(36)], 1).await; // warm the connection pool
+        let (one, _) = fetch_all(&direct, &keys, 1).await;
+        let mut ceiling: f64 = 0.0;
+        for concurrency in [16, 64] {
+            let (many, _) = fetch_all(&direct, &keys, concurrency).await;
+            ceiling = ceiling.max(keys.len() as f64 / many.as_secs_f64());
+        }
+        (one / keys.len() as u32, ceiling)
+    });
+    println!(
+        "straight to moto: {:.2} ms per GET one at a time; at most {ceiling:.0} objects/s with 16 or 64 in flight (moto's own limit on this machine)",
+        unloaded.as_secs_f64() * 1e3
+    );
+    println!();
+
+    // 2. Throughput against concurrency behind the proxy. The ideal is what latency allows,
+    // `concurrency / (latency + unloaded GET)`, capped at moto's own limit.
+    println!(
+        "| fetches in flight | objects/s | MB/s | vs 1 in flight | ideal objects/s | share of ideal |"
+    );
+    println!("|---|---|---|---|---|---|");
+    let fetcher =
+        runtime.block_on(async { Arc::new(S3Fetcher::new(&options(proxy.endpoint())).await) });
+    let mut first = None;
+    for concurrency in [1usize, 4, 16, 64] {
+        let (wall, bytes) = runtime.block_on(fetch_all(&fetcher, &keys, concurrency));
+        let rate = keys.len() as f64 / wall.as_secs_f64();
+        let base = *first.get_or_insert(rate);
+        let ideal = (concurrency as f64 / (latency + unloaded).as_secs_f64()).min(ceiling);
+        println!(
+            "| {concurrency} | {rate:.1} | {:.1} | {:.1}x | {ideal:.1} | {:.0}% |",
+            bytes as f64 / 1e6 / wall.as_secs_f64(),
+            rate / base,
+            100.0 * rate / ideal
+        );
+    }
+    println!();
+
+    // 3. The producer behind the proxy: the profiler's verdict at 1 and 64 fetches in flight.
+    let mut gz = Vec::new();
+    std::io::Read::read_to_end(
+        &mut flate2::read::GzDecoder::new(&std::fs::read(TOKENIZER).unwrap()[..]),
+        &mut gz,
+    )
+    .unwrap();
+    let tokenizer = Arc::new(ChatTokenizer::from_bytes(&gz, 8192).unwrap());
+    let manifest = dir.join("bench.jsonl");
+    let lines: Vec<String> = keys
+        .iter()
+        .map(|key| {
+            serde_json::json!({"id": key, "image": format!("s3://{BUCKET}/{key}"), "conversations": [
+                {"from": "human", "value": "<image>\nWhat is in the picture?"},
+                {"from": "gpt", "value": "A photograph."}]})
+            .to_string()
+        })
+        .collect();
+    std::fs::write(&manifest, lines.join("\n")).unwrap();
+    let socket = dir.join("feedstored.sock");
+    let store = feedstore_store::config::DaemonConfig {
+        socket: socket.clone(),
+        capacity_bytes: 2 << 30,
+        segment_bytes: 2 << 30,
+        ..feedstore_store::config::DaemonConfig::default()
+    };
+    let daemon = feedstore_store::daemon::Daemon::bind(&store)
+        .unwrap()
+        .spawn();
+    println!("| producer (2 CPU workers) | samples/s | CPU workers idle | verdict |");
+    println!("|---|---|---|---|");
+    for concurrency in [1usize, 64] {
+        let mut config = ProducerConfig::new(socket.clone());
+        config.workers = 2;
+        config.fetch_concurrency = concurrency;
+        let summary = run(
+            &config,
+            tokenizer.clone(),
+            fetcher.clone(),
+            Manifest::open(&manifest).unwrap(),
+            |_, _| {},
+        )
+        .unwrap();
+        assert_eq!(summary.rejected, 0);
+        println!(
+            "| --fetch-concurrency {concurrency} | {:.1} | {:.0}% | {} |",
+            summary.produced as f64 / summary.profile.wall.as_secs_f64(),
+            summary.profile.cpu_idle_share() * 100.0,
+            summary.profile.verdict()
+        );
+        eprint!("{}", summary.profile.table());
+    }
+    daemon.stop();
+    let _ = std::fs::remove_dir_all(&dir);
+}
