@@ -521,7 +521,7 @@ impl Client {
             .collect())
     }
 
-    fn mapping(&self, loc: Location) -> Result<&Arc<Mapping>, Error> {
+    pub(crate) fn mapping(&self, loc: Location) -> Result<&Arc<Mapping>, Error> {
         let mapping = self
             .inner
             .segments
@@ -573,6 +573,53 @@ impl Client {
             }
             response => Ok(response),
         }
+    }
+
+    /// Sends a request whose reply carries descriptors, and waits for both.
+    pub(crate) fn call_with_fds(
+        &self,
+        request: &Request,
+    ) -> Result<(Response, Vec<OwnedFd>), Error> {
+        let inner = &*self.inner;
+        if inner.broken.load(Ordering::Relaxed) {
+            return Err(Error::Disconnected { source: None });
+        }
+        let mut guard = inner.call.lock().unwrap_or_else(|e| e.into_inner());
+        let state = &mut *guard;
+        let id = state.next_id;
+        state.next_id = state.next_id.wrapping_add(1);
+        state.wbuf.clear();
+        request.encode(id, &mut state.wbuf);
+        let mut fds = Vec::new();
+        let result = self.send(&state.wbuf).and_then(|()| {
+            read_frame(&mut state.rbuf, id, |buf| {
+                let (n, received) = recv_with_fds(&inner.stream, buf)?;
+                fds.extend(received);
+                Ok(n)
+            })
+        });
+        if result.is_err() {
+            inner.broken.store(true, Ordering::Relaxed);
+        }
+        match result? {
+            Response::Error { status, message } => {
+                Err(Error::from_status(status, Handle::default(), 0, &message))
+            }
+            response => Ok((response, fds)),
+        }
+    }
+
+    /// Sends a request that has no reply.
+    pub(crate) fn send_one_way(&self, request: &Request) -> Result<(), Error> {
+        debug_assert!(!request.expects_reply());
+        if self.inner.broken.load(Ordering::Relaxed) {
+            return Err(Error::Disconnected { source: None });
+        }
+        let mut buf = Vec::with_capacity(64);
+        request.encode(0, &mut buf);
+        self.send(&buf).inspect_err(|_| {
+            self.inner.broken.store(true, Ordering::Relaxed);
+        })
     }
 
     /// Returns a lease: queued to ride with the next request, or sent at once when the queue is
@@ -673,6 +720,25 @@ impl RecvBuf {
 
 /// Reads until the buffer holds one whole frame with the expected id, decodes and consumes it.
 fn read_reply(stream: &UnixStream, rb: &mut RecvBuf, id: u32) -> Result<Response, Error> {
+    read_frame(rb, id, |buf| {
+        loop {
+            match (&*stream).read(buf) {
+                Ok(0) => return Err(Error::Disconnected { source: None }),
+                Ok(n) => return Ok(n),
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(disconnected(e)),
+            }
+        }
+    })
+}
+
+/// Fills the buffer with `read` until it holds one whole frame with the expected id, then
+/// decodes and consumes it.
+fn read_frame(
+    rb: &mut RecvBuf,
+    id: u32,
+    mut read: impl FnMut(&mut [u8]) -> Result<usize, Error>,
+) -> Result<Response, Error> {
     loop {
         if let Some(frame) = Frame::parse(&rb.data[..rb.filled], frame::MAX_PAYLOAD_BYTES)? {
             if frame.header.request_id != id {
@@ -691,55 +757,61 @@ fn read_reply(stream: &UnixStream, rb: &mut RecvBuf, id: u32) -> Result<Response
             let grown = rb.data.len() * 2;
             rb.data.resize(grown, 0);
         }
-        match (&*stream).read(&mut rb.data[rb.filled..]) {
-            Ok(0) => return Err(Error::Disconnected { source: None }),
-            Ok(n) => rb.filled += n,
-            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-            Err(e) => return Err(disconnected(e)),
-        }
+        let filled = rb.filled;
+        rb.filled += read(&mut rb.data[filled..])?;
     }
 }
 
 /// Reads the hello reply, which carries the segment descriptors.
 fn recv_hello(stream: &UnixStream, rbuf: &mut Vec<u8>) -> Result<(usize, Vec<OwnedFd>), Error> {
     let mut fds: Vec<OwnedFd> = Vec::new();
-    let mut cmsg = nix::cmsg_space!([RawFd; 253]);
     loop {
         if let Some(frame) = Frame::parse(rbuf, frame::MAX_PAYLOAD_BYTES)? {
             return Ok((frame.len(), fds));
         }
         let start = rbuf.len();
         rbuf.resize(start + 4096.max(HEADER_BYTES), 0);
-        let (n, received) = {
-            let mut iov = [IoSliceMut::new(&mut rbuf[start..])];
-            let msg = nix::sys::socket::recvmsg::<()>(
-                stream.as_raw_fd(),
-                &mut iov,
-                Some(&mut cmsg),
-                MsgFlags::MSG_CMSG_CLOEXEC,
-            )
-            .map_err(|e| disconnected(e.into()))?;
-            let mut received = Vec::new();
-            for c in msg
-                .cmsgs()
-                .map_err(|e| Error::Protocol(format!("bad control message: {e}")))?
-            {
-                if let ControlMessageOwned::ScmRights(raw) = c {
-                    received.extend(raw);
-                }
-            }
-            (msg.bytes, received)
-        };
-        // SAFETY: SCM_RIGHTS installed these descriptors in this process just now; nothing else
-        // owns them.
-        fds.extend(
-            received
-                .into_iter()
-                .map(|fd| unsafe { OwnedFd::from_raw_fd(fd) }),
-        );
+        let (n, received) = recv_with_fds(stream, &mut rbuf[start..])?;
+        fds.extend(received);
         rbuf.truncate(start + n);
-        if n == 0 {
-            return Err(Error::Disconnected { source: None });
-        }
     }
+}
+
+/// One `recvmsg` into `buf`, keeping the descriptors that ride along. End of stream is
+/// `Disconnected`.
+fn recv_with_fds(stream: &UnixStream, buf: &mut [u8]) -> Result<(usize, Vec<OwnedFd>), Error> {
+    let mut cmsg = nix::cmsg_space!([RawFd; 253]);
+    let (n, received) = loop {
+        let mut iov = [IoSliceMut::new(&mut *buf)];
+        let msg = match nix::sys::socket::recvmsg::<()>(
+            stream.as_raw_fd(),
+            &mut iov,
+            Some(&mut cmsg),
+            MsgFlags::MSG_CMSG_CLOEXEC,
+        ) {
+            Ok(msg) => msg,
+            Err(nix::Error::EINTR) => continue,
+            Err(e) => return Err(disconnected(e.into())),
+        };
+        let mut received = Vec::new();
+        for c in msg
+            .cmsgs()
+            .map_err(|e| Error::Protocol(format!("bad control message: {e}")))?
+        {
+            if let ControlMessageOwned::ScmRights(raw) = c {
+                received.extend(raw);
+            }
+        }
+        break (msg.bytes, received);
+    };
+    // SAFETY: SCM_RIGHTS installed these descriptors in this process just now; nothing else owns
+    // them.
+    let fds = received
+        .into_iter()
+        .map(|fd| unsafe { OwnedFd::from_raw_fd(fd) })
+        .collect();
+    if n == 0 {
+        return Err(Error::Disconnected { source: None });
+    }
+    Ok((n, fds))
 }

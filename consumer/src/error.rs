@@ -101,6 +101,36 @@ pub enum Error {
     /// Mapping a segment failed.
     #[error("cannot map a shared-memory segment")]
     Map(#[from] ShmError),
+    /// A wait ran out of time.
+    #[error("timed out: {0}")]
+    Timeout(String),
+    /// The stream exists on the daemon with another spec, or a saved state belongs to another
+    /// stream or rank.
+    #[error("stream mismatch: {0}")]
+    StreamMismatch(String),
+    /// The stream was closed, or its last epoch is done.
+    #[error("stream ended")]
+    Ended,
+    /// No sample could be made for this position: every record of the rank's share that could
+    /// stand in for it was rejected. The stream goes on with the next position.
+    #[error(
+        "no sample for sequence number {seq} (record {record} and every stand-in were rejected)"
+    )]
+    SampleFailed {
+        /// The rank's sequence number.
+        seq: u64,
+        /// The record it should have come from.
+        record: u64,
+    },
+    /// The consumer holds as many samples as the prefetch depth, so the stream cannot move on
+    /// until some are dropped.
+    #[error(
+        "holding {held} samples, the whole prefetch depth: drop some, or open the stream deeper"
+    )]
+    WindowFull {
+        /// Samples held.
+        held: u64,
+    },
 }
 
 impl Error {
@@ -133,6 +163,9 @@ impl Error {
                 message.into()
             }),
             Status::ShuttingDown => Error::ShuttingDown,
+            Status::Timeout => Error::Timeout(message.into()),
+            Status::SpecMismatch => Error::StreamMismatch(message.into()),
+            Status::Ended => Error::Ended,
             other => Error::Protocol(format!("daemon answered {other}: {message}")),
         }
     }

@@ -28,10 +28,13 @@
 mod client;
 mod error;
 mod lease;
+pub mod stream;
 mod writer;
 
 pub use client::{Client, ConnectOptions, CreateOptions};
 pub use error::Error;
+pub use feedstore_proto::frame::StreamTask;
 pub use feedstore_proto::{Handle, Role, StoreStats};
 pub use lease::Lease;
+pub use stream::{Made, Stream, StreamFeeder, StreamOptions, StreamSample};
 pub use writer::ObjectWriter;

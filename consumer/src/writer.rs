@@ -110,6 +110,13 @@ impl ObjectWriter {
         }
     }
 
+    /// Hands the reservation over unsealed (to a stream put, which seals it in the daemon); the
+    /// writer no longer aborts it on drop.
+    pub(crate) fn hand_over(mut self) -> Handle {
+        self.done = true;
+        self.handle
+    }
+
     /// Gives the reservation back unsealed.
     pub fn abort(mut self) -> Result<(), Error> {
         self.done = true;

@@ -15,6 +15,7 @@
 //! `Get`, `Seal`, `Delete`, ... carry a list of handles and the reply carries one result each, so
 //! a client amortises a round trip over as many objects as it likes.
 
+use crate::stream::StreamSpec;
 use crate::wire::{Reader, Writer};
 use crate::{Handle, Location, Role, SegmentInfo, Status, StoreStats};
 
@@ -51,6 +52,20 @@ pub enum Opcode {
     Delete = 7,
     /// [`Request::Stats`]
     Stats = 8,
+    /// [`Request::StreamJoin`]
+    StreamJoin = 9,
+    /// [`Request::StreamAttach`]
+    StreamAttach = 10,
+    /// [`Request::StreamTake`]
+    StreamTake = 11,
+    /// [`Request::StreamPut`]
+    StreamPut = 12,
+    /// [`Request::StreamRelease`]
+    StreamRelease = 13,
+    /// [`Request::StreamWait`]
+    StreamWait = 14,
+    /// [`Request::StreamClose`]
+    StreamClose = 15,
     /// [`Response::Error`] (reply only).
     Error = 0x7FFF,
 }
@@ -67,6 +82,13 @@ impl Opcode {
             6 => Release,
             7 => Delete,
             8 => Stats,
+            9 => StreamJoin,
+            10 => StreamAttach,
+            11 => StreamTake,
+            12 => StreamPut,
+            13 => StreamRelease,
+            14 => StreamWait,
+            15 => StreamClose,
             0x7FFF => Error,
             _ => return None,
         })
@@ -298,7 +320,96 @@ pub enum Request {
     },
     /// Ask for a [`StoreStats`] snapshot.
     Stats,
+    /// A producer joins a stream (creating it if new) to make samples for some of its ranks.
+    StreamJoin {
+        /// The stream; must equal the existing stream's spec.
+        spec: StreamSpec,
+        /// Prefetch depth per rank, if the stream is new.
+        depth: u32,
+        /// Ranks served on this node, each with the sequence number it starts at if the daemon
+        /// does not know it yet (from the consumers' checkpointed states; 0 for a fresh run).
+        ranks: Vec<StreamTask>,
+    },
+    /// A consumer attaches to its rank at a sequence number. The reply carries the rank's ring.
+    StreamAttach {
+        /// The stream; must equal the existing stream's spec.
+        spec: StreamSpec,
+        /// Prefetch depth per rank, if the stream is new.
+        depth: u32,
+        /// The consumer's rank.
+        rank: u32,
+        /// The next sequence number it wants.
+        seq: u64,
+    },
+    /// A producer asks for up to `max` samples to make, waiting up to `timeout_ms` while every
+    /// rank's prefetch window is full (backpressure).
+    StreamTake {
+        /// From [`Response::StreamJoined`].
+        stream: u32,
+        /// Most tasks wanted.
+        max: u32,
+        /// How long to wait for work.
+        timeout_ms: u32,
+    },
+    /// A producer delivers samples: reserved objects of its own (sealed here) or sealed ones
+    /// (cache hits), each for one task.
+    StreamPut {
+        /// From [`Response::StreamJoined`].
+        stream: u32,
+        /// The samples.
+        items: Vec<StreamItem>,
+    },
+    /// A consumer returns every sample before `upto`. One-way: no reply.
+    StreamRelease {
+        /// From [`Response::StreamAttached`].
+        stream: u32,
+        /// The consumer's rank.
+        rank: u32,
+        /// Everything below this sequence number is returned.
+        upto: u64,
+    },
+    /// A consumer waits until `seq` is in its ring, up to `timeout_ms`.
+    StreamWait {
+        /// From [`Response::StreamAttached`].
+        stream: u32,
+        /// The consumer's rank.
+        rank: u32,
+        /// The sequence number wanted.
+        seq: u64,
+        /// How long to wait.
+        timeout_ms: u32,
+    },
+    /// Closes a stream: its samples are returned to the store and its rings retired.
+    StreamClose {
+        /// The stream.
+        stream: u32,
+    },
 }
+
+/// A rank and a sequence number: a task (make the sample for `seq` of `rank`), or where a rank
+/// starts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct StreamTask {
+    /// The rank.
+    pub rank: u32,
+    /// Its sequence number.
+    pub seq: u64,
+}
+
+/// A delivered sample.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StreamItem {
+    /// The task it fulfils.
+    pub task: StreamTask,
+    /// The sample's object (ignored when `flags` has [`crate::ring::ENTRY_FAILED`]).
+    pub handle: Handle,
+    /// The record it was made from.
+    pub record: u64,
+    /// [`crate::ring::ENTRY_FAILED`] when no candidate record made a sample.
+    pub flags: u32,
+}
+
+const STREAM_ITEM_BYTES: usize = 4 + 8 + Handle::WIRE_BYTES + 8 + 4;
 
 impl Request {
     /// The request's opcode.
@@ -312,12 +423,22 @@ impl Request {
             Request::Release { .. } => Opcode::Release,
             Request::Delete { .. } => Opcode::Delete,
             Request::Stats => Opcode::Stats,
+            Request::StreamJoin { .. } => Opcode::StreamJoin,
+            Request::StreamAttach { .. } => Opcode::StreamAttach,
+            Request::StreamTake { .. } => Opcode::StreamTake,
+            Request::StreamPut { .. } => Opcode::StreamPut,
+            Request::StreamRelease { .. } => Opcode::StreamRelease,
+            Request::StreamWait { .. } => Opcode::StreamWait,
+            Request::StreamClose { .. } => Opcode::StreamClose,
         }
     }
 
     /// Whether the daemon answers this request.
     pub fn expects_reply(&self) -> bool {
-        !matches!(self, Request::Release { .. })
+        !matches!(
+            self,
+            Request::Release { .. } | Request::StreamRelease { .. }
+        )
     }
 
     /// Appends the encoded frame to `out`.
@@ -347,6 +468,63 @@ impl Request {
             | Request::Release { handles }
             | Request::Delete { handles } => write_handles(&mut w, handles),
             Request::Stats => {}
+            Request::StreamJoin { spec, depth, ranks } => {
+                spec.encode(&mut w);
+                w.u32(*depth);
+                w.count(ranks.len());
+                for r in ranks {
+                    w.u32(r.rank);
+                    w.u64(r.seq);
+                }
+            }
+            Request::StreamAttach {
+                spec,
+                depth,
+                rank,
+                seq,
+            } => {
+                spec.encode(&mut w);
+                w.u32(*depth);
+                w.u32(*rank);
+                w.u64(*seq);
+            }
+            Request::StreamTake {
+                stream,
+                max,
+                timeout_ms,
+            } => {
+                w.u32(*stream);
+                w.u32(*max);
+                w.u32(*timeout_ms);
+            }
+            Request::StreamPut { stream, items } => {
+                w.u32(*stream);
+                w.count(items.len());
+                for item in items {
+                    w.u32(item.task.rank);
+                    w.u64(item.task.seq);
+                    w.handle(item.handle);
+                    w.u64(item.record);
+                    w.u32(item.flags);
+                }
+            }
+            Request::StreamRelease { stream, rank, upto } => {
+                w.u32(*stream);
+                w.u32(*rank);
+                w.u64(*upto);
+            }
+            Request::StreamWait {
+                stream,
+                rank,
+                seq,
+                timeout_ms,
+            } => {
+                w.u32(*stream);
+                w.u32(*rank);
+                w.u64(*seq);
+                w.u32(*timeout_ms);
+            }
+            Request::StreamClose { stream } => w.u32(*stream),
         }
         finish(out, start);
     }
@@ -392,6 +570,61 @@ impl Request {
                 handles: read_handles(&mut r)?,
             },
             Opcode::Stats => Request::Stats,
+            Opcode::StreamJoin => {
+                let spec = StreamSpec::decode(&mut r)?;
+                let depth = r.u32()?;
+                let n = r.count(12)?;
+                let ranks = (0..n)
+                    .map(|_| {
+                        Ok(StreamTask {
+                            rank: r.u32()?,
+                            seq: r.u64()?,
+                        })
+                    })
+                    .collect::<Result<_, DecodeError>>()?;
+                Request::StreamJoin { spec, depth, ranks }
+            }
+            Opcode::StreamAttach => Request::StreamAttach {
+                spec: StreamSpec::decode(&mut r)?,
+                depth: r.u32()?,
+                rank: r.u32()?,
+                seq: r.u64()?,
+            },
+            Opcode::StreamTake => Request::StreamTake {
+                stream: r.u32()?,
+                max: r.u32()?,
+                timeout_ms: r.u32()?,
+            },
+            Opcode::StreamPut => {
+                let stream = r.u32()?;
+                let n = r.count(STREAM_ITEM_BYTES)?;
+                let items = (0..n)
+                    .map(|_| {
+                        Ok(StreamItem {
+                            task: StreamTask {
+                                rank: r.u32()?,
+                                seq: r.u64()?,
+                            },
+                            handle: r.handle()?,
+                            record: r.u64()?,
+                            flags: r.u32()?,
+                        })
+                    })
+                    .collect::<Result<_, DecodeError>>()?;
+                Request::StreamPut { stream, items }
+            }
+            Opcode::StreamRelease => Request::StreamRelease {
+                stream: r.u32()?,
+                rank: r.u32()?,
+                upto: r.u64()?,
+            },
+            Opcode::StreamWait => Request::StreamWait {
+                stream: r.u32()?,
+                rank: r.u32()?,
+                seq: r.u64()?,
+                timeout_ms: r.u32()?,
+            },
+            Opcode::StreamClose => Request::StreamClose { stream: r.u32()? },
             Opcode::Error => return Err(DecodeError::UnknownOpcode { found: opcode }),
         };
         r.finish()?;
@@ -424,11 +657,28 @@ pub enum Response {
     Created(Vec<Result<Created, Status>>),
     /// Reply to [`Request::Get`], one result per handle.
     Got(Vec<Result<Location, Status>>),
-    /// Reply to [`Request::Seal`], [`Request::Abort`] or [`Request::Delete`], one status per
-    /// handle.
+    /// Reply to [`Request::Seal`], [`Request::Abort`], [`Request::Delete`] or
+    /// [`Request::StreamPut`] (one status per handle or item), or to [`Request::StreamWait`] or
+    /// [`Request::StreamClose`] (one status).
     Done(Vec<Status>),
     /// Reply to [`Request::Stats`].
     Stats(StoreStats),
+    /// Reply to [`Request::StreamJoin`].
+    StreamJoined {
+        /// The stream's id on this daemon, for later requests.
+        stream: u32,
+    },
+    /// Reply to [`Request::StreamAttach`]; the ring's read-only descriptor travels beside it.
+    StreamAttached {
+        /// The stream's id on this daemon.
+        stream: u32,
+        /// Ring slots (the prefetch depth).
+        capacity: u32,
+        /// Bytes of the ring's shared memory.
+        ring_bytes: u64,
+    },
+    /// Reply to [`Request::StreamTake`]: tasks, possibly none if the wait ran out.
+    Tasks(Vec<StreamTask>),
     /// The request failed as a whole.
     Error {
         /// What went wrong.
@@ -512,6 +762,23 @@ impl Response {
                     w.u64(f);
                 }
             }
+            Response::StreamJoined { stream } => w.u32(*stream),
+            Response::StreamAttached {
+                stream,
+                capacity,
+                ring_bytes,
+            } => {
+                w.u32(*stream);
+                w.u32(*capacity);
+                w.u64(*ring_bytes);
+            }
+            Response::Tasks(tasks) => {
+                w.count(tasks.len());
+                for t in tasks {
+                    w.u32(t.rank);
+                    w.u64(t.seq);
+                }
+            }
             Response::Error { status, message } => {
                 w.u16(*status as u16);
                 w.string(message);
@@ -580,7 +847,12 @@ impl Response {
                         .collect::<Result<_, _>>()?,
                 )
             }
-            Opcode::Seal | Opcode::Abort | Opcode::Delete => {
+            Opcode::Seal
+            | Opcode::Abort
+            | Opcode::Delete
+            | Opcode::StreamPut
+            | Opcode::StreamWait
+            | Opcode::StreamClose => {
                 let n = r.count(2)?;
                 Response::Done(
                     (0..n)
@@ -597,7 +869,28 @@ impl Response {
                 status: read_status(&mut r)?,
                 message: r.string()?,
             },
-            Opcode::Release => return Err(DecodeError::UnknownOpcode { found: raw }),
+            Opcode::StreamJoin => Response::StreamJoined { stream: r.u32()? },
+            Opcode::StreamAttach => Response::StreamAttached {
+                stream: r.u32()?,
+                capacity: r.u32()?,
+                ring_bytes: r.u64()?,
+            },
+            Opcode::StreamTake => {
+                let n = r.count(12)?;
+                Response::Tasks(
+                    (0..n)
+                        .map(|_| {
+                            Ok(StreamTask {
+                                rank: r.u32()?,
+                                seq: r.u64()?,
+                            })
+                        })
+                        .collect::<Result<_, DecodeError>>()?,
+                )
+            }
+            Opcode::Release | Opcode::StreamRelease => {
+                return Err(DecodeError::UnknownOpcode { found: raw });
+            }
         };
         r.finish()?;
         Ok(resp)
@@ -659,6 +952,55 @@ mod tests {
             handles: vec![handle(4)],
         });
         round_trip_request(Request::Stats);
+        let spec = StreamSpec {
+            name: "job-7/train".into(),
+            records: 1_000_003,
+            seed: 42,
+            world: 8,
+            shuffle: crate::stream::Shuffle::Block(64),
+            tail: crate::stream::Tail::Pad,
+            epochs: Some(3),
+        };
+        round_trip_request(Request::StreamJoin {
+            spec: spec.clone(),
+            depth: 64,
+            ranks: vec![
+                StreamTask { rank: 0, seq: 9 },
+                StreamTask { rank: 7, seq: 0 },
+            ],
+        });
+        round_trip_request(Request::StreamAttach {
+            spec,
+            depth: 32,
+            rank: 3,
+            seq: 1 << 40,
+        });
+        round_trip_request(Request::StreamTake {
+            stream: 1,
+            max: 16,
+            timeout_ms: 100,
+        });
+        round_trip_request(Request::StreamPut {
+            stream: 1,
+            items: vec![StreamItem {
+                task: StreamTask { rank: 2, seq: 5 },
+                handle: handle(3),
+                record: 77,
+                flags: 1,
+            }],
+        });
+        round_trip_request(Request::StreamRelease {
+            stream: 1,
+            rank: 2,
+            upto: 6,
+        });
+        round_trip_request(Request::StreamWait {
+            stream: 1,
+            rank: 2,
+            seq: 6,
+            timeout_ms: 0,
+        });
+        round_trip_request(Request::StreamClose { stream: 1 });
     }
 
     #[test]
@@ -704,6 +1046,20 @@ mod tests {
             ..Default::default()
         };
         round_trip_response(Opcode::Stats, Response::Stats(stats));
+        round_trip_response(Opcode::StreamJoin, Response::StreamJoined { stream: 4 });
+        round_trip_response(
+            Opcode::StreamAttach,
+            Response::StreamAttached {
+                stream: 4,
+                capacity: 64,
+                ring_bytes: 8192,
+            },
+        );
+        round_trip_response(
+            Opcode::StreamTake,
+            Response::Tasks(vec![StreamTask { rank: 1, seq: 2 }]),
+        );
+        round_trip_response(Opcode::StreamWait, Response::Done(vec![Status::Timeout]));
         round_trip_response(
             Opcode::Get,
             Response::Error {

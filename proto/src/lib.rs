@@ -32,9 +32,11 @@
 
 pub mod frame;
 mod handle;
+pub mod ring;
 pub mod sample;
 mod stats;
 mod status;
+pub mod stream;
 mod wire;
 
 pub use handle::Handle;

@@ -34,6 +34,12 @@ pub enum Status {
     Protocol = 11,
     /// The handle names another node; this daemon does not pull yet.
     WrongNode = 12,
+    /// A wait ran out of time.
+    Timeout = 13,
+    /// The stream has no more work or samples (its last epoch is done, or it was closed).
+    Ended = 14,
+    /// The stream exists with another spec (record count, seed, world, shuffle, tail, epochs).
+    SpecMismatch = 15,
 }
 
 impl Status {
@@ -54,6 +60,9 @@ impl Status {
             10 => ShuttingDown,
             11 => Protocol,
             12 => WrongNode,
+            13 => Timeout,
+            14 => Ended,
+            15 => SpecMismatch,
             _ => return None,
         })
     }
@@ -74,6 +83,9 @@ impl Status {
             Status::ShuttingDown => "daemon shutting down",
             Status::Protocol => "protocol violation",
             Status::WrongNode => "handle belongs to another node",
+            Status::Timeout => "timed out",
+            Status::Ended => "stream ended",
+            Status::SpecMismatch => "the stream exists with a different spec",
         }
     }
 }

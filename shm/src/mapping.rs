@@ -1,6 +1,7 @@
 //! Client-side mappings of segments.
 
 use std::os::fd::{AsFd, OwnedFd};
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use memmap2::{Advice, MmapOptions, MmapRaw};
 
@@ -124,6 +125,41 @@ impl Mapping {
         // SAFETY: the range lies inside a live writable mapping (checked above); exclusivity for
         // the lifetime is the caller's contract.
         Some(unsafe { std::slice::from_raw_parts_mut(ptr, len as usize) })
+    }
+
+    /// The mapping as 64-bit words that this and other processes access only atomically (a
+    /// delivery ring). `None` for a read-only mapping, where a store would fault.
+    pub fn atomic_words(&self) -> Option<&[AtomicU64]> {
+        if self.access != Access::ReadWrite {
+            return None;
+        }
+        let ptr = self.map.as_mut_ptr().cast::<AtomicU64>();
+        // SAFETY: the mapping is page-aligned (so 8-byte aligned), writable, and lives as long as
+        // `&self`; `AtomicU64` has the layout of `u64` and permits concurrent access by other
+        // threads and, through the shared mapping, other processes, which by contract touch these
+        // words only atomically too.
+        Some(unsafe { std::slice::from_raw_parts(ptr, self.map.len() / 8) })
+    }
+
+    /// Atomically loads 64-bit word `index` (byte offset `8 × index`); also on a read-only
+    /// mapping. Panics past the end.
+    pub fn load_word(&self, index: usize, order: Ordering) -> u64 {
+        assert!(
+            index < self.map.len() / 8,
+            "word {index} outside the mapping"
+        );
+        assert!(
+            matches!(
+                order,
+                Ordering::Relaxed | Ordering::Acquire | Ordering::SeqCst
+            ),
+            "loads only"
+        );
+        let ptr = self.map.as_mut_ptr().cast::<u64>().wrapping_add(index);
+        // SAFETY: the word lies inside the live, page-aligned mapping (checked above). It may be
+        // read-only: the standard library allows atomic loads (`Relaxed`/`Acquire`, lock-free,
+        // at most pointer-sized) on read-only memory, and nothing here stores through it.
+        unsafe { AtomicU64::from_ptr(ptr) }.load(order)
     }
 }
 

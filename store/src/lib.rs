@@ -39,3 +39,4 @@ pub mod config;
 pub mod daemon;
 pub mod objects;
 pub mod server;
+pub mod streams;

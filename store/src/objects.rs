@@ -67,7 +67,8 @@ pub struct ClientInfo {
     pub role: Role,
     /// The peer's uid (`SO_PEERCRED`).
     pub uid: u32,
-    /// The peer's pid (`SO_PEERCRED`).
+    /// The peer's pid (`SO_PEERCRED`); 0 for the daemon's own connections (a stream holding its
+    /// samples' leases), which are not counted as clients.
     pub pid: i32,
     /// The name the client gave in its hello.
     pub name: String,
@@ -354,7 +355,7 @@ impl Objects {
                 .map(Allocator::largest_free)
                 .max()
                 .unwrap_or(0),
-            clients: self.conns.len() as u64,
+            clients: self.conns.values().filter(|c| c.info.pid != 0).count() as u64,
             evictions: self.counters.evictions,
             evicted_bytes: self.counters.evicted_bytes,
             creates_waited: self.counters.creates_waited,

@@ -27,6 +27,7 @@ use tokio::sync::watch;
 use tokio::time::Instant;
 
 use crate::objects::{ClientInfo, ConnId, Objects};
+use crate::streams::{StreamError, Streams};
 
 /// Who may connect, decided from `SO_PEERCRED`.
 #[derive(Debug, Clone)]
@@ -54,6 +55,9 @@ pub struct Shared {
     max_create_wait_ms: u32,
     policy: AccessPolicy,
     space: watch::Sender<u64>,
+    streams: Mutex<Streams>,
+    /// Bumped after every stream operation; producers and consumers waiting on a stream watch it.
+    stream_events: watch::Sender<u64>,
 }
 
 impl Shared {
@@ -81,6 +85,8 @@ impl Shared {
             max_create_wait_ms,
             policy,
             space: watch::Sender::new(0),
+            streams: Mutex::new(Streams::default()),
+            stream_events: watch::Sender::new(0),
         })
     }
 
@@ -97,6 +103,26 @@ impl Shared {
             self.space.send_replace(after);
         }
         result
+    }
+
+    /// Runs `f` on the streams and the object state (locked in that order), then wakes whoever
+    /// waits on a stream.
+    pub fn with_streams<R>(&self, f: impl FnOnce(&mut Streams, &mut Objects) -> R) -> R {
+        let mut streams = self.streams.lock().unwrap_or_else(|e| e.into_inner());
+        let result = self.with_objects(|o| f(&mut streams, o));
+        drop(streams);
+        if self.stream_events.receiver_count() > 0 {
+            self.stream_events.send_modify(|n| *n = n.wrapping_add(1));
+        }
+        result
+    }
+
+    /// A snapshot of every stream.
+    pub fn stream_status(&self) -> Vec<crate::streams::StreamStatus> {
+        self.streams
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .status()
     }
 
     fn lock(&self) -> MutexGuard<'_, Objects> {
@@ -154,6 +180,7 @@ pub async fn serve_connection(shared: Arc<Shared>, stream: UnixStream) {
         wbuf: Vec::with_capacity(4 << 10),
         deferred: VecDeque::new(),
         id: None,
+        role: Role::Reader,
         uid: cred.uid(),
         gid: cred.gid(),
         pid: cred.pid().unwrap_or(0),
@@ -166,6 +193,7 @@ pub async fn serve_connection(shared: Arc<Shared>, stream: UnixStream) {
             .client(id)
             .map(|c| c.name.clone())
             .unwrap_or_default();
+        shared.with_streams(|s, _| s.disconnect(id));
         let reclaimed = shared.with_objects(|o| o.disconnect(id));
         if let Err(reason @ (ConnEnd::Malformed(_) | ConnEnd::Protocol(_))) = &end {
             tracing::warn!(conn = id, pid, uid, %name, %reason, "closing connection");
@@ -196,6 +224,7 @@ struct Connection {
     /// Requests (with their ids) read while a create was waiting, to be handled after it.
     deferred: VecDeque<(u32, Request)>,
     id: Option<ConnId>,
+    role: Role,
     uid: u32,
     gid: u32,
     pid: i32,
@@ -299,8 +328,166 @@ impl Connection {
                 return Ok(());
             }
             Request::Stats => Response::Stats(shared.lock().stats()),
+            Request::StreamJoin { spec, depth, ranks } => {
+                if self.role != Role::Writer {
+                    Response::Error {
+                        status: Status::PermissionDenied,
+                        message: "only writers produce into streams".into(),
+                    }
+                } else {
+                    stream_reply(
+                        shared.with_streams(|s, o| s.join(o, id, &spec, depth, &ranks)),
+                        |stream| Response::StreamJoined { stream },
+                    )
+                }
+            }
+            Request::StreamAttach {
+                spec,
+                depth,
+                rank,
+                seq,
+            } => {
+                let attached = shared.with_streams(|s, o| {
+                    let (stream, ring) = s.attach(o, id, &spec, depth, rank, seq)?;
+                    let fd = ring.readonly_fd().map_err(|e| StreamError {
+                        status: Status::Full,
+                        message: format!("cannot share the ring: {e}"),
+                    })?;
+                    Ok((stream, ring.capacity(), ring.size_bytes(), fd))
+                });
+                return match attached {
+                    Ok((stream, capacity, ring_bytes, fd)) => {
+                        let response = Response::StreamAttached {
+                            stream,
+                            capacity,
+                            ring_bytes,
+                        };
+                        self.wbuf.clear();
+                        response.encode(op, request_id, &mut self.wbuf);
+                        self.send_with_fds(&[fd.as_raw_fd()]).await
+                    }
+                    Err(e) => self.reply(op, request_id, &stream_error(e)).await,
+                };
+            }
+            Request::StreamTake {
+                stream,
+                max,
+                timeout_ms,
+            } => {
+                let deadline = Instant::now() + Duration::from_millis(u64::from(timeout_ms));
+                let mut events = shared.stream_events.subscribe();
+                loop {
+                    events.borrow_and_update();
+                    match shared.with_streams(|s, _| s.take(id, stream, max.max(1))) {
+                        Ok(tasks) if !tasks.is_empty() || Instant::now() >= deadline => {
+                            break Response::Tasks(tasks);
+                        }
+                        Ok(_) => self.wait_for(id, &mut events, deadline).await?,
+                        Err(e) => break stream_error(e),
+                    }
+                }
+            }
+            Request::StreamPut { stream, items } => stream_reply(
+                shared.with_streams(|s, o| s.put(o, id, stream, &items)),
+                Response::Done,
+            ),
+            Request::StreamRelease { stream, rank, upto } => {
+                self.stream_release(id, stream, rank, upto);
+                return Ok(());
+            }
+            Request::StreamWait {
+                stream,
+                rank,
+                seq,
+                timeout_ms,
+            } => {
+                let deadline = Instant::now() + Duration::from_millis(u64::from(timeout_ms));
+                let mut events = shared.stream_events.subscribe();
+                loop {
+                    events.borrow_and_update();
+                    let polled = shared
+                        .streams
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .poll(stream, rank, seq);
+                    match polled {
+                        Some(status) => break Response::Done(vec![status]),
+                        None if Instant::now() >= deadline => {
+                            break Response::Done(vec![Status::Timeout]);
+                        }
+                        None => self.wait_for(id, &mut events, deadline).await?,
+                    }
+                }
+            }
+            Request::StreamClose { stream } => {
+                stream_reply(shared.with_streams(|s, o| s.close(o, stream)), |()| {
+                    Response::Done(vec![Status::Ok])
+                })
+            }
         };
         self.reply(op, request_id, &response).await
+    }
+
+    fn stream_release(&self, id: ConnId, stream: u32, rank: u32, upto: u64) {
+        if let Err(e) = self
+            .shared
+            .with_streams(|s, o| s.release(o, id, stream, rank, upto))
+        {
+            tracing::debug!(conn = id, stream, rank, upto, error = %e, "stream release refused");
+        }
+    }
+
+    /// Waits until `events` changes or the deadline passes. Meanwhile the connection keeps
+    /// reading: one-way returns (leases, stream samples) are applied at once, so a client cannot
+    /// deadlock against its own returns, and other requests are queued for after the wait.
+    async fn wait_for(
+        &mut self,
+        id: ConnId,
+        events: &mut watch::Receiver<u64>,
+        deadline: Instant,
+    ) -> Result<(), ConnEnd> {
+        tokio::select! {
+            _ = events.changed() => {}
+            _ = tokio::time::sleep_until(deadline) => {}
+            read = self.stream.read_buf(&mut self.rbuf) => {
+                if read? == 0 {
+                    return Err(ConnEnd::Closed);
+                }
+                while let Some((request_id, request)) = self.take_request()? {
+                    match request {
+                        Request::Release { handles } => self.release(id, &handles),
+                        Request::StreamRelease { stream, rank, upto } => {
+                            self.stream_release(id, stream, rank, upto);
+                        }
+                        other => self.deferred.push_back((request_id, other)),
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Sends the encoded reply in `wbuf` with descriptors riding on its first byte.
+    async fn send_with_fds(&mut self, fds: &[i32]) -> Result<(), ConnEnd> {
+        let wbuf = std::mem::take(&mut self.wbuf);
+        let sock = self.stream.as_raw_fd();
+        let sent = self
+            .stream
+            .async_io(Interest::WRITABLE, || {
+                let cmsg = [ControlMessage::ScmRights(fds)];
+                nix::sys::socket::sendmsg::<()>(
+                    sock,
+                    &[IoSlice::new(&wbuf)],
+                    &cmsg,
+                    MsgFlags::MSG_NOSIGNAL,
+                    None,
+                )
+                .map_err(std::io::Error::from)
+            })
+            .await?;
+        self.stream.write_all(&wbuf[sent..]).await?;
+        self.wbuf = wbuf;
+        Ok(())
     }
 
     async fn hello(&mut self, request_id: u32, role: Role, name: String) -> Result<(), ConnEnd> {
@@ -325,6 +512,7 @@ impl Connection {
         };
         let id = shared.with_objects(|o| o.connect(info));
         self.id = Some(id);
+        self.role = role;
         tracing::info!(conn = id, pid = self.pid, uid = self.uid, ?role, %name, "client connected");
         let response = Response::Hello {
             node_id: shared.node_id,
@@ -338,25 +526,7 @@ impl Connection {
             Role::Reader => shared.readonly_fds.iter().map(|f| f.as_raw_fd()).collect(),
         };
         // The descriptors ride on the first byte of the reply; the rest follows as plain bytes.
-        let wbuf = std::mem::take(&mut self.wbuf);
-        let sock = self.stream.as_raw_fd();
-        let sent = self
-            .stream
-            .async_io(Interest::WRITABLE, || {
-                let cmsg = [ControlMessage::ScmRights(&fds)];
-                nix::sys::socket::sendmsg::<()>(
-                    sock,
-                    &[IoSlice::new(&wbuf)],
-                    &cmsg,
-                    MsgFlags::MSG_NOSIGNAL,
-                    None,
-                )
-                .map_err(std::io::Error::from)
-            })
-            .await?;
-        self.stream.write_all(&wbuf[sent..]).await?;
-        self.wbuf = wbuf;
-        Ok(())
+        self.send_with_fds(&fds).await
     }
 
     async fn reply(
@@ -419,23 +589,20 @@ impl Connection {
                 shared.with_objects(Objects::note_create_waited);
                 tracing::debug!(conn = id, size, "create waiting for space");
             }
-            tokio::select! {
-                _ = space.changed() => {}
-                _ = tokio::time::sleep_until(deadline) => {}
-                read = self.stream.read_buf(&mut self.rbuf) => {
-                    if read? == 0 {
-                        return Err(ConnEnd::Closed);
-                    }
-                    while let Some((request_id, request)) = self.take_request()? {
-                        match request {
-                            Request::Release { handles } => self.release(id, &handles),
-                            other => self.deferred.push_back((request_id, other)),
-                        }
-                    }
-                }
-            }
+            self.wait_for(id, &mut space, deadline).await?;
         }
     }
+}
+
+fn stream_error(e: StreamError) -> Response {
+    Response::Error {
+        status: e.status,
+        message: e.message,
+    }
+}
+
+fn stream_reply<T>(result: Result<T, StreamError>, ok: impl FnOnce(T) -> Response) -> Response {
+    result.map_or_else(stream_error, ok)
 }
 
 fn each(

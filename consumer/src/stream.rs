@@ -1,0 +1,507 @@
+//! Streams from the client's side: a trainer rank reading its samples in order
+//! ([`Stream`]), and a producer making them ([`StreamFeeder`]).
+//!
+//! A rank's samples arrive in a shared-memory ring the daemon fills (see
+//! `feedstore_proto::ring`); [`Stream::next_sample`] reads the next slot and returns the sample in place,
+//! without a round trip. Only when the ring has not caught up does it ask the daemon to wake it.
+//! Dropped samples are returned in batches, which slides the rank's prefetch window.
+
+use std::collections::BTreeSet;
+use std::ops::Deref;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use feedstore_proto::frame::{Request, Response, StreamItem, StreamTask};
+use feedstore_proto::ring::{ENTRY_FAILED, RingEntry, RingHeader, RingWords};
+use feedstore_proto::sample::{SampleError, SampleView};
+use feedstore_proto::stream::{StreamSpec, StreamState};
+use feedstore_proto::{Handle, Status};
+use feedstore_shm::{Access, Mapping};
+
+use crate::{Client, ConnectOptions, Error, ObjectWriter, Role};
+
+/// How a consumer opens its stream.
+#[derive(Debug, Clone)]
+pub struct StreamOptions {
+    /// Samples prefetched per rank (the ring's size), if the stream is new.
+    pub depth: u32,
+    /// How long [`Stream::next_sample`] waits for a sample before failing.
+    pub wait: Duration,
+    /// Return dropped samples to the daemon once this many are pending.
+    pub return_batch: u32,
+}
+
+impl Default for StreamOptions {
+    fn default() -> Self {
+        StreamOptions {
+            depth: 64,
+            wait: Duration::from_secs(300),
+            return_batch: 8,
+        }
+    }
+}
+
+/// The ring mapped read-only.
+struct RingMap(Mapping);
+
+impl RingWords for RingMap {
+    fn load(&self, i: usize, order: std::sync::atomic::Ordering) -> u64 {
+        self.0.load_word(i, order)
+    }
+    fn len(&self) -> usize {
+        self.0.len() / 8
+    }
+}
+
+/// Which sequence numbers the user has dropped: a contiguous prefix and stragglers.
+#[derive(Debug)]
+struct Returns {
+    upto: u64,
+    out_of_order: BTreeSet<u64>,
+}
+
+impl Returns {
+    fn returned(&mut self, seq: u64) {
+        if seq == self.upto {
+            self.upto += 1;
+            while self.out_of_order.remove(&self.upto) {
+                self.upto += 1;
+            }
+        } else if seq > self.upto {
+            self.out_of_order.insert(seq);
+        }
+    }
+}
+
+/// A trainer rank's stream: its share of the samples, in the stream's order, with prefetch.
+///
+/// Dropping the stream detaches the rank; samples already delivered stay valid.
+pub struct Stream {
+    client: Client,
+    spec: StreamSpec,
+    id: u32,
+    rank: u32,
+    ring: RingMap,
+    header: RingHeader,
+    next: u64,
+    end: Option<u64>,
+    returns: Arc<Mutex<Returns>>,
+    sent: u64,
+    opts: StreamOptions,
+}
+
+impl std::fmt::Debug for Stream {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Stream")
+            .field("name", &self.spec.name)
+            .field("rank", &self.rank)
+            .field("next", &self.next)
+            .finish()
+    }
+}
+
+impl Stream {
+    /// Opens `rank`'s share of a stream on its own connection to the daemon at `socket`,
+    /// starting at `from` (a state saved with a checkpoint) or at the beginning.
+    pub fn open(
+        socket: impl Into<std::path::PathBuf>,
+        spec: &StreamSpec,
+        rank: u32,
+        from: Option<StreamState>,
+        opts: StreamOptions,
+    ) -> Result<Stream, Error> {
+        spec.check(rank)
+            .map_err(|e| Error::InvalidArgument(e.to_string()))?;
+        let seq = match from {
+            None => 0,
+            Some(state) if state.spec_digest != spec.digest() => {
+                return Err(Error::StreamMismatch(format!(
+                    "the saved state belongs to another stream spec (digest {:016x}, this one {:016x})",
+                    state.spec_digest,
+                    spec.digest()
+                )));
+            }
+            Some(state) if state.rank != rank => {
+                return Err(Error::StreamMismatch(format!(
+                    "the saved state is rank {}'s, not rank {rank}'s",
+                    state.rank
+                )));
+            }
+            Some(state) => state.seq(spec),
+        };
+        let client = ConnectOptions::new(Role::Reader)
+            .socket(socket)
+            .name(format!("{} rank {rank}", spec.name))
+            .connect()?;
+        let (response, mut fds) = client.call_with_fds(&Request::StreamAttach {
+            spec: spec.clone(),
+            depth: opts.depth,
+            rank,
+            seq,
+        })?;
+        let Response::StreamAttached {
+            stream, ring_bytes, ..
+        } = response
+        else {
+            return Err(Error::Protocol(format!("unexpected reply {response:?}")));
+        };
+        let fd = fds.pop().filter(|_| fds.is_empty()).ok_or_else(|| {
+            Error::Protocol("stream attach reply without one ring descriptor".into())
+        })?;
+        let ring = RingMap(Mapping::new(fd, ring_bytes, Access::ReadOnly, true)?);
+        let header =
+            RingHeader::read(&ring).map_err(|e| Error::Protocol(format!("bad ring: {e}")))?;
+        if header.rank != rank || header.spec_digest != spec.digest() {
+            return Err(Error::Protocol("ring for another rank or stream".into()));
+        }
+        Ok(Stream {
+            client,
+            spec: spec.clone(),
+            id: stream,
+            rank,
+            ring,
+            header,
+            next: seq,
+            end: spec.end_seq(),
+            returns: Arc::new(Mutex::new(Returns {
+                upto: seq,
+                out_of_order: BTreeSet::new(),
+            })),
+            sent: seq,
+            opts,
+        })
+    }
+
+    /// Where the stream stands: save this with a checkpoint, and [`Stream::open`] from it to
+    /// continue with exactly the next sample.
+    pub fn state(&self) -> StreamState {
+        StreamState::at(&self.spec, self.rank, self.next)
+    }
+
+    /// The stream's spec.
+    pub fn spec(&self) -> &StreamSpec {
+        &self.spec
+    }
+
+    /// The next sample, in place in shared memory; `None` after the last epoch. (The stream is
+    /// also an iterator of `Result<StreamSample, Error>`.)
+    pub fn next_sample(&mut self) -> Result<Option<StreamSample>, Error> {
+        if self.end.is_some_and(|end| self.next >= end) {
+            self.return_samples(true);
+            return Ok(None);
+        }
+        self.return_samples(false);
+        let entry = match self.header.read_entry(&self.ring, self.next) {
+            Some(entry) => entry,
+            None => match self.wait()? {
+                Some(entry) => entry,
+                None => return Ok(None),
+            },
+        };
+        self.next += 1;
+        if entry.flags & ENTRY_FAILED != 0 {
+            self.returned(entry.seq);
+            return Err(Error::SampleFailed {
+                seq: entry.seq,
+                record: entry.record,
+            });
+        }
+        let mapping = self.client.mapping(entry.location)?.clone();
+        let ptr = mapping
+            .range_ptr(entry.location.offset, entry.location.len)
+            .expect("range checked by Client::mapping");
+        Ok(Some(StreamSample {
+            entry,
+            _mapping: mapping,
+            ptr,
+            returns: self.returns.clone(),
+        }))
+    }
+
+    /// Up to `n` samples (fewer only at the end of the stream).
+    pub fn next_batch(&mut self, n: usize) -> Result<Vec<StreamSample>, Error> {
+        let mut batch = Vec::with_capacity(n);
+        while batch.len() < n {
+            match self.next_sample()? {
+                Some(sample) => batch.push(sample),
+                None => break,
+            }
+        }
+        Ok(batch)
+    }
+
+    fn returned(&self, seq: u64) {
+        self.returns
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .returned(seq);
+    }
+
+    /// Tells the daemon which samples came back, once a batch is pending (or `now`).
+    fn return_samples(&mut self, now: bool) {
+        let upto = self.returns.lock().unwrap_or_else(|e| e.into_inner()).upto;
+        if upto > self.sent && (now || upto - self.sent >= u64::from(self.opts.return_batch)) {
+            let release = Request::StreamRelease {
+                stream: self.id,
+                rank: self.rank,
+                upto,
+            };
+            if self.client.send_one_way(&release).is_ok() {
+                self.sent = upto;
+            }
+        }
+    }
+
+    /// Waits for the next sample's slot to fill.
+    fn wait(&mut self) -> Result<Option<RingEntry>, Error> {
+        let held = self.next - self.returns.lock().unwrap_or_else(|e| e.into_inner()).upto;
+        if held >= u64::from(self.header.capacity) {
+            return Err(Error::WindowFull { held });
+        }
+        self.return_samples(true);
+        let deadline = std::time::Instant::now() + self.opts.wait;
+        loop {
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            let reply = self.client.call(&Request::StreamWait {
+                stream: self.id,
+                rank: self.rank,
+                seq: self.next,
+                timeout_ms: left.as_millis().min(u128::from(u32::MAX)) as u32,
+            })?;
+            match reply {
+                Response::Done(s) if s == [Status::Ok] => {
+                    if let Some(entry) = self.header.read_entry(&self.ring, self.next) {
+                        return Ok(Some(entry));
+                    }
+                    return Err(Error::Protocol(format!(
+                        "daemon says sample {} is ready, but its slot does not hold it",
+                        self.next
+                    )));
+                }
+                Response::Done(s) if s == [Status::Ended] => return Ok(None),
+                Response::Done(s) if s == [Status::Timeout] => {
+                    if left.is_zero() {
+                        return Err(Error::Timeout(format!(
+                            "no sample {} of rank {} of stream {:?} within {:?}: are producers running?",
+                            self.next, self.rank, self.spec.name, self.opts.wait
+                        )));
+                    }
+                }
+                other => return Err(Error::Protocol(format!("unexpected reply {other:?}"))),
+            }
+        }
+    }
+}
+
+impl Iterator for Stream {
+    type Item = Result<StreamSample, Error>;
+
+    fn next(&mut self) -> Option<Self::Item> {
+        self.next_sample().transpose()
+    }
+}
+
+impl Drop for Stream {
+    fn drop(&mut self) {
+        self.return_samples(true);
+    }
+}
+
+/// One sample from a [`Stream`], in place in shared memory. The stream holds it for the
+/// consumer until this is dropped.
+pub struct StreamSample {
+    entry: RingEntry,
+    _mapping: Arc<Mapping>,
+    ptr: *const u8,
+    returns: Arc<Mutex<Returns>>,
+}
+
+// SAFETY: immutable bytes in a mapping the `Arc` keeps alive; the stream holds a lease on the
+// object until this sample is dropped and returned. Nothing is tied to the creating thread.
+unsafe impl Send for StreamSample {}
+// SAFETY: as above; `&StreamSample` only gives `&[u8]`.
+unsafe impl Sync for StreamSample {}
+
+impl StreamSample {
+    /// The rank's sequence number of this sample.
+    pub fn seq(&self) -> u64 {
+        self.entry.seq
+    }
+
+    /// The manifest record it was made from.
+    pub fn record(&self) -> u64 {
+        self.entry.record
+    }
+
+    /// The object's handle.
+    pub fn handle(&self) -> Handle {
+        self.entry.handle
+    }
+
+    /// The sample, validated, with typed views of its tensors and tokens.
+    pub fn view(&self) -> Result<SampleView<'_>, SampleError> {
+        SampleView::new(self)
+    }
+}
+
+impl Deref for StreamSample {
+    type Target = [u8];
+
+    fn deref(&self) -> &[u8] {
+        // SAFETY: `ptr..ptr+len` lies inside the mapping (checked by `Client::mapping`) that
+        // `_mapping` keeps alive; the object is sealed and the stream leases it until this
+        // sample is returned in `drop`, so no writer is handed an overlapping range meanwhile.
+        unsafe { std::slice::from_raw_parts(self.ptr, self.entry.location.len as usize) }
+    }
+}
+
+impl std::fmt::Debug for StreamSample {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StreamSample")
+            .field("seq", &self.entry.seq)
+            .field("record", &self.entry.record)
+            .field("len", &self.entry.location.len)
+            .finish()
+    }
+}
+
+impl Drop for StreamSample {
+    fn drop(&mut self) {
+        self.returns
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .returned(self.entry.seq);
+    }
+}
+
+/// A producer's handle on a stream: take tasks, make samples, put them.
+#[derive(Debug, Clone)]
+pub struct StreamFeeder {
+    client: Client,
+    spec: StreamSpec,
+    id: u32,
+}
+
+/// A sample made for a task, ready to put.
+#[derive(Debug)]
+pub enum Made {
+    /// A sample written into a reservation of the feeder's client (sealed by the put).
+    Written(ObjectWriter),
+    /// An existing sealed object (a cached sample).
+    Existing(Handle),
+    /// No candidate record made a sample.
+    Failed,
+}
+
+impl StreamFeeder {
+    /// Joins a stream to make samples for some ranks on `client` (a writer), creating the
+    /// stream if it is new. Each rank the daemon does not know yet starts at the sequence
+    /// number given with it (its consumer's checkpointed state, 0 for a fresh run).
+    pub fn join(
+        client: &Client,
+        spec: &StreamSpec,
+        depth: u32,
+        ranks: &[StreamTask],
+    ) -> Result<StreamFeeder, Error> {
+        match client.call(&Request::StreamJoin {
+            spec: spec.clone(),
+            depth,
+            ranks: ranks.to_vec(),
+        })? {
+            Response::StreamJoined { stream } => Ok(StreamFeeder {
+                client: client.clone(),
+                spec: spec.clone(),
+                id: stream,
+            }),
+            other => Err(Error::Protocol(format!("unexpected reply {other:?}"))),
+        }
+    }
+
+    /// The stream's spec.
+    pub fn spec(&self) -> &StreamSpec {
+        &self.spec
+    }
+
+    /// Up to `max` tasks, waiting up to `wait` while every prefetch window is full. `None`
+    /// once the stream has no work left.
+    pub fn take(&self, max: u32, wait: Duration) -> Result<Option<Vec<StreamTask>>, Error> {
+        let request = Request::StreamTake {
+            stream: self.id,
+            max,
+            timeout_ms: wait.as_millis().min(u128::from(u32::MAX)) as u32,
+        };
+        match self.client.call(&request) {
+            Ok(Response::Tasks(tasks)) => Ok(Some(tasks)),
+            Ok(other) => Err(Error::Protocol(format!("unexpected reply {other:?}"))),
+            Err(Error::Ended) => Ok(None),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Puts samples, one per task. Per item: `Ok`, or why the stream did not take it (a
+    /// resume moved the window past it, say); reservations not taken are aborted.
+    pub fn put(&self, made: Vec<(StreamTask, u64, Made)>) -> Result<Vec<Result<(), Error>>, Error> {
+        let mut items = Vec::with_capacity(made.len());
+        let mut reserved = Vec::with_capacity(made.len());
+        for (task, record, m) in made {
+            let (handle, flags, written) = match m {
+                Made::Written(w) => (w.hand_over(), 0, true),
+                Made::Existing(h) => (h, 0, false),
+                Made::Failed => (Handle::default(), ENTRY_FAILED, false),
+            };
+            items.push(StreamItem {
+                task,
+                handle,
+                record,
+                flags,
+            });
+            reserved.push(written);
+        }
+        let statuses = match self.client.call(&Request::StreamPut {
+            stream: self.id,
+            items: items.clone(),
+        }) {
+            Ok(Response::Done(s)) if s.len() == items.len() => s,
+            Ok(other) => return Err(Error::Protocol(format!("unexpected reply {other:?}"))),
+            Err(e) => return Err(e),
+        };
+        let abort: Vec<Handle> = items
+            .iter()
+            .zip(&statuses)
+            .zip(&reserved)
+            .filter(|((_, s), written)| **s != Status::Ok && **written)
+            .map(|((item, _), _)| item.handle)
+            .collect();
+        if !abort.is_empty() {
+            // Best effort: whatever is not aborted here is aborted when the connection ends.
+            let _ = self.client.each(
+                Request::Abort {
+                    handles: abort.clone(),
+                },
+                &abort,
+            );
+        }
+        Ok(items
+            .iter()
+            .zip(statuses)
+            .map(|(item, s)| {
+                if s == Status::Ok {
+                    Ok(())
+                } else {
+                    Err(Error::from_status(s, item.handle, 0, ""))
+                }
+            })
+            .collect())
+    }
+
+    /// Closes the stream for everyone: its samples go back to the store.
+    pub fn close(&self) -> Result<(), Error> {
+        match self
+            .client
+            .call(&Request::StreamClose { stream: self.id })?
+        {
+            Response::Done(_) => Ok(()),
+            other => Err(Error::Protocol(format!("unexpected reply {other:?}"))),
+        }
+    }
+}

@@ -1,0 +1,477 @@
+//! What a stream is: which record each rank gets at each position of each epoch.
+//!
+//! A stream's order is a pure function of its [`StreamSpec`] (record count, seed, world size,
+//! shuffle, tail policy), an epoch, a rank and a position. Nothing about it depends on which
+//! producer finished first, how deep the prefetch was, or what was in flight when a process died:
+//! a consumer's whole position is the pair ([`StreamState::epoch`], [`StreamState::position`]),
+//! and resuming from it yields exactly the samples an uninterrupted run would have yielded next.
+//!
+//! The shuffle is a keyed pseudo-random permutation computed per index (a Feistel network over the
+//! index bits, cycle-walked into `[0, n)`), so a full permutation of a billion records costs no
+//! memory and any position is found in O(1): resume never replays an epoch to find its place.
+//! [`Shuffle::Block`] permutes blocks of consecutive records and the records within each block,
+//! for sources that are cheaper to read in runs.
+//!
+//! Ranks share an epoch the way PyTorch's `DistributedSampler` does: the permuted order is dealt
+//! round-robin, rank `r` taking global slots `r, r + world, r + 2·world, …`. Every rank gets the
+//! same count ([`Tail::Drop`] drops the last `n mod world` records of the epoch's order,
+//! [`Tail::Pad`] wraps around to its start), so data-parallel ranks never wait on an uneven tail.
+
+use crate::frame::DecodeError;
+use crate::wire::{Reader, Writer};
+
+/// Longest stream name, in bytes.
+pub const MAX_STREAM_NAME: usize = 128;
+
+/// How records are ordered within an epoch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Shuffle {
+    /// Manifest order, every epoch.
+    None,
+    /// A fresh full permutation each epoch.
+    Full,
+    /// Blocks of this many consecutive records in a fresh order each epoch, the records within a
+    /// block permuted too; a short last block stays last.
+    Block(u32),
+}
+
+/// What to do with the `n mod world` records that do not divide evenly among ranks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Tail {
+    /// Leave them out of this epoch (a different set each epoch when shuffled).
+    Drop,
+    /// Give the short ranks repeats from the start of the epoch's order.
+    Pad,
+}
+
+/// Everything that fixes a stream's order. Producers and consumers of one stream must agree on
+/// it; the daemon refuses an open whose spec differs from the stream's.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct StreamSpec {
+    /// The stream's name, unique on the node (e.g. the job and dataset).
+    pub name: String,
+    /// Records in the source (manifest lines).
+    pub records: u64,
+    /// Seeds the shuffle.
+    pub seed: u64,
+    /// Data-parallel ranks sharing the records.
+    pub world: u32,
+    /// Order within an epoch.
+    pub shuffle: Shuffle,
+    /// Uneven tail policy.
+    pub tail: Tail,
+    /// Epochs to run; `None` runs until the stream is closed.
+    pub epochs: Option<u64>,
+}
+
+/// Why a spec or state is unusable.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum SpecError {
+    /// World size zero.
+    #[error("world size must be at least 1")]
+    NoRanks,
+    /// A rank outside the world.
+    #[error("rank {rank} is outside a world of {world}")]
+    RankOutOfRange {
+        /// The rank asked for.
+        rank: u32,
+        /// The world size.
+        world: u32,
+    },
+    /// Fewer records than ranks under [`Tail::Drop`], or none at all.
+    #[error("{records} records cannot give each of {world} ranks a sample")]
+    TooFewRecords {
+        /// Records in the source.
+        records: u64,
+        /// The world size.
+        world: u32,
+    },
+    /// A zero block size.
+    #[error("block shuffle needs a block size of at least 1")]
+    EmptyBlock,
+    /// Name empty or too long.
+    #[error("stream name must be 1..={MAX_STREAM_NAME} bytes")]
+    BadName,
+}
+
+impl StreamSpec {
+    /// Checks the spec makes sense for `rank`.
+    pub fn check(&self, rank: u32) -> Result<(), SpecError> {
+        if self.name.is_empty() || self.name.len() > MAX_STREAM_NAME {
+            return Err(SpecError::BadName);
+        }
+        if self.world == 0 {
+            return Err(SpecError::NoRanks);
+        }
+        if rank >= self.world {
+            return Err(SpecError::RankOutOfRange {
+                rank,
+                world: self.world,
+            });
+        }
+        if self.shuffle == Shuffle::Block(0) {
+            return Err(SpecError::EmptyBlock);
+        }
+        if self.per_rank() == 0 {
+            return Err(SpecError::TooFewRecords {
+                records: self.records,
+                world: self.world,
+            });
+        }
+        Ok(())
+    }
+
+    /// Samples each rank gets per epoch.
+    pub fn per_rank(&self) -> u64 {
+        let world = u64::from(self.world.max(1));
+        match self.tail {
+            Tail::Drop => self.records / world,
+            Tail::Pad => self.records.div_ceil(world),
+        }
+    }
+
+    /// The sequence number one past the last sample of a rank, if the stream ends.
+    pub fn end_seq(&self) -> Option<u64> {
+        self.epochs.map(|e| e.saturating_mul(self.per_rank()))
+    }
+
+    /// The record (manifest index) a rank gets at a sequence number (`epoch · per_rank +
+    /// position`). Call [`StreamSpec::check`] first.
+    pub fn record_at(&self, rank: u32, seq: u64) -> u64 {
+        let per_rank = self.per_rank();
+        let (epoch, position) = (seq / per_rank, seq % per_rank);
+        let slot = position * u64::from(self.world) + u64::from(rank);
+        self.permuted(epoch, slot % self.records)
+    }
+
+    /// The records to try, in order, for a rank's sequence number: its own record, then the next
+    /// positions of the same rank's share of the epoch, wrapping. A producer uses the first that
+    /// makes a good sample, so a rejected record is replaced the same way on every run and every
+    /// rank still gets `per_rank` samples.
+    pub fn candidates(&self, rank: u32, seq: u64) -> impl Iterator<Item = u64> + '_ {
+        let per_rank = self.per_rank();
+        let (epoch, position) = (seq / per_rank, seq % per_rank);
+        (0..per_rank)
+            .map(move |k| self.record_at(rank, epoch * per_rank + (position + k) % per_rank))
+    }
+
+    /// Position `i` of epoch `epoch`'s order, as a record index.
+    fn permuted(&self, epoch: u64, i: u64) -> u64 {
+        let n = self.records;
+        let key = mix(self.seed ^ mix(epoch.wrapping_add(0x5EED)));
+        match self.shuffle {
+            Shuffle::None => i,
+            Shuffle::Full => permute(i, n, key),
+            Shuffle::Block(b) => {
+                let b = u64::from(b);
+                let full_blocks = n / b;
+                let (block, offset) = (i / b, i % b);
+                if block >= full_blocks {
+                    // The short last block stays last; its records are still permuted.
+                    let size = n - full_blocks * b;
+                    return full_blocks * b + permute(offset, size, mix(key ^ block));
+                }
+                let physical = permute(block, full_blocks, key);
+                physical * b + permute(offset, b, mix(key ^ physical ^ 0xB10C))
+            }
+        }
+    }
+
+    /// A 64-bit digest of the spec, carried in states so a resume can tell it belongs here.
+    pub fn digest(&self) -> u64 {
+        let mut buf = Vec::new();
+        self.encode(&mut Writer { buf: &mut buf });
+        buf.chunks(8).fold(0x0F5E_ED5E_ED5E_ED00, |h, c| {
+            let mut w = [0u8; 8];
+            w[..c.len()].copy_from_slice(c);
+            mix(h ^ u64::from_le_bytes(w))
+        })
+    }
+
+    pub(crate) fn encode(&self, w: &mut Writer<'_>) {
+        w.string(&self.name);
+        w.u64(self.records);
+        w.u64(self.seed);
+        w.u32(self.world);
+        let (kind, block) = match self.shuffle {
+            Shuffle::None => (0, 0),
+            Shuffle::Full => (1, 0),
+            Shuffle::Block(b) => (2, b),
+        };
+        w.u8(kind);
+        w.u32(block);
+        w.u8(match self.tail {
+            Tail::Drop => 0,
+            Tail::Pad => 1,
+        });
+        w.u64(self.epochs.unwrap_or(0));
+    }
+
+    pub(crate) fn decode(r: &mut Reader<'_>) -> Result<StreamSpec, DecodeError> {
+        let name = r.string()?;
+        let records = r.u64()?;
+        let seed = r.u64()?;
+        let world = r.u32()?;
+        let shuffle = match (r.u8()?, r.u32()?) {
+            (0, _) => Shuffle::None,
+            (1, _) => Shuffle::Full,
+            (2, b) => Shuffle::Block(b),
+            _ => return Err(DecodeError::InvalidValue { field: "shuffle" }),
+        };
+        let tail = match r.u8()? {
+            0 => Tail::Drop,
+            1 => Tail::Pad,
+            _ => return Err(DecodeError::InvalidValue { field: "tail" }),
+        };
+        let epochs = match r.u64()? {
+            0 => None,
+            e => Some(e),
+        };
+        Ok(StreamSpec {
+            name,
+            records,
+            seed,
+            world,
+            shuffle,
+            tail,
+            epochs,
+        })
+    }
+}
+
+/// A consumer's position: small, and saved with the trainer's checkpoint. Resuming from it
+/// continues with exactly the next sample.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct StreamState {
+    /// [`StreamSpec::digest`] of the stream it belongs to.
+    pub spec_digest: u64,
+    /// The consumer's rank.
+    pub rank: u32,
+    /// The epoch of the next sample.
+    pub epoch: u64,
+    /// The next sample's position within the rank's share of that epoch.
+    pub position: u64,
+}
+
+impl StreamState {
+    /// The state at sequence number `seq` of `rank`.
+    pub fn at(spec: &StreamSpec, rank: u32, seq: u64) -> StreamState {
+        let per_rank = spec.per_rank().max(1);
+        StreamState {
+            spec_digest: spec.digest(),
+            rank,
+            epoch: seq / per_rank,
+            position: seq % per_rank,
+        }
+    }
+
+    /// The sequence number of the next sample.
+    pub fn seq(&self, spec: &StreamSpec) -> u64 {
+        self.epoch * spec.per_rank() + self.position
+    }
+
+    /// A one-line text form, `digest:rank:epoch:position` in hex, for checkpoints and logs.
+    pub fn to_text(&self) -> String {
+        format!(
+            "{:016x}:{:x}:{:x}:{:x}",
+            self.spec_digest, self.rank, self.epoch, self.position
+        )
+    }
+
+    /// Parses [`StreamState::to_text`].
+    pub fn from_text(s: &str) -> Option<StreamState> {
+        let mut parts = s.trim().split(':');
+        let mut next = || u64::from_str_radix(parts.next()?, 16).ok();
+        let state = StreamState {
+            spec_digest: next()?,
+            rank: u32::try_from(next()?).ok()?,
+            epoch: next()?,
+            position: next()?,
+        };
+        parts.next().is_none().then_some(state)
+    }
+}
+
+/// SplitMix64's finaliser: a fast, well-mixed 64-bit hash.
+fn mix(mut z: u64) -> u64 {
+    z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+/// A keyed permutation of `[0, n)`, evaluated at `i`: a balanced Feistel network over the
+/// smallest even number of bits covering `n`, cycle-walked until the result falls inside `[0, n)`
+/// (fewer than four steps on average, since the domain is under 4n).
+fn permute(i: u64, n: u64, key: u64) -> u64 {
+    debug_assert!(i < n);
+    if n <= 1 {
+        return i;
+    }
+    let bits = (64 - (n - 1).leading_zeros()).max(2).next_multiple_of(2);
+    let half = bits / 2;
+    let mask = (1u64 << half) - 1;
+    let mut x = i;
+    loop {
+        let (mut left, mut right) = (x >> half, x & mask);
+        for round in 0..6u64 {
+            let f = mix(right ^ mix(key ^ round)) & mask;
+            (left, right) = (right, left ^ f);
+        }
+        x = (left << half) | right;
+        if x < n {
+            return x;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::BTreeSet;
+
+    fn spec(records: u64, world: u32, shuffle: Shuffle, tail: Tail) -> StreamSpec {
+        StreamSpec {
+            name: "test".into(),
+            records,
+            seed: 7,
+            world,
+            shuffle,
+            tail,
+            epochs: Some(3),
+        }
+    }
+
+    #[test]
+    fn permutations_are_bijections() {
+        for n in [1u64, 2, 3, 5, 16, 17, 100, 1000, 4097] {
+            for key in [0, 1, 0xDEAD_BEEF] {
+                let seen: BTreeSet<u64> = (0..n).map(|i| permute(i, n, key)).collect();
+                assert_eq!(seen.len() as u64, n, "n={n} key={key}");
+                assert!(seen.iter().all(|&x| x < n));
+            }
+        }
+    }
+
+    #[test]
+    fn ranks_are_disjoint_equal_and_cover_the_epoch() {
+        for shuffle in [Shuffle::None, Shuffle::Full, Shuffle::Block(8)] {
+            for (n, world) in [(100u64, 4u32), (103, 4), (7, 8), (64, 1)] {
+                let pad = spec(n, world, shuffle, Tail::Pad);
+                let drop = spec(n, world, shuffle, Tail::Drop);
+                for epoch in 0..3 {
+                    // Pad: every record at least once, at most ceil(world / n) + 1 times.
+                    let mut all = Vec::new();
+                    for rank in 0..world {
+                        let per = pad.per_rank();
+                        all.extend((0..per).map(|p| pad.record_at(rank, epoch * per + p)));
+                    }
+                    assert_eq!(all.len() as u64, pad.per_rank() * u64::from(world));
+                    let unique: BTreeSet<u64> = all.iter().copied().collect();
+                    assert_eq!(
+                        unique.len() as u64,
+                        n,
+                        "{shuffle:?} n={n} w={world}: all records"
+                    );
+                    // Drop: disjoint shares of distinct records.
+                    if drop.check(0).is_ok() {
+                        let per = drop.per_rank();
+                        let all: Vec<u64> = (0..world)
+                            .flat_map(|rank| (0..per).map(move |p| (rank, epoch * per + p)))
+                            .map(|(rank, seq)| drop.record_at(rank, seq))
+                            .collect();
+                        let unique: BTreeSet<u64> = all.iter().copied().collect();
+                        assert_eq!(unique.len(), all.len(), "{shuffle:?}: disjoint");
+                        assert_eq!(all.len() as u64, n - n % u64::from(world));
+                    } else {
+                        assert!(n < u64::from(world));
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn order_depends_on_seed_and_epoch_only() {
+        let a = spec(1000, 4, Shuffle::Full, Tail::Drop);
+        let order = |s: &StreamSpec, epoch: u64| -> Vec<u64> {
+            (0..250).map(|p| s.record_at(1, epoch * 250 + p)).collect()
+        };
+        assert_eq!(order(&a, 0), order(&a.clone(), 0), "deterministic");
+        assert_ne!(order(&a, 0), order(&a, 1), "each epoch its own order");
+        let b = StreamSpec {
+            seed: 8,
+            ..a.clone()
+        };
+        assert_ne!(order(&a, 0), order(&b, 0), "seed changes the order");
+        let none = spec(1000, 4, Shuffle::None, Tail::Drop);
+        assert_eq!(order(&none, 0)[..3], [1, 5, 9], "unshuffled: round-robin");
+        // A shuffled order is far from the identity: few records stay in place.
+        let fixed = (0..1000).filter(|&i| a.permuted(0, i) == i).count();
+        assert!(fixed < 10, "{fixed} fixed points");
+    }
+
+    #[test]
+    fn block_shuffle_keeps_blocks_together() {
+        let s = spec(100, 1, Shuffle::Block(10), Tail::Drop);
+        let order: Vec<u64> = (0..100).map(|p| s.record_at(0, p)).collect();
+        for chunk in order.chunks(10) {
+            let block = chunk[0] / 10;
+            assert!(chunk.iter().all(|r| r / 10 == block), "{chunk:?}");
+        }
+        assert_ne!(order, (0..100).collect::<Vec<_>>());
+    }
+
+    #[test]
+    fn candidates_start_at_the_record_and_stay_in_the_share() {
+        let s = spec(40, 4, Shuffle::Full, Tail::Drop);
+        let share: BTreeSet<u64> = (10..20).map(|seq| s.record_at(2, seq)).collect();
+        let c: Vec<u64> = s.candidates(2, 13).collect();
+        assert_eq!(c[0], s.record_at(2, 13));
+        assert_eq!(c[1], s.record_at(2, 14));
+        assert_eq!(c.len(), 10);
+        assert_eq!(c.iter().copied().collect::<BTreeSet<_>>(), share);
+    }
+
+    #[test]
+    fn states_round_trip_and_reject_garbage() {
+        let s = spec(100, 4, Shuffle::Full, Tail::Pad);
+        let state = StreamState::at(&s, 3, 57);
+        assert_eq!((state.epoch, state.position), (2, 7));
+        assert_eq!(state.seq(&s), 57);
+        assert_eq!(StreamState::from_text(&state.to_text()), Some(state));
+        for bad in ["", "1:2:3", "1:2:3:4:5", "x:1:2:3", "1:100000000000:2:3"] {
+            assert_eq!(StreamState::from_text(bad), None, "{bad}");
+        }
+        assert_ne!(
+            s.digest(),
+            StreamSpec {
+                seed: 8,
+                ..s.clone()
+            }
+            .digest()
+        );
+    }
+
+    #[test]
+    fn bad_specs_are_refused() {
+        let s = spec(3, 4, Shuffle::Full, Tail::Drop);
+        assert_eq!(
+            s.check(0),
+            Err(SpecError::TooFewRecords {
+                records: 3,
+                world: 4
+            })
+        );
+        assert!(spec(3, 4, Shuffle::Full, Tail::Pad).check(3).is_ok());
+        assert!(matches!(
+            spec(3, 4, Shuffle::Full, Tail::Pad).check(4),
+            Err(SpecError::RankOutOfRange { .. })
+        ));
+        assert_eq!(
+            spec(3, 1, Shuffle::Block(0), Tail::Pad).check(0),
+            Err(SpecError::EmptyBlock)
+        );
+    }
+}

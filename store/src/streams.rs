@@ -1,0 +1,720 @@
+//! Streams: the daemon's side of handing samples to trainer ranks in a fixed order.
+//!
+//! A stream is named and defined by a [`StreamSpec`], which fixes the record behind every
+//! (rank, sequence number). Per rank the daemon keeps a window of `depth` sequence numbers
+//! starting at the first one its consumer has not returned. Producers take tasks (rank, seq)
+//! inside the windows, make the samples, and put them back; each put sample is leased by the
+//! stream (through a connection of its own in [`Objects`], so it cannot be evicted) and
+//! published into the rank's shared-memory ring at slot `seq mod depth`. A consumer reads its ring
+//! without asking the daemon, and returns samples in batches, which slides its window and lets
+//! producers go on: the window is the prefetch depth and the backpressure.
+//!
+//! Nothing here depends on timing. A producer that dies loses only its tasks, which go back to
+//! the window to be made again. A consumer that attaches at a sequence number (a fresh start, or
+//! a resume from a checkpoint after everything was killed) gets exactly the samples from there
+//! on: those still held are republished into its new ring, the rest are made again.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::os::fd::OwnedFd;
+use std::time::{Duration, Instant};
+
+use feedstore_proto::frame::{StreamItem, StreamTask};
+use feedstore_proto::ring::{ENTRY_FAILED, RingEntry, RingHeader, ring_bytes};
+use feedstore_proto::stream::StreamSpec;
+use feedstore_proto::{Handle, Location, Role, Status};
+use feedstore_shm::{Access, HugePages, Mapping, Segment, SegmentOptions, ShmError};
+
+use crate::objects::{ClientInfo, ConnId, Objects};
+
+/// Largest prefetch depth per rank.
+pub const MAX_DEPTH: u32 = 1 << 16;
+
+/// A stream operation that failed as a whole.
+#[derive(Debug, thiserror::Error)]
+#[error("{status}: {message}")]
+pub struct StreamError {
+    /// The status sent back.
+    pub status: Status,
+    /// Detail for the client.
+    pub message: String,
+}
+
+fn fail(status: Status, message: impl Into<String>) -> StreamError {
+    StreamError {
+        status,
+        message: message.into(),
+    }
+}
+
+/// A consumer's ring: shared memory the daemon writes and the consumer maps read-only.
+#[derive(Debug)]
+pub struct Ring {
+    segment: Segment,
+    map: Mapping,
+    header: RingHeader,
+}
+
+impl Ring {
+    fn new(spec: &StreamSpec, rank: u32, capacity: u32) -> Result<Ring, ShmError> {
+        let segment = Segment::create(&SegmentOptions {
+            name: format!("feedstore-ring-{}-{rank}", spec.name),
+            size_bytes: ring_bytes(capacity) as u64,
+            huge_pages: HugePages::Off,
+            prefault: true,
+        })?;
+        let fd = segment
+            .fd()
+            .try_clone_to_owned()
+            .map_err(|source| ShmError::Reopen { source })?;
+        let map = Mapping::new(fd, segment.size_bytes(), Access::ReadWrite, true)?;
+        let header = RingHeader {
+            capacity,
+            rank,
+            spec_digest: spec.digest(),
+        };
+        header
+            .write(map.atomic_words().expect("mapped read-write"))
+            .expect("sized for its capacity");
+        Ok(Ring {
+            segment,
+            map,
+            header,
+        })
+    }
+
+    fn publish(&self, entry: &RingEntry) {
+        self.header
+            .publish(self.map.atomic_words().expect("mapped read-write"), entry);
+    }
+
+    /// A read-only descriptor for the consumer.
+    pub fn readonly_fd(&self) -> Result<OwnedFd, ShmError> {
+        self.segment.reopen_readonly()
+    }
+
+    /// Slots.
+    pub fn capacity(&self) -> u32 {
+        self.header.capacity
+    }
+
+    /// Bytes of shared memory.
+    pub fn size_bytes(&self) -> u64 {
+        self.segment.size_bytes()
+    }
+}
+
+#[derive(Debug)]
+struct Consumer {
+    conn: ConnId,
+    ring: Ring,
+}
+
+/// One rank's window.
+#[derive(Debug)]
+struct Rank {
+    /// Every sequence number below this was returned by the consumer.
+    released: u64,
+    /// The lowest sequence number never handed to a producer.
+    next: u64,
+    /// Made and leased by the stream, not yet returned.
+    ready: BTreeMap<u64, RingEntry>,
+    /// At a producer.
+    assigned: BTreeMap<u64, ConnId>,
+    /// Inside the window, to be handed out again (its producer died, or a resume rewound).
+    redo: BTreeSet<u64>,
+    consumer: Option<Consumer>,
+}
+
+impl Rank {
+    fn new(start: u64) -> Rank {
+        Rank {
+            released: start,
+            next: start,
+            ready: BTreeMap::new(),
+            assigned: BTreeMap::new(),
+            redo: BTreeSet::new(),
+            consumer: None,
+        }
+    }
+
+    fn in_flight(&self) -> usize {
+        self.ready.len() + self.assigned.len()
+    }
+
+    /// The next task of this rank, if its window has room.
+    fn next_task(&mut self, conn: ConnId, window_end: u64) -> Option<u64> {
+        let seq = match self.redo.first() {
+            Some(&s) if s < window_end => {
+                self.redo.remove(&s);
+                s
+            }
+            _ if self.next < window_end => {
+                self.next += 1;
+                self.next - 1
+            }
+            _ => return None,
+        };
+        self.assigned.insert(seq, conn);
+        Some(seq)
+    }
+
+    fn done(&self, end: Option<u64>) -> bool {
+        end.is_some_and(|end| self.next >= end) && self.redo.is_empty() && self.assigned.is_empty()
+    }
+}
+
+/// One stream.
+#[derive(Debug)]
+struct Stream {
+    spec: StreamSpec,
+    depth: u32,
+    /// The stream's own connection in [`Objects`]: its leases keep put samples alive.
+    leases: ConnId,
+    ranks: BTreeMap<u32, Rank>,
+    producers: BTreeSet<ConnId>,
+    created: Instant,
+    /// From creation to the first sample put.
+    cold_start: Option<Duration>,
+    samples_put: u64,
+    samples_returned: u64,
+}
+
+impl Stream {
+    fn end(&self) -> Option<u64> {
+        self.spec.end_seq()
+    }
+
+    fn window_end(&self, rank: &Rank) -> u64 {
+        let end = rank.released.saturating_add(u64::from(self.depth));
+        self.end().map_or(end, |e| end.min(e))
+    }
+
+    fn rank(&mut self, rank: u32, start: u64) -> &mut Rank {
+        self.ranks.entry(rank).or_insert_with(|| Rank::new(start))
+    }
+
+    /// Returns one sample's lease.
+    fn drop_entry(&self, objects: &mut Objects, entry: &RingEntry) {
+        if entry.flags & ENTRY_FAILED == 0 {
+            let _ = objects.release(self.leases, entry.handle);
+        }
+    }
+}
+
+/// A snapshot of one stream for `feedstore stat`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StreamStatus {
+    /// Its name.
+    pub name: String,
+    /// Prefetch depth per rank.
+    pub depth: u32,
+    /// Producers joined.
+    pub producers: usize,
+    /// Ranks with a consumer attached.
+    pub consumers: usize,
+    /// Ranks known.
+    pub ranks: usize,
+    /// Samples made and waiting in windows.
+    pub ready: usize,
+    /// Samples being made.
+    pub assigned: usize,
+    /// Samples put so far.
+    pub samples_put: u64,
+    /// Samples consumers returned so far.
+    pub samples_returned: u64,
+    /// Lowest sequence number not yet returned, over ranks (the slowest consumer).
+    pub slowest: u64,
+    /// From creation to the first sample.
+    pub cold_start: Option<Duration>,
+}
+
+/// Every stream of the daemon.
+#[derive(Debug, Default)]
+pub struct Streams {
+    by_name: HashMap<String, u32>,
+    streams: BTreeMap<u32, Stream>,
+    next_id: u32,
+}
+
+impl Streams {
+    fn open(
+        &mut self,
+        objects: &mut Objects,
+        spec: &StreamSpec,
+        rank: u32,
+        depth: u32,
+    ) -> Result<u32, StreamError> {
+        spec.check(rank)
+            .map_err(|e| fail(Status::InvalidArgument, e.to_string()))?;
+        if let Some(&id) = self.by_name.get(&spec.name) {
+            let existing = &self.streams[&id].spec;
+            if existing != spec {
+                return Err(fail(
+                    Status::SpecMismatch,
+                    format!(
+                        "stream {:?} exists with another spec ({existing:?}); close it or pick another name",
+                        spec.name
+                    ),
+                ));
+            }
+            return Ok(id);
+        }
+        self.next_id += 1;
+        let id = self.next_id;
+        let leases = objects.connect(ClientInfo {
+            role: Role::Reader,
+            uid: 0,
+            pid: 0,
+            name: format!("stream {}", spec.name),
+        });
+        self.by_name.insert(spec.name.clone(), id);
+        self.streams.insert(
+            id,
+            Stream {
+                spec: spec.clone(),
+                depth: depth.clamp(1, MAX_DEPTH),
+                leases,
+                ranks: BTreeMap::new(),
+                producers: BTreeSet::new(),
+                created: Instant::now(),
+                cold_start: None,
+                samples_put: 0,
+                samples_returned: 0,
+            },
+        );
+        tracing::info!(stream = %spec.name, id, depth, records = spec.records, world = spec.world, "stream created");
+        Ok(id)
+    }
+
+    fn stream(&mut self, id: u32) -> Result<&mut Stream, StreamError> {
+        self.streams
+            .get_mut(&id)
+            .ok_or_else(|| fail(Status::NotFound, format!("no stream {id}")))
+    }
+
+    /// A producer joins a stream for some ranks; ranks not yet known start where given.
+    pub fn join(
+        &mut self,
+        objects: &mut Objects,
+        conn: ConnId,
+        spec: &StreamSpec,
+        depth: u32,
+        ranks: &[StreamTask],
+    ) -> Result<u32, StreamError> {
+        for r in ranks {
+            spec.check(r.rank)
+                .map_err(|e| fail(Status::InvalidArgument, e.to_string()))?;
+        }
+        let id = self.open(objects, spec, 0, depth)?;
+        let stream = self.stream(id)?;
+        stream.producers.insert(conn);
+        for r in ranks {
+            stream.rank(r.rank, r.seq);
+        }
+        Ok(id)
+    }
+
+    /// A consumer attaches to `rank` at `seq`: a new ring, holding every sample of the window
+    /// still held; the rest of the window is made (again).
+    pub fn attach(
+        &mut self,
+        objects: &mut Objects,
+        conn: ConnId,
+        spec: &StreamSpec,
+        depth: u32,
+        rank: u32,
+        seq: u64,
+    ) -> Result<(u32, &Ring), StreamError> {
+        let id = self.open(objects, spec, rank, depth)?;
+        let stream = self.stream(id)?;
+        if let Some(c) = stream.ranks.get(&rank).and_then(|r| r.consumer.as_ref())
+            && c.conn != conn
+        {
+            return Err(fail(
+                Status::InvalidState,
+                format!(
+                    "rank {rank} of stream {:?} already has a consumer",
+                    spec.name
+                ),
+            ));
+        }
+        let ring = Ring::new(spec, rank, stream.depth)
+            .map_err(|e| fail(Status::Full, format!("cannot create the ring: {e}")))?;
+        let depth = u64::from(stream.depth);
+        let window_end = seq.saturating_add(depth);
+        let leases = stream.leases;
+        let r = stream.rank(rank, seq);
+        // Keep what lies in the new window; return the rest.
+        let outside: Vec<u64> = r
+            .ready
+            .keys()
+            .copied()
+            .filter(|&s| s < seq || s >= window_end)
+            .collect();
+        for s in outside {
+            let entry = r.ready.remove(&s).expect("listed");
+            if entry.flags & ENTRY_FAILED == 0 {
+                let _ = objects.release(leases, entry.handle);
+            }
+        }
+        r.assigned.retain(|&s, _| s >= seq && s < window_end);
+        r.redo.retain(|&s| s >= seq && s < window_end);
+        let made_up_to = r.next.clamp(seq, window_end);
+        for s in seq..made_up_to {
+            if !r.ready.contains_key(&s) && !r.assigned.contains_key(&s) {
+                r.redo.insert(s);
+            }
+        }
+        r.released = seq;
+        r.next = made_up_to;
+        for entry in r.ready.values() {
+            ring.publish(entry);
+        }
+        r.consumer = Some(Consumer { conn, ring });
+        tracing::info!(stream = %spec.name, rank, seq, held = r.ready.len(), "consumer attached");
+        let ring = &r.consumer.as_ref().expect("just set").ring;
+        Ok((id, ring))
+    }
+
+    /// Up to `max` tasks for a producer, spread over the ranks that are furthest behind.
+    /// `Err(Ended)` when the stream has no work left and never will.
+    pub fn take(
+        &mut self,
+        conn: ConnId,
+        id: u32,
+        max: u32,
+    ) -> Result<Vec<StreamTask>, StreamError> {
+        let stream = self.stream(id)?;
+        if !stream.producers.contains(&conn) {
+            return Err(fail(Status::Protocol, "take before joining the stream"));
+        }
+        let end = stream.end();
+        if !stream.ranks.is_empty() && stream.ranks.values().all(|r| r.done(end)) {
+            return Err(fail(Status::Ended, "every rank's last epoch is made"));
+        }
+        let mut order: Vec<u32> = stream.ranks.keys().copied().collect();
+        order.sort_by_key(|r| stream.ranks[r].in_flight());
+        let mut tasks = Vec::new();
+        let mut progress = true;
+        while tasks.len() < max as usize && progress {
+            progress = false;
+            for &rank in &order {
+                if tasks.len() == max as usize {
+                    break;
+                }
+                let window_end = stream.window_end(&stream.ranks[&rank]);
+                let r = stream.ranks.get_mut(&rank).expect("listed");
+                if let Some(seq) = r.next_task(conn, window_end) {
+                    tasks.push(StreamTask { rank, seq });
+                    progress = true;
+                }
+            }
+        }
+        Ok(tasks)
+    }
+
+    /// A producer delivers samples. Per item: `Ok`, or why it was not taken (the producer then
+    /// aborts its object).
+    pub fn put(
+        &mut self,
+        objects: &mut Objects,
+        conn: ConnId,
+        id: u32,
+        items: &[StreamItem],
+    ) -> Result<Vec<Status>, StreamError> {
+        let stream = self.stream(id)?;
+        let leases = stream.leases;
+        let mut statuses = Vec::with_capacity(items.len());
+        for item in items {
+            let StreamTask { rank, seq } = item.task;
+            let Some(r) = stream.ranks.get_mut(&rank) else {
+                statuses.push(Status::NotFound);
+                continue;
+            };
+            if r.assigned.get(&seq) != Some(&conn) {
+                // Not (or no longer) this producer's task: a resume moved the window.
+                statuses.push(Status::Stale);
+                continue;
+            }
+            let location = if item.flags & ENTRY_FAILED != 0 {
+                Ok(Location {
+                    segment: 0,
+                    offset: 0,
+                    len: 0,
+                })
+            } else {
+                // Seal the producer's reservation (or accept an already sealed object, a cache
+                // hit), then lease it for the stream.
+                match objects.seal(conn, item.handle) {
+                    Ok(()) | Err(Status::InvalidState) => objects.get(leases, item.handle),
+                    Err(e) => Err(e),
+                }
+            };
+            r.assigned.remove(&seq);
+            let location = match location {
+                Ok(l) => l,
+                Err(status) => {
+                    r.redo.insert(seq);
+                    statuses.push(status);
+                    continue;
+                }
+            };
+            let entry = RingEntry {
+                seq,
+                handle: if item.flags & ENTRY_FAILED != 0 {
+                    Handle::default()
+                } else {
+                    item.handle
+                },
+                location,
+                record: item.record,
+                flags: item.flags,
+            };
+            if let Some(c) = &r.consumer {
+                c.ring.publish(&entry);
+            }
+            r.ready.insert(seq, entry);
+            stream.samples_put += 1;
+            stream
+                .cold_start
+                .get_or_insert_with(|| stream.created.elapsed());
+            statuses.push(Status::Ok);
+        }
+        Ok(statuses)
+    }
+
+    /// A consumer returns every sample below `upto` (up to the first one not yet made).
+    pub fn release(
+        &mut self,
+        objects: &mut Objects,
+        conn: ConnId,
+        id: u32,
+        rank: u32,
+        upto: u64,
+    ) -> Result<(), StreamError> {
+        let stream = self.stream(id)?;
+        let Some(r) = stream.ranks.get_mut(&rank) else {
+            return Err(fail(Status::NotFound, format!("no rank {rank}")));
+        };
+        if r.consumer.as_ref().map(|c| c.conn) != Some(conn) {
+            return Err(fail(
+                Status::Protocol,
+                "release by a connection not attached to the rank",
+            ));
+        }
+        let mut returned = Vec::new();
+        while r.released < upto {
+            let Some(entry) = r.ready.remove(&r.released) else {
+                break;
+            };
+            returned.push(entry);
+            r.released += 1;
+        }
+        stream.samples_returned += returned.len() as u64;
+        for entry in &returned {
+            stream.drop_entry(objects, entry);
+        }
+        Ok(())
+    }
+
+    /// Whether `seq` of `rank` is in its ring (`Ok`), will never be (`Ended`), or not yet
+    /// (`None`).
+    pub fn poll(&self, id: u32, rank: u32, seq: u64) -> Option<Status> {
+        let Some(stream) = self.streams.get(&id) else {
+            return Some(Status::Ended);
+        };
+        if stream.end().is_some_and(|end| seq >= end) {
+            return Some(Status::Ended);
+        }
+        let r = stream.ranks.get(&rank)?;
+        r.ready.contains_key(&seq).then_some(Status::Ok)
+    }
+
+    /// Closes a stream: returns its samples and retires its rings.
+    pub fn close(&mut self, objects: &mut Objects, id: u32) -> Result<(), StreamError> {
+        let stream = self
+            .streams
+            .remove(&id)
+            .ok_or_else(|| fail(Status::NotFound, format!("no stream {id}")))?;
+        self.by_name.remove(&stream.spec.name);
+        objects.disconnect(stream.leases);
+        tracing::info!(stream = %stream.spec.name, "stream closed");
+        Ok(())
+    }
+
+    /// A connection went away: its tasks go back to their windows, its rings are retired.
+    pub fn disconnect(&mut self, conn: ConnId) {
+        for stream in self.streams.values_mut() {
+            stream.producers.remove(&conn);
+            for r in stream.ranks.values_mut() {
+                let lost: Vec<u64> = r
+                    .assigned
+                    .iter()
+                    .filter(|&(_, &c)| c == conn)
+                    .map(|(&s, _)| s)
+                    .collect();
+                for s in lost {
+                    r.assigned.remove(&s);
+                    r.redo.insert(s);
+                }
+                if r.consumer.as_ref().is_some_and(|c| c.conn == conn) {
+                    r.consumer = None;
+                }
+            }
+        }
+    }
+
+    /// Every stream, for `feedstore stat`.
+    pub fn status(&self) -> Vec<StreamStatus> {
+        self.streams
+            .values()
+            .map(|s| StreamStatus {
+                name: s.spec.name.clone(),
+                depth: s.depth,
+                producers: s.producers.len(),
+                consumers: s.ranks.values().filter(|r| r.consumer.is_some()).count(),
+                ranks: s.ranks.len(),
+                ready: s.ranks.values().map(|r| r.ready.len()).sum(),
+                assigned: s.ranks.values().map(|r| r.assigned.len()).sum(),
+                samples_put: s.samples_put,
+                samples_returned: s.samples_returned,
+                slowest: s.ranks.values().map(|r| r.released).min().unwrap_or(0),
+                cold_start: s.cold_start,
+            })
+            .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use feedstore_proto::stream::{Shuffle, Tail};
+
+    fn spec(epochs: u64) -> StreamSpec {
+        StreamSpec {
+            name: "s".into(),
+            records: 8,
+            seed: 1,
+            world: 2,
+            shuffle: Shuffle::Full,
+            tail: Tail::Drop,
+            epochs: Some(epochs),
+        }
+    }
+
+    fn setup() -> (Objects, Streams, ConnId, ConnId) {
+        let mut o = Objects::new(1, 1, &[1 << 20], false);
+        let info = |role| ClientInfo {
+            role,
+            uid: 0,
+            pid: 0,
+            name: String::new(),
+        };
+        let producer = o.connect(info(Role::Writer));
+        let consumer = o.connect(info(Role::Reader));
+        (o, Streams::default(), producer, consumer)
+    }
+
+    fn starts(ranks: &[u32]) -> Vec<StreamTask> {
+        ranks
+            .iter()
+            .map(|&rank| StreamTask { rank, seq: 0 })
+            .collect()
+    }
+
+    fn make(o: &mut Objects, producer: ConnId, task: StreamTask) -> StreamItem {
+        let created = o.create(producer, 64, false).unwrap();
+        StreamItem {
+            task,
+            handle: created.handle,
+            record: task.seq,
+            flags: 0,
+        }
+    }
+
+    #[test]
+    fn windows_bound_the_work_and_slide_on_release() {
+        let (mut o, mut s, p, c) = setup();
+        let id = s.join(&mut o, p, &spec(1), 2, &starts(&[0, 1])).unwrap();
+        let tasks = s.take(p, id, 100).unwrap();
+        assert_eq!(tasks.len(), 4, "depth 2 × 2 ranks: {tasks:?}");
+        assert!(s.take(p, id, 100).unwrap().is_empty(), "windows full");
+        let items: Vec<_> = tasks.iter().map(|&t| make(&mut o, p, t)).collect();
+        assert_eq!(s.put(&mut o, p, id, &items).unwrap(), vec![Status::Ok; 4]);
+        assert_eq!(o.stats().objects_sealed, 4);
+        let (_, ring) = s.attach(&mut o, c, &spec(1), 2, 0, 0).unwrap();
+        assert!(ring.size_bytes() > 0);
+        assert_eq!(s.poll(id, 0, 0), Some(Status::Ok));
+        assert_eq!(s.poll(id, 0, 2), None);
+        s.release(&mut o, c, id, 0, 1).unwrap();
+        assert_eq!(
+            s.take(p, id, 100).unwrap(),
+            vec![StreamTask { rank: 0, seq: 2 }]
+        );
+        assert_eq!(o.stats().leases, 3, "the returned sample's lease is gone");
+    }
+
+    #[test]
+    fn a_dead_producers_tasks_are_made_again() {
+        let (mut o, mut s, p, _) = setup();
+        let id = s.join(&mut o, p, &spec(1), 2, &starts(&[0])).unwrap();
+        let first = s.take(p, id, 1).unwrap();
+        s.disconnect(p);
+        let p2 = o.connect(ClientInfo {
+            role: Role::Writer,
+            uid: 0,
+            pid: 0,
+            name: String::new(),
+        });
+        s.join(&mut o, p2, &spec(1), 2, &starts(&[0])).unwrap();
+        let again = s.take(p2, id, 2).unwrap();
+        assert_eq!(again[0], first[0], "redo first");
+        let item = make(&mut o, p, first[0]);
+        assert_eq!(s.put(&mut o, p, id, &[item]).unwrap(), vec![Status::Stale]);
+    }
+
+    #[test]
+    fn attach_rewinds_and_keeps_what_it_can() {
+        let (mut o, mut s, p, c) = setup();
+        let id = s.join(&mut o, p, &spec(2), 4, &starts(&[0])).unwrap();
+        let tasks = s.take(p, id, 4).unwrap();
+        let items: Vec<_> = tasks.iter().map(|&t| make(&mut o, p, t)).collect();
+        s.put(&mut o, p, id, &items).unwrap();
+        s.attach(&mut o, c, &spec(2), 4, 0, 0).unwrap();
+        s.release(&mut o, c, id, 0, 3).unwrap();
+        s.disconnect(c);
+        // The checkpoint said 1: 1 and 2 were returned, 3 is still held.
+        let c2 = o.connect(ClientInfo {
+            role: Role::Reader,
+            uid: 0,
+            pid: 0,
+            name: String::new(),
+        });
+        s.attach(&mut o, c2, &spec(2), 4, 0, 1).unwrap();
+        assert_eq!(s.poll(id, 0, 3), Some(Status::Ok), "kept");
+        assert_eq!(s.poll(id, 0, 1), None, "to be made again");
+        let again = s.take(p, id, 10).unwrap();
+        let seqs: Vec<u64> = again.iter().map(|t| t.seq).collect();
+        assert_eq!(seqs, vec![1, 2, 4]);
+    }
+
+    #[test]
+    fn a_finished_stream_ends_and_a_close_returns_everything() {
+        let (mut o, mut s, p, c) = setup();
+        let id = s.join(&mut o, p, &spec(1), 8, &starts(&[0])).unwrap();
+        let tasks = s.take(p, id, 100).unwrap();
+        assert_eq!(tasks.len(), 4, "one epoch of 8 records over 2 ranks");
+        let items: Vec<_> = tasks.iter().map(|&t| make(&mut o, p, t)).collect();
+        s.put(&mut o, p, id, &items).unwrap();
+        assert_eq!(s.take(p, id, 1).unwrap_err().status, Status::Ended);
+        assert_eq!(s.poll(id, 0, 4), Some(Status::Ended));
+        s.attach(&mut o, c, &spec(1), 8, 0, 0).unwrap();
+        let other = StreamSpec { seed: 2, ..spec(1) };
+        assert_eq!(
+            s.attach(&mut o, c, &other, 8, 0, 0).unwrap_err().status,
+            Status::SpecMismatch
+        );
+        s.close(&mut o, id).unwrap();
+        assert_eq!(o.stats().leases, 0);
+    }
+}

@@ -1,0 +1,394 @@
+//! Streams end to end with real processes: a `feedstored`, producer processes making samples for
+//! every rank, and one consumer process per rank reading its share through the shared-memory
+//! ring. Ranks get disjoint, equal shares whose union is every record, in an order fixed by the
+//! seed; and after every process (the daemon included) is killed with `kill -9` at random
+//! moments and restarted from the consumers' saved states, the per-rank sequences equal an
+//! uninterrupted run's.
+
+mod common;
+
+use std::collections::BTreeSet;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use common::*;
+use feedstore_consumer::{Made, Stream, StreamFeeder, StreamOptions, StreamTask};
+use feedstore_proto::stream::{Shuffle, StreamSpec, StreamState, Tail};
+
+const PAYLOAD: usize = 96;
+
+fn spec(name: &str, records: u64, seed: u64, world: u32, epochs: u64) -> StreamSpec {
+    StreamSpec {
+        name: name.into(),
+        records,
+        seed,
+        world,
+        shuffle: Shuffle::Full,
+        tail: Tail::Drop,
+        epochs: Some(epochs),
+    }
+}
+
+fn spec_args(s: &StreamSpec) -> String {
+    format!(
+        "{} {} {} {} {}",
+        s.name,
+        s.records,
+        s.seed,
+        s.world,
+        s.epochs.unwrap()
+    )
+}
+
+fn parse_spec<'a>(words: &mut impl Iterator<Item = &'a str>) -> StreamSpec {
+    let mut n = || words.next().unwrap();
+    let name = n().to_owned();
+    let (records, seed, world, epochs) = (
+        n().parse().unwrap(),
+        n().parse().unwrap(),
+        n().parse().unwrap(),
+        n().parse().unwrap(),
+    );
+    spec(&name, records, seed, world, epochs)
+}
+
+/// A consumer's checkpoint file: its state and the records it consumed up to it.
+struct Checkpoint {
+    state: Option<StreamState>,
+    done: bool,
+    records: Vec<u64>,
+}
+
+impl Checkpoint {
+    fn read(path: &Path) -> Checkpoint {
+        let Ok(text) = std::fs::read_to_string(path) else {
+            return Checkpoint {
+                state: None,
+                done: false,
+                records: Vec::new(),
+            };
+        };
+        let mut lines = text.lines();
+        let state = StreamState::from_text(lines.next().unwrap());
+        let done = lines.next() == Some("done");
+        let records = lines
+            .next()
+            .unwrap_or("")
+            .split_whitespace()
+            .map(|r| r.parse().unwrap())
+            .collect();
+        Checkpoint {
+            state,
+            done,
+            records,
+        }
+    }
+
+    /// Written whole or not at all (rename), as a trainer's checkpoint is.
+    fn write(&self, path: &Path) {
+        let tmp = path.with_extension("tmp");
+        let records: Vec<String> = self.records.iter().map(u64::to_string).collect();
+        std::fs::write(
+            &tmp,
+            format!(
+                "{}\n{}\n{}\n",
+                self.state.map_or("start".into(), |s| s.to_text()),
+                if self.done { "done" } else { "running" },
+                records.join(" ")
+            ),
+        )
+        .unwrap();
+        std::fs::rename(&tmp, path).unwrap();
+    }
+}
+
+#[test]
+#[ignore = "run as a child process by the tests below"]
+fn child_process() {
+    let Ok(task) = std::env::var(CHILD_ENV) else {
+        return;
+    };
+    let socket = PathBuf::from(std::env::var("FEEDSTORE_SOCKET").unwrap());
+    let mut words = task.split_whitespace();
+    match words.next() {
+        // Make every rank's samples: each object's bytes are the pattern of its record.
+        Some("produce") => {
+            let spec = parse_spec(&mut words);
+            // rank:seq pairs, from the consumers' checkpoints.
+            let ranks: Vec<StreamTask> = words
+                .map(|w| {
+                    let (rank, seq) = w.split_once(':').unwrap();
+                    StreamTask {
+                        rank: rank.parse().unwrap(),
+                        seq: seq.parse().unwrap(),
+                    }
+                })
+                .collect();
+            let client = feedstore_consumer::ConnectOptions::new(feedstore_consumer::Role::Writer)
+                .socket(&socket)
+                .connect()
+                .unwrap();
+            let feeder = StreamFeeder::join(&client, &spec, 8, &ranks).unwrap();
+            println!("READY");
+            std::io::stdout().flush().unwrap();
+            while let Some(tasks) = feeder.take(16, Duration::from_millis(200)).unwrap() {
+                let made = tasks
+                    .into_iter()
+                    .map(|task| {
+                        let record = spec.record_at(task.rank, task.seq);
+                        let mut w = client.create(PAYLOAD as u64).unwrap();
+                        w.as_mut_slice().copy_from_slice(&pattern(record, PAYLOAD));
+                        (task, record, Made::Written(w))
+                    })
+                    .collect();
+                for r in feeder.put(made).unwrap() {
+                    // A resume can move a window past a task in flight; anything else is a bug.
+                    if let Err(e) = r {
+                        assert!(matches!(e, feedstore_consumer::Error::Stale { .. }), "{e}");
+                    }
+                }
+            }
+        }
+        // Read one rank's share from its checkpoint on, checking each sample is the record the
+        // spec puts there, saving a checkpoint every few samples.
+        Some("consume") => {
+            let spec = parse_spec(&mut words);
+            let rank: u32 = words.next().unwrap().parse().unwrap();
+            let path = PathBuf::from(words.next().unwrap());
+            let every: usize = words.next().unwrap().parse().unwrap();
+            let pause = Duration::from_micros(words.next().unwrap().parse().unwrap());
+            let mut checkpoint = Checkpoint::read(&path);
+            let mut stream = Stream::open(
+                &socket,
+                &spec,
+                rank,
+                checkpoint.state,
+                StreamOptions {
+                    depth: 8,
+                    wait: Duration::from_secs(60),
+                    ..StreamOptions::default()
+                },
+            )
+            .unwrap();
+            println!("READY");
+            std::io::stdout().flush().unwrap();
+            let mut since = 0;
+            while let Some(sample) = stream.next_sample().unwrap() {
+                assert_eq!(sample.record(), spec.record_at(rank, sample.seq()));
+                assert!(
+                    *sample == pattern(sample.record(), PAYLOAD)[..],
+                    "bytes of {sample:?}"
+                );
+                checkpoint.records.push(sample.record());
+                drop(sample);
+                std::thread::sleep(pause);
+                since += 1;
+                if since == every {
+                    since = 0;
+                    checkpoint.state = Some(stream.state());
+                    checkpoint.write(&path);
+                }
+            }
+            checkpoint.state = Some(stream.state());
+            checkpoint.done = true;
+            checkpoint.write(&path);
+        }
+        other => panic!("unknown child task {other:?}"),
+    }
+}
+
+/// Starts the producers and one consumer per rank from their checkpoints.
+fn start_all(
+    socket: &Path,
+    spec: &StreamSpec,
+    producers: usize,
+    dir: &Path,
+    pause_us: u64,
+) -> Vec<ClientProcess> {
+    let starts: Vec<String> = (0..spec.world)
+        .map(|r| {
+            let seq = Checkpoint::read(&dir.join(format!("rank{r}")))
+                .state
+                .map_or(0, |s| s.seq(spec));
+            format!("{r}:{seq}")
+        })
+        .collect();
+    let mut procs = Vec::new();
+    for _ in 0..producers {
+        let mut p = ClientProcess::spawn(
+            socket,
+            &format!("produce {} {}", spec_args(spec), starts.join(" ")),
+        );
+        p.ready();
+        procs.push(p);
+    }
+    for rank in 0..spec.world {
+        let path = dir.join(format!("rank{rank}"));
+        if Checkpoint::read(&path).done {
+            continue;
+        }
+        let mut c = ClientProcess::spawn(
+            socket,
+            &format!(
+                "consume {} {rank} {} 5 {pause_us}",
+                spec_args(spec),
+                path.display()
+            ),
+        );
+        c.ready();
+        procs.push(c);
+    }
+    procs
+}
+
+/// Runs a stream to its end without interruption; returns each rank's records.
+fn run(spec: &StreamSpec, producers: usize) -> Vec<Vec<u64>> {
+    let dir = scratch_dir(&format!("stream-{}", spec.seed));
+    let daemon = DaemonProcess::start(&dir, &[]);
+    let procs = start_all(&daemon.socket, spec, producers, &dir, 0);
+    for mut p in procs {
+        let status = wait_child(&mut p.child, Duration::from_secs(120));
+        assert!(status.success(), "{status}");
+    }
+    let stats = daemon.reader().stats().unwrap();
+    assert_eq!(stats.leases, 0, "every sample returned: {stats:?}");
+    (0..spec.world)
+        .map(|r| {
+            let c = Checkpoint::read(&dir.join(format!("rank{r}")));
+            assert!(c.done);
+            c.records
+        })
+        .collect()
+}
+
+#[test]
+fn ranks_get_disjoint_equal_shares_in_the_seeds_order() {
+    let _w = watchdog("ranks_get_disjoint_equal_shares", Duration::from_secs(240));
+    let s = spec("shares", 96, 11, 4, 3);
+    let per_rank = s.per_rank() as usize;
+    let first = run(&s, 2);
+    for epoch in 0..3 {
+        let mut union = BTreeSet::new();
+        for rank in &first {
+            assert_eq!(rank.len(), per_rank * 3, "every rank the same count");
+            let share = &rank[epoch * per_rank..(epoch + 1) * per_rank];
+            for r in share {
+                assert!(
+                    union.insert(*r),
+                    "record {r} went to two ranks in epoch {epoch}"
+                );
+            }
+        }
+        assert_eq!(
+            union,
+            (0..96).collect(),
+            "epoch {epoch} covers every record once"
+        );
+    }
+    assert_ne!(
+        first[0][..per_rank],
+        first[0][per_rank..2 * per_rank],
+        "epochs reshuffle"
+    );
+    assert_eq!(
+        run(&s, 1),
+        first,
+        "same seed, same order (one producer instead of two)"
+    );
+    let other = run(
+        &StreamSpec {
+            seed: 12,
+            name: "shares2".into(),
+            ..s
+        },
+        2,
+    );
+    assert_ne!(other, first, "another seed, another order");
+}
+
+#[test]
+fn kill_everything_and_resume_exactly() {
+    let _w = watchdog(
+        "kill_everything_and_resume_exactly",
+        Duration::from_secs(600),
+    );
+    let s = spec("resume", 96, 5, 4, 3);
+    let reference = run(&s, 2);
+    let mut rng = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_nanos() as u64
+        | 1;
+    eprintln!("kill schedule seed {rng}");
+    for trial in 0..3 {
+        let dir = scratch_dir(&format!("stream-kill-{trial}"));
+        let mut rounds = 0;
+        loop {
+            let unfinished = (0..s.world)
+                .filter(|r| !Checkpoint::read(&dir.join(format!("rank{r}"))).done)
+                .count();
+            if unfinished == 0 {
+                break;
+            }
+            rounds += 1;
+            assert!(rounds < 60, "no progress after {rounds} restarts");
+            let mut daemon = DaemonProcess::start(&dir, &[]);
+            let procs = start_all(&daemon.socket, &s, 2, &dir, 3000);
+            rng ^= rng << 13;
+            rng ^= rng >> 7;
+            rng ^= rng << 17;
+            // Kill at a random moment, mostly mid-epoch; after a few rounds, run to the end.
+            let limit = if rounds < 8 {
+                Duration::from_millis(20 + rng % 120)
+            } else {
+                Duration::from_secs(120)
+            };
+            let started = Instant::now();
+            let mut procs: Vec<Option<ClientProcess>> = procs.into_iter().map(Some).collect();
+            while started.elapsed() < limit && procs.iter().flatten().count() > 0 {
+                for p in procs.iter_mut() {
+                    if p.as_mut()
+                        .is_some_and(|c| c.child.try_wait().unwrap().is_some())
+                    {
+                        let status = p.take().unwrap().child.wait().unwrap();
+                        assert!(status.success(), "a process failed: {status}");
+                    }
+                }
+                std::thread::sleep(Duration::from_millis(2));
+            }
+            for mut p in procs.into_iter().flatten() {
+                // It may have finished on its own just now; otherwise it dies mid-work.
+                let pid = nix::unistd::Pid::from_raw(p.child.id() as i32);
+                let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGKILL);
+                let status = wait_child(&mut p.child, Duration::from_secs(20));
+                use std::os::unix::process::ExitStatusExt;
+                assert!(
+                    status.success() || status.signal() == Some(libc::SIGKILL),
+                    "{status}"
+                );
+            }
+            let pid = nix::unistd::Pid::from_raw(daemon.child.id() as i32);
+            nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGKILL).unwrap();
+            daemon.child.wait().unwrap();
+            let progress: Vec<usize> = (0..s.world)
+                .map(|r| {
+                    Checkpoint::read(&dir.join(format!("rank{r}")))
+                        .records
+                        .len()
+                })
+                .collect();
+            eprintln!(
+                "trial {trial} round {rounds}: killed everything after {limit:?}; samples checkpointed per rank {progress:?}"
+            );
+        }
+        let resumed: Vec<Vec<u64>> = (0..s.world)
+            .map(|r| Checkpoint::read(&dir.join(format!("rank{r}"))).records)
+            .collect();
+        assert!(rounds > 2, "the run was interrupted");
+        assert_eq!(
+            resumed, reference,
+            "trial {trial}: after {rounds} rounds of kill -9 and resume, every rank read exactly the uninterrupted sequence"
+        );
+    }
+}
