@@ -6,12 +6,15 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
+use feedstore_consumer::StreamTask;
 use feedstore_producer::chat::ChatTokenizer;
-use feedstore_producer::manifest::Manifest;
+use feedstore_producer::feed::{FeedConfig, feed};
+use feedstore_producer::manifest::{IndexedManifest, Manifest};
 use feedstore_producer::pipeline::{Event, ProducerConfig, run};
 use feedstore_producer::s3::{S3Fetcher, S3Options};
 use feedstore_producer::vision::ResizeMode;
 use feedstore_proto::sample::{DType, TensorLayout};
+use feedstore_proto::stream::{Shuffle, StreamSpec, StreamState, Tail};
 
 use crate::SocketArg;
 
@@ -90,6 +93,142 @@ pub struct Args {
     /// Seconds one S3 attempt may take, the whole body included, before it is retried.
     #[arg(long, value_name = "SECONDS", default_value_t = 30.0)]
     s3_attempt_timeout: f64,
+    #[command(flatten)]
+    stream: StreamArgs,
+}
+
+/// Feeding a stream instead of producing each record once.
+#[derive(Debug, clap::Args)]
+#[command(next_help_heading = "Feeding a stream")]
+struct StreamArgs {
+    /// Feed the named stream: samples go to trainer ranks in the order --seed fixes, each rank's
+    /// prefetch window full ahead of it, for --epochs epochs. Consumers open the stream with the
+    /// same name and settings.
+    #[arg(long, value_name = "NAME")]
+    stream: Option<String>,
+    /// Data-parallel ranks sharing the records (over all nodes).
+    #[arg(long, value_name = "N", default_value_t = 1, requires = "stream")]
+    world: u32,
+    /// The ranks this node serves, e.g. 0-7 or 0,2,4 [default: every rank].
+    #[arg(long, value_name = "LIST", requires = "stream")]
+    ranks: Option<String>,
+    /// Seeds the per-epoch shuffle.
+    #[arg(long, value_name = "N", default_value_t = 0, requires = "stream")]
+    seed: u64,
+    /// Epochs to make; 0 runs until the stream is closed.
+    #[arg(long, value_name = "N", default_value_t = 1, requires = "stream")]
+    epochs: u64,
+    /// Order within an epoch: full (a fresh permutation each epoch), none (manifest order), or
+    /// block:N (blocks of N consecutive records shuffled, and shuffled within).
+    #[arg(
+        long,
+        value_name = "ORDER",
+        default_value = "full",
+        requires = "stream"
+    )]
+    shuffle: String,
+    /// The records that do not divide evenly among ranks: drop (left out of that epoch) or pad
+    /// (short ranks repeat records from the epoch's start).
+    #[arg(
+        long,
+        value_name = "POLICY",
+        default_value = "drop",
+        requires = "stream"
+    )]
+    tail: String,
+    /// Samples made ahead of each rank (its ring's size).
+    #[arg(long, value_name = "N", default_value_t = 64, requires = "stream")]
+    prefetch: u32,
+    /// Resume: a file of the consumers' saved states (one `Stream::state()` text per line);
+    /// their ranks start where those states say, the others at the beginning.
+    #[arg(long, value_name = "FILE", requires = "stream")]
+    resume: Option<PathBuf>,
+}
+
+impl StreamArgs {
+    /// The spec and where each served rank starts.
+    fn feed(&self, name: &str, records: u64) -> anyhow::Result<FeedConfig> {
+        let shuffle = match self.shuffle.to_ascii_lowercase().as_str() {
+            "full" => Shuffle::Full,
+            "none" => Shuffle::None,
+            other => match other.strip_prefix("block:").map(str::parse) {
+                Some(Ok(n)) if n > 0 => Shuffle::Block(n),
+                _ => bail!("--shuffle {other:?}: expected full, none or block:N"),
+            },
+        };
+        let tail = match self.tail.to_ascii_lowercase().as_str() {
+            "drop" => Tail::Drop,
+            "pad" => Tail::Pad,
+            other => bail!("--tail {other:?}: expected drop or pad"),
+        };
+        let spec = StreamSpec {
+            name: name.to_owned(),
+            records,
+            seed: self.seed,
+            world: self.world,
+            shuffle,
+            tail,
+            epochs: (self.epochs > 0).then_some(self.epochs),
+        };
+        spec.check(0)
+            .map_err(|e| anyhow::anyhow!("--stream {name}: {e}"))?;
+        let ranks: Vec<u32> = match &self.ranks {
+            None => (0..self.world).collect(),
+            Some(list) => parse_ranks(list)?,
+        };
+        let mut starts = std::collections::BTreeMap::new();
+        if let Some(path) = &self.resume {
+            let text = std::fs::read_to_string(path)
+                .with_context(|| format!("reading {}", path.display()))?;
+            for line in text.lines().filter(|l| !l.trim().is_empty()) {
+                let state = StreamState::from_text(line).with_context(|| {
+                    format!("{}: {line:?} is not a stream state", path.display())
+                })?;
+                if state.spec_digest != spec.digest() {
+                    bail!(
+                        "{}: a state of another stream spec (seed, world, epochs, shuffle, tail and the manifest's record count must match)",
+                        path.display()
+                    );
+                }
+                starts.insert(state.rank, state.seq(&spec));
+            }
+        }
+        let mut tasks = Vec::with_capacity(ranks.len());
+        for rank in ranks {
+            spec.check(rank)
+                .map_err(|e| anyhow::anyhow!("--ranks: {e}"))?;
+            tasks.push(StreamTask {
+                rank,
+                seq: starts.get(&rank).copied().unwrap_or(0),
+            });
+        }
+        Ok(FeedConfig {
+            spec,
+            depth: self.prefetch.max(1),
+            ranks: tasks,
+        })
+    }
+}
+
+/// `0-7`, `0,2,4` or a mix.
+fn parse_ranks(list: &str) -> anyhow::Result<Vec<u32>> {
+    let mut ranks = Vec::new();
+    for part in list.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+        match part.split_once('-') {
+            Some((a, b)) => {
+                let (a, b): (u32, u32) = (a.trim().parse()?, b.trim().parse()?);
+                if a > b {
+                    bail!("--ranks {part}: empty range");
+                }
+                ranks.extend(a..=b);
+            }
+            None => ranks.push(part.parse().with_context(|| format!("--ranks {part:?}"))?),
+        }
+    }
+    if ranks.is_empty() {
+        bail!("--ranks {list:?} names no rank");
+    }
+    Ok(ranks)
 }
 
 fn image_size(args: &Args) -> anyhow::Result<ResizeMode> {
@@ -143,8 +282,6 @@ pub fn run_produce(args: Args) -> anyhow::Result<()> {
         ChatTokenizer::from_file(&args.tokenizer, args.max_tokens)
             .with_context(|| format!("loading {}", args.tokenizer.display()))?,
     );
-    let manifest = Manifest::open(&args.manifest)
-        .with_context(|| format!("opening {}", args.manifest.display()))?;
     let rejects_path = args.rejects.clone().unwrap_or_else(|| {
         let mut p = args.manifest.clone().into_os_string();
         p.push(".rejects.jsonl");
@@ -184,47 +321,73 @@ pub fn run_produce(args: Args) -> anyhow::Result<()> {
     let mut last = Instant::now();
     let (mut produced, mut rejected, mut bytes) = (0u64, 0u64, 0u64);
     let mut write_error = None;
-    let summary = run(
-        &config,
-        tokenizer,
-        Arc::new(fetcher),
-        manifest,
-        |event, profiler| {
-            match event {
-                Event::Produced(p) => {
-                    produced += 1;
-                    bytes += p.bytes;
-                    if let Some(out) = handles.as_mut() {
-                        let row = serde_json::json!({
-                            "line": p.line, "id": p.id, "handle": p.handle.to_string(), "bytes": p.bytes,
-                        });
-                        if let Err(e) = writeln!(out, "{row}") {
-                            write_error.get_or_insert(e);
-                        }
-                    }
-                }
-                Event::Rejected(r) => {
-                    rejected += 1;
-                    let line = serde_json::to_string(r).expect("rejects serialise");
-                    if let Err(e) = writeln!(rejects, "{line}") {
+    let on_event = |event: &Event, profiler: &feedstore_producer::profile::Profiler| {
+        match event {
+            Event::Produced(p) => {
+                produced += 1;
+                bytes += p.bytes;
+                if let Some(out) = handles.as_mut() {
+                    let row = serde_json::json!({
+                        "line": p.line, "id": p.id, "handle": p.handle.to_string(), "bytes": p.bytes,
+                    });
+                    if let Err(e) = writeln!(out, "{row}") {
                         write_error.get_or_insert(e);
                     }
                 }
             }
-            if last.elapsed() >= Duration::from_millis(500) {
-                last = Instant::now();
-                let wall = started.elapsed();
-                let profile = profiler.snapshot(wall, config.workers, config.fetch_concurrency);
-                eprintln!(
-                    "  {produced} produced, {rejected} rejected, {:.1} samples/s, {:.0} MB/s into the store, {} fetches in flight; {}",
-                    produced as f64 / wall.as_secs_f64(),
-                    bytes as f64 / 1e6 / wall.as_secs_f64(),
-                    profile.fetch_in_flight,
-                    profile.verdict()
-                );
+            Event::Rejected(r) => {
+                rejected += 1;
+                let line = serde_json::to_string(r).expect("rejects serialise");
+                if let Err(e) = writeln!(rejects, "{line}") {
+                    write_error.get_or_insert(e);
+                }
             }
-        },
-    )?;
+        }
+        if last.elapsed() >= Duration::from_millis(500) {
+            last = Instant::now();
+            let wall = started.elapsed();
+            let profile = profiler.snapshot(wall, config.workers, config.fetch_concurrency);
+            eprintln!(
+                "  {produced} produced, {rejected} rejected, {:.1} samples/s, {:.0} MB/s into the store, {} fetches in flight; {}",
+                produced as f64 / wall.as_secs_f64(),
+                bytes as f64 / 1e6 / wall.as_secs_f64(),
+                profile.fetch_in_flight,
+                profile.verdict()
+            );
+        }
+    };
+    let summary = match &args.stream.stream {
+        None => {
+            let manifest = Manifest::open(&args.manifest)
+                .with_context(|| format!("opening {}", args.manifest.display()))?;
+            run(&config, tokenizer, Arc::new(fetcher), manifest, on_event)?
+        }
+        Some(name) => {
+            let manifest = Arc::new(
+                IndexedManifest::open(&args.manifest)
+                    .with_context(|| format!("indexing {}", args.manifest.display()))?,
+            );
+            let feed_config = args.stream.feed(name, manifest.len())?;
+            eprintln!(
+                "feeding stream {name:?}: {} records, {} per rank per epoch, ranks {:?}, {} epochs",
+                manifest.len(),
+                feed_config.spec.per_rank(),
+                feed_config.ranks.iter().map(|r| r.rank).collect::<Vec<_>>(),
+                feed_config
+                    .spec
+                    .epochs
+                    .map_or("unbounded".into(), |e| e.to_string())
+            );
+            feed(
+                &config,
+                &feed_config,
+                tokenizer,
+                Arc::new(fetcher),
+                manifest,
+                on_event,
+            )?
+        }
+    };
     rejects.flush().context("writing the rejects file")?;
     if let Some(out) = handles.as_mut() {
         out.flush().context("writing the handles file")?;

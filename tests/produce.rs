@@ -542,3 +542,105 @@ fn produce_from_s3_behind_a_faulty_network() {
         "progress lines: {stderr}"
     );
 }
+
+#[test]
+fn produce_feeds_a_stream_that_ranks_read_in_order() {
+    use feedstore_consumer::{Stream, StreamOptions};
+    use feedstore_proto::stream::{Shuffle, StreamSpec, Tail};
+
+    let _w = watchdog(
+        "produce_feeds_a_stream_that_ranks_read_in_order",
+        Duration::from_secs(180),
+    );
+    let dir = scratch_dir("produce-stream");
+    let daemon = DaemonProcess::start(&dir, &["--capacity", "256MiB"]);
+    let tokenizer = tokenizer_file(&dir);
+    let turns = serde_json::json!([
+        {"from": "human", "value": "<image>\nwhat is this?"}, {"from": "gpt", "value": "a photo"}]);
+    let photos = ["grace_hopper.jpg", "rocket.jpg", "chelsea.png"];
+    // 12 records: 9 images, 2 text, and 1 that is rejected (a missing file), whose positions get
+    // the next record of the same rank's share instead.
+    let mut lines: Vec<String> = (0..9)
+        .map(|i| {
+            llava(
+                &format!("img{i}"),
+                &format!("{DATA}/photos/{}", photos[i % 3]),
+                &turns,
+            )
+        })
+        .collect();
+    lines.push(serde_json::json!({"id": "txt0", "text": "plain text one"}).to_string());
+    lines.push(llava("gone", "/no/such/file.jpg", &turns));
+    lines.push(serde_json::json!({"id": "txt1", "text": "plain text two"}).to_string());
+    let manifest = dir.join("train.jsonl");
+    std::fs::write(&manifest, lines.join("\n")).unwrap();
+
+    let producer = Command::new(env!("CARGO_BIN_EXE_feedstore"))
+        .args(["produce", "--socket", daemon.socket.to_str().unwrap()])
+        .arg("--manifest")
+        .arg(&manifest)
+        .arg("--tokenizer")
+        .arg(&tokenizer)
+        .args(["--image-size", "224x224", "--workers", "2"])
+        .args([
+            "--stream", "train", "--world", "2", "--seed", "9", "--epochs", "2",
+        ])
+        .args(["--prefetch", "4", "--max-reject-rate", "1"])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let spec = StreamSpec {
+        name: "train".into(),
+        records: 12,
+        seed: 9,
+        world: 2,
+        shuffle: Shuffle::Full,
+        tail: Tail::Drop,
+        epochs: Some(2),
+    };
+    let id = |record: u64| -> String {
+        let v: serde_json::Value = serde_json::from_str(&lines[record as usize]).unwrap();
+        v["id"].as_str().unwrap().to_owned()
+    };
+    let mut seen = Vec::new();
+    for rank in 0..2 {
+        let mut stream =
+            Stream::open(&daemon.socket, &spec, rank, None, StreamOptions::default()).unwrap();
+        let mut got = Vec::new();
+        for sample in &mut stream {
+            let sample = sample.unwrap();
+            let view = sample.view().expect("a valid sample");
+            // The record the spec puts here, or the next of the rank's share if it was the bad one.
+            let expected = spec
+                .candidates(rank, sample.seq())
+                .find(|&r| id(r) != "gone")
+                .unwrap();
+            assert_eq!(sample.record(), expected);
+            assert_eq!(view.id(), id(expected));
+            assert!(!view.tokens().is_empty());
+            if view.id().starts_with("img") {
+                let image = view.image(0).unwrap();
+                assert_eq!(image.shape(), &[3, 224, 224]);
+            }
+            got.push(view.id().to_owned());
+        }
+        assert_eq!(got.len(), 12, "6 per epoch, 2 epochs");
+        seen.extend(got);
+    }
+    let out = producer.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(stderr.contains("feeding stream \"train\""), "{stderr}");
+    let unique: std::collections::BTreeSet<&String> = seen.iter().collect();
+    assert_eq!(unique.len(), 11, "every good record is read: {seen:?}");
+    assert!(!seen.contains(&"gone".to_string()));
+    let rejects = std::fs::read_to_string(dir.join("train.jsonl.rejects.jsonl")).unwrap();
+    assert_eq!(
+        rejects.lines().count(),
+        1,
+        "the bad record is listed once: {rejects}"
+    );
+    let stats = daemon.reader().stats().unwrap();
+    assert_eq!(stats.leases, 0, "every sample returned: {stats:?}");
+}

@@ -1,12 +1,13 @@
 //! feedstore producers: turn a manifest of multimodal records into samples written once into
 //! the node's shared-memory store.
 //!
-//! This crate grows with issue 3. What is here so far:
-//!
 //! - [`chat`]: conversations to token ids and loss labels with Qwen's chat template and Qwen-VL
 //!   image-token expansion, matching Hugging Face's tokenizer output token for token.
+//! - [`feed`]: the same pipeline feeding a stream: the daemon hands out (rank, sequence number)
+//!   tasks, the stream's spec names the record, a rejected record is replaced by the next of the
+//!   rank's share.
 //! - [`manifest`]: LLaVA / Qwen-VL JSONL records, every bad line a [`manifest::Reject`] with its
-//!   line number, id and reason, never the end of the run.
+//!   line number, id and reason, never the end of the run; indexed for random access by streams.
 //! - [`pipeline`]: records in, samples sealed in the store out: tokio fetches, CPU workers, every
 //!   failure a reject, with the [`profile`] stage profiler naming the bottleneck.
 //! - [`s3`]: the S3 fetcher (AWS SDK, standard configuration, retries with backoff and jitter).
@@ -32,6 +33,7 @@
 //! ```
 
 pub mod chat;
+pub mod feed;
 pub mod manifest;
 pub mod pipeline;
 pub mod profile;

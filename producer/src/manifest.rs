@@ -111,6 +111,9 @@ pub struct Manifest<R> {
     base: PathBuf,
     line: u64,
     buf: Vec<u8>,
+    /// Byte offset of the next line, and of the line last read.
+    offset: u64,
+    line_start: u64,
 }
 
 impl Manifest<std::fs::File> {
@@ -125,11 +128,18 @@ impl Manifest<std::fs::File> {
 impl<R: Read> Manifest<R> {
     /// Reads a manifest from any reader; relative image paths resolve against `base`.
     pub fn new(reader: R, base: PathBuf) -> Manifest<R> {
+        Manifest::starting_at(reader, base, 0, 0, 1 << 20)
+    }
+
+    /// A reader positioned at byte `offset`, which is the start of line `line + 1`.
+    fn starting_at(reader: R, base: PathBuf, offset: u64, line: u64, buffer: usize) -> Manifest<R> {
         Manifest {
-            reader: BufReader::with_capacity(1 << 20, reader),
+            reader: BufReader::with_capacity(buffer, reader),
             base,
-            line: 0,
+            line,
             buf: Vec::new(),
+            offset,
+            line_start: offset,
         }
     }
 
@@ -137,9 +147,11 @@ impl<R: Read> Manifest<R> {
     /// reported as `Err(length)` without keeping more than the limit.
     fn next_line(&mut self) -> std::io::Result<Result<bool, u64>> {
         self.buf.clear();
+        self.line_start = self.offset;
         let n = (&mut self.reader)
             .take(MAX_LINE_BYTES + 1)
             .read_until(b'\n', &mut self.buf)?;
+        self.offset += n as u64;
         if n == 0 {
             return Ok(Ok(false));
         }
@@ -152,6 +164,7 @@ impl<R: Read> Manifest<R> {
                     .take(1 << 20)
                     .read_until(b'\n', &mut self.buf)?;
                 skipped += m as u64;
+                self.offset += m as u64;
                 if m == 0 || self.buf.last() == Some(&b'\n') {
                     break;
                 }
@@ -293,6 +306,64 @@ impl<R: Read> Manifest<R> {
         } else {
             self.base.join(path)
         }))
+    }
+}
+
+/// A manifest indexed for random access: record `i` is the `i`-th non-blank line (good or not),
+/// which is how a stream numbers records. The index holds 16 bytes per record.
+#[derive(Debug)]
+pub struct IndexedManifest {
+    path: PathBuf,
+    base: PathBuf,
+    /// (byte offset, line number - 1) of each record's line.
+    lines: Vec<(u64, u64)>,
+}
+
+impl IndexedManifest {
+    /// Reads the manifest once to find where every record starts.
+    pub fn open(path: &Path) -> std::io::Result<IndexedManifest> {
+        let mut manifest = Manifest::open(path)?;
+        let mut lines = Vec::new();
+        while let Some(item) = manifest.next() {
+            if let Err(r) = &item
+                && r.reason.starts_with("cannot read the manifest")
+            {
+                return Err(std::io::Error::other(r.reason.clone()));
+            }
+            lines.push((manifest.line_start, manifest.line - 1));
+        }
+        Ok(IndexedManifest {
+            path: path.to_owned(),
+            base: manifest.base,
+            lines,
+        })
+    }
+
+    /// Records in the manifest.
+    pub fn len(&self) -> u64 {
+        self.lines.len() as u64
+    }
+
+    /// Whether it has no records.
+    pub fn is_empty(&self) -> bool {
+        self.lines.is_empty()
+    }
+
+    /// Record `i`, read and parsed again from the file.
+    pub fn get(&self, i: u64) -> Result<Record, Reject> {
+        use std::io::Seek;
+        let &(offset, line) = self.lines.get(i as usize).ok_or_else(|| {
+            Reject::manifest(0, None, format!("record {i} is past the manifest's end"))
+        })?;
+        let read_error = |e: std::io::Error| {
+            Reject::manifest(line + 1, None, format!("cannot read the manifest: {e}"))
+        };
+        let mut file = std::fs::File::open(&self.path).map_err(read_error)?;
+        file.seek(std::io::SeekFrom::Start(offset))
+            .map_err(read_error)?;
+        Manifest::starting_at(file, self.base.clone(), offset, line, 64 << 10)
+            .next()
+            .unwrap_or_else(|| Err(read_error(std::io::ErrorKind::UnexpectedEof.into())))
     }
 }
 
@@ -450,5 +521,32 @@ mod tests {
         );
         assert_eq!(out[1].as_ref().unwrap().id, "next");
         assert_eq!(out[1].as_ref().unwrap().line, 2);
+    }
+
+    #[test]
+    fn indexed_records_equal_the_sequential_ones() {
+        let dir = std::env::temp_dir().join(format!("feedstore-manifest-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("m.jsonl");
+        let text = concat!(
+            "\u{feff}{\"id\": \"a\", \"image\": \"x.png\", \"conversations\": [{\"from\": \"human\", \"value\": \"<image>\"}]}\n",
+            "\n",
+            "   \n",
+            "{\"id\": \"broken\", \n",
+            "{\"id\": 7, \"text\": \"seven\"}\r\n",
+            "\n",
+            "{\"id\": \"last\", \"text\": \"no newline at the end\"}",
+        );
+        std::fs::write(&path, text).unwrap();
+        let sequential: Vec<_> = Manifest::open(&path).unwrap().collect();
+        let indexed = IndexedManifest::open(&path).unwrap();
+        assert_eq!(indexed.len(), 4);
+        assert_eq!(sequential.len(), 4);
+        for (i, item) in sequential.iter().enumerate() {
+            assert_eq!(&indexed.get(i as u64), item, "record {i}");
+        }
+        assert_eq!(indexed.get(3).unwrap().line, 7);
+        assert!(indexed.get(4).is_err());
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -21,7 +21,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use feedstore_consumer::{Client, ConnectOptions, Handle, Role};
+use feedstore_consumer::{Client, ConnectOptions, Handle, ObjectWriter, Role};
 use feedstore_proto::sample::{KeyValue, SampleInfo, SamplePlan};
 
 use crate::chat::{ChatTokenizer, image_pad_tokens};
@@ -177,6 +177,9 @@ pub enum ProducerError {
     /// The async runtime could not start.
     #[error("cannot start the runtime")]
     Runtime(#[source] std::io::Error),
+    /// The stream refused this producer (another spec under its name, say).
+    #[error("cannot feed the stream: {0}")]
+    Stream(#[source] feedstore_consumer::Error),
 }
 
 struct Job {
@@ -314,7 +317,7 @@ pub fn run(
     })
 }
 
-async fn fetch_all(
+pub(crate) async fn fetch_all(
     fetcher: &dyn Fetch,
     record: &Record,
     profiler: &Profiler,
@@ -338,7 +341,7 @@ async fn fetch_all(
     Ok(images)
 }
 
-fn reject(record: &Record, stage: &str, reason: String) -> Reject {
+pub(crate) fn reject(record: &Record, stage: &str, reason: String) -> Reject {
     Reject {
         line: record.line,
         id: Some(record.id.clone()),
@@ -357,6 +360,34 @@ fn produce(
     job: Job,
 ) -> Result<Produced, Reject> {
     let Job { record, images } = job;
+    let (object, size) = make_sample(
+        config, client, tokenizer, profiler, scratch, &record, images,
+    )?;
+    let started = Instant::now();
+    let handle = object
+        .seal()
+        .map_err(|e| reject(&record, "write", e.to_string()))?;
+    profiler.record(Stage::Write, started.elapsed());
+    Ok(Produced {
+        handle,
+        line: record.line,
+        id: record.id,
+        bytes: size,
+    })
+}
+
+/// One sample written into its object, everything but the seal: the caller seals it or hands
+/// it to a stream. Profiles each stage; the write stage's reservation and finishing are counted
+/// here, the seal by the caller.
+pub(crate) fn make_sample(
+    config: &ProducerConfig,
+    client: &Client,
+    tokenizer: &ChatTokenizer,
+    profiler: &Profiler,
+    scratch: &mut Scratch,
+    record: &Record,
+    images: Vec<Bytes>,
+) -> Result<(ObjectWriter, u64), Reject> {
     let t = &config.transform;
 
     // Decode first: the sizes, the token count and the object's size all follow from it.
@@ -365,11 +396,11 @@ fn produce(
     for (bytes, source) in images.iter().zip(&record.images) {
         let rgb = t
             .decode(bytes)
-            .map_err(|e| reject(&record, "decode", format!("{source}: {e}")))?;
+            .map_err(|e| reject(record, "decode", format!("{source}: {e}")))?;
         let (w, h) = rgb.dimensions();
         let target = t
             .target_size(w, h)
-            .map_err(|e| reject(&record, "decode", format!("{source}: {e}")))?;
+            .map_err(|e| reject(record, "decode", format!("{source}: {e}")))?;
         decoded.push((rgb, target));
     }
     drop(images);
@@ -384,7 +415,7 @@ fn produce(
         Content::Conversation(messages) => tokenizer.encode(messages, &pads),
         Content::Text(text) => tokenizer.encode_text(text),
     }
-    .map_err(|e| reject(&record, "tokenize", e.to_string()))?;
+    .map_err(|e| reject(record, "tokenize", e.to_string()))?;
     profiler.record(Stage::Tokenize, started.elapsed());
 
     let mut plan = SamplePlan::new();
@@ -410,7 +441,7 @@ fn produce(
     let size = plan.object_bytes(&info);
     let mut object = client
         .create(size)
-        .map_err(|e| reject(&record, "write", e.to_string()))?;
+        .map_err(|e| reject(record, "write", e.to_string()))?;
     let reserving = started.elapsed();
 
     // From here on a failure drops `object`, which aborts it: nothing half-written is visible.
@@ -418,10 +449,10 @@ fn produce(
     {
         let regions = plan
             .regions(object.as_mut_slice())
-            .map_err(|e| reject(&record, "write", e.to_string()))?;
+            .map_err(|e| reject(record, "write", e.to_string()))?;
         for ((rgb, target), region) in decoded.iter().zip(regions.images) {
             t.resize_into(rgb, *target, region, scratch)
-                .map_err(|e| reject(&record, "decode", e.to_string()))?;
+                .map_err(|e| reject(record, "decode", e.to_string()))?;
         }
         regions.tokens.copy_from_slice(&encoded.ids);
         regions.labels.copy_from_slice(&encoded.labels);
@@ -430,15 +461,7 @@ fn produce(
 
     let started = Instant::now();
     plan.finish(object.as_mut_slice(), &info)
-        .map_err(|e| reject(&record, "write", e.to_string()))?;
-    let handle = object
-        .seal()
-        .map_err(|e| reject(&record, "write", e.to_string()))?;
+        .map_err(|e| reject(record, "write", e.to_string()))?;
     profiler.record(Stage::Write, reserving + started.elapsed());
-    Ok(Produced {
-        handle,
-        line: record.line,
-        id: record.id,
-        bytes: size,
-    })
+    Ok((object, size))
 }

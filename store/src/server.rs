@@ -106,15 +106,21 @@ impl Shared {
     }
 
     /// Runs `f` on the streams and the object state (locked in that order), then wakes whoever
-    /// waits on a stream.
+    /// waits on a stream. Only for changes that can end a wait (a sample put or returned, a
+    /// consumer or producer come or gone): a waiter re-checks on every wake-up, so a wake-up
+    /// from its own check would spin.
     pub fn with_streams<R>(&self, f: impl FnOnce(&mut Streams, &mut Objects) -> R) -> R {
-        let mut streams = self.streams.lock().unwrap_or_else(|e| e.into_inner());
-        let result = self.with_objects(|o| f(&mut streams, o));
-        drop(streams);
+        let result = self.peek_streams(f);
         if self.stream_events.receiver_count() > 0 {
             self.stream_events.send_modify(|n| *n = n.wrapping_add(1));
         }
         result
+    }
+
+    /// Runs `f` on the streams and the object state without waking waiters.
+    fn peek_streams<R>(&self, f: impl FnOnce(&mut Streams, &mut Objects) -> R) -> R {
+        let mut streams = self.streams.lock().unwrap_or_else(|e| e.into_inner());
+        self.with_objects(|o| f(&mut streams, o))
     }
 
     /// A snapshot of every stream.
@@ -378,7 +384,7 @@ impl Connection {
                 let mut events = shared.stream_events.subscribe();
                 loop {
                     events.borrow_and_update();
-                    match shared.with_streams(|s, _| s.take(id, stream, max.max(1))) {
+                    match shared.peek_streams(|s, _| s.take(id, stream, max.max(1))) {
                         Ok(tasks) if !tasks.is_empty() || Instant::now() >= deadline => {
                             break Response::Tasks(tasks);
                         }

@@ -431,8 +431,10 @@ impl Streams {
                 statuses.push(Status::NotFound);
                 continue;
             };
-            if r.assigned.get(&seq) != Some(&conn) {
-                // Not (or no longer) this producer's task: a resume moved the window.
+            // Any producer connection may put a task taken by another (a producer process takes
+            // on one connection and puts from each CPU worker's); what matters is that the task
+            // is still out. Not out any more: a resume moved the window, or it was put already.
+            if !r.assigned.contains_key(&seq) {
                 statuses.push(Status::Stale);
                 continue;
             }
@@ -669,8 +671,14 @@ mod tests {
         s.join(&mut o, p2, &spec(1), 2, &starts(&[0])).unwrap();
         let again = s.take(p2, id, 2).unwrap();
         assert_eq!(again[0], first[0], "redo first");
-        let item = make(&mut o, p, first[0]);
-        assert_eq!(s.put(&mut o, p, id, &[item]).unwrap(), vec![Status::Stale]);
+        let item = make(&mut o, p2, first[0]);
+        assert_eq!(s.put(&mut o, p2, id, &[item]).unwrap(), vec![Status::Ok]);
+        let twice = make(&mut o, p2, first[0]);
+        assert_eq!(
+            s.put(&mut o, p2, id, &[twice]).unwrap(),
+            vec![Status::Stale],
+            "put once"
+        );
     }
 
     #[test]

@@ -1,0 +1,394 @@
+//! Feeding a stream: the producer pipeline driven by a stream's tasks instead of a manifest's
+//! order.
+//!
+//! ```text
+//! taker thread ── StreamTake ──▶ tasks (rank, seq) ──▶ IO runtime: record = spec's candidate k,
+//!      ▲                                                 read from the indexed manifest, fetch
+//!      │ (windows slide as consumers return samples)         │
+//!      │                                                     ▼ bounded queue
+//! daemon ◀── StreamPut (seal + lease + publish) ◀── CPU workers: decode, resize, tokenize, write
+//!                                                     │ a rejected record: try candidate k + 1
+//!                                                     └──────────────────────────▶ IO runtime
+//! ```
+//!
+//! The daemon decides which sequence numbers are made next (the ranks furthest behind first);
+//! the spec decides which record each one is. A record that fails anywhere is replaced by the next
+//! candidate of the same rank's share, the same way on every run, so each rank still gets its
+//! full count and a resume reproduces the same samples.
+
+use std::collections::HashSet;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use feedstore_consumer::{Client, ConnectOptions, Made, Role, StreamFeeder, StreamTask};
+use feedstore_proto::stream::StreamSpec;
+
+use crate::chat::ChatTokenizer;
+use crate::manifest::{IndexedManifest, Record, Reject};
+use crate::pipeline::{
+    Event, Fetch, Produced, ProducerConfig, ProducerError, Summary, fetch_all, make_sample,
+};
+use crate::profile::{Profiler, Stage};
+use crate::vision::Scratch;
+
+/// Which stream to feed, and where each rank starts.
+#[derive(Debug, Clone)]
+pub struct FeedConfig {
+    /// The stream (its record count must be the manifest's).
+    pub spec: StreamSpec,
+    /// Prefetch depth per rank, if the stream is new.
+    pub depth: u32,
+    /// Ranks on this node with the sequence number each starts at (from the consumers' saved
+    /// states; 0 for a fresh run).
+    pub ranks: Vec<StreamTask>,
+}
+
+/// A task and which of its candidate records is being tried.
+#[derive(Debug, Clone, Copy)]
+struct Work {
+    task: StreamTask,
+    candidate: u64,
+}
+
+enum Job {
+    Sample {
+        work: Work,
+        index: u64,
+        record: Record,
+        images: Vec<Bytes>,
+    },
+    /// Every candidate was rejected.
+    Failed { work: Work, index: u64 },
+}
+
+/// What the threads share.
+struct Shared {
+    spec: StreamSpec,
+    manifest: Arc<IndexedManifest>,
+    /// Tasks taken and not yet put.
+    in_flight: AtomicUsize,
+    taker_done: AtomicBool,
+    /// Records already reported as rejected (a record can be a candidate many times).
+    reported: Mutex<HashSet<u64>>,
+    events: Mutex<std::sync::mpsc::Sender<Event>>,
+}
+
+impl Shared {
+    /// The record behind a task's `candidate`-th choice, or `None` when every candidate of the
+    /// rank's share was tried.
+    fn candidate(&self, work: Work) -> Option<u64> {
+        let per_rank = self.spec.per_rank();
+        if work.candidate >= per_rank {
+            return None;
+        }
+        let (epoch, position) = (work.task.seq / per_rank, work.task.seq % per_rank);
+        let seq = epoch * per_rank + (position + work.candidate) % per_rank;
+        Some(self.spec.record_at(work.task.rank, seq))
+    }
+
+    fn send(&self, event: Event) {
+        let _ = self
+            .events
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .send(event);
+    }
+
+    /// Reports a reject the first time its record fails.
+    fn rejected(&self, index: u64, reject: Reject) {
+        let first = self
+            .reported
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(index);
+        if first {
+            self.send(Event::Rejected(reject));
+        }
+    }
+}
+
+fn connect(config: &ProducerConfig, name: String) -> Result<Client, ProducerError> {
+    ConnectOptions::new(Role::Writer)
+        .socket(&config.socket)
+        .name(name)
+        .create_timeout(config.create_timeout)
+        .connect()
+        .map_err(ProducerError::Connect)
+}
+
+/// Feeds a stream until its last epoch is made, calling `on_event` (on this thread) for every
+/// sample put and every record rejected (once per record).
+pub fn feed(
+    config: &ProducerConfig,
+    feed: &FeedConfig,
+    tokenizer: Arc<ChatTokenizer>,
+    fetcher: Arc<dyn Fetch>,
+    manifest: Arc<IndexedManifest>,
+    mut on_event: impl FnMut(&Event, &Profiler),
+) -> Result<Summary, ProducerError> {
+    let started = Instant::now();
+    if feed.spec.records != manifest.len() {
+        return Err(ProducerError::Stream(
+            feedstore_consumer::Error::StreamMismatch(format!(
+                "the stream has {} records but the manifest has {}",
+                feed.spec.records,
+                manifest.len()
+            )),
+        ));
+    }
+    let profiler = Arc::new(Profiler::default());
+    let workers = config.workers.max(1);
+    // One connection per worker (each puts what it wrote) plus the taker's, made in parallel.
+    let mut clients = std::thread::scope(|scope| {
+        let connecting: Vec<_> = (0..=workers)
+            .map(|i| scope.spawn(move || connect(config, format!("feeder-{}-{i}", feed.spec.name))))
+            .collect();
+        connecting
+            .into_iter()
+            .map(|c| c.join().expect("connecting does not panic"))
+            .collect::<Result<Vec<Client>, _>>()
+    })?;
+    let taker_client = clients.pop().expect("workers + 1 clients");
+    let taker = StreamFeeder::join(&taker_client, &feed.spec, feed.depth, &feed.ranks)
+        .map_err(ProducerError::Stream)?;
+    let feeders = clients
+        .iter()
+        .map(|c| StreamFeeder::join(c, &feed.spec, feed.depth, &[]))
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(ProducerError::Stream)?;
+    profiler.started(started.elapsed());
+
+    let (event_tx, event_rx) = std::sync::mpsc::channel::<Event>();
+    let shared = Arc::new(Shared {
+        spec: feed.spec.clone(),
+        manifest,
+        in_flight: AtomicUsize::new(0),
+        taker_done: AtomicBool::new(false),
+        reported: Mutex::new(HashSet::new()),
+        events: Mutex::new(event_tx),
+    });
+    let (work_tx, mut work_rx) = tokio::sync::mpsc::unbounded_channel::<Work>();
+    let (job_tx, job_rx) = tokio::sync::mpsc::channel::<Job>(workers * 2);
+    let job_rx = Arc::new(Mutex::new(job_rx));
+
+    let mut threads = Vec::new();
+    for (client, feeder) in clients.into_iter().zip(feeders) {
+        let (job_rx, work_tx, shared, profiler) = (
+            job_rx.clone(),
+            work_tx.clone(),
+            shared.clone(),
+            profiler.clone(),
+        );
+        let (tokenizer, config) = (tokenizer.clone(), config.clone());
+        threads.push(std::thread::spawn(move || {
+            let mut scratch = Scratch::default();
+            loop {
+                let waited = Instant::now();
+                let job = job_rx
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .blocking_recv();
+                profiler.cpu_idle(waited.elapsed());
+                let Some(job) = job else { return };
+                let (work, index, made, produced) = match job {
+                    Job::Failed { work, index } => (work, index, Made::Failed, None),
+                    Job::Sample {
+                        work,
+                        index,
+                        record,
+                        images,
+                    } => match make_sample(
+                        &config,
+                        &client,
+                        &tokenizer,
+                        &profiler,
+                        &mut scratch,
+                        &record,
+                        images,
+                    ) {
+                        Ok((object, bytes)) => {
+                            let produced = Produced {
+                                handle: object.handle(),
+                                line: record.line,
+                                id: record.id.clone(),
+                                bytes,
+                            };
+                            (work, index, Made::Written(object), Some(produced))
+                        }
+                        Err(reject) => {
+                            shared.rejected(index, reject);
+                            let next = Work {
+                                candidate: work.candidate + 1,
+                                ..work
+                            };
+                            let _ = work_tx.send(next);
+                            continue;
+                        }
+                    },
+                };
+                let put_started = Instant::now();
+                let result = feeder.put(vec![(work.task, index, made)]);
+                profiler.record(Stage::Write, put_started.elapsed());
+                shared.in_flight.fetch_sub(1, Ordering::AcqRel);
+                match result.map(|mut r| r.pop().expect("one result")) {
+                    Ok(Ok(())) => {
+                        if let Some(p) = produced {
+                            shared.send(Event::Produced(p));
+                        }
+                    }
+                    // A resume moved the window past this task: someone else's now.
+                    Ok(Err(e)) => {
+                        tracing::debug!(?work, error = %e, "stream did not take a sample")
+                    }
+                    Err(e) => tracing::warn!(?work, error = %e, "putting a sample failed"),
+                }
+            }
+        }));
+    }
+
+    // The taker: asks the daemon for work while there is room in the pipeline.
+    let limit = config.fetch_concurrency.max(1) + 2 * workers;
+    let taker_thread = {
+        let (shared, work_tx) = (shared.clone(), work_tx.clone());
+        std::thread::spawn(move || {
+            loop {
+                let room = limit.saturating_sub(shared.in_flight.load(Ordering::Acquire));
+                if room == 0 {
+                    std::thread::sleep(Duration::from_millis(2));
+                    continue;
+                }
+                match taker.take(room as u32, Duration::from_millis(200)) {
+                    Ok(Some(tasks)) => {
+                        shared.in_flight.fetch_add(tasks.len(), Ordering::AcqRel);
+                        for task in tasks {
+                            let _ = work_tx.send(Work { task, candidate: 0 });
+                        }
+                    }
+                    Ok(None) => break,
+                    Err(e) => {
+                        tracing::error!(error = %e, "taking work from the stream failed; stopping");
+                        break;
+                    }
+                }
+            }
+            shared.taker_done.store(true, Ordering::Release);
+            drop(taker_client);
+        })
+    };
+    // Fetches that fail send their task back for the next candidate.
+    let retry_tx = work_tx;
+
+    let fetch_concurrency = config.fetch_concurrency.max(1);
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(ProducerError::Runtime)?;
+    let io = {
+        let (shared, profiler) = (shared.clone(), profiler.clone());
+        std::thread::spawn(move || {
+            runtime.block_on(async move {
+                let permits = Arc::new(tokio::sync::Semaphore::new(fetch_concurrency));
+                loop {
+                    let work =
+                        tokio::time::timeout(Duration::from_millis(20), work_rx.recv()).await;
+                    let Ok(Some(mut work)) = work else {
+                        if shared.taker_done.load(Ordering::Acquire)
+                            && shared.in_flight.load(Ordering::Acquire) == 0
+                        {
+                            break;
+                        }
+                        continue;
+                    };
+                    // Walk the candidates until one reads as a record.
+                    let (index, record) = loop {
+                        let Some(index) = shared.candidate(work) else {
+                            break (u64::MAX, None);
+                        };
+                        match shared.manifest.get(index) {
+                            Ok(record) => break (index, Some(record)),
+                            Err(reject) => {
+                                shared.rejected(index, reject);
+                                work.candidate += 1;
+                            }
+                        }
+                    };
+                    let Some(record) = record else {
+                        let index = shared.spec.record_at(work.task.rank, work.task.seq);
+                        let _ = job_tx.send(Job::Failed { work, index }).await;
+                        continue;
+                    };
+                    let permit = permits.clone().acquire_owned().await.expect("never closed");
+                    let (fetcher, job_tx, shared, profiler, retry) = (
+                        fetcher.clone(),
+                        job_tx.clone(),
+                        shared.clone(),
+                        profiler.clone(),
+                        retry_tx.clone(),
+                    );
+                    tokio::spawn(async move {
+                        let _permit = permit;
+                        match fetch_all(&*fetcher, &record, &profiler).await {
+                            Ok(images) => {
+                                let queued = Instant::now();
+                                let job = Job::Sample {
+                                    work,
+                                    index,
+                                    record,
+                                    images,
+                                };
+                                let _ = job_tx.send(job).await;
+                                profiler.fetch_blocked(queued.elapsed());
+                            }
+                            Err(reject) => {
+                                shared.rejected(index, reject);
+                                let _ = retry.send(Work {
+                                    candidate: work.candidate + 1,
+                                    ..work
+                                });
+                            }
+                        }
+                    });
+                }
+            });
+        })
+    };
+    let (mut produced, mut rejected) = (0, 0);
+    // The sender inside `shared` lives as long as the threads do; stop once they are all done.
+    loop {
+        match event_rx.recv_timeout(Duration::from_millis(50)) {
+            Ok(event) => {
+                match &event {
+                    Event::Produced(_) => produced += 1,
+                    Event::Rejected(_) => rejected += 1,
+                }
+                on_event(&event, &profiler);
+            }
+            Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {
+                if io.is_finished() && taker_thread.is_finished() {
+                    break;
+                }
+            }
+            Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => break,
+        }
+    }
+    io.join().expect("the IO thread does not panic");
+    taker_thread.join().expect("the taker does not panic");
+    for t in threads {
+        t.join().expect("a worker does not panic");
+    }
+    while let Ok(event) = event_rx.try_recv() {
+        match &event {
+            Event::Produced(_) => produced += 1,
+            Event::Rejected(_) => rejected += 1,
+        }
+        on_event(&event, &profiler);
+    }
+    let profile = profiler.snapshot(started.elapsed(), workers, fetch_concurrency);
+    Ok(Summary {
+        produced,
+        rejected,
+        profile,
+    })
+}
