@@ -4,7 +4,9 @@
 //!    `memcpy` of the same bytes into warm memory;
 //! 2. get round trip (get + lease release) vs a bare Unix-socket ping-pong of the same frame
 //!    sizes with a server process that does nothing else;
-//! 3. small-object put + get operations per second, and batched gets.
+//! 3. small-object put + get operations per second, and batched gets;
+//! 4. the stream hand-off (next sample from the ring to a validated view), interleaved with 2,
+//!    and stream throughput with 1 and 8 consumers.
 //!
 //! The daemon is the real `feedstored` binary in its own process; the ping-pong server is this
 //! binary re-run in its own process. Run: `cargo bench --bench store` (add `-- --quick` for a
@@ -17,9 +19,12 @@ use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use feedstore_consumer::{Client, ConnectOptions, Role};
+use feedstore_consumer::{
+    Client, ConnectOptions, Made, Role, Stream, StreamFeeder, StreamOptions, StreamTask,
+};
 use feedstore_proto::Handle;
 use feedstore_proto::frame::{Request, Response};
+use feedstore_proto::stream::{Shuffle, StreamSpec, Tail};
 
 fn main() {
     let args: Vec<String> = std::env::args().collect();
@@ -56,6 +61,7 @@ fn main() {
     put_vs_memcpy(&writer, scale);
     get_vs_ping_pong(&writer, &reader, &socket, &dir, scale);
     small_objects(&writer, &reader, scale);
+    stream_throughput(&writer, &socket, scale);
     let _ = std::fs::remove_dir_all(&dir);
 }
 
@@ -190,8 +196,26 @@ fn get_vs_ping_pong(writer: &Client, reader: &Client, socket: &Path, dir: &Path,
     let mut reply = vec![0u8; resp.len()];
     let kept_reader = connect(socket, Role::Reader);
     let mut kept = Vec::with_capacity(1000);
-    let (mut ping, mut get, mut get_release, mut get_kept) =
-        (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    // A stream whose producer (a thread pinned with the servers) keeps the ring full of one
+    // real sample, so each next_sample below is the fast path: ring slot -> validated view.
+    let sample = sample_object(writer);
+    let spec = stream_spec("bench-handoff", 1);
+    let feeding = feed_stream(socket, &spec, sample, 1024);
+    let mut ranks = Stream::open(
+        socket,
+        &spec,
+        0,
+        None,
+        StreamOptions {
+            depth: 1024,
+            return_batch: 256,
+            ..StreamOptions::default()
+        },
+    )
+    .unwrap();
+    std::thread::sleep(Duration::from_millis(200)); // the ring fills
+    let (mut ping, mut get, mut get_release, mut get_kept, mut handoff) =
+        (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
     // Blocks of BLOCK iterations of each path in turn: each path runs in its own steady state,
     // and drift over the run hits all of them alike. The first block of each is warm-up.
     const BLOCK: u64 = 200;
@@ -228,8 +252,21 @@ fn get_vs_ping_pong(writer: &Client, reader: &Client, socket: &Path, dir: &Path,
                 kept.clear();
             }
         }
+        for _ in 0..BLOCK {
+            // The stream hand-off: next sample from the ring, validated, dropped.
+            let t = Instant::now();
+            let s = ranks.next_sample().unwrap().unwrap();
+            let view = s.view().unwrap();
+            black_box(view.tokens().len());
+            drop(s);
+            if warm {
+                handoff.push(t.elapsed());
+            }
+        }
     }
     drop(kept);
+    drop(ranks);
+    feeding.stop();
     // Batched: 64 handles per round trip.
     let batch: Vec<Handle> = (0..64)
         .map(|i| writer.put(&[i as u8; 4096]).unwrap())
@@ -241,7 +278,14 @@ fn get_vs_ping_pong(writer: &Client, reader: &Client, socket: &Path, dir: &Path,
         black_box(&leases);
     }
     let per_object_batched = t.elapsed() / (rounds * 64) as u32;
-    for v in [&mut ping, &mut get, &mut get_release, &mut get_kept] {
+    let handoff_mean = handoff.iter().sum::<Duration>() / handoff.len().max(1) as u32;
+    for v in [
+        &mut ping,
+        &mut get,
+        &mut get_release,
+        &mut get_kept,
+        &mut handoff,
+    ] {
         v.sort_unstable();
     }
     println!(
@@ -267,10 +311,20 @@ fn get_vs_ping_pong(writer: &Client, reader: &Client, socket: &Path, dir: &Path,
         &get_release,
     );
     row("get on a connection holding its leases", &get_kept);
+    row(
+        "stream hand-off: next_sample -> validated SampleView -> drop (no round trip)",
+        &handoff,
+    );
     println!(
         "| get_batch of 64, per object | {} | | {:.2}x |",
         us(per_object_batched),
         per_object_batched.as_secs_f64() / pct(&ping, 0.5).as_secs_f64()
+    );
+    println!();
+    println!(
+        "stream hand-off: mean {} (every 256th sample also sends the one-way return of the last 256), max {}",
+        us(handoff_mean),
+        us(*handoff.last().unwrap_or(&Duration::ZERO))
     );
     println!();
 }
@@ -397,4 +451,130 @@ fn cpu_model() -> String {
                 .map(|l| l.split(':').nth(1).unwrap_or("").trim().to_owned())
         })
         .unwrap_or_else(|| "unknown CPU".into())
+}
+
+/// A small real sample (one 3x32x32 u8 image, 64 tokens), sealed.
+fn sample_object(writer: &Client) -> Handle {
+    use feedstore_proto::sample::{DType, SampleInfo, SamplePlan, TensorLayout};
+    let mut plan = SamplePlan::new();
+    plan.add_image(DType::U8, TensorLayout::Chw, &[3, 32, 32]);
+    plan.set_token_count(64);
+    let info = SampleInfo {
+        id: "bench".into(),
+        source_keys: vec!["s3://bench/0.jpg".into()],
+        image_grid_thw: vec![[1, 2, 2]],
+        metadata: Vec::new(),
+    };
+    let mut w = writer.create(plan.object_bytes(&info)).unwrap();
+    {
+        let mut regions = plan.regions(w.as_mut_slice()).unwrap();
+        regions.images[0].fill(9);
+        regions.tokens.fill(7);
+        regions.labels.fill(7);
+    }
+    plan.finish(w.as_mut_slice(), &info).unwrap();
+    w.seal().unwrap()
+}
+
+fn stream_spec(name: &str, world: u32) -> StreamSpec {
+    StreamSpec {
+        name: name.into(),
+        records: 1 << 40,
+        seed: 1,
+        world,
+        shuffle: Shuffle::Full,
+        tail: Tail::Drop,
+        epochs: Some(1),
+    }
+}
+
+/// A producer thread (pinned with the servers) putting one sample object for every task.
+struct Feeding {
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    thread: std::thread::JoinHandle<u64>,
+}
+
+impl Feeding {
+    fn stop(self) -> u64 {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        self.thread.join().unwrap()
+    }
+}
+
+fn feed_stream(socket: &Path, spec: &StreamSpec, sample: Handle, depth: u32) -> Feeding {
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let (socket, spec, flag) = (socket.to_owned(), spec.clone(), stop.clone());
+    let thread = std::thread::spawn(move || {
+        pin(0, last_cpu());
+        let client = connect(&socket, Role::Writer);
+        let ranks: Vec<StreamTask> = (0..spec.world)
+            .map(|rank| StreamTask { rank, seq: 0 })
+            .collect();
+        let feeder = StreamFeeder::join(&client, &spec, depth, &ranks).unwrap();
+        let mut put = 0;
+        while !flag.load(std::sync::atomic::Ordering::Relaxed) {
+            let Some(tasks) = feeder.take(256, Duration::from_millis(20)).unwrap() else {
+                break;
+            };
+            let made = tasks
+                .into_iter()
+                .map(|t| (t, 0, Made::Existing(sample)))
+                .collect::<Vec<_>>();
+            put += made.len() as u64;
+            if !made.is_empty() {
+                feeder.put(made).unwrap();
+            }
+        }
+        feeder.close().unwrap();
+        put
+    });
+    Feeding { stop, thread }
+}
+
+/// Samples per second through streams: 1 and 8 ranks reading at once, each sample validated.
+fn stream_throughput(writer: &Client, socket: &Path, scale: u64) {
+    let sample = sample_object(writer);
+    let per_consumer = 200_000 / scale;
+    println!(
+        "## stream throughput (one producer thread putting one ready sample; each consumer validates every sample)"
+    );
+    println!();
+    println!("| consumers | samples/s, all together | per consumer |");
+    println!("|---|---|---|");
+    for world in [1u32, 8] {
+        let spec = stream_spec(&format!("bench-throughput-{world}"), world);
+        let feeding = feed_stream(socket, &spec, sample, 256);
+        let started = Instant::now();
+        let consumers: Vec<_> = (0..world)
+            .map(|rank| {
+                let (socket, spec) = (socket.to_owned(), spec.clone());
+                std::thread::spawn(move || {
+                    let mut stream = Stream::open(
+                        &socket,
+                        &spec,
+                        rank,
+                        None,
+                        StreamOptions {
+                            depth: 256,
+                            return_batch: 32,
+                            ..StreamOptions::default()
+                        },
+                    )
+                    .unwrap();
+                    for _ in 0..per_consumer / u64::from(world) {
+                        let s = stream.next_sample().unwrap().unwrap();
+                        black_box(s.view().unwrap().tokens().len());
+                    }
+                })
+            })
+            .collect();
+        for c in consumers {
+            c.join().unwrap();
+        }
+        let total = (per_consumer / u64::from(world)) * u64::from(world);
+        let rate = total as f64 / started.elapsed().as_secs_f64();
+        feeding.stop();
+        println!("| {world} | {:.0} | {:.0} |", rate, rate / f64::from(world));
+    }
+    println!();
 }
