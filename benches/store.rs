@@ -20,7 +20,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use feedstore_consumer::{
-    Client, ConnectOptions, Made, Role, Stream, StreamFeeder, StreamOptions, StreamTask,
+    Client, ConnectOptions, Delivery, Made, Role, Stream, StreamFeeder, StreamOptions, StreamTask,
 };
 use feedstore_proto::Handle;
 use feedstore_proto::frame::{Request, Response};
@@ -518,7 +518,12 @@ fn feed_stream(socket: &Path, spec: &StreamSpec, sample: Handle, depth: u32) -> 
             };
             let made = tasks
                 .into_iter()
-                .map(|t| (t, 0, Made::Existing(sample)))
+                .map(|task| Delivery {
+                    task,
+                    record: 0,
+                    key: 0,
+                    made: Made::Existing(sample),
+                })
                 .collect::<Vec<_>>();
             put += made.len() as u64;
             if !made.is_empty() {

@@ -143,6 +143,11 @@ struct StreamArgs {
     /// their ranks start where those states say, the others at the beginning.
     #[arg(long, value_name = "FILE", requires = "stream")]
     resume: Option<PathBuf>,
+    /// Make every sample again even when the store still holds it (by default a sample made
+    /// once, by any producer on the node, with the same record, transform and tokenizer, is
+    /// reused by later epochs, ranks and jobs while memory allows).
+    #[arg(long, requires = "stream")]
+    no_cache: bool,
 }
 
 impl StreamArgs {
@@ -206,6 +211,7 @@ impl StreamArgs {
             spec,
             depth: self.prefetch.max(1),
             ranks: tasks,
+            cache: !self.no_cache,
         })
     }
 }

@@ -25,13 +25,15 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         .populate(false)
         .connect()?;
     let s = client.stats().context("reading statistics")?;
+    let streams = client.streams().context("listing streams")?;
     if args.json {
         println!(
             "{{\"capacity_bytes\":{},\"used_bytes\":{},\"free_bytes\":{},\"largest_free_bytes\":{},\
              \"fragmentation\":{:.4},\"objects_sealed\":{},\"objects_writing\":{},\"objects_pinned\":{},\
              \"objects_delete_pending\":{},\"leases\":{},\"clients\":{},\"evictions\":{},\"evicted_bytes\":{},\
              \"creates_waited\":{},\"creates_full\":{},\"aborted_on_disconnect\":{},\"leases_reclaimed\":{},\
-             \"segments\":{},\"huge_pages\":{}}}",
+             \"segments\":{},\"huge_pages\":{},\"cache_lookups\":{},\"cache_hits\":{},\"cache_entries\":{},\
+             \"streams\":[{}]}}",
             s.capacity_bytes,
             s.used_bytes,
             s.free_bytes(),
@@ -50,7 +52,18 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             s.aborted_on_disconnect,
             s.leases_reclaimed,
             s.segments,
-            s.huge_pages != 0
+            s.huge_pages != 0,
+            s.cache_lookups,
+            s.cache_hits,
+            s.cache_entries,
+            streams
+                .iter()
+                .map(|t| format!(
+                    "{{\"name\":{:?},\"depth\":{},\"producers\":{},\"consumers\":{},\"ranks\":{},\"ready\":{},\"making\":{},\"put\":{},\"returned\":{},\"slowest\":{},\"fastest\":{},\"cold_start_us\":{}}}",
+                    t.name, t.depth, t.producers, t.consumers, t.ranks, t.ready, t.making, t.put, t.returned, t.slowest, t.fastest, t.cold_start_us
+                ))
+                .collect::<Vec<_>>()
+                .join(",")
         );
         return Ok(());
     }
@@ -106,5 +119,35 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         "  crash recovery  {} unsealed objects aborted, {} leases reclaimed",
         s.aborted_on_disconnect, s.leases_reclaimed
     );
+    println!(
+        "  decode-once     {} lookups, {:.1}% hits, {} samples known",
+        s.cache_lookups,
+        100.0 * s.cache_hit_rate(),
+        s.cache_entries
+    );
+    if streams.is_empty() {
+        println!("  streams         none");
+    }
+    for t in &streams {
+        println!(
+            "  stream {:?}: depth {}, {} producer(s), {} of {} rank(s) attached, {} ready, {} being made, {} put, {} returned, lag {} (slowest rank at {}), cold start {}",
+            t.name,
+            t.depth,
+            t.producers,
+            t.consumers,
+            t.ranks,
+            t.ready,
+            t.making,
+            t.put,
+            t.returned,
+            t.fastest - t.slowest,
+            t.slowest,
+            if t.cold_start_us == 0 {
+                "pending".to_string()
+            } else {
+                format!("{:.2} s", t.cold_start_us as f64 / 1e6)
+            }
+        );
+    }
     Ok(())
 }

@@ -605,8 +605,11 @@ fn produce_feeds_a_stream_that_ranks_read_in_order() {
     };
     let mut seen = Vec::new();
     for rank in 0..2 {
-        let mut stream =
-            Stream::open(&daemon.socket, &spec, rank, None, StreamOptions::default()).unwrap();
+        let options = StreamOptions {
+            depth: 4,
+            ..StreamOptions::default()
+        };
+        let mut stream = Stream::open(&daemon.socket, &spec, rank, None, options).unwrap();
         let mut got = Vec::new();
         for sample in &mut stream {
             let sample = sample.unwrap();
@@ -643,4 +646,21 @@ fn produce_feeds_a_stream_that_ranks_read_in_order() {
     );
     let stats = daemon.reader().stats().unwrap();
     assert_eq!(stats.leases, 0, "every sample returned: {stats:?}");
+    // Epoch 2 asks for the same records again; with a window of 4 they are asked for after
+    // epoch 1 made them, and the store still holds them: decoded once.
+    assert!(stats.cache_hits > 0, "decode-once cache used: {stats:?}");
+    eprintln!(
+        "cache: {} lookups, {} hits, {} entries",
+        stats.cache_lookups, stats.cache_hits, stats.cache_entries
+    );
+    // `feedstore stat` shows the stream and the cache.
+    let stat = Command::new(env!("CARGO_BIN_EXE_feedstore"))
+        .args(["stat", "--socket", daemon.socket.to_str().unwrap()])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&stat.stdout);
+    assert!(stat.status.success(), "{text}");
+    assert!(text.contains("stream \"train\": depth 4"), "{text}");
+    assert!(text.contains("24 put, 24 returned, lag 0"), "{text}");
+    assert!(text.contains("decode-once     24 lookups"), "{text}");
 }

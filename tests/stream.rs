@@ -13,7 +13,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use common::*;
-use feedstore_consumer::{Made, Stream, StreamFeeder, StreamOptions, StreamTask};
+use feedstore_consumer::{Delivery, Made, Stream, StreamFeeder, StreamOptions, StreamTask};
 use feedstore_proto::stream::{Shuffle, StreamSpec, StreamState, Tail};
 
 const PAYLOAD: usize = 96;
@@ -139,7 +139,12 @@ fn child_process() {
                         let record = spec.record_at(task.rank, task.seq);
                         let mut w = client.create(PAYLOAD as u64).unwrap();
                         w.as_mut_slice().copy_from_slice(&pattern(record, PAYLOAD));
-                        (task, record, Made::Written(w))
+                        Delivery {
+                            task,
+                            record,
+                            key: 0,
+                            made: Made::Written(w),
+                        }
                     })
                     .collect();
                 for r in feeder.put(made).unwrap() {

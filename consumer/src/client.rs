@@ -491,6 +491,14 @@ impl Client {
         }
     }
 
+    /// Every open stream on the daemon.
+    pub fn streams(&self) -> Result<Vec<feedstore_proto::frame::StreamInfo>, Error> {
+        match self.call(&Request::StreamList)? {
+            Response::Streams(list) => Ok(list),
+            other => Err(unexpected(other)),
+        }
+    }
+
     /// Whether `ptr` points into one of this client's segment mappings (for zero-copy checks).
     pub fn maps(&self, ptr: *const u8) -> bool {
         self.inner.segments.iter().any(|m| m.contains(ptr))

@@ -36,5 +36,5 @@ pub use error::Error;
 pub use feedstore_proto::frame::StreamTask;
 pub use feedstore_proto::{Handle, Role, StoreStats};
 pub use lease::Lease;
-pub use stream::{Made, Stream, StreamFeeder, StreamOptions, StreamSample};
+pub use stream::{Delivery, Made, Stream, StreamFeeder, StreamOptions, StreamSample};
 pub use writer::ObjectWriter;

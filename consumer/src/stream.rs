@@ -382,7 +382,20 @@ pub struct StreamFeeder {
     id: u32,
 }
 
-/// A sample made for a task, ready to put.
+/// A sample for a task, ready to put.
+#[derive(Debug)]
+pub struct Delivery {
+    /// The task it fulfils.
+    pub task: StreamTask,
+    /// The record it was made from.
+    pub record: u64,
+    /// Its decode-once cache key (`feedstore_proto::stream::sample_key`); 0 for none.
+    pub key: u128,
+    /// The sample.
+    pub made: Made,
+}
+
+/// How a sample for a task was made.
 #[derive(Debug)]
 pub enum Made {
     /// A sample written into a reservation of the feeder's client (sealed by the put).
@@ -438,13 +451,33 @@ impl StreamFeeder {
         }
     }
 
+    /// Looks samples up in the daemon's decode-once cache: per key, the handle of the sample if
+    /// the store still holds it (put it as [`Made::Existing`]).
+    pub fn lookup(&self, keys: &[u128]) -> Result<Vec<Option<Handle>>, Error> {
+        if keys.is_empty() {
+            return Ok(Vec::new());
+        }
+        match self.client.call(&Request::CacheLookup {
+            keys: keys.to_vec(),
+        })? {
+            Response::Cached(found) if found.len() == keys.len() => Ok(found),
+            other => Err(Error::Protocol(format!("unexpected reply {other:?}"))),
+        }
+    }
+
     /// Puts samples, one per task. Per item: `Ok`, or why the stream did not take it (a
     /// resume moved the window past it, say); reservations not taken are aborted.
-    pub fn put(&self, made: Vec<(StreamTask, u64, Made)>) -> Result<Vec<Result<(), Error>>, Error> {
-        let mut items = Vec::with_capacity(made.len());
-        let mut reserved = Vec::with_capacity(made.len());
-        for (task, record, m) in made {
-            let (handle, flags, written) = match m {
+    pub fn put(&self, deliveries: Vec<Delivery>) -> Result<Vec<Result<(), Error>>, Error> {
+        let mut items = Vec::with_capacity(deliveries.len());
+        let mut reserved = Vec::with_capacity(deliveries.len());
+        for Delivery {
+            task,
+            record,
+            key,
+            made,
+        } in deliveries
+        {
+            let (handle, flags, written) = match made {
                 Made::Written(w) => (w.hand_over(), 0, true),
                 Made::Existing(h) => (h, 0, false),
                 Made::Failed => (Handle::default(), ENTRY_FAILED, false),
@@ -454,6 +487,7 @@ impl StreamFeeder {
                 handle,
                 record,
                 flags,
+                key,
             });
             reserved.push(written);
         }

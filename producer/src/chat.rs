@@ -111,6 +111,8 @@ pub struct Encoded {
 pub struct ChatTokenizer {
     tokenizer: tokenizers::Tokenizer,
     max_tokens: usize,
+    /// A digest of the `tokenizer.json` bytes: part of a sample's cache key.
+    identity: u128,
 }
 
 impl std::fmt::Debug for ChatTokenizer {
@@ -132,11 +134,14 @@ const REQUIRED_TOKENS: [&str; 5] = [
 impl ChatTokenizer {
     /// Loads a `tokenizer.json`; conversations longer than `max_tokens` are rejected.
     pub fn from_file(path: &Path, max_tokens: usize) -> Result<ChatTokenizer, ChatError> {
-        let tokenizer = tokenizers::Tokenizer::from_file(path).map_err(|e| ChatError::Load {
+        let load = |message: String| ChatError::Load {
             path: path.display().to_string(),
-            message: e.to_string(),
-        })?;
-        Self::new(tokenizer, max_tokens)
+            message,
+        };
+        let json = std::fs::read(path).map_err(|e| load(e.to_string()))?;
+        let tokenizer =
+            tokenizers::Tokenizer::from_bytes(&json).map_err(|e| load(e.to_string()))?;
+        Self::new(tokenizer, max_tokens, &json)
     }
 
     /// Loads a `tokenizer.json` from memory.
@@ -145,12 +150,13 @@ impl ChatTokenizer {
             path: "<memory>".into(),
             message: e.to_string(),
         })?;
-        Self::new(tokenizer, max_tokens)
+        Self::new(tokenizer, max_tokens, json)
     }
 
     fn new(
         tokenizer: tokenizers::Tokenizer,
         max_tokens: usize,
+        json: &[u8],
     ) -> Result<ChatTokenizer, ChatError> {
         for token in REQUIRED_TOKENS {
             if tokenizer.token_to_id(token).is_none() {
@@ -160,7 +166,14 @@ impl ChatTokenizer {
         Ok(ChatTokenizer {
             tokenizer,
             max_tokens,
+            identity: feedstore_proto::stream::sample_key(&[json]),
         })
+    }
+
+    /// What distinguishes this tokenizer's output from another's: a digest of its
+    /// `tokenizer.json` and the token limit.
+    pub fn identity(&self) -> (u128, usize) {
+        (self.identity, self.max_tokens)
     }
 
     /// Renders, expands, tokenizes and labels a conversation. `image_tokens[i]` is the number of

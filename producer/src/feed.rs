@@ -22,8 +22,8 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use feedstore_consumer::{Client, ConnectOptions, Made, Role, StreamFeeder, StreamTask};
-use feedstore_proto::stream::StreamSpec;
+use feedstore_consumer::{Client, ConnectOptions, Delivery, Made, Role, StreamFeeder, StreamTask};
+use feedstore_proto::stream::{StreamSpec, sample_key};
 
 use crate::chat::ChatTokenizer;
 use crate::manifest::{IndexedManifest, Record, Reject};
@@ -43,6 +43,8 @@ pub struct FeedConfig {
     /// Ranks on this node with the sequence number each starts at (from the consumers' saved
     /// states; 0 for a fresh run).
     pub ranks: Vec<StreamTask>,
+    /// Reuse samples still in the store (the decode-once cache) instead of making them again.
+    pub cache: bool,
 }
 
 /// A task and which of its candidate records is being tried.
@@ -73,6 +75,8 @@ struct Shared {
     /// Records already reported as rejected (a record can be a candidate many times).
     reported: Mutex<HashSet<u64>>,
     events: Mutex<std::sync::mpsc::Sender<Event>>,
+    /// What every sample's cache key starts with: the transform and the tokenizer.
+    key_base: Vec<u8>,
 }
 
 impl Shared {
@@ -86,6 +90,12 @@ impl Shared {
         let (epoch, position) = (work.task.seq / per_rank, work.task.seq % per_rank);
         let seq = epoch * per_rank + (position + work.candidate) % per_rank;
         Some(self.spec.record_at(work.task.rank, seq))
+    }
+
+    /// A sample's decode-once cache key: its record (id, resolved image sources, content, line)
+    /// under this producer's transform and tokenizer.
+    fn key(&self, record: &Record) -> u128 {
+        sample_key(&[&self.key_base, format!("{record:?}").as_bytes()])
     }
 
     fn send(&self, event: Event) {
@@ -168,6 +178,14 @@ pub fn feed(
         taker_done: AtomicBool::new(false),
         reported: Mutex::new(HashSet::new()),
         events: Mutex::new(event_tx),
+        key_base: format!(
+            "{:?} patch {} merge {} tokenizer {:?}",
+            config.transform,
+            config.patch_size,
+            config.merge_size,
+            tokenizer.identity()
+        )
+        .into_bytes(),
     });
     let (work_tx, mut work_rx) = tokio::sync::mpsc::unbounded_channel::<Work>();
     let (job_tx, job_rx) = tokio::sync::mpsc::channel::<Job>(workers * 2);
@@ -192,8 +210,8 @@ pub fn feed(
                     .blocking_recv();
                 profiler.cpu_idle(waited.elapsed());
                 let Some(job) = job else { return };
-                let (work, index, made, produced) = match job {
-                    Job::Failed { work, index } => (work, index, Made::Failed, None),
+                let (work, index, made, produced, key) = match job {
+                    Job::Failed { work, index } => (work, index, Made::Failed, None, 0),
                     Job::Sample {
                         work,
                         index,
@@ -215,7 +233,8 @@ pub fn feed(
                                 id: record.id.clone(),
                                 bytes,
                             };
-                            (work, index, Made::Written(object), Some(produced))
+                            let key = shared.key(&record);
+                            (work, index, Made::Written(object), Some(produced), key)
                         }
                         Err(reject) => {
                             shared.rejected(index, reject);
@@ -229,7 +248,12 @@ pub fn feed(
                     },
                 };
                 let put_started = Instant::now();
-                let result = feeder.put(vec![(work.task, index, made)]);
+                let result = feeder.put(vec![Delivery {
+                    task: work.task,
+                    record: index,
+                    key,
+                    made,
+                }]);
                 profiler.record(Stage::Write, put_started.elapsed());
                 shared.in_flight.fetch_sub(1, Ordering::AcqRel);
                 match result.map(|mut r| r.pop().expect("one result")) {
@@ -250,6 +274,7 @@ pub fn feed(
 
     // The taker: asks the daemon for work while there is room in the pipeline.
     let limit = config.fetch_concurrency.max(1) + 2 * workers;
+    let cache = feed.cache;
     let taker_thread = {
         let (shared, work_tx) = (shared.clone(), work_tx.clone());
         std::thread::spawn(move || {
@@ -261,6 +286,11 @@ pub fn feed(
                 }
                 match taker.take(room as u32, Duration::from_millis(200)) {
                     Ok(Some(tasks)) => {
+                        let tasks = if cache {
+                            serve_from_cache(&shared, &taker, tasks)
+                        } else {
+                            tasks
+                        };
                         shared.in_flight.fetch_add(tasks.len(), Ordering::AcqRel);
                         for task in tasks {
                             let _ = work_tx.send(Work { task, candidate: 0 });
@@ -391,4 +421,71 @@ pub fn feed(
         rejected,
         profile,
     })
+}
+
+/// Puts every task whose sample the store still holds (by cache key) and returns the others.
+fn serve_from_cache(
+    shared: &Shared,
+    taker: &StreamFeeder,
+    tasks: Vec<StreamTask>,
+) -> Vec<StreamTask> {
+    let records: Vec<Option<(u64, Record)>> = tasks
+        .iter()
+        .map(|&task| {
+            let index = shared.candidate(Work { task, candidate: 0 })?;
+            shared.manifest.get(index).ok().map(|r| (index, r))
+        })
+        .collect();
+    let keys: Vec<u128> = records
+        .iter()
+        .map(|r| r.as_ref().map_or(0, |(_, record)| shared.key(record)))
+        .collect();
+    let found = match taker.lookup(&keys) {
+        Ok(found) => found,
+        Err(e) => {
+            tracing::warn!(error = %e, "cache lookup failed; making the samples");
+            return tasks;
+        }
+    };
+    let mut misses = Vec::new();
+    let mut hits = Vec::new();
+    for ((task, record), (key, handle)) in tasks
+        .into_iter()
+        .zip(records)
+        .zip(keys.into_iter().zip(found))
+    {
+        match (record, handle) {
+            (Some((index, record)), Some(handle)) if key != 0 => hits.push((
+                Delivery {
+                    task,
+                    record: index,
+                    key,
+                    made: Made::Existing(handle),
+                },
+                (record, handle),
+            )),
+            _ => misses.push(task),
+        }
+    }
+    if hits.is_empty() {
+        return misses;
+    }
+    let (deliveries, records): (Vec<_>, Vec<_>) = hits.into_iter().unzip();
+    match taker.put(deliveries) {
+        Ok(results) => {
+            for (result, (record, handle)) in results.into_iter().zip(records) {
+                // Evicted between the lookup and the put: the daemon hands the task out again.
+                if result.is_ok() {
+                    shared.send(Event::Produced(Produced {
+                        handle,
+                        line: record.line,
+                        id: record.id,
+                        bytes: 0,
+                    }));
+                }
+            }
+        }
+        Err(e) => tracing::warn!(error = %e, "putting cached samples failed"),
+    }
+    misses
 }

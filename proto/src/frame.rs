@@ -66,6 +66,10 @@ pub enum Opcode {
     StreamWait = 14,
     /// [`Request::StreamClose`]
     StreamClose = 15,
+    /// [`Request::CacheLookup`]
+    CacheLookup = 16,
+    /// [`Request::StreamList`]
+    StreamList = 17,
     /// [`Response::Error`] (reply only).
     Error = 0x7FFF,
 }
@@ -89,6 +93,8 @@ impl Opcode {
             13 => StreamRelease,
             14 => StreamWait,
             15 => StreamClose,
+            16 => CacheLookup,
+            17 => StreamList,
             0x7FFF => Error,
             _ => return None,
         })
@@ -384,6 +390,43 @@ pub enum Request {
         /// The stream.
         stream: u32,
     },
+    /// Looks samples up in the decode-once cache by key
+    /// ([`crate::stream::sample_key`]).
+    CacheLookup {
+        /// The keys.
+        keys: Vec<u128>,
+    },
+    /// Describes every open stream.
+    StreamList,
+}
+
+/// One stream as `feedstore stat` shows it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StreamInfo {
+    /// Its name.
+    pub name: String,
+    /// Prefetch depth per rank.
+    pub depth: u32,
+    /// Producer connections joined.
+    pub producers: u32,
+    /// Ranks with a consumer attached.
+    pub consumers: u32,
+    /// Ranks known on this node.
+    pub ranks: u32,
+    /// Samples made and not yet returned, over ranks.
+    pub ready: u64,
+    /// Samples being made.
+    pub making: u64,
+    /// Samples put so far.
+    pub put: u64,
+    /// Samples returned by consumers so far.
+    pub returned: u64,
+    /// The slowest rank's next sequence number.
+    pub slowest: u64,
+    /// The fastest rank's next sequence number (the lag is fastest - slowest).
+    pub fastest: u64,
+    /// Microseconds from the stream's creation to its first sample; 0 before that.
+    pub cold_start_us: u64,
 }
 
 /// A rank and a sequence number: a task (make the sample for `seq` of `rank`), or where a rank
@@ -407,9 +450,11 @@ pub struct StreamItem {
     pub record: u64,
     /// [`crate::ring::ENTRY_FAILED`] when no candidate record made a sample.
     pub flags: u32,
+    /// The sample's decode-once cache key; 0 for none.
+    pub key: u128,
 }
 
-const STREAM_ITEM_BYTES: usize = 4 + 8 + Handle::WIRE_BYTES + 8 + 4;
+const STREAM_ITEM_BYTES: usize = 4 + 8 + Handle::WIRE_BYTES + 8 + 4 + 16;
 
 impl Request {
     /// The request's opcode.
@@ -430,6 +475,8 @@ impl Request {
             Request::StreamRelease { .. } => Opcode::StreamRelease,
             Request::StreamWait { .. } => Opcode::StreamWait,
             Request::StreamClose { .. } => Opcode::StreamClose,
+            Request::CacheLookup { .. } => Opcode::CacheLookup,
+            Request::StreamList => Opcode::StreamList,
         }
     }
 
@@ -506,6 +553,8 @@ impl Request {
                     w.handle(item.handle);
                     w.u64(item.record);
                     w.u32(item.flags);
+                    w.u64(item.key as u64);
+                    w.u64((item.key >> 64) as u64);
                 }
             }
             Request::StreamRelease { stream, rank, upto } => {
@@ -525,6 +574,14 @@ impl Request {
                 w.u32(*timeout_ms);
             }
             Request::StreamClose { stream } => w.u32(*stream),
+            Request::CacheLookup { keys } => {
+                w.count(keys.len());
+                for k in keys {
+                    w.u64(*k as u64);
+                    w.u64((*k >> 64) as u64);
+                }
+            }
+            Request::StreamList => {}
         }
         finish(out, start);
     }
@@ -608,6 +665,7 @@ impl Request {
                             handle: r.handle()?,
                             record: r.u64()?,
                             flags: r.u32()?,
+                            key: u128::from(r.u64()?) | u128::from(r.u64()?) << 64,
                         })
                     })
                     .collect::<Result<_, DecodeError>>()?;
@@ -625,6 +683,14 @@ impl Request {
                 timeout_ms: r.u32()?,
             },
             Opcode::StreamClose => Request::StreamClose { stream: r.u32()? },
+            Opcode::CacheLookup => {
+                let n = r.count(16)?;
+                let keys = (0..n)
+                    .map(|_| Ok(u128::from(r.u64()?) | u128::from(r.u64()?) << 64))
+                    .collect::<Result<_, DecodeError>>()?;
+                Request::CacheLookup { keys }
+            }
+            Opcode::StreamList => Request::StreamList,
             Opcode::Error => return Err(DecodeError::UnknownOpcode { found: opcode }),
         };
         r.finish()?;
@@ -679,6 +745,10 @@ pub enum Response {
     },
     /// Reply to [`Request::StreamTake`]: tasks, possibly none if the wait ran out.
     Tasks(Vec<StreamTask>),
+    /// Reply to [`Request::CacheLookup`]: per key, the sample's handle if it is still stored.
+    Cached(Vec<Option<Handle>>),
+    /// Reply to [`Request::StreamList`].
+    Streams(Vec<StreamInfo>),
     /// The request failed as a whole.
     Error {
         /// What went wrong.
@@ -777,6 +847,33 @@ impl Response {
                 for t in tasks {
                     w.u32(t.rank);
                     w.u64(t.seq);
+                }
+            }
+            Response::Cached(found) => {
+                w.count(found.len());
+                for h in found {
+                    w.u8(u8::from(h.is_some()));
+                    w.handle(h.unwrap_or_default());
+                }
+            }
+            Response::Streams(streams) => {
+                w.count(streams.len());
+                for s in streams {
+                    w.string(&s.name);
+                    for v in [s.depth, s.producers, s.consumers, s.ranks] {
+                        w.u32(v);
+                    }
+                    for v in [
+                        s.ready,
+                        s.making,
+                        s.put,
+                        s.returned,
+                        s.slowest,
+                        s.fastest,
+                        s.cold_start_us,
+                    ] {
+                        w.u64(v);
+                    }
                 }
             }
             Response::Error { status, message } => {
@@ -888,6 +985,45 @@ impl Response {
                         .collect::<Result<_, DecodeError>>()?,
                 )
             }
+            Opcode::CacheLookup => {
+                let n = r.count(1 + Handle::WIRE_BYTES)?;
+                Response::Cached(
+                    (0..n)
+                        .map(|_| {
+                            let present = r.u8()?;
+                            let h = r.handle()?;
+                            match present {
+                                0 => Ok(None),
+                                1 => Ok(Some(h)),
+                                _ => Err(DecodeError::InvalidValue { field: "present" }),
+                            }
+                        })
+                        .collect::<Result<_, DecodeError>>()?,
+                )
+            }
+            Opcode::StreamList => {
+                let n = r.count(4 + 4 * 4 + 7 * 8)?;
+                Response::Streams(
+                    (0..n)
+                        .map(|_| {
+                            Ok(StreamInfo {
+                                name: r.string()?,
+                                depth: r.u32()?,
+                                producers: r.u32()?,
+                                consumers: r.u32()?,
+                                ranks: r.u32()?,
+                                ready: r.u64()?,
+                                making: r.u64()?,
+                                put: r.u64()?,
+                                returned: r.u64()?,
+                                slowest: r.u64()?,
+                                fastest: r.u64()?,
+                                cold_start_us: r.u64()?,
+                            })
+                        })
+                        .collect::<Result<_, DecodeError>>()?,
+                )
+            }
             Opcode::Release | Opcode::StreamRelease => {
                 return Err(DecodeError::UnknownOpcode { found: raw });
             }
@@ -987,8 +1123,13 @@ mod tests {
                 handle: handle(3),
                 record: 77,
                 flags: 1,
+                key: u128::MAX - 5,
             }],
         });
+        round_trip_request(Request::CacheLookup {
+            keys: vec![1, u128::MAX],
+        });
+        round_trip_request(Request::StreamList);
         round_trip_request(Request::StreamRelease {
             stream: 1,
             rank: 2,
@@ -1060,6 +1201,27 @@ mod tests {
             Response::Tasks(vec![StreamTask { rank: 1, seq: 2 }]),
         );
         round_trip_response(Opcode::StreamWait, Response::Done(vec![Status::Timeout]));
+        round_trip_response(
+            Opcode::CacheLookup,
+            Response::Cached(vec![None, Some(handle(4))]),
+        );
+        round_trip_response(
+            Opcode::StreamList,
+            Response::Streams(vec![StreamInfo {
+                name: "train".into(),
+                depth: 64,
+                producers: 2,
+                consumers: 8,
+                ranks: 8,
+                ready: 300,
+                making: 40,
+                put: 1000,
+                returned: 700,
+                slowest: 80,
+                fastest: 95,
+                cold_start_us: 1_500_000,
+            }]),
+        );
         round_trip_response(
             Opcode::Get,
             Response::Error {

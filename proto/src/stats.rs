@@ -41,12 +41,29 @@ pub struct StoreStats {
     pub huge_pages: u64,
     /// Deleted objects waiting for their last lease before their space is reused.
     pub objects_delete_pending: u64,
+    /// Open streams.
+    pub streams: u64,
+    /// Decode-once cache: lookups by producers.
+    pub cache_lookups: u64,
+    /// Decode-once cache: lookups that found the sample still in the store.
+    pub cache_hits: u64,
+    /// Decode-once cache: keys known (some may have been evicted since).
+    pub cache_entries: u64,
 }
 
 impl StoreStats {
     /// Free bytes.
     pub fn free_bytes(&self) -> u64 {
         self.capacity_bytes - self.used_bytes.min(self.capacity_bytes)
+    }
+
+    /// Share of decode-once cache lookups that hit.
+    pub fn cache_hit_rate(&self) -> f64 {
+        if self.cache_lookups == 0 {
+            0.0
+        } else {
+            self.cache_hits as f64 / self.cache_lookups as f64
+        }
     }
 
     /// External fragmentation: `1 - largest_free / free`, 0 when all free space is one range.
@@ -59,7 +76,7 @@ impl StoreStats {
         }
     }
 
-    pub(crate) fn fields(&self) -> [u64; 17] {
+    pub(crate) fn fields(&self) -> [u64; 21] {
         [
             self.capacity_bytes,
             self.used_bytes,
@@ -78,6 +95,10 @@ impl StoreStats {
             self.segments,
             self.huge_pages,
             self.objects_delete_pending,
+            self.streams,
+            self.cache_lookups,
+            self.cache_hits,
+            self.cache_entries,
         ]
     }
 
@@ -101,6 +122,10 @@ impl StoreStats {
             segments: g(14),
             huge_pages: g(15),
             objects_delete_pending: g(16),
+            streams: g(17),
+            cache_lookups: g(18),
+            cache_hits: g(19),
+            cache_entries: g(20),
         }
     }
 }

@@ -392,6 +392,16 @@ impl Objects {
     }
 
     /// Finds the live slot a handle names, or says why not.
+    /// Whether `handle` names a live, sealed object not waiting for deletion.
+    pub fn is_sealed(&self, handle: Handle) -> bool {
+        self.resolve(handle).is_ok_and(|slot| {
+            self.slots[slot as usize]
+                .object
+                .as_ref()
+                .is_some_and(|o| o.state == State::Sealed && !o.delete_pending)
+        })
+    }
+
     fn resolve(&self, handle: Handle) -> Result<u32, Status> {
         if handle.node_id != self.node_id {
             return Err(Status::WrongNode);

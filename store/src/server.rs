@@ -123,14 +123,6 @@ impl Shared {
         self.with_objects(|o| f(&mut streams, o))
     }
 
-    /// A snapshot of every stream.
-    pub fn stream_status(&self) -> Vec<crate::streams::StreamStatus> {
-        self.streams
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .status()
-    }
-
     fn lock(&self) -> MutexGuard<'_, Objects> {
         // A panic while holding the lock is a daemon bug; the state is still consistent enough to
         // keep serving other clients, so recover instead of cascading the panic.
@@ -333,7 +325,15 @@ impl Connection {
                 self.release(id, &handles);
                 return Ok(());
             }
-            Request::Stats => Response::Stats(shared.lock().stats()),
+            Request::Stats => Response::Stats(shared.peek_streams(|s, o| {
+                let mut stats = o.stats();
+                s.add_stats(&mut stats);
+                stats
+            })),
+            Request::CacheLookup { keys } => {
+                Response::Cached(shared.peek_streams(|s, o| s.lookup(o, &keys)))
+            }
+            Request::StreamList => Response::Streams(shared.peek_streams(|s, _| s.list())),
             Request::StreamJoin { spec, depth, ranks } => {
                 if self.role != Role::Writer {
                     Response::Error {

@@ -18,7 +18,7 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::os::fd::OwnedFd;
 use std::time::{Duration, Instant};
 
-use feedstore_proto::frame::{StreamItem, StreamTask};
+use feedstore_proto::frame::{StreamInfo, StreamItem, StreamTask};
 use feedstore_proto::ring::{ENTRY_FAILED, RingEntry, RingHeader, ring_bytes};
 use feedstore_proto::stream::StreamSpec;
 use feedstore_proto::{Handle, Location, Role, Status};
@@ -201,39 +201,18 @@ impl Stream {
     }
 }
 
-/// A snapshot of one stream for `feedstore stat`.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct StreamStatus {
-    /// Its name.
-    pub name: String,
-    /// Prefetch depth per rank.
-    pub depth: u32,
-    /// Producers joined.
-    pub producers: usize,
-    /// Ranks with a consumer attached.
-    pub consumers: usize,
-    /// Ranks known.
-    pub ranks: usize,
-    /// Samples made and waiting in windows.
-    pub ready: usize,
-    /// Samples being made.
-    pub assigned: usize,
-    /// Samples put so far.
-    pub samples_put: u64,
-    /// Samples consumers returned so far.
-    pub samples_returned: u64,
-    /// Lowest sequence number not yet returned, over ranks (the slowest consumer).
-    pub slowest: u64,
-    /// From creation to the first sample.
-    pub cold_start: Option<Duration>,
-}
-
-/// Every stream of the daemon.
+/// Every stream of the daemon, and the decode-once cache they share.
 #[derive(Debug, Default)]
 pub struct Streams {
     by_name: HashMap<String, u32>,
     streams: BTreeMap<u32, Stream>,
     next_id: u32,
+    /// Decode-once cache: sample key to the object holding that sample. The objects are
+    /// ordinary store objects, so eviction (LRU over samples no stream or consumer holds) is
+    /// the store's; an entry whose object is gone is dropped when looked up or swept.
+    cache: HashMap<u128, Handle>,
+    cache_lookups: u64,
+    cache_hits: u64,
 }
 
 impl Streams {
@@ -422,9 +401,13 @@ impl Streams {
         id: u32,
         items: &[StreamItem],
     ) -> Result<Vec<Status>, StreamError> {
-        let stream = self.stream(id)?;
+        let stream = self
+            .streams
+            .get_mut(&id)
+            .ok_or_else(|| fail(Status::NotFound, format!("no stream {id}")))?;
         let leases = stream.leases;
         let mut statuses = Vec::with_capacity(items.len());
+        let mut cached = Vec::new();
         for item in items {
             let StreamTask { rank, seq } = item.task;
             let Some(r) = stream.ranks.get_mut(&rank) else {
@@ -476,13 +459,52 @@ impl Streams {
                 c.ring.publish(&entry);
             }
             r.ready.insert(seq, entry);
+            if item.key != 0 && entry.flags & ENTRY_FAILED == 0 {
+                cached.push((item.key, entry.handle));
+            }
             stream.samples_put += 1;
             stream
                 .cold_start
                 .get_or_insert_with(|| stream.created.elapsed());
             statuses.push(Status::Ok);
         }
+        self.cache.extend(cached);
+        self.sweep_cache(objects);
         Ok(statuses)
+    }
+
+    /// Looks samples up by key: the handle of each one still in the store.
+    pub fn lookup(&mut self, objects: &Objects, keys: &[u128]) -> Vec<Option<Handle>> {
+        self.cache_lookups += keys.len() as u64;
+        keys.iter()
+            .map(|key| {
+                let handle = *self.cache.get(key)?;
+                if objects.is_sealed(handle) {
+                    self.cache_hits += 1;
+                    Some(handle)
+                } else {
+                    self.cache.remove(key);
+                    None
+                }
+            })
+            .collect()
+    }
+
+    /// Drops entries whose objects are gone once the map is much larger than the store's
+    /// object count, so it stays bounded by what the store holds.
+    fn sweep_cache(&mut self, objects: &Objects) {
+        let sealed = objects.stats().objects_sealed as usize;
+        if self.cache.len() > 2 * sealed + 1024 {
+            self.cache.retain(|_, h| objects.is_sealed(*h));
+        }
+    }
+
+    /// Adds the streams' and the cache's counters to the store's.
+    pub fn add_stats(&self, stats: &mut feedstore_proto::StoreStats) {
+        stats.streams = self.streams.len() as u64;
+        stats.cache_lookups = self.cache_lookups;
+        stats.cache_hits = self.cache_hits;
+        stats.cache_entries = self.cache.len() as u64;
     }
 
     /// A consumer returns every sample below `upto` (up to the first one not yet made).
@@ -567,21 +589,22 @@ impl Streams {
     }
 
     /// Every stream, for `feedstore stat`.
-    pub fn status(&self) -> Vec<StreamStatus> {
+    pub fn list(&self) -> Vec<StreamInfo> {
         self.streams
             .values()
-            .map(|s| StreamStatus {
+            .map(|s| StreamInfo {
                 name: s.spec.name.clone(),
                 depth: s.depth,
-                producers: s.producers.len(),
-                consumers: s.ranks.values().filter(|r| r.consumer.is_some()).count(),
-                ranks: s.ranks.len(),
-                ready: s.ranks.values().map(|r| r.ready.len()).sum(),
-                assigned: s.ranks.values().map(|r| r.assigned.len()).sum(),
-                samples_put: s.samples_put,
-                samples_returned: s.samples_returned,
+                producers: s.producers.len() as u32,
+                consumers: s.ranks.values().filter(|r| r.consumer.is_some()).count() as u32,
+                ranks: s.ranks.len() as u32,
+                ready: s.ranks.values().map(|r| r.ready.len() as u64).sum(),
+                making: s.ranks.values().map(|r| r.assigned.len() as u64).sum(),
+                put: s.samples_put,
+                returned: s.samples_returned,
                 slowest: s.ranks.values().map(|r| r.released).min().unwrap_or(0),
-                cold_start: s.cold_start,
+                fastest: s.ranks.values().map(|r| r.released).max().unwrap_or(0),
+                cold_start_us: s.cold_start.map_or(0, |d| d.as_micros().max(1) as u64),
             })
             .collect()
     }
@@ -631,6 +654,7 @@ mod tests {
             handle: created.handle,
             record: task.seq,
             flags: 0,
+            key: u128::from(task.seq) + 1,
         }
     }
 
@@ -724,5 +748,32 @@ mod tests {
         );
         s.close(&mut o, id).unwrap();
         assert_eq!(o.stats().leases, 0);
+    }
+
+    #[test]
+    fn the_cache_finds_samples_still_stored() {
+        let (mut o, mut s, p, _) = setup();
+        let id = s.join(&mut o, p, &spec(1), 8, &starts(&[0])).unwrap();
+        let tasks = s.take(p, id, 2).unwrap();
+        let items: Vec<_> = tasks.iter().map(|&t| make(&mut o, p, t)).collect();
+        s.put(&mut o, p, id, &items).unwrap();
+        let found = s.lookup(&o, &[1, 2, 99]);
+        assert_eq!(
+            found,
+            vec![Some(items[0].handle), Some(items[1].handle), None]
+        );
+        s.close(&mut o, id).unwrap();
+        o.delete(p, items[0].handle).unwrap();
+        assert_eq!(
+            s.lookup(&o, &[1, 2]),
+            vec![None, Some(items[1].handle)],
+            "gone once deleted"
+        );
+        let mut stats = o.stats();
+        s.add_stats(&mut stats);
+        assert_eq!(
+            (stats.cache_lookups, stats.cache_hits, stats.cache_entries),
+            (5, 3, 1)
+        );
     }
 }
