@@ -390,7 +390,7 @@ fn kill_everything_and_resume_exactly() {
         let resumed: Vec<Vec<u64>> = (0..s.world)
             .map(|r| Checkpoint::read(&dir.join(format!("rank{r}"))).records)
             .collect();
-        assert!(rounds > 2, "the run was interrupted");
+        assert!(rounds >= 2, "the run was interrupted at least once");
         assert_eq!(
             resumed, reference,
             "trial {trial}: after {rounds} rounds of kill -9 and resume, every rank read exactly the uninterrupted sequence"
