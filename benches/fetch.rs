@@ -10,7 +10,9 @@
 //!    `concurrency / (latency + unloaded cost)`: the share of the ideal reached is the share of
 //!    the latency hidden;
 //! 3. the whole producer (`feedstore produce`'s pipeline, 2 CPU workers, a real store) behind the
-//!    proxy at one fetch in flight and at 64, with the profiler's verdict for each.
+//!    proxy at one fetch in flight and at 64, with the profiler's verdict for each;
+//! 4. two epochs fed through a stream to a consumer, with the decode-once cache and without:
+//!    epoch 2 samples/s.
 //!
 //! Run: `cargo bench --bench fetch` (needs `pip install 'moto[server]'`); `-- --quick` for a
 //! shorter run, `-- --latency-ms N` to change the added latency (default 50).
@@ -18,10 +20,13 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use feedstore_consumer::{Stream, StreamOptions, StreamTask};
 use feedstore_producer::chat::ChatTokenizer;
-use feedstore_producer::manifest::{ImageSource, Manifest};
+use feedstore_producer::feed::{FeedConfig, feed};
+use feedstore_producer::manifest::{ImageSource, IndexedManifest, Manifest};
 use feedstore_producer::pipeline::{Fetch, ProducerConfig, run};
 use feedstore_producer::s3::{S3Fetcher, S3Options};
+use feedstore_proto::stream::{Shuffle, StreamSpec, Tail};
 use feedstore_testkit::moto::Moto;
 use feedstore_testkit::proxy::{FaultProxy, Plan};
 
@@ -234,6 +239,79 @@ fn main() {
             summary.profile.verdict()
         );
         eprint!("{}", summary.profile.table());
+    }
+
+    // 4. Two epochs through a stream, with the decode-once cache and without.
+    println!();
+    println!(
+        "| stream, 2 epochs of {} records (1 rank, depth 32) | epoch 1 samples/s | epoch 2 samples/s | epoch 2 / epoch 1 |",
+        keys.len()
+    );
+    println!("|---|---|---|---|");
+    let indexed = Arc::new(IndexedManifest::open(&manifest).unwrap());
+    // The cache first: with it off, the second run would still find the first run's samples.
+    for cache in [true, false] {
+        let spec = StreamSpec {
+            name: format!("bench-epochs-cache-{cache}"),
+            records: indexed.len(),
+            seed: 3,
+            world: 1,
+            shuffle: Shuffle::Full,
+            tail: Tail::Drop,
+            epochs: Some(2),
+        };
+        let per_epoch = spec.per_rank();
+        let consumer = {
+            let (socket, spec) = (socket.clone(), spec.clone());
+            std::thread::spawn(move || {
+                let options = StreamOptions {
+                    depth: 32,
+                    ..StreamOptions::default()
+                };
+                let mut stream = Stream::open(&socket, &spec, 0, None, options).unwrap();
+                // Timed from the first sample, so the cold start is not in epoch 1's rate.
+                let (mut first, mut boundary) = (None, Duration::ZERO);
+                for sample in &mut stream {
+                    let sample = sample.unwrap();
+                    std::hint::black_box(sample.view().unwrap().tokens().len());
+                    let started = *first.get_or_insert_with(Instant::now);
+                    if sample.seq() + 1 == per_epoch {
+                        boundary = started.elapsed();
+                    }
+                }
+                let total = first.expect("samples").elapsed();
+                (boundary, total - boundary)
+            })
+        };
+        let mut config = ProducerConfig::new(socket.clone());
+        config.workers = 2;
+        config.fetch_concurrency = 64;
+        let feed_config = FeedConfig {
+            spec: spec.clone(),
+            depth: 32,
+            ranks: vec![StreamTask { rank: 0, seq: 0 }],
+            cache,
+        };
+        let summary = feed(
+            &config,
+            &feed_config,
+            tokenizer.clone(),
+            fetcher.clone(),
+            indexed.clone(),
+            |_, _| {},
+        )
+        .unwrap();
+        assert_eq!(summary.rejected, 0);
+        let (first, second) = consumer.join().unwrap();
+        let (first, second) = (
+            (per_epoch - 1) as f64 / first.as_secs_f64(),
+            per_epoch as f64 / second.as_secs_f64(),
+        );
+        println!(
+            "| decode-once cache {} | {first:.1} | {second:.1} | {:.1}x |",
+            if cache { "on" } else { "off (--no-cache)" },
+            second / first
+        );
     }
     daemon.stop();
     let _ = std::fs::remove_dir_all(&dir);
