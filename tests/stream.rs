@@ -397,3 +397,79 @@ fn kill_everything_and_resume_exactly() {
         );
     }
 }
+
+#[test]
+fn stream_misuse_gets_clear_errors() {
+    let _w = watchdog("stream_misuse_gets_clear_errors", Duration::from_secs(60));
+    let dir = scratch_dir("stream-errors");
+    let daemon = DaemonProcess::start(&dir, &[]);
+    let s = spec("errors", 16, 1, 2, 1);
+    let options = StreamOptions {
+        depth: 4,
+        wait: Duration::from_millis(300),
+        ..StreamOptions::default()
+    };
+    // No producer: an empty stream fails after the wait, saying why.
+    let mut stream = Stream::open(&daemon.socket, &s, 0, None, options.clone()).unwrap();
+    let err = stream.next_sample().unwrap_err();
+    assert!(
+        matches!(&err, feedstore_consumer::Error::Timeout(m) if m.contains("producers")),
+        "{err}"
+    );
+    // The same name with another seed is another stream: refused.
+    let other = StreamSpec {
+        seed: 2,
+        ..s.clone()
+    };
+    let err = Stream::open(&daemon.socket, &other, 1, None, options.clone()).unwrap_err();
+    assert!(
+        matches!(err, feedstore_consumer::Error::StreamMismatch(_)),
+        "{err}"
+    );
+    // A state saved by rank 0 cannot resume rank 1, nor a state of another spec.
+    let state = stream.state();
+    let err = Stream::open(&daemon.socket, &s, 1, Some(state), options.clone()).unwrap_err();
+    assert!(
+        matches!(err, feedstore_consumer::Error::StreamMismatch(_)),
+        "{err}"
+    );
+    let err = Stream::open(&daemon.socket, &other, 0, Some(state), options.clone()).unwrap_err();
+    assert!(
+        matches!(err, feedstore_consumer::Error::StreamMismatch(_)),
+        "{err}"
+    );
+    // A rank outside the world.
+    let err = Stream::open(&daemon.socket, &s, 2, None, options).unwrap_err();
+    assert!(
+        matches!(err, feedstore_consumer::Error::InvalidArgument(_)),
+        "{err}"
+    );
+    // Holding the whole prefetch depth: the stream says so instead of waiting forever.
+    let client = daemon.writer();
+    let feeder = StreamFeeder::join(&client, &s, 4, &[StreamTask { rank: 0, seq: 0 }]).unwrap();
+    let tasks = feeder.take(8, Duration::from_millis(100)).unwrap().unwrap();
+    let made = tasks
+        .into_iter()
+        .map(|task| {
+            let mut w = client.create(PAYLOAD as u64).unwrap();
+            let record = s.record_at(task.rank, task.seq);
+            w.as_mut_slice().copy_from_slice(&pattern(record, PAYLOAD));
+            Delivery {
+                task,
+                record,
+                key: 0,
+                made: Made::Written(w),
+            }
+        })
+        .collect();
+    assert!(feeder.put(made).unwrap().iter().all(Result::is_ok));
+    let held: Vec<_> = (0..4)
+        .map(|_| stream.next_sample().unwrap().unwrap())
+        .collect();
+    assert_eq!(held.len(), 4);
+    let err = stream.next_sample().unwrap_err();
+    assert!(
+        matches!(err, feedstore_consumer::Error::WindowFull { .. }),
+        "{err}"
+    );
+}
