@@ -103,6 +103,19 @@ impl Checkpoint {
     }
 }
 
+/// The sample for a task: an object holding its record's pattern.
+fn delivery(client: &feedstore_consumer::Client, spec: &StreamSpec, task: StreamTask) -> Delivery {
+    let record = spec.record_at(task.rank, task.seq);
+    let mut w = client.create(PAYLOAD as u64).unwrap();
+    w.as_mut_slice().copy_from_slice(&pattern(record, PAYLOAD));
+    Delivery {
+        task,
+        record,
+        key: 0,
+        made: Made::Written(w),
+    }
+}
+
 #[test]
 #[ignore = "run as a child process by the tests below"]
 fn child_process() {
@@ -135,17 +148,7 @@ fn child_process() {
             while let Some(tasks) = feeder.take(16, Duration::from_millis(200)).unwrap() {
                 let made = tasks
                     .into_iter()
-                    .map(|task| {
-                        let record = spec.record_at(task.rank, task.seq);
-                        let mut w = client.create(PAYLOAD as u64).unwrap();
-                        w.as_mut_slice().copy_from_slice(&pattern(record, PAYLOAD));
-                        Delivery {
-                            task,
-                            record,
-                            key: 0,
-                            made: Made::Written(w),
-                        }
-                    })
+                    .map(|task| delivery(&client, &spec, task))
                     .collect();
                 for r in feeder.put(made).unwrap() {
                     // A resume can move a window past a task in flight; anything else is a bug.
@@ -450,17 +453,7 @@ fn stream_misuse_gets_clear_errors() {
     let tasks = feeder.take(8, Duration::from_millis(100)).unwrap().unwrap();
     let made = tasks
         .into_iter()
-        .map(|task| {
-            let mut w = client.create(PAYLOAD as u64).unwrap();
-            let record = s.record_at(task.rank, task.seq);
-            w.as_mut_slice().copy_from_slice(&pattern(record, PAYLOAD));
-            Delivery {
-                task,
-                record,
-                key: 0,
-                made: Made::Written(w),
-            }
-        })
+        .map(|task| delivery(&client, &s, task))
         .collect();
     assert!(feeder.put(made).unwrap().iter().all(Result::is_ok));
     let held: Vec<_> = (0..4)

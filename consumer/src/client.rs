@@ -548,6 +548,31 @@ impl Client {
 
     /// Sends a request and waits for its reply.
     pub(crate) fn call(&self, request: &Request) -> Result<Response, Error> {
+        self.exchange(request, read_reply).and_then(check_error)
+    }
+
+    /// Sends a request whose reply carries descriptors, and waits for both.
+    pub(crate) fn call_with_fds(
+        &self,
+        request: &Request,
+    ) -> Result<(Response, Vec<OwnedFd>), Error> {
+        let mut fds = Vec::new();
+        let response = self.exchange(request, |stream, rb, id| {
+            read_frame(rb, id, |buf| {
+                let (n, received) = recv_with_fds(stream, buf)?;
+                fds.extend(received);
+                Ok(n)
+            })
+        })?;
+        Ok((check_error(response)?, fds))
+    }
+
+    /// One request/reply exchange, queued releases riding along; `read` reads the reply.
+    fn exchange(
+        &self,
+        request: &Request,
+        read: impl FnOnce(&UnixStream, &mut RecvBuf, u32) -> Result<Response, Error>,
+    ) -> Result<Response, Error> {
         let inner = &*self.inner;
         if inner.broken.load(Ordering::Relaxed) {
             return Err(Error::Disconnected { source: None });
@@ -564,7 +589,7 @@ impl Client {
         request.encode(id, &mut state.wbuf);
         let result = self
             .send(&state.wbuf)
-            .and_then(|()| read_reply(&inner.stream, &mut state.rbuf, id));
+            .and_then(|()| read(&inner.stream, &mut state.rbuf, id));
         // After a socket, framing or decoding error the byte stream is no longer in step with
         // the daemon; fail every later call instead of misreading the next reply.
         if let Err(e) = &result
@@ -575,46 +600,7 @@ impl Client {
         {
             inner.broken.store(true, Ordering::Relaxed);
         }
-        match result? {
-            Response::Error { status, message } => {
-                Err(Error::from_status(status, Handle::default(), 0, &message))
-            }
-            response => Ok(response),
-        }
-    }
-
-    /// Sends a request whose reply carries descriptors, and waits for both.
-    pub(crate) fn call_with_fds(
-        &self,
-        request: &Request,
-    ) -> Result<(Response, Vec<OwnedFd>), Error> {
-        let inner = &*self.inner;
-        if inner.broken.load(Ordering::Relaxed) {
-            return Err(Error::Disconnected { source: None });
-        }
-        let mut guard = inner.call.lock().unwrap_or_else(|e| e.into_inner());
-        let state = &mut *guard;
-        let id = state.next_id;
-        state.next_id = state.next_id.wrapping_add(1);
-        state.wbuf.clear();
-        request.encode(id, &mut state.wbuf);
-        let mut fds = Vec::new();
-        let result = self.send(&state.wbuf).and_then(|()| {
-            read_frame(&mut state.rbuf, id, |buf| {
-                let (n, received) = recv_with_fds(&inner.stream, buf)?;
-                fds.extend(received);
-                Ok(n)
-            })
-        });
-        if result.is_err() {
-            inner.broken.store(true, Ordering::Relaxed);
-        }
-        match result? {
-            Response::Error { status, message } => {
-                Err(Error::from_status(status, Handle::default(), 0, &message))
-            }
-            response => Ok((response, fds)),
-        }
+        result
     }
 
     /// Sends a request that has no reply.
@@ -675,6 +661,16 @@ impl Client {
     fn send(&self, bytes: &[u8]) -> Result<(), Error> {
         let _guard = self.inner.send.lock().unwrap_or_else(|e| e.into_inner());
         send_all(&self.inner.stream, bytes)
+    }
+}
+
+/// A reply that is an error as a whole becomes the caller's error.
+fn check_error(response: Response) -> Result<Response, Error> {
+    match response {
+        Response::Error { status, message } => {
+            Err(Error::from_status(status, Handle::default(), 0, &message))
+        }
+        response => Ok(response),
     }
 }
 

@@ -29,6 +29,7 @@ use crate::chat::ChatTokenizer;
 use crate::manifest::{IndexedManifest, Record, Reject};
 use crate::pipeline::{
     Event, Fetch, Produced, ProducerConfig, ProducerError, Summary, fetch_all, make_sample,
+    next_job,
 };
 use crate::profile::{Profiler, Stage};
 use crate::vision::Scratch;
@@ -202,14 +203,7 @@ pub fn feed(
         let (tokenizer, config) = (tokenizer.clone(), config.clone());
         threads.push(std::thread::spawn(move || {
             let mut scratch = Scratch::default();
-            loop {
-                let waited = Instant::now();
-                let job = job_rx
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .blocking_recv();
-                profiler.cpu_idle(waited.elapsed());
-                let Some(job) = job else { return };
+            while let Some(job) = next_job(&job_rx, &profiler) {
                 let (work, index, made, produced, key) = match job {
                     Job::Failed { work, index } => (work, index, Made::Failed, None, 0),
                     Job::Sample {

@@ -187,6 +187,21 @@ struct Job {
     images: Vec<Bytes>,
 }
 
+/// A CPU worker's next job from the queue it shares with the other workers; the wait counts as
+/// the worker's idle time. `None` once the queue is closed and empty.
+pub(crate) fn next_job<J>(
+    queue: &std::sync::Mutex<tokio::sync::mpsc::Receiver<J>>,
+    profiler: &Profiler,
+) -> Option<J> {
+    let waited = Instant::now();
+    let job = queue
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .blocking_recv();
+    profiler.cpu_idle(waited.elapsed());
+    job
+}
+
 /// Runs the pipeline over `records` to the end, calling `on_event` (on this thread) for every
 /// sample and reject as they happen.
 pub fn run(
@@ -235,14 +250,7 @@ pub fn run(
         let (tokenizer, config) = (tokenizer.clone(), config.clone());
         threads.push(std::thread::spawn(move || {
             let mut scratch = Scratch::default();
-            loop {
-                let waited = Instant::now();
-                let job = job_rx
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .blocking_recv();
-                profiler.cpu_idle(waited.elapsed());
-                let Some(job) = job else { return };
+            while let Some(job) = next_job(&job_rx, &profiler) {
                 let event =
                     match produce(&config, &client, &tokenizer, &profiler, &mut scratch, job) {
                         Ok(p) => Event::Produced(p),

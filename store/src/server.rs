@@ -380,18 +380,14 @@ impl Connection {
                 max,
                 timeout_ms,
             } => {
-                let deadline = Instant::now() + Duration::from_millis(u64::from(timeout_ms));
-                let mut events = shared.stream_events.subscribe();
-                loop {
-                    events.borrow_and_update();
+                self.wait_until(id, timeout_ms, |expired| {
                     match shared.peek_streams(|s, _| s.take(id, stream, max.max(1))) {
-                        Ok(tasks) if !tasks.is_empty() || Instant::now() >= deadline => {
-                            break Response::Tasks(tasks);
-                        }
-                        Ok(_) => self.wait_for(id, &mut events, deadline).await?,
-                        Err(e) => break stream_error(e),
+                        Ok(tasks) if !tasks.is_empty() || expired => Some(Response::Tasks(tasks)),
+                        Ok(_) => None,
+                        Err(e) => Some(stream_error(e)),
                     }
-                }
+                })
+                .await?
             }
             Request::StreamPut { stream, items } => stream_reply(
                 shared.with_streams(|s, o| s.put(o, id, stream, &items)),
@@ -407,23 +403,14 @@ impl Connection {
                 seq,
                 timeout_ms,
             } => {
-                let deadline = Instant::now() + Duration::from_millis(u64::from(timeout_ms));
-                let mut events = shared.stream_events.subscribe();
-                loop {
-                    events.borrow_and_update();
-                    let polled = shared
-                        .streams
-                        .lock()
-                        .unwrap_or_else(|e| e.into_inner())
-                        .poll(stream, rank, seq);
-                    match polled {
-                        Some(status) => break Response::Done(vec![status]),
-                        None if Instant::now() >= deadline => {
-                            break Response::Done(vec![Status::Timeout]);
-                        }
-                        None => self.wait_for(id, &mut events, deadline).await?,
+                self.wait_until(id, timeout_ms, |expired| {
+                    match shared.peek_streams(|s, _| s.poll(stream, rank, seq)) {
+                        Some(status) => Some(Response::Done(vec![status])),
+                        None if expired => Some(Response::Done(vec![Status::Timeout])),
+                        None => None,
                     }
-                }
+                })
+                .await?
             }
             Request::StreamClose { stream } => {
                 stream_reply(shared.with_streams(|s, o| s.close(o, stream)), |()| {
@@ -440,6 +427,25 @@ impl Connection {
             .with_streams(|s, o| s.release(o, id, stream, rank, upto))
         {
             tracing::debug!(conn = id, stream, rank, upto, error = %e, "stream release refused");
+        }
+    }
+
+    /// Re-checks a stream condition whenever a stream changes, until `check` answers (it is told
+    /// when the time is up, and must answer then).
+    async fn wait_until<T>(
+        &mut self,
+        id: ConnId,
+        timeout_ms: u32,
+        mut check: impl FnMut(bool) -> Option<T>,
+    ) -> Result<T, ConnEnd> {
+        let deadline = Instant::now() + Duration::from_millis(u64::from(timeout_ms));
+        let mut events = self.shared.stream_events.subscribe();
+        loop {
+            events.borrow_and_update();
+            if let Some(answer) = check(Instant::now() >= deadline) {
+                return Ok(answer);
+            }
+            self.wait_for(id, &mut events, deadline).await?;
         }
     }
 
