@@ -629,6 +629,10 @@ fn produce_feeds_a_stream_that_ranks_read_in_order() {
             got.push(view.id().to_owned());
         }
         assert_eq!(got.len(), 12, "6 per epoch, 2 epochs");
+        assert!(
+            stream.time_to_first_sample().is_some(),
+            "cold start measured"
+        );
         seen.extend(got);
     }
     let out = producer.wait_with_output().unwrap();

@@ -261,6 +261,15 @@ fn run(spec: &StreamSpec, producers: usize) -> Vec<Vec<u64>> {
     }
     let stats = daemon.reader().stats().unwrap();
     assert_eq!(stats.leases, 0, "every sample returned: {stats:?}");
+    // Nothing leaked: what is left is the samples themselves, sealed and evictable (the
+    // decode-once cache's level), and nothing half-written.
+    let aligned = (PAYLOAD as u64).next_multiple_of(feedstore_proto::OBJECT_ALIGN_BYTES);
+    assert_eq!(stats.objects_writing, 0);
+    assert_eq!(
+        stats.used_bytes,
+        stats.objects_sealed * aligned,
+        "{stats:?}"
+    );
     (0..spec.world)
         .map(|r| {
             let c = Checkpoint::read(&dir.join(format!("rank{r}")));

@@ -88,6 +88,8 @@ pub struct Stream {
     returns: Arc<Mutex<Returns>>,
     sent: u64,
     opts: StreamOptions,
+    opened: std::time::Instant,
+    first_sample: Option<Duration>,
 }
 
 impl std::fmt::Debug for Stream {
@@ -169,7 +171,15 @@ impl Stream {
             })),
             sent: seq,
             opts,
+            opened: std::time::Instant::now(),
+            first_sample: None,
         })
+    }
+
+    /// The cold start this consumer saw: from opening the stream to its first sample (`None`
+    /// before it).
+    pub fn time_to_first_sample(&self) -> Option<Duration> {
+        self.first_sample
     }
 
     /// Where the stream stands: save this with a checkpoint, and [`Stream::open`] from it to
@@ -199,6 +209,8 @@ impl Stream {
             },
         };
         self.next += 1;
+        self.first_sample
+            .get_or_insert_with(|| self.opened.elapsed());
         if entry.flags & ENTRY_FAILED != 0 {
             self.returned(entry.seq);
             return Err(Error::SampleFailed {
