@@ -668,3 +668,102 @@ fn produce_feeds_a_stream_that_ranks_read_in_order() {
     assert!(text.contains("24 put, 24 returned, lag 0"), "{text}");
     assert!(text.contains("decode-once     24 lookups"), "{text}");
 }
+
+#[test]
+fn produce_resumes_a_stream_from_saved_states() {
+    use feedstore_consumer::{Stream, StreamOptions};
+    use feedstore_proto::stream::{Shuffle, StreamSpec, Tail};
+
+    let _w = watchdog(
+        "produce_resumes_a_stream_from_saved_states",
+        Duration::from_secs(180),
+    );
+    let dir = scratch_dir("produce-resume");
+    let tokenizer = tokenizer_file(&dir);
+    let lines: Vec<String> = (0..10)
+        .map(|i| {
+            serde_json::json!({"id": format!("t{i}"), "text": format!("record number {i}")})
+                .to_string()
+        })
+        .collect();
+    let manifest = dir.join("text.jsonl");
+    std::fs::write(&manifest, lines.join("\n")).unwrap();
+    let spec = StreamSpec {
+        name: "text".into(),
+        records: 10,
+        seed: 4,
+        world: 1,
+        shuffle: Shuffle::Full,
+        tail: Tail::Drop,
+        epochs: Some(2),
+    };
+    let states = dir.join("states.txt");
+    let produce = |socket: &std::path::Path, resume: bool| {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_feedstore"));
+        cmd.args(["produce", "--socket", socket.to_str().unwrap()])
+            .arg("--manifest")
+            .arg(&manifest)
+            .arg("--tokenizer")
+            .arg(&tokenizer)
+            .args([
+                "--workers",
+                "1",
+                "--stream",
+                "text",
+                "--seed",
+                "4",
+                "--epochs",
+                "2",
+            ])
+            .args(["--prefetch", "4"])
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null());
+        if resume {
+            cmd.arg("--resume").arg(&states);
+        }
+        cmd.spawn().unwrap()
+    };
+    let options = || StreamOptions {
+        depth: 4,
+        ..StreamOptions::default()
+    };
+    let id = |sample: &feedstore_consumer::StreamSample| sample.view().unwrap().id().to_owned();
+
+    // First run: read 7 samples, save the state, then everything dies.
+    let mut daemon = DaemonProcess::start(&dir, &[]);
+    let mut producer = produce(&daemon.socket, false);
+    let mut stream = Stream::open(&daemon.socket, &spec, 0, None, options()).unwrap();
+    let mut read = Vec::new();
+    for _ in 0..7 {
+        let sample = stream.next_sample().unwrap().unwrap();
+        read.push(id(&sample));
+    }
+    std::fs::write(&states, format!("{}\n", stream.state().to_text())).unwrap();
+    drop(stream);
+    for pid in [producer.id(), daemon.child.id()] {
+        let _ = nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(pid as i32),
+            nix::sys::signal::Signal::SIGKILL,
+        );
+    }
+    let _ = producer.wait();
+    let _ = daemon.child.wait();
+    drop(daemon);
+
+    // Second run, a fresh daemon: the producer resumes from the saved states, the rank from its
+    // state, and the rank reads exactly the rest.
+    let daemon = DaemonProcess::start(&dir, &[]);
+    let saved = feedstore_proto::stream::StreamState::from_text(
+        std::fs::read_to_string(&states).unwrap().trim(),
+    );
+    let mut producer = produce(&daemon.socket, true);
+    let mut stream = Stream::open(&daemon.socket, &spec, 0, saved, options()).unwrap();
+    for sample in &mut stream {
+        read.push(id(&sample.unwrap()));
+    }
+    assert!(producer.wait().unwrap().success());
+    let expected: Vec<String> = (0..20)
+        .map(|seq| format!("t{}", spec.record_at(0, seq)))
+        .collect();
+    assert_eq!(read, expected, "none skipped, none repeated");
+}
