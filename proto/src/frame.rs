@@ -1145,6 +1145,39 @@ mod tests {
     }
 
     #[test]
+    fn a_stream_spec_has_one_encoding() {
+        let spec = StreamSpec {
+            name: "s".into(),
+            records: 4,
+            seed: 1,
+            world: 1,
+            shuffle: crate::stream::Shuffle::Full,
+            tail: crate::stream::Tail::Drop,
+            epochs: None,
+        };
+        let mut good = Vec::new();
+        Request::StreamAttach {
+            spec,
+            depth: 1,
+            rank: 0,
+            seq: 0,
+        }
+        .encode(1, &mut good);
+        // The block size of a full shuffle sits after the header, the name (u16 length + "s"),
+        // records, seed, world and the shuffle kind.
+        let block = HEADER_BYTES + 2 + 1 + 8 + 8 + 4 + 1;
+        let mut bad = good.clone();
+        bad[block] = 7;
+        let frame = Frame::parse(&bad, MAX_PAYLOAD_BYTES).unwrap().unwrap();
+        assert!(
+            Request::decode(&frame).is_err(),
+            "a block size without block shuffle"
+        );
+        let frame = Frame::parse(&good, MAX_PAYLOAD_BYTES).unwrap().unwrap();
+        assert!(Request::decode(&frame).is_ok());
+    }
+
+    #[test]
     fn every_response_round_trips() {
         let loc = Location {
             segment: 1,

@@ -213,9 +213,10 @@ impl StreamSpec {
         let records = r.u64()?;
         let seed = r.u64()?;
         let world = r.u32()?;
+        // One encoding per value: the block size is zero unless the shuffle is by blocks.
         let shuffle = match (r.u8()?, r.u32()?) {
-            (0, _) => Shuffle::None,
-            (1, _) => Shuffle::Full,
+            (0, 0) => Shuffle::None,
+            (1, 0) => Shuffle::Full,
             (2, b) => Shuffle::Block(b),
             _ => return Err(DecodeError::InvalidValue { field: "shuffle" }),
         };
