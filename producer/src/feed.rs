@@ -28,7 +28,7 @@ use feedstore_proto::stream::{StreamSpec, sample_key};
 use crate::chat::ChatTokenizer;
 use crate::manifest::{IndexedManifest, Record, Reject};
 use crate::pipeline::{
-    Event, Fetch, Produced, ProducerConfig, ProducerError, Summary, fetch_all, make_sample,
+    Event, Fetch, Produced, ProducerConfig, ProducerError, Summary, fetch_and_queue, make_sample,
     next_job,
 };
 use crate::profile::{Profiler, Stage};
@@ -353,25 +353,25 @@ pub fn feed(
                     );
                     tokio::spawn(async move {
                         let _permit = permit;
-                        match fetch_all(&*fetcher, &record, &profiler).await {
-                            Ok(images) => {
-                                let queued = Instant::now();
-                                let job = Job::Sample {
-                                    work,
-                                    index,
-                                    record,
-                                    images,
-                                };
-                                let _ = job_tx.send(job).await;
-                                profiler.fetch_blocked(queued.elapsed());
-                            }
-                            Err(reject) => {
-                                shared.rejected(index, reject);
-                                let _ = retry.send(Work {
-                                    candidate: work.candidate + 1,
-                                    ..work
-                                });
-                            }
+                        let queued = fetch_and_queue(
+                            &*fetcher,
+                            record,
+                            &profiler,
+                            &job_tx,
+                            |record, images| Job::Sample {
+                                work,
+                                index,
+                                record,
+                                images,
+                            },
+                        );
+                        if let Err(reject) = queued.await {
+                            shared.rejected(index, reject);
+                            let next = Work {
+                                candidate: work.candidate + 1,
+                                ..work
+                            };
+                            let _ = retry.send(next);
                         }
                     });
                 }

@@ -286,15 +286,15 @@ pub fn run(
                     );
                     tokio::spawn(async move {
                         let _permit = permit;
-                        match fetch_all(&*fetcher, &record, &profiler).await {
-                            Ok(images) => {
-                                let queued = Instant::now();
-                                let _ = job_tx.send(Job { record, images }).await;
-                                profiler.fetch_blocked(queued.elapsed());
-                            }
-                            Err(reject) => {
-                                let _ = event_tx.send(Event::Rejected(reject));
-                            }
+                        let queued = fetch_and_queue(
+                            &*fetcher,
+                            record,
+                            &profiler,
+                            &job_tx,
+                            |record, images| Job { record, images },
+                        );
+                        if let Err(reject) = queued.await {
+                            let _ = event_tx.send(Event::Rejected(reject));
                         }
                     });
                 }
@@ -323,6 +323,22 @@ pub fn run(
         rejected,
         profile,
     })
+}
+
+/// Fetches a record's images and queues the job made of them for the CPU workers, counting the
+/// time a full queue held it as fetch-side waiting. The reject if a fetch failed.
+pub(crate) async fn fetch_and_queue<J>(
+    fetcher: &dyn Fetch,
+    record: Record,
+    profiler: &Profiler,
+    queue: &tokio::sync::mpsc::Sender<J>,
+    job: impl FnOnce(Record, Vec<Bytes>) -> J,
+) -> Result<(), Reject> {
+    let images = fetch_all(fetcher, &record, profiler).await?;
+    let queued = Instant::now();
+    let _ = queue.send(job(record, images)).await;
+    profiler.fetch_blocked(queued.elapsed());
+    Ok(())
 }
 
 pub(crate) async fn fetch_all(
