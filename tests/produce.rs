@@ -767,3 +767,69 @@ fn produce_resumes_a_stream_from_saved_states() {
         .collect();
     assert_eq!(read, expected, "none skipped, none repeated");
 }
+
+#[test]
+fn a_feeding_producer_reports_the_daemon_going_away() {
+    use feedstore_consumer::{Stream, StreamOptions};
+    use feedstore_proto::stream::{Shuffle, StreamSpec, Tail};
+
+    let _w = watchdog(
+        "a_feeding_producer_reports_the_daemon_going_away",
+        Duration::from_secs(120),
+    );
+    let dir = scratch_dir("produce-daemon-gone");
+    let tokenizer = tokenizer_file(&dir);
+    let lines: Vec<String> = (0..8)
+        .map(|i| {
+            serde_json::json!({"id": format!("t{i}"), "text": format!("text {i}")}).to_string()
+        })
+        .collect();
+    let manifest = dir.join("text.jsonl");
+    std::fs::write(&manifest, lines.join("\n")).unwrap();
+    let mut daemon = DaemonProcess::start(&dir, &[]);
+    // Unbounded epochs: only the daemon's end stops this producer.
+    let producer = Command::new(env!("CARGO_BIN_EXE_feedstore"))
+        .args(["produce", "--socket", daemon.socket.to_str().unwrap()])
+        .arg("--manifest")
+        .arg(&manifest)
+        .arg("--tokenizer")
+        .arg(&tokenizer)
+        .args(["--workers", "1", "--stream", "forever", "--epochs", "0"])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let spec = StreamSpec {
+        name: "forever".into(),
+        records: 8,
+        seed: 0,
+        world: 1,
+        shuffle: Shuffle::Full,
+        tail: Tail::Drop,
+        epochs: None,
+    };
+    let mut stream =
+        Stream::open(&daemon.socket, &spec, 0, None, StreamOptions::default()).unwrap();
+    for _ in 0..20 {
+        drop(stream.next_sample().unwrap().unwrap());
+    }
+    let pid = nix::unistd::Pid::from_raw(daemon.child.id() as i32);
+    nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGKILL).unwrap();
+    let _ = daemon.child.wait();
+    let out = producer.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("feedstore: error: cannot feed the stream")
+            && stderr.contains("disconnected"),
+        "{stderr}"
+    );
+    // Samples already in the rank's ring stay readable (the mapping outlives the daemon); past
+    // them the rank gets an error, not a hang.
+    let mut outcome = stream.next_sample();
+    while let Ok(Some(_)) = outcome {
+        outcome = stream.next_sample();
+    }
+    let err = outcome.map(|_| ()).unwrap_err();
+    assert!(err.is_disconnected(), "{err}");
+}

@@ -272,7 +272,7 @@ pub fn feed(
     let taker_thread = {
         let (shared, work_tx) = (shared.clone(), work_tx.clone());
         std::thread::spawn(move || {
-            loop {
+            let failure = loop {
                 let room = limit.saturating_sub(shared.in_flight.load(Ordering::Acquire));
                 if room == 0 {
                     std::thread::sleep(Duration::from_millis(2));
@@ -290,15 +290,13 @@ pub fn feed(
                             let _ = work_tx.send(Work { task, candidate: 0 });
                         }
                     }
-                    Ok(None) => break,
-                    Err(e) => {
-                        tracing::error!(error = %e, "taking work from the stream failed; stopping");
-                        break;
-                    }
+                    Ok(None) => break None,
+                    Err(e) => break Some(e),
                 }
-            }
+            };
             shared.taker_done.store(true, Ordering::Release);
             drop(taker_client);
+            failure
         })
     };
     // Fetches that fail send their task back for the next candidate.
@@ -398,7 +396,7 @@ pub fn feed(
         }
     }
     io.join().expect("the IO thread does not panic");
-    taker_thread.join().expect("the taker does not panic");
+    let failure = taker_thread.join().expect("the taker does not panic");
     for t in threads {
         t.join().expect("a worker does not panic");
     }
@@ -408,6 +406,10 @@ pub fn feed(
             Event::Rejected(_) => rejected += 1,
         }
         on_event(&event, &profiler);
+    }
+    if let Some(e) = failure {
+        // The daemon went away or closed the stream: the run did not finish.
+        return Err(ProducerError::Stream(e));
     }
     let profile = profiler.snapshot(started.elapsed(), workers, fetch_concurrency);
     Ok(Summary {
