@@ -188,7 +188,8 @@ pub fn feed(
         )
         .into_bytes(),
     });
-    let (work_tx, mut work_rx) = tokio::sync::mpsc::unbounded_channel::<Work>();
+    // A task, with its candidate's record when the taker already read it (for its cache key).
+    let (work_tx, mut work_rx) = tokio::sync::mpsc::unbounded_channel::<(Work, Option<Record>)>();
     let (job_tx, job_rx) = tokio::sync::mpsc::channel::<Job>(workers * 2);
     let job_rx = Arc::new(Mutex::new(job_rx));
 
@@ -236,7 +237,7 @@ pub fn feed(
                                 candidate: work.candidate + 1,
                                 ..work
                             };
-                            let _ = work_tx.send(next);
+                            let _ = work_tx.send((next, None));
                             continue;
                         }
                     },
@@ -283,11 +284,11 @@ pub fn feed(
                         let tasks = if cache {
                             serve_from_cache(&shared, &taker, tasks)
                         } else {
-                            tasks
+                            tasks.into_iter().map(|t| (t, None)).collect()
                         };
                         shared.in_flight.fetch_add(tasks.len(), Ordering::AcqRel);
-                        for task in tasks {
-                            let _ = work_tx.send(Work { task, candidate: 0 });
+                        for (task, record) in tasks {
+                            let _ = work_tx.send((Work { task, candidate: 0 }, record));
                         }
                     }
                     Ok(None) => break None,
@@ -315,7 +316,7 @@ pub fn feed(
                 loop {
                     let work =
                         tokio::time::timeout(Duration::from_millis(20), work_rx.recv()).await;
-                    let Ok(Some(mut work)) = work else {
+                    let Ok(Some((mut work, mut read))) = work else {
                         if shared.taker_done.load(Ordering::Acquire)
                             && shared.in_flight.load(Ordering::Acquire) == 0
                         {
@@ -328,7 +329,8 @@ pub fn feed(
                         let Some(index) = shared.candidate(work) else {
                             break (u64::MAX, None);
                         };
-                        match shared.manifest.get(index) {
+                        // The taker's read is for the first candidate; later ones read here.
+                        match read.take().map_or_else(|| shared.manifest.get(index), Ok) {
                             Ok(record) => break (index, Some(record)),
                             Err(reject) => {
                                 shared.rejected(index, reject);
@@ -369,7 +371,7 @@ pub fn feed(
                                 candidate: work.candidate + 1,
                                 ..work
                             };
-                            let _ = retry.send(next);
+                            let _ = retry.send((next, None));
                         }
                     });
                 }
@@ -419,12 +421,13 @@ pub fn feed(
     })
 }
 
-/// Puts every task whose sample the store still holds (by cache key) and returns the others.
+/// Puts every task whose sample the store still holds (by cache key) and returns the others,
+/// each with its first candidate's record (read for the key, so not read again).
 fn serve_from_cache(
     shared: &Shared,
     taker: &StreamFeeder,
     tasks: Vec<StreamTask>,
-) -> Vec<StreamTask> {
+) -> Vec<(StreamTask, Option<Record>)> {
     let records: Vec<Option<(u64, Record)>> = tasks
         .iter()
         .map(|&task| {
@@ -440,7 +443,11 @@ fn serve_from_cache(
         Ok(found) => found,
         Err(e) => {
             tracing::warn!(error = %e, "cache lookup failed; making the samples");
-            return tasks;
+            return tasks
+                .into_iter()
+                .zip(records)
+                .map(|(task, r)| (task, r.map(|(_, record)| record)))
+                .collect();
         }
     };
     let mut misses = Vec::new();
@@ -460,7 +467,7 @@ fn serve_from_cache(
                 },
                 (record, handle),
             )),
-            _ => misses.push(task),
+            (record, _) => misses.push((task, record.map(|(_, record)| record))),
         }
     }
     if hits.is_empty() {

@@ -313,7 +313,7 @@ impl<R: Read> Manifest<R> {
 /// which is how a stream numbers records. The index holds 16 bytes per record.
 #[derive(Debug)]
 pub struct IndexedManifest {
-    path: PathBuf,
+    file: std::fs::File,
     base: PathBuf,
     /// (byte offset, line number - 1) of each record's line.
     lines: Vec<(u64, u64)>,
@@ -333,7 +333,7 @@ impl IndexedManifest {
             lines.push((manifest.line_start, manifest.line - 1));
         }
         Ok(IndexedManifest {
-            path: path.to_owned(),
+            file: std::fs::File::open(path)?,
             base: manifest.base,
             lines,
         })
@@ -349,21 +349,40 @@ impl IndexedManifest {
         self.lines.is_empty()
     }
 
-    /// Record `i`, read and parsed again from the file.
+    /// Record `i`, read and parsed again from the file (positioned reads on the one open
+    /// descriptor, so threads may read at once).
     pub fn get(&self, i: u64) -> Result<Record, Reject> {
-        use std::io::Seek;
         let &(offset, line) = self.lines.get(i as usize).ok_or_else(|| {
             Reject::manifest(0, None, format!("record {i} is past the manifest's end"))
         })?;
-        let read_error = |e: std::io::Error| {
-            Reject::manifest(line + 1, None, format!("cannot read the manifest: {e}"))
+        let at = ReadAt {
+            file: &self.file,
+            offset,
         };
-        let mut file = std::fs::File::open(&self.path).map_err(read_error)?;
-        file.seek(std::io::SeekFrom::Start(offset))
-            .map_err(read_error)?;
-        Manifest::starting_at(file, self.base.clone(), offset, line, 64 << 10)
+        Manifest::starting_at(at, self.base.clone(), offset, line, 64 << 10)
             .next()
-            .unwrap_or_else(|| Err(read_error(std::io::ErrorKind::UnexpectedEof.into())))
+            .unwrap_or_else(|| {
+                Err(Reject::manifest(
+                    line + 1,
+                    None,
+                    "cannot read the manifest: it ended early (changed since it was indexed?)",
+                ))
+            })
+    }
+}
+
+/// Reads a file from an offset with `pread`, leaving the descriptor's position alone.
+struct ReadAt<'a> {
+    file: &'a std::fs::File,
+    offset: u64,
+}
+
+impl Read for ReadAt<'_> {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        use std::os::unix::fs::FileExt;
+        let n = self.file.read_at(buf, self.offset)?;
+        self.offset += n as u64;
+        Ok(n)
     }
 }
 
