@@ -153,19 +153,8 @@ struct StreamArgs {
 impl StreamArgs {
     /// The spec and where each served rank starts.
     fn feed(&self, name: &str, records: u64) -> anyhow::Result<FeedConfig> {
-        let shuffle = match self.shuffle.to_ascii_lowercase().as_str() {
-            "full" => Shuffle::Full,
-            "none" => Shuffle::None,
-            other => match other.strip_prefix("block:").map(str::parse) {
-                Some(Ok(n)) if n > 0 => Shuffle::Block(n),
-                _ => bail!("--shuffle {other:?}: expected full, none or block:N"),
-            },
-        };
-        let tail = match self.tail.to_ascii_lowercase().as_str() {
-            "drop" => Tail::Drop,
-            "pad" => Tail::Pad,
-            other => bail!("--tail {other:?}: expected drop or pad"),
-        };
+        let shuffle: Shuffle = self.shuffle.parse().map_err(|e| anyhow::anyhow!("--{e}"))?;
+        let tail: Tail = self.tail.parse().map_err(|e| anyhow::anyhow!("--{e}"))?;
         let spec = StreamSpec {
             name: name.to_owned(),
             records,

@@ -194,8 +194,15 @@ impl Stream {
     }
 
     /// The next sample, in place in shared memory; `None` after the last epoch. (The stream is
-    /// also an iterator of `Result<StreamSample, Error>`.)
+    /// also an iterator of `Result<StreamSample, Error>`.) Waits up to the stream's
+    /// [`StreamOptions::wait`] for it.
     pub fn next_sample(&mut self) -> Result<Option<StreamSample>, Error> {
+        self.next_sample_within(self.opts.wait)
+    }
+
+    /// [`Stream::next_sample`], waiting up to `wait` instead (an embedding that must react to
+    /// signals waits in slices and retries on [`Error::Timeout`]; nothing is lost by a timeout).
+    pub fn next_sample_within(&mut self, wait: Duration) -> Result<Option<StreamSample>, Error> {
         if self.end.is_some_and(|end| self.next >= end) {
             self.return_samples(true);
             return Ok(None);
@@ -203,7 +210,7 @@ impl Stream {
         self.return_samples(false);
         let entry = match self.header.read_entry(&self.ring, self.next) {
             Some(entry) => entry,
-            None => match self.wait()? {
+            None => match self.wait(wait)? {
                 Some(entry) => entry,
                 None => return Ok(None),
             },
@@ -264,14 +271,20 @@ impl Stream {
         }
     }
 
-    /// Waits for the next sample's slot to fill.
-    fn wait(&mut self) -> Result<Option<RingEntry>, Error> {
+    /// Returns the samples dropped so far to the daemon now, rather than once a batch of them
+    /// is pending (the stream does this itself before it waits and when it is dropped).
+    pub fn flush_returns(&mut self) {
+        self.return_samples(true);
+    }
+
+    /// Waits up to `limit` for the next sample's slot to fill.
+    fn wait(&mut self, limit: Duration) -> Result<Option<RingEntry>, Error> {
         let held = self.next - self.returns.lock().unwrap_or_else(|e| e.into_inner()).upto;
         if held >= u64::from(self.header.capacity) {
             return Err(Error::WindowFull { held });
         }
         self.return_samples(true);
-        let deadline = std::time::Instant::now() + self.opts.wait;
+        let deadline = std::time::Instant::now() + limit;
         loop {
             let left = deadline.saturating_duration_since(std::time::Instant::now());
             let reply = self.client.call(&Request::StreamWait {
@@ -295,7 +308,7 @@ impl Stream {
                     if left.is_zero() {
                         return Err(Error::Timeout(format!(
                             "no sample {} of rank {} of stream {:?} within {:?}: are producers running?",
-                            self.next, self.rank, self.spec.name, self.opts.wait
+                            self.next, self.rank, self.spec.name, limit
                         )));
                     }
                 }

@@ -541,6 +541,14 @@ impl<'a> SampleView<'a> {
         bytemuck::cast_slice(self.region(&self.meta.labels))
     }
 
+    /// Every metadata entry, in the order written.
+    pub fn metadata_entries(&self) -> impl Iterator<Item = (&'a str, &'a str)> + 'a {
+        self.meta
+            .metadata
+            .iter()
+            .map(|kv| (kv.key.as_str(), kv.value.as_str()))
+    }
+
     /// A metadata value.
     pub fn metadata(&self, key: &str) -> Option<&'a str> {
         self.meta

@@ -76,6 +76,35 @@ impl StoreStats {
         }
     }
 
+    /// Every counter with its name (the field's), in wire order: for dictionaries and exports.
+    pub fn named(&self) -> [(&'static str, u64); 21] {
+        const NAMES: [&str; 21] = [
+            "capacity_bytes",
+            "used_bytes",
+            "largest_free_bytes",
+            "objects_sealed",
+            "objects_writing",
+            "objects_pinned",
+            "leases",
+            "clients",
+            "evictions",
+            "evicted_bytes",
+            "creates_waited",
+            "creates_full",
+            "aborted_on_disconnect",
+            "leases_reclaimed",
+            "segments",
+            "huge_pages",
+            "objects_delete_pending",
+            "streams",
+            "cache_lookups",
+            "cache_hits",
+            "cache_entries",
+        ];
+        let values = self.fields();
+        std::array::from_fn(|i| (NAMES[i], values[i]))
+    }
+
     pub(crate) fn fields(&self) -> [u64; 21] {
         [
             self.capacity_bytes,

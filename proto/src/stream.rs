@@ -44,6 +44,35 @@ pub enum Tail {
     Pad,
 }
 
+impl std::str::FromStr for Shuffle {
+    type Err = String;
+
+    /// `none`, `full` or `block:N` (N > 0), as the command line and the Python API spell it.
+    fn from_str(s: &str) -> Result<Shuffle, String> {
+        match s.to_ascii_lowercase().as_str() {
+            "full" => Ok(Shuffle::Full),
+            "none" => Ok(Shuffle::None),
+            other => match other.strip_prefix("block:").map(str::parse) {
+                Some(Ok(n)) if n > 0 => Ok(Shuffle::Block(n)),
+                _ => Err(format!("shuffle {other:?}: expected full, none or block:N")),
+            },
+        }
+    }
+}
+
+impl std::str::FromStr for Tail {
+    type Err = String;
+
+    /// `drop` or `pad`.
+    fn from_str(s: &str) -> Result<Tail, String> {
+        match s.to_ascii_lowercase().as_str() {
+            "drop" => Ok(Tail::Drop),
+            "pad" => Ok(Tail::Pad),
+            other => Err(format!("tail {other:?}: expected drop or pad")),
+        }
+    }
+}
+
 /// Everything that fixes a stream's order. Producers and consumers of one stream must agree on
 /// it; the daemon refuses an open whose spec differs from the stream's.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]

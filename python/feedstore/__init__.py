@@ -1,0 +1,63 @@
+"""feedstore for Python: samples read in place from the node's shared-memory store.
+
+A trainer rank opens its share of a stream and iterates samples whose arrays are read-only numpy
+views of the store's memory (no copy, no pickling)::
+
+    import feedstore
+
+    with feedstore.Stream("sft", records=10_000, rank=0, world=8, epochs=3) as stream:
+        for sample in stream:
+            pixels = sample.images[0]          # read-only numpy array in shared memory
+            ids = sample.tokens                # uint32, in place
+            image = torch.from_dlpack(sample.image(0))   # same memory as a torch tensor
+            checkpoint["data"] = stream.state()          # exact resume
+
+Python code can publish samples too (``Writer``), and ``feedstore.torch`` plugs streams into a
+PyTorch ``DataLoader``. Every error is a ``feedstore.FeedstoreError``.
+"""
+
+from feedstore._native import (
+    Client,
+    ConnectError,
+    Disconnected,
+    FeedstoreError,
+    Full,
+    InvalidArgument,
+    InvalidSample,
+    NotFound,
+    PermissionDenied,
+    Sample,
+    SampleFailed,
+    Stream,
+    StreamMismatch,
+    Task,
+    Tensor,
+    Timeout,
+    WindowFull,
+    Writer,
+    __version__,
+    state_at,
+)
+
+__all__ = [
+    "Client",
+    "ConnectError",
+    "Disconnected",
+    "FeedstoreError",
+    "Full",
+    "InvalidArgument",
+    "InvalidSample",
+    "NotFound",
+    "PermissionDenied",
+    "Sample",
+    "SampleFailed",
+    "Stream",
+    "StreamMismatch",
+    "Task",
+    "Tensor",
+    "Timeout",
+    "WindowFull",
+    "Writer",
+    "__version__",
+    "state_at",
+]

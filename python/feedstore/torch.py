@@ -1,0 +1,238 @@
+"""feedstore as a PyTorch data source.
+
+``StreamDataset`` is an ``IterableDataset`` over this rank's share of a feedstore stream. Its
+samples are torch tensors over the store's shared memory (``torch.from_dlpack``; no copy):
+
+    from feedstore.torch import StreamDataset, collate
+
+    dataset = StreamDataset("sft", records=n, epochs=3)      # rank/world from torch.distributed
+    loader = dataset.loader(batch_size=8)                     # a DataLoader that tracks state
+    for batch in loader:
+        model(batch["pixel_values"], batch["input_ids"])
+        checkpoint["data"] = dataset.state_dict()             # exact resume
+    ...
+    dataset.load_state_dict(checkpoint["data"])               # continues with the next sample
+
+Producers run in their own processes, so ``num_workers=0`` is the natural setting: a worker
+process would only add a copy (tensors crossing from a worker are moved into torch's own shared
+memory). With ``num_workers=W`` each worker reads its own sub-share: the stream has
+``world * W`` ranks (``stream_world``), worker ``w`` of rank ``r`` reading rank ``r * W + w``,
+and producers must feed that many ranks.
+
+Tensors from the store are read-only memory: do not write to them in place (the mapping is
+``PROT_READ``; DLPack before 1.0 cannot mark a tensor read-only, so torch would not stop you).
+Copy first (``t.clone()``) to modify.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Callable, Dict, Iterator, List, Optional
+
+import torch
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+
+import feedstore
+
+__all__ = ["StreamDataset", "collate", "to_torch", "rank_and_world"]
+
+
+def rank_and_world() -> tuple[int, int]:
+    """This process's data-parallel rank and world size: from ``torch.distributed`` when it is
+    initialised, else from ``RANK`` / ``WORLD_SIZE``, else (0, 1)."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank(), torch.distributed.get_world_size()
+    return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def to_torch(sample: feedstore.Sample) -> Dict[str, Any]:
+    """A sample as a dict of torch tensors over shared memory (no copy):
+
+    ``pixel_values``: list of image tensors; ``input_ids`` and ``labels``: int32;
+    ``image_grid_thw``: int64 (n_images, 3); plus ``id``, ``seq`` and ``record``.
+    """
+    images = [torch.from_dlpack(sample.image(i)) for i in range(sample.image_count)]
+    return {
+        "pixel_values": images,
+        "input_ids": torch.from_dlpack(sample.tokens_tensor()),
+        "labels": torch.from_dlpack(sample.labels_tensor()),
+        "image_grid_thw": torch.tensor(sample.image_grid_thw, dtype=torch.int64).reshape(-1, 3),
+        "id": sample.id,
+        "seq": sample.seq,
+        "record": sample.record,
+    }
+
+
+def collate(items: List[Dict[str, Any]], pad_id: int = 0) -> Dict[str, Any]:
+    """Batches ``to_torch`` dicts. Images are stacked into one tensor when every sample has one
+    image of one shape (a copy, as any stacking is), else kept as a flat list of zero-copy
+    tensors in sample order; token ids are padded with ``pad_id`` (labels with -100) and an
+    ``attention_mask`` is added; ``seq`` / ``rank`` say where each sample stood in its stream."""
+    images = [img for item in items for img in item["pixel_values"]]
+    one_each = all(len(item["pixel_values"]) == 1 for item in items)
+    if images and one_each and all(img.shape == images[0].shape for img in images):
+        pixel_values: Any = torch.stack(images)
+    else:
+        pixel_values = images
+    longest = max((len(item["input_ids"]) for item in items), default=0)
+    input_ids = torch.full((len(items), longest), pad_id, dtype=torch.int64)
+    labels = torch.full((len(items), longest), -100, dtype=torch.int64)
+    attention_mask = torch.zeros((len(items), longest), dtype=torch.int64)
+    for i, item in enumerate(items):
+        n = len(item["input_ids"])
+        input_ids[i, :n] = item["input_ids"]
+        labels[i, :n] = item["labels"]
+        attention_mask[i, :n] = 1
+    return {
+        "pixel_values": pixel_values,
+        "input_ids": input_ids,
+        "labels": labels,
+        "attention_mask": attention_mask,
+        "image_grid_thw": torch.cat([item["image_grid_thw"] for item in items]),
+        "id": [item["id"] for item in items],
+        "seq": torch.tensor([item["seq"] for item in items], dtype=torch.int64),
+        "rank": torch.tensor([item["rank"] for item in items], dtype=torch.int64),
+    }
+
+
+class StreamDataset(IterableDataset):
+    """This rank's share of a feedstore stream, as an ``IterableDataset``.
+
+    The spec arguments (``name``, ``records``, ``seed``, ``shuffle``, ``tail``, ``epochs``) must
+    match the producers'. ``rank`` / ``world`` default to ``rank_and_world()``; ``num_workers``
+    is the DataLoader's (the stream then has ``world * max(1, num_workers)`` ranks).
+    ``transform`` maps each ``to_torch`` dict before it is yielded.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        records: int,
+        *,
+        rank: Optional[int] = None,
+        world: Optional[int] = None,
+        num_workers: int = 0,
+        seed: int = 0,
+        shuffle: str = "full",
+        tail: str = "drop",
+        epochs: Optional[int] = 1,
+        socket: Optional[str] = None,
+        depth: int = 64,
+        wait: float = 300.0,
+        transform: Optional[Callable[[Dict[str, Any]], Any]] = None,
+    ) -> None:
+        super().__init__()
+        default_rank, default_world = rank_and_world()
+        self.rank = default_rank if rank is None else rank
+        self.world = default_world if world is None else world
+        self.num_workers = num_workers
+        self.spec = dict(seed=seed, shuffle=shuffle, tail=tail, epochs=epochs)
+        self.name, self.records = name, records
+        self.socket, self.depth, self.wait = socket, depth, wait
+        self.transform = transform
+        # Per stream rank: samples consumed (the next sequence number), as the trainer saw them.
+        self._consumed: Dict[int, int] = {}
+
+    @property
+    def workers(self) -> int:
+        return max(1, self.num_workers)
+
+    @property
+    def stream_world(self) -> int:
+        """Ranks of the underlying stream: what producers must feed (``--world``)."""
+        return self.world * self.workers
+
+    def stream_ranks(self) -> List[int]:
+        """The stream ranks this trainer rank reads (one per DataLoader worker)."""
+        return [self.rank * self.workers + w for w in range(self.workers)]
+
+    def _stream_rank(self) -> int:
+        info = get_worker_info()
+        if info is None:
+            if self.num_workers:
+                raise feedstore.InvalidArgument(
+                    f"dataset made for num_workers={self.num_workers} iterated without workers"
+                )
+            return self.rank
+        if info.num_workers != self.workers:
+            raise feedstore.InvalidArgument(
+                f"DataLoader has {info.num_workers} workers, the dataset was made for "
+                f"num_workers={self.num_workers}"
+            )
+        return self.rank * self.workers + info.id
+
+    def _state(self, stream_rank: int) -> Optional[str]:
+        seq = self._consumed.get(stream_rank)
+        if seq is None:
+            return None
+        return feedstore.state_at(
+            self.name, self.records, stream_rank, seq, self.stream_world, **self.spec
+        )
+
+    def open(self, stream_rank: int) -> feedstore.Stream:
+        """Opens one stream rank where this dataset's state says it stands."""
+        return feedstore.Stream(
+            self.name,
+            self.records,
+            stream_rank,
+            self.stream_world,
+            state=self._state(stream_rank),
+            socket=self.socket,
+            depth=self.depth,
+            wait=self.wait,
+            **self.spec,
+        )
+
+    def __iter__(self) -> Iterator[Any]:
+        stream_rank = self._stream_rank()
+        with self.open(stream_rank) as stream:
+            for sample in stream:
+                item = to_torch(sample)
+                item["rank"] = stream_rank
+                del sample  # the tensors keep it leased for as long as they live
+                self._consumed[stream_rank] = item["seq"] + 1
+                yield self.transform(item) if self.transform else item
+
+    def observe(self, batch: Dict[str, Any]) -> None:
+        """Records that the trainer consumed ``batch`` (a ``collate`` result): needed with
+        worker processes, whose iteration the dataset in this process cannot see.
+        ``loader()`` calls it for you."""
+        for rank, seq in zip(batch["rank"].tolist(), batch["seq"].tolist()):
+            self._consumed[rank] = max(self._consumed.get(rank, 0), seq + 1)
+
+    def state_dict(self) -> Dict[str, Any]:
+        """Where each stream rank stands: the samples consumed so far."""
+        return {
+            "name": self.name,
+            "stream_world": self.stream_world,
+            "consumed": dict(self._consumed),
+        }
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Resumes from ``state_dict()``: the next iteration continues with exactly the next
+        sample of every stream rank."""
+        if state["name"] != self.name or state["stream_world"] != self.stream_world:
+            raise feedstore.StreamMismatch(
+                f"state of stream {state['name']!r} with {state['stream_world']} ranks, "
+                f"not {self.name!r} with {self.stream_world}"
+            )
+        self._consumed = {int(k): int(v) for k, v in state["consumed"].items()}
+
+    def loader(self, batch_size: int, **kwargs: Any) -> "_TrackingLoader":
+        """A ``DataLoader`` over this dataset with ``collate`` and ``num_workers`` set, which
+        records each batch it hands out (so ``state_dict()`` is exact with workers too)."""
+        kwargs.setdefault("collate_fn", collate)
+        loader = DataLoader(self, batch_size=batch_size, num_workers=self.num_workers, **kwargs)
+        return _TrackingLoader(self, loader)
+
+
+class _TrackingLoader:
+    """Iterates a DataLoader and records every batch as consumed by the trainer."""
+
+    def __init__(self, dataset: StreamDataset, loader: DataLoader) -> None:
+        self.dataset, self.loader = dataset, loader
+
+    def __iter__(self) -> Iterator[Dict[str, Any]]:
+        for batch in self.loader:
+            self.dataset.observe(batch)
+            yield batch

@@ -1,0 +1,194 @@
+//! The one place Rust errors become Python exceptions.
+//!
+//! Every exception derives from `feedstore.FeedstoreError`; each also derives from the builtin a
+//! Python caller would reach for first (`TimeoutError`, `ConnectionError`, `KeyError`,
+//! `ValueError`, `MemoryError`, `PermissionError`), so generic handlers keep working.
+
+use feedstore_consumer::Error;
+use feedstore_proto::sample::SampleError;
+use pyo3::exceptions::{
+    PyConnectionError, PyException, PyKeyError, PyMemoryError, PyPermissionError, PyTimeoutError,
+    PyValueError,
+};
+use pyo3::prelude::*;
+use pyo3::types::PyTuple;
+
+pyo3::create_exception!(
+    feedstore,
+    FeedstoreError,
+    PyException,
+    "Base class of every feedstore error."
+);
+
+/// Defines `feedstore.<name>(FeedstoreError, <builtin>)`, created once per interpreter.
+macro_rules! exception {
+    ($name:ident, $builtin:ty, $doc:literal) => {
+        #[doc = $doc]
+        pub struct $name;
+
+        impl $name {
+            pub fn type_object(py: Python<'_>) -> &Bound<'_, pyo3::types::PyType> {
+                static TYPE: pyo3::sync::PyOnceLock<Py<pyo3::types::PyType>> =
+                    pyo3::sync::PyOnceLock::new();
+                TYPE.get_or_init(py, || {
+                    derived(py, stringify!($name), $doc, &py.get_type::<$builtin>())
+                })
+                .bind(py)
+            }
+
+            pub fn new_err(message: impl Into<String>) -> PyErr {
+                let message = message.into();
+                Python::attach(|py| {
+                    PyErr::from_value(
+                        Self::type_object(py)
+                            .call1((message,))
+                            .expect("constructing a feedstore exception"),
+                    )
+                })
+            }
+        }
+    };
+}
+
+/// A new exception class deriving from `FeedstoreError` and `builtin`.
+fn derived(
+    py: Python<'_>,
+    name: &str,
+    doc: &str,
+    builtin: &Bound<'_, pyo3::types::PyType>,
+) -> Py<pyo3::types::PyType> {
+    let bases = PyTuple::new(py, [py.get_type::<FeedstoreError>(), builtin.clone()])
+        .expect("a tuple of two types");
+    let namespace = pyo3::types::PyDict::new(py);
+    namespace
+        .set_item("__doc__", doc)
+        .and_then(|()| namespace.set_item("__module__", "feedstore"))
+        .expect("setting class attributes");
+    py.get_type::<pyo3::types::PyType>()
+        .call1((name, bases, namespace))
+        .and_then(|t| Ok(t.cast_into::<pyo3::types::PyType>()?.unbind()))
+        .expect("creating an exception class")
+}
+
+exception!(
+    ConnectError,
+    PyConnectionError,
+    "No feedstored answers on the socket (is the daemon running?)."
+);
+exception!(
+    Disconnected,
+    PyConnectionError,
+    "The daemon went away; reconnect (handles from before a restart are stale)."
+);
+exception!(
+    NotFound,
+    PyKeyError,
+    "No live object has this handle (deleted, evicted, stale or another node's)."
+);
+exception!(
+    Full,
+    PyMemoryError,
+    "The store has no room for the object within the timeout, or it can never fit."
+);
+exception!(
+    Timeout,
+    PyTimeoutError,
+    "Nothing arrived within the wait (are producers running?)."
+);
+exception!(
+    StreamMismatch,
+    PyValueError,
+    "The stream exists with another spec, or the saved state is another stream's or rank's."
+);
+exception!(
+    SampleFailed,
+    PyValueError,
+    "No good record could stand in for this position; the stream goes on with the next."
+);
+exception!(
+    WindowFull,
+    PyMemoryError,
+    "This rank holds its whole prefetch depth: drop some samples to read on."
+);
+exception!(
+    InvalidSample,
+    PyValueError,
+    "An object is not a valid feedstore sample."
+);
+exception!(
+    PermissionDenied,
+    PyPermissionError,
+    "This connection may not do that."
+);
+exception!(
+    InvalidArgument,
+    PyValueError,
+    "An argument is out of range or malformed."
+);
+
+/// Adds the exception classes to the module.
+pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    let py = m.py();
+    m.add("FeedstoreError", py.get_type::<FeedstoreError>())?;
+    m.add("ConnectError", ConnectError::type_object(py))?;
+    m.add("Disconnected", Disconnected::type_object(py))?;
+    m.add("NotFound", NotFound::type_object(py))?;
+    m.add("Full", Full::type_object(py))?;
+    m.add("Timeout", Timeout::type_object(py))?;
+    m.add("StreamMismatch", StreamMismatch::type_object(py))?;
+    m.add("SampleFailed", SampleFailed::type_object(py))?;
+    m.add("WindowFull", WindowFull::type_object(py))?;
+    m.add("InvalidSample", InvalidSample::type_object(py))?;
+    m.add("PermissionDenied", PermissionDenied::type_object(py))?;
+    m.add("InvalidArgument", InvalidArgument::type_object(py))?;
+    Ok(())
+}
+
+/// The full message: the error and its causes.
+fn message(e: &dyn std::error::Error) -> String {
+    let mut text = e.to_string();
+    let mut source = e.source();
+    while let Some(cause) = source {
+        text.push_str(": ");
+        text.push_str(&cause.to_string());
+        source = cause.source();
+    }
+    text
+}
+
+/// A client error as the matching Python exception.
+pub fn to_py(e: Error) -> PyErr {
+    let text = message(&e);
+    match e {
+        Error::Connect { .. } => ConnectError::new_err(text),
+        Error::Disconnected { .. } | Error::ShuttingDown => Disconnected::new_err(text),
+        Error::NotFound { .. } | Error::Stale { .. } | Error::WrongNode { .. } => {
+            NotFound::new_err(text)
+        }
+        Error::Full { .. } | Error::TooLarge { .. } => Full::new_err(text),
+        Error::Timeout(_) => Timeout::new_err(text),
+        Error::StreamMismatch(_) => StreamMismatch::new_err(text),
+        Error::SampleFailed { .. } => SampleFailed::new_err(text),
+        Error::WindowFull { .. } => WindowFull::new_err(text),
+        Error::PermissionDenied { .. } => PermissionDenied::new_err(text),
+        Error::InvalidArgument(_) => InvalidArgument::new_err(text),
+        _ => FeedstoreError::new_err(text),
+    }
+}
+
+/// A sample that fails validation.
+pub fn invalid_sample(e: &SampleError) -> PyErr {
+    InvalidSample::new_err(format!("not a valid sample: {}", message(e)))
+}
+
+/// Extension for `?` on client results.
+pub trait IntoPy<T> {
+    /// The result with its error as a Python exception.
+    fn py_err(self) -> PyResult<T>;
+}
+
+impl<T> IntoPy<T> for Result<T, Error> {
+    fn py_err(self) -> PyResult<T> {
+        self.map_err(to_py)
+    }
+}

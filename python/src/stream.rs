@@ -1,0 +1,568 @@
+//! Streams from Python: a rank reading its share ([`Stream`]) and Python code publishing
+//! samples into a stream ([`Writer`]).
+
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use feedstore_consumer::stream::{Delivery, Made, StreamFeeder, StreamOptions};
+use feedstore_consumer::{Client, ConnectOptions, Error, ObjectWriter, Role, StreamTask};
+use feedstore_proto::sample::{DType, KeyValue, SampleInfo, SamplePlan, TensorLayout};
+use feedstore_proto::stream::{StreamSpec, StreamState};
+use numpy::{PyUntypedArray, PyUntypedArrayMethods};
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyDict};
+
+use crate::errors::{Disconnected, FeedstoreError, IntoPy, InvalidArgument, Timeout, to_py};
+use crate::sample::{Sample, stack_images};
+
+/// How long one wait lasts before Python gets to check for Ctrl-C.
+const WAIT_SLICE: Duration = Duration::from_millis(100);
+
+/// The spec from keyword arguments, the same for `Stream` and `Writer`.
+#[allow(clippy::too_many_arguments)]
+fn spec(
+    name: &str,
+    records: u64,
+    world: u32,
+    seed: u64,
+    shuffle: &str,
+    tail: &str,
+    epochs: Option<u64>,
+) -> PyResult<StreamSpec> {
+    Ok(StreamSpec {
+        name: name.to_owned(),
+        records,
+        seed,
+        world,
+        shuffle: shuffle.parse().map_err(InvalidArgument::new_err)?,
+        tail: tail.parse().map_err(InvalidArgument::new_err)?,
+        epochs,
+    })
+}
+
+fn socket_path(socket: Option<String>) -> std::path::PathBuf {
+    socket.map_or_else(feedstore_proto::default_socket_path, Into::into)
+}
+
+/// One data-parallel rank's share of a stream, in order, with prefetch. Iterate it for
+/// `Sample`s; save `state()` with a checkpoint and pass it back as `state=` to continue with
+/// exactly the next sample.
+///
+/// Waits release the GIL and wake for Ctrl-C every 100 ms.
+#[pyclass(module = "feedstore", frozen)]
+pub struct Stream {
+    inner: Mutex<Option<feedstore_consumer::Stream>>,
+    wait: Duration,
+    name: String,
+    rank: u32,
+}
+
+impl Stream {
+    fn with<T>(
+        &self,
+        f: impl FnOnce(&mut feedstore_consumer::Stream) -> Result<T, Error>,
+    ) -> PyResult<T> {
+        let mut guard = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        let stream = guard
+            .as_mut()
+            .ok_or_else(|| FeedstoreError::new_err(format!("stream {:?} is closed", self.name)))?;
+        f(stream).py_err()
+    }
+
+    /// The next sample, waiting in slices so that signals get through.
+    fn next_sample(&self, py: Python<'_>) -> PyResult<Option<Sample>> {
+        let deadline = Instant::now() + self.wait;
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            let slice = left.min(WAIT_SLICE).max(Duration::from_millis(1));
+            let got = py.detach(|| {
+                let mut guard = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+                guard.as_mut().map(|stream| {
+                    stream
+                        .next_sample_within(slice)
+                        .map(|s| s.map(Sample::from_stream))
+                })
+            });
+            match got {
+                None => {
+                    return Err(FeedstoreError::new_err(format!(
+                        "stream {:?} is closed",
+                        self.name
+                    )));
+                }
+                Some(Ok(sample)) => return Ok(sample),
+                Some(Err(Error::Timeout(_))) if !left.is_zero() => py.check_signals()?,
+                Some(Err(Error::Timeout(_))) => {
+                    return Err(Timeout::new_err(format!(
+                        "no sample for rank {} of stream {:?} within {:?}: are producers running?",
+                        self.rank, self.name, self.wait
+                    )));
+                }
+                Some(Err(e)) => return Err(to_py(e)),
+            }
+        }
+    }
+}
+
+#[pymethods]
+impl Stream {
+    /// Opens `rank`'s share of the stream `name` over `records` manifest records on the daemon
+    /// at `socket` (default: `$FEEDSTORE_SOCKET` or `/tmp/feedstore-<uid>.sock`). Producers and
+    /// every rank must pass the same spec: `world`, `seed`, `shuffle` ("full", "none",
+    /// "block:N"), `tail` ("drop", "pad") and `epochs` (None: until closed). `state` is a
+    /// string from `state()`; `depth` the prefetch depth if the stream is new; `wait` the
+    /// seconds `next()` waits before raising `feedstore.Timeout`.
+    #[new]
+    #[pyo3(signature = (name, records, rank=0, world=1, *, seed=0, shuffle="full", tail="drop",
+        epochs=Some(1), state=None, socket=None, depth=64, wait=300.0))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        py: Python<'_>,
+        name: &str,
+        records: u64,
+        rank: u32,
+        world: u32,
+        seed: u64,
+        shuffle: &str,
+        tail: &str,
+        epochs: Option<u64>,
+        state: Option<&str>,
+        socket: Option<String>,
+        depth: u32,
+        wait: f64,
+    ) -> PyResult<Stream> {
+        let spec = spec(name, records, world, seed, shuffle, tail, epochs)?;
+        let from = state
+            .map(|s| {
+                StreamState::from_text(s)
+                    .ok_or_else(|| InvalidArgument::new_err(format!("{s:?} is not a stream state")))
+            })
+            .transpose()?;
+        let wait = Duration::try_from_secs_f64(wait).map_err(|_| {
+            InvalidArgument::new_err("wait must be a non-negative number of seconds")
+        })?;
+        let options = StreamOptions {
+            depth,
+            wait,
+            ..StreamOptions::default()
+        };
+        let socket = socket_path(socket);
+        let stream = py
+            .detach(|| feedstore_consumer::Stream::open(socket, &spec, rank, from, options))
+            .py_err()?;
+        Ok(Stream {
+            inner: Mutex::new(Some(stream)),
+            wait,
+            name: name.to_owned(),
+            rank,
+        })
+    }
+
+    fn __iter__(slf: PyRef<'_, Self>) -> PyRef<'_, Self> {
+        slf
+    }
+
+    fn __next__(&self, py: Python<'_>) -> PyResult<Option<Sample>> {
+        self.next_sample(py)
+    }
+
+    /// Up to `n` samples (fewer only at the end). With `out`, a writable C-contiguous array of
+    /// shape `(n, *image_shape)`, image `image` of each sample is also copied into `out[i]`
+    /// (without the GIL), for a model that wants one stacked batch tensor.
+    #[pyo3(signature = (n, out=None, image=0))]
+    fn next_batch(
+        &self,
+        py: Python<'_>,
+        n: usize,
+        out: Option<Bound<'_, PyAny>>,
+        image: usize,
+    ) -> PyResult<Vec<Py<Sample>>> {
+        let mut batch = Vec::with_capacity(n);
+        while batch.len() < n {
+            match self.next_sample(py)? {
+                Some(sample) => batch.push(Py::new(py, sample)?),
+                None => break,
+            }
+        }
+        if let Some(out) = out {
+            let out = if batch.len() < n {
+                out.get_item(pyo3::types::PySlice::new(py, 0, batch.len() as isize, 1))?
+            } else {
+                out
+            };
+            stack_images(py, &batch, image, &out)?;
+        }
+        Ok(batch)
+    }
+
+    /// Where the stream stands, as text: save it with a checkpoint.
+    fn state(&self) -> PyResult<String> {
+        self.with(|s| Ok(s.state().to_text()))
+    }
+
+    /// Seconds from opening the stream to its first sample (None before it).
+    #[getter]
+    fn time_to_first_sample(&self) -> PyResult<Option<f64>> {
+        self.with(|s| Ok(s.time_to_first_sample().map(|d| d.as_secs_f64())))
+    }
+
+    /// The stream's name.
+    #[getter]
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// This consumer's rank.
+    #[getter]
+    fn rank(&self) -> u32 {
+        self.rank
+    }
+
+    /// Tells the daemon now which samples were dropped (otherwise done in batches).
+    fn flush(&self) -> PyResult<()> {
+        self.with(|s| {
+            s.flush_returns();
+            Ok(())
+        })
+    }
+
+    /// Detaches the rank (samples already handed out stay valid).
+    fn close(&self) {
+        drop(self.inner.lock().unwrap_or_else(|e| e.into_inner()).take());
+    }
+
+    fn __enter__(slf: PyRef<'_, Self>) -> PyRef<'_, Self> {
+        slf
+    }
+
+    fn __exit__(
+        &self,
+        _t: Option<Bound<'_, PyAny>>,
+        _v: Option<Bound<'_, PyAny>>,
+        _tb: Option<Bound<'_, PyAny>>,
+    ) {
+        self.close();
+    }
+}
+
+/// The state text (as `Stream.state()` gives) of `rank` standing before its `seq`-th sample of
+/// the stream with this spec: what a checkpoint saves for a rank that has consumed `seq`
+/// samples, when the consumer that read them is in another process.
+#[pyfunction]
+#[pyo3(signature = (name, records, rank, seq, world=1, *, seed=0, shuffle="full", tail="drop",
+    epochs=Some(1)))]
+#[allow(clippy::too_many_arguments)]
+pub fn state_at(
+    name: &str,
+    records: u64,
+    rank: u32,
+    seq: u64,
+    world: u32,
+    seed: u64,
+    shuffle: &str,
+    tail: &str,
+    epochs: Option<u64>,
+) -> PyResult<String> {
+    let spec = spec(name, records, world, seed, shuffle, tail, epochs)?;
+    spec.check(rank)
+        .map_err(|e| InvalidArgument::new_err(e.to_string()))?;
+    Ok(StreamState::at(&spec, rank, seq).to_text())
+}
+
+/// A sample a stream wants: rank `rank`'s `seq`-th sample, made from manifest record `record`.
+#[pyclass(module = "feedstore", frozen, eq, hash)]
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct Task {
+    /// The rank.
+    #[pyo3(get)]
+    rank: u32,
+    /// Its sequence number.
+    #[pyo3(get)]
+    seq: u64,
+    /// The record to make it from.
+    #[pyo3(get)]
+    record: u64,
+}
+
+#[pymethods]
+impl Task {
+    fn __repr__(&self) -> String {
+        format!(
+            "Task(rank={}, seq={}, record={})",
+            self.rank, self.seq, self.record
+        )
+    }
+}
+
+/// Publishes samples into a stream from Python (existing preprocessing, Ray actors): take
+/// tasks, make each task's record, put it. Every sample is written once, straight into shared
+/// memory, and readers get it by handle.
+#[pyclass(module = "feedstore", frozen)]
+pub struct Writer {
+    client: Client,
+    feeder: StreamFeeder,
+}
+
+/// An array's bytes, dtype and shape (C-contiguous arrays only: they are copied as they lie).
+fn array_parts<'a>(array: &'a Bound<'_, PyAny>) -> PyResult<(DType, Vec<u32>, &'a [u8])> {
+    let array = array.cast::<PyUntypedArray>().map_err(|_| {
+        InvalidArgument::new_err("images must be numpy arrays (uint8, float16 or float32)")
+    })?;
+    if !array.is_c_contiguous() {
+        return Err(InvalidArgument::new_err(
+            "image arrays must be C-contiguous (use numpy.ascontiguousarray)",
+        ));
+    }
+    let name: String = array.dtype().str()?.to_string();
+    let dtype = match name.as_str() {
+        "uint8" => DType::U8,
+        "float16" => DType::F16,
+        "float32" => DType::F32,
+        other => {
+            return Err(InvalidArgument::new_err(format!(
+                "image dtype {other} is not uint8, float16 or float32"
+            )));
+        }
+    };
+    let shape = array
+        .shape()
+        .iter()
+        .map(|&d| u32::try_from(d).map_err(|_| InvalidArgument::new_err("dimension too large")))
+        .collect::<PyResult<Vec<u32>>>()?;
+    let len = array.len() * dtype.size_bytes() as usize;
+    // SAFETY: a live, C-contiguous array of `len` bytes; the borrow lives as long as `array`,
+    // and the caller holds the GIL for the copy (no Python code runs meanwhile).
+    let data = unsafe { (*array.as_array_ptr()).fields.data };
+    // SAFETY: as above: `len` readable bytes at `data`.
+    let bytes = unsafe { std::slice::from_raw_parts(data as *const u8, len) };
+    Ok((dtype, shape, bytes))
+}
+
+/// Writes a sample dict (`images`, `tokens`, `labels`, `id`, `metadata`, `image_grid_thw`,
+/// `layout`) or a single image array as a sample into a fresh reservation.
+fn write_sample(client: &Client, item: &Bound<'_, PyAny>) -> PyResult<ObjectWriter> {
+    let dict = item.cast::<PyDict>().ok();
+    let get = |key: &str| -> PyResult<Option<Bound<'_, PyAny>>> {
+        match &dict {
+            Some(d) => d.get_item(key),
+            None => Ok(None),
+        }
+    };
+    let images: Vec<Bound<'_, PyAny>> = match &dict {
+        Some(_) => match get("images")? {
+            Some(list) => list.extract()?,
+            None => Vec::new(),
+        },
+        None => vec![item.clone()],
+    };
+    let layout = match get("layout")?
+        .map(|l| l.extract::<String>())
+        .transpose()?
+        .as_deref()
+    {
+        None | Some("hwc") => TensorLayout::Hwc,
+        Some("chw") => TensorLayout::Chw,
+        Some(other) => {
+            return Err(InvalidArgument::new_err(format!(
+                "layout {other:?}: expected \"hwc\" or \"chw\""
+            )));
+        }
+    };
+    let tokens: Vec<u32> = get("tokens")?
+        .map(|t| t.extract())
+        .transpose()?
+        .unwrap_or_default();
+    let labels: Vec<i32> = match get("labels")? {
+        Some(l) => l.extract()?,
+        None => vec![feedstore_proto::sample::IGNORE_INDEX; tokens.len()],
+    };
+    if labels.len() != tokens.len() {
+        return Err(InvalidArgument::new_err(format!(
+            "{} labels for {} tokens",
+            labels.len(),
+            tokens.len()
+        )));
+    }
+    let metadata: Vec<(String, String)> = match get("metadata")? {
+        Some(m) => m
+            .cast::<PyDict>()
+            .map_err(|_| InvalidArgument::new_err("metadata must be a dict of str to str"))?
+            .items()
+            .extract()?,
+        None => Vec::new(),
+    };
+    let info = SampleInfo {
+        id: get("id")?
+            .map(|i| i.extract())
+            .transpose()?
+            .unwrap_or_default(),
+        source_keys: get("source_keys")?
+            .map(|k| k.extract())
+            .transpose()?
+            .unwrap_or_default(),
+        image_grid_thw: get("image_grid_thw")?
+            .map(|g| g.extract())
+            .transpose()?
+            .unwrap_or_default(),
+        metadata: metadata
+            .into_iter()
+            .map(|(key, value)| KeyValue { key, value })
+            .collect(),
+    };
+    let parts = images
+        .iter()
+        .map(array_parts)
+        .collect::<PyResult<Vec<_>>>()?;
+    let mut plan = SamplePlan::new();
+    for (dtype, shape, _) in &parts {
+        plan.add_image(*dtype, layout, shape);
+    }
+    plan.set_token_count(tokens.len());
+    let mut object = client.create(plan.object_bytes(&info)).py_err()?;
+    let regions = plan
+        .regions(object.as_mut_slice())
+        .map_err(|e| crate::errors::invalid_sample(&e))?;
+    for ((_, _, bytes), region) in parts.iter().zip(regions.images) {
+        region.copy_from_slice(bytes);
+    }
+    regions.tokens.copy_from_slice(&tokens);
+    regions.labels.copy_from_slice(&labels);
+    plan.finish(object.as_mut_slice(), &info)
+        .map_err(|e| crate::errors::invalid_sample(&e))?;
+    Ok(object)
+}
+
+/// Writes raw bytes into a fresh reservation.
+pub fn write_bytes(client: &Client, bytes: &[u8]) -> PyResult<ObjectWriter> {
+    if bytes.is_empty() {
+        return Err(InvalidArgument::new_err(
+            "an object needs at least one byte",
+        ));
+    }
+    let mut object = client.create(bytes.len() as u64).py_err()?;
+    object.as_mut_slice().copy_from_slice(bytes);
+    Ok(object)
+}
+
+/// An object for `item`: bytes as they are; a dict or an array as a sample.
+pub fn write_item(client: &Client, item: &Bound<'_, PyAny>) -> PyResult<ObjectWriter> {
+    match item.cast::<PyBytes>() {
+        Ok(bytes) => write_bytes(client, bytes.as_bytes()),
+        Err(_) => write_sample(client, item),
+    }
+}
+
+#[pymethods]
+impl Writer {
+    /// Joins the stream as a producer for `ranks` (default: all), creating it if new. The spec
+    /// arguments must match the readers'. `start` maps ranks to the sequence number their
+    /// readers resume at (from their saved states), for ranks the daemon does not know yet.
+    #[new]
+    #[pyo3(signature = (name, records, world=1, *, seed=0, shuffle="full", tail="drop",
+        epochs=Some(1), ranks=None, start=None, socket=None, depth=64))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        py: Python<'_>,
+        name: &str,
+        records: u64,
+        world: u32,
+        seed: u64,
+        shuffle: &str,
+        tail: &str,
+        epochs: Option<u64>,
+        ranks: Option<Vec<u32>>,
+        start: Option<std::collections::HashMap<u32, u64>>,
+        socket: Option<String>,
+        depth: u32,
+    ) -> PyResult<Writer> {
+        let spec = spec(name, records, world, seed, shuffle, tail, epochs)?;
+        let ranks = ranks.unwrap_or_else(|| (0..world).collect());
+        let start = start.unwrap_or_default();
+        let tasks: Vec<StreamTask> = ranks
+            .iter()
+            .map(|&rank| {
+                spec.check(rank)
+                    .map_err(|e| InvalidArgument::new_err(e.to_string()))?;
+                Ok(StreamTask {
+                    rank,
+                    seq: start.get(&rank).copied().unwrap_or(0),
+                })
+            })
+            .collect::<PyResult<_>>()?;
+        let socket = socket_path(socket);
+        let (client, feeder) = py
+            .detach(|| {
+                let client = ConnectOptions::new(Role::Writer)
+                    .socket(socket)
+                    .name(format!("{name} python writer"))
+                    .connect()?;
+                let feeder = StreamFeeder::join(&client, &spec, depth, &tasks)?;
+                Ok::<_, Error>((client, feeder))
+            })
+            .py_err()?;
+        Ok(Writer { client, feeder })
+    }
+
+    /// Up to `max` tasks, waiting up to `wait` seconds while every reader's window is full
+    /// (an empty list then). None once the stream needs nothing more.
+    #[pyo3(signature = (max=16, wait=1.0))]
+    fn take(&self, py: Python<'_>, max: u32, wait: f64) -> PyResult<Option<Vec<Task>>> {
+        let wait = Duration::try_from_secs_f64(wait).map_err(|_| {
+            InvalidArgument::new_err("wait must be a non-negative number of seconds")
+        })?;
+        let spec = self.feeder.spec();
+        let tasks = py.detach(|| self.feeder.take(max, wait)).py_err()?;
+        Ok(tasks.map(|tasks| {
+            tasks
+                .into_iter()
+                .map(|t| Task {
+                    rank: t.rank,
+                    seq: t.seq,
+                    record: spec.record_at(t.rank, t.seq),
+                })
+                .collect()
+        }))
+    }
+
+    /// Puts the sample for `task`: a dict (`images`: list of uint8/float16/float32 arrays,
+    /// `tokens`, `labels`, `id`, `metadata`, `image_grid_thw`, `layout`), a single image
+    /// array, or `bytes` (readers see those as `Sample.data`). Written once into shared
+    /// memory and published to the task's rank.
+    fn put(&self, py: Python<'_>, task: &Task, item: &Bound<'_, PyAny>) -> PyResult<()> {
+        let object = write_item(&self.client, item)?;
+        self.deliver(py, task, Made::Written(object))
+    }
+
+    /// Marks `task` as impossible (its record is bad): its reader gets `feedstore.SampleFailed`
+    /// at that position and goes on.
+    fn fail(&self, py: Python<'_>, task: &Task) -> PyResult<()> {
+        self.deliver(py, task, Made::Failed)
+    }
+
+    /// Closes the stream for everyone (readers see its end).
+    fn close(&self, py: Python<'_>) -> PyResult<()> {
+        py.detach(|| self.feeder.close()).py_err()
+    }
+}
+
+impl Writer {
+    fn deliver(&self, py: Python<'_>, task: &Task, made: Made) -> PyResult<()> {
+        let delivery = Delivery {
+            task: StreamTask {
+                rank: task.rank,
+                seq: task.seq,
+            },
+            record: task.record,
+            key: 0,
+            made,
+        };
+        let mut results = py.detach(|| self.feeder.put(vec![delivery])).py_err()?;
+        match results.pop() {
+            Some(Ok(())) => Ok(()),
+            Some(Err(e)) => Err(to_py(e)),
+            None => Err(Disconnected::new_err(
+                "the daemon answered a put with nothing",
+            )),
+        }
+    }
+}

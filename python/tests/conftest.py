@@ -1,0 +1,118 @@
+"""Fixtures: a real feedstored per test, real `feedstore produce` processes, real photos.
+
+The binaries come from $FEEDSTORE_BIN_DIR (set by tests/python.rs, which builds them), else
+from target/release or target/debug of this checkout.
+"""
+
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+DATA = pathlib.Path(os.environ.get("FEEDSTORE_DATA", REPO.parent / "shared" / "data"))
+PHOTOS = sorted((DATA / "photos").glob("*.*"))
+TOKENIZER = DATA / "tokenizers" / "qwen3" / "tokenizer.json"
+
+
+def binary(name: str) -> pathlib.Path:
+    dirs = [os.environ.get("FEEDSTORE_BIN_DIR")] if os.environ.get("FEEDSTORE_BIN_DIR") else []
+    dirs += [REPO / "target" / "release", REPO / "target" / "debug"]
+    for d in dirs:
+        path = pathlib.Path(d) / name
+        if path.exists():
+            return path
+    raise RuntimeError(f"{name} is not built: run `cargo build --release --bins`")
+
+
+class Daemon:
+    def __init__(self, socket: pathlib.Path, process: subprocess.Popen):
+        self.socket = str(socket)
+        self.process = process
+
+    def stats(self) -> dict:
+        import feedstore
+
+        return feedstore.Client(self.socket).stats()
+
+    def wait_for(self, what, predicate, timeout: float = 60.0) -> dict:
+        """Polls the daemon's stats until `predicate(stats)` holds (fails the test after
+        `timeout`: a bound on a hang, not a timing assertion)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            stats = self.stats()
+            if predicate(stats):
+                return stats
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{what}: stats stayed {stats}")
+            time.sleep(0.02)
+
+
+@pytest.fixture
+def daemon(tmp_path):
+    socket = tmp_path / "feedstore.sock"
+    process = subprocess.Popen(
+        [binary("feedstored"), "--socket", socket, "--capacity", "256MiB", "--prefault", "false"],
+        stderr=subprocess.PIPE,
+    )
+    deadline = time.monotonic() + 30
+    while not socket.exists():
+        if process.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"feedstored did not start: {process.stderr.read().decode()}")
+        time.sleep(0.01)
+    yield Daemon(socket, process)
+    process.send_signal(signal.SIGTERM)
+    process.wait(timeout=30)
+
+
+def manifest(path: pathlib.Path, records: int) -> pathlib.Path:
+    """`records` LLaVA-style records over the real photos (record i: photo i mod n), with
+    conversations whose text names the record, so each sample can be checked."""
+    with open(path, "w") as f:
+        for i in range(records):
+            photo = PHOTOS[i % len(PHOTOS)]
+            f.write(
+                json.dumps(
+                    {
+                        "id": f"rec-{i}",
+                        "image": str(photo),
+                        "conversations": [
+                            {"from": "human", "value": f"<image>\nWhat is in picture {i}?"},
+                            {"from": "gpt", "value": f"Picture {i} shows {photo.stem}."},
+                        ],
+                    }
+                )
+                + "\n"
+            )
+    return path
+
+
+def produce(daemon: Daemon, tmp_path, name: str, records: int, *args: str) -> subprocess.Popen:
+    """Starts `feedstore produce --stream name` over a fresh manifest (64x64 uint8 HWC images)."""
+    path = manifest(tmp_path / f"{name}.jsonl", records)
+    return subprocess.Popen(
+        [
+            binary("feedstore"), "produce", "--socket", daemon.socket,
+            "--manifest", path, "--tokenizer", TOKENIZER,
+            "--image-size", "64x64", "--dtype", "u8", "--layout", "hwc", "--workers", "1",
+            "--stream", name, *args,
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+
+
+def finish(producer: subprocess.Popen) -> None:
+    """Waits for a producer and fails the test if it failed."""
+    _, err = producer.communicate(timeout=300)
+    assert producer.returncode == 0, err.decode()
+
+
+@pytest.fixture
+def python() -> str:
+    return sys.executable

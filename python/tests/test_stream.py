@@ -1,0 +1,201 @@
+"""The Python client against a real daemon and real producers: zero copy, read-only arrays,
+lease lifetimes, the writer API, errors, batches into preallocated output, kill -9 and Ctrl-C."""
+
+import gc
+import json
+import signal
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+import feedstore
+from conftest import PHOTOS, finish, produce
+
+
+def mapping_of(address: int):
+    """(permissions, path) of the mapping of this process that holds `address`."""
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split(maxsplit=5)
+            lo, hi = (int(x, 16) for x in fields[0].split("-"))
+            if lo <= address < hi:
+                return fields[1], fields[5].strip() if len(fields) > 5 else ""
+    raise AssertionError(f"0x{address:x} is in no mapping")
+
+
+def test_samples_are_read_only_arrays_in_the_store_mapping(daemon, tmp_path):
+    producer = produce(daemon, tmp_path, "zero-copy", 6, "--shuffle", "none")
+    with feedstore.Stream("zero-copy", 6, shuffle="none", socket=daemon.socket, wait=120) as stream:
+        seen = []
+        for sample in stream:
+            image, tokens, labels = sample.images[0], sample.tokens, sample.labels
+            assert sample.id == f"rec-{sample.record}"
+            assert image.shape == (64, 64, 3) and image.dtype == np.uint8
+            assert tokens.dtype == np.uint32 and labels.dtype == np.int32
+            assert len(tokens) == len(labels) > 0
+            assert (labels == -100).any() and (labels != -100).any()
+            for array in (image, tokens, labels, sample.data):
+                perms, path = mapping_of(array.ctypes.data)
+                assert path.startswith("/memfd:feedstore:"), path
+                assert perms.startswith("r-"), perms  # mapped read-only
+                assert not array.flags.writeable
+                assert array.base is sample
+                with pytest.raises(ValueError, match="read-only"):
+                    array[...] = 0
+                with pytest.raises(ValueError):
+                    array.setflags(write=True)
+            seen.append(sample.record)
+        assert seen == list(range(6))  # shuffle "none": manifest order
+    finish(producer)
+
+
+def test_a_sample_is_leased_until_its_last_array_is_gone(daemon, tmp_path):
+    writer_client = feedstore.Client(daemon.socket, writer=True)
+    handle = writer_client.put(np.arange(4096, dtype=np.float32).reshape(64, 64))
+    reader = feedstore.Client(daemon.socket)
+    sample = reader.get(handle)
+    image = sample.images[0]
+    assert image.dtype == np.float32 and image[1, 2] == 66.0
+    assert daemon.stats()["leases"] == 1
+    del sample  # the array still holds the lease
+    gc.collect()
+    reader.flush()
+    assert daemon.stats()["leases"] == 1
+    assert image.sum() == sum(range(4096))
+    del image
+    reader.flush()
+    daemon.wait_for("the lease to come back", lambda s: s["leases"] == 0)
+
+
+def test_writer_publishes_dicts_arrays_and_bytes(daemon):
+    records = 3
+    writer = feedstore.Writer("written", records, shuffle="none", socket=daemon.socket)
+    pixels = np.random.default_rng(7).integers(0, 255, (2, 8, 8, 3), dtype=np.uint8)
+    made = {
+        0: {
+            "id": "dict",
+            "images": [pixels[0], pixels[1].astype(np.float16)],
+            "tokens": [5, 6, 7],
+            "labels": [-100, 6, 7],
+            "metadata": {"source": "python"},
+        },
+        1: pixels[0].astype(np.float32),
+        2: b"raw bytes",
+    }
+    tasks = []
+    while (taken := writer.take(max=8, wait=1.0)) is not None and len(tasks) < records:
+        for task in taken:
+            writer.put(task, made[task.record])
+            tasks.append(task)
+    assert sorted(t.seq for t in tasks) == [0, 1, 2]
+    with feedstore.Stream("written", records, shuffle="none", socket=daemon.socket, wait=30) as s:
+        first, second, third = list(s)
+    assert first.id == "dict" and first.metadata == {"source": "python"}
+    assert np.array_equal(first.images[0], pixels[0])
+    assert first.images[1].dtype == np.float16
+    assert np.array_equal(first.images[1], pixels[1].astype(np.float16))
+    assert first.tokens.tolist() == [5, 6, 7] and first.labels.tolist() == [-100, 6, 7]
+    assert second.images[0].dtype == np.float32 and np.array_equal(second.images[0], pixels[0])
+    assert not third.is_sample and third.data.tobytes() == b"raw bytes"
+    with pytest.raises(feedstore.InvalidSample):
+        third.tokens
+
+
+def test_next_batch_stacks_into_preallocated_output(daemon, tmp_path):
+    producer = produce(daemon, tmp_path, "batches", 10, "--shuffle", "none")
+    out = np.zeros((4, 64, 64, 3), dtype=np.uint8)
+    with feedstore.Stream("batches", 10, shuffle="none", socket=daemon.socket, wait=120) as s:
+        with pytest.raises(feedstore.InvalidArgument, match="this batch needs"):
+            s.next_batch(1, out=np.zeros((1, 3), dtype=np.uint8))  # the sample is still read
+        sizes = []
+        while batch := s.next_batch(4, out=out):
+            for i, sample in enumerate(batch):
+                assert np.array_equal(out[i], sample.images[0])
+                assert out[i].ctypes.data != sample.images[0].ctypes.data
+            sizes.append(len(batch))
+        assert sizes == [4, 4, 1]
+    finish(producer)
+
+
+def test_errors_are_feedstore_exceptions(daemon, tmp_path):
+    with pytest.raises(feedstore.ConnectError) as e:
+        feedstore.Client(str(tmp_path / "nobody.sock"))
+    assert isinstance(e.value, ConnectionError) and "is the daemon running" in str(e.value)
+    with pytest.raises(feedstore.InvalidArgument):
+        feedstore.Stream("bad", 10, rank=4, world=2, socket=daemon.socket)
+    with pytest.raises(feedstore.InvalidArgument):
+        feedstore.Stream("bad", 10, shuffle="sideways", socket=daemon.socket)
+    with feedstore.Stream("spec", 10, socket=daemon.socket):
+        with pytest.raises(feedstore.StreamMismatch):
+            feedstore.Stream("spec", 11, socket=daemon.socket)
+    with pytest.raises(feedstore.Timeout) as e:
+        next(feedstore.Stream("empty", 10, socket=daemon.socket, wait=0.3))
+    assert isinstance(e.value, TimeoutError) and "are producers running" in str(e.value)
+    with pytest.raises(feedstore.NotFound):
+        feedstore.Client(daemon.socket).get("1:1:7:7")
+    with pytest.raises(feedstore.FeedstoreError):
+        feedstore.Client(daemon.socket).get("not a handle")
+
+
+def test_killing_a_python_reader_releases_its_leases(daemon):
+    writer = feedstore.Client(daemon.socket, writer=True)
+    handles = [writer.put(np.full((256, 256, 3), i, dtype=np.uint8)) for i in range(5)]
+    reader = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            textwrap.dedent(
+                """
+                import sys, feedstore
+                client = feedstore.Client(sys.argv[1])
+                held = [client.get(h).images[0] for h in sys.stdin.readline().split()]
+                print(sum(int(a[0, 0, 0]) for a in held), flush=True)
+                sys.stdin.readline()  # hold them until killed
+                """
+            ),
+            daemon.socket,
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    reader.stdin.write(" ".join(handles) + "\n")
+    reader.stdin.flush()
+    assert reader.stdout.readline() == f"{sum(range(5))}\n"
+    before = daemon.wait_for("the reader's leases", lambda s: s["leases"] == 5)
+    reader.kill()
+    reader.wait()
+    after = daemon.wait_for("the leases to be reclaimed", lambda s: s["leases"] == 0)
+    assert after["leases_reclaimed"] - before["leases_reclaimed"] == 5
+    for i, h in enumerate(handles):  # nothing was lost
+        assert feedstore.Client(daemon.socket).get(h).images[0][0, 0, 0] == i
+
+
+def test_ctrl_c_interrupts_a_wait(daemon):
+    waiter = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            textwrap.dedent(
+                """
+                import sys, feedstore
+                stream = feedstore.Stream("nobody-feeds-this", 10, socket=sys.argv[1], wait=600)
+                print("waiting", flush=True)
+                next(stream)
+                """
+            ),
+            daemon.socket,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert waiter.stdout.readline() == "waiting\n"
+    daemon.wait_for("the reader to attach", lambda s: s["clients"] >= 1)
+    waiter.send_signal(signal.SIGINT)
+    _, err = waiter.communicate(timeout=60)  # a hang fails here, long before the 600 s wait
+    assert "KeyboardInterrupt" in err, err
+    assert waiter.returncode != 0
