@@ -90,6 +90,8 @@ pub struct Stream {
     opts: StreamOptions,
     opened: std::time::Instant,
     first_sample: Option<Duration>,
+    /// The daemon knows this rank read past its last sample.
+    told_end: bool,
 }
 
 impl std::fmt::Debug for Stream {
@@ -173,6 +175,7 @@ impl Stream {
             opts,
             opened: std::time::Instant::now(),
             first_sample: None,
+            told_end: false,
         })
     }
 
@@ -205,6 +208,17 @@ impl Stream {
     pub fn next_sample_within(&mut self, wait: Duration) -> Result<Option<StreamSample>, Error> {
         if self.end.is_some_and(|end| self.next >= end) {
             self.return_samples(true);
+            if !self.told_end {
+                // Tell the daemon this rank has read its share, even if some samples are still
+                // held: its producers may stop. Best effort: a daemon that is gone needs no news.
+                self.told_end = true;
+                let _ = self.client.call(&Request::StreamWait {
+                    stream: self.id,
+                    rank: self.rank,
+                    seq: self.next,
+                    timeout_ms: 0,
+                });
+            }
             return Ok(None);
         }
         self.return_samples(false);

@@ -132,6 +132,8 @@ class StreamDataset(IterableDataset):
         self.transform = transform
         # Per stream rank: samples consumed (the next sequence number), as the trainer saw them.
         self._consumed: Dict[int, int] = {}
+        # Batches the trainer consumed through worker processes (see `_stream_rank`).
+        self._batches = 0
 
     @property
     def workers(self) -> int:
@@ -159,7 +161,10 @@ class StreamDataset(IterableDataset):
                 f"DataLoader has {info.num_workers} workers, the dataset was made for "
                 f"num_workers={self.num_workers}"
             )
-        return self.rank * self.workers + info.id
+        # The DataLoader takes batch i from worker i mod W, starting with worker 0 each time it
+        # is iterated. After n batches, the next is due from sub-share n mod W: rotate, so a
+        # resumed loader hands out batches in exactly the order an uninterrupted one would.
+        return self.rank * self.workers + (info.id + self._batches) % self.workers
 
     def _state(self, stream_rank: int) -> Optional[str]:
         seq = self._consumed.get(stream_rank)
@@ -199,6 +204,7 @@ class StreamDataset(IterableDataset):
         ``loader()`` calls it for you."""
         for rank, seq in zip(batch["rank"].tolist(), batch["seq"].tolist()):
             self._consumed[rank] = max(self._consumed.get(rank, 0), seq + 1)
+        self._batches += 1
 
     def state_dict(self) -> Dict[str, Any]:
         """Where each stream rank stands: the samples consumed so far."""
@@ -206,6 +212,7 @@ class StreamDataset(IterableDataset):
             "name": self.name,
             "stream_world": self.stream_world,
             "consumed": dict(self._consumed),
+            "batches": self._batches,
         }
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
@@ -217,6 +224,7 @@ class StreamDataset(IterableDataset):
                 f"not {self.name!r} with {self.stream_world}"
             )
         self._consumed = {int(k): int(v) for k, v in state["consumed"].items()}
+        self._batches = int(state.get("batches", 0))
 
     def loader(self, batch_size: int, **kwargs: Any) -> "_TrackingLoader":
         """A ``DataLoader`` over this dataset with ``collate`` and ``num_workers`` set, which

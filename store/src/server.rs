@@ -403,6 +403,11 @@ impl Connection {
                 seq,
                 timeout_ms,
             } => {
+                // Asking past the end: the consumer has read all of its share. Only that wakes
+                // the producers waiting for work (so they can stop).
+                if shared.peek_streams(|s, _| s.finish(id, stream, rank, seq)) {
+                    shared.with_streams(|_, _| ());
+                }
                 self.wait_until(id, timeout_ms, |expired| {
                     match shared.peek_streams(|s, _| s.poll(stream, rank, seq)) {
                         Some(status) => Some(Response::Done(vec![status])),

@@ -123,6 +123,8 @@ struct Rank {
     /// Inside the window, to be handed out again (its producer died, or a resume rewound).
     redo: BTreeSet<u64>,
     consumer: Option<Consumer>,
+    /// The consumer read past the rank's last sample (it may still hold some).
+    finished: bool,
 }
 
 impl Rank {
@@ -134,6 +136,7 @@ impl Rank {
             assigned: BTreeMap::new(),
             redo: BTreeSet::new(),
             consumer: None,
+            finished: false,
         }
     }
 
@@ -158,8 +161,13 @@ impl Rank {
         Some(seq)
     }
 
+    /// Whether the rank needs nothing more: every sample made, and its consumer read past the
+    /// last (or returned them all). Until then a consumer resuming from an earlier state may
+    /// rewind the rank and need samples made again.
     fn done(&self, end: Option<u64>) -> bool {
-        end.is_some_and(|end| self.next >= end) && self.redo.is_empty() && self.assigned.is_empty()
+        end.is_some_and(|end| self.next >= end && (self.released >= end || self.finished))
+            && self.redo.is_empty()
+            && self.assigned.is_empty()
     }
 }
 
@@ -345,6 +353,7 @@ impl Streams {
             }
         }
         r.released = seq;
+        r.finished = false;
         r.next = made_up_to;
         for entry in r.ready.values() {
             ring.publish(entry);
@@ -554,6 +563,24 @@ impl Streams {
         r.ready.contains_key(&seq).then_some(Status::Ok)
     }
 
+    /// The consumer on `conn` asks for `seq` of `rank`: if that is past the rank's last sample,
+    /// it has read its whole share, and producers need not wait for it to return them before
+    /// they stop. Returns whether this newly finished the rank.
+    pub fn finish(&mut self, conn: ConnId, id: u32, rank: u32, seq: u64) -> bool {
+        let Some(stream) = self.streams.get_mut(&id) else {
+            return false;
+        };
+        if !stream.end().is_some_and(|end| seq >= end) {
+            return false;
+        }
+        let Some(r) = stream.ranks.get_mut(&rank) else {
+            return false;
+        };
+        let newly = !r.finished && r.consumer.as_ref().is_some_and(|c| c.conn == conn);
+        r.finished |= newly;
+        newly
+    }
+
     /// Closes a stream: returns its samples and retires its rings.
     pub fn close(&mut self, objects: &mut Objects, id: u32) -> Result<(), StreamError> {
         let stream = self
@@ -738,9 +765,15 @@ mod tests {
         assert_eq!(tasks.len(), 4, "one epoch of 8 records over 2 ranks");
         let items: Vec<_> = tasks.iter().map(|&t| make(&mut o, p, t)).collect();
         s.put(&mut o, p, id, &items).unwrap();
-        assert_eq!(s.take(p, id, 1).unwrap_err().status, Status::Ended);
         assert_eq!(s.poll(id, 0, 4), Some(Status::Ended));
+        assert!(
+            s.take(p, id, 1).unwrap().is_empty(),
+            "made but not read: a resuming consumer may still rewind"
+        );
         s.attach(&mut o, c, &spec(1), 8, 0, 0).unwrap();
+        assert!(!s.finish(c, id, 0, 3), "not past the end");
+        assert!(s.finish(c, id, 0, 4), "read past the end, holding its samples");
+        assert_eq!(s.take(p, id, 1).unwrap_err().status, Status::Ended);
         let other = StreamSpec { seed: 2, ..spec(1) };
         assert_eq!(
             s.attach(&mut o, c, &other, 8, 0, 0).unwrap_err().status,
