@@ -1,9 +1,11 @@
-"""Fixtures: a real feedstored per test, real `feedstore produce` processes, real photos.
+"""Fixtures: a real feedstored per test, real `feedstore produce` processes, real photos and the
+real Qwen3 tokenizer (the repository's test data, producer/tests/data).
 
 The binaries come from $FEEDSTORE_BIN_DIR (set by tests/python.rs, which builds them), else
 from target/release or target/debug of this checkout.
 """
 
+import gzip
 import json
 import os
 import pathlib
@@ -15,9 +17,8 @@ import time
 import pytest
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
-DATA = pathlib.Path(os.environ.get("FEEDSTORE_DATA", REPO.parent / "shared" / "data"))
+DATA = REPO / "producer" / "tests" / "data"
 PHOTOS = sorted((DATA / "photos").glob("*.*"))
-TOKENIZER = DATA / "tokenizers" / "qwen3" / "tokenizer.json"
 
 
 def binary(name: str) -> pathlib.Path:
@@ -95,10 +96,13 @@ def manifest(path: pathlib.Path, records: int) -> pathlib.Path:
 def produce(daemon: Daemon, tmp_path, name: str, records: int, *args: str) -> subprocess.Popen:
     """Starts `feedstore produce --stream name` over a fresh manifest (64x64 uint8 HWC images)."""
     path = manifest(tmp_path / f"{name}.jsonl", records)
+    tokenizer = tmp_path / "tokenizer.json"
+    if not tokenizer.exists():
+        tokenizer.write_bytes(gzip.decompress((DATA / "qwen3-tokenizer.json.gz").read_bytes()))
     return subprocess.Popen(
         [
             binary("feedstore"), "produce", "--socket", daemon.socket,
-            "--manifest", path, "--tokenizer", TOKENIZER,
+            "--manifest", path, "--tokenizer", tokenizer,
             "--image-size", "64x64", "--dtype", "u8", "--layout", "hwc", "--workers", "1",
             "--stream", name, *args,
         ],

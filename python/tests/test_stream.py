@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import feedstore
-from conftest import PHOTOS, finish, produce
+from conftest import finish, produce
 
 
 def mapping_of(address: int):

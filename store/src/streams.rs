@@ -772,7 +772,10 @@ mod tests {
         );
         s.attach(&mut o, c, &spec(1), 8, 0, 0).unwrap();
         assert!(!s.finish(c, id, 0, 3), "not past the end");
-        assert!(s.finish(c, id, 0, 4), "read past the end, holding its samples");
+        assert!(
+            s.finish(c, id, 0, 4),
+            "read past the end, holding its samples"
+        );
         assert_eq!(s.take(p, id, 1).unwrap_err().status, Status::Ended);
         let other = StreamSpec { seed: 2, ..spec(1) };
         assert_eq!(
