@@ -570,7 +570,7 @@ impl Streams {
         let Some(stream) = self.streams.get_mut(&id) else {
             return false;
         };
-        if !stream.end().is_some_and(|end| seq >= end) {
+        if stream.end().is_none_or(|end| seq < end) {
             return false;
         }
         let Some(r) = stream.ranks.get_mut(&rank) else {
