@@ -45,13 +45,7 @@ impl From<Error> for FfiError {
             _ => FsStatus::ErrOther,
         };
         // The whole chain, so the C caller sees the cause ("connection refused", ...).
-        let mut message = e.to_string();
-        let mut source = std::error::Error::source(&e);
-        while let Some(s) = source {
-            message.push_str(": ");
-            message.push_str(&s.to_string());
-            source = s.source();
-        }
+        let message = feedstore_proto::error_chain(&e);
         FfiError { status, message }
     }
 }

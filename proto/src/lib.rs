@@ -120,3 +120,15 @@ pub struct Location {
     /// The object's length in bytes as the writer asked for it.
     pub len: u64,
 }
+
+/// An error and its causes on one line (`a: b: c`): how every binary and binding reports one.
+pub fn error_chain(err: &dyn std::error::Error) -> String {
+    let mut line = err.to_string();
+    let mut source = err.source();
+    while let Some(s) = source {
+        line.push_str(": ");
+        line.push_str(&s.to_string());
+        source = s.source();
+    }
+    line
+}

@@ -5,6 +5,7 @@
 //! `ValueError`, `MemoryError`, `PermissionError`), so generic handlers keep working.
 
 use feedstore_consumer::Error;
+use feedstore_proto::error_chain as message;
 use feedstore_proto::sample::SampleError;
 use pyo3::exceptions::{
     PyConnectionError, PyException, PyKeyError, PyMemoryError, PyPermissionError, PyTimeoutError,
@@ -144,17 +145,6 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     Ok(())
 }
 
-/// The full message: the error and its causes.
-fn message(e: &dyn std::error::Error) -> String {
-    let mut text = e.to_string();
-    let mut source = e.source();
-    while let Some(cause) = source {
-        text.push_str(": ");
-        text.push_str(&cause.to_string());
-        source = cause.source();
-    }
-    text
-}
 
 /// A client error as the matching Python exception.
 pub fn to_py(e: Error) -> PyErr {

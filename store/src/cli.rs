@@ -58,14 +58,7 @@ pub fn init_logging_with_default(default: &str) {
 
 /// Prints an error and its causes on one line.
 pub fn error_line(err: &dyn std::error::Error) -> String {
-    let mut line = err.to_string();
-    let mut source = err.source();
-    while let Some(s) = source {
-        line.push_str(": ");
-        line.push_str(&s.to_string());
-        source = s.source();
-    }
-    line
+    feedstore_proto::error_chain(err)
 }
 
 /// `feedstored`'s `main`.
