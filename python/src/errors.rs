@@ -145,7 +145,6 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     Ok(())
 }
 
-
 /// A client error as the matching Python exception.
 pub fn to_py(e: Error) -> PyErr {
     let text = message(&e);
