@@ -70,6 +70,23 @@ def test_a_sample_is_leased_until_its_last_array_is_gone(daemon, tmp_path):
     daemon.wait_for("the lease to come back", lambda s: s["leases"] == 0)
 
 
+def test_stream_samples_go_back_when_their_arrays_are_dropped(daemon):
+    writer = feedstore.Writer("held", 3, shuffle="none", socket=daemon.socket)
+    for task in writer.take(max=3, wait=5.0):
+        writer.put(task, np.full((16, 16, 3), task.record, dtype=np.uint8))
+    assert daemon.stats()["leases"] == 3  # the stream holds them for rank 0
+    stream = feedstore.Stream("held", 3, shuffle="none", socket=daemon.socket, wait=30)
+    arrays = [sample.images[0] for sample in (next(stream) for _ in range(3))]
+    gc.collect()
+    stream.flush()
+    assert daemon.stats()["leases"] == 3  # the arrays still hold their samples
+    assert [int(a[0, 0, 0]) for a in arrays] == [0, 1, 2]
+    del arrays
+    gc.collect()
+    stream.flush()
+    daemon.wait_for("the samples to go back", lambda s: s["leases"] == 0)
+
+
 def test_writer_publishes_dicts_arrays_and_bytes(daemon):
     records = 3
     writer = feedstore.Writer("written", records, shuffle="none", socket=daemon.socket)
