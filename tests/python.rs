@@ -77,6 +77,12 @@ fn python_package_tests_pass() {
         .unwrap();
     let status = Command::new(&python)
         .args(["-m", "pytest", "-q", "-p", "no:cacheprovider"])
+        // Only this suite's conftest.py: none from directories above the checkout.
+        .arg(format!("--rootdir={}", root.join("python").display()))
+        .arg(format!(
+            "--confcutdir={}",
+            root.join("python/tests").display()
+        ))
         .arg(root.join("python/tests"))
         .env("PYTHONPATH", &stage)
         .env("FEEDSTORE_BIN_DIR", bin_dir)
