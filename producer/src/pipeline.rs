@@ -22,7 +22,7 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use feedstore_consumer::{Client, ConnectOptions, Handle, ObjectWriter, Role};
-use feedstore_proto::sample::{KeyValue, SampleInfo, SamplePlan};
+use feedstore_proto::sample::{AlignedBuf, KeyValue, SampleInfo, SamplePlan};
 
 use crate::chat::{ChatTokenizer, image_pad_tokens};
 use crate::manifest::{Content, ImageSource, Record, Reject};
@@ -400,9 +400,28 @@ fn produce(
     })
 }
 
-/// One sample written into its object, everything but the seal: the caller seals it or hands
-/// it to a stream. Profiles each stage; the write stage's reservation and finishing are counted
-/// here, the seal by the caller.
+/// Where a sample is written: a reservation in the store (the producer's case), or a plain
+/// 64-byte-aligned heap buffer (a loader without a store, as the demo's baselines are).
+pub trait SampleBuffer {
+    /// The buffer's bytes, to write the sample into.
+    fn bytes_mut(&mut self) -> &mut [u8];
+}
+
+impl SampleBuffer for ObjectWriter {
+    fn bytes_mut(&mut self) -> &mut [u8] {
+        self.as_mut_slice()
+    }
+}
+
+impl SampleBuffer for AlignedBuf {
+    fn bytes_mut(&mut self) -> &mut [u8] {
+        self.as_mut_slice()
+    }
+}
+
+/// One sample written into a new object of the store, everything but the seal: the caller
+/// seals it or hands it to a stream. Profiles each stage; the write stage's reservation and
+/// finishing are counted here, the seal by the caller.
 pub(crate) fn make_sample(
     config: &ProducerConfig,
     client: &Client,
@@ -412,6 +431,24 @@ pub(crate) fn make_sample(
     record: &Record,
     images: Vec<Bytes>,
 ) -> Result<(ObjectWriter, u64), Reject> {
+    let reserve = |size: u64| client.create(size).map_err(|e| e.to_string());
+    make_sample_into(
+        config, tokenizer, profiler, scratch, record, images, reserve,
+    )
+}
+
+/// One sample — decode, resize, normalise, tokenize — written into the buffer `reserve` gives
+/// for its size (a failure drops the buffer: nothing half-written is kept).
+#[allow(clippy::too_many_arguments)]
+pub fn make_sample_into<B: SampleBuffer>(
+    config: &ProducerConfig,
+    tokenizer: &ChatTokenizer,
+    profiler: &Profiler,
+    scratch: &mut Scratch,
+    record: &Record,
+    images: Vec<Bytes>,
+    reserve: impl FnOnce(u64) -> Result<B, String>,
+) -> Result<(B, u64), Reject> {
     let t = &config.transform;
 
     // Decode first: the sizes, the token count and the object's size all follow from it.
@@ -463,16 +500,14 @@ pub(crate) fn make_sample(
 
     let started = Instant::now();
     let size = plan.object_bytes(&info);
-    let mut object = client
-        .create(size)
-        .map_err(|e| reject(record, "write", e.to_string()))?;
+    let mut object = reserve(size).map_err(|e| reject(record, "write", e))?;
     let reserving = started.elapsed();
 
     // From here on a failure drops `object`, which aborts it: nothing half-written is visible.
     let started = Instant::now();
     {
         let regions = plan
-            .regions(object.as_mut_slice())
+            .regions(object.bytes_mut())
             .map_err(|e| reject(record, "write", e.to_string()))?;
         for ((rgb, target), region) in decoded.iter().zip(regions.images) {
             t.resize_into(rgb, *target, region, scratch)
@@ -484,7 +519,7 @@ pub(crate) fn make_sample(
     profiler.record(Stage::Resize, started.elapsed());
 
     let started = Instant::now();
-    plan.finish(object.as_mut_slice(), &info)
+    plan.finish(object.bytes_mut(), &info)
         .map_err(|e| reject(record, "write", e.to_string()))?;
     profiler.record(Stage::Write, reserving + started.elapsed());
     Ok((object, size))
