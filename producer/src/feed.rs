@@ -261,6 +261,10 @@ pub fn feed(
                     Ok(Err(e)) => {
                         tracing::debug!(?work, error = %e, "stream did not take a sample")
                     }
+                    // Closed while this sample was being made: nobody needs it.
+                    Err(feedstore_consumer::Error::Ended) => {
+                        tracing::debug!(?work, "the stream closed before the sample was put")
+                    }
                     Err(e) => tracing::warn!(?work, error = %e, "putting a sample failed"),
                 }
             }

@@ -372,7 +372,9 @@ impl Streams {
         id: u32,
         max: u32,
     ) -> Result<Vec<StreamTask>, StreamError> {
-        let stream = self.stream(id)?;
+        let Some(stream) = self.streams.get_mut(&id) else {
+            return Err(fail(Status::Ended, "the stream was closed"));
+        };
         if !stream.producers.contains(&conn) {
             return Err(fail(Status::Protocol, "take before joining the stream"));
         }
@@ -413,7 +415,7 @@ impl Streams {
         let stream = self
             .streams
             .get_mut(&id)
-            .ok_or_else(|| fail(Status::NotFound, format!("no stream {id}")))?;
+            .ok_or_else(|| fail(Status::Ended, "the stream was closed"))?;
         let leases = stream.leases;
         let mut statuses = Vec::with_capacity(items.len());
         let mut cached = Vec::new();
