@@ -5,6 +5,7 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 
+mod check;
 mod demo;
 mod produce;
 mod stat;
@@ -25,9 +26,16 @@ enum Command {
     /// Print a running daemon's statistics: capacity, used, objects, leases, clients,
     /// fragmentation, evictions.
     Stat(stat::Args),
-    /// Start an embedded daemon (or use a running one), put and get objects through the real
-    /// socket and shared memory from several processes' worth of threads, and print what it cost.
+    /// The main job: the seed's experiment on this machine. Builds (once) a multimodal SFT data set
+    /// from embedded real photos and easy-VQA, serves its images behind S3-like latency, and
+    /// feeds the same trainer loop with a serial loader, concurrent workers, a prefetching loader
+    /// and feedstore (an embedded daemon unless --socket is given); prints each one's wait-time
+    /// ratio and samples/s, feedstore's per-rank figures, stage profile and store memory, and
+    /// writes a JSON report.
     Demo(demo::Args),
+    /// Exercise the store itself end to end: a producer thread writes large objects through the
+    /// real socket and shared memory, reader threads verify every byte; then small round trips.
+    Check(check::Args),
     /// Read a JSONL manifest, fetch, decode, resize, normalise and tokenize each record, and write
     /// each sample once into the running daemon's shared memory. Bad records go to a rejects
     /// file; the run ends with a stage profile naming the bottleneck.
@@ -56,6 +64,7 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Stat(args) => stat::run(args),
         Command::Demo(args) => demo::run(args),
+        Command::Check(args) => check::run(args),
         Command::Produce(args) => produce::run_produce(*args),
     };
     match result {

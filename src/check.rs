@@ -1,4 +1,4 @@
-//! `feedstore demo`: the store exercised end to end through the real socket and shared memory.
+//! `feedstore check`: the store exercised end to end through the real socket and shared memory.
 //!
 //! A producer thread writes objects (reserve, fill in place, seal) and hands their handles to
 //! reader threads over a bounded queue; each reader gets the object by handle, verifies every
@@ -18,7 +18,7 @@ use feedstore_store::daemon::Daemon;
 
 use crate::SocketArg;
 
-/// Arguments of `feedstore demo`.
+/// Arguments of `feedstore check`.
 #[derive(Debug, clap::Args)]
 pub struct Args {
     /// Use the daemon already listening here instead of starting an embedded one.

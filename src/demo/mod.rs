@@ -1,0 +1,490 @@
+//! `feedstore demo`: the seed's experiment, reproduced on this machine in one run.
+//!
+//! A multimodal SFT data set (derived from embedded real photos and easy-VQA, built once and
+//! cached) is served from local files behind S3-like per-request latency. The same trainer loop
+//! (each step waits for a batch, then "computes" for the step time) is fed by four loaders in
+//! turn, the seed's ladder of fixes ([`ladder`]), and then by feedstore with several ranks, as the
+//! main job: an embedded daemon (or a running one), producers feeding a stream, trainer ranks
+//! reading it. The run prints samples/s, wait-time ratios, time to first batch, the producer's
+//! stage profile with its verdict and the store's memory, and writes a JSON report.
+
+mod data;
+mod ladder;
+mod source;
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+use feedstore_consumer::stream::{StreamFeeder, StreamOptions};
+use feedstore_consumer::{ConnectOptions, Role, Stream, StreamTask};
+use feedstore_producer::chat::ChatTokenizer;
+use feedstore_producer::feed::{FeedConfig, feed};
+use feedstore_producer::manifest::IndexedManifest;
+use feedstore_producer::pipeline::{Fetch, ProducerConfig};
+use feedstore_producer::vision::ResizeMode;
+use feedstore_proto::sample::{DType, TensorLayout};
+use feedstore_proto::stream::{Shuffle, StreamSpec, Tail};
+use feedstore_store::config::{DaemonConfig, format_bytes, parse_bytes};
+use feedstore_store::daemon::Daemon;
+
+use crate::SocketArg;
+use ladder::{RungResult, Setup};
+
+/// The Qwen3 tokenizer (the text tokenizer of Qwen3-VL), embedded for the demo.
+const TOKENIZER_GZ: &[u8] = include_bytes!("../../producer/tests/data/qwen3-tokenizer.json.gz");
+
+/// The seed's wait-time ratio for a serial loader, which the step time is chosen to reproduce.
+const SEED_SERIAL_WAIT: f64 = 0.85;
+
+/// Arguments of `feedstore demo`.
+#[derive(Debug, clap::Args)]
+pub struct Args {
+    /// Use the daemon already listening here instead of starting an embedded one.
+    #[command(flatten)]
+    socket: SocketArg,
+    /// Shared memory of the embedded daemon.
+    #[arg(long, value_name = "SIZE", default_value = "1GiB", value_parser = parse_bytes)]
+    capacity: u64,
+    /// Records in the derived data set (built once per setting, then cached).
+    #[arg(long, value_name = "N", default_value_t = 256)]
+    records: u64,
+    /// Long side of the derived images, in pixels, drawn from LOW-HIGH (SFT data's range).
+    #[arg(long, value_name = "LOW-HIGH", default_value = "256-2048")]
+    image_sides: String,
+    /// Where the data set is cached [default: $XDG_CACHE_HOME/feedstore/demo or ~/.cache/feedstore/demo].
+    #[arg(long, value_name = "DIR")]
+    data_dir: Option<PathBuf>,
+    /// Per-request latency of the image source, in milliseconds, drawn uniformly from LOW-HIGH
+    /// (S3 answers a GET in tens of milliseconds however small the object). 0 for none.
+    #[arg(long, value_name = "LOW-HIGH", default_value = "30-80")]
+    latency_ms: String,
+    /// Samples per training step.
+    #[arg(long, value_name = "N", default_value_t = 16)]
+    batch: usize,
+    /// Training steps per loader (the first is the cold start; wait-time ratios are over the
+    /// rest).
+    #[arg(long, value_name = "N", default_value_t = 12)]
+    steps: usize,
+    /// Seconds one training step computes [default: chosen so that the serial loader waits 85%
+    /// of the time, the seed's figure, from one timed batch].
+    #[arg(long, value_name = "SECONDS")]
+    step_time: Option<f64>,
+    /// Trainer ranks of the feedstore run.
+    #[arg(long, value_name = "N", default_value_t = 2)]
+    ranks: u32,
+    /// CPU workers per loader (decode, resize, normalise, tokenize) [default: one per core].
+    #[arg(long, value_name = "N")]
+    workers: Option<usize>,
+    /// Image fetches in flight at most.
+    #[arg(long, value_name = "N", default_value_t = 32)]
+    fetch_concurrency: usize,
+    /// Samples prepared ahead of each trainer, beyond the batch it is computing on (prefetching
+    /// loaders).
+    #[arg(long, value_name = "N", default_value_t = 32)]
+    prefetch: u32,
+    /// Leave out the ladder of loaders; run only feedstore's ranks.
+    #[arg(long)]
+    no_ladder: bool,
+    /// Seeds the data set, the latencies and the stream order.
+    #[arg(long, value_name = "N", default_value_t = 0)]
+    seed: u64,
+    /// Where the JSON report goes.
+    #[arg(long, value_name = "FILE", default_value = "feedstore-demo.json")]
+    report: PathBuf,
+}
+
+fn default_data_dir() -> PathBuf {
+    let base = std::env::var_os("XDG_CACHE_HOME")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache")))
+        .unwrap_or_else(std::env::temp_dir);
+    base.join("feedstore").join("demo")
+}
+
+fn latency(spec: &str) -> anyhow::Result<(Duration, Duration)> {
+    let ms = |s: &str| -> anyhow::Result<Duration> {
+        let v: f64 = s
+            .trim()
+            .parse()
+            .with_context(|| format!("--latency-ms {spec:?}"))?;
+        if !(v >= 0.0 && v.is_finite()) {
+            bail!("--latency-ms {spec:?}: milliseconds must be a non-negative number");
+        }
+        Ok(Duration::from_secs_f64(v / 1e3))
+    };
+    match spec.split_once('-') {
+        Some((low, high)) => {
+            let (low, high) = (ms(low)?, ms(high)?);
+            if high < low {
+                bail!("--latency-ms {spec:?}: LOW is above HIGH");
+            }
+            Ok((low, high))
+        }
+        None => ms(spec).map(|d| (d, d)),
+    }
+}
+
+/// The feedstore run: producers feed a stream, `ranks` trainers read it.
+struct FeedstoreRun {
+    result: RungResult,
+    /// Per rank, the records it was handed, in order.
+    delivered: Vec<Vec<u64>>,
+    profile: feedstore_producer::profile::StageProfile,
+    store: feedstore_proto::StoreStats,
+    stream_name: String,
+}
+
+fn run_feedstore(
+    setup: &Setup,
+    socket: &Path,
+    ranks: u32,
+    depth: u32,
+    seed: u64,
+    label: &str,
+) -> anyhow::Result<FeedstoreRun> {
+    let started = Instant::now();
+    let records = setup.manifest.len();
+    let per_rank = records / u64::from(ranks);
+    if per_rank == 0 {
+        bail!("{records} records cannot be shared by {ranks} ranks");
+    }
+    let needed = (setup.steps * setup.batch) as u64;
+    let name = format!("demo-{}-{label}", std::process::id());
+    let spec = StreamSpec {
+        name: name.clone(),
+        records,
+        seed,
+        world: ranks,
+        shuffle: Shuffle::Full,
+        tail: Tail::Drop,
+        epochs: Some(needed.div_ceil(per_rank)),
+    };
+    // The ring holds the batch in use as well as the samples made ahead of it.
+    let depth = depth + setup.batch as u32;
+    let feed_config = FeedConfig {
+        spec: spec.clone(),
+        depth,
+        ranks: (0..ranks).map(|rank| StreamTask { rank, seq: 0 }).collect(),
+        // Every sample is made, as the other loaders make theirs: the decode-once cache would
+        // serve repeats for free (measured in BENCHMARKS.md) and is left out of the comparison.
+        cache: false,
+    };
+    let producer = {
+        let (mut config, tokenizer, manifest) = (
+            setup.config.clone(),
+            setup.tokenizer.clone(),
+            setup.manifest.clone(),
+        );
+        config.socket = socket.to_owned();
+        let source = (setup.source)();
+        std::thread::spawn(move || {
+            feed(
+                &config,
+                &feed_config,
+                tokenizer,
+                source,
+                manifest,
+                |_, _| {},
+            )
+        })
+    };
+    let trainers: Vec<_> = (0..ranks)
+        .map(|rank| {
+            let (setup, spec, socket) = (setup.clone(), spec.clone(), socket.to_owned());
+            std::thread::spawn(move || -> anyhow::Result<_> {
+                let options = StreamOptions {
+                    depth,
+                    wait: Duration::from_secs(120),
+                    ..StreamOptions::default()
+                };
+                let mut stream = Stream::open(&socket, &spec, rank, None, options)
+                    .with_context(|| format!("rank {rank} opening the stream"))?;
+                let mut delivered = Vec::new();
+                let mut held = Vec::new();
+                let (steps, samples, first) = ladder::train(&setup, started, || {
+                    // The step is over: its batch goes back, which makes room in the window.
+                    held.clear();
+                    held = stream.next_batch(setup.batch)?;
+                    for sample in &held {
+                        sample.view().context("a sample the trainer cannot read")?;
+                        delivered.push(sample.record());
+                    }
+                    Ok(held.len())
+                })?;
+                Ok((steps, samples, first, delivered))
+            })
+        })
+        .collect();
+    let mut result = RungResult {
+        name: format!("3 feedstore: shared memory, by handle ({ranks} rank(s))"),
+        steps: Vec::new(),
+        samples: 0,
+        wall: 0.0,
+        first_batch: Vec::new(),
+    };
+    let mut delivered = Vec::new();
+    let mut failure = None;
+    for t in trainers {
+        match t.join().expect("a trainer panicked") {
+            Ok((steps, samples, first, records)) => {
+                result.steps.push(steps);
+                result.samples += samples;
+                result.first_batch.push(first);
+                delivered.push(records);
+            }
+            Err(e) => {
+                failure.get_or_insert(e);
+            }
+        }
+    }
+    result.wall = started.elapsed().as_secs_f64();
+    let client = ConnectOptions::new(Role::Writer)
+        .socket(socket)
+        .name("demo")
+        .connect()?;
+    let store = client.stats()?;
+    // The trainers are done: closing the stream ends the producer.
+    StreamFeeder::join(&client, &spec, depth, &[])?.close()?;
+    let summary = producer
+        .join()
+        .expect("the producer panicked")
+        .context("the producer failed")?;
+    if let Some(e) = failure {
+        return Err(e);
+    }
+    Ok(FeedstoreRun {
+        result,
+        delivered,
+        profile: summary.profile,
+        store,
+        stream_name: name,
+    })
+}
+
+fn print_rung(r: &RungResult) {
+    println!(
+        "  {:<46} wait {:>5.1}%   {:>6.1} samples/s   first batch {:>6.2} s",
+        r.name,
+        100.0 * r.wait_ratio(),
+        r.samples_per_sec(),
+        r.first_batch.iter().copied().fold(0.0, f64::max)
+    );
+}
+
+pub fn run(args: Args) -> anyhow::Result<()> {
+    if args.batch == 0 || args.steps == 0 || args.ranks == 0 || args.records == 0 {
+        bail!("--batch, --steps, --ranks and --records must be at least 1");
+    }
+    let (low, high) = latency(&args.latency_ms)?;
+    let data_dir = args.data_dir.clone().unwrap_or_else(default_data_dir);
+    let sides = args
+        .image_sides
+        .split_once('-')
+        .and_then(|(l, h)| Some((l.trim().parse().ok()?, h.trim().parse().ok()?)))
+        .with_context(|| format!("--image-sides {:?}: expected LOW-HIGH", args.image_sides))?;
+    let data = data::build(&data_dir, args.records, args.seed, sides)?;
+    let tokenizer_json = {
+        use std::io::Read;
+        let mut json = Vec::new();
+        flate2::read::GzDecoder::new(TOKENIZER_GZ).read_to_end(&mut json)?;
+        json
+    };
+    let tokenizer = Arc::new(ChatTokenizer::from_bytes(&tokenizer_json, 8192)?);
+    let manifest = Arc::new(
+        IndexedManifest::open(&data.manifest)
+            .with_context(|| format!("indexing {}", data.manifest.display()))?,
+    );
+
+    let (socket, _daemon) = match &args.socket.socket {
+        Some(path) => (path.clone(), None),
+        None => {
+            let socket =
+                std::env::temp_dir().join(format!("feedstore-demo-{}.sock", std::process::id()));
+            let config = DaemonConfig {
+                socket: socket.clone(),
+                capacity_bytes: args.capacity,
+                segment_bytes: args.capacity,
+                ..DaemonConfig::default()
+            };
+            let daemon = Daemon::bind(&config)
+                .context("starting the embedded daemon")?
+                .spawn();
+            (socket, Some(daemon))
+        }
+    };
+    let mut config = ProducerConfig::new(socket.clone());
+    config.fetch_concurrency = args.fetch_concurrency.max(1);
+    if let Some(w) = args.workers {
+        config.workers = w.max(1);
+    }
+    // Qwen-VL's resize with at most 640 x 640 pixels' worth of area, bf16, channels first.
+    config.transform.resize = ResizeMode::QwenVl {
+        min_pixels: 3136,
+        max_pixels: 640 * 640,
+        factor: config.patch_size * config.merge_size,
+    };
+    config.transform.dtype = DType::BF16;
+    config.transform.layout = TensorLayout::Chw;
+    let source: Arc<dyn Fn() -> Arc<dyn Fetch> + Send + Sync> = {
+        let seed = args.seed;
+        Arc::new(move || Arc::new(source::Delayed::new(low, high, seed)) as Arc<dyn Fetch>)
+    };
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    println!(
+        "feedstore demo: {} records ({}, {:.0} MB of images{}), images behind {}-{} ms per request, \
+         batch {}, {} steps per loader, {} CPU workers on {} cores",
+        data.records,
+        data.manifest.display(),
+        data.image_bytes as f64 / 1e6,
+        if data.built {
+            ", just built"
+        } else {
+            ", cached"
+        },
+        low.as_millis(),
+        high.as_millis(),
+        args.batch,
+        args.steps,
+        config.workers,
+        cores
+    );
+    let mut setup = Setup {
+        config,
+        tokenizer,
+        manifest,
+        batch: args.batch,
+        steps: args.steps,
+        step_time: Duration::ZERO,
+        source,
+    };
+    let step_time = match args.step_time {
+        Some(s) if s >= 0.0 && s.is_finite() => Duration::from_secs_f64(s),
+        Some(_) => bail!("--step-time must be a non-negative number of seconds"),
+        None => {
+            eprintln!("timing one serial batch to choose the step time ...");
+            let probe = Setup {
+                steps: 1,
+                ..setup.clone()
+            };
+            let r = ladder::serial(&probe)?;
+            let prep = r.steps[0][0].0;
+            let t = prep * (1.0 - SEED_SERIAL_WAIT) / SEED_SERIAL_WAIT;
+            eprintln!(
+                "  a serial batch took {prep:.2} s: a step of {t:.2} s makes the serial loader wait ~85%"
+            );
+            Duration::from_secs_f64(t)
+        }
+    };
+    setup.step_time = step_time;
+    println!("step time {:.3} s", step_time.as_secs_f64());
+
+    let mut ladder_results = Vec::new();
+    if !args.no_ladder {
+        println!("the ladder (one trainer each; same data, latency, step time and CPUs):");
+        type Rung = fn(&Setup, u32) -> anyhow::Result<RungResult>;
+        let rungs: [(&str, Rung); 3] = [
+            ("serial", |s, _| ladder::serial(s)),
+            ("concurrent", |s, _| ladder::concurrent(s)),
+            ("prefetch", |s, p| {
+                ladder::prefetch(s, (p as usize).div_ceil(s.batch).max(1))
+            }),
+        ];
+        for (what, rung) in rungs {
+            eprintln!("running the {what} loader ...");
+            let r = rung(&setup, args.prefetch)?;
+            print_rung(&r);
+            ladder_results.push(r);
+        }
+        eprintln!("running feedstore with one rank ...");
+        let one = run_feedstore(&setup, &socket, 1, args.prefetch, args.seed, "ladder")?;
+        print_rung(&one.result);
+        ladder_results.push(one.result);
+    }
+
+    eprintln!("running feedstore with {} ranks ...", args.ranks);
+    let main = run_feedstore(
+        &setup,
+        &socket,
+        args.ranks,
+        args.prefetch,
+        args.seed,
+        "main",
+    )?;
+    println!(
+        "feedstore, {} ranks: {:.1} samples/s together",
+        args.ranks,
+        main.result.samples_per_sec()
+    );
+    for rank in 0..args.ranks as usize {
+        println!(
+            "  rank {rank}: wait {:>5.1}%, first batch after {:.2} s",
+            100.0 * main.result.wait_ratio_of(rank),
+            main.result.first_batch[rank]
+        );
+    }
+    println!(
+        "store: {} used of {} ({} objects, {} leases)",
+        format_bytes(main.store.used_bytes),
+        format_bytes(main.store.capacity_bytes),
+        main.store.objects_sealed,
+        main.store.leases
+    );
+    print!("producer stage profile:\n{}", main.profile.table());
+    println!("verdict: {}", main.profile.verdict());
+
+    let report = serde_json::json!({
+        "machine": { "cores": cores },
+        "settings": {
+            "records": data.records,
+            "latency_ms": [low.as_secs_f64() * 1e3, high.as_secs_f64() * 1e3],
+            "batch": args.batch,
+            "steps": args.steps,
+            "step_time_s": step_time.as_secs_f64(),
+            "workers": setup.config.workers,
+            "fetch_concurrency": setup.config.fetch_concurrency,
+            "prefetch": args.prefetch,
+            "seed": args.seed,
+        },
+        "data": {
+            "manifest": data.manifest,
+            "image_bytes": data.image_bytes,
+            "derived_from": format!("10 real photos and easy-VQA (data/demo), re-cropped, re-scaled to {}-{} px, re-encoded", sides.0, sides.1),
+        },
+        "ladder": ladder_results.iter().map(rung_json).collect::<Vec<_>>(),
+        "feedstore": {
+            "stream": main.stream_name,
+            "ranks": args.ranks,
+            "run": rung_json(&main.result),
+            "wait_ratio_per_rank": (0..args.ranks as usize).map(|r| main.result.wait_ratio_of(r)).collect::<Vec<_>>(),
+            "delivered_records": main.delivered,
+            "profile": {
+                "table": main.profile.table(),
+                "verdict": main.profile.verdict(),
+                "cpu_idle_share": main.profile.cpu_idle_share(),
+            },
+            "store": {
+                "capacity_bytes": main.store.capacity_bytes,
+                "used_bytes": main.store.used_bytes,
+                "objects": main.store.objects_sealed,
+            },
+        },
+    });
+    std::fs::write(&args.report, serde_json::to_string_pretty(&report)? + "\n")
+        .with_context(|| format!("writing {}", args.report.display()))?;
+    println!("report: {}", args.report.display());
+    Ok(())
+}
+
+fn rung_json(r: &RungResult) -> serde_json::Value {
+    serde_json::json!({
+        "name": r.name,
+        "wait_ratio": r.wait_ratio(),
+        "samples_per_sec": r.samples_per_sec(),
+        "samples": r.samples,
+        "wall_s": r.wall,
+        "first_batch_s": r.first_batch,
+        "steps": r.steps,
+    })
+}

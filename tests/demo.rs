@@ -1,0 +1,129 @@
+//! `feedstore demo`, the README's main job, as a user runs it (scaled down): the whole ladder and
+//! a feedstore run with two ranks over a freshly built data set. Checks the printed figures and
+//! the JSON report's structure, and that the feedstore ranks were handed every record of the
+//! epoch exactly once between them. Timings are printed, never asserted.
+
+mod common;
+
+use std::process::Command;
+
+use common::scratch_dir;
+
+#[test]
+fn the_demo_runs_the_ladder_and_delivers_every_sample_once() {
+    let dir = scratch_dir("demo");
+    let report = dir.join("report.json");
+    let out = Command::new(env!("CARGO_BIN_EXE_feedstore"))
+        .args([
+            "demo",
+            "--records",
+            "32",
+            "--ranks",
+            "2",
+            "--batch",
+            "4",
+            "--steps",
+            "4",
+        ])
+        .args([
+            "--latency-ms",
+            "1-3",
+            "--step-time",
+            "0.01",
+            "--prefetch",
+            "8",
+        ])
+        .args(["--capacity", "256MiB", "--image-sides", "64-256"])
+        .arg("--data-dir")
+        .arg(dir.join("data"))
+        .arg("--report")
+        .arg(&report)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+    assert!(
+        stderr.contains("building the demo data set once"),
+        "{stderr}"
+    );
+    for line in [
+        "0 serial loader in the training loop",
+        "1 + concurrent fetch and CPU workers",
+        "2 + background prefetch (copies)",
+        "3 feedstore: shared memory, by handle",
+        "feedstore, 2 ranks:",
+        "rank 0: wait",
+        "rank 1: wait",
+        "store:",
+        "verdict:",
+    ] {
+        assert!(stdout.contains(line), "{line:?} missing from:\n{stdout}");
+    }
+
+    let report: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&report).unwrap()).unwrap();
+    let ladder = report["ladder"].as_array().unwrap();
+    assert_eq!(ladder.len(), 4);
+    for rung in ladder {
+        let ratio = rung["wait_ratio"].as_f64().unwrap();
+        assert!((0.0..=1.0).contains(&ratio), "{rung}");
+        assert!(rung["samples_per_sec"].as_f64().unwrap() > 0.0);
+        assert_eq!(rung["samples"], 16, "4 steps of 4 samples: {rung}");
+        assert_eq!(rung["steps"][0].as_array().unwrap().len(), 4);
+    }
+    let feedstore = &report["feedstore"];
+    assert_eq!(feedstore["ranks"], 2);
+    assert_eq!(
+        feedstore["wait_ratio_per_rank"].as_array().unwrap().len(),
+        2
+    );
+    assert!(feedstore["profile"]["verdict"].as_str().unwrap().len() > 10);
+    assert!(feedstore["store"]["used_bytes"].as_u64().unwrap() > 0);
+    assert_eq!(report["settings"]["records"], 32);
+
+    // 2 ranks x 4 steps x 4 samples = one epoch of 32 records: each handed out exactly once.
+    let mut delivered: Vec<u64> = feedstore["delivered_records"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .flat_map(|rank| rank.as_array().unwrap().iter().map(|r| r.as_u64().unwrap()))
+        .collect();
+    delivered.sort_unstable();
+    assert_eq!(delivered, (0..32).collect::<Vec<_>>());
+
+    // A second run reuses the data set.
+    let again = Command::new(env!("CARGO_BIN_EXE_feedstore"))
+        .args([
+            "demo",
+            "--records",
+            "32",
+            "--ranks",
+            "1",
+            "--batch",
+            "4",
+            "--steps",
+            "2",
+        ])
+        .args([
+            "--latency-ms",
+            "0",
+            "--step-time",
+            "0",
+            "--no-ladder",
+            "--capacity",
+            "128MiB",
+        ])
+        .args(["--image-sides", "64-256"])
+        .arg("--data-dir")
+        .arg(dir.join("data"))
+        .arg("--report")
+        .arg(dir.join("again.json"))
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&again.stderr);
+    assert!(again.status.success(), "{stderr}");
+    assert!(!stderr.contains("building"), "{stderr}");
+    assert!(String::from_utf8_lossy(&again.stdout).contains("cached"));
+    let _ = std::fs::remove_dir_all(&dir);
+}
