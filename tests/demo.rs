@@ -38,6 +38,8 @@ fn the_demo_runs_the_ladder_and_delivers_every_sample_once() {
         .arg(dir.join("data"))
         .arg("--report")
         .arg(&report)
+        .arg("--plot")
+        .arg(dir.join("plot.png"))
         .output()
         .unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);
@@ -81,6 +83,8 @@ fn the_demo_runs_the_ladder_and_delivers_every_sample_once() {
     assert!(feedstore["profile"]["verdict"].as_str().unwrap().len() > 10);
     assert!(feedstore["store"]["used_bytes"].as_u64().unwrap() > 0);
     assert_eq!(report["settings"]["records"], 32);
+    let plot = image::open(dir.join("plot.png")).expect("a PNG plot");
+    assert!(plot.width() >= 800 && plot.height() >= 300);
 
     // 2 ranks x 4 steps x 4 samples = one epoch of 32 records: each handed out exactly once.
     let mut delivered: Vec<u64> = feedstore["delivered_records"]
@@ -119,6 +123,8 @@ fn the_demo_runs_the_ladder_and_delivers_every_sample_once() {
         .arg(dir.join("data"))
         .arg("--report")
         .arg(dir.join("again.json"))
+        .arg("--plot")
+        .arg(dir.join("again.png"))
         .output()
         .unwrap();
     let stderr = String::from_utf8_lossy(&again.stderr);

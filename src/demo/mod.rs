@@ -10,6 +10,7 @@
 
 mod data;
 mod ladder;
+mod plot;
 mod source;
 
 use std::path::{Path, PathBuf};
@@ -93,6 +94,9 @@ pub struct Args {
     /// Where the JSON report goes.
     #[arg(long, value_name = "FILE", default_value = "feedstore-demo.json")]
     report: PathBuf,
+    /// Where the PNG plot goes (the ladder's wait-time ratios and every loader's steps).
+    #[arg(long, value_name = "FILE", default_value = "feedstore-demo.png")]
+    plot: PathBuf,
 }
 
 fn default_data_dir() -> PathBuf {
@@ -473,7 +477,27 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     });
     std::fs::write(&args.report, serde_json::to_string_pretty(&report)? + "\n")
         .with_context(|| format!("writing {}", args.report.display()))?;
-    println!("report: {}", args.report.display());
+    let pictured: Vec<&RungResult> = ladder_results
+        .iter()
+        .chain(std::iter::once(&main.result))
+        .collect();
+    plot::write(
+        &args.plot,
+        &format!(
+            "feedstore demo: batch {}, step {:.0} ms, images behind {}-{} ms, {} cores",
+            args.batch,
+            step_time.as_secs_f64() * 1e3,
+            low.as_millis(),
+            high.as_millis(),
+            cores
+        ),
+        &pictured,
+    )?;
+    println!(
+        "report: {}, plot: {}",
+        args.report.display(),
+        args.plot.display()
+    );
     Ok(())
 }
 

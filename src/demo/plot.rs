@@ -1,0 +1,132 @@
+//! The demo's picture: the ladder's wait-time ratios, and each loader's steps on one time axis
+//! (waiting in red, computing in blue), so where the time goes is seen at a glance.
+//!
+//! Drawn with plotters into an RGB buffer and encoded as PNG with the `image` crate; the font
+//! (DejaVu Sans, `data/fonts/`) is embedded, so nothing depends on the machine's fonts.
+
+use std::path::Path;
+
+use anyhow::Context;
+use plotters::prelude::*;
+use plotters::style::{FontStyle, register_font};
+
+use super::ladder::RungResult;
+
+const FONT: &[u8] = include_bytes!("../../data/fonts/DejaVuSans.ttf");
+const WAIT: RGBColor = RGBColor(214, 69, 65);
+const COMPUTE: RGBColor = RGBColor(52, 101, 164);
+const FEEDSTORE: RGBColor = RGBColor(46, 139, 87);
+
+/// Writes the picture of `rungs` (the ladder, then any other runs) to `path`.
+pub fn write(path: &Path, title: &str, rungs: &[&RungResult]) -> anyhow::Result<()> {
+    let _ = register_font("sans-serif", FontStyle::Normal, FONT);
+    let (width, height) = (1600u32, 260 + 90 * rungs.len() as u32);
+    let mut buf = vec![0u8; width as usize * height as usize * 3];
+    draw(&mut buf, (width, height), title, rungs).map_err(|e| anyhow::anyhow!("{e}"))?;
+    image::RgbImage::from_raw(width, height, buf)
+        .context("plot buffer size")?
+        .save_with_format(path, image::ImageFormat::Png)
+        .with_context(|| format!("writing {}", path.display()))
+}
+
+type DrawResult = Result<(), Box<dyn std::error::Error>>;
+
+fn draw(buf: &mut [u8], size: (u32, u32), title: &str, rungs: &[&RungResult]) -> DrawResult {
+    let root = BitMapBackend::with_buffer(buf, size).into_drawing_area();
+    root.fill(&WHITE)?;
+    let root = root.titled(title, ("sans-serif", 26))?;
+    let (left, right) = root.split_horizontally(620);
+    let rows = rungs.len() as f64;
+    let label = |r: &RungResult| r.name.clone();
+
+    // Left: the wait-time ratio of each loader.
+    let mut chart = ChartBuilder::on(&left)
+        .caption("wait-time ratio (steady state)", ("sans-serif", 20))
+        .margin(16)
+        .x_label_area_size(36)
+        .build_cartesian_2d(0f64..100f64, 0f64..rows)?;
+    chart
+        .configure_mesh()
+        .disable_y_mesh()
+        .disable_y_axis()
+        .x_desc("% of each step spent waiting for data")
+        .label_style(("sans-serif", 14))
+        .draw()?;
+    for (i, r) in rungs.iter().enumerate() {
+        let y = rows - i as f64 - 1.0;
+        let ratio = 100.0 * r.wait_ratio();
+        let color = if r.name.contains("feedstore") {
+            FEEDSTORE
+        } else {
+            WAIT
+        };
+        chart.draw_series(std::iter::once(Rectangle::new(
+            [(0.0, y + 0.12), (ratio.max(0.3), y + 0.5)],
+            color.filled(),
+        )))?;
+        chart.draw_series(std::iter::once(Text::new(
+            format!("{ratio:.1}%  ·  {:.1} samples/s", r.samples_per_sec()),
+            (ratio.min(62.0) + 1.0, y + 0.42),
+            ("sans-serif", 15),
+        )))?;
+        chart.draw_series(std::iter::once(Text::new(
+            label(r),
+            (1.0, y + 0.9),
+            ("sans-serif", 15),
+        )))?;
+    }
+
+    // Right: every step of every loader on one time axis.
+    let longest = rungs
+        .iter()
+        .map(|r| {
+            r.steps
+                .first()
+                .map_or(0.0, |s| s.iter().map(|(w, c)| w + c).sum::<f64>())
+        })
+        .fold(0.0, f64::max)
+        .max(1e-3);
+    let mut chart = ChartBuilder::on(&right)
+        .caption(
+            "per step: waiting for the batch (red) vs computing (blue), trainer rank 0",
+            ("sans-serif", 20),
+        )
+        .margin(16)
+        .x_label_area_size(36)
+        .build_cartesian_2d(0f64..longest, 0f64..rows)?;
+    chart
+        .configure_mesh()
+        .disable_y_mesh()
+        .disable_y_axis()
+        .x_desc("seconds since the loop started")
+        .label_style(("sans-serif", 14))
+        .draw()?;
+    for (i, r) in rungs.iter().enumerate() {
+        let y = rows - i as f64 - 1.0;
+        let Some(steps) = r.steps.first() else {
+            continue;
+        };
+        let mut t = 0.0;
+        let mut bars = Vec::with_capacity(2 * steps.len());
+        for &(wait, compute) in steps {
+            bars.push(Rectangle::new(
+                [(t, y + 0.2), (t + wait, y + 0.7)],
+                WAIT.filled(),
+            ));
+            t += wait;
+            bars.push(Rectangle::new(
+                [(t, y + 0.2), (t + compute, y + 0.7)],
+                COMPUTE.filled(),
+            ));
+            t += compute;
+        }
+        chart.draw_series(bars)?;
+        chart.draw_series(std::iter::once(Text::new(
+            label(r),
+            (longest * 0.005, y + 0.95),
+            ("sans-serif", 14),
+        )))?;
+    }
+    root.present()?;
+    Ok(())
+}
