@@ -96,29 +96,22 @@ fn the_demo_runs_the_ladder_and_delivers_every_sample_once() {
     delivered.sort_unstable();
     assert_eq!(delivered, (0..32).collect::<Vec<_>>());
 
-    // A second run reuses the data set.
+    // A second run reuses the data set, and adds the scaling view.
     let again = Command::new(env!("CARGO_BIN_EXE_feedstore"))
         .args([
             "demo",
-            "--records",
-            "32",
-            "--ranks",
-            "1",
-            "--batch",
-            "4",
-            "--steps",
-            "2",
+            "--records=32",
+            "--ranks=1",
+            "--batch=4",
+            "--steps=2",
         ])
         .args([
-            "--latency-ms",
-            "0",
-            "--step-time",
-            "0",
+            "--latency-ms=0-1",
+            "--step-time=0",
             "--no-ladder",
-            "--capacity",
-            "128MiB",
+            "--scaling",
         ])
-        .args(["--image-sides", "64-256"])
+        .args(["--capacity=128MiB", "--image-sides=64-256"])
         .arg("--data-dir")
         .arg(dir.join("data"))
         .arg("--report")
@@ -130,6 +123,24 @@ fn the_demo_runs_the_ladder_and_delivers_every_sample_once() {
     let stderr = String::from_utf8_lossy(&again.stderr);
     assert!(again.status.success(), "{stderr}");
     assert!(!stderr.contains("building"), "{stderr}");
-    assert!(String::from_utf8_lossy(&again.stdout).contains("cached"));
+    let stdout = String::from_utf8_lossy(&again.stdout);
+    assert!(stdout.contains("cached"), "{stdout}");
+    assert!(stdout.contains("scaling"), "{stdout}");
+    let again: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("again.json")).unwrap()).unwrap();
+    let cells = again["scaling"].as_array().unwrap();
+    // 1, 2 and 4 ranks; half and double the batch; three times the latency.
+    assert_eq!(cells.len(), 6, "{cells:?}");
+    for cell in cells {
+        for loader in ["copies", "feedstore"] {
+            let ranks = cell["ranks"].as_u64().unwrap() as usize;
+            assert_eq!(
+                cell[loader]["steps"].as_array().unwrap().len(),
+                ranks,
+                "{cell}"
+            );
+            assert!((0.0..=1.0).contains(&cell[loader]["wait_ratio"].as_f64().unwrap()));
+        }
+    }
     let _ = std::fs::remove_dir_all(&dir);
 }

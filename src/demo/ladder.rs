@@ -61,9 +61,26 @@ impl RungResult {
         ratio(self.steps.iter().flat_map(|s| steady(s)))
     }
 
-    /// Samples per second over the run.
+    /// Samples per second in the steady state (after each rank's first batch), over all ranks:
+    /// what a long run sustains. The cold start is `first_batch`.
     pub fn samples_per_sec(&self) -> f64 {
-        self.samples as f64 / self.wall.max(1e-9)
+        let total_steps: usize = self.steps.iter().map(Vec::len).sum();
+        if total_steps == 0 {
+            return 0.0;
+        }
+        let batch = self.samples as f64 / total_steps as f64;
+        self.steps
+            .iter()
+            .map(|steps| {
+                let steady = steady(steps);
+                let time: f64 = steady.iter().map(|(w, c)| w + c).sum();
+                if time > 0.0 {
+                    steady.len() as f64 * batch / time
+                } else {
+                    0.0
+                }
+            })
+            .sum()
     }
 }
 
@@ -278,22 +295,59 @@ pub fn concurrent(setup: &Setup) -> anyhow::Result<RungResult> {
 }
 
 /// Rung 2: rung 1's batches made ahead in the background (up to `prefetch` batches) and handed
-/// to the trainer as copies through a socket, as a worker process's queue does.
-pub fn prefetch(setup: &Setup, prefetch: usize) -> anyhow::Result<RungResult> {
+/// to the trainer as copies through a socket, as a worker process's queue does. With several
+/// `ranks`, each trainer has its own loader, the CPU workers split between them.
+pub fn prefetch(setup: &Setup, prefetch: usize, ranks: usize) -> anyhow::Result<RungResult> {
     let started = Instant::now();
+    let mut per_rank = setup.clone();
+    per_rank.config.workers = (setup.config.workers / ranks.max(1)).max(1);
+    let trainers: Vec<_> = (0..ranks.max(1))
+        .map(|rank| {
+            let setup = per_rank.clone();
+            std::thread::spawn(move || prefetch_rank(&setup, prefetch, rank, ranks, started))
+        })
+        .collect();
+    let mut result = RungResult {
+        name: if ranks > 1 {
+            format!("2 + background prefetch (copies), {ranks} ranks")
+        } else {
+            "2 + background prefetch (copies)".into()
+        },
+        steps: Vec::new(),
+        samples: 0,
+        wall: 0.0,
+        first_batch: Vec::new(),
+    };
+    for t in trainers {
+        let (steps, samples, first) = t.join().expect("a trainer panicked")?;
+        result.steps.push(steps);
+        result.samples += samples;
+        result.first_batch.push(first);
+    }
+    result.wall = started.elapsed().as_secs_f64();
+    Ok(result)
+}
+
+/// One rank of rung 2: its loader threads and its trainer loop.
+fn prefetch_rank(
+    setup: &Setup,
+    prefetch: usize,
+    rank: usize,
+    ranks: usize,
+    started: Instant,
+) -> anyhow::Result<(Steps, u64, f64)> {
     let (tx, rx) = mpsc::sync_channel::<Vec<AlignedBuf>>(prefetch.max(1));
     let (mut to_trainer, mut from_loader) = UnixStream::pair().context("a socket pair")?;
-    let total = (setup.steps * setup.batch) as u64;
     let maker = {
         let setup = setup.clone();
         std::thread::spawn(move || -> anyhow::Result<()> {
             let rt = runtime()?;
             let source = (setup.source)();
             let profiler = Profiler::default();
-            let mut next = 0u64;
-            while next < total {
-                let batch = make_batch(&setup, &rt, &*source, &profiler, next)?;
-                next += setup.batch as u64;
+            // This rank's share: every `ranks`-th batch of the record sequence.
+            for step in 0..setup.steps {
+                let first = ((step * ranks + rank) * setup.batch) as u64;
+                let batch = make_batch(&setup, &rt, &*source, &profiler, first)?;
                 if tx.send(batch).is_err() {
                     break;
                 }
@@ -329,13 +383,7 @@ pub fn prefetch(setup: &Setup, prefetch: usize) -> anyhow::Result<RungResult> {
     drop(from_loader);
     let made = maker.join().expect("the loader thread panicked");
     let _ = feeder.join();
-    let (steps, samples, first) = result?;
+    let result = result?;
     made?;
-    Ok(RungResult {
-        name: "2 + background prefetch (copies)".into(),
-        steps: vec![steps],
-        samples,
-        wall: started.elapsed().as_secs_f64(),
-        first_batch: vec![first],
-    })
+    Ok(result)
 }

@@ -88,6 +88,10 @@ pub struct Args {
     /// Leave out the ladder of loaders; run only feedstore's ranks.
     #[arg(long)]
     no_ladder: bool,
+    /// Also run the scaling view: the prefetching loader (copies) against feedstore as ranks,
+    /// batch size and latency grow (about a minute more).
+    #[arg(long)]
+    scaling: bool,
     /// Seeds the data set, the latencies and the stream order.
     #[arg(long, value_name = "N", default_value_t = 0)]
     seed: u64,
@@ -392,7 +396,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             ("serial", |s, _| ladder::serial(s)),
             ("concurrent", |s, _| ladder::concurrent(s)),
             ("prefetch", |s, p| {
-                ladder::prefetch(s, (p as usize).div_ceil(s.batch).max(1))
+                ladder::prefetch(s, (p as usize).div_ceil(s.batch).max(1), 1)
             }),
         ];
         for (what, rung) in rungs {
@@ -438,6 +442,73 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     print!("producer stage profile:\n{}", main.profile.table());
     println!("verdict: {}", main.profile.verdict());
 
+    let mut scaling = Vec::new();
+    let mut scaling_cells = Vec::new();
+    if args.scaling {
+        println!(
+            "scaling (the prefetching loader with copies vs feedstore; the same CPUs split among ranks):"
+        );
+        let base = (args.ranks.max(2), args.batch, (low, high));
+        let mut cells = vec![
+            (1, args.batch, (low, high)),
+            base,
+            (4, args.batch, (low, high)),
+        ];
+        cells.extend([
+            (base.0, args.batch / 2, (low, high)),
+            (base.0, args.batch * 2, (low, high)),
+        ]);
+        cells.push((base.0, args.batch, (low * 3, high * 3)));
+        cells.retain(|c| c.1 > 0);
+        cells.dedup();
+        for (ranks, batch, (lo, hi)) in cells {
+            let seed = args.seed;
+            let cell = Setup {
+                batch,
+                step_time: step_time.mul_f64(batch as f64 / args.batch as f64),
+                source: Arc::new(move || {
+                    Arc::new(source::Delayed::new(lo, hi, seed)) as Arc<dyn Fetch>
+                }),
+                ..setup.clone()
+            };
+            let prefetch_batches = (args.prefetch as usize).div_ceil(batch).max(1);
+            eprintln!(
+                "scaling: {ranks} ranks, batch {batch}, {}-{} ms ...",
+                lo.as_millis(),
+                hi.as_millis()
+            );
+            let copies = ladder::prefetch(&cell, prefetch_batches, ranks as usize)?;
+            let shm =
+                run_feedstore(&cell, &socket, ranks, args.prefetch, args.seed, "scaling")?.result;
+            println!(
+                "  {ranks} ranks, batch {batch:>2}, {:>3}-{:<3} ms: copies wait {:>5.1}% {:>6.1} samples/s | feedstore wait {:>5.1}% {:>6.1} samples/s",
+                lo.as_millis(),
+                hi.as_millis(),
+                100.0 * copies.wait_ratio(),
+                copies.samples_per_sec(),
+                100.0 * shm.wait_ratio(),
+                shm.samples_per_sec()
+            );
+            scaling_cells.push(plot::ScalingCell {
+                label: format!(
+                    "{ranks} ranks, batch {batch}, {}-{} ms",
+                    lo.as_millis(),
+                    hi.as_millis()
+                ),
+                copies: copies.wait_ratio(),
+                feedstore: shm.wait_ratio(),
+            });
+            scaling.push(serde_json::json!({
+                "ranks": ranks,
+                "batch": batch,
+                "latency_ms": [lo.as_secs_f64() * 1e3, hi.as_secs_f64() * 1e3],
+                "step_time_s": cell.step_time.as_secs_f64(),
+                "copies": rung_json(&copies),
+                "feedstore": rung_json(&shm),
+            }));
+        }
+    }
+
     let report = serde_json::json!({
         "machine": { "cores": cores },
         "settings": {
@@ -457,6 +528,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             "derived_from": format!("10 real photos and easy-VQA (data/demo), re-cropped, re-scaled to {}-{} px, re-encoded", sides.0, sides.1),
         },
         "ladder": ladder_results.iter().map(rung_json).collect::<Vec<_>>(),
+        "scaling": scaling,
         "feedstore": {
             "stream": main.stream_name,
             "ranks": args.ranks,
@@ -492,6 +564,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             cores
         ),
         &pictured,
+        &scaling_cells,
     )?;
     println!(
         "report: {}, plot: {}",

@@ -17,12 +17,36 @@ const WAIT: RGBColor = RGBColor(214, 69, 65);
 const COMPUTE: RGBColor = RGBColor(52, 101, 164);
 const FEEDSTORE: RGBColor = RGBColor(46, 139, 87);
 
-/// Writes the picture of `rungs` (the ladder, then any other runs) to `path`.
-pub fn write(path: &Path, title: &str, rungs: &[&RungResult]) -> anyhow::Result<()> {
+/// One cell of the scaling view: its setting and both loaders' wait-time ratios.
+#[derive(Debug, Clone)]
+pub struct ScalingCell {
+    /// e.g. "4 ranks, batch 16, 30-80 ms".
+    pub label: String,
+    /// The prefetching loader's (copies) wait-time ratio.
+    pub copies: f64,
+    /// feedstore's.
+    pub feedstore: f64,
+}
+
+/// Writes the picture of `rungs` (the ladder, then any other runs) and of the scaling view (if
+/// any cells) to `path`.
+pub fn write(
+    path: &Path,
+    title: &str,
+    rungs: &[&RungResult],
+    scaling: &[ScalingCell],
+) -> anyhow::Result<()> {
     let _ = register_font("sans-serif", FontStyle::Normal, FONT);
-    let (width, height) = (1600u32, 260 + 90 * rungs.len() as u32);
+    let top = 260 + 90 * rungs.len() as u32;
+    let bottom = if scaling.is_empty() {
+        0
+    } else {
+        120 + 50 * scaling.len() as u32
+    };
+    let (width, height) = (1600u32, top + bottom);
     let mut buf = vec![0u8; width as usize * height as usize * 3];
-    draw(&mut buf, (width, height), title, rungs).map_err(|e| anyhow::anyhow!("{e}"))?;
+    draw(&mut buf, (width, height), top, title, rungs, scaling)
+        .map_err(|e| anyhow::anyhow!("{e}"))?;
     image::RgbImage::from_raw(width, height, buf)
         .context("plot buffer size")?
         .save_with_format(path, image::ImageFormat::Png)
@@ -31,11 +55,22 @@ pub fn write(path: &Path, title: &str, rungs: &[&RungResult]) -> anyhow::Result<
 
 type DrawResult = Result<(), Box<dyn std::error::Error>>;
 
-fn draw(buf: &mut [u8], size: (u32, u32), title: &str, rungs: &[&RungResult]) -> DrawResult {
+fn draw(
+    buf: &mut [u8],
+    size: (u32, u32),
+    top: u32,
+    title: &str,
+    rungs: &[&RungResult],
+    scaling: &[ScalingCell],
+) -> DrawResult {
     let root = BitMapBackend::with_buffer(buf, size).into_drawing_area();
     root.fill(&WHITE)?;
-    let root = root.titled(title, ("sans-serif", 26))?;
-    let (left, right) = root.split_horizontally(620);
+    let (upper, lower) = root.split_vertically(top);
+    if !scaling.is_empty() {
+        draw_scaling(&lower, scaling)?;
+    }
+    let upper = upper.titled(title, ("sans-serif", 26))?;
+    let (left, right) = upper.split_horizontally(620);
     let rows = rungs.len() as f64;
     let label = |r: &RungResult| r.name.clone();
 
@@ -128,5 +163,58 @@ fn draw(buf: &mut [u8], size: (u32, u32), title: &str, rungs: &[&RungResult]) ->
         )))?;
     }
     root.present()?;
+    Ok(())
+}
+
+/// The scaling view: per setting, the copying loader's and feedstore's wait-time ratios.
+fn draw_scaling<DB: DrawingBackend>(
+    area: &DrawingArea<DB, plotters::coord::Shift>,
+    cells: &[ScalingCell],
+) -> Result<(), Box<dyn std::error::Error>>
+where
+    DB::ErrorType: 'static,
+{
+    let rows = cells.len() as f64;
+    let mut chart = ChartBuilder::on(area)
+        .caption(
+            "scaling: wait-time ratio of the prefetching loader with copies (red) and feedstore (green)",
+            ("sans-serif", 20),
+        )
+        .margin(16)
+        .x_label_area_size(36)
+        .y_label_area_size(260)
+        .build_cartesian_2d(0f64..100f64, 0f64..rows)?;
+    chart
+        .configure_mesh()
+        .disable_y_mesh()
+        .y_labels(cells.len())
+        .y_label_formatter(&|y| {
+            let i = (rows - y - 0.5).round();
+            cells
+                .get(i as usize)
+                .filter(|_| (y.fract() - 0.5).abs() < 1e-6)
+                .map_or(String::new(), |c| c.label.clone())
+        })
+        .x_desc("% of each step spent waiting for data")
+        .label_style(("sans-serif", 14))
+        .draw()?;
+    for (i, c) in cells.iter().enumerate() {
+        let y = rows - i as f64 - 1.0;
+        for (value, color, lo, hi) in [
+            (c.copies, WAIT, 0.52, 0.88),
+            (c.feedstore, FEEDSTORE, 0.12, 0.48),
+        ] {
+            let pct = 100.0 * value;
+            chart.draw_series(std::iter::once(Rectangle::new(
+                [(0.0, y + lo), (pct.max(0.3), y + hi)],
+                color.filled(),
+            )))?;
+            chart.draw_series(std::iter::once(Text::new(
+                format!("{pct:.1}%"),
+                (pct + 0.8, y + hi - 0.05),
+                ("sans-serif", 13),
+            )))?;
+        }
+    }
     Ok(())
 }
