@@ -41,7 +41,7 @@ pub fn write(
     let bottom = if scaling.is_empty() {
         0
     } else {
-        120 + 50 * scaling.len() as u32
+        120 + 72 * scaling.len() as u32
     };
     let (width, height) = (1600u32, top + bottom);
     let mut buf = vec![0u8; width as usize * height as usize * 3];
@@ -182,27 +182,24 @@ where
         )
         .margin(16)
         .x_label_area_size(36)
-        .y_label_area_size(260)
         .build_cartesian_2d(0f64..100f64, 0f64..rows)?;
     chart
         .configure_mesh()
         .disable_y_mesh()
-        .y_labels(cells.len())
-        .y_label_formatter(&|y| {
-            let i = (rows - y - 0.5).round();
-            cells
-                .get(i as usize)
-                .filter(|_| (y.fract() - 0.5).abs() < 1e-6)
-                .map_or(String::new(), |c| c.label.clone())
-        })
+        .disable_y_axis()
         .x_desc("% of each step spent waiting for data")
         .label_style(("sans-serif", 14))
         .draw()?;
     for (i, c) in cells.iter().enumerate() {
         let y = rows - i as f64 - 1.0;
+        chart.draw_series(std::iter::once(Text::new(
+            c.label.clone(),
+            (0.3, y + 0.97),
+            ("sans-serif", 14),
+        )))?;
         for (value, color, lo, hi) in [
-            (c.copies, WAIT, 0.52, 0.88),
-            (c.feedstore, FEEDSTORE, 0.12, 0.48),
+            (c.copies, WAIT, 0.42, 0.68),
+            (c.feedstore, FEEDSTORE, 0.1, 0.36),
         ] {
             let pct = 100.0 * value;
             chart.draw_series(std::iter::once(Rectangle::new(
