@@ -55,6 +55,44 @@ pub fn write(
 
 type DrawResult = Result<(), Box<dyn std::error::Error>>;
 
+/// A chart of `rows` labelled rows over `0..x_max`, its x axis described by `x_desc`.
+fn rows_chart<'a, DB: DrawingBackend>(
+    area: &'a DrawingArea<DB, plotters::coord::Shift>,
+    caption: &str,
+    x_max: f64,
+    x_desc: &str,
+    rows: f64,
+) -> Result<
+    ChartContext<
+        'a,
+        DB,
+        Cartesian2d<plotters::coord::types::RangedCoordf64, plotters::coord::types::RangedCoordf64>,
+    >,
+    String,
+>
+where
+    DB::ErrorType: 'static,
+{
+    let mut chart = ChartBuilder::on(area)
+        .caption(caption, ("sans-serif", 20))
+        .margin(16)
+        .x_label_area_size(36)
+        .build_cartesian_2d(0f64..x_max, 0f64..rows)
+        .map_err(|e| e.to_string())?;
+    chart
+        .configure_mesh()
+        .disable_y_mesh()
+        .disable_y_axis()
+        .x_desc(x_desc)
+        .label_style(("sans-serif", 14))
+        .draw()
+        .map_err(|e| e.to_string())?;
+    Ok(chart)
+}
+
+/// The x axis of the wait-time charts.
+const WAITING: &str = "% of each step spent waiting for data";
+
 fn draw(
     buf: &mut [u8],
     size: (u32, u32),
@@ -75,18 +113,13 @@ fn draw(
     let label = |r: &RungResult| r.name.clone();
 
     // Left: the wait-time ratio of each loader.
-    let mut chart = ChartBuilder::on(&left)
-        .caption("wait-time ratio (steady state)", ("sans-serif", 20))
-        .margin(16)
-        .x_label_area_size(36)
-        .build_cartesian_2d(0f64..100f64, 0f64..rows)?;
-    chart
-        .configure_mesh()
-        .disable_y_mesh()
-        .disable_y_axis()
-        .x_desc("% of each step spent waiting for data")
-        .label_style(("sans-serif", 14))
-        .draw()?;
+    let mut chart = rows_chart(
+        &left,
+        "wait-time ratio (steady state)",
+        100.0,
+        WAITING,
+        rows,
+    )?;
     for (i, r) in rungs.iter().enumerate() {
         let y = rows - i as f64 - 1.0;
         let ratio = 100.0 * r.wait_ratio();
@@ -121,21 +154,13 @@ fn draw(
         })
         .fold(0.0, f64::max)
         .max(1e-3);
-    let mut chart = ChartBuilder::on(&right)
-        .caption(
-            "per step: waiting for the batch (red) vs computing (blue), trainer rank 0",
-            ("sans-serif", 20),
-        )
-        .margin(16)
-        .x_label_area_size(36)
-        .build_cartesian_2d(0f64..longest, 0f64..rows)?;
-    chart
-        .configure_mesh()
-        .disable_y_mesh()
-        .disable_y_axis()
-        .x_desc("seconds since the loop started")
-        .label_style(("sans-serif", 14))
-        .draw()?;
+    let mut chart = rows_chart(
+        &right,
+        "per step: waiting for the batch (red) vs computing (blue), trainer rank 0",
+        longest,
+        "seconds since the loop started",
+        rows,
+    )?;
     for (i, r) in rungs.iter().enumerate() {
         let y = rows - i as f64 - 1.0;
         let Some(steps) = r.steps.first() else {
@@ -175,21 +200,13 @@ where
     DB::ErrorType: 'static,
 {
     let rows = cells.len() as f64;
-    let mut chart = ChartBuilder::on(area)
-        .caption(
-            "scaling: wait-time ratio of the prefetching loader with copies (red) and feedstore (green)",
-            ("sans-serif", 20),
-        )
-        .margin(16)
-        .x_label_area_size(36)
-        .build_cartesian_2d(0f64..100f64, 0f64..rows)?;
-    chart
-        .configure_mesh()
-        .disable_y_mesh()
-        .disable_y_axis()
-        .x_desc("% of each step spent waiting for data")
-        .label_style(("sans-serif", 14))
-        .draw()?;
+    let mut chart = rows_chart(
+        area,
+        "scaling: wait-time ratio of the prefetching loader with copies (red) and feedstore (green)",
+        100.0,
+        WAITING,
+        rows,
+    )?;
     for (i, c) in cells.iter().enumerate() {
         let y = rows - i as f64 - 1.0;
         chart.draw_series(std::iter::once(Text::new(
