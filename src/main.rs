@@ -32,7 +32,7 @@ enum Command {
     /// and feedstore (an embedded daemon unless --socket is given); prints each one's wait-time
     /// ratio and samples/s, feedstore's per-rank figures, stage profile and store memory, and
     /// writes a JSON report.
-    Demo(demo::Args),
+    Demo(Box<demo::Args>),
     /// Exercise the store itself end to end: a producer thread writes large objects through the
     /// real socket and shared memory, reader threads verify every byte; then small round trips.
     Check(check::Args),
@@ -63,7 +63,7 @@ fn main() -> ExitCode {
     feedstore_store::cli::init_logging_with_default("warn");
     let result = match cli.command {
         Command::Stat(args) => stat::run(args),
-        Command::Demo(args) => demo::run(args),
+        Command::Demo(args) => demo::run(*args),
         Command::Check(args) => check::run(args),
         Command::Produce(args) => produce::run_produce(*args),
     };

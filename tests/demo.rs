@@ -40,6 +40,7 @@ fn the_demo_runs_the_ladder_and_delivers_every_sample_once() {
         .arg(&report)
         .arg("--plot")
         .arg(dir.join("plot.png"))
+        .env_remove("AWS_ENDPOINT_URL")
         .output()
         .unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);
@@ -118,6 +119,7 @@ fn the_demo_runs_the_ladder_and_delivers_every_sample_once() {
         .arg(dir.join("again.json"))
         .arg("--plot")
         .arg(dir.join("again.png"))
+        .env_remove("AWS_ENDPOINT_URL")
         .output()
         .unwrap();
     let stderr = String::from_utf8_lossy(&again.stderr);
@@ -142,5 +144,62 @@ fn the_demo_runs_the_ladder_and_delivers_every_sample_once() {
             assert!((0.0..=1.0).contains(&cell[loader]["wait_ratio"].as_f64().unwrap()));
         }
     }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn the_demo_serves_its_images_from_an_s3_endpoint() {
+    let moto = feedstore_testkit::moto::Moto::start().expect("moto_server (see .ci/run)");
+    let dir = scratch_dir("demo-s3");
+    let out = Command::new(env!("CARGO_BIN_EXE_feedstore"))
+        .args([
+            "demo",
+            "--records=32",
+            "--ranks=2",
+            "--batch=4",
+            "--steps=4",
+            "--no-ladder",
+        ])
+        .args(["--latency-ms=0-2", "--step-time=0.01", "--capacity=128MiB"])
+        .args(["--image-sides=64-128", "--s3-bucket=demo-test"])
+        .arg(format!("--s3-endpoint={}", moto.endpoint()))
+        .arg("--data-dir")
+        .arg(dir.join("data"))
+        .arg("--report")
+        .arg(dir.join("report.json"))
+        .arg("--plot")
+        .arg(dir.join("plot.png"))
+        .env("AWS_ACCESS_KEY_ID", "test")
+        .env("AWS_SECRET_ACCESS_KEY", "test")
+        .env("AWS_REGION", "us-east-1")
+        // Nothing from this machine's AWS set-up.
+        .env("AWS_CONFIG_FILE", dir.join("no-aws-config"))
+        .env(
+            "AWS_SHARED_CREDENTIALS_FILE",
+            dir.join("no-aws-credentials"),
+        )
+        .env("AWS_EC2_METADATA_DISABLED", "true")
+        .env_remove("AWS_PROFILE")
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+    assert!(
+        stderr.contains("uploading the data set's 32 images"),
+        "{stderr}"
+    );
+    assert!(stdout.contains("images in S3 at"), "{stdout}");
+    let report: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("report.json")).unwrap()).unwrap();
+    assert_eq!(report["settings"]["s3_endpoint"], moto.endpoint());
+    let mut delivered: Vec<u64> = report["feedstore"]["delivered_records"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .flat_map(|rank| rank.as_array().unwrap().iter().map(|r| r.as_u64().unwrap()))
+        .collect();
+    delivered.sort_unstable();
+    assert_eq!(delivered, (0..32).collect::<Vec<_>>());
     let _ = std::fs::remove_dir_all(&dir);
 }

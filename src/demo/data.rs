@@ -293,3 +293,97 @@ pub fn build(dir: &Path, records: u64, seed: u64, sides: (u32, u32)) -> anyhow::
         built: true,
     })
 }
+
+/// The data set's images in an S3 bucket: uploaded once (under a prefix named after the data
+/// set's settings, with a `STAMP` object written last), and a manifest whose images are
+/// `s3://` keys there.
+pub fn to_s3(
+    data: &DataSet,
+    client: &aws_sdk_s3::Client,
+    rt: &tokio::runtime::Runtime,
+    bucket: &str,
+) -> anyhow::Result<DataSet> {
+    let dir = data
+        .manifest
+        .parent()
+        .context("manifest without a folder")?;
+    let stamp = std::fs::read(dir.join("STAMP"))?;
+    let prefix = format!(
+        "feedstore-demo-{:016x}",
+        feedstore_proto::stream::sample_key(&[&stamp]) as u64
+    );
+    rt.block_on(async {
+        if let Err(e) = client.create_bucket().bucket(bucket).send().await {
+            let exists = e.as_service_error().is_some_and(|s| {
+                s.is_bucket_already_owned_by_you() || s.is_bucket_already_exists()
+            });
+            if !exists {
+                return Err(anyhow::anyhow!(
+                    "creating bucket {bucket}: {}",
+                    aws_sdk_s3::error::DisplayErrorContext(&e)
+                ));
+            }
+        }
+        let stamp_key = format!("{prefix}/STAMP");
+        let uploaded = client
+            .head_object()
+            .bucket(bucket)
+            .key(&stamp_key)
+            .send()
+            .await
+            .is_ok();
+        if !uploaded {
+            let files: Vec<_> = std::fs::read_dir(dir.join("images"))?
+                .map(|e| e.map(|e| e.path()))
+                .collect::<std::io::Result<_>>()?;
+            eprintln!(
+                "uploading the data set's {} images to s3://{bucket}/{prefix}/ once",
+                files.len()
+            );
+            for (i, path) in files.iter().enumerate() {
+                let name = path
+                    .file_name()
+                    .and_then(|n| n.to_str())
+                    .context("image name")?;
+                client
+                    .put_object()
+                    .bucket(bucket)
+                    .key(format!("{prefix}/images/{name}"))
+                    .body(std::fs::read(path)?.into())
+                    .send()
+                    .await
+                    .map_err(|e| {
+                        anyhow::anyhow!(
+                            "uploading {name}: {}",
+                            aws_sdk_s3::error::DisplayErrorContext(&e)
+                        )
+                    })?;
+                if (i + 1) % 64 == 0 {
+                    eprintln!("  {}/{} uploaded", i + 1, files.len());
+                }
+            }
+            client
+                .put_object()
+                .bucket(bucket)
+                .key(&stamp_key)
+                .body(stamp.clone().into())
+                .send()
+                .await
+                .map_err(|e| anyhow::anyhow!("{}", aws_sdk_s3::error::DisplayErrorContext(&e)))?;
+        }
+        anyhow::Ok(())
+    })?;
+    let manifest = dir.join(format!("data-s3-{bucket}.jsonl"));
+    let mut out = std::io::BufWriter::new(std::fs::File::create(&manifest)?);
+    for line in std::fs::read_to_string(&data.manifest)?.lines() {
+        let mut record: serde_json::Value = serde_json::from_str(line)?;
+        let image = record["image"].as_str().context("record without image")?;
+        record["image"] = format!("s3://{bucket}/{prefix}/{image}").into();
+        writeln!(out, "{record}")?;
+    }
+    out.flush()?;
+    Ok(DataSet {
+        manifest,
+        ..data.clone()
+    })
+}

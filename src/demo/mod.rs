@@ -24,6 +24,7 @@ use feedstore_producer::chat::ChatTokenizer;
 use feedstore_producer::feed::{FeedConfig, feed};
 use feedstore_producer::manifest::IndexedManifest;
 use feedstore_producer::pipeline::{Fetch, ProducerConfig};
+use feedstore_producer::s3::{S3Fetcher, S3Options};
 use feedstore_producer::vision::ResizeMode;
 use feedstore_proto::sample::{DType, TensorLayout};
 use feedstore_proto::stream::{Shuffle, StreamSpec, Tail};
@@ -51,6 +52,14 @@ pub struct Args {
     /// Records in the derived data set (built once per setting, then cached).
     #[arg(long, value_name = "N", default_value_t = 256)]
     records: u64,
+    /// Serve the images from this S3 endpoint instead of local files (the data set is uploaded
+    /// once to --s3-bucket; credentials from the standard AWS chain). The latency range is added
+    /// to the endpoint's own.
+    #[arg(long, value_name = "URL", env = "AWS_ENDPOINT_URL")]
+    s3_endpoint: Option<String>,
+    /// The bucket of the S3 mode (created if missing).
+    #[arg(long, value_name = "NAME", default_value = "feedstore-demo")]
+    s3_bucket: String,
     /// Long side of the derived images, in pixels, drawn from LOW-HIGH (SFT data's range).
     #[arg(long, value_name = "LOW-HIGH", default_value = "256-2048")]
     image_sides: String,
@@ -293,6 +302,22 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         .and_then(|(l, h)| Some((l.trim().parse().ok()?, h.trim().parse().ok()?)))
         .with_context(|| format!("--image-sides {:?}: expected LOW-HIGH", args.image_sides))?;
     let data = data::build(&data_dir, args.records, args.seed, sides)?;
+    let (data, s3) = match &args.s3_endpoint {
+        None => (data, None),
+        Some(endpoint) => {
+            let options = S3Options {
+                endpoint: Some(endpoint.clone()),
+                force_path_style: true,
+                ..S3Options::default()
+            };
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()?;
+            let fetcher = rt.block_on(S3Fetcher::new(&options));
+            let data = data::to_s3(&data, fetcher.client(), &rt, &args.s3_bucket)?;
+            (data, Some(options))
+        }
+    };
     let tokenizer_json = {
         use std::io::Read;
         let mut json = Vec::new();
@@ -335,14 +360,11 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     };
     config.transform.dtype = DType::BF16;
     config.transform.layout = TensorLayout::Chw;
-    let source: Arc<dyn Fn() -> Arc<dyn Fetch> + Send + Sync> = {
-        let seed = args.seed;
-        Arc::new(move || Arc::new(source::Delayed::new(low, high, seed)) as Arc<dyn Fetch>)
-    };
+    let source = sources(s3.clone(), args.seed)(low, high);
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     println!(
-        "feedstore demo: {} records ({}, {:.0} MB of images{}), images behind {}-{} ms per request, \
-         batch {}, {} steps per loader, {} CPU workers on {} cores",
+        "feedstore demo: {} records ({}, {:.0} MB of images{}), images {} behind {}-{} ms per \
+         request, batch {}, {} steps per loader, {} CPU workers on {} cores",
         data.records,
         data.manifest.display(),
         data.image_bytes as f64 / 1e6,
@@ -351,6 +373,9 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         } else {
             ", cached"
         },
+        args.s3_endpoint
+            .as_ref()
+            .map_or("on local disk".to_owned(), |e| format!("in S3 at {e}")),
         low.as_millis(),
         high.as_millis(),
         args.batch,
@@ -466,9 +491,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             let cell = Setup {
                 batch,
                 step_time: step_time.mul_f64(batch as f64 / args.batch as f64),
-                source: Arc::new(move || {
-                    Arc::new(source::Delayed::new(lo, hi, seed)) as Arc<dyn Fetch>
-                }),
+                source: sources(s3.clone(), seed)(lo, hi),
                 ..setup.clone()
             };
             let prefetch_batches = (args.prefetch as usize).div_ceil(batch).max(1);
@@ -521,6 +544,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             "fetch_concurrency": setup.config.fetch_concurrency,
             "prefetch": args.prefetch,
             "seed": args.seed,
+            "s3_endpoint": args.s3_endpoint,
         },
         "data": {
             "manifest": data.manifest,
@@ -572,6 +596,24 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         args.plot.display()
     );
     Ok(())
+}
+
+/// A fresh image source per loader, all with the same latencies: local files, or S3 (one
+/// client per loader, since a client's connections belong to the runtime that opened them).
+type Source = Arc<dyn Fn() -> Arc<dyn Fetch> + Send + Sync>;
+
+fn sources(s3: Option<S3Options>, seed: u64) -> impl Fn(Duration, Duration) -> Source {
+    move |low, high| match s3.clone() {
+        None => Arc::new(move || Arc::new(source::Delayed::new(low, high, seed)) as Arc<dyn Fetch>),
+        Some(options) => Arc::new(move || {
+            let fetcher = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .expect("a runtime to build the S3 client")
+                .block_on(S3Fetcher::new(&options));
+            Arc::new(source::Delayed::wrap(Arc::new(fetcher), low, high, seed)) as Arc<dyn Fetch>
+        }),
+    }
 }
 
 fn rung_json(r: &RungResult) -> serde_json::Value {

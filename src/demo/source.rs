@@ -1,4 +1,4 @@
-//! Where the demo's images come from: local files behind S3-like latency.
+//! Where the demo's images come from: local files (or an S3 endpoint) behind S3-like latency.
 //!
 //! Object stores answer each GET after tens of milliseconds however small the object; that
 //! per-request latency, not bandwidth, is what a serial loader pays per sample. The delay of each
@@ -9,16 +9,17 @@
 use std::collections::HashMap;
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bytes::Bytes;
 use feedstore_producer::manifest::ImageSource;
 use feedstore_producer::pipeline::{Fetch, FetchError, LocalFiles};
 
-/// Local files, each read after a per-request delay in `[low, high]`.
-#[derive(Debug)]
+/// Another source (local files by default), each request answered after a delay in
+/// `[low, high]`.
 pub struct Delayed {
+    inner: Arc<dyn Fetch>,
     low: Duration,
     high: Duration,
     seed: u64,
@@ -26,9 +27,15 @@ pub struct Delayed {
 }
 
 impl Delayed {
-    /// A source with delays drawn from `[low, high]`.
+    /// Local files with delays drawn from `[low, high]`.
     pub fn new(low: Duration, high: Duration, seed: u64) -> Delayed {
+        Delayed::wrap(Arc::new(LocalFiles), low, high, seed)
+    }
+
+    /// `inner` with delays drawn from `[low, high]` added to its own.
+    pub fn wrap(inner: Arc<dyn Fetch>, low: Duration, high: Duration, seed: u64) -> Delayed {
         Delayed {
+            inner,
             low,
             high: high.max(low),
             seed,
@@ -61,7 +68,7 @@ impl Fetch for Delayed {
     ) -> Pin<Box<dyn Future<Output = Result<Bytes, FetchError>> + Send + 'a>> {
         Box::pin(async move {
             tokio::time::sleep(self.delay(&source.to_string())).await;
-            LocalFiles.fetch(source).await
+            self.inner.fetch(source).await
         })
     }
 }
