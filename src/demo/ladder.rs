@@ -124,7 +124,16 @@ pub fn train(
     let mut steps = Vec::with_capacity(setup.steps);
     let mut samples = 0;
     let mut first_batch = 0.0;
+    let mut shown = Instant::now();
     for step in 0..setup.steps {
+        if shown.elapsed() >= Duration::from_secs(3) {
+            shown = Instant::now();
+            let waited: f64 = steps.iter().map(|s: &(f64, f64)| s.0).sum();
+            eprintln!(
+                "  step {step}/{}, {waited:.1} s spent waiting so far",
+                setup.steps
+            );
+        }
         let t = Instant::now();
         let got = next_batch()?;
         let wait = t.elapsed();
