@@ -1,51 +1,74 @@
 //! `feedstore demo`, the README's main job, as a user runs it (scaled down): the whole ladder and
-//! a feedstore run with two ranks over a freshly built data set. Checks the printed figures and
-//! the JSON report's structure, and that the feedstore ranks were handed every record of the
-//! epoch exactly once between them. Timings are printed, never asserted.
+//! a feedstore run with two ranks over a freshly built data set, the scaling view, and the S3
+//! mode against a real moto_server. Checks the printed figures, the JSON report's structure, the
+//! plot, and that the feedstore ranks were handed every record of the epoch exactly once between
+//! them. Timings are printed, never asserted.
 
 mod common;
 
-use std::process::Command;
+use std::path::Path;
+use std::process::{Command, Output};
 
 use common::scratch_dir;
 
-#[test]
-fn the_demo_runs_the_ladder_and_delivers_every_sample_once() {
-    let dir = scratch_dir("demo");
-    let report = dir.join("report.json");
-    let out = Command::new(env!("CARGO_BIN_EXE_feedstore"))
-        .args([
-            "demo",
-            "--records",
-            "32",
-            "--ranks",
-            "2",
-            "--batch",
-            "4",
-            "--steps",
-            "4",
-        ])
-        .args([
-            "--latency-ms",
-            "1-3",
-            "--step-time",
-            "0.01",
-            "--prefetch",
-            "8",
-        ])
-        .args(["--capacity", "256MiB", "--image-sides", "64-256"])
+/// Runs `feedstore demo` with `args`, its data set, report and plot in `dir`; returns the output
+/// and the report. `configure` adds to the command (environment, for S3).
+fn demo(
+    dir: &Path,
+    name: &str,
+    args: &[&str],
+    configure: impl FnOnce(&mut Command),
+) -> (Output, serde_json::Value) {
+    let report = dir.join(format!("{name}.json"));
+    let mut command = Command::new(env!("CARGO_BIN_EXE_feedstore"));
+    command
+        .arg("demo")
+        .args(args)
+        .args(["--records=32", "--image-sides=64-256", "--capacity=256MiB"])
         .arg("--data-dir")
         .arg(dir.join("data"))
         .arg("--report")
         .arg(&report)
         .arg("--plot")
-        .arg(dir.join("plot.png"))
-        .env_remove("AWS_ENDPOINT_URL")
-        .output()
-        .unwrap();
+        .arg(dir.join(format!("{name}.png")))
+        .env_remove("AWS_ENDPOINT_URL");
+    configure(&mut command);
+    let out = command.output().unwrap();
+    assert!(
+        out.status.success(),
+        "{}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let report = serde_json::from_str(&std::fs::read_to_string(&report).unwrap()).unwrap();
+    (out, report)
+}
+
+/// Every record the feedstore run's ranks were handed, sorted.
+fn delivered(report: &serde_json::Value) -> Vec<u64> {
+    let mut records: Vec<u64> = report["feedstore"]["delivered_records"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .flat_map(|rank| rank.as_array().unwrap().iter().map(|r| r.as_u64().unwrap()))
+        .collect();
+    records.sort_unstable();
+    records
+}
+
+#[test]
+fn the_demo_runs_the_ladder_and_delivers_every_sample_once() {
+    let dir = scratch_dir("demo");
+    let (out, report) = demo(
+        &dir,
+        "ladder",
+        &["--ranks=2", "--batch=4", "--steps=4", "--latency-ms=1-3"],
+        |c| {
+            c.args(["--step-time=0.01", "--prefetch=8"]);
+        },
+    );
     let stdout = String::from_utf8_lossy(&out.stdout);
     let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "{stdout}\n{stderr}");
     assert!(
         stderr.contains("building the demo data set once"),
         "{stderr}"
@@ -63,9 +86,6 @@ fn the_demo_runs_the_ladder_and_delivers_every_sample_once() {
     ] {
         assert!(stdout.contains(line), "{line:?} missing from:\n{stdout}");
     }
-
-    let report: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&report).unwrap()).unwrap();
     let ladder = report["ladder"].as_array().unwrap();
     assert_eq!(ladder.len(), 4);
     for rung in ladder {
@@ -84,53 +104,27 @@ fn the_demo_runs_the_ladder_and_delivers_every_sample_once() {
     assert!(feedstore["profile"]["verdict"].as_str().unwrap().len() > 10);
     assert!(feedstore["store"]["used_bytes"].as_u64().unwrap() > 0);
     assert_eq!(report["settings"]["records"], 32);
-    let plot = image::open(dir.join("plot.png")).expect("a PNG plot");
+    let plot = image::open(dir.join("ladder.png")).expect("a PNG plot");
     assert!(plot.width() >= 800 && plot.height() >= 300);
-
     // 2 ranks x 4 steps x 4 samples = one epoch of 32 records: each handed out exactly once.
-    let mut delivered: Vec<u64> = feedstore["delivered_records"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .flat_map(|rank| rank.as_array().unwrap().iter().map(|r| r.as_u64().unwrap()))
-        .collect();
-    delivered.sort_unstable();
-    assert_eq!(delivered, (0..32).collect::<Vec<_>>());
+    assert_eq!(delivered(&report), (0..32).collect::<Vec<_>>());
 
     // A second run reuses the data set, and adds the scaling view.
-    let again = Command::new(env!("CARGO_BIN_EXE_feedstore"))
-        .args([
-            "demo",
-            "--records=32",
-            "--ranks=1",
-            "--batch=4",
-            "--steps=2",
-        ])
-        .args([
-            "--latency-ms=0-1",
-            "--step-time=0",
-            "--no-ladder",
-            "--scaling",
-        ])
-        .args(["--capacity=128MiB", "--image-sides=64-256"])
-        .arg("--data-dir")
-        .arg(dir.join("data"))
-        .arg("--report")
-        .arg(dir.join("again.json"))
-        .arg("--plot")
-        .arg(dir.join("again.png"))
-        .env_remove("AWS_ENDPOINT_URL")
-        .output()
-        .unwrap();
-    let stderr = String::from_utf8_lossy(&again.stderr);
-    assert!(again.status.success(), "{stderr}");
-    assert!(!stderr.contains("building"), "{stderr}");
-    let stdout = String::from_utf8_lossy(&again.stdout);
-    assert!(stdout.contains("cached"), "{stdout}");
-    assert!(stdout.contains("scaling"), "{stdout}");
-    let again: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(dir.join("again.json")).unwrap()).unwrap();
-    let cells = again["scaling"].as_array().unwrap();
+    let (out, report) = demo(
+        &dir,
+        "scaling",
+        &["--ranks=1", "--batch=4", "--steps=2", "--latency-ms=0-1"],
+        |c| {
+            c.args(["--step-time=0", "--no-ladder", "--scaling"]);
+        },
+    );
+    assert!(!String::from_utf8_lossy(&out.stderr).contains("building"));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        stdout.contains("cached") && stdout.contains("scaling"),
+        "{stdout}"
+    );
+    let cells = report["scaling"].as_array().unwrap();
     // 1, 2 and 4 ranks; half and double the batch; three times the latency.
     assert_eq!(cells.len(), 6, "{cells:?}");
     for cell in cells {
@@ -151,55 +145,34 @@ fn the_demo_runs_the_ladder_and_delivers_every_sample_once() {
 fn the_demo_serves_its_images_from_an_s3_endpoint() {
     let moto = feedstore_testkit::moto::Moto::start().expect("moto_server (see .ci/run)");
     let dir = scratch_dir("demo-s3");
-    let out = Command::new(env!("CARGO_BIN_EXE_feedstore"))
-        .args([
-            "demo",
-            "--records=32",
-            "--ranks=2",
-            "--batch=4",
-            "--steps=4",
-            "--no-ladder",
-        ])
-        .args(["--latency-ms=0-2", "--step-time=0.01", "--capacity=128MiB"])
-        .args(["--image-sides=64-128", "--s3-bucket=demo-test"])
-        .arg(format!("--s3-endpoint={}", moto.endpoint()))
-        .arg("--data-dir")
-        .arg(dir.join("data"))
-        .arg("--report")
-        .arg(dir.join("report.json"))
-        .arg("--plot")
-        .arg(dir.join("plot.png"))
-        .env("AWS_ACCESS_KEY_ID", "test")
-        .env("AWS_SECRET_ACCESS_KEY", "test")
-        .env("AWS_REGION", "us-east-1")
-        // Nothing from this machine's AWS set-up.
-        .env("AWS_CONFIG_FILE", dir.join("no-aws-config"))
-        .env(
-            "AWS_SHARED_CREDENTIALS_FILE",
-            dir.join("no-aws-credentials"),
-        )
-        .env("AWS_EC2_METADATA_DISABLED", "true")
-        .env_remove("AWS_PROFILE")
-        .output()
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout);
+    let (out, report) = demo(
+        &dir,
+        "s3",
+        &["--ranks=2", "--batch=4", "--steps=4", "--latency-ms=0-2"],
+        |c| {
+            c.args(["--step-time=0.01", "--no-ladder", "--s3-bucket=demo-test"])
+                .arg(format!("--s3-endpoint={}", moto.endpoint()))
+                .env("AWS_ACCESS_KEY_ID", "test")
+                .env("AWS_SECRET_ACCESS_KEY", "test")
+                .env("AWS_REGION", "us-east-1")
+                // Nothing from this machine's AWS set-up.
+                .env("AWS_CONFIG_FILE", dir.join("no-aws-config"))
+                .env(
+                    "AWS_SHARED_CREDENTIALS_FILE",
+                    dir.join("no-aws-credentials"),
+                )
+                .env("AWS_EC2_METADATA_DISABLED", "true")
+                .env_remove("AWS_PROFILE");
+        },
+    );
     let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "{stdout}\n{stderr}");
     assert!(
         stderr.contains("uploading the data set's 32 images"),
         "{stderr}"
     );
+    let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(stdout.contains("images in S3 at"), "{stdout}");
-    let report: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(dir.join("report.json")).unwrap()).unwrap();
     assert_eq!(report["settings"]["s3_endpoint"], moto.endpoint());
-    let mut delivered: Vec<u64> = report["feedstore"]["delivered_records"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .flat_map(|rank| rank.as_array().unwrap().iter().map(|r| r.as_u64().unwrap()))
-        .collect();
-    delivered.sort_unstable();
-    assert_eq!(delivered, (0..32).collect::<Vec<_>>());
+    assert_eq!(delivered(&report), (0..32).collect::<Vec<_>>());
     let _ = std::fs::remove_dir_all(&dir);
 }
