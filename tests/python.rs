@@ -18,15 +18,6 @@ fn interpreter() -> String {
     })
 }
 
-/// `target/<profile>`, where cargo put this test, the binaries and the extension.
-fn target_dir() -> PathBuf {
-    let exe = std::env::current_exe().unwrap();
-    exe.parent()
-        .and_then(|deps| deps.parent())
-        .unwrap()
-        .to_owned()
-}
-
 #[test]
 fn python_package_tests_pass() {
     let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
@@ -67,7 +58,7 @@ fn python_package_tests_pass() {
         }
     }
     std::fs::copy(
-        target_dir().join("lib_native.so"),
+        feedstore_testkit::target_dir().join("lib_native.so"),
         package.join("_native.so"),
     )
     .unwrap();

@@ -10,15 +10,6 @@ use feedstore_consumer::{ConnectOptions, Delivery, Made, Role, StreamFeeder, Str
 use feedstore_proto::sample::{DType, SampleInfo, SamplePlan, TensorLayout};
 use feedstore_proto::stream::{Shuffle, StreamSpec, StreamState, Tail};
 
-/// `target/<profile>`, where cargo put this test and the library.
-fn target_dir() -> PathBuf {
-    let exe = std::env::current_exe().unwrap();
-    exe.parent()
-        .and_then(|deps| deps.parent())
-        .unwrap()
-        .to_owned()
-}
-
 #[test]
 fn the_c_example_reads_a_stream() {
     let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
@@ -39,7 +30,7 @@ fn the_c_example_reads_a_stream() {
         "{}",
         String::from_utf8_lossy(&build.stderr)
     );
-    let library = target_dir().join("libfeedstore_c.a");
+    let library = feedstore_testkit::target_dir().join("libfeedstore_c.a");
     assert!(library.exists(), "{} not built", library.display());
     let binary = dir.join("read_stream");
     let gcc = Command::new("gcc")

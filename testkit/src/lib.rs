@@ -23,3 +23,13 @@
 
 pub mod moto;
 pub mod proxy;
+
+/// `target/<profile>` of the running test executable: where cargo put it, the workspace's
+/// binaries and the libraries a test builds with a nested `cargo build` of the same profile.
+pub fn target_dir() -> std::path::PathBuf {
+    let exe = std::env::current_exe().expect("the test executable's path");
+    exe.parent()
+        .and_then(|deps| deps.parent())
+        .expect("tests run from target/<profile>/deps")
+        .to_owned()
+}
