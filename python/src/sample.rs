@@ -374,23 +374,23 @@ impl Sample {
     /// Token ids: a read-only uint32 array in shared memory.
     #[getter]
     fn tokens<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, PyAny>> {
-        let info = slf.get().parsed()?.tokens.clone();
-        Sample::array(slf, &info, Elem::U32)
+        Sample::array(slf, &slf.get().parsed()?.tokens, Elem::U32)
     }
 
     /// Labels (-100 where the loss is masked): a read-only int32 array in shared memory.
     #[getter]
     fn labels<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, PyAny>> {
-        let info = slf.get().parsed()?.labels.clone();
-        Sample::array(slf, &info, Elem::I32)
+        Sample::array(slf, &slf.get().parsed()?.labels, Elem::I32)
     }
 
     /// The image tensors: read-only arrays in shared memory (bfloat16 shows as uint16 bits;
     /// use `tensor(i)` with `torch.from_dlpack` for a real bfloat16 tensor).
     #[getter]
     fn images<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, PyList>> {
-        let images = slf.get().parsed()?.images.clone();
-        let arrays = images
+        let arrays = slf
+            .get()
+            .parsed()?
+            .images
             .iter()
             .map(|info| Sample::array(slf, info, Elem::of(info.dtype)))
             .collect::<PyResult<Vec<_>>>()?;
