@@ -33,19 +33,7 @@ fn python_package_tests_pass() {
         String::from_utf8_lossy(&check.stderr)
     );
 
-    // `cargo test` does not build cdylibs of other packages: build the extension with the same
-    // profile into the same target directory.
-    let mut build = Command::new(env!("CARGO"));
-    build.args(["build", "--locked", "-p", "feedstore-python", "--lib"]);
-    if !cfg!(debug_assertions) {
-        build.arg("--release");
-    }
-    let build = build.current_dir(&root).output().unwrap();
-    assert!(
-        build.status.success(),
-        "{}",
-        String::from_utf8_lossy(&build.stderr)
-    );
+    let target = feedstore_testkit::build_library("feedstore-python");
 
     let stage = std::env::temp_dir().join(format!("feedstore-python-{}", std::process::id()));
     let package = stage.join("feedstore");
@@ -57,11 +45,7 @@ fn python_package_tests_pass() {
             std::fs::copy(&path, package.join(path.file_name().unwrap())).unwrap();
         }
     }
-    std::fs::copy(
-        feedstore_testkit::target_dir().join("lib_native.so"),
-        package.join("_native.so"),
-    )
-    .unwrap();
+    std::fs::copy(target.join("lib_native.so"), package.join("_native.so")).unwrap();
 
     let bin_dir = Path::new(env!("CARGO_BIN_EXE_feedstored"))
         .parent()

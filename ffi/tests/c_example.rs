@@ -17,20 +17,8 @@ fn the_c_example_reads_a_stream() {
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
 
-    // `cargo test` builds only the rlib; the C library comes from a build of the same profile
-    // into the same target directory.
-    let mut build = Command::new(env!("CARGO"));
-    build.args(["build", "--locked", "-p", "feedstore-ffi", "--lib"]);
-    if !cfg!(debug_assertions) {
-        build.arg("--release");
-    }
-    let build = build.current_dir(&root).output().unwrap();
-    assert!(
-        build.status.success(),
-        "{}",
-        String::from_utf8_lossy(&build.stderr)
-    );
-    let library = feedstore_testkit::target_dir().join("libfeedstore_c.a");
+    let target = feedstore_testkit::build_library("feedstore-ffi");
+    let library = target.join("libfeedstore_c.a");
     assert!(library.exists(), "{} not built", library.display());
     let binary = dir.join("read_stream");
     let gcc = Command::new("gcc")

@@ -61,6 +61,17 @@ impl RungResult {
         ratio(self.steps.iter().flat_map(|s| steady(s)))
     }
 
+    /// The result of one trainer's `train`.
+    fn single(name: &str, started: Instant, (steps, samples, first): (Steps, u64, f64)) -> Self {
+        RungResult {
+            name: name.into(),
+            steps: vec![steps],
+            samples,
+            wall: started.elapsed().as_secs_f64(),
+            first_batch: vec![first],
+        }
+    }
+
     /// Samples per second in the steady state (after each rank's first batch), over all ranks:
     /// what a long run sustains. The cold start is `first_batch`.
     pub fn samples_per_sec(&self) -> f64 {
@@ -213,7 +224,7 @@ pub fn serial(setup: &Setup) -> anyhow::Result<RungResult> {
     let mut scratch = Scratch::default();
     let mut next = 0u64;
     let mut batch = Vec::with_capacity(setup.batch);
-    let (steps, samples, first) = train(setup, started, || {
+    let trained = train(setup, started, || {
         batch.clear();
         for _ in 0..setup.batch {
             let t = Instant::now();
@@ -224,13 +235,11 @@ pub fn serial(setup: &Setup) -> anyhow::Result<RungResult> {
         }
         Ok(batch.len())
     })?;
-    Ok(RungResult {
-        name: "0 serial loader in the training loop".into(),
-        steps: vec![steps],
-        samples,
-        wall: started.elapsed().as_secs_f64(),
-        first_batch: vec![first],
-    })
+    Ok(RungResult::single(
+        "0 serial loader in the training loop",
+        started,
+        trained,
+    ))
 }
 
 /// One batch made with every image fetched at once and the samples spread over `workers`
@@ -289,18 +298,16 @@ pub fn concurrent(setup: &Setup) -> anyhow::Result<RungResult> {
     let source = (setup.source)();
     let profiler = Profiler::default();
     let mut next = 0u64;
-    let (steps, samples, first) = train(setup, started, || {
+    let trained = train(setup, started, || {
         let batch = make_batch(setup, &rt, &*source, &profiler, next)?;
         next += setup.batch as u64;
         Ok(batch.len())
     })?;
-    Ok(RungResult {
-        name: "1 + concurrent fetch and CPU workers".into(),
-        steps: vec![steps],
-        samples,
-        wall: started.elapsed().as_secs_f64(),
-        first_batch: vec![first],
-    })
+    Ok(RungResult::single(
+        "1 + concurrent fetch and CPU workers",
+        started,
+        trained,
+    ))
 }
 
 /// Rung 2: rung 1's batches made ahead in the background (up to `prefetch` batches) and handed

@@ -33,3 +33,24 @@ pub fn target_dir() -> std::path::PathBuf {
         .expect("tests run from target/<profile>/deps")
         .to_owned()
 }
+
+/// Builds `package`'s library with the running test's profile into the same target directory
+/// (`cargo test` builds neither cdylibs nor staticlibs of other packages), and returns that
+/// directory.
+pub fn build_library(package: &str) -> std::path::PathBuf {
+    let mut build = std::process::Command::new(env!("CARGO"));
+    build.args(["build", "--locked", "-p", package, "--lib"]);
+    if !cfg!(debug_assertions) {
+        build.arg("--release");
+    }
+    let out = build
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .output()
+        .expect("running cargo");
+    assert!(
+        out.status.success(),
+        "building {package}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    target_dir()
+}
