@@ -264,11 +264,8 @@ fn main() {
         let consumer = {
             let (socket, spec) = (socket.clone(), spec.clone());
             std::thread::spawn(move || {
-                let options = StreamOptions {
-                    depth: 32,
-                    ..StreamOptions::default()
-                };
-                let mut stream = Stream::open(&socket, &spec, 0, None, options).unwrap();
+                let mut stream =
+                    Stream::open(&socket, &spec, 0, None, StreamOptions::default()).unwrap();
                 // Timed from the first sample, so the cold start is not in epoch 1's rate.
                 let (mut first, mut boundary) = (None, Duration::ZERO);
                 for sample in &mut stream {

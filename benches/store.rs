@@ -182,13 +182,21 @@ fn get_vs_ping_pong(writer: &Client, reader: &Client, socket: &Path, dir: &Path,
     let h = writer.put(&vec![7u8; 4 << 20]).unwrap();
     // The exact frame sizes a get exchanges.
     let (mut req, mut resp) = (Vec::new(), Vec::new());
-    Request::Get { handles: vec![h] }.encode(1, &mut req);
+    Request::Get { handles: vec![h] }
+        .encode(1, feedstore_proto::frame::MAX_PAYLOAD_BYTES, &mut req)
+        .unwrap();
     Response::Got(vec![Ok(feedstore_proto::Location {
         segment: 0,
         offset: 0,
         len: 1,
     })])
-    .encode(feedstore_proto::frame::Opcode::Get, 1, &mut resp);
+    .encode(
+        feedstore_proto::frame::Opcode::Get,
+        1,
+        feedstore_proto::frame::MAX_PAYLOAD_BYTES,
+        &mut resp,
+    )
+    .unwrap();
     let echo_socket = dir.join("echo.sock");
     let echo = spawn_echo(&echo_socket, req.len(), resp.len());
     pin(echo.0.id(), last_cpu());
@@ -207,7 +215,6 @@ fn get_vs_ping_pong(writer: &Client, reader: &Client, socket: &Path, dir: &Path,
         0,
         None,
         StreamOptions {
-            depth: 1024,
             return_batch: 256,
             ..StreamOptions::default()
         },
@@ -560,7 +567,6 @@ fn stream_throughput(writer: &Client, socket: &Path, scale: u64) {
                         rank,
                         None,
                         StreamOptions {
-                            depth: 256,
                             return_batch: 32,
                             ..StreamOptions::default()
                         },

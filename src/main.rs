@@ -42,10 +42,21 @@ enum Command {
     Produce(Box<produce::Args>),
 }
 
+/// Lets `feedstore stat | head -3` end quietly, as Unix tools do: Rust ignores `SIGPIPE`, so a
+/// write to a closed pipe would otherwise fail and `println!` panic.
+fn restore_sigpipe() {
+    use nix::sys::signal::{SigHandler, Signal, signal};
+    // SAFETY: installs the default disposition, no handler: nothing runs in signal context,
+    // and no other thread exists yet to race on the disposition.
+    let _ = unsafe { signal(Signal::SIGPIPE, SigHandler::SigDfl) };
+}
+
 /// The socket flag shared by subcommands.
 #[derive(Debug, clap::Args)]
 struct SocketArg {
-    /// The daemon's socket [default: $FEEDSTORE_SOCKET or /tmp/feedstore-<uid>.sock].
+    /// The daemon's socket [default: $FEEDSTORE_SOCKET, else this user's daemon
+    /// ($XDG_RUNTIME_DIR/feedstore/feedstore.sock or /tmp/feedstore-<uid>/feedstore.sock; root:
+    /// /run/feedstore/feedstore.sock), else the system daemon's].
     #[arg(long, value_name = "PATH")]
     socket: Option<PathBuf>,
 }
@@ -54,11 +65,12 @@ impl SocketArg {
     fn path(&self) -> PathBuf {
         self.socket
             .clone()
-            .unwrap_or_else(feedstore_proto::default_socket_path)
+            .unwrap_or_else(feedstore_proto::client_socket_path)
     }
 }
 
 fn main() -> ExitCode {
+    restore_sigpipe();
     let cli = Cli::parse();
     feedstore_store::cli::init_logging_with_default("warn");
     let result = match cli.command {

@@ -27,44 +27,30 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let s = client.stats().context("reading statistics")?;
     let streams = client.streams().context("listing streams")?;
     if args.json {
-        println!(
-            "{{\"capacity_bytes\":{},\"used_bytes\":{},\"free_bytes\":{},\"largest_free_bytes\":{},\
-             \"fragmentation\":{:.4},\"objects_sealed\":{},\"objects_writing\":{},\"objects_pinned\":{},\
-             \"objects_delete_pending\":{},\"leases\":{},\"clients\":{},\"evictions\":{},\"evicted_bytes\":{},\
-             \"creates_waited\":{},\"creates_full\":{},\"aborted_on_disconnect\":{},\"leases_reclaimed\":{},\
-             \"segments\":{},\"huge_pages\":{},\"cache_lookups\":{},\"cache_hits\":{},\"cache_entries\":{},\
-             \"streams\":[{}]}}",
-            s.capacity_bytes,
-            s.used_bytes,
-            s.free_bytes(),
-            s.largest_free_bytes,
-            s.fragmentation(),
-            s.objects_sealed,
-            s.objects_writing,
-            s.objects_pinned,
-            s.objects_delete_pending,
-            s.leases,
-            s.clients,
-            s.evictions,
-            s.evicted_bytes,
-            s.creates_waited,
-            s.creates_full,
-            s.aborted_on_disconnect,
-            s.leases_reclaimed,
-            s.segments,
-            s.huge_pages != 0,
-            s.cache_lookups,
-            s.cache_hits,
-            s.cache_entries,
+        let mut object: serde_json::Map<String, serde_json::Value> = s
+            .named()
+            .into_iter()
+            .map(|(name, value)| (name.to_owned(), value.into()))
+            .collect();
+        object.insert("free_bytes".into(), s.free_bytes().into());
+        object.insert("fragmentation".into(), s.fragmentation().into());
+        object.insert("huge_pages".into(), (s.huge_pages != 0).into());
+        object.insert(
+            "streams".into(),
             streams
                 .iter()
-                .map(|t| format!(
-                    "{{\"name\":{:?},\"depth\":{},\"producers\":{},\"consumers\":{},\"ranks\":{},\"ready\":{},\"making\":{},\"put\":{},\"returned\":{},\"slowest\":{},\"fastest\":{},\"cold_start_us\":{}}}",
-                    t.name, t.depth, t.producers, t.consumers, t.ranks, t.ready, t.making, t.put, t.returned, t.slowest, t.fastest, t.cold_start_us
-                ))
-                .collect::<Vec<_>>()
-                .join(",")
+                .map(|t| {
+                    serde_json::json!({
+                        "id": t.id, "name": t.name, "depth": t.depth, "producers": t.producers,
+                        "consumers": t.consumers, "ranks": t.ranks, "ready": t.ready,
+                        "making": t.making, "put": t.put, "returned": t.returned,
+                        "slowest": t.slowest, "fastest": t.fastest,
+                        "cold_start_us": t.cold_start_us,
+                    })
+                })
+                .collect(),
         );
+        println!("{}", serde_json::Value::Object(object));
         return Ok(());
     }
     let pct = |a: u64, b: u64| {
@@ -118,6 +104,12 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     println!(
         "  crash recovery  {} unsealed objects aborted, {} leases reclaimed",
         s.aborted_on_disconnect, s.leases_reclaimed
+    );
+    println!(
+        "  limits          {} requests refused by a limit, {} rings, {} idle streams expired",
+        s.limits_hit,
+        format_bytes(s.ring_bytes),
+        s.streams_expired
     );
     println!(
         "  decode-once     {} lookups, {:.1}% hits, {} samples known",

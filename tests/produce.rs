@@ -605,11 +605,8 @@ fn produce_feeds_a_stream_that_ranks_read_in_order() {
     };
     let mut seen = Vec::new();
     for rank in 0..2 {
-        let options = StreamOptions {
-            depth: 4,
-            ..StreamOptions::default()
-        };
-        let mut stream = Stream::open(&daemon.socket, &spec, rank, None, options).unwrap();
+        let mut stream =
+            Stream::open(&daemon.socket, &spec, rank, None, StreamOptions::default()).unwrap();
         let mut got = Vec::new();
         for sample in &mut stream {
             let sample = sample.unwrap();
@@ -723,10 +720,7 @@ fn produce_resumes_a_stream_from_saved_states() {
         }
         cmd.spawn().unwrap()
     };
-    let options = || StreamOptions {
-        depth: 4,
-        ..StreamOptions::default()
-    };
+    let options = StreamOptions::default;
     let id = |sample: &feedstore_consumer::StreamSample| sample.view().unwrap().id().to_owned();
 
     // First run: read 7 samples, save the state, then everything dies.

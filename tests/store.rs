@@ -4,14 +4,13 @@
 mod common;
 
 use std::io::{Read, Write};
-use std::os::fd::{FromRawFd, OwnedFd, RawFd};
 use std::os::unix::fs::PermissionsExt;
 use std::os::unix::net::UnixStream;
 use std::time::Duration;
 
 use common::*;
 use feedstore_consumer::{CreateOptions, Error, Handle, Role};
-use feedstore_proto::frame::{Frame, MAX_PAYLOAD_BYTES, Request, Response};
+use feedstore_proto::frame::{Request, Response};
 use feedstore_shm::{Access, Mapping};
 use nix::sys::signal::Signal;
 
@@ -76,11 +75,6 @@ fn child_process() {
                 println!("H {h}");
             }
         }
-        // Connect and report the outcome.
-        Some("connect") => match feedstore_consumer::Client::connect_reader() {
-            Ok(c) => say(format!("ok {}", c.stats().unwrap().clients)),
-            Err(e) => say(format!("err {e}")),
-        },
         other => panic!("unknown child task {other:?}"),
     }
 }
@@ -166,49 +160,13 @@ fn mapping_perms(ptr: *const u8) -> String {
     panic!("{ptr:?} is not mapped");
 }
 
-/// The hello handshake by hand, to get at the descriptors a reader is given.
-fn raw_hello(socket: &std::path::Path, role: Role) -> (UnixStream, Vec<OwnedFd>, Response) {
-    let stream = UnixStream::connect(socket).unwrap();
-    let mut out = Vec::new();
-    Request::Hello {
-        role,
-        client_name: "raw".into(),
-    }
-    .encode(1, &mut out);
-    (&stream).write_all(&out).unwrap();
-    let mut buf = vec![0u8; 4096];
-    let mut cmsg = nix::cmsg_space!([RawFd; 16]);
-    let mut iov = [std::io::IoSliceMut::new(&mut buf)];
-    let msg = nix::sys::socket::recvmsg::<()>(
-        std::os::fd::AsRawFd::as_raw_fd(&stream),
-        &mut iov,
-        Some(&mut cmsg),
-        nix::sys::socket::MsgFlags::MSG_CMSG_CLOEXEC,
-    )
-    .unwrap();
-    let mut fds = Vec::new();
-    for c in msg.cmsgs().unwrap() {
-        if let nix::sys::socket::ControlMessageOwned::ScmRights(raw) = c {
-            // SAFETY: received just now by SCM_RIGHTS; owned by nobody else.
-            fds.extend(
-                raw.into_iter()
-                    .map(|fd| unsafe { OwnedFd::from_raw_fd(fd) }),
-            );
-        }
-    }
-    let n = msg.bytes;
-    let frame = Frame::parse(&buf[..n], MAX_PAYLOAD_BYTES).unwrap().unwrap();
-    let response = Response::decode(&frame).unwrap();
-    (stream, fds, response)
-}
-
 #[test]
 fn reader_cannot_write() {
     let _w = watchdog("reader_cannot_write", LIMIT);
     let dir = scratch_dir("reader-ro");
     let daemon = DaemonProcess::start(&dir, &[]);
     // 1. The descriptor a reader receives refuses a writable mapping.
-    let (_stream, fds, response) = raw_hello(&daemon.socket, Role::Reader);
+    let (_raw, response, fds) = RawClient::hello(&daemon.socket, Role::Reader, "raw");
     let Response::Hello { segments, .. } = response else {
         panic!("{response:?}")
     };
@@ -542,8 +500,10 @@ fn hello_bytes() -> Vec<u8> {
     Request::Hello {
         role: Role::Writer,
         client_name: "raw".into(),
+        max_frame_bytes: feedstore_proto::frame::MAX_PAYLOAD_BYTES,
     }
-    .encode(1, &mut out);
+    .encode(1, feedstore_proto::frame::MAX_PAYLOAD_BYTES, &mut out)
+    .unwrap();
     out
 }
 
@@ -562,7 +522,9 @@ fn malformed_frames_are_rejected() {
     send_raw_expect_close(&daemon.socket, b"GET / HTTP/1.1\r\n\r\n");
     // A valid header announcing a payload over the maximum.
     let mut oversized = Vec::new();
-    Request::Stats.encode(1, &mut oversized);
+    Request::Stats
+        .encode(1, feedstore_proto::frame::MAX_PAYLOAD_BYTES, &mut oversized)
+        .unwrap();
     oversized[12..16].copy_from_slice(&(64u32 << 20).to_le_bytes());
     send_raw_expect_close(&daemon.socket, &oversized);
     // Another protocol version.
@@ -571,7 +533,9 @@ fn malformed_frames_are_rejected() {
     send_raw_expect_close(&daemon.socket, &version);
     // A request before hello.
     let mut early = Vec::new();
-    Request::Stats.encode(1, &mut early);
+    Request::Stats
+        .encode(1, feedstore_proto::frame::MAX_PAYLOAD_BYTES, &mut early)
+        .unwrap();
     send_raw_expect_close(&daemon.socket, &early);
     // A truncated frame, then end of stream.
     let hello = hello_bytes();
@@ -582,14 +546,18 @@ fn malformed_frames_are_rejected() {
     // A frame whose element count lies about its length.
     let mut lying = hello_bytes();
     let mut get = Vec::new();
-    Request::Get { handles: vec![h] }.encode(2, &mut get);
+    Request::Get { handles: vec![h] }
+        .encode(2, feedstore_proto::frame::MAX_PAYLOAD_BYTES, &mut get)
+        .unwrap();
     get[16..20].copy_from_slice(&1000u32.to_le_bytes());
     lying.extend_from_slice(&get);
     send_raw_expect_close(&daemon.socket, &lying);
     // An unknown opcode after a good hello.
     let mut unknown = hello_bytes();
     let mut stats = Vec::new();
-    Request::Stats.encode(2, &mut stats);
+    Request::Stats
+        .encode(2, feedstore_proto::frame::MAX_PAYLOAD_BYTES, &mut stats)
+        .unwrap();
     stats[4] = 0x55;
     unknown.extend_from_slice(&stats);
     send_raw_expect_close(&daemon.socket, &unknown);
@@ -836,90 +804,6 @@ fn huge_page_segments_serve_objects() {
     assert!(String::from_utf8_lossy(&text.stdout).contains("huge pages"));
     drop(lease);
     drop(daemon); // before the reserve is given back
-}
-
-/// Spawns the `connect` child as uid 65534 with primary gid `gid` and `nogroup` (65534) as a
-/// supplementary group, and returns what it reports.
-fn connect_as_nobody(socket: &std::path::Path, gid: u32) -> String {
-    use std::os::unix::process::CommandExt;
-    let mut cmd = std::process::Command::new(std::env::current_exe().unwrap());
-    cmd.args([
-        "--ignored",
-        "--exact",
-        "child_process",
-        "--nocapture",
-        "--test-threads=1",
-    ])
-    .env(CHILD_ENV, "connect")
-    .env("FEEDSTORE_SOCKET", socket)
-    .stdout(std::process::Stdio::piped());
-    let drop_privileges = move || -> std::io::Result<()> {
-        use nix::unistd::{Gid, Uid, setgid, setgroups, setuid};
-        setgroups(&[Gid::from_raw(65534)])?;
-        setgid(Gid::from_raw(gid))?;
-        setuid(Uid::from_raw(65534))?;
-        Ok(())
-    };
-    // SAFETY: the closure makes only async-signal-safe system calls (setgroups, setgid, setuid)
-    // between fork and exec, and allocates nothing.
-    unsafe { cmd.pre_exec(drop_privileges) };
-    let out = cmd.output().unwrap();
-    let text = String::from_utf8_lossy(&out.stdout);
-    let at = text
-        .find("READY")
-        .unwrap_or_else(|| panic!("child said: {text}"));
-    text[at + "READY".len()..]
-        .lines()
-        .next()
-        .unwrap()
-        .trim()
-        .to_owned()
-}
-
-#[test]
-fn peer_credentials_are_checked() {
-    let _w = watchdog("peer_credentials_are_checked", LIMIT);
-    if !nix::unistd::geteuid().is_root() {
-        eprintln!(
-            "SKIPPED peer_credentials_are_checked: needs root to run a client as another uid"
-        );
-        return;
-    }
-    let dir = scratch_dir("peercred");
-    std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o755)).unwrap();
-    // The socket is group-accessible to nogroup, so uid 65534 (supplementary nogroup) can open
-    // it; SO_PEERCRED reports its primary gid 1000 and uid 65534, which the daemon does not allow.
-    let daemon = DaemonProcess::start(&dir, &["--socket-group", "nogroup"]);
-    let mode = std::fs::metadata(&daemon.socket)
-        .unwrap()
-        .permissions()
-        .mode()
-        & 0o777;
-    assert_eq!(mode, 0o660);
-    let said = connect_as_nobody(&daemon.socket, 1000);
-    assert!(
-        said.starts_with("err permission denied") && said.contains("uid 65534"),
-        "{said}"
-    );
-    // Primary group nogroup: allowed through --socket-group.
-    assert!(
-        connect_as_nobody(&daemon.socket, 65534).starts_with("ok"),
-        "group member allowed"
-    );
-    assert!(
-        daemon.log_text().contains("not allowed"),
-        "the refusal was logged"
-    );
-    drop(daemon);
-
-    // The same peer with its uid on the allow-list.
-    let dir = scratch_dir("peercred-allow");
-    std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o755)).unwrap();
-    let daemon = DaemonProcess::start(&dir, &["--socket-group", "nogroup", "--allow-uid", "65534"]);
-    assert!(
-        connect_as_nobody(&daemon.socket, 1000).starts_with("ok"),
-        "allow-listed uid"
-    );
 }
 
 #[test]

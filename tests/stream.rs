@@ -173,7 +173,6 @@ fn child_process() {
                 rank,
                 checkpoint.state,
                 StreamOptions {
-                    depth: 8,
                     wait: Duration::from_secs(60),
                     ..StreamOptions::default()
                 },
@@ -417,11 +416,18 @@ fn stream_misuse_gets_clear_errors() {
     let daemon = DaemonProcess::start(&dir, &[]);
     let s = spec("errors", 16, 1, 2, 1);
     let options = StreamOptions {
-        depth: 4,
         wait: Duration::from_millis(300),
         ..StreamOptions::default()
     };
-    // No producer: an empty stream fails after the wait, saying why.
+    // No producer made the stream: opening it fails after the wait, saying why.
+    let err = Stream::open(&daemon.socket, &s, 0, None, options.clone()).unwrap_err();
+    assert!(
+        matches!(&err, feedstore_consumer::Error::Timeout(m) if m.contains("producer") && m.contains("errors")),
+        "{err}"
+    );
+    // A producer made it but makes nothing: the first sample fails after the wait.
+    let client = daemon.writer();
+    let feeder = StreamFeeder::join(&client, &s, 4, &[StreamTask { rank: 0, seq: 0 }]).unwrap();
     let mut stream = Stream::open(&daemon.socket, &s, 0, None, options.clone()).unwrap();
     let err = stream.next_sample().unwrap_err();
     assert!(
@@ -457,8 +463,6 @@ fn stream_misuse_gets_clear_errors() {
         "{err}"
     );
     // Holding the whole prefetch depth: the stream says so instead of waiting forever.
-    let client = daemon.writer();
-    let feeder = StreamFeeder::join(&client, &s, 4, &[StreamTask { rank: 0, seq: 0 }]).unwrap();
     let tasks = feeder.take(8, Duration::from_millis(100)).unwrap().unwrap();
     let made = tasks
         .into_iter()

@@ -9,7 +9,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, Weak};
 use std::time::Duration;
 
-use feedstore_proto::frame::{self, CREATE_PIN, Frame, HEADER_BYTES, Request, Response};
+use feedstore_proto::frame::{
+    self, CREATE_PIN, Frame, HEADER_BYTES, Opcode, Request, Response, max_batch_items,
+};
 use feedstore_proto::{Handle, Location, Role, SegmentInfo, Status, StoreStats};
 use feedstore_shm::{Access, Mapping};
 use nix::sys::socket::{ControlMessageOwned, MsgFlags};
@@ -21,8 +23,19 @@ use crate::writer::ObjectWriter;
 /// How to connect.
 #[derive(Debug, Clone)]
 pub struct ConnectOptions {
-    /// The daemon's socket [default: `$FEEDSTORE_SOCKET` or `/tmp/feedstore-<uid>.sock`].
+    /// The daemon's socket [default: [`feedstore_proto::client_socket_path`]:
+    /// `$FEEDSTORE_SOCKET`, else this user's daemon, else the system daemon's].
     pub socket: PathBuf,
+    /// The uid the daemon must run as, besides root and this process's own uid, which are
+    /// always trusted [default: `$FEEDSTORE_DAEMON_UID`]. A socket served by any other uid is
+    /// refused before a byte is sent ([`Error::UntrustedDaemon`]): whoever binds a socket path
+    /// first must not receive a writer's samples or feed a reader its own bytes.
+    pub daemon_uid: Option<u32>,
+    /// How long to wait for the daemon to answer hello before failing with [`Error::Timeout`]
+    /// (a daemon at its connection limit, or something that is not a daemon).
+    pub hello_timeout: Duration,
+    /// The largest reply payload this client accepts (announced at hello).
+    pub max_frame_bytes: u32,
     /// Reader (maps read-only) or writer.
     pub role: Role,
     /// A label for the daemon's logs and stats.
@@ -41,7 +54,12 @@ impl ConnectOptions {
     /// Defaults for a role.
     pub fn new(role: Role) -> ConnectOptions {
         ConnectOptions {
-            socket: feedstore_proto::default_socket_path(),
+            socket: feedstore_proto::client_socket_path(),
+            daemon_uid: std::env::var(feedstore_proto::DAEMON_UID_ENV)
+                .ok()
+                .and_then(|v| v.trim().parse().ok()),
+            hello_timeout: Duration::from_secs(10),
+            max_frame_bytes: frame::MAX_PAYLOAD_BYTES,
             role,
             name: default_name(),
             populate: true,
@@ -56,9 +74,22 @@ impl ConnectOptions {
         self
     }
 
-    /// Sets the client's label.
+    /// Sets the client's label (at most [`feedstore_proto::MAX_CLIENT_NAME`] bytes of
+    /// printable text; the daemon refuses others).
     pub fn name(mut self, name: impl Into<String>) -> Self {
         self.name = name.into();
+        self
+    }
+
+    /// Trusts a daemon run by `uid` (besides root and this process's own uid).
+    pub fn daemon_uid(mut self, uid: u32) -> Self {
+        self.daemon_uid = Some(uid);
+        self
+    }
+
+    /// Sets how long the daemon may take to answer hello.
+    pub fn hello_timeout(mut self, timeout: Duration) -> Self {
+        self.hello_timeout = timeout;
         self
     }
 
@@ -88,15 +119,18 @@ impl ConnectOptions {
 
 fn default_name() -> String {
     let exe = std::env::current_exe().ok();
-    let exe = exe
+    let exe: String = exe
         .as_deref()
         .and_then(|p| p.file_name())
-        .map(|n| n.to_string_lossy().into_owned());
-    format!(
-        "{}[{}]",
-        exe.unwrap_or_else(|| "client".into()),
-        std::process::id()
-    )
+        .map(|n| {
+            n.to_string_lossy()
+                .chars()
+                .filter(|c| !c.is_control())
+                .take(64)
+                .collect()
+        })
+        .unwrap_or_else(|| "client".into());
+    format!("{exe}[{}]", std::process::id())
 }
 
 /// Options for one create.
@@ -118,6 +152,10 @@ pub(crate) struct Inner {
     node_id: u32,
     epoch: u32,
     role: Role,
+    /// The largest request payload the daemon accepts (from its hello reply).
+    request_limit: u32,
+    /// The largest reply payload this client accepts (announced in hello).
+    reply_limit: u32,
     create_timeout: Duration,
     broken: AtomicBool,
     releases: Arc<ReleaseQueue>,
@@ -203,8 +241,9 @@ impl Drop for Inner {
         self.releases.wake.notify_all();
         if !due.is_empty() && !self.broken.load(Ordering::Relaxed) {
             let mut buf = Vec::new();
-            Request::Release { handles: due }.encode(0, &mut buf);
-            let _ = send_all(&self.stream, &buf);
+            if encode_releases(&due, self.request_limit, &mut buf).is_ok() {
+                let _ = send_all(&self.stream, &buf);
+            }
         }
     }
 }
@@ -253,32 +292,70 @@ impl Client {
 
     /// Connects with explicit options.
     pub fn connect_with(opts: ConnectOptions) -> Result<Client, Error> {
+        if opts.name.len() > feedstore_proto::MAX_CLIENT_NAME
+            || opts.name.chars().any(char::is_control)
+        {
+            return Err(Error::InvalidArgument(format!(
+                "client name must be at most {} bytes of printable text",
+                feedstore_proto::MAX_CLIENT_NAME
+            )));
+        }
         let stream = UnixStream::connect(&opts.socket).map_err(|source| Error::Connect {
             path: opts.socket.clone(),
             source,
         })?;
+        check_daemon_uid(&stream, &opts)?;
         let mut wbuf = Vec::with_capacity(256);
         Request::Hello {
             role: opts.role,
             client_name: opts.name.clone(),
+            max_frame_bytes: opts.max_frame_bytes,
         }
-        .encode(0, &mut wbuf);
+        .encode(0, frame::MIN_PAYLOAD_BYTES, &mut wbuf)?;
         send_all(&stream, &wbuf)?;
         let mut rbuf = Vec::with_capacity(4096);
-        let (frame_len, fds) = recv_hello(&stream, &mut rbuf)?;
-        let frame = Frame::parse(&rbuf[..frame_len], frame::MAX_PAYLOAD_BYTES)?
+        let hello_timeout = |e: Error| match e {
+            Error::Disconnected {
+                source: Some(ref io),
+            } if matches!(
+                io.kind(),
+                std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+            ) =>
+            {
+                Error::Timeout(format!(
+                    "feedstored at {} accepted the connection but did not answer within {:?} \
+                     (at its connection limit, or not a feedstored?)",
+                    opts.socket.display(),
+                    opts.hello_timeout
+                ))
+            }
+            e => e,
+        };
+        stream
+            .set_read_timeout(Some(opts.hello_timeout.max(Duration::from_millis(1))))
+            .map_err(disconnected)?;
+        let (frame_len, fds) = recv_hello(&stream, &mut rbuf).map_err(hello_timeout)?;
+        stream.set_read_timeout(None).map_err(disconnected)?;
+        let frame = Frame::parse(&rbuf[..frame_len], opts.max_frame_bytes)?
             .ok_or_else(|| Error::Protocol("short hello reply".into()))?;
-        let (node_id, epoch, infos) = match Response::decode(&frame)? {
+        let (node_id, epoch, infos, request_limit) = match Response::decode(&frame)? {
             Response::Hello {
                 node_id,
                 epoch,
                 segments,
-            } => (node_id, epoch, segments),
+                max_frame_bytes,
+            } => (node_id, epoch, segments, max_frame_bytes),
             Response::Error { status, message } => {
                 return Err(Error::from_status(status, Handle::default(), 0, &message));
             }
             other => return Err(Error::Protocol(format!("unexpected hello reply {other:?}"))),
         };
+        if request_limit < frame::MIN_PAYLOAD_BYTES {
+            return Err(Error::Protocol(format!(
+                "daemon accepts frames of only {request_limit} bytes (at least {} are needed)",
+                frame::MIN_PAYLOAD_BYTES
+            )));
+        }
         let rbuf = RecvBuf::new(&rbuf[frame_len..]);
         if fds.len() != infos.len() {
             return Err(Error::Protocol(format!(
@@ -320,6 +397,8 @@ impl Client {
                 node_id,
                 epoch,
                 role: opts.role,
+                request_limit,
+                reply_limit: opts.max_frame_bytes,
                 create_timeout: opts.create_timeout,
                 broken: AtomicBool::new(false),
                 releases: releases.clone(),
@@ -374,15 +453,17 @@ impl Client {
             return Ok(Vec::new());
         }
         let timeout = opts.timeout.unwrap_or(self.inner.create_timeout);
-        let request = Request::Create {
-            sizes: sizes_bytes.to_vec(),
-            timeout_ms: u32::try_from(timeout.as_millis()).unwrap_or(u32::MAX),
-            flags: if opts.pin { CREATE_PIN } else { 0 },
-        };
-        let results = match self.call(&request)? {
-            Response::Created(r) if r.len() == sizes_bytes.len() => r,
-            other => return Err(unexpected(other)),
-        };
+        let results = self.batched(Opcode::Create, sizes_bytes, |sizes| {
+            let request = Request::Create {
+                sizes: sizes.to_vec(),
+                timeout_ms: u32::try_from(timeout.as_millis()).unwrap_or(u32::MAX),
+                flags: if opts.pin { CREATE_PIN } else { 0 },
+            };
+            match self.call(&request)? {
+                Response::Created(r) if r.len() == sizes.len() => Ok(r),
+                other => Err(unexpected(other)),
+            }
+        })?;
         Ok(results
             .into_iter()
             .zip(sizes_bytes)
@@ -441,28 +522,36 @@ impl Client {
             .expect("one result per handle")
     }
 
-    /// Leases several objects in one round trip.
+    /// Leases several objects, in as few round trips as the frame limits allow (one for up to
+    /// ~47k handles).
     pub fn get_batch(&self, handles: &[Handle]) -> Result<Vec<Result<Lease, Error>>, Error> {
-        if handles.is_empty() {
-            return Ok(Vec::new());
-        }
-        let results = match self.call(&Request::Get {
-            handles: handles.to_vec(),
-        })? {
-            Response::Got(r) if r.len() == handles.len() => r,
-            other => return Err(unexpected(other)),
-        };
-        Ok(results
-            .into_iter()
-            .zip(handles)
-            .map(|(r, &handle)| match r {
-                Ok(loc) => {
-                    let mapping = self.mapping(loc)?.clone();
-                    Ok(Lease::new(self.clone(), handle, mapping, loc))
-                }
-                Err(status) => Err(Error::from_status(status, handle, 0, "")),
-            })
-            .collect())
+        self.batched(Opcode::Get, handles, |chunk| {
+            let results = match self.call(&Request::Get {
+                handles: chunk.to_vec(),
+            })? {
+                Response::Got(r) if r.len() == chunk.len() => r,
+                other => return Err(unexpected(other)),
+            };
+            // Every lease taken becomes a `Lease` (released on drop) before any error returns.
+            Ok(results
+                .into_iter()
+                .zip(chunk)
+                .map(|(r, &handle)| match r {
+                    Ok(loc) => self.lease(handle, loc),
+                    Err(status) => Err(Error::from_status(status, handle, 0, "")),
+                })
+                .collect())
+        })
+    }
+
+    /// Wraps the lease the daemon just granted this connection on `handle` at `loc` (on an
+    /// error the lease is returned).
+    fn lease(&self, handle: Handle, loc: Location) -> Result<Lease, Error> {
+        let hold = crate::lease::LeaseHold::new(self.clone(), handle);
+        let mapping = self.mapping(loc)?.clone();
+        // SAFETY: the daemon answered this connection's get of `handle` with `loc`: a lease on
+        // the sealed object there, now owned by `hold` alone.
+        unsafe { Lease::new(mapping, loc, hold) }
     }
 
     /// Deletes an object. Its bytes stay readable through existing leases and are reused once the
@@ -473,14 +562,11 @@ impl Client {
             .expect("one result per handle")
     }
 
-    /// Deletes several objects in one round trip.
+    /// Deletes several objects, in as few round trips as the frame limits allow.
     pub fn delete_batch(&self, handles: &[Handle]) -> Result<Vec<Result<(), Error>>, Error> {
-        self.each(
-            Request::Delete {
-                handles: handles.to_vec(),
-            },
+        self.each(Opcode::Delete, handles, |handles| Request::Delete {
             handles,
-        )
+        })
     }
 
     /// A snapshot of the daemon's statistics.
@@ -491,11 +577,27 @@ impl Client {
         }
     }
 
-    /// Every open stream on the daemon.
+    /// Every open stream on the daemon (asked for in pages that fit the frame limits).
     pub fn streams(&self) -> Result<Vec<feedstore_proto::frame::StreamInfo>, Error> {
-        match self.call(&Request::StreamList)? {
-            Response::Streams(list) => Ok(list),
-            other => Err(unexpected(other)),
+        let mut all = Vec::new();
+        let mut after = 0;
+        loop {
+            match self.call(&Request::StreamList { after })? {
+                Response::Streams { streams, more } => {
+                    let last = streams.last().map(|s| s.id);
+                    all.extend(streams);
+                    match (more, last) {
+                        (true, Some(id)) if id > after => after = id,
+                        (true, _) => {
+                            return Err(Error::Protocol(
+                                "stream list page made no progress".into(),
+                            ));
+                        }
+                        (false, _) => return Ok(all),
+                    }
+                }
+                other => return Err(unexpected(other)),
+            }
         }
     }
 
@@ -504,29 +606,47 @@ impl Client {
         self.inner.segments.iter().any(|m| m.contains(ptr))
     }
 
+    /// A batch of per-handle operations (`make` builds the request for a chunk), split into
+    /// as many round trips as the frame limits need.
     pub(crate) fn each(
         &self,
-        request: Request,
+        op: Opcode,
         handles: &[Handle],
+        make: impl Fn(Vec<Handle>) -> Request,
     ) -> Result<Vec<Result<(), Error>>, Error> {
-        if handles.is_empty() {
-            return Ok(Vec::new());
+        self.batched(op, handles, |chunk| {
+            let statuses = match self.call(&make(chunk.to_vec()))? {
+                Response::Done(s) if s.len() == chunk.len() => s,
+                other => return Err(unexpected(other)),
+            };
+            Ok(statuses
+                .into_iter()
+                .zip(chunk)
+                .map(|(s, &h)| {
+                    if s == Status::Ok {
+                        Ok(())
+                    } else {
+                        Err(Error::from_status(s, h, 0, ""))
+                    }
+                })
+                .collect())
+        })
+    }
+
+    /// Runs `call` on chunks of `items` small enough that each request fits the daemon's frame
+    /// limit and each reply this client's, and joins the results in order.
+    pub(crate) fn batched<T, R>(
+        &self,
+        op: Opcode,
+        items: &[T],
+        mut call: impl FnMut(&[T]) -> Result<Vec<R>, Error>,
+    ) -> Result<Vec<R>, Error> {
+        let per = max_batch_items(op, self.inner.request_limit, self.inner.reply_limit);
+        let mut out = Vec::with_capacity(items.len());
+        for chunk in items.chunks(per) {
+            out.extend(call(chunk)?);
         }
-        let statuses = match self.call(&request)? {
-            Response::Done(s) if s.len() == handles.len() => s,
-            other => return Err(unexpected(other)),
-        };
-        Ok(statuses
-            .into_iter()
-            .zip(handles)
-            .map(|(s, &h)| {
-                if s == Status::Ok {
-                    Ok(())
-                } else {
-                    Err(Error::from_status(s, h, 0, ""))
-                }
-            })
-            .collect())
+        Ok(out)
     }
 
     pub(crate) fn mapping(&self, loc: Location) -> Result<&Arc<Mapping>, Error> {
@@ -557,8 +677,8 @@ impl Client {
         request: &Request,
     ) -> Result<(Response, Vec<OwnedFd>), Error> {
         let mut fds = Vec::new();
-        let response = self.exchange(request, |stream, rb, id| {
-            read_frame(rb, id, |buf| {
+        let response = self.exchange(request, |stream, rb, id, limit| {
+            read_frame(rb, id, limit, |buf| {
                 let (n, received) = recv_with_fds(stream, buf)?;
                 fds.extend(received);
                 Ok(n)
@@ -571,7 +691,7 @@ impl Client {
     fn exchange(
         &self,
         request: &Request,
-        read: impl FnOnce(&UnixStream, &mut RecvBuf, u32) -> Result<Response, Error>,
+        read: impl FnOnce(&UnixStream, &mut RecvBuf, u32, u32) -> Result<Response, Error>,
     ) -> Result<Response, Error> {
         let inner = &*self.inner;
         if inner.broken.load(Ordering::Relaxed) {
@@ -582,14 +702,18 @@ impl Client {
         let id = state.next_id;
         state.next_id = state.next_id.wrapping_add(1);
         state.wbuf.clear();
+        // Encode the request first: a request over the daemon's limit fails here, before the
+        // queued releases leave the queue, and the connection stays usable.
+        request.encode(id, inner.request_limit, &mut state.wbuf)?;
         let queued = inner.releases.take();
         if !queued.is_empty() {
-            Request::Release { handles: queued }.encode(0, &mut state.wbuf);
+            let mut releases = Vec::new();
+            encode_releases(&queued, inner.request_limit, &mut releases)?;
+            state.wbuf.splice(0..0, releases);
         }
-        request.encode(id, &mut state.wbuf);
         let result = self
             .send(&state.wbuf)
-            .and_then(|()| read(&inner.stream, &mut state.rbuf, id));
+            .and_then(|()| read(&inner.stream, &mut state.rbuf, id, inner.reply_limit));
         // After a socket, framing or decoding error the byte stream is no longer in step with
         // the daemon; fail every later call instead of misreading the next reply.
         if let Err(e) = &result
@@ -603,14 +727,18 @@ impl Client {
         result
     }
 
-    /// Sends a request that has no reply.
+    /// Sends a request that has no reply, with the queued lease releases riding along.
     pub(crate) fn send_one_way(&self, request: &Request) -> Result<(), Error> {
         debug_assert!(!request.expects_reply());
         if self.inner.broken.load(Ordering::Relaxed) {
             return Err(Error::Disconnected { source: None });
         }
         let mut buf = Vec::with_capacity(64);
-        request.encode(0, &mut buf);
+        request.encode(0, self.inner.request_limit, &mut buf)?;
+        let queued = self.inner.releases.take();
+        if !queued.is_empty() {
+            encode_releases(&queued, self.inner.request_limit, &mut buf)?;
+        }
         self.send(&buf).inspect_err(|_| {
             self.inner.broken.store(true, Ordering::Relaxed);
         })
@@ -649,11 +777,9 @@ impl Client {
             return;
         }
         let mut buf = Vec::with_capacity(frame::HEADER_BYTES + 4 + 16 * handles.len());
-        Request::Release {
-            handles: handles.to_vec(),
-        }
-        .encode(0, &mut buf);
-        if self.send(&buf).is_err() {
+        if encode_releases(handles, self.inner.request_limit, &mut buf).is_err()
+            || self.send(&buf).is_err()
+        {
             self.inner.broken.store(true, Ordering::Relaxed);
         }
     }
@@ -662,6 +788,41 @@ impl Client {
         let _guard = self.inner.send.lock().unwrap_or_else(|e| e.into_inner());
         send_all(&self.inner.stream, bytes)
     }
+}
+
+/// Release frames for `handles`, split to fit the daemon's limit.
+fn encode_releases(
+    handles: &[Handle],
+    limit: u32,
+    out: &mut Vec<u8>,
+) -> Result<(), frame::EncodeError> {
+    for chunk in handles.chunks(max_batch_items(Opcode::Release, limit, limit)) {
+        Request::Release {
+            handles: chunk.to_vec(),
+        }
+        .encode(0, limit, out)?;
+    }
+    Ok(())
+}
+
+/// Refuses a socket served by anyone but root, this process's uid or the configured daemon
+/// uid, before a byte is sent.
+fn check_daemon_uid(stream: &UnixStream, opts: &ConnectOptions) -> Result<(), Error> {
+    let cred = nix::sys::socket::getsockopt(stream, nix::sys::socket::sockopt::PeerCredentials)
+        .map_err(|e| disconnected(e.into()))?;
+    let uid = cred.uid();
+    let own = nix::unistd::geteuid().as_raw();
+    if uid == 0 || uid == own || opts.daemon_uid == Some(uid) {
+        return Ok(());
+    }
+    Err(Error::UntrustedDaemon {
+        path: opts.socket.clone(),
+        uid,
+        trusted: [Some(0), Some(own), opts.daemon_uid]
+            .into_iter()
+            .flatten()
+            .collect(),
+    })
 }
 
 /// A reply that is an error as a whole becomes the caller's error.
@@ -723,8 +884,13 @@ impl RecvBuf {
 }
 
 /// Reads until the buffer holds one whole frame with the expected id, decodes and consumes it.
-fn read_reply(stream: &UnixStream, rb: &mut RecvBuf, id: u32) -> Result<Response, Error> {
-    read_frame(rb, id, |buf| {
+fn read_reply(
+    stream: &UnixStream,
+    rb: &mut RecvBuf,
+    id: u32,
+    limit: u32,
+) -> Result<Response, Error> {
+    read_frame(rb, id, limit, |buf| {
         loop {
             match (&*stream).read(buf) {
                 Ok(0) => return Err(Error::Disconnected { source: None }),
@@ -741,10 +907,11 @@ fn read_reply(stream: &UnixStream, rb: &mut RecvBuf, id: u32) -> Result<Response
 fn read_frame(
     rb: &mut RecvBuf,
     id: u32,
+    limit: u32,
     mut read: impl FnMut(&mut [u8]) -> Result<usize, Error>,
 ) -> Result<Response, Error> {
     loop {
-        if let Some(frame) = Frame::parse(&rb.data[..rb.filled], frame::MAX_PAYLOAD_BYTES)? {
+        if let Some(frame) = Frame::parse(&rb.data[..rb.filled], limit)? {
             if frame.header.request_id != id {
                 return Err(Error::Protocol(format!(
                     "reply for request {} while waiting for {id}",
@@ -772,6 +939,10 @@ fn recv_hello(stream: &UnixStream, rbuf: &mut Vec<u8>) -> Result<(usize, Vec<Own
     loop {
         if let Some(frame) = Frame::parse(rbuf, frame::MAX_PAYLOAD_BYTES)? {
             return Ok((frame.len(), fds));
+        }
+        // A hello reply is small (at most 250 segments); anything longer is not a daemon.
+        if rbuf.len() > frame::MIN_PAYLOAD_BYTES as usize {
+            return Err(Error::Protocol("hello reply too long".into()));
         }
         let start = rbuf.len();
         rbuf.resize(start + 4096.max(HEADER_BYTES), 0);

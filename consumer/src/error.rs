@@ -21,6 +21,20 @@ pub enum Error {
         /// Why.
         source: io::Error,
     },
+    /// The socket is served by a process of a uid this client does not trust: not root, not
+    /// its own, not the configured daemon uid. Nothing was sent to it.
+    #[error(
+        "refusing {path}: it is served by uid {uid}, not by a trusted feedstored (uids {trusted:?}); \
+         set FEEDSTORE_DAEMON_UID={uid} if that daemon is yours"
+    )]
+    UntrustedDaemon {
+        /// The socket path.
+        path: PathBuf,
+        /// The uid serving it.
+        uid: u32,
+        /// The uids trusted.
+        trusted: Vec<u32>,
+    },
     /// The daemon went away (stopped, restarted or crashed). Reconnect with a new [`Client`];
     /// handles from before a restart are stale.
     ///
@@ -62,12 +76,22 @@ pub enum Error {
         /// The object size asked for.
         size_bytes: u64,
     },
-    /// The object can never fit: it is larger than a segment.
+    /// The object can never fit: it is larger than a segment. Retrying will not help (unlike
+    /// [`Error::Full`]).
     #[error("object of {size_bytes} bytes is larger than any segment")]
     TooLarge {
         /// The object size asked for.
         size_bytes: u64,
     },
+    /// A limit the daemon's operator set was reached; the message names the setting.
+    #[error("limit reached: {0}")]
+    LimitReached(String),
+    /// A request could not be encoded within the daemon's frame limit (nothing was sent).
+    #[error("request too large")]
+    Encode(#[from] feedstore_proto::frame::EncodeError),
+    /// The caller's interrupt check ended a wait (a signal in an embedding).
+    #[error("interrupted")]
+    Interrupted,
     /// This connection may not do that (a reader creating, a uid not on the allow-list).
     #[error("permission denied: {reason}")]
     PermissionDenied {
@@ -166,6 +190,7 @@ impl Error {
             Status::Timeout => Error::Timeout(message.into()),
             Status::SpecMismatch => Error::StreamMismatch(message.into()),
             Status::Ended => Error::Ended,
+            Status::LimitReached => Error::LimitReached(message.into()),
             other => Error::Protocol(format!("daemon answered {other}: {message}")),
         }
     }

@@ -1,56 +1,85 @@
-//! Read-only views of sealed objects.
+//! Read-only views of sealed objects, each holding its own lease.
 
 use std::ops::Deref;
 use std::sync::Arc;
 
 use feedstore_proto::{Handle, Location};
-use feedstore_shm::Mapping;
+use feedstore_shm::{Mapping, SharedBytes};
 
-use crate::Client;
+use crate::{Client, Error};
+
+/// One lease this connection holds on an object, returned to the daemon when dropped (with the
+/// client's next request, or after its release delay). It keeps the connection open, so the
+/// daemon cannot reclaim the lease while this lives.
+#[derive(Debug)]
+pub(crate) struct LeaseHold {
+    client: Client,
+    handle: Handle,
+}
+
+impl LeaseHold {
+    /// Takes ownership of a lease the daemon granted `client`'s connection on `handle`.
+    pub(crate) fn new(client: Client, handle: Handle) -> LeaseHold {
+        LeaseHold { client, handle }
+    }
+
+    pub(crate) fn handle(&self) -> Handle {
+        self.handle
+    }
+}
+
+impl Drop for LeaseHold {
+    fn drop(&mut self) {
+        self.client.release(self.handle);
+    }
+}
+
+/// Wraps the bytes a lease protects; an error (and the hold dropped, so the lease returned) if
+/// the daemon named a range outside the mapping.
+///
+/// # Safety
+/// `hold` owns a lease this process's connection holds on the sealed object at `loc` in
+/// `mapping`, returned only when `hold` is dropped. (The daemon hands no writer a range
+/// overlapping a leased object until the lease is returned.)
+pub(crate) unsafe fn leased_bytes<H>(
+    mapping: Arc<Mapping>,
+    loc: Location,
+    hold: H,
+) -> Result<SharedBytes<H>, Error> {
+    // SAFETY: per this function's contract, `hold` owns a lease on the sealed object at `loc`,
+    // which keeps every writer off the range until `hold` is dropped.
+    unsafe { SharedBytes::new(mapping, loc.offset, loc.len, hold) }
+        .map_err(|_| Error::Protocol("daemon named a range outside its segment".into()))
+}
 
 /// A lease on a sealed object: derefs to its bytes, in place in shared memory.
 ///
 /// While the lease lives the daemon will not evict, reuse or free the object (a delete waits for
-/// it). Dropping the lease returns it to the daemon: with the client's next request, or after
-/// the connection's release delay (1 ms by default), whichever comes first. The view keeps the segment mapped even if the
-/// client or the daemon goes away, so the bytes stay valid for the lease's whole life.
+/// it). The lease belongs to this view alone: dropping the `Client` it came from, or the daemon
+/// going away, does not end it, and the segment stays mapped, so the bytes stay valid and
+/// unchanged for the lease's whole life. Dropping the lease returns it: with the client's next
+/// request, or after the connection's release delay (1 ms by default).
 pub struct Lease {
-    client: Client,
-    handle: Handle,
-    /// Keeps the memory mapped for as long as the view exists.
-    _mapping: Arc<Mapping>,
-    ptr: *const u8,
-    len: usize,
+    bytes: SharedBytes<LeaseHold>,
 }
 
-// SAFETY: the view is immutable bytes in a mapping that the `Arc` keeps alive; the daemon keeps the
-// range immutable while the lease is held. Nothing is tied to the creating thread.
-unsafe impl Send for Lease {}
-// SAFETY: as above; `&Lease` only gives `&[u8]`.
-unsafe impl Sync for Lease {}
-
 impl Lease {
-    pub(crate) fn new(
-        client: Client,
-        handle: Handle,
+    /// # Safety
+    /// As [`leased_bytes`]: `hold` is the lease on the sealed object at `loc`.
+    pub(crate) unsafe fn new(
         mapping: Arc<Mapping>,
         loc: Location,
-    ) -> Lease {
-        let ptr = mapping
-            .range_ptr(loc.offset, loc.len)
-            .expect("range checked by Client::mapping");
-        Lease {
-            client,
-            handle,
-            _mapping: mapping,
-            ptr,
-            len: loc.len as usize,
-        }
+        hold: LeaseHold,
+    ) -> Result<Lease, Error> {
+        Ok(Lease {
+            // SAFETY: forwarded contract.
+            bytes: unsafe { leased_bytes(mapping, loc, hold)? },
+        })
     }
 
     /// The object's handle.
     pub fn handle(&self) -> Handle {
-        self.handle
+        self.bytes.hold().handle()
     }
 
     /// The bytes (same as deref).
@@ -63,10 +92,7 @@ impl Deref for Lease {
     type Target = [u8];
 
     fn deref(&self) -> &[u8] {
-        // SAFETY: `ptr..ptr+len` lies inside the mapping (checked at construction) that
-        // `_mapping` keeps alive; the object is sealed and leased, so the daemon hands no writer a
-        // range overlapping it until the lease is returned in `drop`.
-        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
+        &self.bytes
     }
 }
 
@@ -79,14 +105,8 @@ impl AsRef<[u8]> for Lease {
 impl std::fmt::Debug for Lease {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Lease")
-            .field("handle", &self.handle)
-            .field("len", &self.len)
+            .field("handle", &self.handle())
+            .field("len", &self.bytes.len())
             .finish()
-    }
-}
-
-impl Drop for Lease {
-    fn drop(&mut self) {
-        self.client.release(self.handle);
     }
 }

@@ -9,44 +9,47 @@
 use std::collections::BTreeSet;
 use std::ops::Deref;
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
-use feedstore_proto::frame::{Request, Response, StreamItem, StreamTask};
+use feedstore_proto::frame::{Opcode, Request, Response, StreamItem, StreamTask};
 use feedstore_proto::ring::{ENTRY_FAILED, RingEntry, RingHeader, RingWords};
 use feedstore_proto::sample::{SampleError, SampleView};
 use feedstore_proto::stream::{StreamSpec, StreamState};
 use feedstore_proto::{Handle, Status};
-use feedstore_shm::{Access, Mapping};
+use feedstore_shm::{Access, Mapping, SharedBytes};
 
+use crate::lease::{LeaseHold, leased_bytes};
 use crate::{Client, ConnectOptions, Error, ObjectWriter, Role};
 
-/// How a consumer opens its stream.
+/// How a consumer opens its stream. (The prefetch depth is the stream's, set by the producer
+/// that creates it.)
 #[derive(Debug, Clone)]
 pub struct StreamOptions {
-    /// Samples prefetched per rank (the ring's size), if the stream is new.
-    pub depth: u32,
-    /// How long [`Stream::next_sample`] waits for a sample before failing.
+    /// How long [`Stream::open`] waits for a producer to create the stream, and
+    /// [`Stream::next_sample`] for a sample, before failing with [`Error::Timeout`].
     pub wait: Duration,
-    /// Return dropped samples to the daemon once this many are pending.
+    /// Return dropped samples to the stream once this many are pending.
     pub return_batch: u32,
 }
 
 impl Default for StreamOptions {
     fn default() -> Self {
         StreamOptions {
-            depth: 64,
             wait: Duration::from_secs(300),
             return_batch: 8,
         }
     }
 }
 
+/// How long one wait for the stream to appear lasts before the caller's interrupt check runs.
+const ATTACH_SLICE: Duration = Duration::from_millis(100);
+
 /// The ring mapped read-only.
 struct RingMap(Mapping);
 
 impl RingWords for RingMap {
-    fn load(&self, i: usize, order: std::sync::atomic::Ordering) -> u64 {
-        self.0.load_word(i, order)
+    fn load_relaxed(&self, i: usize) -> u64 {
+        self.0.load_word_relaxed(i)
     }
     fn len(&self) -> usize {
         self.0.len() / 8
@@ -75,7 +78,9 @@ impl Returns {
 
 /// A trainer rank's stream: its share of the samples, in the stream's order, with prefetch.
 ///
-/// Dropping the stream detaches the rank; samples already delivered stay valid.
+/// Dropping the stream detaches the rank (another consumer may attach to it). Samples already
+/// delivered stay valid whatever happens to the stream: each holds its own lease, on a
+/// connection it keeps open.
 pub struct Stream {
     client: Client,
     spec: StreamSpec,
@@ -88,7 +93,7 @@ pub struct Stream {
     returns: Arc<Mutex<Returns>>,
     sent: u64,
     opts: StreamOptions,
-    opened: std::time::Instant,
+    opened: Instant,
     first_sample: Option<Duration>,
     /// The daemon knows this rank read past its last sample.
     told_end: bool,
@@ -106,13 +111,28 @@ impl std::fmt::Debug for Stream {
 
 impl Stream {
     /// Opens `rank`'s share of a stream on its own connection to the daemon at `socket`,
-    /// starting at `from` (a state saved with a checkpoint) or at the beginning.
+    /// starting at `from` (a state saved with a checkpoint) or at the beginning. Waits up to
+    /// [`StreamOptions::wait`] for a producer to create the stream.
     pub fn open(
         socket: impl Into<std::path::PathBuf>,
         spec: &StreamSpec,
         rank: u32,
         from: Option<StreamState>,
         opts: StreamOptions,
+    ) -> Result<Stream, Error> {
+        Stream::open_interruptible(socket, spec, rank, from, opts, || Ok(()))
+    }
+
+    /// [`Stream::open`], calling `interrupt` every 100 ms while it waits for the stream to
+    /// appear; an error from `interrupt` ends the wait with that error (an embedding that must
+    /// react to signals returns [`Error::Interrupted`]).
+    pub fn open_interruptible(
+        socket: impl Into<std::path::PathBuf>,
+        spec: &StreamSpec,
+        rank: u32,
+        from: Option<StreamState>,
+        opts: StreamOptions,
+        mut interrupt: impl FnMut() -> Result<(), Error>,
     ) -> Result<Stream, Error> {
         spec.check(rank)
             .map_err(|e| Error::InvalidArgument(e.to_string()))?;
@@ -135,14 +155,25 @@ impl Stream {
         };
         let client = ConnectOptions::new(Role::Reader)
             .socket(socket)
-            .name(format!("{} rank {rank}", spec.name))
+            .name(feedstore_proto::truncate(
+                &format!("{} rank {rank}", spec.name),
+                feedstore_proto::MAX_CLIENT_NAME,
+            ))
             .connect()?;
-        let (response, mut fds) = client.call_with_fds(&Request::StreamAttach {
-            spec: spec.clone(),
-            depth: opts.depth,
-            rank,
-            seq,
-        })?;
+        let deadline = Instant::now() + opts.wait;
+        let (response, mut fds) = loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            let attach = Request::StreamAttach {
+                spec: spec.clone(),
+                rank,
+                seq,
+                timeout_ms: left.min(ATTACH_SLICE).as_millis() as u32,
+            };
+            match client.call_with_fds(&attach) {
+                Err(Error::Timeout(_)) if !left.is_zero() => interrupt()?,
+                other => break other?,
+            }
+        };
         let Response::StreamAttached {
             stream, ring_bytes, ..
         } = response
@@ -173,7 +204,7 @@ impl Stream {
             })),
             sent: seq,
             opts,
-            opened: std::time::Instant::now(),
+            opened: Instant::now(),
             first_sample: None,
             told_end: false,
         })
@@ -239,16 +270,19 @@ impl Stream {
                 record: entry.record,
             });
         }
-        let mapping = self.client.mapping(entry.location)?.clone();
-        let ptr = mapping
-            .range_ptr(entry.location.offset, entry.location.len)
-            .expect("range checked by Client::mapping");
-        Ok(Some(StreamSample {
-            entry,
-            _mapping: mapping,
-            ptr,
+        // The daemon took a lease for this connection when it published the entry; from here
+        // it belongs to the sample.
+        let hold = SampleHold {
+            seq: entry.seq,
             returns: self.returns.clone(),
-        }))
+            lease: LeaseHold::new(self.client.clone(), entry.handle),
+        };
+        let mapping = self.client.mapping(entry.location)?.clone();
+        // SAFETY: the daemon publishes an entry into this connection's ring only after taking a
+        // lease on its sealed object for this connection, and returns that lease only when this
+        // sample's hold releases it (or the connection, which the hold keeps open, closes).
+        let bytes = unsafe { leased_bytes(mapping, entry.location, hold)? };
+        Ok(Some(StreamSample { entry, bytes }))
     }
 
     /// Up to `n` samples (fewer only at the end of the stream).
@@ -298,9 +332,9 @@ impl Stream {
             return Err(Error::WindowFull { held });
         }
         self.return_samples(true);
-        let deadline = std::time::Instant::now() + limit;
+        let deadline = Instant::now() + limit;
         loop {
-            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            let left = deadline.saturating_duration_since(Instant::now());
             let reply = self.client.call(&Request::StreamWait {
                 stream: self.id,
                 rank: self.rank,
@@ -341,25 +375,52 @@ impl Iterator for Stream {
 }
 
 impl Drop for Stream {
+    /// Returns the dropped samples and detaches: the daemon releases the entries it published
+    /// but this consumer never read, and the rank is free for another consumer. Samples still
+    /// held keep their own leases (and this connection) until they are dropped.
     fn drop(&mut self) {
         self.return_samples(true);
+        let detach = Request::StreamDetach {
+            stream: self.id,
+            rank: self.rank,
+            next: self.next,
+        };
+        // Best effort: a daemon that is gone has reclaimed everything already.
+        if let Err(e) = self.client.call(&detach) {
+            tracing::debug!(stream = %self.spec.name, rank = self.rank, error = %e, "detach failed");
+        }
     }
 }
 
-/// One sample from a [`Stream`], in place in shared memory. The stream holds it for the
-/// consumer until this is dropped.
-pub struct StreamSample {
-    entry: RingEntry,
-    _mapping: Arc<Mapping>,
-    ptr: *const u8,
+/// What keeps a stream sample's bytes valid: its own lease (on the consumer's connection, which
+/// it keeps open), and its place in the rank's returns.
+#[derive(Debug)]
+struct SampleHold {
+    seq: u64,
     returns: Arc<Mutex<Returns>>,
+    lease: LeaseHold,
 }
 
-// SAFETY: immutable bytes in a mapping the `Arc` keeps alive; the stream holds a lease on the
-// object until this sample is dropped and returned. Nothing is tied to the creating thread.
-unsafe impl Send for StreamSample {}
-// SAFETY: as above; `&StreamSample` only gives `&[u8]`.
-unsafe impl Sync for StreamSample {}
+impl Drop for SampleHold {
+    fn drop(&mut self) {
+        // The stream's window slides on its next return; the lease goes back when `lease`
+        // drops, right after this.
+        self.returns
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .returned(self.seq);
+    }
+}
+
+/// One sample from a [`Stream`], in place in shared memory.
+///
+/// It holds its own lease on the object, so its bytes stay valid and unchanged for as long as
+/// it lives, whatever happens to the [`Stream`] (dropped, reopened at another position,
+/// closed by the producer) or to the rest of the store.
+pub struct StreamSample {
+    entry: RingEntry,
+    bytes: SharedBytes<SampleHold>,
+}
 
 impl StreamSample {
     /// The rank's sequence number of this sample.
@@ -374,7 +435,7 @@ impl StreamSample {
 
     /// The object's handle.
     pub fn handle(&self) -> Handle {
-        self.entry.handle
+        self.bytes.hold().lease.handle()
     }
 
     /// The sample, validated, with typed views of its tensors and tokens.
@@ -387,10 +448,7 @@ impl Deref for StreamSample {
     type Target = [u8];
 
     fn deref(&self) -> &[u8] {
-        // SAFETY: `ptr..ptr+len` lies inside the mapping (checked by `Client::mapping`) that
-        // `_mapping` keeps alive; the object is sealed and the stream leases it until this
-        // sample is returned in `drop`, so no writer is handed an overlapping range meanwhile.
-        unsafe { std::slice::from_raw_parts(self.ptr, self.entry.location.len as usize) }
+        &self.bytes
     }
 }
 
@@ -401,15 +459,6 @@ impl std::fmt::Debug for StreamSample {
             .field("record", &self.entry.record)
             .field("len", &self.entry.location.len)
             .finish()
-    }
-}
-
-impl Drop for StreamSample {
-    fn drop(&mut self) {
-        self.returns
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .returned(self.entry.seq);
     }
 }
 
@@ -493,15 +542,14 @@ impl StreamFeeder {
     /// Looks samples up in the daemon's decode-once cache: per key, the handle of the sample if
     /// the store still holds it (put it as [`Made::Existing`]).
     pub fn lookup(&self, keys: &[u128]) -> Result<Vec<Option<Handle>>, Error> {
-        if keys.is_empty() {
-            return Ok(Vec::new());
-        }
-        match self.client.call(&Request::CacheLookup {
-            keys: keys.to_vec(),
-        })? {
-            Response::Cached(found) if found.len() == keys.len() => Ok(found),
-            other => Err(Error::Protocol(format!("unexpected reply {other:?}"))),
-        }
+        self.client.batched(Opcode::CacheLookup, keys, |keys| {
+            match self.client.call(&Request::CacheLookup {
+                keys: keys.to_vec(),
+            })? {
+                Response::Cached(found) if found.len() == keys.len() => Ok(found),
+                other => Err(Error::Protocol(format!("unexpected reply {other:?}"))),
+            }
+        })
     }
 
     /// Puts samples, one per task. Per item: `Ok`, or why the stream did not take it (a
@@ -530,14 +578,15 @@ impl StreamFeeder {
             });
             reserved.push(written);
         }
-        let statuses = match self.client.call(&Request::StreamPut {
-            stream: self.id,
-            items: items.clone(),
-        }) {
-            Ok(Response::Done(s)) if s.len() == items.len() => s,
-            Ok(other) => return Err(Error::Protocol(format!("unexpected reply {other:?}"))),
-            Err(e) => return Err(e),
-        };
+        let statuses = self.client.batched(Opcode::StreamPut, &items, |items| {
+            match self.client.call(&Request::StreamPut {
+                stream: self.id,
+                items: items.to_vec(),
+            })? {
+                Response::Done(s) if s.len() == items.len() => Ok(s),
+                other => Err(Error::Protocol(format!("unexpected reply {other:?}"))),
+            }
+        })?;
         let abort: Vec<Handle> = items
             .iter()
             .zip(&statuses)
@@ -547,12 +596,9 @@ impl StreamFeeder {
             .collect();
         if !abort.is_empty() {
             // Best effort: whatever is not aborted here is aborted when the connection ends.
-            let _ = self.client.each(
-                Request::Abort {
-                    handles: abort.clone(),
-                },
-                &abort,
-            );
+            let _ = self
+                .client
+                .each(Opcode::Abort, &abort, |handles| Request::Abort { handles });
         }
         Ok(items
             .iter()
@@ -567,7 +613,9 @@ impl StreamFeeder {
             .collect())
     }
 
-    /// Closes the stream for everyone: its samples go back to the store.
+    /// Closes the stream for everyone: its held samples go back to the store (views consumers
+    /// still hold keep their own leases). Only writers of the uid that created the stream (or
+    /// root) may.
     pub fn close(&self) -> Result<(), Error> {
         match self
             .client

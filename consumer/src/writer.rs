@@ -2,7 +2,7 @@
 
 use std::sync::Arc;
 
-use feedstore_proto::frame::Request;
+use feedstore_proto::frame::{Opcode, Request};
 use feedstore_proto::{Handle, Location};
 use feedstore_shm::Mapping;
 
@@ -70,30 +70,20 @@ impl ObjectWriter {
         self.done = true;
         let handle = self.handle;
         self.client
-            .each(
-                Request::Seal {
-                    handles: vec![handle],
-                },
-                &[handle],
-            )?
+            .each(Opcode::Seal, &[handle], |handles| Request::Seal { handles })?
             .pop()
             .expect("one result")?;
         Ok(handle)
     }
 
-    /// Seals several writers in one round trip. On failure the writers that were not sealed are
-    /// aborted.
+    /// Seals several writers, in as few round trips as the frame limits allow. On failure the
+    /// writers that were not sealed are aborted.
     pub fn seal_batch(
         client: &Client,
         mut writers: Vec<ObjectWriter>,
     ) -> Result<Vec<Handle>, Error> {
         let handles: Vec<Handle> = writers.iter().map(|w| w.handle).collect();
-        let results = client.each(
-            Request::Seal {
-                handles: handles.clone(),
-            },
-            &handles,
-        )?;
+        let results = client.each(Opcode::Seal, &handles, |handles| Request::Seal { handles })?;
         let mut first_err = None;
         for (w, r) in writers.iter_mut().zip(results) {
             match r {
@@ -122,12 +112,9 @@ impl ObjectWriter {
         self.done = true;
         let handle = self.handle;
         self.client
-            .each(
-                Request::Abort {
-                    handles: vec![handle],
-                },
-                &[handle],
-            )?
+            .each(Opcode::Abort, &[handle], |handles| Request::Abort {
+                handles,
+            })?
             .pop()
             .expect("one result")
     }
@@ -146,12 +133,12 @@ impl Drop for ObjectWriter {
     fn drop(&mut self) {
         if !self.done {
             let handle = self.handle;
-            if let Err(e) = self.client.each(
-                Request::Abort {
-                    handles: vec![handle],
-                },
-                &[handle],
-            ) {
+            if let Err(e) = self
+                .client
+                .each(Opcode::Abort, &[handle], |handles| Request::Abort {
+                    handles,
+                })
+            {
                 tracing::debug!(%handle, error = %e, "abort of a dropped writer failed");
             }
         }

@@ -37,8 +37,15 @@ fn fake_daemon(name: &str, answer: fn(u32, &mut UnixStream)) -> PathBuf {
                     node_id: 1,
                     epoch: 1,
                     segments: vec![],
+                    max_frame_bytes: MAX_PAYLOAD_BYTES,
                 }
-                .encode(Opcode::Hello, request_id, &mut out);
+                .encode(
+                    Opcode::Hello,
+                    request_id,
+                    feedstore_proto::frame::MAX_PAYLOAD_BYTES,
+                    &mut out,
+                )
+                .unwrap();
                 s.write_all(&out).unwrap();
             } else if opcode != Opcode::Release as u16 {
                 answer(request_id, &mut s);
@@ -61,11 +68,14 @@ fn handle() -> Handle {
 fn reply_to_another_request_breaks_the_connection() {
     let path = fake_daemon("wrong-id", |id, s| {
         let mut out = Vec::new();
-        Response::Got(vec![Err(feedstore_proto::Status::NotFound)]).encode(
-            Opcode::Get,
-            id + 7,
-            &mut out,
-        );
+        Response::Got(vec![Err(feedstore_proto::Status::NotFound)])
+            .encode(
+                Opcode::Get,
+                id + 7,
+                feedstore_proto::frame::MAX_PAYLOAD_BYTES,
+                &mut out,
+            )
+            .unwrap();
         s.write_all(&out).unwrap();
     });
     let client = ConnectOptions::new(Role::Reader)
@@ -87,11 +97,14 @@ fn reply_to_another_request_breaks_the_connection() {
 fn truncated_reply_then_close_is_disconnected() {
     let path = fake_daemon("truncated", |id, s| {
         let mut out = Vec::new();
-        Response::Got(vec![Err(feedstore_proto::Status::NotFound)]).encode(
-            Opcode::Get,
-            id,
-            &mut out,
-        );
+        Response::Got(vec![Err(feedstore_proto::Status::NotFound)])
+            .encode(
+                Opcode::Get,
+                id,
+                feedstore_proto::frame::MAX_PAYLOAD_BYTES,
+                &mut out,
+            )
+            .unwrap();
         s.write_all(&out[..HEADER_BYTES + 3]).unwrap();
         s.shutdown(std::net::Shutdown::Both).unwrap();
     });
@@ -107,7 +120,14 @@ fn malformed_reply_payload_is_a_decode_error() {
     let path = fake_daemon("garbage", |id, s| {
         // A valid header whose payload claims a million results.
         let mut out = Vec::new();
-        Response::Got(vec![]).encode(Opcode::Get, id, &mut out);
+        Response::Got(vec![])
+            .encode(
+                Opcode::Get,
+                id,
+                feedstore_proto::frame::MAX_PAYLOAD_BYTES,
+                &mut out,
+            )
+            .unwrap();
         out[HEADER_BYTES..HEADER_BYTES + 4].copy_from_slice(&1_000_000u32.to_le_bytes());
         s.write_all(&out).unwrap();
     });
@@ -123,7 +143,14 @@ fn malformed_reply_payload_is_a_decode_error() {
 fn wrong_reply_kind_is_a_protocol_error() {
     let path = fake_daemon("kind", |id, s| {
         let mut out = Vec::new();
-        Response::Done(vec![feedstore_proto::Status::Ok]).encode(Opcode::Seal, id, &mut out);
+        Response::Done(vec![feedstore_proto::Status::Ok])
+            .encode(
+                Opcode::Seal,
+                id,
+                feedstore_proto::frame::MAX_PAYLOAD_BYTES,
+                &mut out,
+            )
+            .unwrap();
         s.write_all(&out).unwrap();
     });
     let client = ConnectOptions::new(Role::Reader)

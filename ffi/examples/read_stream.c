@@ -34,7 +34,7 @@ int main(int argc, char **argv) {
     uint32_t rank = (uint32_t)strtoul(argv[7], NULL, 10);
 
     FsStream *stream = NULL;
-    if (fs_stream_open(argv[1], &spec, rank, NULL, 16, &stream) != FS_STATUS_OK) {
+    if (fs_stream_open(argv[1], &spec, rank, NULL, 0, &stream) != FS_STATUS_OK) {
         return fail("fs_stream_open");
     }
     FsSample *sample = NULL;

@@ -37,9 +37,13 @@ impl From<Error> for FfiError {
             Error::NotFound { .. } | Error::Stale { .. } | Error::WrongNode { .. } => {
                 FsStatus::ErrNotFound
             }
-            Error::Full { .. } | Error::TooLarge { .. } => FsStatus::ErrFull,
-            Error::InvalidArgument(_) => FsStatus::ErrInvalidArgument,
-            Error::PermissionDenied { .. } => FsStatus::ErrPermissionDenied,
+            Error::Full { .. } => FsStatus::ErrFull,
+            Error::TooLarge { .. } => FsStatus::ErrTooLarge,
+            Error::LimitReached(_) => FsStatus::ErrLimitReached,
+            Error::InvalidArgument(_) | Error::Encode(_) => FsStatus::ErrInvalidArgument,
+            Error::PermissionDenied { .. } | Error::UntrustedDaemon { .. } => {
+                FsStatus::ErrPermissionDenied
+            }
             Error::SampleFailed { .. } => FsStatus::ErrSampleFailed,
             Error::WindowFull { .. } => FsStatus::ErrWindowFull,
             _ => FsStatus::ErrOther,

@@ -10,7 +10,7 @@
 //!
 //! ```c
 //! FsStream *stream;
-//! if (fs_stream_open("/tmp/feedstore-0.sock", &spec, rank, NULL, 64, &stream) != FS_STATUS_OK) {
+//! if (fs_stream_open("/run/feedstore/feedstore.sock", &spec, rank, NULL, 0, &stream) != FS_STATUS_OK) {
 //!     fprintf(stderr, "%s\n", fs_last_error());
 //! }
 //! FsSample *sample;
@@ -52,7 +52,7 @@ pub enum FsStatus {
     ErrMismatch = -5,
     /// No such object.
     ErrNotFound = -6,
-    /// The store is full.
+    /// The store is full for now: retry later.
     ErrFull = -7,
     /// A sample failed validation.
     ErrInvalidSample = -8,
@@ -60,12 +60,16 @@ pub enum FsStatus {
     ErrSampleFailed = -9,
     /// This rank holds its whole prefetch depth; free some samples.
     ErrWindowFull = -10,
-    /// Not allowed for this process.
+    /// Not allowed for this process, or the socket is served by an untrusted uid.
     ErrPermissionDenied = -11,
     /// A bug inside feedstore.
     ErrPanic = -12,
     /// Anything else.
     ErrOther = -13,
+    /// The object is larger than any segment: retrying will not help (unlike `ErrFull`).
+    ErrTooLarge = -14,
+    /// A limit the daemon's operator set was reached; `fs_last_error()` names the setting.
+    ErrLimitReached = -15,
 }
 
 /// A stream's definition; producers and every rank must pass the same one.
@@ -113,8 +117,9 @@ pub struct FsStream {
     inner: Stream,
 }
 
-/// A sample from a stream (opaque); valid until `fs_sample_free`, even after its stream is
-/// freed.
+/// A sample from a stream (opaque). It holds its own lease on the object: the sample and every
+/// pointer obtained from it stay valid and unchanged until `fs_sample_free`, whatever happens to
+/// its stream (freed, reopened at another position, closed by the producer).
 pub struct FsSample {
     inner: StreamSample,
 }
@@ -168,8 +173,9 @@ pub extern "C" fn fs_last_error() -> *const c_char {
 }
 
 /// Opens `rank`'s share of a stream on the daemon at `socket`, from a saved state (the text of
-/// `fs_stream_state`) or, with `state` null, from the beginning. `depth` is the prefetch depth
-/// if the stream is new (0 for the default, 64).
+/// `fs_stream_state`) or, with `state` null, from the beginning. `wait_ms` bounds how long it
+/// waits for a producer to create the stream, and each `fs_stream_next` for a sample (0 for the
+/// default, 300 s). The prefetch depth is the stream's, set by its producer.
 ///
 /// # Safety
 /// `socket` and `state` (if not null) are NUL-terminated strings, `spec` points to a valid
@@ -180,7 +186,7 @@ pub unsafe extern "C" fn fs_stream_open(
     spec: *const FsStreamSpec,
     rank: u32,
     state: *const c_char,
-    depth: u32,
+    wait_ms: u32,
     out: *mut *mut FsStream,
 ) -> FsStatus {
     guard(|| {
@@ -204,10 +210,10 @@ pub unsafe extern "C" fn fs_stream_open(
                     .ok_or_else(|| FfiError::invalid(format!("{state:?} is not a stream state")))?,
             )
         };
-        let options = StreamOptions {
-            depth: if depth == 0 { 64 } else { depth },
-            ..StreamOptions::default()
-        };
+        let mut options = StreamOptions::default();
+        if wait_ms > 0 {
+            options.wait = std::time::Duration::from_millis(u64::from(wait_ms));
+        }
         let stream = Stream::open(socket, &spec, rank, from, options)?;
         // SAFETY: `out` is writable per the contract.
         unsafe { *out = Box::into_raw(Box::new(FsStream { inner: stream })) };

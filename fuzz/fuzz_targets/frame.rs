@@ -1,32 +1,52 @@
 //! Whatever bytes a client or a daemon sends, frame parsing and decoding return a value or an
 //! error — never a panic, never an allocation sized by a forged count — and whatever decodes
-//! re-encodes to the same bytes.
+//! re-encodes to exactly the bytes it came from (one encoding per value).
+//!
+//! Every opcode is reached: the input's first two bytes choose an opcode and a direction and
+//! the rest is taken as that frame's payload; the whole input is also parsed as raw frames.
 
 #![no_main]
 
-use feedstore_proto::frame::{Frame, MAX_PAYLOAD_BYTES, Opcode, REPLY_BIT, Request, Response};
+use feedstore_proto::frame::{
+    Frame, HEADER_BYTES, MAGIC, MAX_PAYLOAD_BYTES, Opcode, REPLY_BIT, Request, Response, VERSION,
+};
 use libfuzzer_sys::fuzz_target;
 
+/// Decodes `frame` both ways and checks what decodes re-encodes to `bytes`.
+fn check(frame: &Frame<'_>, bytes: &[u8]) {
+    let id = frame.header.request_id;
+    if let Ok(request) = Request::decode(frame) {
+        let mut again = Vec::new();
+        request.encode(id, u32::MAX, &mut again).expect("no limit");
+        assert_eq!(&again[..], bytes, "request {request:?} re-encodes to the same bytes");
+    }
+    if let Ok(response) = Response::decode(frame) {
+        let op = Opcode::from_u16(frame.header.opcode & !REPLY_BIT).expect("decoded, so known");
+        let mut again = Vec::new();
+        response.encode(op, id, u32::MAX, &mut again).expect("no limit");
+        assert_eq!(&again[..], bytes, "response {response:?} re-encodes to the same bytes");
+    }
+}
+
 fuzz_target!(|data: &[u8]| {
+    if let [op, direction, payload @ ..] = data {
+        let op = Opcode::ALL[*op as usize % Opcode::ALL.len()];
+        let reply = if direction & 1 == 1 { REPLY_BIT } else { 0 };
+        let mut frame = Vec::with_capacity(HEADER_BYTES + payload.len());
+        frame.extend_from_slice(&MAGIC.to_le_bytes());
+        frame.extend_from_slice(&VERSION.to_le_bytes());
+        frame.extend_from_slice(&(op as u16 | reply).to_le_bytes());
+        frame.extend_from_slice(&0u16.to_le_bytes());
+        frame.extend_from_slice(&u32::from(*direction).to_le_bytes());
+        frame.extend_from_slice(&(payload.len() as u32).to_le_bytes());
+        frame.extend_from_slice(payload);
+        if let Ok(Some(parsed)) = Frame::parse(&frame, MAX_PAYLOAD_BYTES) {
+            check(&parsed, &frame);
+        }
+    }
     let mut rest = data;
     while let Ok(Some(frame)) = Frame::parse(rest, MAX_PAYLOAD_BYTES) {
-        let id = frame.header.request_id;
-        if let Ok(request) = Request::decode(&frame) {
-            let mut again = Vec::new();
-            request.encode(id, &mut again);
-            assert_eq!(&again[..], &rest[..frame.len()], "request re-encodes to the same bytes");
-        }
-        if let Ok(response) = Response::decode(&frame) {
-            let op = frame.header.opcode & !REPLY_BIT;
-            // Error replies carry their own opcode; others echo the request's.
-            let request_op = [Opcode::Hello, Opcode::Create, Opcode::Seal, Opcode::Abort, Opcode::Get, Opcode::Delete, Opcode::Stats]
-                .into_iter()
-                .find(|o| *o as u16 == op)
-                .unwrap_or(Opcode::Get);
-            let mut again = Vec::new();
-            response.encode(request_op, id, &mut again);
-            let _ = again;
-        }
+        check(&frame, &rest[..frame.len()]);
         rest = &rest[frame.len()..];
     }
 });

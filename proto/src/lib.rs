@@ -1,13 +1,15 @@
 //! What both sides of a feedstore socket or mapping must agree on.
 //!
 //! This crate is the contract between the `feedstored` daemon and every client (Rust, C, Python,
-//! and later a peer node pulling objects by handle). It holds no I/O and no `unsafe`:
+//! and later a peer node pulling objects by handle). It holds no `unsafe` and no I/O
+//! beyond finding the default socket path:
 //!
 //! - [`Handle`]: the fixed 16-byte name of an object — node id, daemon epoch, slot, generation.
 //!   A handle stays meaningful across processes and nodes; a stale or forged one resolves to
 //!   [`Status::NotFound`] or [`Status::Stale`], never to another object's bytes.
 //! - [`frame`]: the length-prefixed, versioned binary frames spoken over the daemon's Unix socket,
-//!   with a hard maximum size so a malformed peer can cost at most one connection.
+//!   with a size limit each side announces at hello and every encoder checks, so a malformed
+//!   peer can cost at most one connection and a large batch is split, never refused mid-way.
 //! - [`Status`]: the wire status codes a caller can act on.
 //! - [`sample`]: the layout of a training sample inside an object — raw aligned arrays written in
 //!   place, plus a small rkyv archive describing them, validated by every reader.
@@ -22,7 +24,9 @@
 //! # fn main() -> Result<(), feedstore_proto::frame::DecodeError> {
 //! let handle = Handle { node_id: 7, epoch: 42, slot: 3, generation: 1 };
 //! let mut wire = Vec::new();
-//! Request::Get { handles: vec![handle] }.encode(9, &mut wire);
+//! Request::Get { handles: vec![handle] }
+//!     .encode(9, feedstore_proto::frame::MAX_PAYLOAD_BYTES, &mut wire)
+//!     .expect("a one-handle get fits any limit");
 //! let frame = Frame::parse(&wire, feedstore_proto::frame::MAX_PAYLOAD_BYTES)?.expect("whole frame");
 //! assert_eq!(frame.header.request_id, 9);
 //! assert_eq!(Request::decode(&frame)?, Request::Get { handles: vec![handle] });
@@ -42,6 +46,7 @@ mod wire;
 pub use handle::Handle;
 pub use stats::StoreStats;
 pub use status::Status;
+pub use wire::truncate;
 
 /// Every object's offset and reserved length is a multiple of this many bytes, so tensors laid
 /// out in an object are aligned for SIMD loads and never share a cache line with a neighbour.
@@ -50,17 +55,60 @@ pub const OBJECT_ALIGN_BYTES: u64 = 64;
 /// Environment variable both the daemon and clients read for the socket path.
 pub const SOCKET_ENV: &str = "FEEDSTORE_SOCKET";
 
-/// The socket path used when neither a flag nor [`SOCKET_ENV`] names one:
-/// `/tmp/feedstore-<uid>.sock`, so two users on one node never collide.
+/// Environment variable naming the uid a client expects the daemon to run as, when it is
+/// neither the client's own nor root.
+pub const DAEMON_UID_ENV: &str = "FEEDSTORE_DAEMON_UID";
+
+/// The socket of a daemon run by root (a system service): in `/run/feedstore`, a directory
+/// only root (and the configured socket group) can write.
+pub const SYSTEM_SOCKET: &str = "/run/feedstore/feedstore.sock";
+
+/// Longest client name a hello may carry, in bytes.
+pub const MAX_CLIENT_NAME: usize = 256;
+
+/// Where this user's daemon listens when neither a flag nor [`SOCKET_ENV`] says: never a path
+/// another user could bind first.
+///
+/// - root: [`SYSTEM_SOCKET`];
+/// - others: `$XDG_RUNTIME_DIR/feedstore/feedstore.sock` (the user's private runtime
+///   directory), else `/tmp/feedstore-<uid>/feedstore.sock`, in a directory the daemon
+///   creates with mode 0700 and refuses to use if another user owns it.
 pub fn default_socket_path() -> std::path::PathBuf {
     if let Some(path) = std::env::var_os(SOCKET_ENV) {
         return path.into();
     }
-    format!("/tmp/feedstore-{}.sock", current_uid()).into()
+    own_socket_path()
+}
+
+/// The socket a client connects to by default: [`SOCKET_ENV`], else this user's own daemon
+/// ([`default_socket_path`]) if it is there, else the system daemon's if that is there, else
+/// this user's (so the error names it).
+pub fn client_socket_path() -> std::path::PathBuf {
+    if let Some(path) = std::env::var_os(SOCKET_ENV) {
+        return path.into();
+    }
+    let own = own_socket_path();
+    if !own.exists() && std::path::Path::new(SYSTEM_SOCKET).exists() {
+        return SYSTEM_SOCKET.into();
+    }
+    own
+}
+
+fn own_socket_path() -> std::path::PathBuf {
+    let uid = current_uid();
+    if uid == 0 {
+        return SYSTEM_SOCKET.into();
+    }
+    match std::env::var_os("XDG_RUNTIME_DIR") {
+        Some(dir) if std::path::Path::new(&dir).is_dir() => {
+            std::path::Path::new(&dir).join("feedstore/feedstore.sock")
+        }
+        _ => format!("/tmp/feedstore-{uid}/feedstore.sock").into(),
+    }
 }
 
 /// The effective uid of this process, read without `unsafe`: `/proc/self` belongs to it.
-fn current_uid() -> u32 {
+pub fn current_uid() -> u32 {
     use std::os::unix::fs::MetadataExt;
     std::fs::metadata("/proc/self")
         .map(|m| m.uid())

@@ -54,10 +54,10 @@ pub const fn ring_bytes(capacity: u32) -> usize {
     (HEADER_WORDS + SLOT_WORDS * capacity as usize) * 8
 }
 
-/// Read access to a ring's words: a read-only mapping allows loads only.
+/// Read access to a ring's words: a read-only mapping allows relaxed loads only.
 pub trait RingWords {
-    /// Loads word `i`.
-    fn load(&self, i: usize, order: Ordering) -> u64;
+    /// Loads word `i` with relaxed ordering (callers order with fences).
+    fn load_relaxed(&self, i: usize) -> u64;
     /// Number of words.
     fn len(&self) -> usize;
     /// Whether there are no words.
@@ -67,8 +67,8 @@ pub trait RingWords {
 }
 
 impl RingWords for [AtomicU64] {
-    fn load(&self, i: usize, order: Ordering) -> u64 {
-        self[i].load(order)
+    fn load_relaxed(&self, i: usize) -> u64 {
+        self[i].load(Ordering::Relaxed)
     }
     fn len(&self) -> usize {
         <[AtomicU64]>::len(self)
@@ -130,11 +130,13 @@ impl RingHeader {
                 capacity: 0,
             });
         }
-        let magic = words.load(0, Ordering::Acquire);
+        let magic = words.load_relaxed(0);
+        // Pairs with the release store of the magic: the fields below were written before it.
+        fence(Ordering::Acquire);
         if magic != RING_MAGIC {
             return Err(RingError::BadMagic { found: magic });
         }
-        let capacity = words.load(1, Ordering::Relaxed);
+        let capacity = words.load_relaxed(1);
         let fits = usize::try_from(capacity)
             .ok()
             .and_then(|c| c.checked_mul(SLOT_WORDS))
@@ -148,8 +150,8 @@ impl RingHeader {
         }
         Ok(RingHeader {
             capacity: capacity as u32,
-            rank: words.load(2, Ordering::Relaxed) as u32,
-            spec_digest: words.load(3, Ordering::Relaxed),
+            rank: words.load_relaxed(2) as u32,
+            spec_digest: words.load_relaxed(3),
         })
     }
 
@@ -202,10 +204,14 @@ impl RingHeader {
     /// The entry for `seq`, if its slot holds it.
     pub fn read_entry(&self, words: &(impl RingWords + ?Sized), seq: u64) -> Option<RingEntry> {
         let base = self.slot(seq);
-        if words.load(base, Ordering::Acquire) != seq + 1 {
+        let first = words.load_relaxed(base);
+        // Pairs with the writer's release store of `seq + 1`: the fields it wrote before are
+        // visible to the loads below.
+        fence(Ordering::Acquire);
+        if first != seq + 1 {
             return None;
         }
-        let w = |i| words.load(base + i, Ordering::Relaxed);
+        let w = |i| words.load_relaxed(base + i);
         let (a, b, c) = (w(1), w(2), w(3));
         let entry = RingEntry {
             seq,
@@ -223,8 +229,10 @@ impl RingHeader {
             record: w(6),
             flags: (c >> 32) as u32,
         };
+        // Pairs with the writer's release fence after it zeroed the word: if a newer publish
+        // wrote any field read above, this load sees the zero (or the newer sequence number).
         fence(Ordering::Acquire);
-        (words.load(base, Ordering::Relaxed) == seq + 1).then_some(entry)
+        (words.load_relaxed(base) == seq + 1).then_some(entry)
     }
 }
 

@@ -444,6 +444,11 @@ impl<'a> SampleView<'a> {
         let check = |what, r: &ArchivedRegion, expect_len: Option<u64>| {
             let (offset, len) = (r.offset.to_native(), r.len.to_native());
             let bad = |problem| Err(SampleError::BadRegion { what, problem });
+            // Before the empty case: an empty region whose shape claims elements would let a
+            // reader that sizes its view by the shape (numpy, DLPack, C) read past it.
+            if expect_len.is_some_and(|e| e != len) {
+                return bad("length does not match its shape");
+            }
             if len == 0 {
                 return Ok(());
             }
@@ -452,9 +457,6 @@ impl<'a> SampleView<'a> {
             }
             if offset.checked_add(len).is_none_or(|e| e > archive_offset) {
                 return bad("out of bounds");
-            }
-            if expect_len.is_some_and(|e| e != len) {
-                return bad("length does not match its shape");
             }
             Ok(())
         };
@@ -847,6 +849,24 @@ mod tests {
         let view = SampleView::new(object.as_slice()).unwrap();
         assert!(view.tokens().is_empty() && view.labels().is_empty());
         touch_everything(view);
+    }
+
+    /// Found by the fuzz target's oracle: an empty image region whose shape claims elements was
+    /// accepted, and a reader that sizes its array by the shape (numpy, DLPack, C) would have
+    /// read that many bytes from the object's start, past the object for a large shape.
+    #[test]
+    fn an_empty_region_must_match_its_shape() {
+        let mut plan = SamplePlan::new();
+        plan.add_image(DType::F32, TensorLayout::Hwc, &[1 << 10, 1 << 10, 3]);
+        plan.set_token_count(0);
+        let info = SampleInfo::default();
+        let mut forged = plan.clone();
+        forged.images[0].region.len = 0;
+        let object = build(&forged, &info, |_| {});
+        assert!(matches!(
+            SampleView::new(object.as_slice()),
+            Err(SampleError::BadRegion { what: "image", .. })
+        ));
     }
 
     #[test]

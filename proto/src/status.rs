@@ -40,6 +40,9 @@ pub enum Status {
     Ended = 14,
     /// The stream exists with another spec (record count, seed, world, shuffle, tail, epochs).
     SpecMismatch = 15,
+    /// A limit the daemon's operator set was reached (connections per uid, streams, ring
+    /// memory, leases, queued requests); the message names the setting.
+    LimitReached = 16,
 }
 
 impl Status {
@@ -63,6 +66,7 @@ impl Status {
             13 => Timeout,
             14 => Ended,
             15 => SpecMismatch,
+            16 => LimitReached,
             _ => return None,
         })
     }
@@ -86,6 +90,7 @@ impl Status {
             Status::Timeout => "timed out",
             Status::Ended => "stream ended",
             Status::SpecMismatch => "the stream exists with a different spec",
+            Status::LimitReached => "a configured limit was reached",
         }
     }
 }

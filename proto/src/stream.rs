@@ -17,9 +17,6 @@
 //! same count ([`Tail::Drop`] drops the last `n mod world` records of the epoch's order,
 //! [`Tail::Pad`] wraps around to its start), so data-parallel ranks never wait on an uneven tail.
 
-use crate::frame::DecodeError;
-use crate::wire::{Reader, Writer};
-
 /// Longest stream name, in bytes.
 pub const MAX_STREAM_NAME: usize = 128;
 
@@ -119,15 +116,18 @@ pub enum SpecError {
     /// A zero block size.
     #[error("block shuffle needs a block size of at least 1")]
     EmptyBlock,
-    /// Name empty or too long.
-    #[error("stream name must be 1..={MAX_STREAM_NAME} bytes")]
+    /// Name empty, too long, or with control characters.
+    #[error("stream name must be 1..={MAX_STREAM_NAME} bytes of printable text")]
     BadName,
 }
 
 impl StreamSpec {
     /// Checks the spec makes sense for `rank`.
     pub fn check(&self, rank: u32) -> Result<(), SpecError> {
-        if self.name.is_empty() || self.name.len() > MAX_STREAM_NAME {
+        if self.name.is_empty()
+            || self.name.len() > MAX_STREAM_NAME
+            || self.name.chars().any(char::is_control)
+        {
             return Err(SpecError::BadName);
         }
         if self.world == 0 {
@@ -208,65 +208,88 @@ impl StreamSpec {
     }
 
     /// A 64-bit digest of the spec, carried in states so a resume can tell it belongs here.
+    ///
+    /// Computed from [`StreamSpec::canonical_bytes`], a versioned encoding of its own, never
+    /// from the wire form: a protocol change cannot silently invalidate every saved
+    /// checkpoint (a test pins the digests of known specs).
     pub fn digest(&self) -> u64 {
-        let mut buf = Vec::new();
-        self.encode(&mut Writer { buf: &mut buf });
-        buf.chunks(8).fold(0x0F5E_ED5E_ED5E_ED00, |h, c| {
-            let mut w = [0u8; 8];
-            w[..c.len()].copy_from_slice(c);
-            mix(h ^ u64::from_le_bytes(w))
-        })
+        self.canonical_bytes()
+            .chunks(8)
+            .fold(0x0F5E_ED5E_ED5E_ED00, |h, c| {
+                let mut w = [0u8; 8];
+                w[..c.len()].copy_from_slice(c);
+                mix(h ^ u64::from_le_bytes(w))
+            })
     }
 
-    pub(crate) fn encode(&self, w: &mut Writer<'_>) {
-        w.string(&self.name);
-        w.u64(self.records);
-        w.u64(self.seed);
-        w.u32(self.world);
-        let (kind, block) = match self.shuffle {
+    /// The spec's checkpoint encoding, version 1 (the digest's input), little-endian:
+    ///
+    /// | field   | bytes                                                  |
+    /// |---------|--------------------------------------------------------|
+    /// | name    | `u16` length, then the UTF-8 bytes                     |
+    /// | records | `u64`                                                  |
+    /// | seed    | `u64`                                                  |
+    /// | world   | `u32`                                                  |
+    /// | shuffle | `u8` kind (0 none, 1 full, 2 block), `u32` block size (0 unless block) |
+    /// | tail    | `u8` (0 drop, 1 pad)                                   |
+    /// | epochs  | `u64` (0 for unbounded)                                |
+    ///
+    /// Frozen: a later version must add a version marker and keep this one's digests.
+    pub fn canonical_bytes(&self) -> Vec<u8> {
+        let mut b = Vec::with_capacity(40 + self.name.len());
+        let name = &self.name.as_bytes()[..self.name.len().min(MAX_STREAM_NAME)];
+        b.extend_from_slice(&(name.len() as u16).to_le_bytes());
+        b.extend_from_slice(name);
+        b.extend_from_slice(&self.records.to_le_bytes());
+        b.extend_from_slice(&self.seed.to_le_bytes());
+        b.extend_from_slice(&self.world.to_le_bytes());
+        let (kind, block) = self.shuffle.code();
+        b.push(kind);
+        b.extend_from_slice(&block.to_le_bytes());
+        b.push(self.tail.code());
+        b.extend_from_slice(&self.epochs.unwrap_or(0).to_le_bytes());
+        b
+    }
+}
+
+impl Shuffle {
+    /// (kind, block size): 0 none, 1 full, 2 block. The block size is 0 unless by blocks, so a
+    /// value has exactly one code.
+    pub fn code(self) -> (u8, u32) {
+        match self {
             Shuffle::None => (0, 0),
             Shuffle::Full => (1, 0),
             Shuffle::Block(b) => (2, b),
-        };
-        w.u8(kind);
-        w.u32(block);
-        w.u8(match self.tail {
-            Tail::Drop => 0,
-            Tail::Pad => 1,
-        });
-        w.u64(self.epochs.unwrap_or(0));
+        }
     }
 
-    pub(crate) fn decode(r: &mut Reader<'_>) -> Result<StreamSpec, DecodeError> {
-        let name = r.string()?;
-        let records = r.u64()?;
-        let seed = r.u64()?;
-        let world = r.u32()?;
-        // One encoding per value: the block size is zero unless the shuffle is by blocks.
-        let shuffle = match (r.u8()?, r.u32()?) {
-            (0, 0) => Shuffle::None,
-            (1, 0) => Shuffle::Full,
-            (2, b) => Shuffle::Block(b),
-            _ => return Err(DecodeError::InvalidValue { field: "shuffle" }),
-        };
-        let tail = match r.u8()? {
-            0 => Tail::Drop,
-            1 => Tail::Pad,
-            _ => return Err(DecodeError::InvalidValue { field: "tail" }),
-        };
-        let epochs = match r.u64()? {
-            0 => None,
-            e => Some(e),
-        };
-        Ok(StreamSpec {
-            name,
-            records,
-            seed,
-            world,
-            shuffle,
-            tail,
-            epochs,
-        })
+    /// The inverse of [`Shuffle::code`]; `None` for a code no value has.
+    pub fn from_code(kind: u8, block: u32) -> Option<Shuffle> {
+        match (kind, block) {
+            (0, 0) => Some(Shuffle::None),
+            (1, 0) => Some(Shuffle::Full),
+            (2, b) => Some(Shuffle::Block(b)),
+            _ => None,
+        }
+    }
+}
+
+impl Tail {
+    /// 0 drop, 1 pad.
+    pub fn code(self) -> u8 {
+        match self {
+            Tail::Drop => 0,
+            Tail::Pad => 1,
+        }
+    }
+
+    /// The inverse of [`Tail::code`].
+    pub fn from_code(code: u8) -> Option<Tail> {
+        match code {
+            0 => Some(Tail::Drop),
+            1 => Some(Tail::Pad),
+            _ => None,
+        }
     }
 }
 
@@ -502,6 +525,32 @@ mod tests {
             }
             .digest()
         );
+    }
+
+    /// Checkpoints saved by earlier releases name their spec by this digest: it must never
+    /// change for a given spec, whatever the wire protocol does.
+    #[test]
+    fn digests_of_known_specs_never_change() {
+        let a = StreamSpec {
+            name: "job-7/train".into(),
+            records: 1_000_003,
+            seed: 42,
+            world: 8,
+            shuffle: Shuffle::Block(64),
+            tail: Tail::Pad,
+            epochs: Some(3),
+        };
+        let b = StreamSpec {
+            name: "s".into(),
+            records: 16,
+            seed: 0,
+            world: 1,
+            shuffle: Shuffle::None,
+            tail: Tail::Drop,
+            epochs: None,
+        };
+        assert_eq!(a.digest(), 0x3e4a_1cea_7af7_fefb);
+        assert_eq!(b.digest(), 0x974c_4d3d_e6c5_8e4e);
     }
 
     #[test]

@@ -1,6 +1,89 @@
-//! Little-endian cursor helpers; every read is bounds-checked.
+//! The byte level of the control protocol: little-endian cursors and the [`Wire`] trait every
+//! message part implements. A leaf: it knows nothing about frames or streams, so every other
+//! module builds on it and none of them on each other.
 
-use crate::frame::DecodeError;
+use crate::Handle;
+
+/// Why bytes could not be decoded as a frame. Any of these closes the connection.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum DecodeError {
+    /// The first two bytes are not the protocol's magic: the peer is not speaking this protocol.
+    #[error("bad magic {found:#06x} (not a feedstore peer?)")]
+    BadMagic {
+        /// What arrived.
+        found: u16,
+    },
+    /// The peer speaks another protocol version.
+    #[error("unsupported protocol version {found} (this side speaks {expected})")]
+    UnsupportedVersion {
+        /// What arrived.
+        found: u16,
+        /// What this side speaks.
+        expected: u16,
+    },
+    /// The opcode is unknown or not valid in this direction.
+    #[error("unknown opcode {found:#06x}")]
+    UnknownOpcode {
+        /// What arrived.
+        found: u16,
+    },
+    /// The header announces a payload larger than the receiver accepts.
+    #[error("frame payload of {len} bytes exceeds the maximum of {max}")]
+    Oversized {
+        /// Announced payload length.
+        len: u32,
+        /// The receiver's maximum.
+        max: u32,
+    },
+    /// The payload ends before a field does.
+    #[error("truncated payload: needed {need} more bytes, {have} left")]
+    Truncated {
+        /// Bytes needed.
+        need: usize,
+        /// Bytes left.
+        have: usize,
+    },
+    /// The payload has bytes after its last field.
+    #[error("{extra} trailing bytes after the payload")]
+    TrailingBytes {
+        /// Number of extra bytes.
+        extra: usize,
+    },
+    /// A field holds a value outside its domain.
+    #[error("invalid value in field {field}")]
+    InvalidValue {
+        /// The field.
+        field: &'static str,
+    },
+    /// The reserved flags are not zero.
+    #[error("reserved header flags set: {found:#06x}")]
+    ReservedFlags {
+        /// What arrived.
+        found: u16,
+    },
+}
+
+/// A part of a message: how it is written and read, side by side.
+///
+/// `decode(encode(x)) == x` for every value a sender may build (property-tested for each
+/// implementation), and decoding never trusts a length it has not checked.
+pub(crate) trait Wire: Sized {
+    /// The fewest bytes any value encodes to. A list's decoder checks its element count against
+    /// it before reserving memory, so a forged count cannot make it allocate what the frame does
+    /// not hold. Tested against the encoding of the smallest value.
+    const MIN_BYTES: usize;
+
+    /// Appends the value.
+    fn encode(&self, w: &mut Writer<'_>);
+
+    /// Reads one value.
+    fn decode(r: &mut Reader<'_>) -> Result<Self, DecodeError>;
+}
+
+/// Longest string a frame carries: client names, stream names and error messages are all far
+/// shorter (see their own limits); this only bounds the wire form.
+pub(crate) const MAX_STRING_BYTES: usize = u16::MAX as usize;
 
 pub(crate) struct Reader<'a> {
     buf: &'a [u8],
@@ -12,8 +95,12 @@ impl<'a> Reader<'a> {
         Reader { buf, pos: 0 }
     }
 
+    fn left(&self) -> usize {
+        self.buf.len() - self.pos
+    }
+
     pub(crate) fn bytes(&mut self, n: usize) -> Result<&'a [u8], DecodeError> {
-        let have = self.buf.len() - self.pos;
+        let have = self.left();
         if n > have {
             return Err(DecodeError::Truncated { need: n, have });
         }
@@ -40,22 +127,37 @@ impl<'a> Reader<'a> {
     pub(crate) fn u64(&mut self) -> Result<u64, DecodeError> {
         Ok(u64::from_le_bytes(self.array()?))
     }
-    pub(crate) fn handle(&mut self) -> Result<crate::Handle, DecodeError> {
-        Ok(crate::Handle::from_bytes(self.array()?))
+    pub(crate) fn u128(&mut self) -> Result<u128, DecodeError> {
+        Ok(u128::from_le_bytes(self.array()?))
+    }
+    /// A byte that must be 0 or 1.
+    pub(crate) fn bool(&mut self, field: &'static str) -> Result<bool, DecodeError> {
+        match self.u8()? {
+            0 => Ok(false),
+            1 => Ok(true),
+            _ => Err(DecodeError::InvalidValue { field }),
+        }
     }
 
-    /// A `u32` element count, checked against what the remaining bytes can hold so a forged count
-    /// cannot make the decoder reserve memory it will never fill.
-    pub(crate) fn count(&mut self, element_bytes: usize) -> Result<usize, DecodeError> {
+    /// A `u32` element count, checked against what the remaining bytes can hold at
+    /// `min_element_bytes` each, so a forged count cannot make the decoder reserve memory it
+    /// will never fill.
+    pub(crate) fn count(&mut self, min_element_bytes: usize) -> Result<usize, DecodeError> {
         let n = self.u32()? as usize;
-        let have = self.buf.len() - self.pos;
-        match n.checked_mul(element_bytes) {
+        let have = self.left();
+        match n.checked_mul(min_element_bytes.max(1)) {
             Some(need) if need <= have => Ok(n),
             _ => Err(DecodeError::Truncated {
-                need: n.saturating_mul(element_bytes),
+                need: n.saturating_mul(min_element_bytes.max(1)),
                 have,
             }),
         }
+    }
+
+    /// A length-prefixed list.
+    pub(crate) fn list<T: Wire>(&mut self) -> Result<Vec<T>, DecodeError> {
+        let n = self.count(T::MIN_BYTES)?;
+        (0..n).map(|_| T::decode(self)).collect()
     }
 
     pub(crate) fn string(&mut self) -> Result<String, DecodeError> {
@@ -67,7 +169,7 @@ impl<'a> Reader<'a> {
     }
 
     pub(crate) fn finish(self) -> Result<(), DecodeError> {
-        let extra = self.buf.len() - self.pos;
+        let extra = self.left();
         if extra == 0 {
             Ok(())
         } else {
@@ -93,20 +195,99 @@ impl Writer<'_> {
     pub(crate) fn u64(&mut self, v: u64) {
         self.buf.extend_from_slice(&v.to_le_bytes());
     }
-    pub(crate) fn handle(&mut self, h: crate::Handle) {
-        self.buf.extend_from_slice(&h.to_bytes());
+    pub(crate) fn u128(&mut self, v: u128) {
+        self.buf.extend_from_slice(&v.to_le_bytes());
     }
+    pub(crate) fn bool(&mut self, v: bool) {
+        self.u8(u8::from(v));
+    }
+    /// A list's element count. Lists longer than `u32::MAX` cannot be in a frame, whose
+    /// payload length is a `u32`; the frame limit refuses them long before.
     pub(crate) fn count(&mut self, n: usize) {
-        self.u32(u32::try_from(n).expect("element count fits u32; frames are bounded"));
+        self.u32(u32::try_from(n).unwrap_or(u32::MAX));
     }
-    /// Strings are short labels (client names, error messages); longer ones are cut at a char
-    /// boundary.
-    pub(crate) fn string(&mut self, s: &str) {
-        let mut end = s.len().min(1024);
-        while !s.is_char_boundary(end) {
-            end -= 1;
+    pub(crate) fn list<T: Wire>(&mut self, items: &[T]) {
+        self.count(items.len());
+        for item in items {
+            item.encode(self);
         }
-        self.u16(end as u16);
-        self.buf.extend_from_slice(&s.as_bytes()[..end]);
+    }
+    /// A string of at most [`MAX_STRING_BYTES`]; the senders of longer text (error messages)
+    /// shorten it first with [`truncate`].
+    pub(crate) fn string(&mut self, s: &str) {
+        let s = truncate(s, MAX_STRING_BYTES);
+        self.u16(s.len() as u16);
+        self.buf.extend_from_slice(s.as_bytes());
+    }
+}
+
+/// `s` cut to at most `max` bytes at a character boundary.
+pub fn truncate(s: &str, max: usize) -> &str {
+    let mut end = s.len().min(max);
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    &s[..end]
+}
+
+impl Wire for Handle {
+    const MIN_BYTES: usize = Handle::WIRE_BYTES;
+    fn encode(&self, w: &mut Writer<'_>) {
+        w.buf.extend_from_slice(&self.to_bytes());
+    }
+    fn decode(r: &mut Reader<'_>) -> Result<Self, DecodeError> {
+        Ok(Handle::from_bytes(r.array()?))
+    }
+}
+
+impl Wire for u64 {
+    const MIN_BYTES: usize = 8;
+    fn encode(&self, w: &mut Writer<'_>) {
+        w.u64(*self);
+    }
+    fn decode(r: &mut Reader<'_>) -> Result<Self, DecodeError> {
+        r.u64()
+    }
+}
+
+impl Wire for u128 {
+    const MIN_BYTES: usize = 16;
+    fn encode(&self, w: &mut Writer<'_>) {
+        w.u128(*self);
+    }
+    fn decode(r: &mut Reader<'_>) -> Result<Self, DecodeError> {
+        r.u128()
+    }
+}
+
+/// Test helpers shared by every family's round-trip properties.
+#[cfg(test)]
+pub(crate) mod testing {
+    use super::*;
+
+    /// Encodes `value`, checks the bytes decode back to it and are at least `MIN_BYTES` long.
+    pub(crate) fn round_trip<T: Wire + PartialEq + std::fmt::Debug>(value: &T) {
+        let mut buf = Vec::new();
+        value.encode(&mut Writer { buf: &mut buf });
+        assert!(
+            buf.len() >= T::MIN_BYTES,
+            "{value:?} encodes to {} bytes, under MIN_BYTES {}",
+            buf.len(),
+            T::MIN_BYTES
+        );
+        let mut r = Reader::new(&buf);
+        assert_eq!(&T::decode(&mut r).unwrap(), value);
+        r.finish().unwrap();
+    }
+
+    /// Checks that the smallest value encodes to exactly `MIN_BYTES`.
+    pub(crate) fn min_bytes_is_tight<T: Wire>(smallest: &T) {
+        let mut buf = Vec::new();
+        smallest.encode(&mut Writer { buf: &mut buf });
+        assert_eq!(
+            buf.len(),
+            T::MIN_BYTES,
+            "MIN_BYTES is not the smallest encoding"
+        );
     }
 }

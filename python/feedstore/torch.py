@@ -117,7 +117,6 @@ class StreamDataset(IterableDataset):
         tail: str = "drop",
         epochs: Optional[int] = 1,
         socket: Optional[str] = None,
-        depth: int = 64,
         wait: float = 300.0,
         transform: Optional[Callable[[Dict[str, Any]], Any]] = None,
     ) -> None:
@@ -128,7 +127,7 @@ class StreamDataset(IterableDataset):
         self.num_workers = num_workers
         self.spec = dict(seed=seed, shuffle=shuffle, tail=tail, epochs=epochs)
         self.name, self.records = name, records
-        self.socket, self.depth, self.wait = socket, depth, wait
+        self.socket, self.wait = socket, wait
         self.transform = transform
         # Per stream rank: samples consumed (the next sequence number), as the trainer saw them.
         self._consumed: Dict[int, int] = {}
@@ -183,7 +182,6 @@ class StreamDataset(IterableDataset):
             self.stream_world,
             state=self._state(stream_rank),
             socket=self.socket,
-            depth=self.depth,
             wait=self.wait,
             **self.spec,
         )

@@ -22,8 +22,8 @@ fn handle(text: &str) -> PyResult<Handle> {
 
 #[pymethods]
 impl Client {
-    /// Connects to the daemon at `socket` (default: `$FEEDSTORE_SOCKET` or
-    /// `/tmp/feedstore-<uid>.sock`).
+    /// Connects to the daemon at `socket` (default: `$FEEDSTORE_SOCKET`, else this user's
+    /// daemon, else the system daemon's).
     #[new]
     #[pyo3(signature = (socket=None, *, writer=false, name=None))]
     fn new(

@@ -89,7 +89,17 @@ exception!(
 exception!(
     Full,
     PyMemoryError,
-    "The store has no room for the object within the timeout, or it can never fit."
+    "The store has no room for the object within the timeout: retry later."
+);
+exception!(
+    TooLarge,
+    PyValueError,
+    "The object is larger than any segment: it can never fit, so retrying will not help."
+);
+exception!(
+    LimitReached,
+    PyMemoryError,
+    "A limit the daemon's operator set was reached (connections, streams, leases); the message names the setting."
 );
 exception!(
     Timeout,
@@ -119,7 +129,7 @@ exception!(
 exception!(
     PermissionDenied,
     PyPermissionError,
-    "This connection may not do that."
+    "This connection may not do that, or the socket is served by an untrusted uid."
 );
 exception!(
     InvalidArgument,
@@ -135,6 +145,8 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("Disconnected", Disconnected::type_object(py))?;
     m.add("NotFound", NotFound::type_object(py))?;
     m.add("Full", Full::type_object(py))?;
+    m.add("TooLarge", TooLarge::type_object(py))?;
+    m.add("LimitReached", LimitReached::type_object(py))?;
     m.add("Timeout", Timeout::type_object(py))?;
     m.add("StreamMismatch", StreamMismatch::type_object(py))?;
     m.add("SampleFailed", SampleFailed::type_object(py))?;
@@ -154,13 +166,17 @@ pub fn to_py(e: Error) -> PyErr {
         Error::NotFound { .. } | Error::Stale { .. } | Error::WrongNode { .. } => {
             NotFound::new_err(text)
         }
-        Error::Full { .. } | Error::TooLarge { .. } => Full::new_err(text),
+        Error::Full { .. } => Full::new_err(text),
+        Error::TooLarge { .. } => TooLarge::new_err(text),
+        Error::LimitReached(_) => LimitReached::new_err(text),
         Error::Timeout(_) => Timeout::new_err(text),
         Error::StreamMismatch(_) => StreamMismatch::new_err(text),
         Error::SampleFailed { .. } => SampleFailed::new_err(text),
         Error::WindowFull { .. } => WindowFull::new_err(text),
-        Error::PermissionDenied { .. } => PermissionDenied::new_err(text),
-        Error::InvalidArgument(_) => InvalidArgument::new_err(text),
+        Error::PermissionDenied { .. } | Error::UntrustedDaemon { .. } => {
+            PermissionDenied::new_err(text)
+        }
+        Error::InvalidArgument(_) | Error::Encode(_) => InvalidArgument::new_err(text),
         _ => FeedstoreError::new_err(text),
     }
 }

@@ -41,7 +41,7 @@ fn spec(
 }
 
 fn socket_path(socket: Option<String>) -> std::path::PathBuf {
-    socket.map_or_else(feedstore_proto::default_socket_path, Into::into)
+    socket.map_or_else(feedstore_proto::client_socket_path, Into::into)
 }
 
 /// One data-parallel rank's share of a stream, in order, with prefetch. Iterate it for
@@ -107,14 +107,15 @@ impl Stream {
 #[pymethods]
 impl Stream {
     /// Opens `rank`'s share of the stream `name` over `records` manifest records on the daemon
-    /// at `socket` (default: `$FEEDSTORE_SOCKET` or `/tmp/feedstore-<uid>.sock`). Producers and
-    /// every rank must pass the same spec: `world`, `seed`, `shuffle` ("full", "none",
-    /// "block:N"), `tail` ("drop", "pad") and `epochs` (None: until closed). `state` is a
-    /// string from `state()`; `depth` the prefetch depth if the stream is new; `wait` the
-    /// seconds `next()` waits before raising `feedstore.Timeout`.
+    /// at `socket` (default: `$FEEDSTORE_SOCKET`, else this user's daemon, else the system
+    /// daemon's). Producers and every rank must pass the same spec: `world`, `seed`, `shuffle`
+    /// ("full", "none", "block:N"), `tail` ("drop", "pad") and `epochs` (None: until closed).
+    /// `state` is a string from `state()`; `wait` the seconds to wait for a producer to create
+    /// the stream, and then for each sample, before raising `feedstore.Timeout`. (The prefetch
+    /// depth is the stream's, set by its producer.)
     #[new]
     #[pyo3(signature = (name, records, rank=0, world=1, *, seed=0, shuffle="full", tail="drop",
-        epochs=Some(1), state=None, socket=None, depth=64, wait=300.0))]
+        epochs=Some(1), state=None, socket=None, wait=300.0))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -128,7 +129,6 @@ impl Stream {
         epochs: Option<u64>,
         state: Option<&str>,
         socket: Option<String>,
-        depth: u32,
         wait: f64,
     ) -> PyResult<Stream> {
         let spec = spec(name, records, world, seed, shuffle, tail, epochs)?;
@@ -142,14 +142,31 @@ impl Stream {
             InvalidArgument::new_err("wait must be a non-negative number of seconds")
         })?;
         let options = StreamOptions {
-            depth,
             wait,
             ..StreamOptions::default()
         };
         let socket = socket_path(socket);
-        let stream = py
-            .detach(|| feedstore_consumer::Stream::open(socket, &spec, rank, from, options))
-            .py_err()?;
+        // Waiting for a producer to create the stream: look for Ctrl-C every 100 ms.
+        let mut interrupted = None;
+        let stream = py.detach(|| {
+            feedstore_consumer::Stream::open_interruptible(
+                socket,
+                &spec,
+                rank,
+                from,
+                options,
+                || {
+                    Python::attach(|py| py.check_signals()).map_err(|e| {
+                        interrupted = Some(e);
+                        Error::Interrupted
+                    })
+                },
+            )
+        });
+        let stream = match (stream, interrupted) {
+            (Err(Error::Interrupted), Some(signal)) => return Err(signal),
+            (stream, _) => stream.py_err()?,
+        };
         Ok(Stream {
             inner: Mutex::new(Some(stream)),
             wait,
@@ -226,7 +243,8 @@ impl Stream {
         })
     }
 
-    /// Detaches the rank (samples already handed out stay valid).
+    /// Detaches the rank, so another consumer may attach to it. Samples already handed out (and
+    /// their arrays and tensors) stay valid: each holds its own lease.
     fn close(&self) {
         drop(self.inner.lock().unwrap_or_else(|e| e.into_inner()).take());
     }

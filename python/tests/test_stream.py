@@ -79,7 +79,8 @@ def test_stream_samples_go_back_when_their_arrays_are_dropped(daemon):
     arrays = [sample.images[0] for sample in (next(stream) for _ in range(3))]
     gc.collect()
     stream.flush()
-    assert daemon.stats()["leases"] == 3  # the arrays still hold their samples
+    # The stream's three, and one of its own for each sample (held by its array).
+    assert daemon.stats()["leases"] == 6
     assert [int(a[0, 0, 0]) for a in arrays] == [0, 1, 2]
     del arrays
     gc.collect()
@@ -145,12 +146,21 @@ def test_errors_are_feedstore_exceptions(daemon, tmp_path):
         feedstore.Stream("bad", 10, rank=4, world=2, socket=daemon.socket)
     with pytest.raises(feedstore.InvalidArgument):
         feedstore.Stream("bad", 10, shuffle="sideways", socket=daemon.socket)
+    with pytest.raises(feedstore.Timeout) as e:
+        feedstore.Stream("nobody-made-this", 10, socket=daemon.socket, wait=0.3)
+    assert "is a producer running" in str(e.value)
+    writers = [feedstore.Writer(name, 10, socket=daemon.socket) for name in ("spec", "empty")]
     with feedstore.Stream("spec", 10, socket=daemon.socket):
         with pytest.raises(feedstore.StreamMismatch):
             feedstore.Stream("spec", 11, socket=daemon.socket)
     with pytest.raises(feedstore.Timeout) as e:
         next(feedstore.Stream("empty", 10, socket=daemon.socket, wait=0.3))
     assert isinstance(e.value, TimeoutError) and "are producers running" in str(e.value)
+    del writers
+    # Larger than any segment: never fits, and says so (code retrying on Full would loop).
+    with pytest.raises(feedstore.TooLarge) as e:
+        feedstore.Client(daemon.socket, writer=True).put(np.zeros(300 << 20, dtype=np.uint8))
+    assert isinstance(e.value, ValueError) and not isinstance(e.value, feedstore.Full)
     with pytest.raises(feedstore.NotFound):
         feedstore.Client(daemon.socket).get("1:1:7:7")
     with pytest.raises(feedstore.FeedstoreError):
@@ -191,7 +201,10 @@ def test_killing_a_python_reader_releases_its_leases(daemon):
         assert feedstore.Client(daemon.socket).get(h).images[0][0, 0, 0] == i
 
 
-def test_ctrl_c_interrupts_a_wait(daemon):
+@pytest.mark.parametrize("made", [False, True], ids=["for-the-stream", "for-a-sample"])
+def test_ctrl_c_interrupts_a_wait(daemon, made):
+    # Waiting for a producer to create the stream, or for a sample of a stream nobody feeds.
+    writer = feedstore.Writer("nobody-feeds-this", 10, socket=daemon.socket) if made else None
     waiter = subprocess.Popen(
         [
             sys.executable,
@@ -199,8 +212,8 @@ def test_ctrl_c_interrupts_a_wait(daemon):
             textwrap.dedent(
                 """
                 import sys, feedstore
-                stream = feedstore.Stream("nobody-feeds-this", 10, socket=sys.argv[1], wait=600)
                 print("waiting", flush=True)
+                stream = feedstore.Stream("nobody-feeds-this", 10, socket=sys.argv[1], wait=600)
                 next(stream)
                 """
             ),
@@ -211,8 +224,53 @@ def test_ctrl_c_interrupts_a_wait(daemon):
         text=True,
     )
     assert waiter.stdout.readline() == "waiting\n"
-    daemon.wait_for("the reader to attach", lambda s: s["clients"] >= 1)
+    daemon.wait_for("the reader to connect", lambda s: s["clients"] >= 1 + bool(writer))
     waiter.send_signal(signal.SIGINT)
     _, err = waiter.communicate(timeout=60)  # a hang fails here, long before the 600 s wait
     assert "KeyboardInterrupt" in err, err
     assert waiter.returncode != 0
+
+
+def test_a_held_array_outlives_a_reopen_and_a_refilled_store(daemon):
+    """Issue 11's reproduction: an array kept from a stream whose rank is reopened at a later
+    position, while other work fills the store, still reads its own sample's bytes."""
+    import torch
+
+    writer = feedstore.Writer("s", 16, shuffle="none", socket=daemon.socket, depth=8)
+
+    def feed():
+        while (tasks := writer.take(max=8, wait=0.05)) is not None:
+            for task in tasks:
+                writer.put(task, np.full((64, 64, 3), task.record + 1, dtype=np.uint8))
+            if not tasks:
+                return
+
+    feed()
+    st = feedstore.Stream("s", records=16, rank=0, world=1, shuffle="none", socket=daemon.socket)
+    a0 = next(st).images[0]  # a read-only array the user keeps (value 1 everywhere)
+    tensor = torch.from_dlpack(next(st).image(0))  # and a tensor (value 2)
+    next(st)
+    state = st.state()
+    del st  # the stream object goes; the array and the tensor stay
+    gc.collect()
+    st = feedstore.Stream("s", 16, shuffle="none", state=state, socket=daemon.socket)
+    feed()
+    c = feedstore.Client(daemon.socket, writer=True)
+    for _ in range(3000):  # other work fills the store
+        try:
+            c.put(np.full(150000, 0xAB, np.uint8))
+        except feedstore.Full:
+            pass
+    assert (a0 == 1).all() and int(tensor.min()) == int(tensor.max()) == 2
+    assert next(st).record == 3  # the reopened rank continues where it stood
+    writer.close()  # a close by the producer does not end the views either
+    for _ in range(3000):
+        try:
+            c.put(np.full(150000, 0xAB, np.uint8))
+        except feedstore.Full:
+            pass
+    assert (a0 == 1).all() and int(tensor.min()) == int(tensor.max()) == 2
+    del a0, tensor, st
+    gc.collect()
+    c.flush()
+    daemon.wait_for("every lease back", lambda s: s["leases"] == 0)

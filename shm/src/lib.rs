@@ -6,8 +6,13 @@
 //! socket and wrap it in a [`Mapping`]:
 //!
 //! - a reader gets a descriptor re-opened `O_RDONLY`, so the kernel itself refuses a writable
-//!   mapping (`EACCES`): a trainer bug cannot scribble over a sample another rank is reading;
+//!   mapping (`EACCES`): a trainer bug cannot scribble over a sample another rank is reading.
+//!   The memfd's mode is 0400, so a reader of another uid cannot open it again for writing
+//!   through `/proc/self/fd/N` either;
 //! - a writer gets the read-write descriptor.
+//!
+//! Bytes reach users only as [`SharedBytes`]: a view that owns the mapping (an `Arc`) and the
+//! hold that keeps the bytes unchanged (a lease), so it cannot outlive either.
 //!
 //! Key decision: the size seals (`F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL`) are what make the
 //! mapping safe to hand out. Without them any holder of the descriptor could `ftruncate` it and
@@ -36,7 +41,7 @@
 mod mapping;
 mod segment;
 
-pub use mapping::{Access, Mapping};
+pub use mapping::{Access, Mapping, SharedBytes};
 pub use segment::{HugePageInfo, HugePages, Segment, SegmentOptions};
 
 use std::io;

@@ -1,6 +1,8 @@
-//! Client-side mappings of segments.
+//! Client-side mappings of segments, and the one type that hands their bytes out.
 
+use std::ops::Deref;
 use std::os::fd::{AsFd, OwnedFd};
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use memmap2::{Advice, MmapOptions, MmapRaw};
@@ -20,18 +22,13 @@ pub enum Access {
 ///
 /// The mapping owns its descriptor's memory for as long as it lives: dropping the daemon's
 /// segment, or the daemon itself dying, does not unmap it. Views handed to users keep the
-/// mapping alive through an `Arc` (see the consumer's `Lease`).
+/// mapping alive through an `Arc` ([`SharedBytes`]). `&Mapping` gives no safe access to the
+/// bytes, so it is shared between threads freely.
 #[derive(Debug)]
 pub struct Mapping {
     map: MmapRaw,
     access: Access,
 }
-
-// SAFETY: the mapping is plain shared memory; `Mapping` exposes it only through `unsafe` accessors
-// whose callers uphold the aliasing rules, so sharing the handle between threads is sound.
-unsafe impl Send for Mapping {}
-// SAFETY: as above; `&Mapping` gives no safe access to the bytes.
-unsafe impl Sync for Mapping {}
 
 impl Mapping {
     /// Maps the first `len` bytes of a segment descriptor.
@@ -141,25 +138,96 @@ impl Mapping {
         Some(unsafe { std::slice::from_raw_parts(ptr, self.map.len() / 8) })
     }
 
-    /// Atomically loads 64-bit word `index` (byte offset `8 × index`); also on a read-only
-    /// mapping. Panics past the end.
-    pub fn load_word(&self, index: usize, order: Ordering) -> u64 {
+    /// Atomically loads 64-bit word `index` (byte offset `8 × index`) with relaxed ordering;
+    /// also on a read-only mapping. Callers order their loads with fences. Panics past the end.
+    pub fn load_word_relaxed(&self, index: usize) -> u64 {
         assert!(
             index < self.map.len() / 8,
             "word {index} outside the mapping"
         );
-        assert!(
-            matches!(
-                order,
-                Ordering::Relaxed | Ordering::Acquire | Ordering::SeqCst
-            ),
-            "loads only"
-        );
         let ptr = self.map.as_mut_ptr().cast::<u64>().wrapping_add(index);
         // SAFETY: the word lies inside the live, page-aligned mapping (checked above). It may be
-        // read-only: the standard library allows atomic loads (`Relaxed`/`Acquire`, lock-free,
-        // at most pointer-sized) on read-only memory, and nothing here stores through it.
-        unsafe { AtomicU64::from_ptr(ptr) }.load(order)
+        // read-only: the standard library guarantees only relaxed atomic loads of at most a
+        // pointer's width to work on read-only memory ("Atomic accesses to read-only memory" in
+        // `core::sync::atomic`), which is exactly this load (an acquire load may be lowered to
+        // an instruction that writes); nothing here stores through it.
+        unsafe { AtomicU64::from_ptr(ptr) }.load(Ordering::Relaxed)
+    }
+}
+
+/// Bytes of a shared mapping, handed out with what keeps them valid: the mapping itself (an
+/// `Arc`, so the memory stays mapped whatever else is dropped) and a hold `H` (in feedstore, a
+/// lease on a sealed object, returned when `H` is dropped) that keeps them from changing.
+///
+/// The only way shared-memory bytes reach a user: no raw pointer escapes it, and it needs no
+/// hand-written `Send`/`Sync` (it is `Send`/`Sync` when `H` is).
+pub struct SharedBytes<H> {
+    /// Dropped first: the bytes are given back while still mapped.
+    hold: H,
+    mapping: Arc<Mapping>,
+    offset: usize,
+    len: usize,
+}
+
+impl<H> SharedBytes<H> {
+    /// `len` bytes at `offset` of `mapping`, valid for as long as `hold` lives. Gives `hold`
+    /// back if the range is not inside the mapping.
+    ///
+    /// # Safety
+    /// For as long as `hold` is alive, nothing may write the range: in feedstore, `hold` owns a
+    /// lease on a sealed object, and the daemon hands no writer a range overlapping a leased
+    /// object until the lease is returned (which only dropping `hold` does). A writer process
+    /// that scribbles outside its own reservation breaks that contract, which this process
+    /// cannot check; readers' mappings are read-only, so no reader can.
+    pub unsafe fn new(mapping: Arc<Mapping>, offset: u64, len: u64, hold: H) -> Result<Self, H> {
+        if mapping.range_ptr(offset, len).is_none() {
+            return Err(hold);
+        }
+        Ok(SharedBytes {
+            hold,
+            mapping,
+            // Both fit `usize`: the range lies inside a mapping of `usize` length.
+            offset: offset as usize,
+            len: len as usize,
+        })
+    }
+
+    /// What keeps the bytes valid.
+    pub fn hold(&self) -> &H {
+        &self.hold
+    }
+
+    /// The mapping the bytes lie in.
+    pub fn mapping(&self) -> &Arc<Mapping> {
+        &self.mapping
+    }
+}
+
+impl<H> Deref for SharedBytes<H> {
+    type Target = [u8];
+
+    fn deref(&self) -> &[u8] {
+        let ptr = self.mapping.map.as_ptr().wrapping_add(self.offset);
+        // SAFETY: `offset..offset + len` lies inside the mapping (checked in `new`), which the
+        // `Arc` keeps mapped; `hold` keeps the range unchanged for as long as `self` lives
+        // (`new`'s contract), so a shared slice for `&self`'s lifetime is sound.
+        unsafe { std::slice::from_raw_parts(ptr, self.len) }
+    }
+}
+
+impl<H> AsRef<[u8]> for SharedBytes<H> {
+    fn as_ref(&self) -> &[u8] {
+        self
+    }
+}
+
+impl<H: std::fmt::Debug> std::fmt::Debug for SharedBytes<H> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SharedBytes")
+            .field("hold", &self.hold)
+            .field("offset", &self.offset)
+            .field("len", &self.len)
+            .finish()
     }
 }
 
@@ -214,6 +282,68 @@ mod tests {
         assert!(unsafe { ro.bytes(seg.size_bytes() - 2, 4) }.is_none());
         // SAFETY: as above; an overflowing range is refused.
         assert!(unsafe { ro.bytes(u64::MAX, 2) }.is_none());
+    }
+
+    #[test]
+    fn shared_bytes_keep_their_mapping_and_range() {
+        let seg = segment();
+        let rw = Mapping::new(
+            seg.fd().try_clone_to_owned().unwrap(),
+            seg.size_bytes(),
+            Access::ReadWrite,
+            true,
+        )
+        .unwrap();
+        // SAFETY: this test is the only user of the range.
+        unsafe { rw.bytes_mut(64, 3).unwrap() }.copy_from_slice(b"abc");
+        let ro = Arc::new(
+            Mapping::new(
+                seg.reopen_readonly().unwrap(),
+                seg.size_bytes(),
+                Access::ReadOnly,
+                true,
+            )
+            .unwrap(),
+        );
+        let dropped = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        struct Hold(Arc<std::sync::atomic::AtomicBool>);
+        impl Drop for Hold {
+            fn drop(&mut self) {
+                self.0.store(true, Ordering::Relaxed);
+            }
+        }
+        // SAFETY: nothing writes the range while the view lives.
+        let view = unsafe { SharedBytes::new(ro.clone(), 64, 3, Hold(dropped.clone())) }
+            .ok()
+            .unwrap();
+        drop(ro);
+        drop(seg);
+        assert_eq!(&*view, b"abc", "the view keeps the memory mapped");
+        drop(view);
+        assert!(
+            dropped.load(Ordering::Relaxed),
+            "dropping the view drops its hold"
+        );
+        let ro = Arc::new(
+            Mapping::new(
+                segment().reopen_readonly().unwrap(),
+                1 << 16,
+                Access::ReadOnly,
+                false,
+            )
+            .unwrap(),
+        );
+        // SAFETY: the range is refused before any slice is formed.
+        let refused = unsafe { SharedBytes::new(ro, (1 << 16) - 1, 2, 7u8) };
+        assert_eq!(refused.err(), Some(7), "the hold comes back");
+    }
+
+    fn assert_send_sync<T: Send + Sync>() {}
+
+    #[test]
+    fn shared_bytes_are_send_and_sync_without_unsafe_impls() {
+        assert_send_sync::<SharedBytes<()>>();
+        assert_send_sync::<Mapping>();
     }
 
     #[test]

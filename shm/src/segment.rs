@@ -130,6 +130,14 @@ impl Segment {
             name: opts.name.clone(),
             source: e.into(),
         })?;
+        // A memfd is born mode 0777, so anyone holding a read-only descriptor could open it
+        // again read-write through `/proc/self/fd/N`. Mode 0400: no other uid can open it for
+        // writing by any path (the daemon's own read-only reopen still works), while writers
+        // keep the read-write descriptor they are passed.
+        nix::sys::stat::fchmod(&fd, Mode::S_IRUSR).map_err(|e| ShmError::Create {
+            name: opts.name.clone(),
+            source: e.into(),
+        })?;
 
         let page = if hugetlb {
             HugePageInfo::read().map_or(2 << 20, |i| i.page_bytes)
@@ -244,6 +252,8 @@ mod tests {
         check_sealed(seg.fd(), seg.size_bytes()).unwrap();
         let ro = seg.reopen_readonly().unwrap();
         check_sealed(ro.as_fd(), seg.size_bytes()).unwrap();
+        let mode = nix::sys::stat::fstat(seg.fd()).unwrap().st_mode & 0o7777;
+        assert_eq!(mode, 0o400, "nobody else can open it for writing");
     }
 
     #[test]

@@ -212,7 +212,6 @@ fn run_feedstore(
             let (setup, spec, socket) = (setup.clone(), spec.clone(), socket.to_owned());
             std::thread::spawn(move || -> anyhow::Result<_> {
                 let options = StreamOptions {
-                    depth,
                     wait: Duration::from_secs(120),
                     ..StreamOptions::default()
                 };

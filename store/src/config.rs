@@ -2,6 +2,7 @@
 //! increasing precedence.
 
 use std::path::{Path, PathBuf};
+use std::time::Duration;
 
 use feedstore_shm::HugePages;
 use serde::Deserialize;
@@ -35,6 +36,46 @@ pub struct DaemonConfig {
     pub max_create_wait_ms: u32,
     /// Tokio worker threads; 1 runs everything on one thread (lowest latency).
     pub worker_threads: usize,
+    /// What clients may hold and ask for.
+    pub limits: Limits,
+}
+
+/// What one client, or all of them together, may make the daemon hold. Every resource a client
+/// can create is bounded by one of these; a refusal is a clear error naming the setting, and is
+/// counted in `limits_hit`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Limits {
+    /// Connections open at once.
+    pub max_connections: usize,
+    /// Connections open at once from one uid.
+    pub max_connections_per_uid: usize,
+    /// How long a new connection may take to say hello.
+    pub hello_timeout: Duration,
+    /// Requests a client may queue behind one that waits (for space, tasks or samples).
+    pub max_queued_requests: usize,
+    /// Leases one connection may hold.
+    pub max_leases_per_connection: u64,
+    /// Streams open at once.
+    pub max_streams: usize,
+    /// Shared memory for stream delivery rings, over all streams.
+    pub max_ring_bytes: u64,
+    /// A stream with no producer and no consumer for this long is closed.
+    pub stream_idle_timeout: Duration,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits {
+            max_connections: 1024,
+            max_connections_per_uid: 256,
+            hello_timeout: Duration::from_secs(5),
+            max_queued_requests: 64,
+            max_leases_per_connection: 1 << 20,
+            max_streams: 1024,
+            max_ring_bytes: 64 << 20,
+            stream_idle_timeout: Duration::from_secs(600),
+        }
+    }
 }
 
 /// The default capacity: 2 GiB, or a quarter of the node's memory if that is less.
@@ -58,6 +99,7 @@ impl Default for DaemonConfig {
             max_frame_bytes: feedstore_proto::frame::MAX_PAYLOAD_BYTES,
             max_create_wait_ms: 10 * 60 * 1000,
             worker_threads: 1,
+            limits: Limits::default(),
         }
     }
 }
@@ -73,11 +115,15 @@ impl Default for DaemonConfig {
 /// prefault = true
 /// socket-group = "trainers"
 /// allow-uids = [1001, 1002]
+/// max-connections-per-uid = 64
 /// ```
 #[derive(Debug, Default, Deserialize, clap::Args)]
 #[serde(deny_unknown_fields, rename_all = "kebab-case")]
 pub struct Settings {
-    /// Unix socket to listen on [default: $FEEDSTORE_SOCKET or /tmp/feedstore-<uid>.sock].
+    /// Unix socket to listen on [default: $FEEDSTORE_SOCKET, else /run/feedstore/feedstore.sock
+    /// for root, else $XDG_RUNTIME_DIR/feedstore/feedstore.sock or
+    /// /tmp/feedstore-<uid>/feedstore.sock]. A directory the daemon creates gets mode 0700
+    /// (0750 with --socket-group, 0711 with --allow-uid).
     #[arg(long, value_name = "PATH")]
     pub socket: Option<PathBuf>,
 
@@ -105,18 +151,55 @@ pub struct Settings {
     #[arg(long, value_name = "ID")]
     pub node_id: Option<u32>,
 
-    /// Let members of this group connect (socket mode 0660 instead of 0600).
+    /// Let members of this group connect, as primary or supplementary group (socket mode 0660
+    /// instead of 0600).
     #[arg(long, value_name = "GROUP")]
     pub socket_group: Option<String>,
 
     /// Also allow this uid to connect (repeatable; `allow-uids = [...]` in the file). The
-    /// daemon's own uid and root always may.
+    /// daemon's own uid and root always may. The socket becomes mode 0666; every peer's uid is
+    /// checked (SO_PEERCRED) before it is served.
     #[arg(long = "allow-uid", value_name = "UID")]
     pub allow_uids: Option<Vec<u32>>,
 
-    /// Largest frame payload accepted from a client [default: 1MiB].
+    /// Largest frame payload accepted from a client, at least 64KiB [default: 1MiB].
     #[arg(long, value_name = "BYTES")]
     pub max_frame_bytes: Option<u32>,
+
+    /// Connections open at once [default: 1024].
+    #[arg(long, value_name = "N")]
+    pub max_connections: Option<usize>,
+
+    /// Connections open at once from one uid [default: 256].
+    #[arg(long, value_name = "N")]
+    pub max_connections_per_uid: Option<usize>,
+
+    /// Milliseconds a new connection may take to say hello before it is closed [default: 5000].
+    #[arg(long, value_name = "MS")]
+    pub hello_timeout_ms: Option<u64>,
+
+    /// Requests a client may queue behind one that waits (for space, tasks or samples); more
+    /// closes the connection [default: 64].
+    #[arg(long, value_name = "N")]
+    pub max_queued_requests: Option<usize>,
+
+    /// Leases one connection may hold at once [default: 1048576].
+    #[arg(long, value_name = "N")]
+    pub max_leases_per_connection: Option<u64>,
+
+    /// Streams open at once [default: 1024].
+    #[arg(long, value_name = "N")]
+    pub max_streams: Option<usize>,
+
+    /// Shared memory for stream delivery rings (64 bytes per slot of prefetch depth, per
+    /// attached rank), over all streams, e.g. 64MiB [default: 64MiB].
+    #[arg(long, value_name = "SIZE")]
+    pub max_ring_bytes: Option<String>,
+
+    /// Seconds a stream may go without any producer or consumer before it is closed and its
+    /// samples go back to the store [default: 600].
+    #[arg(long, value_name = "SECONDS")]
+    pub stream_idle_secs: Option<u64>,
 
     /// Async worker threads; 1 serves everything on one thread, the lowest latency [default: 1].
     #[arg(long, value_name = "N")]
@@ -191,6 +274,25 @@ impl Settings {
             .unwrap_or(std::mem::take(&mut cfg.allow_uids));
         cfg.max_frame_bytes = self.max_frame_bytes.unwrap_or(cfg.max_frame_bytes);
         cfg.worker_threads = self.worker_threads.unwrap_or(cfg.worker_threads);
+        let l = &mut cfg.limits;
+        l.max_connections = self.max_connections.unwrap_or(l.max_connections);
+        l.max_connections_per_uid = self
+            .max_connections_per_uid
+            .unwrap_or(l.max_connections_per_uid);
+        if let Some(ms) = self.hello_timeout_ms {
+            l.hello_timeout = Duration::from_millis(ms);
+        }
+        l.max_queued_requests = self.max_queued_requests.unwrap_or(l.max_queued_requests);
+        l.max_leases_per_connection = self
+            .max_leases_per_connection
+            .unwrap_or(l.max_leases_per_connection);
+        l.max_streams = self.max_streams.unwrap_or(l.max_streams);
+        if let Some(v) = self.max_ring_bytes {
+            l.max_ring_bytes = bytes("max-ring-bytes", &v)?;
+        }
+        if let Some(secs) = self.stream_idle_secs {
+            l.stream_idle_timeout = Duration::from_secs(secs);
+        }
         Ok(())
     }
 }
@@ -219,11 +321,30 @@ impl DaemonConfig {
                 message: format!("more than {MAX_SEGMENTS} segments; raise it"),
             });
         }
-        if self.max_frame_bytes < 4096 {
+        if self.max_frame_bytes < feedstore_proto::frame::MIN_PAYLOAD_BYTES {
             return Err(ConfigError::Value {
                 key: "max-frame-bytes",
-                message: "must be at least 4096".into(),
+                message: format!(
+                    "must be at least {}",
+                    feedstore_proto::frame::MIN_PAYLOAD_BYTES
+                ),
             });
+        }
+        let l = &self.limits;
+        for (key, value) in [
+            ("max-connections", l.max_connections as u64),
+            ("max-connections-per-uid", l.max_connections_per_uid as u64),
+            ("hello-timeout-ms", l.hello_timeout.as_millis() as u64),
+            ("max-leases-per-connection", l.max_leases_per_connection),
+            ("max-streams", l.max_streams as u64),
+            ("max-ring-bytes", l.max_ring_bytes),
+        ] {
+            if value == 0 {
+                return Err(ConfigError::Value {
+                    key,
+                    message: "must be at least 1".into(),
+                });
+            }
         }
         if self.worker_threads == 0 {
             return Err(ConfigError::Value {

@@ -10,7 +10,7 @@ use tokio::net::UnixListener;
 
 use crate::config::{DaemonConfig, format_bytes, meminfo_bytes};
 use crate::objects::Objects;
-use crate::server::{AccessPolicy, Shared, serve_connection};
+use crate::server::{AccessPolicy, ServeConfig, Shared, serve_connection};
 
 /// Why the daemon could not start. Each prints as one line a user can act on.
 #[derive(Debug, thiserror::Error)]
@@ -49,6 +49,17 @@ pub enum StartError {
     UnknownGroup {
         /// The name given.
         name: String,
+    },
+    /// The socket's directory could be replaced or written by another user.
+    #[error(
+        "refusing socket directory {path}: {reason}; remove it or pass --socket in a directory \
+         only this user can write"
+    )]
+    UnsafeSocketDir {
+        /// The directory.
+        path: PathBuf,
+        /// What is wrong with it.
+        reason: String,
     },
     /// Creating the shared memory failed.
     #[error(transparent)]
@@ -115,19 +126,33 @@ impl Daemon {
             log_thp_state();
         }
 
-        let listener = bind_socket(&config.socket, gid)?;
+        let daemon_uid = nix::unistd::geteuid().as_raw();
+        let others = config.allow_uids.iter().any(|&u| u != daemon_uid && u != 0);
+        let access = if others {
+            SocketAccess::AllowedUids
+        } else if let Some(gid) = gid {
+            SocketAccess::Group(gid)
+        } else {
+            SocketAccess::Owner
+        };
+        let listener = bind_socket(&config.socket, access)?;
         let epoch = random_epoch();
         let mut uids: std::collections::HashSet<u32> = config.allow_uids.iter().copied().collect();
-        uids.insert(nix::unistd::geteuid().as_raw());
+        uids.insert(daemon_uid);
+        let limits = fit_connections_to_descriptors(config.limits.clone());
         let objects = Objects::new(config.node_id, epoch, &sizes, hugetlb);
         let shared = Shared::new(
             objects,
             segments,
-            config.node_id,
-            epoch,
-            AccessPolicy { uids, gid },
-            config.max_frame_bytes,
-            config.max_create_wait_ms,
+            ServeConfig {
+                node_id: config.node_id,
+                epoch,
+                policy: AccessPolicy { uids, gid },
+                max_frame_bytes: config.max_frame_bytes,
+                max_create_wait_ms: config.max_create_wait_ms,
+                limits,
+                daemon_uid,
+            },
         )?;
         tracing::info!(socket = %config.socket.display(), node_id = config.node_id, epoch, "listening");
         Ok(Daemon {
@@ -175,6 +200,17 @@ impl Daemon {
                     source,
                 })?;
             tokio::pin!(shutdown);
+            let sweeper = {
+                let shared = shared.clone();
+                tokio::spawn(async move {
+                    let mut tick = tokio::time::interval(shared.expiry_interval());
+                    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+                    loop {
+                        tick.tick().await;
+                        shared.expire_streams();
+                    }
+                })
+            };
             loop {
                 tokio::select! {
                     accepted = listener.accept() => match accepted {
@@ -189,6 +225,7 @@ impl Daemon {
                     _ = &mut shutdown => break,
                 }
             }
+            sweeper.abort();
             let _ = std::fs::remove_file(&socket);
             let stats = shared.with_objects(|o| o.stats());
             tracing::info!(
@@ -288,26 +325,136 @@ fn check_socket_free(path: &Path) -> Result<(), StartError> {
     Ok(())
 }
 
+/// Who the socket (and a directory the daemon makes for it) lets in; every peer is checked
+/// again by its credentials at hello.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum SocketAccess {
+    /// The daemon's uid (and root): socket 0600, directory 0700.
+    Owner,
+    /// Also this group: socket and directory group-owned, 0660 and 0750.
+    Group(u32),
+    /// Also other uids on the allow-list: socket 0666, directory 0711 (search only).
+    AllowedUids,
+}
+
+impl SocketAccess {
+    fn modes(self) -> (u32, u32) {
+        match self {
+            SocketAccess::Owner => (0o600, 0o700),
+            SocketAccess::Group(_) => (0o660, 0o750),
+            SocketAccess::AllowedUids => (0o666, 0o711),
+        }
+    }
+}
+
 fn bind_socket(
     path: &Path,
-    gid: Option<u32>,
+    access: SocketAccess,
 ) -> Result<std::os::unix::net::UnixListener, StartError> {
     let sock_err = |source| StartError::Socket {
         path: path.to_owned(),
         source,
     };
-    check_socket_free(path)?;
+    let (socket_mode, dir_mode) = access.modes();
+    let group = match access {
+        SocketAccess::Group(gid) => Some(nix::unistd::Gid::from_raw(gid)),
+        _ => None,
+    };
     if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
-        std::fs::create_dir_all(dir).map_err(sock_err)?;
+        prepare_socket_dir(dir, dir_mode, group)?;
     }
+    check_socket_free(path)?;
     let listener = std::os::unix::net::UnixListener::bind(path).map_err(sock_err)?;
-    let mode = if gid.is_some() { 0o660 } else { 0o600 };
-    std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode)).map_err(sock_err)?;
-    if let Some(gid) = gid {
-        nix::unistd::chown(path, None, Some(nix::unistd::Gid::from_raw(gid)))
-            .map_err(|e| sock_err(e.into()))?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(socket_mode))
+        .map_err(sock_err)?;
+    if group.is_some() {
+        nix::unistd::chown(path, None, group).map_err(|e| sock_err(e.into()))?;
     }
     Ok(listener)
+}
+
+/// Makes the socket's directory if it is missing (with `mode`, group-owned by `group`), and
+/// refuses one another user could write: whoever can write it can replace the socket with
+/// their own. An existing directory must belong to this user or root, and be writable by
+/// nobody else unless it is sticky (like `/tmp`, where nobody can remove another's socket).
+fn prepare_socket_dir(
+    dir: &Path,
+    mode: u32,
+    group: Option<nix::unistd::Gid>,
+) -> Result<(), StartError> {
+    use std::os::unix::fs::{DirBuilderExt, MetadataExt};
+    let unsafe_dir = |reason: String| StartError::UnsafeSocketDir {
+        path: dir.to_owned(),
+        reason,
+    };
+    let sock_err = |source| StartError::Socket {
+        path: dir.to_owned(),
+        source,
+    };
+    match std::fs::symlink_metadata(dir) {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            if let Some(parent) = dir.parent().filter(|p| !p.as_os_str().is_empty()) {
+                std::fs::create_dir_all(parent).map_err(sock_err)?;
+            }
+            std::fs::DirBuilder::new()
+                .mode(mode)
+                .create(dir)
+                .map_err(sock_err)?;
+            // The umask may have taken bits away; set exactly what is meant.
+            std::fs::set_permissions(dir, std::fs::Permissions::from_mode(mode))
+                .map_err(sock_err)?;
+            if group.is_some() {
+                nix::unistd::chown(dir, None, group).map_err(|e| sock_err(e.into()))?;
+            }
+            Ok(())
+        }
+        Err(e) => Err(sock_err(e)),
+        Ok(meta) => {
+            let me = nix::unistd::geteuid().as_raw();
+            if !meta.is_dir() {
+                return Err(unsafe_dir("not a directory (a symbolic link?)".into()));
+            }
+            if meta.uid() != me && meta.uid() != 0 {
+                return Err(unsafe_dir(format!("it belongs to uid {}", meta.uid())));
+            }
+            let sticky = meta.mode() & 0o1000 != 0;
+            if meta.mode() & 0o022 != 0 && !sticky {
+                return Err(unsafe_dir(format!(
+                    "other users can write it (mode {:o})",
+                    meta.mode() & 0o7777
+                )));
+            }
+            Ok(())
+        }
+    }
+}
+
+/// Keeps the connection limit under the descriptors this process may open (raising the soft
+/// limit to the hard one first), so an accept never fails for want of one: a client over the
+/// limit gets a clear refusal instead of a hang.
+fn fit_connections_to_descriptors(mut limits: crate::config::Limits) -> crate::config::Limits {
+    use nix::sys::resource::{Resource, getrlimit, setrlimit};
+    let Ok((soft, hard)) = getrlimit(Resource::RLIMIT_NOFILE) else {
+        return limits;
+    };
+    let soft = if soft < hard && setrlimit(Resource::RLIMIT_NOFILE, hard, hard).is_ok() {
+        hard
+    } else {
+        soft
+    };
+    // Room for segments, rings, the listener, logs and the runtime besides connections.
+    let room = usize::try_from(soft.saturating_sub(512))
+        .unwrap_or(usize::MAX)
+        .max(16);
+    if limits.max_connections > room {
+        tracing::warn!(
+            max_connections = limits.max_connections,
+            open_files = soft,
+            "lowering --max-connections to fit the open-file limit"
+        );
+        limits.max_connections = room;
+    }
+    limits
 }
 
 fn log_thp_state() {

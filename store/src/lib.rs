@@ -13,7 +13,8 @@
 //! it.
 //!
 //! Layers, bottom up: [`alloc`] (free space in a segment), [`objects`] (object lifecycle, leases,
-//! eviction), [`server`] (the socket protocol), [`daemon`] (start, serve, stop), [`cli`] (the
+//! eviction), [`streams`] (ordered delivery to trainer ranks), [`peer`] (who is connecting),
+//! [`server`] (the socket protocol), [`daemon`] (start, serve, stop), [`cli`] (the
 //! binary's flags).
 //!
 //! ```no_run
@@ -38,5 +39,6 @@ pub mod cli;
 pub mod config;
 pub mod daemon;
 pub mod objects;
+pub mod peer;
 pub mod server;
 pub mod streams;

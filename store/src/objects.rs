@@ -80,6 +80,8 @@ struct Conn {
     writing: HashSet<u32>,
     /// Leases per slot. A leased object is never freed, so its slot cannot be reused meanwhile.
     leases: HashMap<u32, u32>,
+    /// Leases held, summed over slots.
+    lease_count: u64,
 }
 
 /// What a disconnect reclaimed.
@@ -99,6 +101,7 @@ struct Counters {
     creates_full: u64,
     aborted_on_disconnect: u64,
     leases_reclaimed: u64,
+    limits_hit: u64,
 }
 
 /// All objects and clients of one daemon.
@@ -121,6 +124,8 @@ pub struct Objects {
     /// Bumped whenever space is freed or an object becomes evictable, i.e. whenever a create
     /// that found no room might now find some; creates waiting for room watch it.
     space_epoch: u64,
+    /// Most leases a client connection may hold (`--max-leases-per-connection`).
+    max_leases_per_conn: u64,
 }
 
 impl Objects {
@@ -139,7 +144,20 @@ impl Objects {
             next_conn: 1,
             counters: Counters::default(),
             space_epoch: 0,
+            max_leases_per_conn: u64::MAX,
         }
+    }
+
+    /// Caps the leases one client connection may hold (the daemon's own stream connections
+    /// are bounded by their streams' depth instead).
+    pub fn with_lease_limit(mut self, max_leases_per_conn: u64) -> Objects {
+        self.max_leases_per_conn = max_leases_per_conn;
+        self
+    }
+
+    /// Counts a request refused by a configured limit (for `limits_hit`).
+    pub fn note_limit_hit(&mut self) {
+        self.counters.limits_hit += 1;
     }
 
     /// Registers a new connection.
@@ -152,6 +170,7 @@ impl Objects {
                 info,
                 writing: HashSet::new(),
                 leases: HashMap::new(),
+                lease_count: 0,
             },
         );
         id
@@ -288,7 +307,8 @@ impl Objects {
         Ok(slot)
     }
 
-    /// Takes a lease on a sealed object for `conn` and says where it lives.
+    /// Takes a lease on a sealed object for `conn` and says where it lives. `LimitReached`
+    /// once the connection holds `--max-leases-per-connection`.
     pub fn get(&mut self, conn: ConnId, handle: Handle) -> Result<Location, Status> {
         let slot = self.resolve(handle)?;
         let obj = self.object_mut(slot);
@@ -298,10 +318,44 @@ impl Objects {
         if obj.state != State::Sealed {
             return Err(Status::NotSealed);
         }
-        obj.leases += 1;
+        let c = self.conns.get(&conn).ok_or(Status::Protocol)?;
+        if c.info.pid != 0 && c.lease_count >= self.max_leases_per_conn {
+            self.counters.limits_hit += 1;
+            return Err(Status::LimitReached);
+        }
+        self.add_lease(conn, slot)
+    }
+
+    /// Gives `to` a lease of its own on an object `from` holds a lease on (a stream handing a
+    /// sample to its consumer). Succeeds for a deleted object too: its bytes stay valid while
+    /// leased, and `from`'s lease proves it is still there.
+    pub fn share_lease(&mut self, from: ConnId, to: ConnId, handle: Handle) -> Result<(), Status> {
+        let slot = self.resolve(handle)?;
+        let held = self
+            .conns
+            .get(&from)
+            .and_then(|c| c.leases.get(&slot))
+            .is_some_and(|&n| n > 0);
+        if !held {
+            return Err(Status::InvalidState);
+        }
+        self.add_lease(to, slot).map(|_| ())
+    }
+
+    fn add_lease(&mut self, conn: ConnId, slot: u32) -> Result<Location, Status> {
+        let obj = self.slots[slot as usize]
+            .object
+            .as_mut()
+            .expect("resolved slot holds an object");
+        let Some(leases) = obj.leases.checked_add(1) else {
+            self.counters.limits_hit += 1;
+            return Err(Status::LimitReached);
+        };
         let location = obj.location();
         let c = self.conns.get_mut(&conn).ok_or(Status::Protocol)?;
+        obj.leases = leases;
         *c.leases.entry(slot).or_insert(0) += 1;
+        c.lease_count += 1;
         self.touch(slot);
         Ok(location)
     }
@@ -317,6 +371,7 @@ impl Objects {
             }
             None => return Err(Status::InvalidState),
         }
+        c.lease_count -= 1;
         self.drop_leases(slot, 1);
         Ok(())
     }
@@ -362,6 +417,7 @@ impl Objects {
             creates_full: self.counters.creates_full,
             aborted_on_disconnect: self.counters.aborted_on_disconnect,
             leases_reclaimed: self.counters.leases_reclaimed,
+            limits_hit: self.counters.limits_hit,
             segments: self.segments.len() as u64,
             huge_pages: u64::from(self.hugetlb),
             ..StoreStats::default()
@@ -626,6 +682,43 @@ mod tests {
         );
         assert_eq!(o.create(w, 0, false).unwrap_err(), Status::InvalidArgument);
         assert_eq!(o.create(w, u64::MAX, false).unwrap_err(), Status::TooLarge);
+    }
+
+    #[test]
+    fn a_connection_holds_at_most_its_lease_limit() {
+        let mut o = Objects::new(7, 99, &[1 << 20], false).with_lease_limit(3);
+        let info = |role| ClientInfo {
+            role,
+            uid: 0,
+            pid: 1,
+            name: "t".into(),
+        };
+        let w = o.connect(info(Role::Writer));
+        let r = o.connect(info(Role::Reader));
+        let h = put(&mut o, w, 64);
+        for _ in 0..3 {
+            o.get(r, h).unwrap();
+        }
+        assert_eq!(o.get(r, h), Err(Status::LimitReached));
+        o.release(r, h).unwrap();
+        o.get(r, h).unwrap();
+        assert_eq!(o.stats().limits_hit, 1);
+        assert_eq!(o.stats().leases, 3);
+    }
+
+    #[test]
+    fn a_shared_lease_needs_one_to_share() {
+        let (mut o, w, r) = store(1 << 20);
+        let h = put(&mut o, w, 64);
+        assert_eq!(o.share_lease(w, r, h), Err(Status::InvalidState));
+        o.get(w, h).unwrap();
+        o.delete(w, h).unwrap();
+        o.share_lease(w, r, h).unwrap();
+        assert_eq!(o.get(r, h), Err(Status::NotFound), "hidden from new gets");
+        o.release(w, h).unwrap();
+        assert!(o.stats().used_bytes > 0, "the shared lease keeps it");
+        o.release(r, h).unwrap();
+        assert_eq!(o.stats().used_bytes, 0);
     }
 
     #[test]

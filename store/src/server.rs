@@ -1,24 +1,37 @@
 //! The control socket: one tokio task per client connection.
 //!
-//! A connection's life: `SO_PEERCRED` is checked against the allow-list, the client says hello
-//! and receives one descriptor per segment by `SCM_RIGHTS` (read-only for readers), then frames
-//! flow until the client goes away — for any reason, `kill -9` included — at which point its
-//! unsealed objects are aborted and its leases returned. A malformed or oversized frame closes
-//! that one connection with a logged reason.
+//! A connection's life: it is admitted against the connection limits, its peer's uid and
+//! groups are checked against the allow-list, the client says hello (within the hello timeout,
+//! with a printable name and its frame limit) and receives one descriptor per segment by
+//! `SCM_RIGHTS` (read-only for readers), then frames flow until the client goes away — for any
+//! reason, `kill -9` included — at which point its unsealed objects are aborted and its leases
+//! returned. A malformed or oversized frame closes that one connection with a logged reason.
 //!
-//! A create that finds the store full waits here, not in the object model: it re-tries whenever
-//! space is freed, until its deadline. While it waits the connection keeps reading, so leases the
-//! same client releases from another thread still reach the daemon (otherwise a client could
-//! deadlock against its own leases).
+//! A request that waits (a create for space, a take for tasks, a wait for a sample, an attach
+//! for its stream) waits here, not in the state: it re-tries whenever the state it depends on
+//! moves, until its deadline. While it waits the connection keeps reading, so leases and samples
+//! the same client returns from another thread still reach the daemon (otherwise a client could
+//! deadlock against its own returns); other requests queue behind it, at most
+//! `--max-queued-requests`.
+//!
+//! The object table and the streams sit behind locks that abort the process if a panic unwinds
+//! while one is held ([`Critical`]): clients then see the daemon gone (`Disconnected`, which
+//! they handle), never a daemon serving from a half-updated allocator.
 
-use std::collections::{HashSet, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::io::IoSlice;
+use std::ops::{Deref, DerefMut};
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
-use feedstore_proto::frame::{CREATE_PIN, Created, DecodeError, Frame, Opcode, Request, Response};
-use feedstore_proto::{Handle, Role, SEGMENT_HUGETLB, SEGMENT_WRITABLE, SegmentInfo, Status};
+use feedstore_proto::frame::{
+    CREATE_PIN, Created, DecodeError, Frame, MIN_PAYLOAD_BYTES, Opcode, Request, Response,
+    StreamTask,
+};
+use feedstore_proto::{
+    Handle, MAX_CLIENT_NAME, Role, SEGMENT_HUGETLB, SEGMENT_WRITABLE, SegmentInfo, Status,
+};
 use feedstore_shm::Segment;
 use nix::sys::socket::{ControlMessage, MsgFlags};
 use tokio::io::{AsyncReadExt, AsyncWriteExt, Interest};
@@ -26,27 +39,83 @@ use tokio::net::UnixStream;
 use tokio::sync::watch;
 use tokio::time::Instant;
 
+use crate::config::Limits;
 use crate::objects::{ClientInfo, ConnId, Objects};
+use crate::peer::Peer;
 use crate::streams::{StreamError, Streams};
 
-/// Who may connect, decided from `SO_PEERCRED`.
+/// Who may connect, decided from the peer's credentials.
 #[derive(Debug, Clone)]
 pub struct AccessPolicy {
     /// Allowed uids (the daemon's own uid and root are always allowed).
     pub uids: HashSet<u32>,
-    /// Peers whose primary gid is this group are allowed too.
+    /// Peers in this group, as primary or supplementary group, are allowed too.
     pub gid: Option<u32>,
 }
 
 impl AccessPolicy {
-    fn allows(&self, uid: u32, gid: u32) -> bool {
-        uid == 0 || self.uids.contains(&uid) || self.gid == Some(gid)
+    fn allows(&self, peer: &Peer) -> bool {
+        peer.uid == 0
+            || self.uids.contains(&peer.uid)
+            || self.gid.is_some_and(|g| peer.groups.contains(&g))
     }
+}
+
+/// A lock over state a panic could leave half-updated. If a panic unwinds while it is held, the
+/// process aborts instead of unlocking: no connection can go on serving from a torn allocator
+/// or object table, and every client sees the daemon gone.
+pub struct Critical<'a, T>(MutexGuard<'a, T>);
+
+impl<'a, T> Critical<'a, T> {
+    fn lock(mutex: &'a Mutex<T>) -> Self {
+        match mutex.lock() {
+            Ok(guard) => Critical(guard),
+            // Unreachable: a panic under the lock aborts before it can poison it.
+            Err(_) => abort_torn("a poisoned lock"),
+        }
+    }
+}
+
+impl<T> Deref for Critical<'_, T> {
+    type Target = T;
+    fn deref(&self) -> &T {
+        &self.0
+    }
+}
+
+impl<T> DerefMut for Critical<'_, T> {
+    fn deref_mut(&mut self) -> &mut T {
+        &mut self.0
+    }
+}
+
+impl<T> Drop for Critical<'_, T> {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            abort_torn("a panic while the daemon's state was locked");
+        }
+    }
+}
+
+fn abort_torn(what: &str) -> ! {
+    tracing::error!(
+        "{what}: the object table may be half-updated; aborting (clients see the daemon gone)"
+    );
+    eprintln!("feedstored: {what}; aborting so no client is served from torn state");
+    std::process::abort();
+}
+
+/// Connections open now, in all and per uid.
+#[derive(Debug, Default)]
+struct Admissions {
+    total: usize,
+    by_uid: HashMap<u32, usize>,
 }
 
 /// State shared by all connections.
 pub struct Shared {
     objects: Mutex<Objects>,
+    streams: Mutex<Streams>,
     segments: Vec<Segment>,
     readonly_fds: Vec<OwnedFd>,
     node_id: u32,
@@ -54,10 +123,31 @@ pub struct Shared {
     max_frame_bytes: u32,
     max_create_wait_ms: u32,
     policy: AccessPolicy,
+    limits: Limits,
+    admissions: Mutex<Admissions>,
+    /// Bumped when space is freed or becomes evictable; creates waiting for room watch it.
     space: watch::Sender<u64>,
-    streams: Mutex<Streams>,
-    /// Bumped after every stream operation; producers and consumers waiting on a stream watch it.
+    /// Follows [`Streams::version`]; stream waiters watch it.
     stream_events: watch::Sender<u64>,
+}
+
+/// The daemon-wide settings a [`Shared`] serves with.
+#[derive(Debug, Clone)]
+pub struct ServeConfig {
+    /// This node's id.
+    pub node_id: u32,
+    /// This daemon's start epoch.
+    pub epoch: u32,
+    /// Who may connect.
+    pub policy: AccessPolicy,
+    /// The largest request payload accepted.
+    pub max_frame_bytes: u32,
+    /// The longest a create may wait for space.
+    pub max_create_wait_ms: u32,
+    /// What clients may hold.
+    pub limits: Limits,
+    /// The daemon's uid (may close any stream).
+    pub daemon_uid: u32,
 }
 
 impl Shared {
@@ -65,27 +155,25 @@ impl Shared {
     pub fn new(
         objects: Objects,
         segments: Vec<Segment>,
-        node_id: u32,
-        epoch: u32,
-        policy: AccessPolicy,
-        max_frame_bytes: u32,
-        max_create_wait_ms: u32,
+        config: ServeConfig,
     ) -> Result<Shared, feedstore_shm::ShmError> {
         let readonly_fds = segments
             .iter()
             .map(Segment::reopen_readonly)
             .collect::<Result<_, _>>()?;
         Ok(Shared {
-            objects: Mutex::new(objects),
+            objects: Mutex::new(objects.with_lease_limit(config.limits.max_leases_per_connection)),
+            streams: Mutex::new(Streams::new(&config.limits, config.daemon_uid)),
             segments,
             readonly_fds,
-            node_id,
-            epoch,
-            max_frame_bytes,
-            max_create_wait_ms,
-            policy,
+            node_id: config.node_id,
+            epoch: config.epoch,
+            max_frame_bytes: config.max_frame_bytes,
+            max_create_wait_ms: config.max_create_wait_ms,
+            policy: config.policy,
+            limits: config.limits,
+            admissions: Mutex::new(Admissions::default()),
             space: watch::Sender::new(0),
-            streams: Mutex::new(Streams::default()),
             stream_events: watch::Sender::new(0),
         })
     }
@@ -93,40 +181,66 @@ impl Shared {
     /// Runs `f` on the object state, then wakes creates waiting for space if it freed some or
     /// made some evictable.
     pub fn with_objects<R>(&self, f: impl FnOnce(&mut Objects) -> R) -> R {
-        let mut objects = self.lock();
-        let before = objects.space_epoch();
-        let result = f(&mut objects);
-        let after = objects.space_epoch();
-        drop(objects);
-        // Only creates that found the store full subscribe; skip the wake-up machinery otherwise.
-        if after != before && self.space.receiver_count() > 0 {
-            self.space.send_replace(after);
-        }
-        result
+        self.with_streams(|_, o| f(o))
     }
 
     /// Runs `f` on the streams and the object state (locked in that order), then wakes whoever
-    /// waits on a stream. Only for changes that can end a wait (a sample put or returned, a
-    /// consumer or producer come or gone): a waiter re-checks on every wake-up, so a wake-up
-    /// from its own check would spin.
+    /// waits on what changed: creates when space moved, stream waiters when the streams'
+    /// version moved. Waiters re-check on every wake-up, so only real changes wake them.
     pub fn with_streams<R>(&self, f: impl FnOnce(&mut Streams, &mut Objects) -> R) -> R {
-        let result = self.peek_streams(f);
-        if self.stream_events.receiver_count() > 0 {
-            self.stream_events.send_modify(|n| *n = n.wrapping_add(1));
+        let mut streams = Critical::lock(&self.streams);
+        let mut objects = Critical::lock(&self.objects);
+        let (space_before, version_before) = (objects.space_epoch(), streams.version());
+        let result = f(&mut streams, &mut objects);
+        let (space, version) = (objects.space_epoch(), streams.version());
+        drop(objects);
+        drop(streams);
+        // Only waiters subscribe; skip the wake-up machinery otherwise.
+        if space != space_before && self.space.receiver_count() > 0 {
+            self.space.send_replace(space);
+        }
+        if version != version_before && self.stream_events.receiver_count() > 0 {
+            self.stream_events.send_replace(version);
         }
         result
     }
 
-    /// Runs `f` on the streams and the object state without waking waiters.
-    fn peek_streams<R>(&self, f: impl FnOnce(&mut Streams, &mut Objects) -> R) -> R {
-        let mut streams = self.streams.lock().unwrap_or_else(|e| e.into_inner());
-        self.with_objects(|o| f(&mut streams, o))
+    /// Closes the streams nobody has used for the idle timeout.
+    pub fn expire_streams(&self) {
+        let expired = self.with_streams(|s, o| s.expire(o, std::time::Instant::now()));
+        if expired > 0 {
+            tracing::info!(expired, "idle streams closed");
+        }
     }
 
-    fn lock(&self) -> MutexGuard<'_, Objects> {
-        // A panic while holding the lock is a daemon bug; the state is still consistent enough to
-        // keep serving other clients, so recover instead of cascading the panic.
-        self.objects.lock().unwrap_or_else(|e| e.into_inner())
+    /// How often idle streams are looked for.
+    pub fn expiry_interval(&self) -> Duration {
+        (self.limits.stream_idle_timeout / 4)
+            .clamp(Duration::from_millis(100), Duration::from_secs(10))
+    }
+
+    /// Admits a connection from `uid` within the connection limits, or says which is full.
+    fn admit(self: &Arc<Self>, uid: u32) -> Result<Admitted, String> {
+        let mut a = self.admissions.lock().unwrap_or_else(|e| e.into_inner());
+        let mine = a.by_uid.get(&uid).copied().unwrap_or(0);
+        if a.total >= self.limits.max_connections {
+            return Err(format!(
+                "feedstored has {} connections open, its limit (--max-connections)",
+                a.total
+            ));
+        }
+        if mine >= self.limits.max_connections_per_uid {
+            return Err(format!(
+                "uid {uid} has {mine} connections open, the limit per uid \
+                 (--max-connections-per-uid); close some clients"
+            ));
+        }
+        a.total += 1;
+        *a.by_uid.entry(uid).or_insert(0) += 1;
+        Ok(Admitted {
+            shared: self.clone(),
+            uid,
+        })
     }
 
     fn segment_infos(&self, role: Role) -> Vec<SegmentInfo> {
@@ -147,6 +261,29 @@ impl Shared {
     }
 }
 
+/// A connection counted against the limits until it ends.
+struct Admitted {
+    shared: Arc<Shared>,
+    uid: u32,
+}
+
+impl Drop for Admitted {
+    fn drop(&mut self) {
+        let mut a = self
+            .shared
+            .admissions
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        a.total -= 1;
+        if let Some(n) = a.by_uid.get_mut(&self.uid) {
+            *n -= 1;
+            if *n == 0 {
+                a.by_uid.remove(&self.uid);
+            }
+        }
+    }
+}
+
 /// Why a connection ended.
 #[derive(Debug, thiserror::Error)]
 enum ConnEnd {
@@ -158,16 +295,37 @@ enum ConnEnd {
     Malformed(#[from] DecodeError),
     #[error("protocol violation: {0}")]
     Protocol(String),
-    #[error("uid {uid} is not allowed to connect")]
-    Denied { uid: u32 },
+    #[error("refused at hello: {0}")]
+    Refused(String),
+    #[error("no hello within {0:?}")]
+    HelloTimeout(Duration),
 }
 
 /// Serves one accepted connection to its end, then reclaims everything it held.
-pub async fn serve_connection(shared: Arc<Shared>, stream: UnixStream) {
-    let cred = match stream.peer_cred() {
-        Ok(c) => c,
+pub async fn serve_connection(shared: Arc<Shared>, mut stream: UnixStream) {
+    let peer = match Peer::of(&stream) {
+        Ok(p) => p,
         Err(e) => {
             tracing::warn!(error = %e, "cannot read peer credentials; closing connection");
+            return;
+        }
+    };
+    let _admitted = match shared.admit(peer.uid) {
+        Ok(a) => a,
+        Err(message) => {
+            shared.with_objects(Objects::note_limit_hit);
+            tracing::warn!(pid = peer.pid, uid = peer.uid, %message, "connection refused");
+            let mut out = Vec::new();
+            let refusal = Response::Error {
+                status: Status::LimitReached,
+                message,
+            };
+            if refusal
+                .encode(Opcode::Hello, 0, MIN_PAYLOAD_BYTES, &mut out)
+                .is_ok()
+            {
+                let _ = stream.write_all(&out).await;
+            }
             return;
         }
     };
@@ -179,32 +337,29 @@ pub async fn serve_connection(shared: Arc<Shared>, stream: UnixStream) {
         deferred: VecDeque::new(),
         id: None,
         role: Role::Reader,
-        uid: cred.uid(),
-        gid: cred.gid(),
-        pid: cred.pid().unwrap_or(0),
+        peer,
+        peer_limit: MIN_PAYLOAD_BYTES,
+        name: String::new(),
     };
     let end = conn.run().await;
-    let (uid, pid) = (conn.uid, conn.pid);
+    let (uid, pid, name) = (conn.peer.uid, conn.peer.pid, conn.name.clone());
     if let Some(id) = conn.id {
-        let name = shared
-            .lock()
-            .client(id)
-            .map(|c| c.name.clone())
-            .unwrap_or_default();
-        shared.with_streams(|s, _| s.disconnect(id));
-        let reclaimed = shared.with_objects(|o| o.disconnect(id));
+        let reclaimed = shared.with_streams(|s, o| {
+            s.disconnect(id);
+            o.disconnect(id)
+        });
         if let Err(reason @ (ConnEnd::Malformed(_) | ConnEnd::Protocol(_))) = &end {
-            tracing::warn!(conn = id, pid, uid, %name, %reason, "closing connection");
+            tracing::warn!(conn = id, pid, uid, name = ?name, %reason, "closing connection");
         }
         if reclaimed.aborted + reclaimed.leases > 0 {
             tracing::info!(
-                conn = id, pid, %name,
+                conn = id, pid, name = ?name,
                 aborted_objects = reclaimed.aborted,
                 released_leases = reclaimed.leases,
                 "client disconnected; reclaimed its unsealed objects and leases"
             );
         } else {
-            tracing::info!(conn = id, pid, %name, "client disconnected");
+            tracing::info!(conn = id, pid, name = ?name, "client disconnected");
         }
     } else if let Err(e) = end {
         match e {
@@ -219,22 +374,31 @@ struct Connection {
     stream: UnixStream,
     rbuf: Vec<u8>,
     wbuf: Vec<u8>,
-    /// Requests (with their ids) read while a create was waiting, to be handled after it.
+    /// Requests (with their ids) read while another was waiting, to be handled after it.
     deferred: VecDeque<(u32, Request)>,
     id: Option<ConnId>,
     role: Role,
-    uid: u32,
-    gid: u32,
-    pid: i32,
+    peer: Peer,
+    /// The largest reply payload the client accepts (from its hello).
+    peer_limit: u32,
+    name: String,
 }
 
 impl Connection {
     async fn run(&mut self) -> Result<(), ConnEnd> {
+        let hello_timeout = self.shared.limits.hello_timeout;
+        let hello_deadline = Instant::now() + hello_timeout;
         loop {
             let (request_id, request) = match self.deferred.pop_front() {
                 Some(r) => r,
                 None => match self.take_request()? {
                     Some(r) => r,
+                    None if self.id.is_none() => {
+                        tokio::time::timeout_at(hello_deadline, self.fill())
+                            .await
+                            .map_err(|_| ConnEnd::HelloTimeout(hello_timeout))??;
+                        continue;
+                    }
                     None => {
                         self.fill().await?;
                         continue;
@@ -278,12 +442,33 @@ impl Connection {
         let op = request.opcode();
         let Some(id) = self.id else {
             return match request {
-                Request::Hello { role, client_name } => {
-                    self.hello(request_id, role, client_name).await
+                Request::Hello {
+                    role,
+                    client_name,
+                    max_frame_bytes,
+                } => {
+                    self.hello(request_id, role, client_name, max_frame_bytes)
+                        .await
                 }
                 _ => Err(ConnEnd::Protocol(format!("{op:?} before hello"))),
             };
         };
+        // A batch whose reply could not fit the client's limit is refused before it takes a
+        // single lease or reservation.
+        if let Some(bound) = request.reply_bound()
+            && bound > self.peer_limit as usize
+            && !matches!(request, Request::StreamTake { .. })
+        {
+            let message = format!(
+                "a {op:?} of {} items needs a reply of {bound} bytes, over this client's limit \
+                 of {} bytes: split the batch",
+                request.batch_len(),
+                self.peer_limit
+            );
+            return self
+                .reply(op, request_id, &error(Status::InvalidArgument, message))
+                .await;
+        }
         let shared = self.shared.clone();
         let response = match request {
             Request::Hello { .. } => return Err(ConnEnd::Protocol("second hello".into())),
@@ -293,10 +478,7 @@ impl Connection {
                 flags,
             } => {
                 if sizes.is_empty() {
-                    Response::Error {
-                        status: Status::InvalidArgument,
-                        message: "empty create batch".into(),
-                    }
+                    error(Status::InvalidArgument, "empty create batch".into())
                 } else {
                     let mut results = Vec::with_capacity(sizes.len());
                     let wait =
@@ -325,42 +507,56 @@ impl Connection {
                 self.release(id, &handles);
                 return Ok(());
             }
-            Request::Stats => Response::Stats(shared.peek_streams(|s, o| {
-                let mut stats = o.stats();
-                s.add_stats(&mut stats);
-                stats
-            })),
-            Request::CacheLookup { keys } => {
-                Response::Cached(shared.peek_streams(|s, o| s.lookup(o, &keys)))
-            }
-            Request::StreamList => Response::Streams(shared.peek_streams(|s, _| s.list())),
-            Request::StreamJoin { spec, depth, ranks } => {
-                if self.role != Role::Writer {
-                    Response::Error {
-                        status: Status::PermissionDenied,
-                        message: "only writers produce into streams".into(),
-                    }
-                } else {
-                    stream_reply(
-                        shared.with_streams(|s, o| s.join(o, id, &spec, depth, &ranks)),
-                        |stream| Response::StreamJoined { stream },
-                    )
+            Request::Stats => {
+                #[cfg(feature = "fault-injection")]
+                if self.name == FAULT_PANIC_UNDER_LOCK {
+                    shared.with_objects(|_| panic!("fault injected: a panic under the lock"));
                 }
+                Response::Stats(shared.with_streams(|s, o| {
+                    let mut stats = o.stats();
+                    s.add_stats(&mut stats);
+                    stats
+                }))
             }
+            Request::CacheLookup { keys } => {
+                Response::Cached(shared.with_streams(|s, o| s.lookup(o, &keys)))
+            }
+            Request::StreamList { after } => {
+                // The page's fixed part: the list's count and the `more` byte.
+                let budget = self.peer_limit as usize - 5;
+                let (streams, more) = shared.with_streams(|s, _| s.list(after, budget));
+                Response::Streams { streams, more }
+            }
+            Request::StreamJoin { spec, depth, ranks } => stream_reply(
+                shared.with_streams(|s, o| s.join(o, id, &spec, depth, &ranks)),
+                |stream| Response::StreamJoined { stream },
+            ),
             Request::StreamAttach {
                 spec,
-                depth,
                 rank,
                 seq,
+                timeout_ms,
             } => {
-                let attached = shared.with_streams(|s, o| {
-                    let (stream, ring) = s.attach(o, id, &spec, depth, rank, seq)?;
-                    let fd = ring.readonly_fd().map_err(|e| StreamError {
-                        status: Status::Full,
-                        message: format!("cannot share the ring: {e}"),
-                    })?;
-                    Ok((stream, ring.capacity(), ring.size_bytes(), fd))
-                });
+                let attached = self
+                    .wait_until(id, timeout_ms, |expired| {
+                        let attached = shared.with_streams(|s, o| -> Result<_, StreamError> {
+                            let (stream, ring) = s.attach(o, id, &spec, rank, seq)?;
+                            let fd = ring.readonly_fd().map_err(|e| StreamError {
+                                status: Status::Full,
+                                message: format!("cannot share the ring: {e}"),
+                            })?;
+                            Ok((stream, ring.capacity(), ring.size_bytes(), fd))
+                        });
+                        match attached {
+                            Err(e) if e.status == Status::NotFound && !expired => None,
+                            Err(e) if e.status == Status::NotFound => Some(Err(StreamError {
+                                status: Status::Timeout,
+                                message: e.message,
+                            })),
+                            other => Some(other),
+                        }
+                    })
+                    .await?;
                 return match attached {
                     Ok((stream, capacity, ring_bytes, fd)) => {
                         let response = Response::StreamAttached {
@@ -369,7 +565,7 @@ impl Connection {
                             ring_bytes,
                         };
                         self.wbuf.clear();
-                        response.encode(op, request_id, &mut self.wbuf);
+                        self.encode_reply(op, request_id, &response);
                         self.send_with_fds(&[fd.as_raw_fd()]).await
                     }
                     Err(e) => self.reply(op, request_id, &stream_error(e)).await,
@@ -380,8 +576,11 @@ impl Connection {
                 max,
                 timeout_ms,
             } => {
+                // No more tasks than the client's limit lets the reply carry.
+                let fits = (self.peer_limit as usize - 4) / StreamTask::WIRE_BYTES;
+                let max = max.clamp(1, fits as u32);
                 self.wait_until(id, timeout_ms, |expired| {
-                    match shared.peek_streams(|s, _| s.take(id, stream, max.max(1))) {
+                    match shared.with_streams(|s, _| s.take(id, stream, max)) {
                         Ok(tasks) if !tasks.is_empty() || expired => Some(Response::Tasks(tasks)),
                         Ok(_) => None,
                         Err(e) => Some(stream_error(e)),
@@ -389,10 +588,19 @@ impl Connection {
                 })
                 .await?
             }
-            Request::StreamPut { stream, items } => stream_reply(
-                shared.with_streams(|s, o| s.put(o, id, stream, &items)),
-                Response::Done,
-            ),
+            Request::StreamPut { stream, items } => {
+                if self.role != Role::Writer {
+                    error(
+                        Status::PermissionDenied,
+                        "only writers put samples into streams".into(),
+                    )
+                } else {
+                    stream_reply(
+                        shared.with_streams(|s, o| s.put(o, id, stream, &items)),
+                        Response::Done,
+                    )
+                }
+            }
             Request::StreamRelease { stream, rank, upto } => {
                 self.stream_release(id, stream, rank, upto);
                 return Ok(());
@@ -403,22 +611,25 @@ impl Connection {
                 seq,
                 timeout_ms,
             } => {
-                // Asking past the end: the consumer has read all of its share. Only that wakes
-                // the producers waiting for work (so they can stop).
-                if shared.peek_streams(|s, _| s.finish(id, stream, rank, seq)) {
-                    shared.with_streams(|_, _| ());
-                }
+                // Asking past the end: the consumer has read all of its share, which lets the
+                // producers waiting for work stop.
+                shared.with_streams(|s, _| s.finish(id, stream, rank, seq));
                 self.wait_until(id, timeout_ms, |expired| {
-                    match shared.peek_streams(|s, _| s.poll(stream, rank, seq)) {
-                        Some(status) => Some(Response::Done(vec![status])),
-                        None if expired => Some(Response::Done(vec![Status::Timeout])),
-                        None => None,
+                    match shared.with_streams(|s, _| s.poll(id, stream, rank, seq)) {
+                        Ok(Some(status)) => Some(Response::Done(vec![status])),
+                        Ok(None) if expired => Some(Response::Done(vec![Status::Timeout])),
+                        Ok(None) => None,
+                        Err(e) => Some(stream_error(e)),
                     }
                 })
                 .await?
             }
+            Request::StreamDetach { stream, rank, next } => stream_reply(
+                shared.with_streams(|s, o| s.detach(o, id, stream, rank, next)),
+                |()| Response::Done(vec![Status::Ok]),
+            ),
             Request::StreamClose { stream } => {
-                stream_reply(shared.with_streams(|s, o| s.close(o, stream)), |()| {
+                stream_reply(shared.with_streams(|s, o| s.close(o, id, stream)), |()| {
                     Response::Done(vec![Status::Ok])
                 })
             }
@@ -435,8 +646,8 @@ impl Connection {
         }
     }
 
-    /// Re-checks a stream condition whenever a stream changes, until `check` answers (it is told
-    /// when the time is up, and must answer then).
+    /// Re-checks a stream condition whenever the streams change, until `check` answers (it is
+    /// told when the time is up, and must answer then).
     async fn wait_until<T>(
         &mut self,
         id: ConnId,
@@ -456,7 +667,8 @@ impl Connection {
 
     /// Waits until `events` changes or the deadline passes. Meanwhile the connection keeps
     /// reading: one-way returns (leases, stream samples) are applied at once, so a client cannot
-    /// deadlock against its own returns, and other requests are queued for after the wait.
+    /// deadlock against its own returns, and other requests are queued for after the wait, at
+    /// most `--max-queued-requests` of them.
     async fn wait_for(
         &mut self,
         id: ConnId,
@@ -476,7 +688,17 @@ impl Connection {
                         Request::StreamRelease { stream, rank, upto } => {
                             self.stream_release(id, stream, rank, upto);
                         }
-                        other => self.deferred.push_back((request_id, other)),
+                        other => {
+                            if self.deferred.len() >= self.shared.limits.max_queued_requests {
+                                self.shared.with_objects(Objects::note_limit_hit);
+                                return Err(ConnEnd::Protocol(format!(
+                                    "more than {} requests queued behind a waiting one \
+                                     (--max-queued-requests)",
+                                    self.shared.limits.max_queued_requests
+                                )));
+                            }
+                            self.deferred.push_back((request_id, other));
+                        }
                     }
                 }
             }
@@ -507,43 +729,90 @@ impl Connection {
         Ok(())
     }
 
-    async fn hello(&mut self, request_id: u32, role: Role, name: String) -> Result<(), ConnEnd> {
+    /// Refuses the hello with a reply the client can show, then ends the connection.
+    async fn refuse(
+        &mut self,
+        request_id: u32,
+        status: Status,
+        message: String,
+    ) -> Result<(), ConnEnd> {
+        self.reply(Opcode::Hello, request_id, &error(status, message.clone()))
+            .await?;
+        Err(ConnEnd::Refused(message))
+    }
+
+    async fn hello(
+        &mut self,
+        request_id: u32,
+        role: Role,
+        name: String,
+        max_frame_bytes: u32,
+    ) -> Result<(), ConnEnd> {
         let shared = self.shared.clone();
-        if !shared.policy.allows(self.uid, self.gid) {
+        if !shared.policy.allows(&self.peer) {
             let message = format!(
                 "uid {} is not allowed by this feedstored; add it with --allow-uid or use --socket-group",
-                self.uid
+                self.peer.uid
             );
-            let response = Response::Error {
-                status: Status::PermissionDenied,
-                message,
-            };
-            self.reply(Opcode::Hello, request_id, &response).await?;
-            return Err(ConnEnd::Denied { uid: self.uid });
+            return self
+                .refuse(request_id, Status::PermissionDenied, message)
+                .await;
+        }
+        if name.len() > MAX_CLIENT_NAME || name.chars().any(char::is_control) {
+            let message = format!(
+                "client name of {} bytes refused: at most {MAX_CLIENT_NAME} bytes of printable text",
+                name.len()
+            );
+            return self
+                .refuse(request_id, Status::InvalidArgument, message)
+                .await;
+        }
+        if max_frame_bytes < MIN_PAYLOAD_BYTES {
+            let message = format!(
+                "the client accepts frames of {max_frame_bytes} bytes; at least {MIN_PAYLOAD_BYTES} are needed"
+            );
+            return self
+                .refuse(request_id, Status::InvalidArgument, message)
+                .await;
         }
         let info = ClientInfo {
             role,
-            uid: self.uid,
-            pid: self.pid,
+            uid: self.peer.uid,
+            pid: self.peer.pid,
             name: name.clone(),
         };
         let id = shared.with_objects(|o| o.connect(info));
         self.id = Some(id);
         self.role = role;
-        tracing::info!(conn = id, pid = self.pid, uid = self.uid, ?role, %name, "client connected");
+        self.peer_limit = max_frame_bytes;
+        self.name = name;
+        tracing::info!(conn = id, pid = self.peer.pid, uid = self.peer.uid, ?role, name = ?self.name, "client connected");
         let response = Response::Hello {
             node_id: shared.node_id,
             epoch: shared.epoch,
             segments: shared.segment_infos(role),
+            max_frame_bytes: shared.max_frame_bytes,
         };
         self.wbuf.clear();
-        response.encode(Opcode::Hello, request_id, &mut self.wbuf);
+        self.encode_reply(Opcode::Hello, request_id, &response);
         let fds: Vec<i32> = match role {
             Role::Writer => shared.segments.iter().map(|s| s.fd().as_raw_fd()).collect(),
             Role::Reader => shared.readonly_fds.iter().map(|f| f.as_raw_fd()).collect(),
         };
         // The descriptors ride on the first byte of the reply; the rest follows as plain bytes.
         self.send_with_fds(&fds).await
+    }
+
+    /// Encodes `response` into `wbuf` within the client's limit; one that does not fit (which
+    /// the checks before each request rule out) becomes an error reply that does.
+    fn encode_reply(&mut self, op: Opcode, request_id: u32, response: &Response) {
+        if let Err(e) = response.encode(op, request_id, self.peer_limit, &mut self.wbuf) {
+            tracing::error!(error = %e, "reply over the client's limit");
+            let fallback = error(Status::LimitReached, e.to_string());
+            fallback
+                .encode(op, request_id, self.peer_limit, &mut self.wbuf)
+                .expect("an error reply fits any agreed limit");
+        }
     }
 
     async fn reply(
@@ -553,7 +822,7 @@ impl Connection {
         response: &Response,
     ) -> Result<(), ConnEnd> {
         self.wbuf.clear();
-        response.encode(op, request_id, &mut self.wbuf);
+        self.encode_reply(op, request_id, response);
         self.stream.write_all(&self.wbuf).await?;
         Ok(())
     }
@@ -611,11 +880,20 @@ impl Connection {
     }
 }
 
-fn stream_error(e: StreamError) -> Response {
+/// The client name that makes `Stats` panic under the object lock, in builds with the
+/// `fault-injection` feature (the tests' builds): how the tests show the daemon aborts.
+#[cfg(feature = "fault-injection")]
+pub const FAULT_PANIC_UNDER_LOCK: &str = "fault-injection: panic under the lock";
+
+fn error(status: Status, message: String) -> Response {
     Response::Error {
-        status: e.status,
-        message: e.message,
+        status,
+        message: feedstore_proto::truncate(&message, 1024).to_owned(),
     }
+}
+
+fn stream_error(e: StreamError) -> Response {
+    error(e.status, e.message)
 }
 
 fn stream_reply<T>(result: Result<T, StreamError>, ok: impl FnOnce(T) -> Response) -> Response {
@@ -634,4 +912,49 @@ fn each(
             .map(|&h| op(o, id, h).err().unwrap_or(Status::Ok))
             .collect()
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Runs this test binary again with only `test` and `FEEDSTORE_CRITICAL_CHILD` set, and
+    /// returns how the child ended.
+    fn child(test: &str) -> std::process::ExitStatus {
+        std::process::Command::new(std::env::current_exe().unwrap())
+            .args(["--exact", test, "--nocapture", "--test-threads=1"])
+            .env("FEEDSTORE_CRITICAL_CHILD", "1")
+            .stderr(std::process::Stdio::null())
+            .stdout(std::process::Stdio::null())
+            .status()
+            .unwrap()
+    }
+
+    #[test]
+    fn a_panic_under_the_lock_aborts_the_process() {
+        if std::env::var_os("FEEDSTORE_CRITICAL_CHILD").is_some() {
+            let state = Mutex::new(Objects::new(1, 1, &[1 << 20], false));
+            let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                let _guard = Critical::lock(&state);
+                panic!("torn");
+            }));
+            // Only reached if the panic did not abort: then the lock must still work.
+            let _ = Critical::lock(&state);
+            std::process::exit(0);
+        }
+        use std::os::unix::process::ExitStatusExt;
+        let status = child("server::tests::a_panic_under_the_lock_aborts_the_process");
+        assert_eq!(status.signal(), Some(libc::SIGABRT), "{status}");
+    }
+
+    #[test]
+    fn a_panic_outside_the_lock_does_not_abort() {
+        let state = Mutex::new(0u32);
+        let result = std::panic::catch_unwind(|| {
+            *Critical::lock(&state) += 1;
+            panic!("after the lock");
+        });
+        assert!(result.is_err());
+        assert_eq!(*Critical::lock(&state), 1);
+    }
 }

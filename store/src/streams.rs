@@ -1,18 +1,27 @@
 //! Streams: the daemon's side of handing samples to trainer ranks in a fixed order.
 //!
 //! A stream is named and defined by a [`StreamSpec`], which fixes the record behind every
-//! (rank, sequence number). Per rank the daemon keeps a window of `depth` sequence numbers
-//! starting at the first one its consumer has not returned. Producers take tasks (rank, seq)
-//! inside the windows, make the samples, and put them back; each put sample is leased by the
-//! stream (through a connection of its own in [`Objects`], so it cannot be evicted) and
-//! published into the rank's shared-memory ring at slot `seq mod depth`. A consumer reads its ring
-//! without asking the daemon, and returns samples in batches, which slides its window and lets
-//! producers go on: the window is the prefetch depth and the backpressure.
+//! (rank, sequence number). Only writers create streams (by joining one as a producer); readers
+//! attach to a rank of an existing one. Per rank the daemon keeps a window of `depth` sequence
+//! numbers starting at the first one its consumer has not returned. Producers take tasks
+//! (rank, seq) inside the windows, make the samples, and put them back; each put sample is
+//! leased by the stream (through a connection of its own in [`Objects`], so it cannot be
+//! evicted) and published into the rank's shared-memory ring at slot `seq mod depth`.
+//!
+//! **Every delivered view holds its own lease.** Publishing an entry into a consumer's ring
+//! gives the consumer's connection a lease of its own on the object, which the consumer hands to
+//! the sample it reads and returns when that sample (and every array or tensor over it) is
+//! gone. The stream's lease only keeps the sample for the window: a rewind, a reattach at
+//! another position, or a close returns the stream's leases and never touches the consumer's.
+//! A detach returns the consumer's leases on entries it never read.
 //!
 //! Nothing here depends on timing. A producer that dies loses only its tasks, which go back to
 //! the window to be made again. A consumer that attaches at a sequence number (a fresh start, or
 //! a resume from a checkpoint after everything was killed) gets exactly the samples from there
 //! on: those still held are republished into its new ring, the rest are made again.
+//!
+//! Every change a waiter could be waiting for bumps [`Streams::version`]; the server wakes
+//! stream waiters when it moves, so no caller has to remember to.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::os::fd::OwnedFd;
@@ -24,10 +33,13 @@ use feedstore_proto::stream::StreamSpec;
 use feedstore_proto::{Handle, Location, Role, Status};
 use feedstore_shm::{Access, HugePages, Mapping, Segment, SegmentOptions, ShmError};
 
+use crate::config::{Limits, format_bytes};
 use crate::objects::{ClientInfo, ConnId, Objects};
 
 /// Largest prefetch depth per rank.
 pub const MAX_DEPTH: u32 = 1 << 16;
+/// Most ranks one stream keeps on a node.
+pub const MAX_RANKS: usize = 1 << 16;
 
 /// A stream operation that failed as a whole.
 #[derive(Debug, thiserror::Error)]
@@ -103,10 +115,56 @@ impl Ring {
     }
 }
 
+/// The shared memory a ring of `capacity` slots takes (whole pages).
+fn ring_size(capacity: u32) -> u64 {
+    (ring_bytes(capacity) as u64).next_multiple_of(4096)
+}
+
+/// Ring entries published to one consumer connection with a lease of that connection's, not yet
+/// known to be read.
+#[derive(Debug, Default)]
+struct Published(BTreeMap<u64, Handle>);
+
+impl Published {
+    /// The consumer has read everything below `seq`: those leases belong to its samples now.
+    fn read_below(&mut self, seq: u64) {
+        self.0 = self.0.split_off(&seq);
+    }
+
+    /// Returns the leases of the entries at or after `next`, which the consumer never read.
+    fn release_unread(self, objects: &mut Objects, conn: ConnId, next: u64) -> u64 {
+        let mut released = 0;
+        for (_, handle) in self.0.range(next..) {
+            if objects.release(conn, *handle).is_ok() {
+                released += 1;
+            }
+        }
+        released
+    }
+}
+
 #[derive(Debug)]
 struct Consumer {
     conn: ConnId,
     ring: Ring,
+    published: Published,
+}
+
+impl Consumer {
+    /// Gives the consumer's connection its own lease on the entry's object (shared from the
+    /// stream's), then publishes the entry into its ring.
+    fn publish(&mut self, objects: &mut Objects, stream_leases: ConnId, entry: &RingEntry) {
+        if entry.flags & ENTRY_FAILED == 0 {
+            if let Err(status) = objects.share_lease(stream_leases, self.conn, entry.handle) {
+                // The stream holds a lease on every ready entry, so this cannot happen; an entry
+                // without the consumer's own lease is never published.
+                tracing::error!(handle = %entry.handle, %status, "cannot lease a ready sample to its consumer");
+                return;
+            }
+            self.published.0.insert(entry.seq, entry.handle);
+        }
+        self.ring.publish(entry);
+    }
 }
 
 /// One rank's window.
@@ -178,9 +236,13 @@ struct Stream {
     depth: u32,
     /// The stream's own connection in [`Objects`]: its leases keep put samples alive.
     leases: ConnId,
+    /// The uid of the writer that created it: its writers (and root) may close it.
+    owner_uid: u32,
     ranks: BTreeMap<u32, Rank>,
     producers: BTreeSet<ConnId>,
     created: Instant,
+    /// When a producer or consumer last came, went or acted; an idle stream expires from here.
+    last_used: Instant,
     /// From creation to the first sample put.
     cold_start: Option<Duration>,
     samples_put: u64,
@@ -197,54 +259,175 @@ impl Stream {
         self.end().map_or(end, |e| end.min(e))
     }
 
-    fn rank(&mut self, rank: u32, start: u64) -> &mut Rank {
-        self.ranks.entry(rank).or_insert_with(|| Rank::new(start))
+    /// The rank's window, made if it is new and the stream has room for another rank.
+    fn rank(&mut self, rank: u32, start: u64) -> Result<&mut Rank, StreamError> {
+        if !self.ranks.contains_key(&rank) && self.ranks.len() >= MAX_RANKS {
+            return Err(fail(
+                Status::LimitReached,
+                format!(
+                    "stream {:?} already has {MAX_RANKS} ranks on this node",
+                    self.spec.name
+                ),
+            ));
+        }
+        Ok(self.ranks.entry(rank).or_insert_with(|| Rank::new(start)))
     }
 
-    /// Returns one sample's lease.
-    fn drop_entry(&self, objects: &mut Objects, entry: &RingEntry) {
-        if entry.flags & ENTRY_FAILED == 0 {
-            let _ = objects.release(self.leases, entry.handle);
-        }
+    fn idle(&self) -> bool {
+        self.producers.is_empty() && self.ranks.values().all(|r| r.consumer.is_none())
+    }
+
+    fn ring_bytes(&self) -> u64 {
+        self.ranks
+            .values()
+            .filter_map(|r| r.consumer.as_ref())
+            .map(|c| c.ring.size_bytes())
+            .sum()
     }
 }
 
 /// Every stream of the daemon, and the decode-once cache they share.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct Streams {
     by_name: HashMap<String, u32>,
     streams: BTreeMap<u32, Stream>,
     next_id: u32,
+    /// Consumers whose stream was closed under them: the entries they may still read from
+    /// their ring keep their leases until they detach or disconnect.
+    orphans: HashMap<(ConnId, u32, u32), Published>,
     /// Decode-once cache: sample key to the object holding that sample. The objects are
     /// ordinary store objects, so eviction (LRU over samples no stream or consumer holds) is
     /// the store's; an entry whose object is gone is dropped when looked up or swept.
     cache: HashMap<u128, Handle>,
     cache_lookups: u64,
     cache_hits: u64,
+    /// Bumped by every change a waiter may wait for.
+    version: u64,
+    /// Shared memory in rings.
+    ring_bytes: u64,
+    max_streams: usize,
+    max_ring_bytes: u64,
+    idle_timeout: Duration,
+    /// Root and the daemon's uid may close any stream.
+    daemon_uid: u32,
+    limits_hit: u64,
+    expired: u64,
 }
 
 impl Streams {
-    fn open(
+    /// No streams yet, under `limits`; `daemon_uid` may close any stream.
+    pub fn new(limits: &Limits, daemon_uid: u32) -> Streams {
+        Streams {
+            by_name: HashMap::new(),
+            streams: BTreeMap::new(),
+            next_id: 0,
+            orphans: HashMap::new(),
+            cache: HashMap::new(),
+            cache_lookups: 0,
+            cache_hits: 0,
+            version: 0,
+            ring_bytes: 0,
+            max_streams: limits.max_streams,
+            max_ring_bytes: limits.max_ring_bytes,
+            idle_timeout: limits.stream_idle_timeout,
+            daemon_uid,
+            limits_hit: 0,
+            expired: 0,
+        }
+    }
+
+    /// Moves whenever a stream changes in a way a waiter may be waiting for (a sample put or
+    /// returned, a stream, producer or consumer come or gone, a rank finished).
+    pub fn version(&self) -> u64 {
+        self.version
+    }
+
+    fn changed(&mut self) {
+        self.version = self.version.wrapping_add(1);
+    }
+
+    fn limit(&mut self, message: String) -> StreamError {
+        self.limits_hit += 1;
+        fail(Status::LimitReached, message)
+    }
+
+    fn stream(&mut self, id: u32) -> Result<&mut Stream, StreamError> {
+        self.streams
+            .get_mut(&id)
+            .ok_or_else(|| fail(Status::NotFound, format!("no stream {id}")))
+    }
+
+    /// The stream named in `spec`, checked against it.
+    fn find(&self, spec: &StreamSpec) -> Result<Option<u32>, StreamError> {
+        let Some(&id) = self.by_name.get(&spec.name) else {
+            return Ok(None);
+        };
+        let existing = &self.streams[&id].spec;
+        if existing != spec {
+            return Err(fail(
+                Status::SpecMismatch,
+                format!(
+                    "stream {:?} exists with another spec ({existing:?}); close it or pick another name",
+                    spec.name
+                ),
+            ));
+        }
+        Ok(Some(id))
+    }
+
+    /// A producer (a writer) joins a stream for some ranks, creating it if new; ranks not yet
+    /// known start where given.
+    pub fn join(
+        &mut self,
+        objects: &mut Objects,
+        conn: ConnId,
+        spec: &StreamSpec,
+        depth: u32,
+        ranks: &[StreamTask],
+    ) -> Result<u32, StreamError> {
+        let info = objects
+            .client(conn)
+            .ok_or_else(|| fail(Status::Protocol, "unknown connection"))?;
+        if info.role != Role::Writer {
+            return Err(fail(
+                Status::PermissionDenied,
+                "only writers produce into (and create) streams",
+            ));
+        }
+        let uid = info.uid;
+        spec.check(0)
+            .map_err(|e| fail(Status::InvalidArgument, e.to_string()))?;
+        for r in ranks {
+            spec.check(r.rank)
+                .map_err(|e| fail(Status::InvalidArgument, e.to_string()))?;
+        }
+        let id = match self.find(spec)? {
+            Some(id) => id,
+            None => self.create(objects, spec, depth, uid)?,
+        };
+        let stream = self.stream(id)?;
+        stream.producers.insert(conn);
+        stream.last_used = Instant::now();
+        for r in ranks {
+            stream.rank(r.rank, r.seq)?;
+        }
+        self.changed();
+        Ok(id)
+    }
+
+    fn create(
         &mut self,
         objects: &mut Objects,
         spec: &StreamSpec,
-        rank: u32,
         depth: u32,
+        owner_uid: u32,
     ) -> Result<u32, StreamError> {
-        spec.check(rank)
-            .map_err(|e| fail(Status::InvalidArgument, e.to_string()))?;
-        if let Some(&id) = self.by_name.get(&spec.name) {
-            let existing = &self.streams[&id].spec;
-            if existing != spec {
-                return Err(fail(
-                    Status::SpecMismatch,
-                    format!(
-                        "stream {:?} exists with another spec ({existing:?}); close it or pick another name",
-                        spec.name
-                    ),
-                ));
-            }
-            return Ok(id);
+        if self.streams.len() >= self.max_streams {
+            return Err(self.limit(format!(
+                "{} streams are open, the most this daemon allows (--max-streams); close some \
+                 (`feedstore stat` lists them)",
+                self.streams.len()
+            )));
         }
         self.next_id += 1;
         let id = self.next_id;
@@ -254,84 +437,91 @@ impl Streams {
             pid: 0,
             name: format!("stream {}", spec.name),
         });
+        let depth = depth.clamp(1, MAX_DEPTH);
         self.by_name.insert(spec.name.clone(), id);
+        let now = Instant::now();
         self.streams.insert(
             id,
             Stream {
                 spec: spec.clone(),
-                depth: depth.clamp(1, MAX_DEPTH),
+                depth,
                 leases,
+                owner_uid,
                 ranks: BTreeMap::new(),
                 producers: BTreeSet::new(),
-                created: Instant::now(),
+                created: now,
+                last_used: now,
                 cold_start: None,
                 samples_put: 0,
                 samples_returned: 0,
             },
         );
-        tracing::info!(stream = %spec.name, id, depth, records = spec.records, world = spec.world, "stream created");
+        tracing::info!(stream = ?spec.name, id, depth, records = spec.records, world = spec.world, owner_uid, "stream created");
         Ok(id)
     }
 
-    fn stream(&mut self, id: u32) -> Result<&mut Stream, StreamError> {
-        self.streams
-            .get_mut(&id)
-            .ok_or_else(|| fail(Status::NotFound, format!("no stream {id}")))
-    }
-
-    /// A producer joins a stream for some ranks; ranks not yet known start where given.
-    pub fn join(
-        &mut self,
-        objects: &mut Objects,
-        conn: ConnId,
-        spec: &StreamSpec,
-        depth: u32,
-        ranks: &[StreamTask],
-    ) -> Result<u32, StreamError> {
-        for r in ranks {
-            spec.check(r.rank)
-                .map_err(|e| fail(Status::InvalidArgument, e.to_string()))?;
-        }
-        let id = self.open(objects, spec, 0, depth)?;
-        let stream = self.stream(id)?;
-        stream.producers.insert(conn);
-        for r in ranks {
-            stream.rank(r.rank, r.seq);
-        }
-        Ok(id)
-    }
-
-    /// A consumer attaches to `rank` at `seq`: a new ring, holding every sample of the window
-    /// still held; the rest of the window is made (again).
+    /// A consumer attaches to `rank` of an existing stream at `seq`: a new ring, holding every
+    /// sample of the window still held; the rest of the window is made (again). `NotFound`
+    /// while no producer has created the stream (the server waits and asks again).
     pub fn attach(
         &mut self,
         objects: &mut Objects,
         conn: ConnId,
         spec: &StreamSpec,
-        depth: u32,
         rank: u32,
         seq: u64,
     ) -> Result<(u32, &Ring), StreamError> {
-        let id = self.open(objects, spec, rank, depth)?;
-        let stream = self.stream(id)?;
-        if let Some(c) = stream.ranks.get(&rank).and_then(|r| r.consumer.as_ref())
-            && c.conn != conn
-        {
-            return Err(fail(
-                Status::InvalidState,
+        spec.check(rank)
+            .map_err(|e| fail(Status::InvalidArgument, e.to_string()))?;
+        let id = self.find(spec)?.ok_or_else(|| {
+            fail(
+                Status::NotFound,
                 format!(
-                    "rank {rank} of stream {:?} already has a consumer",
-                    spec.name
+                    "no stream named {:?} (is a producer running with --stream {:?}?)",
+                    spec.name, spec.name
                 ),
-            ));
+            )
+        })?;
+        let stream = &self.streams[&id];
+        match stream.ranks.get(&rank).and_then(|r| r.consumer.as_ref()) {
+            Some(c) if c.conn == conn => {
+                return Err(fail(
+                    Status::InvalidState,
+                    format!("this connection is already attached to rank {rank}; detach first"),
+                ));
+            }
+            Some(_) => {
+                return Err(fail(
+                    Status::InvalidState,
+                    format!(
+                        "rank {rank} of stream {:?} already has a consumer",
+                        spec.name
+                    ),
+                ));
+            }
+            None => {}
         }
+        let size = ring_size(stream.depth);
+        if self.ring_bytes + size > self.max_ring_bytes {
+            let message = format!(
+                "delivery rings would take {} of the {} allowed (--max-ring-bytes); close unused \
+                 streams or detach idle ranks",
+                format_bytes(self.ring_bytes + size),
+                format_bytes(self.max_ring_bytes)
+            );
+            return Err(self.limit(message));
+        }
+        let stream = self.streams.get_mut(&id).expect("found above");
         let ring = Ring::new(spec, rank, stream.depth)
             .map_err(|e| fail(Status::Full, format!("cannot create the ring: {e}")))?;
+        let ring_size = ring.size_bytes();
         let depth = u64::from(stream.depth);
         let window_end = seq.saturating_add(depth);
         let leases = stream.leases;
-        let r = stream.rank(rank, seq);
-        // Keep what lies in the new window; return the rest.
+        stream.last_used = Instant::now();
+        let r = stream.rank(rank, seq)?;
+        // Keep what lies in the new window; return the stream's leases on the rest (views a
+        // previous consumer still holds have leases of their own).
         let outside: Vec<u64> = r
             .ready
             .keys()
@@ -355,12 +545,18 @@ impl Streams {
         r.released = seq;
         r.finished = false;
         r.next = made_up_to;
+        let mut consumer = Consumer {
+            conn,
+            ring,
+            published: Published::default(),
+        };
         for entry in r.ready.values() {
-            ring.publish(entry);
+            consumer.publish(objects, leases, entry);
         }
-        r.consumer = Some(Consumer { conn, ring });
-        tracing::info!(stream = %spec.name, rank, seq, held = r.ready.len(), "consumer attached");
-        let ring = &r.consumer.as_ref().expect("just set").ring;
+        tracing::info!(stream = ?spec.name, rank, seq, held = r.ready.len(), "consumer attached");
+        let ring = &r.consumer.insert(consumer).ring;
+        self.ring_bytes += ring_size;
+        self.version = self.version.wrapping_add(1);
         Ok((id, ring))
     }
 
@@ -399,6 +595,10 @@ impl Streams {
                     progress = true;
                 }
             }
+        }
+        if !tasks.is_empty() {
+            stream.last_used = Instant::now();
+            self.changed();
         }
         Ok(tasks)
     }
@@ -466,8 +666,8 @@ impl Streams {
                 record: item.record,
                 flags: item.flags,
             };
-            if let Some(c) = &r.consumer {
-                c.ring.publish(&entry);
+            if let Some(c) = &mut r.consumer {
+                c.publish(objects, leases, &entry);
             }
             r.ready.insert(seq, entry);
             if item.key != 0 && entry.flags & ENTRY_FAILED == 0 {
@@ -479,8 +679,10 @@ impl Streams {
                 .get_or_insert_with(|| stream.created.elapsed());
             statuses.push(Status::Ok);
         }
+        stream.last_used = Instant::now();
         self.cache.extend(cached);
         self.sweep_cache(objects);
+        self.changed();
         Ok(statuses)
     }
 
@@ -516,9 +718,34 @@ impl Streams {
         stats.cache_lookups = self.cache_lookups;
         stats.cache_hits = self.cache_hits;
         stats.cache_entries = self.cache.len() as u64;
+        stats.ring_bytes = self.ring_bytes;
+        stats.limits_hit += self.limits_hit;
+        stats.streams_expired = self.expired;
     }
 
-    /// A consumer returns every sample below `upto` (up to the first one not yet made).
+    /// The consumer attached to `rank` on `conn`, or why a request from `conn` about it is
+    /// refused.
+    fn consumer_of<'a>(
+        stream: &'a mut Stream,
+        conn: ConnId,
+        rank: u32,
+        what: &str,
+    ) -> Result<&'a mut Rank, StreamError> {
+        let r = stream
+            .ranks
+            .get_mut(&rank)
+            .ok_or_else(|| fail(Status::NotFound, format!("no rank {rank}")))?;
+        if r.consumer.as_ref().map(|c| c.conn) != Some(conn) {
+            return Err(fail(
+                Status::Protocol,
+                format!("{what} by a connection not attached to rank {rank}"),
+            ));
+        }
+        Ok(r)
+    }
+
+    /// A consumer returns every sample below `upto` (up to the first one not yet made) to the
+    /// window. The views it read keep their own leases until they go.
     pub fn release(
         &mut self,
         objects: &mut Objects,
@@ -528,15 +755,8 @@ impl Streams {
         upto: u64,
     ) -> Result<(), StreamError> {
         let stream = self.stream(id)?;
-        let Some(r) = stream.ranks.get_mut(&rank) else {
-            return Err(fail(Status::NotFound, format!("no rank {rank}")));
-        };
-        if r.consumer.as_ref().map(|c| c.conn) != Some(conn) {
-            return Err(fail(
-                Status::Protocol,
-                "release by a connection not attached to the rank",
-            ));
-        }
+        let leases = stream.leases;
+        let r = Self::consumer_of(stream, conn, rank, "release")?;
         let mut returned = Vec::new();
         while r.released < upto {
             let Some(entry) = r.ready.remove(&r.released) else {
@@ -545,60 +765,171 @@ impl Streams {
             returned.push(entry);
             r.released += 1;
         }
-        stream.samples_returned += returned.len() as u64;
+        if let Some(c) = &mut r.consumer {
+            c.published.read_below(upto);
+        }
         for entry in &returned {
-            stream.drop_entry(objects, entry);
+            if entry.flags & ENTRY_FAILED == 0 {
+                let _ = objects.release(leases, entry.handle);
+            }
+        }
+        stream.samples_returned += returned.len() as u64;
+        stream.last_used = Instant::now();
+        if !returned.is_empty() {
+            self.changed();
         }
         Ok(())
     }
 
-    /// Whether `seq` of `rank` is in its ring (`Ok`), will never be (`Ended`), or not yet
-    /// (`None`).
-    pub fn poll(&self, id: u32, rank: u32, seq: u64) -> Option<Status> {
-        let Some(stream) = self.streams.get(&id) else {
-            return Some(Status::Ended);
+    /// The consumer on `conn` waits for `seq` of `rank`: whether it is in its ring (`Ok`), will
+    /// never be (`Ended`), or not yet (`None`). Everything below `seq` was read.
+    pub fn poll(
+        &mut self,
+        conn: ConnId,
+        id: u32,
+        rank: u32,
+        seq: u64,
+    ) -> Result<Option<Status>, StreamError> {
+        let Some(stream) = self.streams.get_mut(&id) else {
+            return Ok(Some(Status::Ended));
         };
         if stream.end().is_some_and(|end| seq >= end) {
-            return Some(Status::Ended);
+            return Ok(Some(Status::Ended));
         }
-        let r = stream.ranks.get(&rank)?;
-        r.ready.contains_key(&seq).then_some(Status::Ok)
+        let r = Self::consumer_of(stream, conn, rank, "wait")?;
+        if let Some(c) = &mut r.consumer {
+            c.published.read_below(seq);
+        }
+        Ok(r.ready.contains_key(&seq).then_some(Status::Ok))
     }
 
     /// The consumer on `conn` asks for `seq` of `rank`: if that is past the rank's last sample,
     /// it has read its whole share, and producers need not wait for it to return them before
-    /// they stop. Returns whether this newly finished the rank.
-    pub fn finish(&mut self, conn: ConnId, id: u32, rank: u32, seq: u64) -> bool {
+    /// they stop.
+    pub fn finish(&mut self, conn: ConnId, id: u32, rank: u32, seq: u64) {
         let Some(stream) = self.streams.get_mut(&id) else {
-            return false;
+            return;
         };
         if stream.end().is_none_or(|end| seq < end) {
-            return false;
+            return;
         }
         let Some(r) = stream.ranks.get_mut(&rank) else {
-            return false;
+            return;
         };
         let newly = !r.finished && r.consumer.as_ref().is_some_and(|c| c.conn == conn);
         r.finished |= newly;
-        newly
+        if newly {
+            self.changed();
+        }
     }
 
-    /// Closes a stream: returns its samples and retires its rings.
-    pub fn close(&mut self, objects: &mut Objects, id: u32) -> Result<(), StreamError> {
+    /// A consumer detaches from its rank, having read everything below `next`: the leases its
+    /// connection got for entries it never read go back, and the rank is free for another
+    /// consumer.
+    pub fn detach(
+        &mut self,
+        objects: &mut Objects,
+        conn: ConnId,
+        id: u32,
+        rank: u32,
+        next: u64,
+    ) -> Result<(), StreamError> {
+        if let Some(orphan) = self.orphans.remove(&(conn, id, rank)) {
+            orphan.release_unread(objects, conn, next);
+            return Ok(());
+        }
+        let stream = self.stream(id)?;
+        let r = Self::consumer_of(stream, conn, rank, "detach")?;
+        let consumer = r.consumer.take().expect("checked attached");
+        let size = consumer.ring.size_bytes();
+        let unread = consumer.published.release_unread(objects, conn, next);
+        stream.last_used = Instant::now();
+        tracing::info!(stream = ?stream.spec.name, rank, next, unread, "consumer detached");
+        self.ring_bytes -= size;
+        self.changed();
+        Ok(())
+    }
+
+    /// Closes a stream: its own leases go back (views consumers hold keep theirs), its rings
+    /// are retired. Only writers of the uid that created it, root and the daemon's uid may.
+    pub fn close(
+        &mut self,
+        objects: &mut Objects,
+        conn: ConnId,
+        id: u32,
+    ) -> Result<(), StreamError> {
         let stream = self
             .streams
-            .remove(&id)
+            .get(&id)
             .ok_or_else(|| fail(Status::NotFound, format!("no stream {id}")))?;
-        self.by_name.remove(&stream.spec.name);
-        objects.disconnect(stream.leases);
-        tracing::info!(stream = %stream.spec.name, "stream closed");
+        let (role, uid) = objects
+            .client(conn)
+            .map(|c| (c.role, c.uid))
+            .ok_or_else(|| fail(Status::Protocol, "unknown connection"))?;
+        if role != Role::Writer {
+            return Err(fail(
+                Status::PermissionDenied,
+                "readers cannot close streams; a producer (writer) of the stream's owner can",
+            ));
+        }
+        if uid != stream.owner_uid && uid != 0 && uid != self.daemon_uid {
+            return Err(fail(
+                Status::PermissionDenied,
+                format!(
+                    "stream {:?} belongs to uid {}; uid {uid} cannot close it",
+                    stream.spec.name, stream.owner_uid
+                ),
+            ));
+        }
+        self.remove(objects, id, "closed");
         Ok(())
+    }
+
+    /// Retires a stream: rings gone, the stream's leases returned, consumers' unread entries
+    /// kept leased for them until they detach or disconnect.
+    fn remove(&mut self, objects: &mut Objects, id: u32, why: &str) {
+        let Some(stream) = self.streams.remove(&id) else {
+            return;
+        };
+        self.by_name.remove(&stream.spec.name);
+        self.ring_bytes -= stream.ring_bytes();
+        for (rank, r) in stream.ranks {
+            if let Some(c) = r.consumer {
+                self.orphans.insert((c.conn, id, rank), c.published);
+            }
+        }
+        objects.disconnect(stream.leases);
+        tracing::info!(stream = ?stream.spec.name, "stream {why}");
+        self.changed();
+    }
+
+    /// Closes every stream no producer or consumer has used for the idle timeout (their
+    /// samples go back to the store; a resume later makes them again). Returns how many.
+    pub fn expire(&mut self, objects: &mut Objects, now: Instant) -> usize {
+        let idle: Vec<u32> = self
+            .streams
+            .iter()
+            .filter(|(_, s)| s.idle() && now.duration_since(s.last_used) >= self.idle_timeout)
+            .map(|(&id, _)| id)
+            .collect();
+        for &id in &idle {
+            self.remove(
+                objects,
+                id,
+                "expired: no producer or consumer for the idle timeout",
+            );
+        }
+        self.expired += idle.len() as u64;
+        idle.len()
     }
 
     /// A connection went away: its tasks go back to their windows, its rings are retired.
     pub fn disconnect(&mut self, conn: ConnId) {
+        let mut freed = 0;
+        let mut touched = false;
+        let now = Instant::now();
         for stream in self.streams.values_mut() {
-            stream.producers.remove(&conn);
+            let mut used = stream.producers.remove(&conn);
             for r in stream.ranks.values_mut() {
                 let lost: Vec<u64> = r
                     .assigned
@@ -606,22 +937,36 @@ impl Streams {
                     .filter(|&(_, &c)| c == conn)
                     .map(|(&s, _)| s)
                     .collect();
+                used |= !lost.is_empty();
                 for s in lost {
                     r.assigned.remove(&s);
                     r.redo.insert(s);
                 }
                 if r.consumer.as_ref().is_some_and(|c| c.conn == conn) {
-                    r.consumer = None;
+                    freed += r.consumer.take().map_or(0, |c| c.ring.size_bytes());
+                    used = true;
                 }
             }
+            if used {
+                stream.last_used = now;
+                touched = true;
+            }
+        }
+        self.orphans.retain(|&(c, _, _), _| c != conn);
+        self.ring_bytes -= freed;
+        if touched {
+            self.changed();
         }
     }
 
-    /// Every stream, for `feedstore stat`.
-    pub fn list(&self) -> Vec<StreamInfo> {
-        self.streams
-            .values()
-            .map(|s| StreamInfo {
+    /// Open streams with ids above `after`, in id order, as many as fit in `budget_bytes` of
+    /// encoded entries (at least one); whether more follow.
+    pub fn list(&self, after: u32, budget_bytes: usize) -> (Vec<StreamInfo>, bool) {
+        let mut page = Vec::new();
+        let mut used = 0;
+        for (&id, s) in self.streams.range(after.saturating_add(1)..) {
+            let info = StreamInfo {
+                id,
                 name: s.spec.name.clone(),
                 depth: s.depth,
                 producers: s.producers.len() as u32,
@@ -634,8 +979,14 @@ impl Streams {
                 slowest: s.ranks.values().map(|r| r.released).min().unwrap_or(0),
                 fastest: s.ranks.values().map(|r| r.released).max().unwrap_or(0),
                 cold_start_us: s.cold_start.map_or(0, |d| d.as_micros().max(1) as u64),
-            })
-            .collect()
+            };
+            if !page.is_empty() && used + info.wire_bytes() > budget_bytes {
+                return (page, true);
+            }
+            used += info.wire_bytes();
+            page.push(info);
+        }
+        (page, false)
     }
 }
 
@@ -656,17 +1007,24 @@ mod tests {
         }
     }
 
-    fn setup() -> (Objects, Streams, ConnId, ConnId) {
-        let mut o = Objects::new(1, 1, &[1 << 20], false);
-        let info = |role| ClientInfo {
+    fn client(o: &mut Objects, role: Role, uid: u32) -> ConnId {
+        o.connect(ClientInfo {
             role,
-            uid: 0,
-            pid: 0,
+            uid,
+            pid: 1,
             name: String::new(),
-        };
-        let producer = o.connect(info(Role::Writer));
-        let consumer = o.connect(info(Role::Reader));
-        (o, Streams::default(), producer, consumer)
+        })
+    }
+
+    fn setup() -> (Objects, Streams, ConnId, ConnId) {
+        setup_with(&Limits::default())
+    }
+
+    fn setup_with(limits: &Limits) -> (Objects, Streams, ConnId, ConnId) {
+        let mut o = Objects::new(1, 1, &[1 << 20], false);
+        let producer = client(&mut o, Role::Writer, 1000);
+        let consumer = client(&mut o, Role::Reader, 1000);
+        (o, Streams::new(limits, 1000), producer, consumer)
     }
 
     fn starts(ranks: &[u32]) -> Vec<StreamTask> {
@@ -687,6 +1045,19 @@ mod tests {
         }
     }
 
+    /// Takes and puts everything the windows allow.
+    fn fill(o: &mut Objects, s: &mut Streams, p: ConnId, id: u32) -> Vec<StreamItem> {
+        let tasks = s.take(p, id, 100).unwrap();
+        let items: Vec<_> = tasks.iter().map(|&t| make(o, p, t)).collect();
+        assert!(
+            s.put(o, p, id, &items)
+                .unwrap()
+                .iter()
+                .all(|s| *s == Status::Ok)
+        );
+        items
+    }
+
     #[test]
     fn windows_bound_the_work_and_slide_on_release() {
         let (mut o, mut s, p, c) = setup();
@@ -697,16 +1068,166 @@ mod tests {
         let items: Vec<_> = tasks.iter().map(|&t| make(&mut o, p, t)).collect();
         assert_eq!(s.put(&mut o, p, id, &items).unwrap(), vec![Status::Ok; 4]);
         assert_eq!(o.stats().objects_sealed, 4);
-        let (_, ring) = s.attach(&mut o, c, &spec(1), 2, 0, 0).unwrap();
+        let (_, ring) = s.attach(&mut o, c, &spec(1), 0, 0).unwrap();
         assert!(ring.size_bytes() > 0);
-        assert_eq!(s.poll(id, 0, 0), Some(Status::Ok));
-        assert_eq!(s.poll(id, 0, 2), None);
+        assert_eq!(
+            o.stats().leases,
+            4 + 2,
+            "the stream's four, the consumer's own two"
+        );
+        assert_eq!(s.poll(c, id, 0, 0).unwrap(), Some(Status::Ok));
+        assert_eq!(s.poll(c, id, 0, 2).unwrap(), None);
         s.release(&mut o, c, id, 0, 1).unwrap();
         assert_eq!(
             s.take(p, id, 100).unwrap(),
             vec![StreamTask { rank: 0, seq: 2 }]
         );
-        assert_eq!(o.stats().leases, 3, "the returned sample's lease is gone");
+        assert_eq!(
+            o.stats().leases,
+            3 + 2,
+            "the stream let go; the views still hold theirs"
+        );
+        // The consumer's views go: its client returns their leases.
+        o.release(c, items[0].handle).unwrap();
+        assert_eq!(o.stats().leases, 3 + 1);
+    }
+
+    /// The soundness bug: a rank reopened at a later position used to return the stream's
+    /// lease on samples a view still read, and the store reused their bytes.
+    #[test]
+    fn a_reattach_never_frees_what_a_view_holds() {
+        let (mut o, mut s, p, c) = setup();
+        let id = s.join(&mut o, p, &spec(4), 4, &starts(&[0])).unwrap();
+        let items = fill(&mut o, &mut s, p, id);
+        s.attach(&mut o, c, &spec(4), 0, 0).unwrap();
+        // The consumer read 0..3 (holding 0), then its stream went: a detach at 3.
+        s.release(&mut o, c, id, 0, 0).unwrap();
+        s.detach(&mut o, c, id, 0, 3).unwrap();
+        assert_eq!(
+            o.stats().leases,
+            4 + 3,
+            "entry 3 was never read: its lease went back"
+        );
+        // A new consumer resumes at 3: the stream drops 0..3, but views 0..3 keep theirs.
+        let c2 = client(&mut o, Role::Reader, 1000);
+        s.attach(&mut o, c2, &spec(4), 0, 3).unwrap();
+        // Room for all but one object: only evicting views' objects could make it.
+        assert_eq!(
+            o.create(p, (1 << 20) - 64, false).unwrap_err(),
+            Status::Full,
+            "nothing a view holds is evictable"
+        );
+        for item in &items[..3] {
+            assert!(o.is_sealed(item.handle), "{} still stored", item.handle);
+        }
+        // And a close keeps them too.
+        s.close(&mut o, p, id).unwrap();
+        for item in &items[..3] {
+            assert!(o.is_sealed(item.handle));
+        }
+        for item in &items[..3] {
+            o.release(c, item.handle).unwrap();
+        }
+        assert_eq!(
+            o.stats().leases,
+            1,
+            "only c2's own lease on entry 3, until it detaches"
+        );
+    }
+
+    #[test]
+    fn only_the_owners_writers_close_a_stream() {
+        let (mut o, mut s, p, c) = setup();
+        let id = s.join(&mut o, p, &spec(1), 4, &starts(&[0])).unwrap();
+        s.attach(&mut o, c, &spec(1), 0, 0).unwrap();
+        let err = s.close(&mut o, c, id).unwrap_err();
+        assert_eq!(err.status, Status::PermissionDenied, "a reader: {err}");
+        let stranger = client(&mut o, Role::Writer, 2000);
+        let err = s.close(&mut o, stranger, id).unwrap_err();
+        assert_eq!(err.status, Status::PermissionDenied, "another uid: {err}");
+        let err = s.join(&mut o, c, &spec(1), 4, &starts(&[0])).unwrap_err();
+        assert_eq!(
+            err.status,
+            Status::PermissionDenied,
+            "readers do not create or join"
+        );
+        let root = client(&mut o, Role::Writer, 0);
+        s.close(&mut o, root, id).unwrap();
+    }
+
+    #[test]
+    fn readers_attach_only_to_streams_writers_made() {
+        let (mut o, mut s, p, c) = setup();
+        let err = s.attach(&mut o, c, &spec(1), 0, 0).unwrap_err();
+        assert_eq!(err.status, Status::NotFound);
+        assert_eq!(s.list(0, 1 << 20).0.len(), 0);
+        s.join(&mut o, p, &spec(1), 4, &[]).unwrap();
+        s.attach(&mut o, c, &spec(1), 0, 0).unwrap();
+        let other = client(&mut o, Role::Reader, 1000);
+        let err = s.attach(&mut o, other, &spec(1), 0, 0).unwrap_err();
+        assert_eq!(err.status, Status::InvalidState, "one consumer per rank");
+    }
+
+    #[test]
+    fn rings_and_streams_are_bounded() {
+        let limits = Limits {
+            max_streams: 2,
+            max_ring_bytes: 3 * ring_size(64),
+            ..Limits::default()
+        };
+        let (mut o, mut s, p, c) = setup_with(&limits);
+        let wide = StreamSpec {
+            world: 8,
+            records: 64,
+            ..spec(1)
+        };
+        s.join(&mut o, p, &wide, 64, &[]).unwrap();
+        for rank in 0..3 {
+            let conn = client(&mut o, Role::Reader, 1000);
+            s.attach(&mut o, conn, &wide, rank, 0).unwrap();
+        }
+        let err = s.attach(&mut o, c, &wide, 3, 0).unwrap_err();
+        assert_eq!(err.status, Status::LimitReached, "{err}");
+        assert!(err.message.contains("--max-ring-bytes"), "{err}");
+        let mut stats = o.stats();
+        s.add_stats(&mut stats);
+        assert_eq!(stats.ring_bytes, 3 * ring_size(64));
+        let two = StreamSpec {
+            name: "t".into(),
+            ..spec(1)
+        };
+        s.join(&mut o, p, &two, 4, &[]).unwrap();
+        let three = StreamSpec {
+            name: "u".into(),
+            ..spec(1)
+        };
+        let err = s.join(&mut o, p, &three, 4, &[]).unwrap_err();
+        assert_eq!(err.status, Status::LimitReached);
+        assert!(err.message.contains("--max-streams"), "{err}");
+    }
+
+    #[test]
+    fn idle_streams_expire_and_give_their_samples_back() {
+        let limits = Limits {
+            stream_idle_timeout: Duration::from_secs(60),
+            ..Limits::default()
+        };
+        let (mut o, mut s, p, c) = setup_with(&limits);
+        let id = s.join(&mut o, p, &spec(1), 4, &starts(&[0])).unwrap();
+        fill(&mut o, &mut s, p, id);
+        let later = Instant::now() + Duration::from_secs(120);
+        assert_eq!(s.expire(&mut o, later), 0, "a producer is joined");
+        s.disconnect(p);
+        s.attach(&mut o, c, &spec(1), 0, 0).unwrap();
+        assert_eq!(s.expire(&mut o, later), 0, "a consumer is attached");
+        s.disconnect(c);
+        o.disconnect(c);
+        assert_eq!(s.expire(&mut o, Instant::now()), 0, "not idle for long yet");
+        assert_eq!(s.expire(&mut o, later), 1);
+        assert_eq!(o.stats().leases, 0);
+        let mut stats = o.stats();
+        s.add_stats(&mut stats);
+        assert_eq!((stats.streams, stats.streams_expired), (0, 1));
     }
 
     #[test]
@@ -715,12 +1236,7 @@ mod tests {
         let id = s.join(&mut o, p, &spec(1), 2, &starts(&[0])).unwrap();
         let first = s.take(p, id, 1).unwrap();
         s.disconnect(p);
-        let p2 = o.connect(ClientInfo {
-            role: Role::Writer,
-            uid: 0,
-            pid: 0,
-            name: String::new(),
-        });
+        let p2 = client(&mut o, Role::Writer, 1000);
         s.join(&mut o, p2, &spec(1), 2, &starts(&[0])).unwrap();
         let again = s.take(p2, id, 2).unwrap();
         assert_eq!(again[0], first[0], "redo first");
@@ -738,25 +1254,22 @@ mod tests {
     fn attach_rewinds_and_keeps_what_it_can() {
         let (mut o, mut s, p, c) = setup();
         let id = s.join(&mut o, p, &spec(2), 4, &starts(&[0])).unwrap();
-        let tasks = s.take(p, id, 4).unwrap();
-        let items: Vec<_> = tasks.iter().map(|&t| make(&mut o, p, t)).collect();
-        s.put(&mut o, p, id, &items).unwrap();
-        s.attach(&mut o, c, &spec(2), 4, 0, 0).unwrap();
+        fill(&mut o, &mut s, p, id);
+        s.attach(&mut o, c, &spec(2), 0, 0).unwrap();
         s.release(&mut o, c, id, 0, 3).unwrap();
         s.disconnect(c);
         // The checkpoint said 1: 1 and 2 were returned, 3 is still held.
-        let c2 = o.connect(ClientInfo {
-            role: Role::Reader,
-            uid: 0,
-            pid: 0,
-            name: String::new(),
-        });
-        s.attach(&mut o, c2, &spec(2), 4, 0, 1).unwrap();
-        assert_eq!(s.poll(id, 0, 3), Some(Status::Ok), "kept");
-        assert_eq!(s.poll(id, 0, 1), None, "to be made again");
+        let c2 = client(&mut o, Role::Reader, 1000);
+        s.attach(&mut o, c2, &spec(2), 0, 1).unwrap();
+        assert_eq!(s.poll(c2, id, 0, 3).unwrap(), Some(Status::Ok), "kept");
+        assert_eq!(s.poll(c2, id, 0, 1).unwrap(), None, "to be made again");
         let again = s.take(p, id, 10).unwrap();
         let seqs: Vec<u64> = again.iter().map(|t| t.seq).collect();
         assert_eq!(seqs, vec![1, 2, 4]);
+        assert!(
+            s.poll(c, id, 0, 1).is_err(),
+            "only the attached consumer waits"
+        );
     }
 
     #[test]
@@ -767,24 +1280,30 @@ mod tests {
         assert_eq!(tasks.len(), 4, "one epoch of 8 records over 2 ranks");
         let items: Vec<_> = tasks.iter().map(|&t| make(&mut o, p, t)).collect();
         s.put(&mut o, p, id, &items).unwrap();
-        assert_eq!(s.poll(id, 0, 4), Some(Status::Ended));
         assert!(
             s.take(p, id, 1).unwrap().is_empty(),
             "made but not read: a resuming consumer may still rewind"
         );
-        s.attach(&mut o, c, &spec(1), 8, 0, 0).unwrap();
-        assert!(!s.finish(c, id, 0, 3), "not past the end");
-        assert!(
-            s.finish(c, id, 0, 4),
-            "read past the end, holding its samples"
+        s.attach(&mut o, c, &spec(1), 0, 0).unwrap();
+        assert_eq!(s.poll(c, id, 0, 4).unwrap(), Some(Status::Ended));
+        let before = s.version();
+        s.finish(c, id, 0, 3);
+        assert_eq!(s.version(), before, "not past the end: nothing changed");
+        s.finish(c, id, 0, 4);
+        assert_ne!(
+            s.version(),
+            before,
+            "read past the end: producers are woken"
         );
         assert_eq!(s.take(p, id, 1).unwrap_err().status, Status::Ended);
         let other = StreamSpec { seed: 2, ..spec(1) };
         assert_eq!(
-            s.attach(&mut o, c, &other, 8, 0, 0).unwrap_err().status,
+            s.attach(&mut o, c, &other, 0, 0).unwrap_err().status,
             Status::SpecMismatch
         );
-        s.close(&mut o, id).unwrap();
+        s.close(&mut o, p, id).unwrap();
+        assert_eq!(o.stats().leases, 4, "the consumer's own, until it detaches");
+        s.detach(&mut o, c, id, 0, 0).unwrap();
         assert_eq!(o.stats().leases, 0);
     }
 
@@ -800,7 +1319,7 @@ mod tests {
             found,
             vec![Some(items[0].handle), Some(items[1].handle), None]
         );
-        s.close(&mut o, id).unwrap();
+        s.close(&mut o, p, id).unwrap();
         o.delete(p, items[0].handle).unwrap();
         assert_eq!(
             s.lookup(&o, &[1, 2]),
@@ -813,5 +1332,29 @@ mod tests {
             (stats.cache_lookups, stats.cache_hits, stats.cache_entries),
             (5, 3, 1)
         );
+    }
+
+    #[test]
+    fn stream_lists_come_in_pages_that_fit() {
+        let (mut o, mut s, p, _) = setup();
+        for i in 0..10 {
+            let spec = StreamSpec {
+                name: format!("stream-{i}"),
+                ..spec(1)
+            };
+            s.join(&mut o, p, &spec, 4, &[]).unwrap();
+        }
+        let mut seen = Vec::new();
+        let mut after = 0;
+        loop {
+            let (page, more) = s.list(after, 200);
+            assert!(page.iter().map(StreamInfo::wire_bytes).sum::<usize>() <= 200);
+            after = page.last().unwrap().id;
+            seen.extend(page.into_iter().map(|i| i.name));
+            if !more {
+                break;
+            }
+        }
+        assert_eq!(seen.len(), 10);
     }
 }

@@ -249,3 +249,181 @@ pub fn pattern(seed: u64, len: usize) -> Vec<u8> {
         })
         .collect()
 }
+
+/// A client speaking the protocol by hand, to do what the library never would (pipeline,
+/// forge, hold descriptors) the way an attacker's program could.
+pub struct RawClient {
+    pub stream: std::os::unix::net::UnixStream,
+    next_id: u32,
+    rbuf: Vec<u8>,
+}
+
+impl RawClient {
+    /// Connects without saying hello.
+    pub fn connect(socket: &Path) -> std::io::Result<RawClient> {
+        let stream = std::os::unix::net::UnixStream::connect(socket)?;
+        stream.set_read_timeout(Some(Duration::from_secs(30)))?;
+        Ok(RawClient {
+            stream,
+            next_id: 1,
+            rbuf: Vec::new(),
+        })
+    }
+
+    /// Connects and says hello; returns the reply and the segment descriptors.
+    pub fn hello(
+        socket: &Path,
+        role: Role,
+        name: &str,
+    ) -> (
+        RawClient,
+        feedstore_proto::frame::Response,
+        Vec<std::os::fd::OwnedFd>,
+    ) {
+        let mut raw = RawClient::connect(socket).unwrap();
+        let (response, fds) = raw.call_with_fds(&feedstore_proto::frame::Request::Hello {
+            role,
+            client_name: name.into(),
+            max_frame_bytes: feedstore_proto::frame::MAX_PAYLOAD_BYTES,
+        });
+        (raw, response, fds)
+    }
+
+    /// Sends a request without waiting for its reply.
+    pub fn send(&mut self, request: &feedstore_proto::frame::Request) {
+        let mut out = Vec::new();
+        request.encode(self.next_id, u32::MAX, &mut out).unwrap();
+        self.next_id += 1;
+        use std::io::Write;
+        self.stream.write_all(&out).unwrap();
+    }
+
+    /// Sends a request and reads its reply.
+    pub fn call(
+        &mut self,
+        request: &feedstore_proto::frame::Request,
+    ) -> feedstore_proto::frame::Response {
+        self.call_with_fds(request).0
+    }
+
+    /// Sends a request and reads its reply with the descriptors that ride along.
+    pub fn call_with_fds(
+        &mut self,
+        request: &feedstore_proto::frame::Request,
+    ) -> (feedstore_proto::frame::Response, Vec<std::os::fd::OwnedFd>) {
+        self.send(request);
+        self.read_reply()
+    }
+
+    /// Reads the next reply frame and any descriptors.
+    pub fn read_reply(&mut self) -> (feedstore_proto::frame::Response, Vec<std::os::fd::OwnedFd>) {
+        use feedstore_proto::frame::{Frame, Response};
+        use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+        let mut fds = Vec::new();
+        loop {
+            if let Some(frame) = Frame::parse(&self.rbuf, u32::MAX).unwrap() {
+                let len = frame.len();
+                let response = Response::decode(&frame).unwrap();
+                self.rbuf.drain(..len);
+                return (response, fds);
+            }
+            let mut buf = vec![0u8; 64 << 10];
+            let mut cmsg = nix::cmsg_space!([RawFd; 253]);
+            let mut iov = [std::io::IoSliceMut::new(&mut buf)];
+            let msg = nix::sys::socket::recvmsg::<()>(
+                self.stream.as_raw_fd(),
+                &mut iov,
+                Some(&mut cmsg),
+                nix::sys::socket::MsgFlags::MSG_CMSG_CLOEXEC,
+            )
+            .unwrap();
+            for c in msg.cmsgs().unwrap() {
+                if let nix::sys::socket::ControlMessageOwned::ScmRights(raw) = c {
+                    // SAFETY: received just now by SCM_RIGHTS; owned by nobody else.
+                    fds.extend(
+                        raw.into_iter()
+                            .map(|fd| unsafe { OwnedFd::from_raw_fd(fd) }),
+                    );
+                }
+            }
+            let n = msg.bytes;
+            assert!(n > 0, "the daemon closed the connection");
+            self.rbuf.extend_from_slice(&buf[..n]);
+        }
+    }
+
+    /// Waits until the daemon closes the connection (an error reply may come first); panics if
+    /// it does not within 30 s.
+    pub fn expect_closed(&mut self) {
+        use std::io::Read;
+        let mut buf = [0u8; 4096];
+        loop {
+            match self.stream.read(&mut buf) {
+                Ok(0) => return,
+                Ok(_) => continue,
+                Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => return,
+                Err(e) => panic!("the daemon did not close the connection: {e}"),
+            }
+        }
+    }
+}
+
+/// Makes `cmd` run as `uid` with primary group `gid` and exactly `groups` as supplementary
+/// groups (the test runs as root): how the security tests act as another local user.
+pub fn run_as(cmd: &mut Command, uid: u32, gid: u32, groups: &[u32]) {
+    use std::os::unix::process::CommandExt;
+    let groups: Vec<nix::unistd::Gid> = groups
+        .iter()
+        .map(|&g| nix::unistd::Gid::from_raw(g))
+        .collect();
+    let drop_privileges = move || -> std::io::Result<()> {
+        use nix::unistd::{Gid, Uid, setgid, setgroups, setuid};
+        setgroups(&groups)?;
+        setgid(Gid::from_raw(gid))?;
+        setuid(Uid::from_raw(uid))?;
+        Ok(())
+    };
+    // SAFETY: the closure makes only async-signal-safe system calls (setgroups, setgid, setuid)
+    // between fork and exec, and allocates nothing (the group list was built before).
+    unsafe { cmd.pre_exec(drop_privileges) };
+}
+
+/// Whether the tests run as root (the security tests need to act as other uids).
+pub fn is_root() -> bool {
+    nix::unistd::geteuid().is_root()
+}
+
+/// This test binary's ignored `child_process` entry, told what to do through `task`, as a
+/// command to adjust (a uid, more environment) before it is run.
+pub fn child_command(socket: &Path, task: &str) -> Command {
+    let mut cmd = Command::new(std::env::current_exe().unwrap());
+    cmd.args([
+        "--ignored",
+        "--exact",
+        "child_process",
+        "--nocapture",
+        "--test-threads=1",
+    ])
+    .env(CHILD_ENV, task)
+    .env("FEEDSTORE_SOCKET", socket)
+    .stdout(Stdio::piped());
+    cmd
+}
+
+/// Runs a child command to its end and returns the text after its `READY`.
+pub fn child_says(cmd: &mut Command) -> String {
+    let out = cmd.output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    let at = text.find("READY").unwrap_or_else(|| {
+        panic!(
+            "child said: {text}\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        )
+    });
+    text[at + "READY".len()..]
+        .lines()
+        .next()
+        .unwrap_or_default()
+        .trim()
+        .to_owned()
+}

@@ -1,0 +1,849 @@
+//! Control-socket frames.
+//!
+//! Every frame is a 16-byte header followed by `payload_len` bytes:
+//!
+//! | bytes  | field         | value                                                  |
+//! |--------|---------------|--------------------------------------------------------|
+//! | 0..2   | `magic`       | [`MAGIC`]                                              |
+//! | 2..4   | `version`     | [`VERSION`]; a daemon refuses other versions            |
+//! | 4..6   | `opcode`      | an [`Opcode`]; replies set [`REPLY_BIT`]                |
+//! | 6..8   | `flags`       | reserved, zero                                         |
+//! | 8..12  | `request_id`  | chosen by the client, echoed in the reply              |
+//! | 12..16 | `payload_len` | at most the receiver's limit                           |
+//!
+//! Every request but [`Request::Release`] and [`Request::StreamRelease`] gets exactly one reply,
+//! in order. Batches are the unit: `Get`, `Seal`, `Delete`, ... carry a list of handles and the
+//! reply carries one result each, so a client amortises a round trip over many objects.
+//!
+//! **Frame limits are agreed at `Hello`:** each side says the largest payload it accepts, and
+//! every encoder checks the peer's limit before a byte is sent ([`EncodeError::TooLarge`]).
+//! A client splits a batch so that both the request and its reply fit ([`max_batch_items`]); a
+//! daemon refuses a request whose reply could not fit before acting on it.
+//!
+//! The message parts live by family, each part's encoding beside its decoding: [`session`]
+//! (hello, segments), [`objects`] (create, get, results), [`streams`] (specs, tasks, items,
+//! listings), [`stats`]. This module holds the header and the two enums that dispatch to them.
+
+mod objects;
+mod session;
+mod stats;
+mod streams;
+
+pub use objects::Created;
+pub use streams::{StreamInfo, StreamItem, StreamTask};
+
+use crate::stream::StreamSpec;
+pub use crate::wire::DecodeError;
+use crate::wire::{Reader, Wire, Writer};
+use crate::{Handle, Location, Role, SegmentInfo, Status, StoreStats};
+
+/// First two bytes of every frame.
+pub const MAGIC: u16 = 0xFD5E;
+/// Protocol version spoken by this crate. Version 2: frame limits agreed at hello, stream
+/// detach, paged stream lists, attach without creating.
+pub const VERSION: u16 = 2;
+/// Size of the frame header.
+pub const HEADER_BYTES: usize = 16;
+/// Default maximum payload a side accepts (room for a batch of ~65k handles).
+pub const MAX_PAYLOAD_BYTES: u32 = 1 << 20;
+/// The smallest limit a side may announce: every fixed-size message fits well inside it.
+pub const MIN_PAYLOAD_BYTES: u32 = 64 << 10;
+/// Set in a reply's opcode.
+pub const REPLY_BIT: u16 = 0x8000;
+/// Create flag: the object is never evicted (it can still be deleted).
+pub const CREATE_PIN: u32 = 1;
+
+/// Request kinds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[repr(u16)]
+pub enum Opcode {
+    /// [`Request::Hello`]
+    Hello = 1,
+    /// [`Request::Create`]
+    Create = 2,
+    /// [`Request::Seal`]
+    Seal = 3,
+    /// [`Request::Abort`]
+    Abort = 4,
+    /// [`Request::Get`]
+    Get = 5,
+    /// [`Request::Release`]
+    Release = 6,
+    /// [`Request::Delete`]
+    Delete = 7,
+    /// [`Request::Stats`]
+    Stats = 8,
+    /// [`Request::StreamJoin`]
+    StreamJoin = 9,
+    /// [`Request::StreamAttach`]
+    StreamAttach = 10,
+    /// [`Request::StreamTake`]
+    StreamTake = 11,
+    /// [`Request::StreamPut`]
+    StreamPut = 12,
+    /// [`Request::StreamRelease`]
+    StreamRelease = 13,
+    /// [`Request::StreamWait`]
+    StreamWait = 14,
+    /// [`Request::StreamClose`]
+    StreamClose = 15,
+    /// [`Request::CacheLookup`]
+    CacheLookup = 16,
+    /// [`Request::StreamList`]
+    StreamList = 17,
+    /// [`Request::StreamDetach`]
+    StreamDetach = 18,
+    /// [`Response::Error`] (reply only).
+    Error = 0x7FFF,
+}
+
+impl Opcode {
+    /// Every opcode, for tests and fuzzers that must cover them all.
+    pub const ALL: [Opcode; 19] = [
+        Opcode::Hello,
+        Opcode::Create,
+        Opcode::Seal,
+        Opcode::Abort,
+        Opcode::Get,
+        Opcode::Release,
+        Opcode::Delete,
+        Opcode::Stats,
+        Opcode::StreamJoin,
+        Opcode::StreamAttach,
+        Opcode::StreamTake,
+        Opcode::StreamPut,
+        Opcode::StreamRelease,
+        Opcode::StreamWait,
+        Opcode::StreamClose,
+        Opcode::CacheLookup,
+        Opcode::StreamList,
+        Opcode::StreamDetach,
+        Opcode::Error,
+    ];
+
+    /// Decodes the opcode field (without [`REPLY_BIT`]).
+    pub fn from_u16(v: u16) -> Option<Opcode> {
+        Opcode::ALL.into_iter().find(|op| *op as u16 == v)
+    }
+
+    /// What a batch of this kind costs on the wire, for the batch kinds.
+    pub fn batch_cost(self) -> Option<BatchCost> {
+        let (request_fixed, request_per_item, reply_per_item) = match self {
+            // timeout, flags, count | a size | handle, status, location
+            Opcode::Create => (12, 8, Created::WIRE_BYTES),
+            Opcode::Seal | Opcode::Abort | Opcode::Delete => (4, Handle::WIRE_BYTES, 2),
+            Opcode::Get => (4, Handle::WIRE_BYTES, objects::GOT_BYTES),
+            Opcode::Release => (4, Handle::WIRE_BYTES, 0),
+            Opcode::CacheLookup => (4, 16, objects::CACHED_BYTES),
+            // stream, count | an item | a status
+            Opcode::StreamPut => (8, StreamItem::WIRE_BYTES, 2),
+            _ => return None,
+        };
+        Some(BatchCost {
+            request_fixed,
+            request_per_item,
+            reply_fixed: 4,
+            reply_per_item,
+        })
+    }
+}
+
+/// The bytes a batch request and its reply take: a fixed part and a part per item.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BatchCost {
+    /// Request payload bytes besides the items.
+    pub request_fixed: usize,
+    /// Request payload bytes per item.
+    pub request_per_item: usize,
+    /// Reply payload bytes besides the items.
+    pub reply_fixed: usize,
+    /// Reply payload bytes per item (0: no reply).
+    pub reply_per_item: usize,
+}
+
+impl BatchCost {
+    /// The reply's payload for `n` items.
+    pub fn reply_bytes(&self, n: usize) -> usize {
+        self.reply_fixed + n.saturating_mul(self.reply_per_item)
+    }
+}
+
+/// The most items one batch of `op` may carry so that the request fits the daemon's limit and
+/// its reply fits the client's. At least 1 for the limits hello allows.
+pub fn max_batch_items(op: Opcode, request_limit: u32, reply_limit: u32) -> usize {
+    let Some(cost) = op.batch_cost() else {
+        return 1;
+    };
+    let by_request =
+        (request_limit as usize).saturating_sub(cost.request_fixed) / cost.request_per_item;
+    let by_reply = match cost.reply_per_item {
+        0 => usize::MAX,
+        per => (reply_limit as usize).saturating_sub(cost.reply_fixed) / per,
+    };
+    by_request.min(by_reply).max(1)
+}
+
+/// Why a message was not encoded. Nothing was sent; the caller can split the batch or report
+/// the error, and the connection stays usable.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum EncodeError {
+    /// The payload would exceed the limit the peer announced at hello.
+    #[error("a {opcode:?} frame of {len} bytes exceeds the peer's limit of {max} bytes")]
+    TooLarge {
+        /// The message kind.
+        opcode: Opcode,
+        /// Its payload length.
+        len: usize,
+        /// The peer's limit.
+        max: u32,
+    },
+}
+
+/// A parsed frame header.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Header {
+    /// The raw opcode, [`REPLY_BIT`] included.
+    pub opcode: u16,
+    /// Echoed from the request.
+    pub request_id: u32,
+    /// Bytes following the header.
+    pub payload_len: u32,
+}
+
+impl Header {
+    /// Parses and checks a header against the receiver's maximum payload.
+    pub fn parse(b: &[u8; HEADER_BYTES], max_payload: u32) -> Result<Header, DecodeError> {
+        let mut r = Reader::new(b);
+        let magic = r.u16()?;
+        if magic != MAGIC {
+            return Err(DecodeError::BadMagic { found: magic });
+        }
+        let version = r.u16()?;
+        if version != VERSION {
+            return Err(DecodeError::UnsupportedVersion {
+                found: version,
+                expected: VERSION,
+            });
+        }
+        let opcode = r.u16()?;
+        let flags = r.u16()?;
+        if flags != 0 {
+            return Err(DecodeError::ReservedFlags { found: flags });
+        }
+        let request_id = r.u32()?;
+        let payload_len = r.u32()?;
+        if payload_len > max_payload {
+            return Err(DecodeError::Oversized {
+                len: payload_len,
+                max: max_payload,
+            });
+        }
+        Ok(Header {
+            opcode,
+            request_id,
+            payload_len,
+        })
+    }
+
+    /// Total frame length, header included.
+    pub fn frame_len(&self) -> usize {
+        HEADER_BYTES + self.payload_len as usize
+    }
+}
+
+/// A whole frame borrowed from a receive buffer.
+#[derive(Debug, Clone, Copy)]
+pub struct Frame<'a> {
+    /// The checked header.
+    pub header: Header,
+    /// Exactly `header.payload_len` bytes.
+    pub payload: &'a [u8],
+}
+
+impl<'a> Frame<'a> {
+    /// Parses one frame from the front of `buf`: `Ok(None)` when more bytes are needed, an error
+    /// as soon as the header is known to be bad (before waiting for an oversized payload).
+    pub fn parse(buf: &'a [u8], max_payload: u32) -> Result<Option<Frame<'a>>, DecodeError> {
+        let Some(head) = buf.first_chunk::<HEADER_BYTES>() else {
+            return Ok(None);
+        };
+        let header = Header::parse(head, max_payload)?;
+        let end = header.frame_len();
+        if buf.len() < end {
+            return Ok(None);
+        }
+        Ok(Some(Frame {
+            header,
+            payload: &buf[HEADER_BYTES..end],
+        }))
+    }
+
+    /// Bytes this frame occupies in the buffer.
+    pub fn len(&self) -> usize {
+        self.header.frame_len()
+    }
+
+    /// Whether the frame is empty; never, as the header counts.
+    pub fn is_empty(&self) -> bool {
+        false
+    }
+}
+
+/// Writes a header with a zero length, then the payload `body` writes, then patches the length.
+/// On a payload over `max_payload` the output is left as it was and nothing is sent.
+fn framed(
+    out: &mut Vec<u8>,
+    opcode: Opcode,
+    reply: bool,
+    request_id: u32,
+    max_payload: u32,
+    body: impl FnOnce(&mut Writer<'_>),
+) -> Result<(), EncodeError> {
+    let start = out.len();
+    let mut w = Writer { buf: out };
+    w.u16(MAGIC);
+    w.u16(VERSION);
+    w.u16(opcode as u16 | if reply { REPLY_BIT } else { 0 });
+    w.u16(0);
+    w.u32(request_id);
+    w.u32(0);
+    body(&mut w);
+    let len = out.len() - start - HEADER_BYTES;
+    if len > max_payload as usize {
+        out.truncate(start);
+        return Err(EncodeError::TooLarge {
+            opcode,
+            len,
+            max: max_payload,
+        });
+    }
+    out[start + 12..start + 16].copy_from_slice(&(len as u32).to_le_bytes());
+    Ok(())
+}
+
+/// A client's request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Request {
+    /// First frame on a connection. The reply carries the segment descriptors.
+    Hello {
+        /// Reader or writer.
+        role: Role,
+        /// A label for logs and stats (process name, rank); at most `MAX_CLIENT_NAME` bytes of
+        /// printable text (the daemon refuses others).
+        client_name: String,
+        /// The largest reply payload this client accepts.
+        max_frame_bytes: u32,
+    },
+    /// Reserve one writable object per size. The reservation is visible only to this connection
+    /// until sealed.
+    Create {
+        /// Object sizes in bytes, each at least 1.
+        sizes: Vec<u64>,
+        /// How long to wait for space once eviction cannot make room; 0 fails at once.
+        timeout_ms: u32,
+        /// Bit set of `CREATE_*` flags.
+        flags: u32,
+    },
+    /// Make reserved objects immutable and visible.
+    Seal {
+        /// Objects this connection created.
+        handles: Vec<Handle>,
+    },
+    /// Give reserved objects back unsealed.
+    Abort {
+        /// Objects this connection created.
+        handles: Vec<Handle>,
+    },
+    /// Take a lease on each sealed object and learn where it lives.
+    Get {
+        /// Objects to read.
+        handles: Vec<Handle>,
+    },
+    /// Return leases (one per handle occurrence). One-way: no reply.
+    Release {
+        /// Leased objects.
+        handles: Vec<Handle>,
+    },
+    /// Delete objects; space is reused once the last lease is released.
+    Delete {
+        /// Objects to delete.
+        handles: Vec<Handle>,
+    },
+    /// Ask for a [`StoreStats`] snapshot.
+    Stats,
+    /// A producer (writer) joins a stream, creating it if new, to make samples for some of its
+    /// ranks.
+    StreamJoin {
+        /// The stream; must equal the existing stream's spec.
+        spec: StreamSpec,
+        /// Prefetch depth per rank, if the stream is new.
+        depth: u32,
+        /// Ranks served on this node, each with the sequence number it starts at if the daemon
+        /// does not know it yet (from the consumers' checkpointed states; 0 for a fresh run).
+        ranks: Vec<StreamTask>,
+    },
+    /// A consumer attaches to its rank at a sequence number, waiting up to `timeout_ms` for a
+    /// producer to create the stream. The reply carries the rank's ring.
+    StreamAttach {
+        /// The stream; must equal the existing stream's spec.
+        spec: StreamSpec,
+        /// The consumer's rank.
+        rank: u32,
+        /// The next sequence number it wants.
+        seq: u64,
+        /// How long to wait for the stream to exist.
+        timeout_ms: u32,
+    },
+    /// A producer asks for up to `max` samples to make, waiting up to `timeout_ms` while every
+    /// rank's prefetch window is full (backpressure).
+    StreamTake {
+        /// From [`Response::StreamJoined`].
+        stream: u32,
+        /// Most tasks wanted.
+        max: u32,
+        /// How long to wait for work.
+        timeout_ms: u32,
+    },
+    /// A producer delivers samples: reserved objects of its own (sealed here) or sealed ones
+    /// (cache hits), each for one task.
+    StreamPut {
+        /// From [`Response::StreamJoined`].
+        stream: u32,
+        /// The samples.
+        items: Vec<StreamItem>,
+    },
+    /// A consumer returns every sample before `upto` to the stream's window. One-way: no reply.
+    /// (The bytes stay leased by the consumer's own connection until each view goes.)
+    StreamRelease {
+        /// From [`Response::StreamAttached`].
+        stream: u32,
+        /// The consumer's rank.
+        rank: u32,
+        /// Everything below this sequence number is returned.
+        upto: u64,
+    },
+    /// A consumer waits until `seq` is in its ring, up to `timeout_ms`.
+    StreamWait {
+        /// From [`Response::StreamAttached`].
+        stream: u32,
+        /// The consumer's rank.
+        rank: u32,
+        /// The sequence number wanted.
+        seq: u64,
+        /// How long to wait.
+        timeout_ms: u32,
+    },
+    /// Closes a stream (its owner's writers only): the stream's own holds go back to the store
+    /// and its rings are retired. Views consumers still hold keep their own leases.
+    StreamClose {
+        /// The stream.
+        stream: u32,
+    },
+    /// Looks samples up in the decode-once cache by key
+    /// ([`crate::stream::sample_key`]).
+    CacheLookup {
+        /// The keys.
+        keys: Vec<u128>,
+    },
+    /// Describes the open streams with ids above `after`, as many as fit in one reply.
+    StreamList {
+        /// 0 for the first page; then the last id of the previous page.
+        after: u32,
+    },
+    /// A consumer detaches from its rank: the daemon releases the leases of the ring entries it
+    /// published at or after `next` (never read), and the rank is free for another consumer.
+    StreamDetach {
+        /// From [`Response::StreamAttached`].
+        stream: u32,
+        /// The consumer's rank.
+        rank: u32,
+        /// The first sequence number the consumer did not read.
+        next: u64,
+    },
+}
+
+impl Request {
+    /// The request's opcode.
+    pub fn opcode(&self) -> Opcode {
+        match self {
+            Request::Hello { .. } => Opcode::Hello,
+            Request::Create { .. } => Opcode::Create,
+            Request::Seal { .. } => Opcode::Seal,
+            Request::Abort { .. } => Opcode::Abort,
+            Request::Get { .. } => Opcode::Get,
+            Request::Release { .. } => Opcode::Release,
+            Request::Delete { .. } => Opcode::Delete,
+            Request::Stats => Opcode::Stats,
+            Request::StreamJoin { .. } => Opcode::StreamJoin,
+            Request::StreamAttach { .. } => Opcode::StreamAttach,
+            Request::StreamTake { .. } => Opcode::StreamTake,
+            Request::StreamPut { .. } => Opcode::StreamPut,
+            Request::StreamRelease { .. } => Opcode::StreamRelease,
+            Request::StreamWait { .. } => Opcode::StreamWait,
+            Request::StreamClose { .. } => Opcode::StreamClose,
+            Request::CacheLookup { .. } => Opcode::CacheLookup,
+            Request::StreamList { .. } => Opcode::StreamList,
+            Request::StreamDetach { .. } => Opcode::StreamDetach,
+        }
+    }
+
+    /// Whether the daemon answers this request.
+    pub fn expects_reply(&self) -> bool {
+        !matches!(
+            self,
+            Request::Release { .. } | Request::StreamRelease { .. }
+        )
+    }
+
+    /// Items in a batch request (0 for the others).
+    pub fn batch_len(&self) -> usize {
+        match self {
+            Request::Create { sizes, .. } => sizes.len(),
+            Request::Seal { handles }
+            | Request::Abort { handles }
+            | Request::Get { handles }
+            | Request::Release { handles }
+            | Request::Delete { handles } => handles.len(),
+            Request::StreamPut { items, .. } => items.len(),
+            Request::CacheLookup { keys } => keys.len(),
+            _ => 0,
+        }
+    }
+
+    /// The largest reply payload this request can get, when that depends on the request (a
+    /// batch's reply grows with it): the daemon refuses a request whose reply could not fit the
+    /// client's limit before acting on it.
+    pub fn reply_bound(&self) -> Option<usize> {
+        match self {
+            Request::StreamTake { max, .. } => Some(4 + *max as usize * StreamTask::WIRE_BYTES),
+            other => other
+                .opcode()
+                .batch_cost()
+                .map(|cost| cost.reply_bytes(other.batch_len())),
+        }
+    }
+
+    /// Appends the encoded frame to `out`, or leaves `out` as it was if the payload exceeds
+    /// `max_payload` (the daemon's limit from hello).
+    pub fn encode(
+        &self,
+        request_id: u32,
+        max_payload: u32,
+        out: &mut Vec<u8>,
+    ) -> Result<(), EncodeError> {
+        framed(
+            out,
+            self.opcode(),
+            false,
+            request_id,
+            max_payload,
+            |w| match self {
+                Request::Hello {
+                    role,
+                    client_name,
+                    max_frame_bytes,
+                } => session::encode_hello(w, *role, client_name, *max_frame_bytes),
+                Request::Create {
+                    sizes,
+                    timeout_ms,
+                    flags,
+                } => {
+                    w.u32(*timeout_ms);
+                    w.u32(*flags);
+                    w.list(sizes);
+                }
+                Request::Seal { handles }
+                | Request::Abort { handles }
+                | Request::Get { handles }
+                | Request::Release { handles }
+                | Request::Delete { handles } => w.list(handles),
+                Request::Stats => {}
+                Request::StreamJoin { spec, depth, ranks } => {
+                    spec.encode(w);
+                    w.u32(*depth);
+                    w.list(ranks);
+                }
+                Request::StreamAttach {
+                    spec,
+                    rank,
+                    seq,
+                    timeout_ms,
+                } => {
+                    spec.encode(w);
+                    w.u32(*rank);
+                    w.u64(*seq);
+                    w.u32(*timeout_ms);
+                }
+                Request::StreamTake {
+                    stream,
+                    max,
+                    timeout_ms,
+                } => {
+                    w.u32(*stream);
+                    w.u32(*max);
+                    w.u32(*timeout_ms);
+                }
+                Request::StreamPut { stream, items } => {
+                    w.u32(*stream);
+                    w.list(items);
+                }
+                Request::StreamRelease { stream, rank, upto } => {
+                    streams::encode_position(w, *stream, *rank, *upto);
+                }
+                Request::StreamWait {
+                    stream,
+                    rank,
+                    seq,
+                    timeout_ms,
+                } => {
+                    streams::encode_position(w, *stream, *rank, *seq);
+                    w.u32(*timeout_ms);
+                }
+                Request::StreamClose { stream } => w.u32(*stream),
+                Request::CacheLookup { keys } => w.list(keys),
+                Request::StreamList { after } => w.u32(*after),
+                Request::StreamDetach { stream, rank, next } => {
+                    streams::encode_position(w, *stream, *rank, *next);
+                }
+            },
+        )
+    }
+
+    /// Decodes a request frame; every length is checked against the payload, and every value
+    /// has exactly one encoding (what decodes re-encodes to the same bytes).
+    pub fn decode(frame: &Frame<'_>) -> Result<Request, DecodeError> {
+        let raw = frame.header.opcode;
+        let op = Opcode::from_u16(raw)
+            .filter(|op| *op != Opcode::Error)
+            .ok_or(DecodeError::UnknownOpcode { found: raw })?;
+        let mut r = Reader::new(frame.payload);
+        let req = match op {
+            Opcode::Hello => {
+                let (role, client_name, max_frame_bytes) = session::decode_hello(&mut r)?;
+                Request::Hello {
+                    role,
+                    client_name,
+                    max_frame_bytes,
+                }
+            }
+            Opcode::Create => Request::Create {
+                timeout_ms: r.u32()?,
+                flags: r.u32()?,
+                sizes: r.list()?,
+            },
+            Opcode::Seal => Request::Seal { handles: r.list()? },
+            Opcode::Abort => Request::Abort { handles: r.list()? },
+            Opcode::Get => Request::Get { handles: r.list()? },
+            Opcode::Release => Request::Release { handles: r.list()? },
+            Opcode::Delete => Request::Delete { handles: r.list()? },
+            Opcode::Stats => Request::Stats,
+            Opcode::StreamJoin => Request::StreamJoin {
+                spec: StreamSpec::decode(&mut r)?,
+                depth: r.u32()?,
+                ranks: r.list()?,
+            },
+            Opcode::StreamAttach => Request::StreamAttach {
+                spec: StreamSpec::decode(&mut r)?,
+                rank: r.u32()?,
+                seq: r.u64()?,
+                timeout_ms: r.u32()?,
+            },
+            Opcode::StreamTake => Request::StreamTake {
+                stream: r.u32()?,
+                max: r.u32()?,
+                timeout_ms: r.u32()?,
+            },
+            Opcode::StreamPut => Request::StreamPut {
+                stream: r.u32()?,
+                items: r.list()?,
+            },
+            Opcode::StreamRelease => {
+                let (stream, rank, upto) = streams::decode_position(&mut r)?;
+                Request::StreamRelease { stream, rank, upto }
+            }
+            Opcode::StreamWait => {
+                let (stream, rank, seq) = streams::decode_position(&mut r)?;
+                Request::StreamWait {
+                    stream,
+                    rank,
+                    seq,
+                    timeout_ms: r.u32()?,
+                }
+            }
+            Opcode::StreamClose => Request::StreamClose { stream: r.u32()? },
+            Opcode::CacheLookup => Request::CacheLookup { keys: r.list()? },
+            Opcode::StreamList => Request::StreamList { after: r.u32()? },
+            Opcode::StreamDetach => {
+                let (stream, rank, next) = streams::decode_position(&mut r)?;
+                Request::StreamDetach { stream, rank, next }
+            }
+            Opcode::Error => unreachable!("filtered above"),
+        };
+        r.finish()?;
+        Ok(req)
+    }
+}
+
+/// The daemon's reply to one request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Response {
+    /// Reply to [`Request::Hello`]; the segment descriptors ride along by `SCM_RIGHTS`.
+    Hello {
+        /// This daemon's node id.
+        node_id: u32,
+        /// This daemon's start epoch.
+        epoch: u32,
+        /// The segments, in descriptor order.
+        segments: Vec<SegmentInfo>,
+        /// The largest request payload the daemon accepts.
+        max_frame_bytes: u32,
+    },
+    /// Reply to [`Request::Create`]: per size, the reservation or why not.
+    Created(Vec<Result<Created, Status>>),
+    /// Reply to [`Request::Get`]: per handle, where the leased object lives or why not.
+    Got(Vec<Result<Location, Status>>),
+    /// Per-item statuses (seal, abort, delete, stream put, wait, close, detach).
+    Done(Vec<Status>),
+    /// Reply to [`Request::Stats`].
+    Stats(StoreStats),
+    /// The request failed as a whole.
+    Error {
+        /// Why.
+        status: Status,
+        /// Detail for logs and users.
+        message: String,
+    },
+    /// Reply to [`Request::StreamJoin`].
+    StreamJoined {
+        /// The stream's id on this daemon.
+        stream: u32,
+    },
+    /// Reply to [`Request::StreamAttach`]; the ring's read-only descriptor rides along.
+    StreamAttached {
+        /// The stream's id on this daemon.
+        stream: u32,
+        /// Ring slots (the stream's depth).
+        capacity: u32,
+        /// The ring's size in bytes.
+        ring_bytes: u64,
+    },
+    /// Reply to [`Request::StreamTake`].
+    Tasks(Vec<StreamTask>),
+    /// Reply to [`Request::CacheLookup`]: per key, the sample still in the store.
+    Cached(Vec<Option<Handle>>),
+    /// Reply to [`Request::StreamList`]: one page of streams.
+    Streams {
+        /// Streams in id order.
+        streams: Vec<StreamInfo>,
+        /// More streams follow: ask again with `after` set to the last id here.
+        more: bool,
+    },
+}
+
+impl Response {
+    /// Appends the encoded reply to `request_op` (an error reply has its own opcode), or leaves
+    /// `out` as it was if the payload exceeds `max_payload` (the client's limit from hello).
+    pub fn encode(
+        &self,
+        request_op: Opcode,
+        request_id: u32,
+        max_payload: u32,
+        out: &mut Vec<u8>,
+    ) -> Result<(), EncodeError> {
+        let op = match self {
+            Response::Error { .. } => Opcode::Error,
+            _ => request_op,
+        };
+        framed(out, op, true, request_id, max_payload, |w| match self {
+            Response::Hello {
+                node_id,
+                epoch,
+                segments,
+                max_frame_bytes,
+            } => {
+                w.u32(*node_id);
+                w.u32(*epoch);
+                w.list(segments);
+                w.u32(*max_frame_bytes);
+            }
+            Response::Created(results) => w.list(results),
+            Response::Got(results) => w.list(results),
+            Response::Done(statuses) => w.list(statuses),
+            Response::Stats(stats) => stats.encode(w),
+            Response::Error { status, message } => {
+                status.encode(w);
+                w.string(message);
+            }
+            Response::StreamJoined { stream } => w.u32(*stream),
+            Response::StreamAttached {
+                stream,
+                capacity,
+                ring_bytes,
+            } => {
+                w.u32(*stream);
+                w.u32(*capacity);
+                w.u64(*ring_bytes);
+            }
+            Response::Tasks(tasks) => w.list(tasks),
+            Response::Cached(found) => w.list(found),
+            Response::Streams { streams, more } => {
+                w.list(streams);
+                w.bool(*more);
+            }
+        })
+    }
+
+    /// Decodes a reply frame. The reply's kind follows from its opcode.
+    pub fn decode(frame: &Frame<'_>) -> Result<Response, DecodeError> {
+        let raw = frame.header.opcode;
+        if raw & REPLY_BIT == 0 {
+            return Err(DecodeError::UnknownOpcode { found: raw });
+        }
+        let op =
+            Opcode::from_u16(raw & !REPLY_BIT).ok_or(DecodeError::UnknownOpcode { found: raw })?;
+        let mut r = Reader::new(frame.payload);
+        let resp = match op {
+            Opcode::Hello => Response::Hello {
+                node_id: r.u32()?,
+                epoch: r.u32()?,
+                segments: r.list()?,
+                max_frame_bytes: r.u32()?,
+            },
+            Opcode::Create => Response::Created(r.list()?),
+            Opcode::Get => Response::Got(r.list()?),
+            Opcode::Seal
+            | Opcode::Abort
+            | Opcode::Delete
+            | Opcode::StreamPut
+            | Opcode::StreamWait
+            | Opcode::StreamClose
+            | Opcode::StreamDetach => Response::Done(r.list()?),
+            Opcode::Stats => Response::Stats(StoreStats::decode(&mut r)?),
+            Opcode::Error => Response::Error {
+                status: Status::decode(&mut r)?,
+                message: r.string()?,
+            },
+            Opcode::StreamJoin => Response::StreamJoined { stream: r.u32()? },
+            Opcode::StreamAttach => Response::StreamAttached {
+                stream: r.u32()?,
+                capacity: r.u32()?,
+                ring_bytes: r.u64()?,
+            },
+            Opcode::StreamTake => Response::Tasks(r.list()?),
+            Opcode::CacheLookup => Response::Cached(r.list()?),
+            Opcode::StreamList => Response::Streams {
+                streams: r.list()?,
+                more: r.bool("more")?,
+            },
+            Opcode::Release | Opcode::StreamRelease => {
+                return Err(DecodeError::UnknownOpcode { found: raw });
+            }
+        };
+        r.finish()?;
+        Ok(resp)
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,155 @@
+//! The object family: sizes and handles out, per-item results back.
+//!
+//! Every result has a fixed size whether it succeeded or not, and a failed one carries zeros
+//! where a success carries its handle or location: one encoding per value, so a decoded reply
+//! re-encodes to the same bytes.
+
+use crate::wire::{DecodeError, Reader, Wire, Writer};
+use crate::{Handle, Location, Status};
+
+/// A reservation made by `Create`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Created {
+    /// The object's handle (usable by others once sealed).
+    pub handle: Handle,
+    /// Where to write it.
+    pub location: Location,
+}
+
+impl Created {
+    /// Bytes of one create result: handle, status, location.
+    pub const WIRE_BYTES: usize = Handle::WIRE_BYTES + 2 + LOCATION_BYTES;
+}
+
+/// Bytes of a location: segment, offset, length.
+const LOCATION_BYTES: usize = 4 + 8 + 8;
+/// Bytes of one get result: status, location.
+pub(super) const GOT_BYTES: usize = 2 + LOCATION_BYTES;
+/// Bytes of one cache lookup result: present, handle.
+pub(super) const CACHED_BYTES: usize = 1 + Handle::WIRE_BYTES;
+
+impl Wire for Status {
+    const MIN_BYTES: usize = 2;
+    fn encode(&self, w: &mut Writer<'_>) {
+        w.u16(*self as u16);
+    }
+    fn decode(r: &mut Reader<'_>) -> Result<Self, DecodeError> {
+        Status::from_u16(r.u16()?).ok_or(DecodeError::InvalidValue { field: "status" })
+    }
+}
+
+impl Wire for Location {
+    const MIN_BYTES: usize = LOCATION_BYTES;
+    fn encode(&self, w: &mut Writer<'_>) {
+        w.u32(self.segment);
+        w.u64(self.offset);
+        w.u64(self.len);
+    }
+    fn decode(r: &mut Reader<'_>) -> Result<Self, DecodeError> {
+        Ok(Location {
+            segment: r.u32()?,
+            offset: r.u64()?,
+            len: r.u64()?,
+        })
+    }
+}
+
+const NO_LOCATION: Location = Location {
+    segment: 0,
+    offset: 0,
+    len: 0,
+};
+
+/// A status, then the value on success or zeros on failure (a success is never sent as an
+/// error status, so `Ok` decodes only as `Ok(_)`).
+fn encode_result<T: Wire>(w: &mut Writer<'_>, result: &Result<T, Status>, zero: &T) {
+    match result {
+        Ok(value) => {
+            Status::Ok.encode(w);
+            value.encode(w);
+        }
+        Err(status) => {
+            status.encode(w);
+            zero.encode(w);
+        }
+    }
+}
+
+fn decode_result<T: Wire + PartialEq>(
+    r: &mut Reader<'_>,
+    zero: &T,
+    field: &'static str,
+) -> Result<Result<T, Status>, DecodeError> {
+    let status = Status::decode(r)?;
+    let value = T::decode(r)?;
+    match status {
+        Status::Ok => Ok(Ok(value)),
+        status if value == *zero => Ok(Err(status)),
+        _ => Err(DecodeError::InvalidValue { field }),
+    }
+}
+
+impl Wire for Result<Location, Status> {
+    const MIN_BYTES: usize = GOT_BYTES;
+    fn encode(&self, w: &mut Writer<'_>) {
+        encode_result(w, self, &NO_LOCATION);
+    }
+    fn decode(r: &mut Reader<'_>) -> Result<Self, DecodeError> {
+        decode_result(r, &NO_LOCATION, "get result")
+    }
+}
+
+impl Wire for Created {
+    const MIN_BYTES: usize = Handle::WIRE_BYTES + LOCATION_BYTES;
+    fn encode(&self, w: &mut Writer<'_>) {
+        self.handle.encode(w);
+        self.location.encode(w);
+    }
+    fn decode(r: &mut Reader<'_>) -> Result<Self, DecodeError> {
+        Ok(Created {
+            handle: Handle::decode(r)?,
+            location: Location::decode(r)?,
+        })
+    }
+}
+
+/// A create result: status first, then handle and location (zeros on failure).
+impl Wire for Result<Created, Status> {
+    const MIN_BYTES: usize = Created::WIRE_BYTES;
+    fn encode(&self, w: &mut Writer<'_>) {
+        encode_result(w, self, &NO_CREATED);
+    }
+    fn decode(r: &mut Reader<'_>) -> Result<Self, DecodeError> {
+        decode_result(r, &NO_CREATED, "create result")
+    }
+}
+
+const NO_CREATED: Created = Created {
+    handle: Handle {
+        node_id: 0,
+        epoch: 0,
+        slot: 0,
+        generation: 0,
+    },
+    location: NO_LOCATION,
+};
+
+/// A cache lookup result: a present byte, then the handle (zeros when absent).
+impl Wire for Option<Handle> {
+    const MIN_BYTES: usize = CACHED_BYTES;
+    fn encode(&self, w: &mut Writer<'_>) {
+        w.bool(self.is_some());
+        self.unwrap_or_default().encode(w);
+    }
+    fn decode(r: &mut Reader<'_>) -> Result<Self, DecodeError> {
+        let present = r.bool("present")?;
+        let handle = Handle::decode(r)?;
+        match (present, handle == Handle::default()) {
+            (true, _) => Ok(Some(handle)),
+            (false, true) => Ok(None),
+            (false, false) => Err(DecodeError::InvalidValue {
+                field: "absent handle",
+            }),
+        }
+    }
+}

@@ -1,0 +1,541 @@
+//! Every decoder against every encoder: arbitrary messages of every kind round-trip, the
+//! declared sizes match the encodings, limits are enforced on both sides, and whatever decodes
+//! re-encodes to the same bytes.
+
+use proptest::prelude::*;
+
+use super::*;
+use crate::stream::{MAX_STREAM_NAME, Shuffle, Tail};
+use crate::wire::testing::{min_bytes_is_tight, round_trip};
+
+fn handle() -> impl Strategy<Value = Handle> {
+    (any::<u32>(), any::<u32>(), any::<u32>(), any::<u32>()).prop_map(
+        |(node_id, epoch, slot, generation)| Handle {
+            node_id,
+            epoch,
+            slot,
+            generation,
+        },
+    )
+}
+
+fn handles() -> impl Strategy<Value = Vec<Handle>> {
+    prop::collection::vec(handle(), 0..40)
+}
+
+/// Names of every length a sender may use, empty and maximal included, any characters.
+fn text(max: usize) -> impl Strategy<Value = String> {
+    prop_oneof![
+        Just(String::new()),
+        Just("x".repeat(max)),
+        Just("é".repeat(max / 2)),
+        ".{0,40}".prop_map(move |s| crate::wire::truncate(&s, max).to_owned()),
+    ]
+}
+
+fn status() -> impl Strategy<Value = Status> {
+    (1u16..=16).prop_map(|c| Status::from_u16(c).expect("known code"))
+}
+
+fn any_status() -> impl Strategy<Value = Status> {
+    (0u16..=16).prop_map(|c| Status::from_u16(c).expect("known code"))
+}
+
+fn location() -> impl Strategy<Value = Location> {
+    (any::<u32>(), any::<u64>(), any::<u64>()).prop_map(|(segment, offset, len)| Location {
+        segment,
+        offset,
+        len,
+    })
+}
+
+fn spec() -> impl Strategy<Value = StreamSpec> {
+    (
+        text(MAX_STREAM_NAME),
+        any::<u64>(),
+        any::<u64>(),
+        any::<u32>(),
+        prop_oneof![
+            Just(Shuffle::None),
+            Just(Shuffle::Full),
+            any::<u32>().prop_map(Shuffle::Block)
+        ],
+        prop_oneof![Just(Tail::Drop), Just(Tail::Pad)],
+        prop_oneof![Just(None), (1u64..).prop_map(Some)],
+    )
+        .prop_map(
+            |(name, records, seed, world, shuffle, tail, epochs)| StreamSpec {
+                name,
+                records,
+                seed,
+                world,
+                shuffle,
+                tail,
+                epochs,
+            },
+        )
+}
+
+fn task() -> impl Strategy<Value = StreamTask> {
+    (any::<u32>(), any::<u64>()).prop_map(|(rank, seq)| StreamTask { rank, seq })
+}
+
+fn item() -> impl Strategy<Value = StreamItem> {
+    (task(), handle(), any::<u64>(), any::<u32>(), any::<u128>()).prop_map(
+        |(task, handle, record, flags, key)| StreamItem {
+            task,
+            handle,
+            record,
+            flags,
+            key,
+        },
+    )
+}
+
+fn info() -> impl Strategy<Value = StreamInfo> {
+    (
+        any::<u32>(),
+        text(MAX_STREAM_NAME),
+        prop::array::uniform4(any::<u32>()),
+        prop::array::uniform7(any::<u64>()),
+    )
+        .prop_map(|(id, name, a, b)| StreamInfo {
+            id,
+            name,
+            depth: a[0],
+            producers: a[1],
+            consumers: a[2],
+            ranks: a[3],
+            ready: b[0],
+            making: b[1],
+            put: b[2],
+            returned: b[3],
+            slowest: b[4],
+            fastest: b[5],
+            cold_start_us: b[6],
+        })
+}
+
+fn request() -> impl Strategy<Value = Request> {
+    prop_oneof![
+        (
+            prop_oneof![Just(Role::Reader), Just(Role::Writer)],
+            text(256),
+            any::<u32>()
+        )
+            .prop_map(|(role, client_name, max_frame_bytes)| Request::Hello {
+                role,
+                client_name,
+                max_frame_bytes
+            }),
+        (
+            prop::collection::vec(any::<u64>(), 0..40),
+            any::<u32>(),
+            any::<u32>()
+        )
+            .prop_map(|(sizes, timeout_ms, flags)| Request::Create {
+                sizes,
+                timeout_ms,
+                flags
+            }),
+        handles().prop_map(|handles| Request::Seal { handles }),
+        handles().prop_map(|handles| Request::Abort { handles }),
+        handles().prop_map(|handles| Request::Get { handles }),
+        handles().prop_map(|handles| Request::Release { handles }),
+        handles().prop_map(|handles| Request::Delete { handles }),
+        Just(Request::Stats),
+        (spec(), any::<u32>(), prop::collection::vec(task(), 0..20))
+            .prop_map(|(spec, depth, ranks)| Request::StreamJoin { spec, depth, ranks }),
+        (spec(), any::<u32>(), any::<u64>(), any::<u32>()).prop_map(
+            |(spec, rank, seq, timeout_ms)| Request::StreamAttach {
+                spec,
+                rank,
+                seq,
+                timeout_ms
+            }
+        ),
+        (any::<u32>(), any::<u32>(), any::<u32>()).prop_map(|(stream, max, timeout_ms)| {
+            Request::StreamTake {
+                stream,
+                max,
+                timeout_ms,
+            }
+        }),
+        (any::<u32>(), prop::collection::vec(item(), 0..20))
+            .prop_map(|(stream, items)| Request::StreamPut { stream, items }),
+        (any::<u32>(), any::<u32>(), any::<u64>())
+            .prop_map(|(stream, rank, upto)| Request::StreamRelease { stream, rank, upto }),
+        (any::<u32>(), any::<u32>(), any::<u64>(), any::<u32>()).prop_map(
+            |(stream, rank, seq, timeout_ms)| Request::StreamWait {
+                stream,
+                rank,
+                seq,
+                timeout_ms
+            }
+        ),
+        any::<u32>().prop_map(|stream| Request::StreamClose { stream }),
+        prop::collection::vec(any::<u128>(), 0..40).prop_map(|keys| Request::CacheLookup { keys }),
+        any::<u32>().prop_map(|after| Request::StreamList { after }),
+        (any::<u32>(), any::<u32>(), any::<u64>())
+            .prop_map(|(stream, rank, next)| Request::StreamDetach { stream, rank, next }),
+    ]
+}
+
+fn stats() -> impl Strategy<Value = StoreStats> {
+    prop::collection::vec(any::<u64>(), StoreStats::FIELDS)
+        .prop_map(|v| StoreStats::from_fields(&v.try_into().expect("FIELDS values")))
+}
+
+/// A reply and the opcode of the request it answers.
+fn response() -> impl Strategy<Value = (Opcode, Response)> {
+    let created = prop_oneof![
+        (handle(), location()).prop_map(|(handle, location)| Ok(Created { handle, location })),
+        status().prop_map(Err),
+    ];
+    let got = prop_oneof![location().prop_map(Ok), status().prop_map(Err)];
+    let done_ops = prop_oneof![
+        Just(Opcode::Seal),
+        Just(Opcode::Abort),
+        Just(Opcode::Delete),
+        Just(Opcode::StreamPut),
+        Just(Opcode::StreamWait),
+        Just(Opcode::StreamClose),
+        Just(Opcode::StreamDetach),
+    ];
+    prop_oneof![
+        (
+            any::<u32>(),
+            any::<u32>(),
+            prop::collection::vec(
+                (any::<u32>(), any::<u64>(), any::<u32>()).prop_map(|(id, size_bytes, flags)| {
+                    SegmentInfo {
+                        id,
+                        size_bytes,
+                        flags,
+                    }
+                }),
+                0..8
+            ),
+            any::<u32>()
+        )
+            .prop_map(|(node_id, epoch, segments, max_frame_bytes)| (
+                Opcode::Hello,
+                Response::Hello {
+                    node_id,
+                    epoch,
+                    segments,
+                    max_frame_bytes
+                }
+            )),
+        prop::collection::vec(created, 0..20).prop_map(|r| (Opcode::Create, Response::Created(r))),
+        prop::collection::vec(got, 0..20).prop_map(|r| (Opcode::Get, Response::Got(r))),
+        (done_ops, prop::collection::vec(any_status(), 0..20))
+            .prop_map(|(op, s)| (op, Response::Done(s))),
+        stats().prop_map(|s| (Opcode::Stats, Response::Stats(s))),
+        (any_status(), text(1024))
+            .prop_map(|(status, message)| (Opcode::Error, Response::Error { status, message })),
+        any::<u32>().prop_map(|stream| (Opcode::StreamJoin, Response::StreamJoined { stream })),
+        (any::<u32>(), any::<u32>(), any::<u64>()).prop_map(|(stream, capacity, ring_bytes)| (
+            Opcode::StreamAttach,
+            Response::StreamAttached {
+                stream,
+                capacity,
+                ring_bytes
+            }
+        )),
+        prop::collection::vec(task(), 0..20).prop_map(|t| (Opcode::StreamTake, Response::Tasks(t))),
+        prop::collection::vec(prop_oneof![Just(None), handle().prop_map(Some)], 0..20)
+            .prop_map(|c| (Opcode::CacheLookup, Response::Cached(c))),
+        (prop::collection::vec(info(), 0..8), any::<bool>())
+            .prop_map(|(streams, more)| (Opcode::StreamList, Response::Streams { streams, more })),
+    ]
+}
+
+fn encode_request(req: &Request, id: u32) -> Vec<u8> {
+    let mut wire = Vec::new();
+    req.encode(id, u32::MAX, &mut wire).unwrap();
+    wire
+}
+
+fn encode_response(op: Opcode, resp: &Response, id: u32) -> Vec<u8> {
+    let mut wire = Vec::new();
+    resp.encode(op, id, u32::MAX, &mut wire).unwrap();
+    wire
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(2000))]
+
+    /// Every request, with arbitrary contents, decodes back equal.
+    #[test]
+    fn every_request_round_trips(req in request(), id in any::<u32>()) {
+        let wire = encode_request(&req, id);
+        let frame = Frame::parse(&wire, u32::MAX).unwrap().unwrap();
+        prop_assert_eq!(frame.len(), wire.len());
+        prop_assert_eq!(frame.header.request_id, id);
+        prop_assert_eq!(Request::decode(&frame).unwrap(), req);
+    }
+
+    /// Every reply, with arbitrary contents, decodes back equal.
+    #[test]
+    fn every_response_round_trips((op, resp) in response(), id in any::<u32>()) {
+        let wire = encode_response(op, &resp, id);
+        let frame = Frame::parse(&wire, u32::MAX).unwrap().unwrap();
+        prop_assert_eq!(frame.header.request_id, id);
+        prop_assert_eq!(Response::decode(&frame).unwrap(), resp);
+    }
+
+    /// The batch costs the clients split by are what the encoders write.
+    #[test]
+    fn batch_costs_match_the_encodings(req in request(), (op, resp) in response()) {
+        if let Some(cost) = req.opcode().batch_cost() {
+            let wire = encode_request(&req, 1);
+            prop_assert_eq!(
+                wire.len() - HEADER_BYTES,
+                cost.request_fixed + req.batch_len() * cost.request_per_item
+            );
+        }
+        if let (Some(cost), Response::Created(_) | Response::Got(_) | Response::Cached(_)) =
+            (op.batch_cost(), &resp)
+        {
+            let wire = encode_response(op, &resp, 1);
+            let n = match &resp {
+                Response::Created(r) => r.len(),
+                Response::Got(r) => r.len(),
+                Response::Cached(r) => r.len(),
+                _ => unreachable!(),
+            };
+            prop_assert_eq!(wire.len() - HEADER_BYTES, cost.reply_bytes(n));
+        }
+    }
+
+    /// A message over the peer's limit is refused before anything is written.
+    #[test]
+    fn encoders_check_the_limit(req in request(), (op, resp) in response(), limit in 0u32..600) {
+        let mut out = vec![7u8; 3];
+        let full = encode_request(&req, 1).len() - HEADER_BYTES;
+        match req.encode(1, limit, &mut out) {
+            Ok(()) => prop_assert!(full <= limit as usize),
+            Err(EncodeError::TooLarge { len, max, .. }) => {
+                prop_assert_eq!((len, max), (full, limit));
+                prop_assert_eq!(&out, &vec![7u8; 3], "nothing written");
+            }
+        }
+        let full = encode_response(op, &resp, 1).len() - HEADER_BYTES;
+        let mut out = Vec::new();
+        prop_assert_eq!(resp.encode(op, 1, limit, &mut out).is_ok(), full <= limit as usize);
+    }
+
+    /// Whatever bytes a peer sends, decoding returns an error or a value, never panics, and a
+    /// value re-encodes to exactly the bytes it came from.
+    #[test]
+    fn arbitrary_payloads_decode_canonically(
+        op in prop::sample::select(Opcode::ALL.to_vec()),
+        reply in any::<bool>(),
+        payload in prop::collection::vec(any::<u8>(), 0..160),
+    ) {
+        let mut wire = Vec::new();
+        framed(&mut wire, op, reply, 9, u32::MAX, |w| w.buf.extend_from_slice(&payload)).unwrap();
+        let frame = Frame::parse(&wire, MAX_PAYLOAD_BYTES).unwrap().unwrap();
+        if let Ok(req) = Request::decode(&frame) {
+            prop_assert_eq!(encode_request(&req, 9), wire.clone());
+        }
+        if let Ok(resp) = Response::decode(&frame) {
+            prop_assert_eq!(encode_response(op, &resp, 9), wire.clone());
+        }
+    }
+
+    /// Arbitrary bytes, header included, never panic.
+    #[test]
+    fn arbitrary_bytes_never_panic(bytes in prop::collection::vec(any::<u8>(), 0..256)) {
+        if let Ok(Some(frame)) = Frame::parse(&bytes, MAX_PAYLOAD_BYTES) {
+            let _ = Request::decode(&frame);
+            let _ = Response::decode(&frame);
+        }
+    }
+
+    #[test]
+    fn parts_round_trip(s in spec(), t in task(), i in item(), inf in info(), st in stats()) {
+        round_trip(&s);
+        round_trip(&t);
+        round_trip(&i);
+        round_trip(&inf);
+        round_trip(&st);
+        let mut buf = Vec::new();
+        inf.encode(&mut crate::wire::Writer { buf: &mut buf });
+        prop_assert_eq!(buf.len(), inf.wire_bytes());
+    }
+}
+
+/// The declared smallest encodings are the real ones: a list decoder trusts them to bound a
+/// forged count. (`StreamList` assumed 76 bytes per stream where a one-byte name takes 75, so
+/// `feedstore stat` failed on such a stream.)
+#[test]
+fn min_bytes_are_the_smallest_encodings() {
+    min_bytes_is_tight(&StreamInfo {
+        id: 0,
+        name: String::new(),
+        depth: 0,
+        producers: 0,
+        consumers: 0,
+        ranks: 0,
+        ready: 0,
+        making: 0,
+        put: 0,
+        returned: 0,
+        slowest: 0,
+        fastest: 0,
+        cold_start_us: 0,
+    });
+    min_bytes_is_tight(&StreamSpec {
+        name: String::new(),
+        records: 0,
+        seed: 0,
+        world: 0,
+        shuffle: Shuffle::None,
+        tail: Tail::Drop,
+        epochs: None,
+    });
+    min_bytes_is_tight(&StreamTask { rank: 0, seq: 0 });
+    min_bytes_is_tight(&Handle::default());
+    min_bytes_is_tight(&StoreStats::default());
+    min_bytes_is_tight::<Result<Location, Status>>(&Err(Status::NotFound));
+    min_bytes_is_tight::<Result<Created, Status>>(&Err(Status::Full));
+    min_bytes_is_tight::<Option<Handle>>(&None);
+}
+
+#[test]
+fn a_stream_list_with_one_byte_names_decodes() {
+    let one = StreamInfo {
+        id: 1,
+        name: "a".into(),
+        depth: 1,
+        producers: 0,
+        consumers: 0,
+        ranks: 0,
+        ready: 0,
+        making: 0,
+        put: 0,
+        returned: 0,
+        slowest: 0,
+        fastest: 0,
+        cold_start_us: 0,
+    };
+    for n in [1, 2, 3, 100] {
+        let resp = Response::Streams {
+            streams: vec![one.clone(); n],
+            more: false,
+        };
+        let wire = encode_response(Opcode::StreamList, &resp, 3);
+        let frame = Frame::parse(&wire, MAX_PAYLOAD_BYTES).unwrap().unwrap();
+        assert_eq!(Response::decode(&frame).unwrap(), resp, "{n} streams");
+    }
+}
+
+#[test]
+fn a_stream_spec_has_one_encoding() {
+    let spec = StreamSpec {
+        name: "s".into(),
+        records: 4,
+        seed: 1,
+        world: 1,
+        shuffle: Shuffle::Full,
+        tail: Tail::Drop,
+        epochs: None,
+    };
+    let good = encode_request(
+        &Request::StreamAttach {
+            spec,
+            rank: 0,
+            seq: 0,
+            timeout_ms: 0,
+        },
+        1,
+    );
+    // The block size of a full shuffle sits after the header, the name (u16 length + "s"),
+    // records, seed, world and the shuffle kind.
+    let block = HEADER_BYTES + 2 + 1 + 8 + 8 + 4 + 1;
+    let mut bad = good.clone();
+    bad[block] = 7;
+    let frame = Frame::parse(&bad, MAX_PAYLOAD_BYTES).unwrap().unwrap();
+    assert!(
+        Request::decode(&frame).is_err(),
+        "a block size without block shuffle"
+    );
+    let frame = Frame::parse(&good, MAX_PAYLOAD_BYTES).unwrap().unwrap();
+    assert!(Request::decode(&frame).is_ok());
+}
+
+#[test]
+fn oversized_frame_is_rejected_from_its_header_alone() {
+    let wire = encode_request(
+        &Request::Get {
+            handles: vec![Handle::default(); 10],
+        },
+        1,
+    );
+    let err = Frame::parse(&wire[..HEADER_BYTES], 64).unwrap_err();
+    assert_eq!(
+        err,
+        DecodeError::Oversized {
+            len: 4 + 160,
+            max: 64
+        }
+    );
+}
+
+#[test]
+fn forged_count_cannot_reserve_memory() {
+    let mut wire = encode_request(
+        &Request::Get {
+            handles: vec![Handle::default()],
+        },
+        1,
+    );
+    wire[HEADER_BYTES..HEADER_BYTES + 4].copy_from_slice(&u32::MAX.to_le_bytes());
+    let frame = Frame::parse(&wire, MAX_PAYLOAD_BYTES).unwrap().unwrap();
+    assert!(matches!(
+        Request::decode(&frame),
+        Err(DecodeError::Truncated { .. })
+    ));
+}
+
+#[test]
+fn partial_frame_waits_for_more_bytes() {
+    let mut wire = encode_request(&Request::Stats, 1);
+    wire.extend(encode_request(
+        &Request::Seal {
+            handles: vec![Handle::default()],
+        },
+        2,
+    ));
+    let stats_len = HEADER_BYTES;
+    for cut in 0..wire.len() {
+        let parsed = Frame::parse(&wire[..cut], MAX_PAYLOAD_BYTES).unwrap();
+        assert_eq!(parsed.is_some(), cut >= stats_len, "cut at {cut}");
+    }
+}
+
+/// The largest batch a client may send fits both ways, and one more item would not.
+#[test]
+fn max_batch_items_fill_both_limits() {
+    for op in Opcode::ALL {
+        let Some(cost) = op.batch_cost() else {
+            continue;
+        };
+        for (req_limit, reply_limit) in [
+            (MAX_PAYLOAD_BYTES, MAX_PAYLOAD_BYTES),
+            (MIN_PAYLOAD_BYTES, MAX_PAYLOAD_BYTES),
+            (MAX_PAYLOAD_BYTES, MIN_PAYLOAD_BYTES),
+        ] {
+            let n = max_batch_items(op, req_limit, reply_limit);
+            let fits = |n: usize| {
+                cost.request_fixed + n * cost.request_per_item <= req_limit as usize
+                    && (cost.reply_per_item == 0 || cost.reply_bytes(n) <= reply_limit as usize)
+            };
+            assert!(fits(n) && !fits(n + 1), "{op:?}: {n}");
+        }
+    }
+    // A get of ~48k handles fits the request (16 bytes each) but not its reply (22 each).
+    assert!(max_batch_items(Opcode::Get, MAX_PAYLOAD_BYTES, MAX_PAYLOAD_BYTES) < 48_000);
+}
