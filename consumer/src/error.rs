@@ -190,6 +190,11 @@ impl Error {
             Status::Timeout => Error::Timeout(message.into()),
             Status::SpecMismatch => Error::StreamMismatch(message.into()),
             Status::Ended => Error::Ended,
+            Status::LimitReached if message.is_empty() => Error::LimitReached(
+                "this connection holds as many leases as the daemon allows \
+                 (--max-leases-per-connection)"
+                    .into(),
+            ),
             Status::LimitReached => Error::LimitReached(message.into()),
             other => Error::Protocol(format!("daemon answered {other}: {message}")),
         }

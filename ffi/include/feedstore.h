@@ -46,7 +46,7 @@ typedef enum FsStatus {
    */
   FS_STATUS_ERR_NOT_FOUND = -6,
   /**
-   * The store is full.
+   * The store is full for now: retry later.
    */
   FS_STATUS_ERR_FULL = -7,
   /**
@@ -62,7 +62,7 @@ typedef enum FsStatus {
    */
   FS_STATUS_ERR_WINDOW_FULL = -10,
   /**
-   * Not allowed for this process.
+   * Not allowed for this process, or the socket is served by an untrusted uid.
    */
   FS_STATUS_ERR_PERMISSION_DENIED = -11,
   /**
@@ -73,11 +73,20 @@ typedef enum FsStatus {
    * Anything else.
    */
   FS_STATUS_ERR_OTHER = -13,
+  /**
+   * The object is larger than any segment: retrying will not help (unlike `ErrFull`).
+   */
+  FS_STATUS_ERR_TOO_LARGE = -14,
+  /**
+   * A limit the daemon's operator set was reached; `fs_last_error()` names the setting.
+   */
+  FS_STATUS_ERR_LIMIT_REACHED = -15,
 } FsStatus;
 
 /**
- * A sample from a stream (opaque); valid until `fs_sample_free`, even after its stream is
- * freed.
+ * A sample from a stream (opaque). It holds its own lease on the object: the sample and every
+ * pointer obtained from it stay valid and unchanged until `fs_sample_free`, whatever happens to
+ * its stream (freed, reopened at another position, closed by the producer).
  */
 typedef struct FsSample FsSample;
 
@@ -166,8 +175,9 @@ const char *fs_last_error(void);
 
 /**
  * Opens `rank`'s share of a stream on the daemon at `socket`, from a saved state (the text of
- * `fs_stream_state`) or, with `state` null, from the beginning. `depth` is the prefetch depth
- * if the stream is new (0 for the default, 64).
+ * `fs_stream_state`) or, with `state` null, from the beginning. `wait_ms` bounds how long it
+ * waits for a producer to create the stream, and each `fs_stream_next` for a sample (0 for the
+ * default, 300 s). The prefetch depth is the stream's, set by its producer.
  *
  * # Safety
  * `socket` and `state` (if not null) are NUL-terminated strings, `spec` points to a valid
@@ -177,7 +187,7 @@ enum FsStatus fs_stream_open(const char *socket,
                              const struct FsStreamSpec *spec,
                              uint32_t rank,
                              const char *state,
-                             uint32_t depth,
+                             uint32_t wait_ms,
                              struct FsStream **out);
 
 /**

@@ -1,30 +1,28 @@
-//! The C example (`examples/read_stream.c`) compiled with gcc against the static library and
-//! run against a real daemon while a producer feeds its stream: it prints what each sample holds,
-//! and this test checks every line against the stream's spec.
+//! C programs compiled with gcc against the static library and run against a real daemon while
+//! a producer feeds their stream: the example (`examples/read_stream.c`) prints what each sample
+//! holds, checked line by line against the stream's spec; `tests/c/held_view.c` keeps a sample
+//! across a reopen of its stream and a refill of the store.
 
-use std::path::PathBuf;
-use std::process::Command;
+use std::io::{BufRead, BufReader, Write};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use feedstore_consumer::{ConnectOptions, Delivery, Made, Role, StreamFeeder, StreamTask};
 use feedstore_proto::sample::{DType, SampleInfo, SamplePlan, TensorLayout};
 use feedstore_proto::stream::{Shuffle, StreamSpec, StreamState, Tail};
 
-#[test]
-fn the_c_example_reads_a_stream() {
+/// Compiles `source` (relative to this crate) against the static library, into `dir`.
+fn compile(source: &str, dir: &Path) -> PathBuf {
     let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
-    let dir = std::env::temp_dir().join(format!("feedstore-ffi-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-
     let target = feedstore_testkit::build_library("feedstore-ffi");
     let library = target.join("libfeedstore_c.a");
     assert!(library.exists(), "{} not built", library.display());
-    let binary = dir.join("read_stream");
+    let binary = dir.join(Path::new(source).file_stem().unwrap());
     let gcc = Command::new("gcc")
         .args(["-std=c11", "-Wall", "-Wextra", "-Werror", "-I"])
         .arg(root.join("include"))
-        .arg(root.join("examples/read_stream.c"))
+        .arg(root.join(source))
         .arg(&library)
         .args(["-lpthread", "-ldl", "-lm", "-o"])
         .arg(&binary)
@@ -35,16 +33,88 @@ fn the_c_example_reads_a_stream() {
         "gcc: {}",
         String::from_utf8_lossy(&gcc.stderr)
     );
+    binary
+}
 
-    let socket = dir.join("feedstored.sock");
-    let daemon = feedstore_store::daemon::Daemon::bind(&feedstore_store::config::DaemonConfig {
-        socket: socket.clone(),
+fn scratch(test: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("feedstore-ffi-{}-{test}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+fn daemon(socket: &Path) -> feedstore_store::daemon::DaemonHandle {
+    feedstore_store::daemon::Daemon::bind(&feedstore_store::config::DaemonConfig {
+        socket: socket.to_owned(),
         capacity_bytes: 64 << 20,
         segment_bytes: 64 << 20,
         ..feedstore_store::config::DaemonConfig::default()
     })
     .unwrap()
-    .spawn();
+    .spawn()
+}
+
+/// A producer for rank 0 until the stream ends: each sample is one u8 image of `shape` filled
+/// with `fill(record)` and 8 tokens starting at 1000 + record.
+fn produce(
+    socket: &Path,
+    spec: &StreamSpec,
+    shape: [u32; 3],
+    fill: fn(u64) -> u8,
+) -> std::thread::JoinHandle<()> {
+    let (socket, spec) = (socket.to_owned(), spec.clone());
+    std::thread::spawn(move || {
+        let client = ConnectOptions::new(Role::Writer)
+            .socket(&socket)
+            .connect()
+            .unwrap();
+        let feeder =
+            StreamFeeder::join(&client, &spec, 16, &[StreamTask { rank: 0, seq: 0 }]).unwrap();
+        while let Ok(Some(tasks)) = feeder.take(8, Duration::from_millis(100)) {
+            let made = tasks
+                .into_iter()
+                .map(|task| {
+                    let record = spec.record_at(task.rank, task.seq);
+                    let mut plan = SamplePlan::new();
+                    plan.add_image(DType::U8, TensorLayout::Chw, &shape);
+                    plan.set_token_count(8);
+                    let info = SampleInfo {
+                        id: format!("rec-{record}"),
+                        source_keys: vec![],
+                        image_grid_thw: vec![],
+                        metadata: vec![],
+                    };
+                    let mut w = client.create(plan.object_bytes(&info)).unwrap();
+                    {
+                        let mut regions = plan.regions(w.as_mut_slice()).unwrap();
+                        regions.images[0].fill(fill(record));
+                        for (i, t) in regions.tokens.iter_mut().enumerate() {
+                            *t = 1000 + record as u32 + i as u32;
+                        }
+                        regions.labels.fill(-100);
+                    }
+                    plan.finish(w.as_mut_slice(), &info).unwrap();
+                    Delivery {
+                        task,
+                        record,
+                        key: 0,
+                        made: Made::Written(w),
+                    }
+                })
+                .collect();
+            if feeder.put(made).is_err() {
+                return;
+            }
+        }
+    })
+}
+
+#[test]
+fn the_c_example_reads_a_stream() {
+    let dir = scratch("example");
+    let binary = compile("examples/read_stream.c", &dir);
+    let socket = dir.join("feedstored.sock");
+    let daemon = daemon(&socket);
     let spec = StreamSpec {
         name: "c-example".into(),
         records: 12,
@@ -54,53 +124,7 @@ fn the_c_example_reads_a_stream() {
         tail: Tail::Drop,
         epochs: Some(2),
     };
-    // A producer for rank 0: each sample is one 3x4x4 u8 image filled with its record number
-    // and 8 tokens starting at 1000 + record.
-    let producer = {
-        let (socket, spec) = (socket.clone(), spec.clone());
-        std::thread::spawn(move || {
-            let client = ConnectOptions::new(Role::Writer)
-                .socket(&socket)
-                .connect()
-                .unwrap();
-            let feeder =
-                StreamFeeder::join(&client, &spec, 16, &[StreamTask { rank: 0, seq: 0 }]).unwrap();
-            while let Some(tasks) = feeder.take(8, Duration::from_millis(100)).unwrap() {
-                let made = tasks
-                    .into_iter()
-                    .map(|task| {
-                        let record = spec.record_at(task.rank, task.seq);
-                        let mut plan = SamplePlan::new();
-                        plan.add_image(DType::U8, TensorLayout::Chw, &[3, 4, 4]);
-                        plan.set_token_count(8);
-                        let info = SampleInfo {
-                            id: format!("rec-{record}"),
-                            source_keys: vec![],
-                            image_grid_thw: vec![],
-                            metadata: vec![],
-                        };
-                        let mut w = client.create(plan.object_bytes(&info)).unwrap();
-                        {
-                            let mut regions = plan.regions(w.as_mut_slice()).unwrap();
-                            regions.images[0].fill(record as u8);
-                            for (i, t) in regions.tokens.iter_mut().enumerate() {
-                                *t = 1000 + record as u32 + i as u32;
-                            }
-                            regions.labels.fill(-100);
-                        }
-                        plan.finish(w.as_mut_slice(), &info).unwrap();
-                        Delivery {
-                            task,
-                            record,
-                            key: 0,
-                            made: Made::Written(w),
-                        }
-                    })
-                    .collect();
-                feeder.put(made).unwrap();
-            }
-        })
-    };
+    let producer = produce(&socket, &spec, [3, 4, 4], |record| record as u8);
 
     let out = Command::new(&binary)
         .arg(&socket)
@@ -138,5 +162,69 @@ fn the_c_example_reads_a_stream() {
         .expect("a state line");
     assert_eq!((state.epoch, state.position), (2, 0));
     assert!(stdout.trim_end().ends_with("end"));
+    daemon.stop();
+}
+
+/// Issue 11 from C: a sample kept while its stream is freed and reopened at a later position,
+/// and while other work refills the store, still reads its own bytes.
+#[test]
+fn a_held_c_sample_outlives_a_reopen_and_a_refill() {
+    let dir = scratch("held");
+    let binary = compile("tests/c/held_view.c", &dir);
+    let socket = dir.join("feedstored.sock");
+    let daemon = daemon(&socket);
+    let spec = StreamSpec {
+        name: "held".into(),
+        records: 16,
+        seed: 0,
+        world: 1,
+        shuffle: Shuffle::None,
+        tail: Tail::Drop,
+        epochs: Some(1),
+    };
+    let producer = produce(&socket, &spec, [3, 128, 128], |record| record as u8 + 1);
+    let mut reader = Command::new(&binary)
+        .arg(&socket)
+        .args(["held", "16"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut out = BufReader::new(reader.stdout.take().unwrap());
+    let mut line = String::new();
+    out.read_line(&mut line).unwrap();
+    assert_eq!(line, "READY\n");
+    // Other work fills the store over and over.
+    let writer = ConnectOptions::new(Role::Writer)
+        .socket(&socket)
+        .create_timeout(Duration::from_millis(100))
+        .connect()
+        .unwrap();
+    let junk = vec![0xABu8; 150_000];
+    for _ in 0..3000 {
+        let _ = writer.put(&junk);
+    }
+    assert!(
+        writer.stats().unwrap().evictions > 0,
+        "the store was refilled"
+    );
+    let mut stdin = reader.stdin.take().unwrap();
+    stdin.write_all(b"go\n").unwrap();
+    let mut rest = String::new();
+    for l in out.lines() {
+        rest.push_str(&l.unwrap());
+        rest.push('\n');
+    }
+    assert!(reader.wait().unwrap().success(), "{rest}");
+    assert_eq!(
+        rest, "held record=0 bytes=49152 tokens=8 wrong=0\nnext seq=3\n",
+        "the held sample's bytes are its own"
+    );
+    // The reader read only part of its share: closing the stream ends the producer.
+    StreamFeeder::join(&writer, &spec, 16, &[])
+        .unwrap()
+        .close()
+        .unwrap();
+    producer.join().unwrap();
     daemon.stop();
 }

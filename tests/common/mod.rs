@@ -291,11 +291,16 @@ impl RawClient {
 
     /// Sends a request without waiting for its reply.
     pub fn send(&mut self, request: &feedstore_proto::frame::Request) {
+        self.try_send(request).unwrap();
+    }
+
+    /// Sends a request, reporting a socket error (the daemon closed the connection).
+    pub fn try_send(&mut self, request: &feedstore_proto::frame::Request) -> std::io::Result<()> {
         let mut out = Vec::new();
         request.encode(self.next_id, u32::MAX, &mut out).unwrap();
         self.next_id += 1;
         use std::io::Write;
-        self.stream.write_all(&out).unwrap();
+        self.stream.write_all(&out)
     }
 
     /// Sends a request and reads its reply.
