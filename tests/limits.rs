@@ -111,7 +111,8 @@ fn idle_streams_expire() {
 }
 
 /// Finding: requests queued behind a waiting call grew without limit (300 MiB for 300 queued
-/// gets). Past `--max-queued-requests` the connection is closed with a logged reason.
+/// gets). Past `--max-queued-requests`, or four maximal frames' worth of bytes, the connection is
+/// closed with a logged reason.
 #[test]
 fn requests_queued_behind_a_waiting_call_are_bounded() {
     let _w = watchdog("requests_queued_behind_a_waiting_call_are_bounded", LIMIT);
@@ -125,19 +126,31 @@ fn requests_queued_behind_a_waiting_call_are_bounded() {
         seq: 0,
         timeout_ms: 30_000,
     });
+    // Twenty small requests pipelined behind it: more than the eight allowed.
+    for _ in 0..20 {
+        if raw.try_send(&Request::Stats).is_err() {
+            break; // closed already
+        }
+    }
+    raw.expect_closed();
+    assert!(daemon.log_text().contains("--max-queued-requests"));
+    // Large requests are bounded by bytes too: four maximal frames' worth.
+    let (mut raw, _, _) = RawClient::hello(&daemon.socket, Role::Reader, "pipeliner");
+    raw.send(&Request::StreamAttach {
+        spec: spec("never-made", 1),
+        rank: 0,
+        seq: 0,
+        timeout_ms: 30_000,
+    });
     let big = Request::Get {
         handles: vec![feedstore_proto::Handle::default(); 60_000],
     };
-    let mut sent = 0;
-    while sent < 20 && raw.try_send(&big).is_ok() {
-        sent += 1;
+    for _ in 0..8 {
+        if raw.try_send(&big).is_err() {
+            break;
+        }
     }
-    assert!(
-        sent > 8,
-        "the daemon read past its queue before closing: {sent} sent"
-    );
     raw.expect_closed();
-    assert!(daemon.log_text().contains("--max-queued-requests"));
     let bystander = daemon.reader();
     assert!(bystander.stats().unwrap().limits_hit >= 1);
 }

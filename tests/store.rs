@@ -79,20 +79,6 @@ fn child_process() {
     }
 }
 
-/// Fills `buf` with `[seed u64][len u64][pattern(seed)...]`, checkable without knowing `seed`.
-fn write_self_describing(buf: &mut [u8], seed: u64) {
-    let len = buf.len();
-    buf[..8].copy_from_slice(&seed.to_le_bytes());
-    buf[8..16].copy_from_slice(&(len as u64).to_le_bytes());
-    buf[16..].copy_from_slice(&pattern(seed, len - 16));
-}
-
-fn is_self_describing(buf: &[u8]) -> bool {
-    let seed = u64::from_le_bytes(buf[..8].try_into().unwrap());
-    let len = u64::from_le_bytes(buf[8..16].try_into().unwrap()) as usize;
-    len == buf.len() && buf[16..] == pattern(seed, len - 16)[..]
-}
-
 #[test]
 fn put_get_bytes_equal() {
     let _w = watchdog("put_get_bytes_equal", LIMIT);

@@ -335,6 +335,7 @@ pub async fn serve_connection(shared: Arc<Shared>, mut stream: UnixStream) {
         rbuf: Vec::with_capacity(64 << 10),
         wbuf: Vec::with_capacity(4 << 10),
         deferred: VecDeque::new(),
+        deferred_bytes: 0,
         id: None,
         role: Role::Reader,
         peer,
@@ -376,6 +377,8 @@ struct Connection {
     wbuf: Vec<u8>,
     /// Requests (with their ids) read while another was waiting, to be handled after it.
     deferred: VecDeque<(u32, Request)>,
+    /// Frame bytes of the deferred requests.
+    deferred_bytes: usize,
     id: Option<ConnId>,
     role: Role,
     peer: Peer,
@@ -390,7 +393,12 @@ impl Connection {
         let hello_deadline = Instant::now() + hello_timeout;
         loop {
             let (request_id, request) = match self.deferred.pop_front() {
-                Some(r) => r,
+                Some((id, r)) => {
+                    if self.deferred.is_empty() {
+                        self.deferred_bytes = 0;
+                    }
+                    (id, r)
+                }
                 None => match self.take_request()? {
                     Some(r) => r,
                     None if self.id.is_none() => {
@@ -429,13 +437,18 @@ impl Connection {
     /// Decodes the request at the front of the read buffer, if it is whole, and removes its
     /// bytes. Decoding reads the buffer in place: a frame is parsed once and never copied.
     fn take_request(&mut self) -> Result<Option<(u32, Request)>, ConnEnd> {
+        Ok(self.take_frame()?.map(|(id, request, _)| (id, request)))
+    }
+
+    /// [`Connection::take_request`], with the frame's length.
+    fn take_frame(&mut self) -> Result<Option<(u32, Request, usize)>, ConnEnd> {
         let Some(frame) = Frame::parse(&self.rbuf, self.shared.max_frame_bytes)? else {
             return Ok(None);
         };
         let (len, request_id) = (frame.len(), frame.header.request_id);
         let request = Request::decode(&frame)?;
         self.rbuf.drain(..len);
-        Ok(Some((request_id, request)))
+        Ok(Some((request_id, request, len)))
     }
 
     async fn dispatch(&mut self, request_id: u32, request: Request) -> Result<(), ConnEnd> {
@@ -668,13 +681,15 @@ impl Connection {
     /// Waits until `events` changes or the deadline passes. Meanwhile the connection keeps
     /// reading: one-way returns (leases, stream samples) are applied at once, so a client cannot
     /// deadlock against its own returns, and other requests are queued for after the wait, at
-    /// most `--max-queued-requests` of them.
+    /// most `--max-queued-requests` of them and four maximal frames' worth of bytes.
     async fn wait_for(
         &mut self,
         id: ConnId,
         events: &mut watch::Receiver<u64>,
         deadline: Instant,
     ) -> Result<(), ConnEnd> {
+        // Frames that arrived with the waiting request are taken in first.
+        self.absorb(id)?;
         tokio::select! {
             _ = events.changed() => {}
             _ = tokio::time::sleep_until(deadline) => {}
@@ -682,24 +697,36 @@ impl Connection {
                 if read? == 0 {
                     return Err(ConnEnd::Closed);
                 }
-                while let Some((request_id, request)) = self.take_request()? {
-                    match request {
-                        Request::Release { handles } => self.release(id, &handles),
-                        Request::StreamRelease { stream, rank, upto } => {
-                            self.stream_release(id, stream, rank, upto);
-                        }
-                        other => {
-                            if self.deferred.len() >= self.shared.limits.max_queued_requests {
-                                self.shared.with_objects(Objects::note_limit_hit);
-                                return Err(ConnEnd::Protocol(format!(
-                                    "more than {} requests queued behind a waiting one \
-                                     (--max-queued-requests)",
-                                    self.shared.limits.max_queued_requests
-                                )));
-                            }
-                            self.deferred.push_back((request_id, other));
-                        }
+                self.absorb(id)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Takes every whole frame in the read buffer while a request waits: returns are applied at
+    /// once, other requests queued for after the wait, within the queue's bounds.
+    fn absorb(&mut self, id: ConnId) -> Result<(), ConnEnd> {
+        while let Some((request_id, request, len)) = self.take_frame()? {
+            match request {
+                Request::Release { handles } => self.release(id, &handles),
+                Request::StreamRelease { stream, rank, upto } => {
+                    self.stream_release(id, stream, rank, upto);
+                }
+                other => {
+                    let limits = &self.shared.limits;
+                    let max_bytes = 4 * self.shared.max_frame_bytes as usize;
+                    if self.deferred.len() >= limits.max_queued_requests
+                        || self.deferred_bytes + len > max_bytes
+                    {
+                        self.shared.with_objects(Objects::note_limit_hit);
+                        return Err(ConnEnd::Protocol(format!(
+                            "more than {} requests or {max_bytes} bytes queued behind a \
+                             waiting one (--max-queued-requests)",
+                            limits.max_queued_requests
+                        )));
                     }
+                    self.deferred_bytes += len;
+                    self.deferred.push_back((request_id, other));
                 }
             }
         }

@@ -237,6 +237,47 @@ pub fn watchdog(test: &'static str, limit: Duration) -> Watchdog {
     Watchdog { _disarm: tx }
 }
 
+/// Fills `buf` (at least 16 bytes) with `[seed u64][len u64][pattern(seed)...]`, checkable
+/// without knowing `seed`.
+pub fn write_self_describing(buf: &mut [u8], seed: u64) {
+    let len = buf.len();
+    buf[..8].copy_from_slice(&seed.to_le_bytes());
+    buf[8..16].copy_from_slice(&(len as u64).to_le_bytes());
+    fill_pattern(&mut buf[16..], seed);
+}
+
+/// Whether `buf` is what [`write_self_describing`] wrote, every byte checked.
+pub fn is_self_describing(buf: &[u8]) -> bool {
+    if buf.len() < 16 {
+        return false;
+    }
+    let seed = u64::from_le_bytes(buf[..8].try_into().unwrap());
+    let len = u64::from_le_bytes(buf[8..16].try_into().unwrap()) as usize;
+    len == buf.len() && pattern_matches(&buf[16..], seed)
+}
+
+/// Writes [`pattern`]`(seed, buf.len())` into `buf` without allocating.
+pub fn fill_pattern(buf: &mut [u8], seed: u64) {
+    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    for b in buf {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        *b = x as u8;
+    }
+}
+
+/// Whether `buf` holds [`pattern`]`(seed, buf.len())`.
+pub fn pattern_matches(buf: &[u8], seed: u64) -> bool {
+    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    buf.iter().all(|&b| {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        b == x as u8
+    })
+}
+
 /// Deterministic bytes for object `seed`.
 pub fn pattern(seed: u64, len: usize) -> Vec<u8> {
     let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
