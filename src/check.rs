@@ -5,7 +5,6 @@
 //! byte against the pattern the producer wrote, and drops the lease. The store is smaller than
 //! what the producer writes, so LRU eviction and backpressure take part too.
 
-use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, mpsc};
 use std::time::{Duration, Instant};
@@ -13,8 +12,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, bail};
 use feedstore_consumer::{Client, ConnectOptions, Handle};
 use feedstore_proto::Role;
-use feedstore_store::config::{DaemonConfig, format_bytes, parse_bytes};
-use feedstore_store::daemon::Daemon;
+use feedstore_store::config::{format_bytes, parse_bytes};
 
 use crate::SocketArg;
 
@@ -51,17 +49,8 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             (path.clone(), None)
         }
         None => {
-            let socket = PathBuf::from(format!("/tmp/feedstore-demo-{}.sock", std::process::id()));
-            let config = DaemonConfig {
-                socket: socket.clone(),
-                capacity_bytes: args.capacity,
-                segment_bytes: args.capacity,
-                ..DaemonConfig::default()
-            };
             let started = Instant::now();
-            let daemon = Daemon::bind(&config)
-                .context("starting the embedded daemon")?
-                .spawn();
+            let (socket, daemon) = crate::EmbeddedDaemon::start("check", args.capacity)?;
             eprintln!(
                 "started an embedded feedstored: {} of shared memory, pre-faulted in {:.0} ms, socket {}",
                 format_bytes(args.capacity),

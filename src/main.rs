@@ -51,6 +51,46 @@ fn restore_sigpipe() {
     let _ = unsafe { signal(Signal::SIGPIPE, SigHandler::SigDfl) };
 }
 
+/// A daemon embedded in `demo` or `check`, its socket in a directory of its own under the
+/// temporary directory (the daemon makes it 0700 and refuses one another user made), removed
+/// when the daemon stops.
+struct EmbeddedDaemon {
+    daemon: Option<feedstore_store::daemon::DaemonHandle>,
+    dir: PathBuf,
+}
+
+impl EmbeddedDaemon {
+    /// Starts one with `capacity_bytes` of shared memory; returns its socket.
+    fn start(what: &str, capacity_bytes: u64) -> anyhow::Result<(PathBuf, EmbeddedDaemon)> {
+        use anyhow::Context;
+        let dir = std::env::temp_dir().join(format!("feedstore-{what}-{}", std::process::id()));
+        let socket = dir.join("feedstore.sock");
+        let config = feedstore_store::config::DaemonConfig {
+            socket: socket.clone(),
+            capacity_bytes,
+            segment_bytes: capacity_bytes,
+            ..feedstore_store::config::DaemonConfig::default()
+        };
+        let daemon = feedstore_store::daemon::Daemon::bind(&config)
+            .context("starting the embedded daemon")?
+            .spawn();
+        let embedded = EmbeddedDaemon {
+            daemon: Some(daemon),
+            dir,
+        };
+        Ok((socket, embedded))
+    }
+}
+
+impl Drop for EmbeddedDaemon {
+    fn drop(&mut self) {
+        if let Some(daemon) = self.daemon.take() {
+            daemon.stop();
+        }
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
 /// The socket flag shared by subcommands.
 #[derive(Debug, clap::Args)]
 struct SocketArg {

@@ -13,7 +13,7 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use common::*;
-use feedstore_consumer::{ConnectOptions, Delivery, Error, Made, Role, StreamFeeder, StreamTask};
+use feedstore_consumer::{ConnectOptions, Error, Role, StreamFeeder};
 use feedstore_proto::frame::{Request, Response};
 use feedstore_proto::stream::{Shuffle, StreamSpec, Tail};
 
@@ -99,9 +99,16 @@ fn child_process() {
             Ok(c) => say(format!("ok {}", c.stats().unwrap().clients)),
             Err(e) => say(format!("err {e}")),
         },
+        Some("connect-writer") => match feedstore_consumer::Client::connect_writer() {
+            Ok(c) => say(format!("ok {}", c.stats().unwrap().clients)),
+            Err(e) => say(format!("err {e}")),
+        },
         // A reader of another uid tries every way to write the store's memory: a writable
         // mapping, reopening its own descriptor read-write, making the memfd writable.
         Some("write-attempts") => {
+            // A stream of this uid, so its reader gets a ring too.
+            let writer = feedstore_consumer::Client::connect_writer().unwrap();
+            let _feeder = StreamFeeder::join(&writer, &spec(), 4, &[]).unwrap();
             let (mut raw, response, fds) = RawClient::hello(&socket(), Role::Reader, "attacker");
             let Response::Hello { segments, .. } = response else {
                 panic!("{response:?}")
@@ -178,21 +185,6 @@ fn a_reader_of_another_uid_cannot_write_by_any_path() {
     let daemon = DaemonProcess::start(&dir, &["--allow-uid", "65534"]);
     let writer = daemon.writer();
     let h = writer.put(&pattern(7, 4096)).unwrap();
-    // A stream with a sample, so the reader gets a ring too.
-    let feeder =
-        StreamFeeder::join(&writer, &spec(), 4, &[StreamTask { rank: 0, seq: 0 }]).unwrap();
-    let tasks = feeder.take(1, Duration::from_secs(5)).unwrap().unwrap();
-    let sample = writer.put(b"sample").unwrap();
-    let made = tasks
-        .into_iter()
-        .map(|task| Delivery {
-            task,
-            record: 0,
-            key: 0,
-            made: Made::Existing(sample),
-        })
-        .collect();
-    assert!(feeder.put(made).unwrap().iter().all(Result::is_ok));
 
     let mut cmd = child_command(&daemon.socket, "write-attempts");
     run_as(&mut cmd, NOBODY, NOGROUP, &[]);
@@ -368,6 +360,28 @@ fn socket_group_members_connect_through_supplementary_groups() {
     assert!(
         outsider.starts_with("err cannot connect"),
         "not a member: {outsider}"
+    );
+}
+
+/// A uid allowed as a reader only cannot become a writer by saying so at hello.
+#[test]
+fn reader_only_uids_cannot_connect_as_writers() {
+    let _w = watchdog("reader_only_uids_cannot_connect_as_writers", LIMIT);
+    if skip_unless_root("reader_only_uids_cannot_connect_as_writers") {
+        return;
+    }
+    let dir = open_dir("reader-only");
+    let daemon = DaemonProcess::start(&dir, &["--allow-reader-uid", "65534"]);
+    let connect = |task: &str| {
+        let mut cmd = child_command(&daemon.socket, task);
+        run_as(&mut cmd, NOBODY, NOGROUP, &[]);
+        child_says(&mut cmd)
+    };
+    assert!(connect("connect").starts_with("ok"), "as a reader");
+    let said = connect("connect-writer");
+    assert!(
+        said.starts_with("err permission denied") && said.contains("may only read"),
+        "{said}"
     );
 }
 

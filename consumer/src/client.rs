@@ -5,12 +5,12 @@ use std::os::fd::{FromRawFd, OwnedFd, RawFd};
 use std::os::unix::io::AsRawFd;
 use std::os::unix::net::UnixStream;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Condvar, Mutex, Weak};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, Once, Weak};
 use std::time::Duration;
 
 use feedstore_proto::frame::{
-    self, CREATE_PIN, Frame, HEADER_BYTES, Opcode, Request, Response, max_batch_items,
+    self, CREATE_PIN, Created, Frame, HEADER_BYTES, Opcode, Request, Response, max_batch_items,
 };
 use feedstore_proto::{Handle, Location, Role, SegmentInfo, Status, StoreStats};
 use feedstore_shm::{Access, Mapping};
@@ -142,8 +142,37 @@ pub struct CreateOptions {
     pub pin: bool,
 }
 
+/// Forks this process has gone through as a child (bumped by a `pthread_atfork` handler).
+static FORKS: AtomicU64 = AtomicU64::new(0);
+
+extern "C" fn after_fork_in_child() {
+    // An atomic add: async-signal-safe, as a fork handler must be.
+    FORKS.fetch_add(1, Ordering::Relaxed);
+}
+
+/// How many forks made this process, the handler installed on first use. A client made before
+/// a fork belongs to the parent: the child must not speak on its socket (a release from the
+/// child would return the parent's lease) and gets [`Error::Forked`] instead.
+fn fork_generation() -> u64 {
+    static INSTALL: Once = Once::new();
+    INSTALL.call_once(|| {
+        // SAFETY: registers a child handler that only does an atomic add (async-signal-safe);
+        // no prepare or parent handler. The handler is a plain function that lives forever.
+        let rc = unsafe { libc::pthread_atfork(None, None, Some(after_fork_in_child)) };
+        if rc != 0 {
+            tracing::warn!(
+                rc,
+                "cannot watch for forks; a forked child could misuse clients"
+            );
+        }
+    });
+    FORKS.load(Ordering::Relaxed)
+}
+
 pub(crate) struct Inner {
     stream: UnixStream,
+    /// [`fork_generation`] at connect: the connection belongs to the process that made it.
+    forks: u64,
     /// Serialises request/reply pairs, and owns the receive buffer.
     call: Mutex<CallState>,
     /// Serialises writes to the socket: calls and one-way releases.
@@ -232,6 +261,13 @@ impl ReleaseQueue {
     }
 }
 
+impl Inner {
+    /// Whether this process is a child forked after the connection was made.
+    fn forked(&self) -> bool {
+        FORKS.load(Ordering::Relaxed) != self.forks
+    }
+}
+
 impl Drop for Inner {
     fn drop(&mut self) {
         let mut state = self.releases.lock();
@@ -239,7 +275,7 @@ impl Drop for Inner {
         let due = std::mem::take(&mut state.handles);
         drop(state);
         self.releases.wake.notify_all();
-        if !due.is_empty() && !self.broken.load(Ordering::Relaxed) {
+        if !due.is_empty() && !self.broken.load(Ordering::Relaxed) && !self.forked() {
             let mut buf = Vec::new();
             if encode_releases(&due, self.request_limit, &mut buf).is_ok() {
                 let _ = send_all(&self.stream, &buf);
@@ -300,6 +336,7 @@ impl Client {
                 feedstore_proto::MAX_CLIENT_NAME
             )));
         }
+        let forks = fork_generation();
         let stream = UnixStream::connect(&opts.socket).map_err(|source| Error::Connect {
             path: opts.socket.clone(),
             source,
@@ -387,6 +424,7 @@ impl Client {
         let client = Client {
             inner: Arc::new(Inner {
                 stream,
+                forks,
                 call: Mutex::new(CallState {
                     next_id: 1,
                     wbuf,
@@ -453,33 +491,47 @@ impl Client {
             return Ok(Vec::new());
         }
         let timeout = opts.timeout.unwrap_or(self.inner.create_timeout);
-        let results = self.batched(Opcode::Create, sizes_bytes, |sizes| {
+        self.batched(Opcode::Create, sizes_bytes, |sizes| {
             let request = Request::Create {
                 sizes: sizes.to_vec(),
                 timeout_ms: u32::try_from(timeout.as_millis()).unwrap_or(u32::MAX),
                 flags: if opts.pin { CREATE_PIN } else { 0 },
             };
-            match self.call(&request)? {
-                Response::Created(r) if r.len() == sizes.len() => Ok(r),
-                other => Err(unexpected(other)),
+            let results = match self.call(&request)? {
+                Response::Created(r) if r.len() == sizes.len() => r,
+                other => return Err(unexpected(other)),
+            };
+            // Each reservation becomes a writer (aborted on drop) at once, so a later chunk that
+            // fails as a whole aborts the earlier chunks' reservations as they are dropped.
+            Ok(results
+                .into_iter()
+                .zip(sizes)
+                .map(|(r, &size)| match r {
+                    Ok(created) => self.writer(created),
+                    Err(status) => Err(Error::from_status(status, Handle::default(), size, "")),
+                })
+                .collect())
+        })
+    }
+
+    /// The writer of a reservation the daemon just made for this connection (aborted if the
+    /// daemon named a range outside its segments).
+    fn writer(&self, created: Created) -> Result<ObjectWriter, Error> {
+        match self.mapping(created.location) {
+            Ok(mapping) => Ok(ObjectWriter::new(
+                self.clone(),
+                created.handle,
+                mapping.clone(),
+                created.location,
+            )),
+            Err(e) => {
+                let handle = created.handle;
+                let _ = self.each(Opcode::Abort, &[handle], |handles| Request::Abort {
+                    handles,
+                });
+                Err(e)
             }
-        })?;
-        Ok(results
-            .into_iter()
-            .zip(sizes_bytes)
-            .map(|(r, &size)| match r {
-                Ok(c) => {
-                    let mapping = self.mapping(c.location)?.clone();
-                    Ok(ObjectWriter::new(
-                        self.clone(),
-                        c.handle,
-                        mapping,
-                        c.location,
-                    ))
-                }
-                Err(status) => Err(Error::from_status(status, Handle::default(), size, "")),
-            })
-            .collect())
+        }
     }
 
     /// Writes `bytes` as a new sealed object: reserve, one copy into shared memory, seal.
@@ -489,8 +541,10 @@ impl Client {
         writer.seal()
     }
 
-    /// Writes several objects in two round trips (one create batch, one seal batch). All or
-    /// nothing: on any failure the reserved objects are aborted and the first error returned.
+    /// Writes several objects in two round trips (one create batch, one seal batch; more when
+    /// the batch is larger than a frame). On a failure the objects not yet sealed are aborted
+    /// and the first error returned; nothing is sealed unless every object was reserved, but a
+    /// batch larger than a frame that fails while sealing may leave its earlier chunks sealed.
     pub fn put_batch(&self, objects: &[&[u8]]) -> Result<Vec<Handle>, Error> {
         let sizes: Vec<u64> = objects.iter().map(|o| o.len() as u64).collect();
         let writers = self.create_batch(&sizes, CreateOptions::default())?;
@@ -633,6 +687,11 @@ impl Client {
         })
     }
 
+    /// The most items one batch of `op` may carry on this connection.
+    pub(crate) fn batch_items(&self, op: Opcode) -> usize {
+        max_batch_items(op, self.inner.request_limit, self.inner.reply_limit)
+    }
+
     /// Runs `call` on chunks of `items` small enough that each request fits the daemon's frame
     /// limit and each reply this client's, and joins the results in order.
     pub(crate) fn batched<T, R>(
@@ -641,9 +700,8 @@ impl Client {
         items: &[T],
         mut call: impl FnMut(&[T]) -> Result<Vec<R>, Error>,
     ) -> Result<Vec<R>, Error> {
-        let per = max_batch_items(op, self.inner.request_limit, self.inner.reply_limit);
         let mut out = Vec::with_capacity(items.len());
-        for chunk in items.chunks(per) {
+        for chunk in items.chunks(self.batch_items(op)) {
             out.extend(call(chunk)?);
         }
         Ok(out)
@@ -694,6 +752,9 @@ impl Client {
         read: impl FnOnce(&UnixStream, &mut RecvBuf, u32, u32) -> Result<Response, Error>,
     ) -> Result<Response, Error> {
         let inner = &*self.inner;
+        if inner.forked() {
+            return Err(Error::Forked);
+        }
         if inner.broken.load(Ordering::Relaxed) {
             return Err(Error::Disconnected { source: None });
         }
@@ -730,6 +791,9 @@ impl Client {
     /// Sends a request that has no reply, with the queued lease releases riding along.
     pub(crate) fn send_one_way(&self, request: &Request) -> Result<(), Error> {
         debug_assert!(!request.expects_reply());
+        if self.inner.forked() {
+            return Err(Error::Forked);
+        }
         if self.inner.broken.load(Ordering::Relaxed) {
             return Err(Error::Disconnected { source: None });
         }
@@ -747,6 +811,9 @@ impl Client {
     /// Returns a lease: queued to ride with the next request, or sent at once when the queue is
     /// long or the connection has no release delay.
     pub(crate) fn release(&self, handle: Handle) {
+        if self.inner.forked() {
+            return; // the parent's lease, not this child's to return
+        }
         let queue = &self.inner.releases;
         if queue.delay.is_zero() {
             return self.send_release(&[handle]);
@@ -773,7 +840,7 @@ impl Client {
 
     /// Sends a one-way release of the given leases.
     fn send_release(&self, handles: &[Handle]) {
-        if self.inner.broken.load(Ordering::Relaxed) {
+        if self.inner.broken.load(Ordering::Relaxed) || self.inner.forked() {
             return;
         }
         let mut buf = Vec::with_capacity(frame::HEADER_BYTES + 4 + 16 * handles.len());

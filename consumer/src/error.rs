@@ -92,6 +92,11 @@ pub enum Error {
     /// The caller's interrupt check ended a wait (a signal in an embedding).
     #[error("interrupted")]
     Interrupted,
+    /// The client was made before this process was forked from its parent: its connection and
+    /// leases belong to the parent. Connect again in this process. (Views inherited across the
+    /// fork stay readable only while the parent holds them.)
+    #[error("this client belongs to the process it was made in, before a fork; connect again here")]
+    Forked,
     /// This connection may not do that (a reader creating, a uid not on the allow-list).
     #[error("permission denied: {reason}")]
     PermissionDenied {

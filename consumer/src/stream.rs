@@ -553,7 +553,9 @@ impl StreamFeeder {
     }
 
     /// Puts samples, one per task. Per item: `Ok`, or why the stream did not take it (a
-    /// resume moved the window past it, say); reservations not taken are aborted.
+    /// resume moved the window past it, say); reservations not taken are aborted. An error as a
+    /// whole (the stream closed, the daemon gone) aborts every reservation not yet put; with
+    /// more items than fit one frame, the earlier chunks may have been put.
     pub fn put(&self, deliveries: Vec<Delivery>) -> Result<Vec<Result<(), Error>>, Error> {
         let mut items = Vec::with_capacity(deliveries.len());
         let mut reserved = Vec::with_capacity(deliveries.len());
@@ -578,27 +580,43 @@ impl StreamFeeder {
             });
             reserved.push(written);
         }
-        let statuses = self.client.batched(Opcode::StreamPut, &items, |items| {
+        // One call per chunk that fits a frame. A chunk refused as a whole leaves its own and
+        // the later chunks' reservations unput: they are aborted too.
+        let mut statuses = Vec::with_capacity(items.len());
+        let mut failure = None;
+        for chunk in items.chunks(self.client.batch_items(Opcode::StreamPut)) {
             match self.client.call(&Request::StreamPut {
                 stream: self.id,
-                items: items.to_vec(),
-            })? {
-                Response::Done(s) if s.len() == items.len() => Ok(s),
-                other => Err(Error::Protocol(format!("unexpected reply {other:?}"))),
+                items: chunk.to_vec(),
+            }) {
+                Ok(Response::Done(s)) if s.len() == chunk.len() => statuses.extend(s),
+                Ok(other) => {
+                    failure = Some(Error::Protocol(format!("unexpected reply {other:?}")));
+                    break;
+                }
+                Err(e) => {
+                    failure = Some(e);
+                    break;
+                }
             }
-        })?;
+        }
         let abort: Vec<Handle> = items
             .iter()
-            .zip(&statuses)
             .zip(&reserved)
-            .filter(|((_, s), written)| **s != Status::Ok && **written)
-            .map(|((item, _), _)| item.handle)
+            .enumerate()
+            .filter(|(i, (_, written))| {
+                **written && statuses.get(*i).is_none_or(|s| *s != Status::Ok)
+            })
+            .map(|(_, (item, _))| item.handle)
             .collect();
         if !abort.is_empty() {
             // Best effort: whatever is not aborted here is aborted when the connection ends.
             let _ = self
                 .client
                 .each(Opcode::Abort, &abort, |handles| Request::Abort { handles });
+        }
+        if let Some(e) = failure {
+            return Err(e);
         }
         Ok(items
             .iter()

@@ -94,7 +94,8 @@ pub fn client_socket_path() -> std::path::PathBuf {
     own
 }
 
-fn own_socket_path() -> std::path::PathBuf {
+/// This user's default socket, whatever [`SOCKET_ENV`] says (see [`default_socket_path`]).
+pub fn own_socket_path() -> std::path::PathBuf {
     let uid = current_uid();
     if uid == 0 {
         return SYSTEM_SOCKET.into();

@@ -48,7 +48,8 @@ store_stats! {
     objects_writing,
     /// Sealed objects that are pinned (never evicted).
     objects_pinned,
-    /// Leases held by clients, summed over objects.
+    /// Leases held, summed over objects: clients' and the streams' own (a ready stream
+    /// sample is leased by its stream, and once delivered by its consumer too).
     leases,
     /// Connected clients.
     clients,

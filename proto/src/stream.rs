@@ -116,6 +116,9 @@ pub enum SpecError {
     /// A zero block size.
     #[error("block shuffle needs a block size of at least 1")]
     EmptyBlock,
+    /// `Some(0)` epochs: a stream runs at least one epoch (`None` runs until closed).
+    #[error("a stream runs at least one epoch (none: until it is closed)")]
+    NoEpochs,
     /// Name empty, too long, or with control characters.
     #[error("stream name must be 1..={MAX_STREAM_NAME} bytes of printable text")]
     BadName,
@@ -141,6 +144,9 @@ impl StreamSpec {
         }
         if self.shuffle == Shuffle::Block(0) {
             return Err(SpecError::EmptyBlock);
+        }
+        if self.epochs == Some(0) {
+            return Err(SpecError::NoEpochs);
         }
         if self.per_rank() == 0 {
             return Err(SpecError::TooFewRecords {
@@ -580,6 +586,15 @@ mod tests {
         assert_eq!(
             spec(3, 1, Shuffle::Block(0), Tail::Pad).check(0),
             Err(SpecError::EmptyBlock)
+        );
+        let zero = StreamSpec {
+            epochs: Some(0),
+            ..spec(3, 1, Shuffle::Full, Tail::Pad)
+        };
+        assert_eq!(
+            zero.check(0),
+            Err(SpecError::NoEpochs),
+            "would decode as unbounded"
         );
     }
 }

@@ -117,6 +117,7 @@ class StreamDataset(IterableDataset):
         tail: str = "drop",
         epochs: Optional[int] = 1,
         socket: Optional[str] = None,
+        depth: Optional[int] = None,
         wait: float = 300.0,
         transform: Optional[Callable[[Dict[str, Any]], Any]] = None,
     ) -> None:
@@ -127,6 +128,15 @@ class StreamDataset(IterableDataset):
         self.num_workers = num_workers
         self.spec = dict(seed=seed, shuffle=shuffle, tail=tail, epochs=epochs)
         self.name, self.records = name, records
+        if depth is not None:
+            import warnings
+
+            warnings.warn(
+                "StreamDataset(depth=) is ignored: the prefetch depth is the stream's, set by its "
+                "producer",
+                DeprecationWarning,
+                stacklevel=2,
+            )
         self.socket, self.wait = socket, wait
         self.transform = transform
         # Per stream rank: samples consumed (the next sequence number), as the trainer saw them.

@@ -112,10 +112,11 @@ impl Stream {
     /// ("full", "none", "block:N"), `tail` ("drop", "pad") and `epochs` (None: until closed).
     /// `state` is a string from `state()`; `wait` the seconds to wait for a producer to create
     /// the stream, and then for each sample, before raising `feedstore.Timeout`. (The prefetch
-    /// depth is the stream's, set by its producer.)
+    /// depth is the stream's, set by its producer; `depth` is accepted and ignored, with a
+    /// `DeprecationWarning`.)
     #[new]
     #[pyo3(signature = (name, records, rank=0, world=1, *, seed=0, shuffle="full", tail="drop",
-        epochs=Some(1), state=None, socket=None, wait=300.0))]
+        epochs=Some(1), state=None, socket=None, wait=300.0, depth=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -130,7 +131,18 @@ impl Stream {
         state: Option<&str>,
         socket: Option<String>,
         wait: f64,
+        depth: Option<u32>,
     ) -> PyResult<Stream> {
+        if depth.is_some() {
+            let warning = py.get_type::<pyo3::exceptions::PyDeprecationWarning>();
+            PyErr::warn(
+                py,
+                &warning,
+                c"Stream(depth=) is ignored: the prefetch depth is the stream's, set by its \
+                  producer (Writer(depth=), feedstore produce --prefetch)",
+                1,
+            )?;
+        }
         let spec = spec(name, records, world, seed, shuffle, tail, epochs)?;
         let from = state
             .map(|s| {

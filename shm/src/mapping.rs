@@ -9,6 +9,13 @@ use memmap2::{Advice, MmapOptions, MmapRaw};
 
 use crate::ShmError;
 
+// The delivery ring's words are loaded atomically on read-only mappings, which the standard
+// library allows for relaxed loads of at most a pointer's width: 64-bit targets only.
+const _: () = assert!(
+    std::mem::size_of::<usize>() == 8,
+    "feedstore needs a 64-bit target"
+);
+
 /// How a segment is mapped.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Access {

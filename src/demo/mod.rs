@@ -28,8 +28,7 @@ use feedstore_producer::s3::{S3Fetcher, S3Options};
 use feedstore_producer::vision::ResizeMode;
 use feedstore_proto::sample::{DType, TensorLayout};
 use feedstore_proto::stream::{Shuffle, StreamSpec, Tail};
-use feedstore_store::config::{DaemonConfig, format_bytes, parse_bytes};
-use feedstore_store::daemon::Daemon;
+use feedstore_store::config::{format_bytes, parse_bytes};
 
 use crate::SocketArg;
 use ladder::{RungResult, Setup};
@@ -332,17 +331,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let (socket, _daemon) = match &args.socket.socket {
         Some(path) => (path.clone(), None),
         None => {
-            let socket =
-                std::env::temp_dir().join(format!("feedstore-demo-{}.sock", std::process::id()));
-            let config = DaemonConfig {
-                socket: socket.clone(),
-                capacity_bytes: args.capacity,
-                segment_bytes: args.capacity,
-                ..DaemonConfig::default()
-            };
-            let daemon = Daemon::bind(&config)
-                .context("starting the embedded daemon")?
-                .spawn();
+            let (socket, daemon) = crate::EmbeddedDaemon::start("demo", args.capacity)?;
             (socket, Some(daemon))
         }
     };

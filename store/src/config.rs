@@ -28,8 +28,10 @@ pub struct DaemonConfig {
     pub node_id: u32,
     /// Group given access to the socket (mode 0660 instead of 0600).
     pub socket_group: Option<String>,
-    /// Uids allowed besides the daemon's own and root.
+    /// Uids allowed besides the daemon's own and root, as readers and writers.
     pub allow_uids: Vec<u32>,
+    /// Uids allowed as readers only.
+    pub allow_reader_uids: Vec<u32>,
     /// Largest frame payload accepted from a client.
     pub max_frame_bytes: u32,
     /// Longest a create may wait for space, whatever the client asks.
@@ -61,6 +63,9 @@ pub struct Limits {
     pub max_ring_bytes: u64,
     /// A stream with no producer and no consumer for this long is closed.
     pub stream_idle_timeout: Duration,
+    /// Rings attached at once (each holds a descriptor and a mapping in the daemon); not a
+    /// flag: the daemon fits it, with the connections, under its open-file limit.
+    pub max_rings: usize,
 }
 
 impl Default for Limits {
@@ -74,6 +79,7 @@ impl Default for Limits {
             max_streams: 1024,
             max_ring_bytes: 64 << 20,
             stream_idle_timeout: Duration::from_secs(600),
+            max_rings: 4096,
         }
     }
 }
@@ -96,6 +102,7 @@ impl Default for DaemonConfig {
             node_id: default_node_id(),
             socket_group: None,
             allow_uids: Vec::new(),
+            allow_reader_uids: Vec::new(),
             max_frame_bytes: feedstore_proto::frame::MAX_PAYLOAD_BYTES,
             max_create_wait_ms: 10 * 60 * 1000,
             worker_threads: 1,
@@ -122,8 +129,9 @@ impl Default for DaemonConfig {
 pub struct Settings {
     /// Unix socket to listen on [default: $FEEDSTORE_SOCKET, else /run/feedstore/feedstore.sock
     /// for root, else $XDG_RUNTIME_DIR/feedstore/feedstore.sock or
-    /// /tmp/feedstore-<uid>/feedstore.sock]. A directory the daemon creates gets mode 0700
-    /// (0750 with --socket-group, 0711 with --allow-uid).
+    /// /tmp/feedstore-<uid>/feedstore.sock]. The default directory gets mode 0700 (0750 with
+    /// --socket-group, 0711 with --allow-uid or --allow-reader-uid); other users must be able to
+    /// reach it ($XDG_RUNTIME_DIR is private: pass --socket to share the daemon).
     #[arg(long, value_name = "PATH")]
     pub socket: Option<PathBuf>,
 
@@ -151,16 +159,21 @@ pub struct Settings {
     #[arg(long, value_name = "ID")]
     pub node_id: Option<u32>,
 
-    /// Let members of this group connect, as primary or supplementary group (socket mode 0660
-    /// instead of 0600).
+    /// Let members of this group connect, as primary or supplementary group (socket mode 0660,
+    /// or 0666 with --allow-uid).
     #[arg(long, value_name = "GROUP")]
     pub socket_group: Option<String>,
 
-    /// Also allow this uid to connect (repeatable; `allow-uids = [...]` in the file). The
-    /// daemon's own uid and root always may. The socket becomes mode 0666; every peer's uid is
-    /// checked (SO_PEERCRED) before it is served.
+    /// Also allow this uid to connect, as reader or writer (repeatable; `allow-uids = [...]`
+    /// in the file). The daemon's own uid and root always may. The socket becomes mode 0666;
+    /// every peer's uid is checked (SO_PEERCRED) before it is served.
     #[arg(long = "allow-uid", value_name = "UID")]
     pub allow_uids: Option<Vec<u32>>,
+
+    /// Also allow this uid to connect as a reader only: it maps the store read-only and cannot
+    /// write by any path (repeatable; `allow-reader-uids = [...]` in the file).
+    #[arg(long = "allow-reader-uid", value_name = "UID")]
+    pub allow_reader_uids: Option<Vec<u32>>,
 
     /// Largest frame payload accepted from a client, at least 64KiB [default: 1MiB].
     #[arg(long, value_name = "BYTES")]
@@ -191,8 +204,9 @@ pub struct Settings {
     #[arg(long, value_name = "N")]
     pub max_streams: Option<usize>,
 
-    /// Shared memory for stream delivery rings (64 bytes per slot of prefetch depth, per
-    /// attached rank), over all streams, e.g. 64MiB [default: 64MiB].
+    /// Shared memory for stream delivery rings, over all streams, e.g. 64MiB: 64 bytes per slot
+    /// of prefetch depth per attached rank, in whole pages (4 KiB at least), counted until the
+    /// consumer's connection closes [default: 64MiB].
     #[arg(long, value_name = "SIZE")]
     pub max_ring_bytes: Option<String>,
 
@@ -272,6 +286,9 @@ impl Settings {
         cfg.allow_uids = self
             .allow_uids
             .unwrap_or(std::mem::take(&mut cfg.allow_uids));
+        cfg.allow_reader_uids = self
+            .allow_reader_uids
+            .unwrap_or(std::mem::take(&mut cfg.allow_reader_uids));
         cfg.max_frame_bytes = self.max_frame_bytes.unwrap_or(cfg.max_frame_bytes);
         cfg.worker_threads = self.worker_threads.unwrap_or(cfg.worker_threads);
         let l = &mut cfg.limits;

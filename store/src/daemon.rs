@@ -127,7 +127,11 @@ impl Daemon {
         }
 
         let daemon_uid = nix::unistd::geteuid().as_raw();
-        let others = config.allow_uids.iter().any(|&u| u != daemon_uid && u != 0);
+        let others = config
+            .allow_uids
+            .iter()
+            .chain(&config.allow_reader_uids)
+            .any(|&u| u != daemon_uid && u != 0);
         let access = if others {
             SocketAccess::AllowedUids
         } else if let Some(gid) = gid {
@@ -135,10 +139,12 @@ impl Daemon {
         } else {
             SocketAccess::Owner
         };
-        let listener = bind_socket(&config.socket, access)?;
+        let manage_dir = config.socket == feedstore_proto::own_socket_path();
+        let listener = bind_socket(&config.socket, access, manage_dir)?;
         let epoch = random_epoch();
         let mut uids: std::collections::HashSet<u32> = config.allow_uids.iter().copied().collect();
         uids.insert(daemon_uid);
+        let reader_uids = config.allow_reader_uids.iter().copied().collect();
         let limits = fit_connections_to_descriptors(config.limits.clone());
         let objects = Objects::new(config.node_id, epoch, &sizes, hugetlb);
         let shared = Shared::new(
@@ -147,7 +153,11 @@ impl Daemon {
             ServeConfig {
                 node_id: config.node_id,
                 epoch,
-                policy: AccessPolicy { uids, gid },
+                policy: AccessPolicy {
+                    uids,
+                    reader_uids,
+                    gid,
+                },
                 max_frame_bytes: config.max_frame_bytes,
                 max_create_wait_ms: config.max_create_wait_ms,
                 limits,
@@ -166,6 +176,12 @@ impl Daemon {
     /// The socket clients connect to.
     pub fn socket_path(&self) -> &Path {
         &self.socket
+    }
+
+    /// The state the daemon serves, for an embedding that reads it in-process (its
+    /// statistics, say) rather than over the socket.
+    pub fn shared(&self) -> &Arc<Shared> {
+        &self.shared
     }
 
     /// Serves on the calling thread until `shutdown` completes, then removes the socket file.
@@ -218,8 +234,11 @@ impl Daemon {
                             tokio::spawn(serve_connection(shared.clone(), stream));
                         }
                         Err(e) => {
+                            // Out of descriptors despite the limits (something else holds
+                            // them): the client waits in the backlog and its hello times out
+                            // with a clear error; back off rather than spin.
                             tracing::warn!(error = %e, "accept failed");
-                            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+                            tokio::time::sleep(std::time::Duration::from_millis(100)).await;
                         }
                     },
                     _ = &mut shutdown => break,
@@ -245,6 +264,7 @@ impl Daemon {
     /// returned handle is stopped or dropped.
     pub fn spawn(self) -> DaemonHandle {
         let socket = self.socket.clone();
+        let shared = self.shared.clone();
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
         let thread = std::thread::Builder::new()
             .name("feedstored".into())
@@ -260,6 +280,7 @@ impl Daemon {
             stop: Some(stop),
             thread: Some(thread),
             socket,
+            shared,
         }
     }
 }
@@ -269,12 +290,18 @@ pub struct DaemonHandle {
     stop: Option<tokio::sync::oneshot::Sender<()>>,
     thread: Option<std::thread::JoinHandle<()>>,
     socket: PathBuf,
+    shared: Arc<Shared>,
 }
 
 impl DaemonHandle {
     /// The socket clients connect to.
     pub fn socket_path(&self) -> &Path {
         &self.socket
+    }
+
+    /// The state the daemon serves, read in-process.
+    pub fn shared(&self) -> &Arc<Shared> {
+        &self.shared
     }
 
     /// Stops serving and waits for the thread.
@@ -347,9 +374,12 @@ impl SocketAccess {
     }
 }
 
+/// Binds the socket at `path` with the modes `access` needs. `manage_dir`: the directory is the
+/// daemon's own default one, whose mode it sets even if it exists (from a run with other access).
 fn bind_socket(
     path: &Path,
     access: SocketAccess,
+    manage_dir: bool,
 ) -> Result<std::os::unix::net::UnixListener, StartError> {
     let sock_err = |source| StartError::Socket {
         path: path.to_owned(),
@@ -361,7 +391,8 @@ fn bind_socket(
         _ => None,
     };
     if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
-        prepare_socket_dir(dir, dir_mode, group)?;
+        prepare_socket_dir(dir, dir_mode, group, manage_dir)?;
+        warn_if_unreachable(dir, access);
     }
     check_socket_free(path)?;
     let listener = std::os::unix::net::UnixListener::bind(path).map_err(sock_err)?;
@@ -381,6 +412,7 @@ fn prepare_socket_dir(
     dir: &Path,
     mode: u32,
     group: Option<nix::unistd::Gid>,
+    manage: bool,
 ) -> Result<(), StartError> {
     use std::os::unix::fs::{DirBuilderExt, MetadataExt};
     let unsafe_dir = |reason: String| StartError::UnsafeSocketDir {
@@ -424,14 +456,45 @@ fn prepare_socket_dir(
                     meta.mode() & 0o7777
                 )));
             }
+            if manage && meta.uid() == me {
+                std::fs::set_permissions(dir, std::fs::Permissions::from_mode(mode))
+                    .map_err(sock_err)?;
+                if group.is_some() {
+                    nix::unistd::chown(dir, None, group).map_err(|e| sock_err(e.into()))?;
+                }
+            }
             Ok(())
         }
     }
 }
 
-/// Keeps the connection limit under the descriptors this process may open (raising the soft
-/// limit to the hard one first), so an accept never fails for want of one: a client over the
-/// limit gets a clear refusal instead of a hang.
+/// Warns when the clients `access` admits cannot reach the socket: a directory on the way
+/// that they cannot search (`$XDG_RUNTIME_DIR` is 0700).
+fn warn_if_unreachable(dir: &Path, access: SocketAccess) {
+    use std::os::unix::fs::MetadataExt;
+    let needed = match access {
+        SocketAccess::Owner => return,
+        SocketAccess::Group(_) => 0o011,
+        SocketAccess::AllowedUids => 0o001,
+    };
+    for ancestor in dir.ancestors() {
+        if let Ok(meta) = std::fs::metadata(ancestor)
+            && meta.mode() & needed == 0
+        {
+            tracing::warn!(
+                directory = %ancestor.display(),
+                mode = format!("{:o}", meta.mode() & 0o7777),
+                "clients of other users cannot reach the socket through this directory; pass \
+                 --socket in a directory they can search"
+            );
+            return;
+        }
+    }
+}
+
+/// Keeps connections and attached rings (a descriptor each) under the descriptors this process
+/// may open, raising the soft limit to the hard one first, so a client over a limit gets a clear
+/// refusal rather than an accept or a ring that fails for want of a descriptor.
 fn fit_connections_to_descriptors(mut limits: crate::config::Limits) -> crate::config::Limits {
     use nix::sys::resource::{Resource, getrlimit, setrlimit};
     let Ok((soft, hard)) = getrlimit(Resource::RLIMIT_NOFILE) else {
@@ -442,18 +505,20 @@ fn fit_connections_to_descriptors(mut limits: crate::config::Limits) -> crate::c
     } else {
         soft
     };
-    // Room for segments, rings, the listener, logs and the runtime besides connections.
+    // Room for segments, the listener, logs and the runtime; the rest is shared by connections
+    // and rings, half each at most.
     let room = usize::try_from(soft.saturating_sub(512))
         .unwrap_or(usize::MAX)
-        .max(16);
-    if limits.max_connections > room {
+        .max(32);
+    if limits.max_connections > room / 2 {
         tracing::warn!(
             max_connections = limits.max_connections,
             open_files = soft,
             "lowering --max-connections to fit the open-file limit"
         );
-        limits.max_connections = room;
+        limits.max_connections = room / 2;
     }
+    limits.max_rings = limits.max_rings.min(room / 2);
     limits
 }
 

@@ -67,11 +67,13 @@ pub struct ClientInfo {
     pub role: Role,
     /// The peer's uid (`SO_PEERCRED`).
     pub uid: u32,
-    /// The peer's pid (`SO_PEERCRED`); 0 for the daemon's own connections (a stream holding its
-    /// samples' leases), which are not counted as clients.
+    /// The peer's pid (`SO_PEERCRED`; 0 when it lives in another pid namespace).
     pub pid: i32,
     /// The name the client gave in its hello.
     pub name: String,
+    /// One of the daemon's own connections (a stream holding its samples' leases): not a
+    /// client, and bounded by its stream's depth rather than the lease limit.
+    pub internal: bool,
 }
 
 #[derive(Debug)]
@@ -318,17 +320,13 @@ impl Objects {
         if obj.state != State::Sealed {
             return Err(Status::NotSealed);
         }
-        let c = self.conns.get(&conn).ok_or(Status::Protocol)?;
-        if c.info.pid != 0 && c.lease_count >= self.max_leases_per_conn {
-            self.counters.limits_hit += 1;
-            return Err(Status::LimitReached);
-        }
         self.add_lease(conn, slot)
     }
 
     /// Gives `to` a lease of its own on an object `from` holds a lease on (a stream handing a
     /// sample to its consumer). Succeeds for a deleted object too: its bytes stay valid while
-    /// leased, and `from`'s lease proves it is still there.
+    /// leased, and `from`'s lease proves it is still there. `LimitReached` once `to` holds
+    /// `--max-leases-per-connection`, as for a get.
     pub fn share_lease(&mut self, from: ConnId, to: ConnId, handle: Handle) -> Result<(), Status> {
         let slot = self.resolve(handle)?;
         let held = self
@@ -342,7 +340,14 @@ impl Objects {
         self.add_lease(to, slot).map(|_| ())
     }
 
+    /// One more lease for `conn` on `slot`, within the connection's limit (client connections
+    /// only) and the object's counter.
     fn add_lease(&mut self, conn: ConnId, slot: u32) -> Result<Location, Status> {
+        let c = self.conns.get(&conn).ok_or(Status::Protocol)?;
+        if !c.info.internal && c.lease_count >= self.max_leases_per_conn {
+            self.counters.limits_hit += 1;
+            return Err(Status::LimitReached);
+        }
         let obj = self.slots[slot as usize]
             .object
             .as_mut()
@@ -410,7 +415,7 @@ impl Objects {
                 .map(Allocator::largest_free)
                 .max()
                 .unwrap_or(0),
-            clients: self.conns.values().filter(|c| c.info.pid != 0).count() as u64,
+            clients: self.conns.values().filter(|c| !c.info.internal).count() as u64,
             evictions: self.counters.evictions,
             evicted_bytes: self.counters.evicted_bytes,
             creates_waited: self.counters.creates_waited,
@@ -563,6 +568,7 @@ mod tests {
             uid: 0,
             pid: 1,
             name: "t".into(),
+            internal: false,
         };
         let w = o.connect(info(Role::Writer));
         let r = o.connect(info(Role::Reader));
@@ -601,6 +607,7 @@ mod tests {
             uid: 0,
             pid: 1,
             name: "t".into(),
+            internal: false,
         };
         let (a, b) = (o.connect(info()), o.connect(info()));
         let c = o.create(a, 10, false).unwrap();
@@ -692,6 +699,7 @@ mod tests {
             uid: 0,
             pid: 1,
             name: "t".into(),
+            internal: false,
         };
         let w = o.connect(info(Role::Writer));
         let r = o.connect(info(Role::Reader));

@@ -44,32 +44,58 @@ use crate::objects::{ClientInfo, ConnId, Objects};
 use crate::peer::Peer;
 use crate::streams::{StreamError, Streams};
 
-/// Who may connect, decided from the peer's credentials.
+/// Who may connect, and in which role, decided from the peer's credentials.
 #[derive(Debug, Clone)]
 pub struct AccessPolicy {
-    /// Allowed uids (the daemon's own uid and root are always allowed).
+    /// Uids allowed as readers and writers (the daemon's own uid and root are always allowed).
     pub uids: HashSet<u32>,
+    /// Uids allowed as readers only: their hello as a writer is refused.
+    pub reader_uids: HashSet<u32>,
     /// Peers in this group, as primary or supplementary group, are allowed too.
     pub gid: Option<u32>,
 }
 
 impl AccessPolicy {
-    fn allows(&self, peer: &Peer) -> bool {
-        peer.uid == 0
+    /// Why `peer` may not connect as `role`, if it may not.
+    fn refusal(&self, peer: &Peer, role: Role) -> Option<String> {
+        let full = peer.uid == 0
             || self.uids.contains(&peer.uid)
-            || self.gid.is_some_and(|g| peer.groups.contains(&g))
+            || self.gid.is_some_and(|g| peer.groups.contains(&g));
+        if full {
+            return None;
+        }
+        match (self.reader_uids.contains(&peer.uid), role) {
+            (true, Role::Reader) => None,
+            (true, Role::Writer) => Some(format!(
+                "uid {} may only read from this feedstored (--allow-reader-uid)",
+                peer.uid
+            )),
+            (false, _) => Some(format!(
+                "uid {} is not allowed by this feedstored; add it with --allow-uid, \
+                 --allow-reader-uid or --socket-group",
+                peer.uid
+            )),
+        }
     }
 }
 
-/// A lock over state a panic could leave half-updated. If a panic unwinds while it is held, the
+/// A lock over state a panic could leave half-updated. If a panic starts while it is held, the
 /// process aborts instead of unlocking: no connection can go on serving from a torn allocator
-/// or object table, and every client sees the daemon gone.
-pub struct Critical<'a, T>(MutexGuard<'a, T>);
+/// or object table, and every client sees the daemon gone. (Taken while a panic elsewhere
+/// unwinds, to reclaim a connection's holdings, it unlocks normally.)
+pub struct Critical<'a, T> {
+    guard: MutexGuard<'a, T>,
+    /// Whether this thread was already unwinding when it locked.
+    unwinding_at_lock: bool,
+}
 
 impl<'a, T> Critical<'a, T> {
     fn lock(mutex: &'a Mutex<T>) -> Self {
         match mutex.lock() {
-            Ok(guard) => Critical(guard),
+            Ok(guard) => Critical {
+                guard,
+                unwinding_at_lock: std::thread::panicking(),
+            },
             // Unreachable: a panic under the lock aborts before it can poison it.
             Err(_) => abort_torn("a poisoned lock"),
         }
@@ -79,19 +105,19 @@ impl<'a, T> Critical<'a, T> {
 impl<T> Deref for Critical<'_, T> {
     type Target = T;
     fn deref(&self) -> &T {
-        &self.0
+        &self.guard
     }
 }
 
 impl<T> DerefMut for Critical<'_, T> {
     fn deref_mut(&mut self) -> &mut T {
-        &mut self.0
+        &mut self.guard
     }
 }
 
 impl<T> Drop for Critical<'_, T> {
     fn drop(&mut self) {
-        if std::thread::panicking() {
+        if std::thread::panicking() && !self.unwinding_at_lock {
             abort_torn("a panic while the daemon's state was locked");
         }
     }
@@ -343,33 +369,19 @@ pub async fn serve_connection(shared: Arc<Shared>, mut stream: UnixStream) {
         name: String::new(),
     };
     let end = conn.run().await;
-    let (uid, pid, name) = (conn.peer.uid, conn.peer.pid, conn.name.clone());
-    if let Some(id) = conn.id {
-        let reclaimed = shared.with_streams(|s, o| {
-            s.disconnect(id);
-            o.disconnect(id)
-        });
-        if let Err(reason @ (ConnEnd::Malformed(_) | ConnEnd::Protocol(_))) = &end {
-            tracing::warn!(conn = id, pid, uid, name = ?name, %reason, "closing connection");
+    let (uid, pid) = (conn.peer.uid, conn.peer.pid);
+    match (&conn.id, end) {
+        (Some(id), Err(reason @ (ConnEnd::Malformed(_) | ConnEnd::Protocol(_)))) => {
+            tracing::warn!(conn = id, pid, uid, name = ?conn.name, %reason, "closing connection");
         }
-        if reclaimed.aborted + reclaimed.leases > 0 {
-            tracing::info!(
-                conn = id, pid, name = ?name,
-                aborted_objects = reclaimed.aborted,
-                released_leases = reclaimed.leases,
-                "client disconnected; reclaimed its unsealed objects and leases"
-            );
-        } else {
-            tracing::info!(conn = id, pid, name = ?name, "client disconnected");
-        }
-    } else if let Err(e) = end {
-        match e {
-            ConnEnd::Closed => {}
-            e => tracing::warn!(pid, uid, reason = %e, "connection refused before hello"),
-        }
+        (None, Err(ConnEnd::Closed) | Ok(())) | (Some(_), _) => {}
+        (None, Err(e)) => tracing::warn!(pid, uid, reason = %e, "connection refused before hello"),
     }
+    // `conn` drops here: its `Drop` reclaims what the client held.
 }
 
+/// One client's connection. Dropping it (at the end, or when its task is cancelled or panics)
+/// aborts what the client was writing and returns its leases, stream tasks and ring.
 struct Connection {
     shared: Arc<Shared>,
     stream: UnixStream,
@@ -385,6 +397,29 @@ struct Connection {
     /// The largest reply payload the client accepts (from its hello).
     peer_limit: u32,
     name: String,
+}
+
+impl Drop for Connection {
+    fn drop(&mut self) {
+        let Some(id) = self.id else {
+            return;
+        };
+        let reclaimed = self.shared.with_streams(|s, o| {
+            s.disconnect(id);
+            o.disconnect(id)
+        });
+        let (pid, name) = (self.peer.pid, &self.name);
+        if reclaimed.aborted + reclaimed.leases > 0 {
+            tracing::info!(
+                conn = id, pid, name = ?name,
+                aborted_objects = reclaimed.aborted,
+                released_leases = reclaimed.leases,
+                "client disconnected; reclaimed its unsealed objects and leases"
+            );
+        } else {
+            tracing::info!(conn = id, pid, name = ?name, "client disconnected");
+        }
+    }
 }
 
 impl Connection {
@@ -520,17 +555,11 @@ impl Connection {
                 self.release(id, &handles);
                 return Ok(());
             }
-            Request::Stats => {
-                #[cfg(feature = "fault-injection")]
-                if self.name == FAULT_PANIC_UNDER_LOCK {
-                    shared.with_objects(|_| panic!("fault injected: a panic under the lock"));
-                }
-                Response::Stats(shared.with_streams(|s, o| {
-                    let mut stats = o.stats();
-                    s.add_stats(&mut stats);
-                    stats
-                }))
-            }
+            Request::Stats => Response::Stats(shared.with_streams(|s, o| {
+                let mut stats = o.stats();
+                s.add_stats(&mut stats);
+                stats
+            })),
             Request::CacheLookup { keys } => {
                 Response::Cached(shared.with_streams(|s, o| s.lookup(o, &keys)))
             }
@@ -776,11 +805,7 @@ impl Connection {
         max_frame_bytes: u32,
     ) -> Result<(), ConnEnd> {
         let shared = self.shared.clone();
-        if !shared.policy.allows(&self.peer) {
-            let message = format!(
-                "uid {} is not allowed by this feedstored; add it with --allow-uid or use --socket-group",
-                self.peer.uid
-            );
+        if let Some(message) = shared.policy.refusal(&self.peer, role) {
             return self
                 .refuse(request_id, Status::PermissionDenied, message)
                 .await;
@@ -807,6 +832,7 @@ impl Connection {
             uid: self.peer.uid,
             pid: self.peer.pid,
             name: name.clone(),
+            internal: false,
         };
         let id = shared.with_objects(|o| o.connect(info));
         self.id = Some(id);
@@ -907,11 +933,6 @@ impl Connection {
     }
 }
 
-/// The client name that makes `Stats` panic under the object lock, in builds with the
-/// `fault-injection` feature (the tests' builds): how the tests show the daemon aborts.
-#[cfg(feature = "fault-injection")]
-pub const FAULT_PANIC_UNDER_LOCK: &str = "fault-injection: panic under the lock";
-
 fn error(status: Status, message: String) -> Response {
     Response::Error {
         status,
@@ -983,5 +1004,18 @@ mod tests {
         });
         assert!(result.is_err());
         assert_eq!(*Critical::lock(&state), 1);
+        // Locking while a panic elsewhere unwinds (a connection's reclaim in its `Drop`).
+        struct ReclaimOnDrop<'a>(&'a Mutex<u32>);
+        impl Drop for ReclaimOnDrop<'_> {
+            fn drop(&mut self) {
+                *Critical::lock(self.0) += 1;
+            }
+        }
+        let result = std::panic::catch_unwind(|| {
+            let _reclaim = ReclaimOnDrop(&state);
+            panic!("in a connection task");
+        });
+        assert!(result.is_err());
+        assert_eq!(*Critical::lock(&state), 2, "reclaimed, not aborted");
     }
 }

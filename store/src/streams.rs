@@ -1,8 +1,10 @@
 //! Streams: the daemon's side of handing samples to trainer ranks in a fixed order.
 //!
 //! A stream is named and defined by a [`StreamSpec`], which fixes the record behind every
-//! (rank, sequence number). Only writers create streams (by joining one as a producer); readers
-//! attach to a rank of an existing one. Per rank the daemon keeps a window of `depth` sequence
+//! (rank, sequence number). Streams belong to the uid of the writer that created them, and names
+//! are per uid: a client sees, joins and attaches to its own uid's streams only, so no other user
+//! can squat a name, feed, rewind or end a stream. Only writers create streams (by joining one as
+//! a producer); readers attach to a rank of an existing one. Per rank the daemon keeps a window of `depth` sequence
 //! numbers starting at the first one its consumer has not returned. Producers take tasks
 //! (rank, seq) inside the windows, make the samples, and put them back; each put sample is
 //! leased by the stream (through a connection of its own in [`Objects`], so it cannot be
@@ -38,8 +40,12 @@ use crate::objects::{ClientInfo, ConnId, Objects};
 
 /// Largest prefetch depth per rank.
 pub const MAX_DEPTH: u32 = 1 << 16;
-/// Most ranks one stream keeps on a node.
+/// Most ranks the daemon keeps, over all streams.
 pub const MAX_RANKS: usize = 1 << 16;
+/// Most rings one connection may receive over its life (a consumer attaches once; each ring
+/// stays counted against `--max-ring-bytes` until the connection that received it closes, since
+/// the client may keep it mapped).
+pub const MAX_RINGS_PER_CONNECTION: u32 = 16;
 
 /// A stream operation that failed as a whole.
 #[derive(Debug, thiserror::Error)]
@@ -259,39 +265,39 @@ impl Stream {
         self.end().map_or(end, |e| end.min(e))
     }
 
-    /// The rank's window, made if it is new and the stream has room for another rank.
-    fn rank(&mut self, rank: u32, start: u64) -> Result<&mut Rank, StreamError> {
-        if !self.ranks.contains_key(&rank) && self.ranks.len() >= MAX_RANKS {
-            return Err(fail(
-                Status::LimitReached,
-                format!(
-                    "stream {:?} already has {MAX_RANKS} ranks on this node",
-                    self.spec.name
-                ),
-            ));
-        }
-        Ok(self.ranks.entry(rank).or_insert_with(|| Rank::new(start)))
+    /// The rank's window, made if it is new (the caller has checked there is room for it).
+    fn rank(&mut self, rank: u32, start: u64) -> &mut Rank {
+        self.ranks.entry(rank).or_insert_with(|| Rank::new(start))
     }
 
     fn idle(&self) -> bool {
         self.producers.is_empty() && self.ranks.values().all(|r| r.consumer.is_none())
     }
+}
 
-    fn ring_bytes(&self) -> u64 {
-        self.ranks
-            .values()
-            .filter_map(|r| r.consumer.as_ref())
-            .map(|c| c.ring.size_bytes())
-            .sum()
-    }
+/// The rings a connection received, counted until it closes (it may keep them mapped).
+#[derive(Debug, Default, Clone, Copy)]
+struct ConnRings {
+    bytes: u64,
+    received: u32,
+    /// Whether it is attached to a rank now (one at a time).
+    attached: bool,
 }
 
 /// Every stream of the daemon, and the decode-once cache they share.
 #[derive(Debug)]
 pub struct Streams {
-    by_name: HashMap<String, u32>,
+    /// Streams by owner uid and name.
+    by_name: HashMap<(u32, String), u32>,
     streams: BTreeMap<u32, Stream>,
     next_id: u32,
+    /// Ranks over all streams.
+    ranks: usize,
+    /// Rings received per connection.
+    conn_rings: HashMap<ConnId, ConnRings>,
+    /// Rings attached now (each holds a descriptor and a mapping in the daemon).
+    rings_attached: usize,
+    max_rings: usize,
     /// Consumers whose stream was closed under them: the entries they may still read from
     /// their ring keep their leases until they detach or disconnect.
     orphans: HashMap<(ConnId, u32, u32), Published>,
@@ -321,6 +327,10 @@ impl Streams {
             by_name: HashMap::new(),
             streams: BTreeMap::new(),
             next_id: 0,
+            ranks: 0,
+            conn_rings: HashMap::new(),
+            rings_attached: 0,
+            max_rings: limits.max_rings,
             orphans: HashMap::new(),
             cache: HashMap::new(),
             cache_lookups: 0,
@@ -357,9 +367,9 @@ impl Streams {
             .ok_or_else(|| fail(Status::NotFound, format!("no stream {id}")))
     }
 
-    /// The stream named in `spec`, checked against it.
-    fn find(&self, spec: &StreamSpec) -> Result<Option<u32>, StreamError> {
-        let Some(&id) = self.by_name.get(&spec.name) else {
+    /// `uid`'s stream named in `spec`, checked against it.
+    fn find(&self, uid: u32, spec: &StreamSpec) -> Result<Option<u32>, StreamError> {
+        let Some(&id) = self.by_name.get(&(uid, spec.name.clone())) else {
             return Ok(None);
         };
         let existing = &self.streams[&id].spec;
@@ -401,18 +411,39 @@ impl Streams {
             spec.check(r.rank)
                 .map_err(|e| fail(Status::InvalidArgument, e.to_string()))?;
         }
-        let id = match self.find(spec)? {
+        let id = match self.find(uid, spec)? {
             Some(id) => id,
             None => self.create(objects, spec, depth, uid)?,
         };
+        let stream = &self.streams[&id];
+        let new: BTreeSet<u32> = ranks
+            .iter()
+            .map(|r| r.rank)
+            .filter(|r| !stream.ranks.contains_key(r))
+            .collect();
+        self.room_for_ranks(new.len())?;
         let stream = self.stream(id)?;
         stream.producers.insert(conn);
         stream.last_used = Instant::now();
         for r in ranks {
-            stream.rank(r.rank, r.seq)?;
+            stream.rank(r.rank, r.seq);
         }
+        self.ranks += new.len();
         self.changed();
         Ok(id)
+    }
+
+    /// Refuses `n` more ranks past [`MAX_RANKS`].
+    fn room_for_ranks(&mut self, n: usize) -> Result<(), StreamError> {
+        if self.ranks + n > MAX_RANKS {
+            let message = format!(
+                "the daemon keeps at most {MAX_RANKS} ranks over all streams ({} now); close \
+                 unused streams",
+                self.ranks
+            );
+            return Err(self.limit(message));
+        }
+        Ok(())
     }
 
     fn create(
@@ -429,16 +460,19 @@ impl Streams {
                 self.streams.len()
             )));
         }
-        self.next_id += 1;
-        let id = self.next_id;
+        let Some(id) = self.next_id.checked_add(1) else {
+            return Err(self.limit("stream ids are used up; restart the daemon".into()));
+        };
+        self.next_id = id;
         let leases = objects.connect(ClientInfo {
             role: Role::Reader,
             uid: 0,
             pid: 0,
             name: format!("stream {}", spec.name),
+            internal: true,
         });
         let depth = depth.clamp(1, MAX_DEPTH);
-        self.by_name.insert(spec.name.clone(), id);
+        self.by_name.insert((owner_uid, spec.name.clone()), id);
         let now = Instant::now();
         self.streams.insert(
             id,
@@ -473,15 +507,34 @@ impl Streams {
     ) -> Result<(u32, &Ring), StreamError> {
         spec.check(rank)
             .map_err(|e| fail(Status::InvalidArgument, e.to_string()))?;
-        let id = self.find(spec)?.ok_or_else(|| {
+        let uid = objects
+            .client(conn)
+            .ok_or_else(|| fail(Status::Protocol, "unknown connection"))?
+            .uid;
+        let id = self.find(uid, spec)?.ok_or_else(|| {
             fail(
                 Status::NotFound,
                 format!(
-                    "no stream named {:?} (is a producer running with --stream {:?}?)",
+                    "no stream named {:?} of uid {uid} (is a producer of this user running with \
+                     --stream {:?}?)",
                     spec.name, spec.name
                 ),
             )
         })?;
+        let rings = self.conn_rings.get(&conn).copied().unwrap_or_default();
+        if rings.attached {
+            return Err(fail(
+                Status::InvalidState,
+                "this connection is already attached to a rank; one per connection",
+            ));
+        }
+        if rings.received >= MAX_RINGS_PER_CONNECTION {
+            let message = format!(
+                "this connection has received {MAX_RINGS_PER_CONNECTION} rings, the most one may; \
+                 connect again"
+            );
+            return Err(self.limit(message));
+        }
         let stream = &self.streams[&id];
         match stream.ranks.get(&rank).and_then(|r| r.consumer.as_ref()) {
             Some(c) if c.conn == conn => {
@@ -502,15 +555,24 @@ impl Streams {
             None => {}
         }
         let size = ring_size(stream.depth);
+        let new_rank = !stream.ranks.contains_key(&rank);
         if self.ring_bytes + size > self.max_ring_bytes {
             let message = format!(
                 "delivery rings would take {} of the {} allowed (--max-ring-bytes); close unused \
-                 streams or detach idle ranks",
+                 streams, or consumers that hold samples of streams they left",
                 format_bytes(self.ring_bytes + size),
                 format_bytes(self.max_ring_bytes)
             );
             return Err(self.limit(message));
         }
+        if self.rings_attached >= self.max_rings {
+            let message = format!(
+                "{} rings are attached, the most the daemon's open-file limit allows",
+                self.rings_attached
+            );
+            return Err(self.limit(message));
+        }
+        self.room_for_ranks(usize::from(new_rank))?;
         let stream = self.streams.get_mut(&id).expect("found above");
         let ring = Ring::new(spec, rank, stream.depth)
             .map_err(|e| fail(Status::Full, format!("cannot create the ring: {e}")))?;
@@ -519,7 +581,7 @@ impl Streams {
         let window_end = seq.saturating_add(depth);
         let leases = stream.leases;
         stream.last_used = Instant::now();
-        let r = stream.rank(rank, seq)?;
+        let r = stream.rank(rank, seq);
         // Keep what lies in the new window; return the stream's leases on the rest (views a
         // previous consumer still holds have leases of their own).
         let outside: Vec<u64> = r
@@ -555,7 +617,13 @@ impl Streams {
         }
         tracing::info!(stream = ?spec.name, rank, seq, held = r.ready.len(), "consumer attached");
         let ring = &r.consumer.insert(consumer).ring;
+        self.ranks += usize::from(new_rank);
         self.ring_bytes += ring_size;
+        self.rings_attached += 1;
+        let rings = self.conn_rings.entry(conn).or_default();
+        rings.bytes += ring_size;
+        rings.received += 1;
+        rings.attached = true;
         self.version = self.version.wrapping_add(1);
         Ok((id, ring))
     }
@@ -616,6 +684,9 @@ impl Streams {
             .streams
             .get_mut(&id)
             .ok_or_else(|| fail(Status::Ended, "the stream was closed"))?;
+        if !stream.producers.contains(&conn) {
+            return Err(fail(Status::Protocol, "put before joining the stream"));
+        }
         let leases = stream.leases;
         let mut statuses = Vec::with_capacity(items.len());
         let mut cached = Vec::new();
@@ -841,11 +912,10 @@ impl Streams {
         let stream = self.stream(id)?;
         let r = Self::consumer_of(stream, conn, rank, "detach")?;
         let consumer = r.consumer.take().expect("checked attached");
-        let size = consumer.ring.size_bytes();
         let unread = consumer.published.release_unread(objects, conn, next);
         stream.last_used = Instant::now();
         tracing::info!(stream = ?stream.spec.name, rank, next, unread, "consumer detached");
-        self.ring_bytes -= size;
+        self.unattach(conn);
         self.changed();
         Ok(())
     }
@@ -885,16 +955,29 @@ impl Streams {
         Ok(())
     }
 
+    /// A connection's ring is retired: its descriptor and mapping in the daemon go, but its
+    /// bytes stay counted until the connection closes.
+    fn unattach(&mut self, conn: ConnId) {
+        if let Some(rings) = self.conn_rings.get_mut(&conn)
+            && rings.attached
+        {
+            rings.attached = false;
+            self.rings_attached -= 1;
+        }
+    }
+
     /// Retires a stream: rings gone, the stream's leases returned, consumers' unread entries
     /// kept leased for them until they detach or disconnect.
     fn remove(&mut self, objects: &mut Objects, id: u32, why: &str) {
         let Some(stream) = self.streams.remove(&id) else {
             return;
         };
-        self.by_name.remove(&stream.spec.name);
-        self.ring_bytes -= stream.ring_bytes();
+        self.by_name
+            .remove(&(stream.owner_uid, stream.spec.name.clone()));
+        self.ranks -= stream.ranks.len();
         for (rank, r) in stream.ranks {
             if let Some(c) = r.consumer {
+                self.unattach(c.conn);
                 self.orphans.insert((c.conn, id, rank), c.published);
             }
         }
@@ -925,7 +1008,6 @@ impl Streams {
 
     /// A connection went away: its tasks go back to their windows, its rings are retired.
     pub fn disconnect(&mut self, conn: ConnId) {
-        let mut freed = 0;
         let mut touched = false;
         let now = Instant::now();
         for stream in self.streams.values_mut() {
@@ -943,7 +1025,7 @@ impl Streams {
                     r.redo.insert(s);
                 }
                 if r.consumer.as_ref().is_some_and(|c| c.conn == conn) {
-                    freed += r.consumer.take().map_or(0, |c| c.ring.size_bytes());
+                    r.consumer = None;
                     used = true;
                 }
             }
@@ -953,7 +1035,10 @@ impl Streams {
             }
         }
         self.orphans.retain(|&(c, _, _), _| c != conn);
-        self.ring_bytes -= freed;
+        if let Some(rings) = self.conn_rings.remove(&conn) {
+            self.ring_bytes -= rings.bytes;
+            self.rings_attached -= usize::from(rings.attached);
+        }
         if touched {
             self.changed();
         }
@@ -1013,6 +1098,7 @@ mod tests {
             uid,
             pid: 1,
             name: String::new(),
+            internal: false,
         })
     }
 
@@ -1204,6 +1290,73 @@ mod tests {
         let err = s.join(&mut o, p, &three, 4, &[]).unwrap_err();
         assert_eq!(err.status, Status::LimitReached);
         assert!(err.message.contains("--max-streams"), "{err}");
+    }
+
+    /// Names are per uid: another user can neither see, feed, rewind nor squat a stream.
+    #[test]
+    fn streams_belong_to_their_uid() {
+        let (mut o, mut s, p, c) = setup();
+        let id = s.join(&mut o, p, &spec(1), 4, &starts(&[0])).unwrap();
+        let tasks = s.take(p, id, 1).unwrap();
+        let other_reader = client(&mut o, Role::Reader, 2000);
+        let err = s.attach(&mut o, other_reader, &spec(1), 0, 0).unwrap_err();
+        assert_eq!(
+            err.status,
+            Status::NotFound,
+            "uid 2000 sees no stream of uid 1000"
+        );
+        let other_writer = client(&mut o, Role::Writer, 2000);
+        let theirs = s.join(&mut o, other_writer, &spec(1), 4, &[]).unwrap();
+        assert_ne!(
+            theirs, id,
+            "the same name is another stream for another uid"
+        );
+        let item = make(&mut o, other_writer, tasks[0]);
+        let err = s.put(&mut o, other_writer, id, &[item]).unwrap_err();
+        assert_eq!(
+            err.status,
+            Status::Protocol,
+            "only the stream's producers put into it"
+        );
+        assert!(s.take(other_writer, id, 1).is_err());
+        s.attach(&mut o, c, &spec(1), 0, 0).unwrap();
+    }
+
+    /// A ring stays counted until the connection that received it closes (the client may keep
+    /// it mapped), and a connection attaches to one rank at a time.
+    #[test]
+    fn rings_are_counted_until_their_connection_closes() {
+        let (mut o, mut s, p, c) = setup();
+        let wide = StreamSpec {
+            world: 4,
+            ..spec(1)
+        };
+        let id = s.join(&mut o, p, &wide, 64, &[]).unwrap();
+        s.attach(&mut o, c, &wide, 0, 0).unwrap();
+        let err = s.attach(&mut o, c, &wide, 1, 0).unwrap_err();
+        assert_eq!(err.status, Status::InvalidState, "one rank per connection");
+        s.detach(&mut o, c, id, 0, 0).unwrap();
+        let ring_bytes = |s: &Streams| {
+            let mut stats = feedstore_proto::StoreStats::default();
+            s.add_stats(&mut stats);
+            stats.ring_bytes
+        };
+        assert_eq!(
+            ring_bytes(&s),
+            ring_size(64),
+            "still counted after the detach"
+        );
+        s.attach(&mut o, c, &wide, 1, 0).unwrap();
+        assert_eq!(ring_bytes(&s), 2 * ring_size(64));
+        s.disconnect(c);
+        assert_eq!(ring_bytes(&s), 0, "given back with the connection");
+        let looping = client(&mut o, Role::Reader, 1000);
+        for _ in 0..MAX_RINGS_PER_CONNECTION {
+            s.attach(&mut o, looping, &wide, 2, 0).unwrap();
+            s.detach(&mut o, looping, id, 2, 0).unwrap();
+        }
+        let err = s.attach(&mut o, looping, &wide, 2, 0).unwrap_err();
+        assert_eq!(err.status, Status::LimitReached, "{err}");
     }
 
     #[test]
