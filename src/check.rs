@@ -157,7 +157,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     }
     let secs = started.elapsed().as_secs_f64();
     println!(
-        "small objects: {:.0} put+get+delete operations/s ({:.1} us each; Ray 2.60 here: 3,769 gets/s)",
+        "small objects: {:.0} put+get+delete operations/s ({:.1} us each; for comparison, BENCHMARKS.md has Ray 2.60 and feedstore gets measured side by side)",
         args.small_ops as f64 / secs,
         secs * 1e6 / args.small_ops as f64
     );

@@ -41,7 +41,8 @@ pub fn run(args: Args) -> anyhow::Result<()> {
                 .iter()
                 .map(|t| {
                     serde_json::json!({
-                        "id": t.id, "name": t.name, "depth": t.depth, "producers": t.producers,
+                        "id": t.id, "owner_uid": t.owner_uid, "name": t.name, "depth": t.depth,
+                        "producers": t.producers,
                         "consumers": t.consumers, "ranks": t.ranks, "ready": t.ready,
                         "making": t.making, "put": t.put, "returned": t.returned,
                         "slowest": t.slowest, "fastest": t.fastest,
@@ -106,7 +107,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         s.aborted_on_disconnect, s.leases_reclaimed
     );
     println!(
-        "  limits          {} requests refused by a limit, {} rings, {} idle streams expired",
+        "  limits          {} refusals (connections, streams, rings, leases, queued requests, silent connections), {} in rings, {} idle streams expired",
         s.limits_hit,
         format_bytes(s.ring_bytes),
         s.streams_expired
@@ -122,8 +123,9 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     }
     for t in &streams {
         println!(
-            "  stream {:?}: depth {}, {} producer(s), {} of {} rank(s) attached, {} ready, {} being made, {} put, {} returned, lag {} (slowest rank at {}), cold start {}",
+            "  stream {:?} (uid {}): depth {}, {} producer connection(s), {} of {} rank(s) attached, {} ready, {} being made, {} put, {} returned, lag {} (slowest rank at {}), cold start {}",
             t.name,
+            t.owner_uid,
             t.depth,
             t.producers,
             t.consumers,

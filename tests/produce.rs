@@ -661,7 +661,11 @@ fn produce_feeds_a_stream_that_ranks_read_in_order() {
         .unwrap();
     let text = String::from_utf8_lossy(&stat.stdout);
     assert!(stat.status.success(), "{text}");
-    assert!(text.contains("stream \"train\": depth 4"), "{text}");
+    let uid = nix::unistd::geteuid();
+    assert!(
+        text.contains(&format!("stream \"train\" (uid {uid}): depth 4")),
+        "{text}"
+    );
     assert!(text.contains("24 put, 24 returned, lag 0"), "{text}");
     assert!(text.contains("decode-once     24 lookups"), "{text}");
 }

@@ -284,13 +284,13 @@ fn the_default_socket_lives_in_a_private_directory() {
         .stdout(Stdio::null())
         .stderr(Stdio::piped());
         run_as(&mut cmd, NOBODY, NOGROUP, &[]);
-        cmd.spawn().unwrap()
+        KillOnDrop(cmd.spawn().unwrap())
     };
     let mut daemon = start(&runtime);
     let socket = runtime.join("feedstore/feedstore.sock");
     let deadline = Instant::now() + Duration::from_secs(20);
     while !socket.exists() {
-        assert!(daemon.try_wait().unwrap().is_none(), "feedstored exited");
+        assert!(daemon.0.try_wait().unwrap().is_none(), "feedstored exited");
         assert!(
             Instant::now() < deadline,
             "no socket at {}",
@@ -307,8 +307,7 @@ fn the_default_socket_lives_in_a_private_directory() {
         .env("XDG_RUNTIME_DIR", &runtime);
     run_as(&mut cmd, NOBODY, NOGROUP, &[]);
     assert!(child_says(&mut cmd).starts_with("ok"));
-    let _ = daemon.kill();
-    let _ = daemon.wait();
+    drop(daemon);
 
     // Another user (65533) prepared the directory, writable by all: the daemon refuses it.
     let trap = dir.join("trap");
@@ -320,9 +319,11 @@ fn the_default_socket_lives_in_a_private_directory() {
         std::fs::Permissions::from_mode(0o777),
     )
     .unwrap();
-    let refused = start(&trap).wait_with_output().unwrap();
-    let err = String::from_utf8_lossy(&refused.stderr);
-    assert!(!refused.status.success());
+    let mut refused = start(&trap);
+    let status = refused.0.wait().unwrap();
+    let mut err = String::new();
+    std::io::Read::read_to_string(&mut refused.0.stderr.take().unwrap(), &mut err).unwrap();
+    assert!(!status.success());
     assert!(
         err.contains("refusing socket directory") && err.contains("uid 65533"),
         "{err}"

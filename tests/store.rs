@@ -659,6 +659,32 @@ fn daemon_command_line_errors_are_one_clear_line() {
         assert!(!status.success());
         assert!(err.contains("/proc/sys/vm/nr_hugepages"), "{err}");
     }
+    // Anything at the socket path but a stale socket is the user's, not the daemon's to delete;
+    // and the path is checked before seconds go into shared memory.
+    let precious = dir.join("notes.txt");
+    std::fs::write(&precious, "precious").unwrap();
+    let (status, err) = run(&[
+        "--socket",
+        precious.to_str().unwrap(),
+        "--capacity",
+        "16MiB",
+    ]);
+    assert!(!status.success());
+    assert!(err.contains("not a socket"), "{err}");
+    assert_eq!(std::fs::read_to_string(&precious).unwrap(), "precious");
+    let long = dir.join("d".repeat(120)).join("x.sock");
+    let (status, err) = run(&["--socket", long.to_str().unwrap(), "--capacity", "16MiB"]);
+    assert!(!status.success());
+    assert!(err.contains("shorter than 108 bytes"), "{err}");
+    assert!(
+        !dir.join("d".repeat(120)).exists(),
+        "no directory left behind"
+    );
+    let (status, err) = run(&["--socket", other, "--max-frame-bytes", "1KiB"]);
+    assert!(!status.success() && err.contains("at least 65536"), "{err}");
+    let (status, err) = run(&["--socket", other, "--max-ring-bytes", "1KiB"]);
+    assert!(!status.success() && err.contains("one ring"), "{err}");
+
     let config = dir.join("feedstore.toml");
     std::fs::write(&config, "capacty = \"1GiB\"\n").unwrap();
     let (status, err) = run(&["--config", config.to_str().unwrap()]);

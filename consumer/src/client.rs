@@ -349,7 +349,9 @@ impl Client {
             max_frame_bytes: opts.max_frame_bytes,
         }
         .encode(0, frame::MIN_PAYLOAD_BYTES, &mut wbuf)?;
-        send_all(&stream, &wbuf)?;
+        // A daemon refusing the connection (at a connection limit) may answer and close before
+        // the hello is sent: read its answer before reporting a broken pipe.
+        let sent = send_all(&stream, &wbuf);
         let mut rbuf = Vec::with_capacity(4096);
         let hello_timeout = |e: Error| match e {
             Error::Disconnected {
@@ -371,7 +373,10 @@ impl Client {
         stream
             .set_read_timeout(Some(opts.hello_timeout.max(Duration::from_millis(1))))
             .map_err(disconnected)?;
-        let (frame_len, fds) = recv_hello(&stream, &mut rbuf).map_err(hello_timeout)?;
+        let (frame_len, fds) = match recv_hello(&stream, &mut rbuf).map_err(hello_timeout) {
+            Ok(hello) => hello,
+            Err(e) => return Err(sent.err().unwrap_or(e)),
+        };
         stream.set_read_timeout(None).map_err(disconnected)?;
         let frame = Frame::parse(&rbuf[..frame_len], opts.max_frame_bytes)?
             .ok_or_else(|| Error::Protocol("short hello reply".into()))?;
@@ -882,13 +887,15 @@ fn check_daemon_uid(stream: &UnixStream, opts: &ConnectOptions) -> Result<(), Er
     if uid == 0 || uid == own || opts.daemon_uid == Some(uid) {
         return Ok(());
     }
+    let mut trusted: Vec<u32> = [Some(0), Some(own), opts.daemon_uid]
+        .into_iter()
+        .flatten()
+        .collect();
+    trusted.dedup();
     Err(Error::UntrustedDaemon {
         path: opts.socket.clone(),
         uid,
-        trusted: [Some(0), Some(own), opts.daemon_uid]
-            .into_iter()
-            .flatten()
-            .collect(),
+        trusted,
     })
 }
 

@@ -13,8 +13,11 @@ use feedstore_shm::ShmError;
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {
-    /// No daemon answers on the socket.
-    #[error("cannot connect to feedstored at {path} (is the daemon running?)")]
+    /// No daemon answers on the socket (or its directory is closed to this user).
+    #[error(
+        "cannot connect to feedstored at {path}: {source}{}",
+        connect_hint(source)
+    )]
     Connect {
         /// The socket path tried.
         path: PathBuf,
@@ -160,6 +163,20 @@ pub enum Error {
         /// Samples held.
         held: u64,
     },
+}
+
+/// What to try after a failed connect, by cause.
+fn connect_hint(source: &io::Error) -> &'static str {
+    match source.kind() {
+        io::ErrorKind::NotFound | io::ErrorKind::ConnectionRefused => {
+            " (is the daemon running? pass --socket or set FEEDSTORE_SOCKET if it listens elsewhere)"
+        }
+        io::ErrorKind::PermissionDenied => {
+            " (the daemon does not let this user in: see its --socket-group, --allow-uid and \
+             --allow-reader-uid)"
+        }
+        _ => "",
+    }
 }
 
 impl Error {

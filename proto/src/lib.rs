@@ -88,10 +88,16 @@ pub fn client_socket_path() -> std::path::PathBuf {
         return path.into();
     }
     let own = own_socket_path();
-    if !own.exists() && std::path::Path::new(SYSTEM_SOCKET).exists() {
-        return SYSTEM_SOCKET.into();
+    if own.exists() {
+        return own;
     }
-    own
+    // The system daemon's socket, if it is there or its directory is closed to this user (then
+    // the connect says so, rather than that this user's own daemon is missing).
+    match std::fs::symlink_metadata(SYSTEM_SOCKET) {
+        Ok(_) => SYSTEM_SOCKET.into(),
+        Err(e) if e.kind() == std::io::ErrorKind::PermissionDenied => SYSTEM_SOCKET.into(),
+        Err(_) => own,
+    }
 }
 
 /// This user's default socket, whatever [`SOCKET_ENV`] says (see [`default_socket_path`]).

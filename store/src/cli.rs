@@ -50,9 +50,12 @@ pub fn init_logging_with_default(default: &str) {
     let filter = std::env::var("FEEDSTORE_LOG")
         .or_else(|_| std::env::var("RUST_LOG"))
         .unwrap_or_else(|_| default.into());
+    use std::io::IsTerminal;
     let _ = tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::new(filter))
         .with_writer(std::io::stderr)
+        // Colours for a person at a terminal, plain text for a log file or journal.
+        .with_ansi(std::io::stderr().is_terminal())
         .try_init();
 }
 

@@ -175,9 +175,9 @@ pub struct Settings {
     #[arg(long = "allow-reader-uid", value_name = "UID")]
     pub allow_reader_uids: Option<Vec<u32>>,
 
-    /// Largest frame payload accepted from a client, at least 64KiB [default: 1MiB].
+    /// Largest frame payload accepted from a client, e.g. 1MiB, at least 64KiB [default: 1MiB].
     #[arg(long, value_name = "BYTES")]
-    pub max_frame_bytes: Option<u32>,
+    pub max_frame_bytes: Option<String>,
 
     /// Connections open at once [default: 1024].
     #[arg(long, value_name = "N")]
@@ -289,7 +289,13 @@ impl Settings {
         cfg.allow_reader_uids = self
             .allow_reader_uids
             .unwrap_or(std::mem::take(&mut cfg.allow_reader_uids));
-        cfg.max_frame_bytes = self.max_frame_bytes.unwrap_or(cfg.max_frame_bytes);
+        if let Some(v) = self.max_frame_bytes {
+            let max = bytes("max-frame-bytes", &v)?;
+            cfg.max_frame_bytes = u32::try_from(max).map_err(|_| ConfigError::Value {
+                key: "max-frame-bytes",
+                message: format!("{v:?} is over 4GiB"),
+            })?;
+        }
         cfg.worker_threads = self.worker_threads.unwrap_or(cfg.worker_threads);
         let l = &mut cfg.limits;
         l.max_connections = self.max_connections.unwrap_or(l.max_connections);
@@ -348,20 +354,40 @@ impl DaemonConfig {
             });
         }
         let l = &self.limits;
-        for (key, value) in [
-            ("max-connections", l.max_connections as u64),
-            ("max-connections-per-uid", l.max_connections_per_uid as u64),
-            ("hello-timeout-ms", l.hello_timeout.as_millis() as u64),
-            ("max-leases-per-connection", l.max_leases_per_connection),
-            ("max-streams", l.max_streams as u64),
-            ("max-ring-bytes", l.max_ring_bytes),
+        for (key, value, least) in [
+            ("max-connections", l.max_connections as u64, 1),
+            (
+                "max-connections-per-uid",
+                l.max_connections_per_uid as u64,
+                1,
+            ),
+            ("hello-timeout-ms", l.hello_timeout.as_millis() as u64, 1),
+            ("max-queued-requests", l.max_queued_requests as u64, 1),
+            ("max-leases-per-connection", l.max_leases_per_connection, 1),
+            ("max-streams", l.max_streams as u64, 1),
+            // One ring of the smallest depth: a whole page.
+            ("max-ring-bytes", l.max_ring_bytes, 4096),
+            ("stream-idle-secs", l.stream_idle_timeout.as_secs(), 1),
         ] {
-            if value == 0 {
+            if value < least {
                 return Err(ConfigError::Value {
                     key,
-                    message: "must be at least 1".into(),
+                    message: if least == 1 {
+                        "must be at least 1".into()
+                    } else {
+                        format!("must be at least {} (one ring)", format_bytes(least))
+                    },
                 });
             }
+        }
+        if l.max_connections_per_uid > l.max_connections {
+            return Err(ConfigError::Value {
+                key: "max-connections-per-uid",
+                message: format!(
+                    "{} is more than --max-connections ({})",
+                    l.max_connections_per_uid, l.max_connections
+                ),
+            });
         }
         if self.worker_threads == 0 {
             return Err(ConfigError::Value {

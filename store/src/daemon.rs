@@ -100,8 +100,23 @@ impl Daemon {
             ),
             None => None,
         };
-        // Refuse a socket another daemon serves before spending seconds on shared memory.
-        check_socket_free(&config.socket)?;
+        // Everything about the socket that can fail is checked before seconds go into shared
+        // memory: its length, its directory, another daemon on it.
+        let daemon_uid = nix::unistd::geteuid().as_raw();
+        let others = config
+            .allow_uids
+            .iter()
+            .chain(&config.allow_reader_uids)
+            .any(|&u| u != daemon_uid && u != 0);
+        let access = if others {
+            SocketAccess::AllowedUids
+        } else if let Some(gid) = gid {
+            SocketAccess::Group(gid)
+        } else {
+            SocketAccess::Owner
+        };
+        let manage_dir = config.socket == feedstore_proto::own_socket_path();
+        prepare_socket(&config.socket, access, manage_dir)?;
         let started = Instant::now();
         let mut segments = Vec::new();
         for (i, size) in config.segment_sizes().into_iter().enumerate() {
@@ -126,21 +141,7 @@ impl Daemon {
             log_thp_state();
         }
 
-        let daemon_uid = nix::unistd::geteuid().as_raw();
-        let others = config
-            .allow_uids
-            .iter()
-            .chain(&config.allow_reader_uids)
-            .any(|&u| u != daemon_uid && u != 0);
-        let access = if others {
-            SocketAccess::AllowedUids
-        } else if let Some(gid) = gid {
-            SocketAccess::Group(gid)
-        } else {
-            SocketAccess::Owner
-        };
-        let manage_dir = config.socket == feedstore_proto::own_socket_path();
-        let listener = bind_socket(&config.socket, access, manage_dir)?;
+        let listener = bind_socket(&config.socket, access)?;
         let epoch = random_epoch();
         let mut uids: std::collections::HashSet<u32> = config.allow_uids.iter().copied().collect();
         uids.insert(daemon_uid);
@@ -164,7 +165,12 @@ impl Daemon {
                 daemon_uid,
             },
         )?;
-        tracing::info!(socket = %config.socket.display(), node_id = config.node_id, epoch, "listening");
+        tracing::info!(
+            socket = %config.socket.display(),
+            node = %format!("{:08x}", config.node_id),
+            epoch = %format!("{epoch:08x}"),
+            "listening"
+        );
         Ok(Daemon {
             shared: Arc::new(shared),
             listener,
@@ -325,13 +331,21 @@ impl Drop for DaemonHandle {
     }
 }
 
-/// Fails if a live daemon answers on `path`; removes a stale socket file left by a crash.
+/// Fails if a live daemon answers on `path`; removes a stale socket left by a crash, and
+/// refuses anything else at the path (it is not the daemon's to delete).
 fn check_socket_free(path: &Path) -> Result<(), StartError> {
+    use std::os::unix::fs::FileTypeExt;
     let sock_err = |source| StartError::Socket {
         path: path.to_owned(),
         source,
     };
-    if path.exists() {
+    if let Ok(meta) = std::fs::symlink_metadata(path) {
+        if !meta.file_type().is_socket() {
+            return Err(sock_err(std::io::Error::new(
+                std::io::ErrorKind::AlreadyExists,
+                "something that is not a socket is there; the daemon deletes only a stale socket",
+            )));
+        }
         match std::os::unix::net::UnixStream::connect(path) {
             Ok(live) => {
                 let pid =
@@ -374,26 +388,48 @@ impl SocketAccess {
     }
 }
 
-/// Binds the socket at `path` with the modes `access` needs. `manage_dir`: the directory is the
-/// daemon's own default one, whose mode it sets even if it exists (from a run with other access).
+impl SocketAccess {
+    fn group(self) -> Option<nix::unistd::Gid> {
+        match self {
+            SocketAccess::Group(gid) => Some(nix::unistd::Gid::from_raw(gid)),
+            _ => None,
+        }
+    }
+}
+
+/// Checks the socket path can be bound (its length, its directory, no daemon on it) and makes
+/// its directory if need be. `manage_dir`: the directory is the daemon's own default one, whose
+/// mode it sets even if it exists (from a run with other access).
+fn prepare_socket(path: &Path, access: SocketAccess, manage_dir: bool) -> Result<(), StartError> {
+    // sun_path holds 108 bytes, its terminating NUL included.
+    if path.as_os_str().len() >= 108 {
+        return Err(StartError::Socket {
+            path: path.to_owned(),
+            source: std::io::Error::new(
+                std::io::ErrorKind::InvalidInput,
+                "a socket path must be shorter than 108 bytes",
+            ),
+        });
+    }
+    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+        prepare_socket_dir(dir, access.modes().1, access.group(), manage_dir)?;
+        warn_if_unreachable(dir, access);
+    }
+    check_socket_free(path)
+}
+
+/// Binds the socket at `path` (prepared by [`prepare_socket`]) with the mode `access` needs.
 fn bind_socket(
     path: &Path,
     access: SocketAccess,
-    manage_dir: bool,
 ) -> Result<std::os::unix::net::UnixListener, StartError> {
     let sock_err = |source| StartError::Socket {
         path: path.to_owned(),
         source,
     };
-    let (socket_mode, dir_mode) = access.modes();
-    let group = match access {
-        SocketAccess::Group(gid) => Some(nix::unistd::Gid::from_raw(gid)),
-        _ => None,
-    };
-    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
-        prepare_socket_dir(dir, dir_mode, group, manage_dir)?;
-        warn_if_unreachable(dir, access);
-    }
+    let (socket_mode, _) = access.modes();
+    let group = access.group();
+    // A stale socket may have appeared since the checks (another daemon that died meanwhile).
     check_socket_free(path)?;
     let listener = std::os::unix::net::UnixListener::bind(path).map_err(sock_err)?;
     std::fs::set_permissions(path, std::fs::Permissions::from_mode(socket_mode))
@@ -512,11 +548,13 @@ fn fit_connections_to_descriptors(mut limits: crate::config::Limits) -> crate::c
         .max(32);
     if limits.max_connections > room / 2 {
         tracing::warn!(
-            max_connections = limits.max_connections,
+            asked = limits.max_connections,
+            using = room / 2,
             open_files = soft,
             "lowering --max-connections to fit the open-file limit"
         );
         limits.max_connections = room / 2;
+        limits.max_connections_per_uid = limits.max_connections_per_uid.min(room / 2);
     }
     limits.max_rings = limits.max_rings.min(room / 2);
     limits

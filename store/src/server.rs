@@ -323,7 +323,7 @@ enum ConnEnd {
     Protocol(String),
     #[error("refused at hello: {0}")]
     Refused(String),
-    #[error("no hello within {0:?}")]
+    #[error("no hello within {0:?} (--hello-timeout-ms)")]
     HelloTimeout(Duration),
 }
 
@@ -375,7 +375,12 @@ pub async fn serve_connection(shared: Arc<Shared>, mut stream: UnixStream) {
             tracing::warn!(conn = id, pid, uid, name = ?conn.name, %reason, "closing connection");
         }
         (None, Err(ConnEnd::Closed) | Ok(())) | (Some(_), _) => {}
-        (None, Err(e)) => tracing::warn!(pid, uid, reason = %e, "connection refused before hello"),
+        (None, Err(e)) => {
+            if matches!(e, ConnEnd::HelloTimeout(_)) {
+                shared.with_objects(Objects::note_limit_hit);
+            }
+            tracing::warn!(pid, uid, reason = %e, "connection closed before hello");
+        }
     }
     // `conn` drops here: its `Drop` reclaims what the client held.
 }
@@ -561,12 +566,12 @@ impl Connection {
                 stats
             })),
             Request::CacheLookup { keys } => {
-                Response::Cached(shared.with_streams(|s, o| s.lookup(o, &keys)))
+                Response::Cached(shared.with_streams(|s, o| s.lookup(o, id, &keys)))
             }
             Request::StreamList { after } => {
                 // The page's fixed part: the list's count and the `more` byte.
                 let budget = self.peer_limit as usize - 5;
-                let (streams, more) = shared.with_streams(|s, _| s.list(after, budget));
+                let (streams, more) = shared.with_streams(|s, o| s.list(o, id, after, budget));
                 Response::Streams { streams, more }
             }
             Request::StreamJoin { spec, depth, ranks } => stream_reply(

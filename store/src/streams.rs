@@ -301,10 +301,12 @@ pub struct Streams {
     /// Consumers whose stream was closed under them: the entries they may still read from
     /// their ring keep their leases until they detach or disconnect.
     orphans: HashMap<(ConnId, u32, u32), Published>,
-    /// Decode-once cache: sample key to the object holding that sample. The objects are
-    /// ordinary store objects, so eviction (LRU over samples no stream or consumer holds) is
-    /// the store's; an entry whose object is gone is dropped when looked up or swept.
-    cache: HashMap<u128, Handle>,
+    /// Decode-once cache: (uid, sample key) to the object holding that sample. Keys come from
+    /// producers, so each uid has its own: no user can place bytes under a key another user's
+    /// producer will look up. The objects are ordinary store objects, so eviction (LRU over
+    /// samples no stream or consumer holds) is the store's; an entry whose object is gone is
+    /// dropped when looked up or swept.
+    cache: HashMap<(u32, u128), Handle>,
     cache_lookups: u64,
     cache_hits: u64,
     /// Bumped by every change a waiter may wait for.
@@ -742,7 +744,7 @@ impl Streams {
             }
             r.ready.insert(seq, entry);
             if item.key != 0 && entry.flags & ENTRY_FAILED == 0 {
-                cached.push((item.key, entry.handle));
+                cached.push(((stream.owner_uid, item.key), entry.handle));
             }
             stream.samples_put += 1;
             stream
@@ -757,17 +759,26 @@ impl Streams {
         Ok(statuses)
     }
 
-    /// Looks samples up by key: the handle of each one still in the store.
-    pub fn lookup(&mut self, objects: &Objects, keys: &[u128]) -> Vec<Option<Handle>> {
+    /// Looks samples up by key, among those `conn`'s uid put: the handle of each one still in
+    /// the store.
+    pub fn lookup(
+        &mut self,
+        objects: &Objects,
+        conn: ConnId,
+        keys: &[u128],
+    ) -> Vec<Option<Handle>> {
+        let Some(uid) = objects.client(conn).map(|c| c.uid) else {
+            return vec![None; keys.len()];
+        };
         self.cache_lookups += keys.len() as u64;
         keys.iter()
-            .map(|key| {
-                let handle = *self.cache.get(key)?;
+            .map(|&key| {
+                let handle = *self.cache.get(&(uid, key))?;
                 if objects.is_sealed(handle) {
                     self.cache_hits += 1;
                     Some(handle)
                 } else {
-                    self.cache.remove(key);
+                    self.cache.remove(&(uid, key));
                     None
                 }
             })
@@ -1044,14 +1055,28 @@ impl Streams {
         }
     }
 
-    /// Open streams with ids above `after`, in id order, as many as fit in `budget_bytes` of
-    /// encoded entries (at least one); whether more follow.
-    pub fn list(&self, after: u32, budget_bytes: usize) -> (Vec<StreamInfo>, bool) {
+    /// The streams `conn` may see (its uid's; every stream for root and the daemon's uid)
+    /// with ids above `after`, in id order, as many as fit in `budget_bytes` of encoded entries
+    /// (at least one); whether more follow.
+    pub fn list(
+        &self,
+        objects: &Objects,
+        conn: ConnId,
+        after: u32,
+        budget_bytes: usize,
+    ) -> (Vec<StreamInfo>, bool) {
+        let uid = objects.client(conn).map_or(u32::MAX, |c| c.uid);
+        let sees_all = uid == 0 || uid == self.daemon_uid;
         let mut page = Vec::new();
         let mut used = 0;
-        for (&id, s) in self.streams.range(after.saturating_add(1)..) {
+        let visible = self
+            .streams
+            .range(after.saturating_add(1)..)
+            .filter(|(_, s)| sees_all || s.owner_uid == uid);
+        for (&id, s) in visible {
             let info = StreamInfo {
                 id,
+                owner_uid: s.owner_uid,
                 name: s.spec.name.clone(),
                 depth: s.depth,
                 producers: s.producers.len() as u32,
@@ -1246,7 +1271,7 @@ mod tests {
         let (mut o, mut s, p, c) = setup();
         let err = s.attach(&mut o, c, &spec(1), 0, 0).unwrap_err();
         assert_eq!(err.status, Status::NotFound);
-        assert_eq!(s.list(0, 1 << 20).0.len(), 0);
+        assert_eq!(s.list(&o, c, 0, 1 << 20).0.len(), 0);
         s.join(&mut o, p, &spec(1), 4, &[]).unwrap();
         s.attach(&mut o, c, &spec(1), 0, 0).unwrap();
         let other = client(&mut o, Role::Reader, 1000);
@@ -1467,7 +1492,7 @@ mod tests {
         let tasks = s.take(p, id, 2).unwrap();
         let items: Vec<_> = tasks.iter().map(|&t| make(&mut o, p, t)).collect();
         s.put(&mut o, p, id, &items).unwrap();
-        let found = s.lookup(&o, &[1, 2, 99]);
+        let found = s.lookup(&o, p, &[1, 2, 99]);
         assert_eq!(
             found,
             vec![Some(items[0].handle), Some(items[1].handle), None]
@@ -1475,15 +1500,21 @@ mod tests {
         s.close(&mut o, p, id).unwrap();
         o.delete(p, items[0].handle).unwrap();
         assert_eq!(
-            s.lookup(&o, &[1, 2]),
+            s.lookup(&o, p, &[1, 2]),
             vec![None, Some(items[1].handle)],
             "gone once deleted"
+        );
+        let stranger = client(&mut o, Role::Writer, 2000);
+        assert_eq!(
+            s.lookup(&o, stranger, &[2]),
+            vec![None],
+            "another uid finds nothing under the same key"
         );
         let mut stats = o.stats();
         s.add_stats(&mut stats);
         assert_eq!(
             (stats.cache_lookups, stats.cache_hits, stats.cache_entries),
-            (5, 3, 1)
+            (6, 3, 1)
         );
     }
 
@@ -1499,8 +1530,13 @@ mod tests {
         }
         let mut seen = Vec::new();
         let mut after = 0;
+        let stranger = client(&mut o, Role::Reader, 2000);
+        assert!(
+            s.list(&o, stranger, 0, 1 << 20).0.is_empty(),
+            "another uid's"
+        );
         loop {
-            let (page, more) = s.list(after, 200);
+            let (page, more) = s.list(&o, p, after, 200);
             assert!(page.iter().map(StreamInfo::wire_bytes).sum::<usize>() <= 200);
             after = page.last().unwrap().id;
             seen.extend(page.into_iter().map(|i| i.name));

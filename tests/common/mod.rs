@@ -434,6 +434,16 @@ pub fn run_as(cmd: &mut Command, uid: u32, gid: u32, groups: &[u32]) {
     unsafe { cmd.pre_exec(drop_privileges) };
 }
 
+/// A child process killed when this goes out of scope, a failing test's included.
+pub struct KillOnDrop(pub Child);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
 /// Whether the tests run as root (the security tests need to act as other uids).
 pub fn is_root() -> bool {
     nix::unistd::geteuid().is_root()

@@ -119,6 +119,8 @@ impl Wire for StreamItem {
 pub struct StreamInfo {
     /// Its id on this daemon (pages of [`crate::frame::Request::StreamList`] follow it).
     pub id: u32,
+    /// The uid that created it (its streams are its own).
+    pub owner_uid: u32,
     /// Its name.
     pub name: String,
     /// Prefetch depth per rank.
@@ -153,10 +155,11 @@ impl StreamInfo {
 }
 
 impl Wire for StreamInfo {
-    /// An empty name: id, the name's length, four `u32`s and seven `u64`s.
-    const MIN_BYTES: usize = 4 + 2 + 4 * 4 + 7 * 8;
+    /// An empty name: id, owner, the name's length, four `u32`s and seven `u64`s.
+    const MIN_BYTES: usize = 4 + 4 + 2 + 4 * 4 + 7 * 8;
     fn encode(&self, w: &mut Writer<'_>) {
         w.u32(self.id);
+        w.u32(self.owner_uid);
         w.string(&self.name);
         for v in [self.depth, self.producers, self.consumers, self.ranks] {
             w.u32(v);
@@ -176,6 +179,7 @@ impl Wire for StreamInfo {
     fn decode(r: &mut Reader<'_>) -> Result<Self, DecodeError> {
         Ok(StreamInfo {
             id: r.u32()?,
+            owner_uid: r.u32()?,
             name: r.string()?,
             depth: r.u32()?,
             producers: r.u32()?,

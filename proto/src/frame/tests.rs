@@ -94,13 +94,14 @@ fn item() -> impl Strategy<Value = StreamItem> {
 
 fn info() -> impl Strategy<Value = StreamInfo> {
     (
-        any::<u32>(),
+        (any::<u32>(), any::<u32>()),
         text(MAX_STREAM_NAME),
         prop::array::uniform4(any::<u32>()),
         prop::array::uniform7(any::<u64>()),
     )
-        .prop_map(|(id, name, a, b)| StreamInfo {
+        .prop_map(|((id, owner_uid), name, a, b)| StreamInfo {
             id,
+            owner_uid,
             name,
             depth: a[0],
             producers: a[1],
@@ -368,12 +369,13 @@ proptest! {
 }
 
 /// The declared smallest encodings are the real ones: a list decoder trusts them to bound a
-/// forged count. (`StreamList` assumed 76 bytes per stream where a one-byte name takes 75, so
-/// `feedstore stat` failed on such a stream.)
+/// forged count. (`StreamList` once assumed 76 bytes per stream where a one-byte name took 75,
+/// so `feedstore stat` failed on such a stream.)
 #[test]
 fn min_bytes_are_the_smallest_encodings() {
     min_bytes_is_tight(&StreamInfo {
         id: 0,
+        owner_uid: 0,
         name: String::new(),
         depth: 0,
         producers: 0,
@@ -408,6 +410,7 @@ fn min_bytes_are_the_smallest_encodings() {
 fn a_stream_list_with_one_byte_names_decodes() {
     let one = StreamInfo {
         id: 1,
+        owner_uid: 0,
         name: "a".into(),
         depth: 1,
         producers: 0,
