@@ -368,15 +368,12 @@ proptest! {
     }
 }
 
-/// The declared smallest encodings are the real ones: a list decoder trusts them to bound a
-/// forged count. (`StreamList` once assumed 76 bytes per stream where a one-byte name took 75,
-/// so `feedstore stat` failed on such a stream.)
-#[test]
-fn min_bytes_are_the_smallest_encodings() {
-    min_bytes_is_tight(&StreamInfo {
-        id: 0,
+/// A stream listing entry with every counter zero.
+fn listed(id: u32, name: &str) -> StreamInfo {
+    StreamInfo {
+        id,
         owner_uid: 0,
-        name: String::new(),
+        name: name.into(),
         depth: 0,
         producers: 0,
         consumers: 0,
@@ -388,7 +385,15 @@ fn min_bytes_are_the_smallest_encodings() {
         slowest: 0,
         fastest: 0,
         cold_start_us: 0,
-    });
+    }
+}
+
+/// The declared smallest encodings are the real ones: a list decoder trusts them to bound a
+/// forged count. (`StreamList` once assumed 76 bytes per stream where a one-byte name took 75,
+/// so `feedstore stat` failed on such a stream.)
+#[test]
+fn min_bytes_are_the_smallest_encodings() {
+    min_bytes_is_tight(&listed(0, ""));
     min_bytes_is_tight(&StreamSpec {
         name: String::new(),
         records: 0,
@@ -408,22 +413,7 @@ fn min_bytes_are_the_smallest_encodings() {
 
 #[test]
 fn a_stream_list_with_one_byte_names_decodes() {
-    let one = StreamInfo {
-        id: 1,
-        owner_uid: 0,
-        name: "a".into(),
-        depth: 1,
-        producers: 0,
-        consumers: 0,
-        ranks: 0,
-        ready: 0,
-        making: 0,
-        put: 0,
-        returned: 0,
-        slowest: 0,
-        fastest: 0,
-        cold_start_us: 0,
-    };
+    let one = listed(1, "a");
     for n in [1, 2, 3, 100] {
         let resp = Response::Streams {
             streams: vec![one.clone(); n],
