@@ -162,9 +162,10 @@ impl Consumer {
     fn publish(&mut self, objects: &mut Objects, stream_leases: ConnId, entry: &RingEntry) {
         if entry.flags & ENTRY_FAILED == 0 {
             if let Err(status) = objects.share_lease(stream_leases, self.conn, entry.handle) {
-                // The stream holds a lease on every ready entry, so this cannot happen; an entry
-                // without the consumer's own lease is never published.
-                tracing::error!(handle = %entry.handle, %status, "cannot lease a ready sample to its consumer");
+                // The stream holds a lease on every ready entry, so only the consumer's lease
+                // limit refuses (it keeps samples it has returned): the entry is not published,
+                // since an entry without the consumer's own lease never is.
+                tracing::warn!(conn = self.conn, handle = %entry.handle, %status, "sample not delivered: its consumer holds too many leases");
                 return;
             }
             self.published.0.insert(entry.seq, entry.handle);
