@@ -1,6 +1,6 @@
 //! Samples as Python objects whose arrays point into the shared-memory mapping.
 //!
-//! The ownership chain, as in arrow-rs: a [`Sample`] owns an `Arc<Held>` (the stream's hold or
+//! The ownership chain, as in arrow-rs: a [`Sample`] owns an `Arc<Held>` (a stream sample or
 //! the lease on the object). Every numpy array it hands out has the `Sample` as its `base`, and
 //! every DLPack capsule carries its own clone of the `Arc`. The object goes back to the store when
 //! the last of them is gone, whichever that is. Arrays are created without
@@ -20,7 +20,8 @@ use pyo3::types::{PyDict, PyList, PyTuple};
 
 use crate::errors::{InvalidArgument, invalid_sample};
 
-/// What keeps an object readable: a stream's hold on a sample, or a lease from `Client.get`.
+/// What keeps an object readable: a stream sample or a lease from `Client.get`, each holding
+/// its own lease on the object.
 pub enum Held {
     /// A sample from a stream (returned to the stream when dropped).
     Stream(StreamSample),
