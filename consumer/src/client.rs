@@ -631,7 +631,7 @@ impl Client {
     /// A snapshot of the daemon's statistics.
     pub fn stats(&self) -> Result<StoreStats, Error> {
         match self.call(&Request::Stats)? {
-            Response::Stats(s) => Ok(s),
+            Response::Stats(s) => Ok(*s),
             other => Err(unexpected(other)),
         }
     }

@@ -66,9 +66,30 @@ pub enum Error {
         /// The handle asked for.
         handle: Handle,
     },
-    /// The handle belongs to another node.
-    #[error("object {handle} belongs to node {:08x}", handle.node_id)]
+    /// The handle belongs to another node and this node's daemon has no peers to pull it from
+    /// (it runs without `--peers`).
+    #[error(
+        "object {handle} belongs to node {:08x}, and this node's feedstored has no peers to pull          it from (start it with --listen and --peers)",
+        handle.node_id
+    )]
     WrongNode {
+        /// The handle asked for.
+        handle: Handle,
+    },
+    /// The handle belongs to another node that could not be reached: no peer has its node id,
+    /// or its daemon refused, reset or went away during the transfer (this node's feedstored
+    /// logs which). Retrying may help once the node is back.
+    #[error(
+        "object {handle} belongs to node {:08x}, which could not be reached (see this node's          feedstored log and `feedstore stat`)",
+        handle.node_id
+    )]
+    Unreachable {
+        /// The handle asked for.
+        handle: Handle,
+    },
+    /// An object pulled from its owning node failed its checksum; nothing was handed out.
+    #[error("object {handle} arrived corrupted from node {:08x} (checksum mismatch)", handle.node_id)]
+    Corrupt {
         /// The handle asked for.
         handle: Handle,
     },
@@ -192,6 +213,8 @@ impl Error {
             Status::Stale => Error::Stale { handle },
             Status::NotSealed => Error::NotSealed { handle },
             Status::WrongNode => Error::WrongNode { handle },
+            Status::Unreachable => Error::Unreachable { handle },
+            Status::Corrupt => Error::Corrupt { handle },
             Status::Full => Error::Full { size_bytes },
             Status::TooLarge => Error::TooLarge { size_bytes },
             Status::PermissionDenied => Error::PermissionDenied {
@@ -209,6 +232,12 @@ impl Error {
                 message.into()
             }),
             Status::ShuttingDown => Error::ShuttingDown,
+            // A get times out only while pulling from another node.
+            Status::Timeout if message.is_empty() => Error::Timeout(format!(
+                "object {handle}: its owning node {:08x} did not send it within this node's \
+                 pull timeout (feedstored --pull-timeout-ms)",
+                handle.node_id
+            )),
             Status::Timeout => Error::Timeout(message.into()),
             Status::SpecMismatch => Error::StreamMismatch(message.into()),
             Status::Ended => Error::Ended,

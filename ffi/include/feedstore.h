@@ -81,6 +81,15 @@ typedef enum FsStatus {
    * A limit the daemon's operator set was reached; `fs_last_error()` names the setting.
    */
   FS_STATUS_ERR_LIMIT_REACHED = -15,
+  /**
+   * The node owning the handle could not be reached (no peer has its node id, or its
+   * daemon went away mid-transfer); `fs_last_error()` says which.
+   */
+  FS_STATUS_ERR_UNREACHABLE = -16,
+  /**
+   * An object pulled from another node failed its checksum; nothing was handed out.
+   */
+  FS_STATUS_ERR_CORRUPT = -17,
 } FsStatus;
 
 /**

@@ -40,6 +40,8 @@ impl From<Error> for FfiError {
             Error::Full { .. } => FsStatus::ErrFull,
             Error::TooLarge { .. } => FsStatus::ErrTooLarge,
             Error::LimitReached(_) => FsStatus::ErrLimitReached,
+            Error::Unreachable { .. } => FsStatus::ErrUnreachable,
+            Error::Corrupt { .. } => FsStatus::ErrCorrupt,
             Error::InvalidArgument(_) | Error::Encode(_) => FsStatus::ErrInvalidArgument,
             Error::PermissionDenied { .. } | Error::UntrustedDaemon { .. } => {
                 FsStatus::ErrPermissionDenied

@@ -70,6 +70,11 @@ pub enum FsStatus {
     ErrTooLarge = -14,
     /// A limit the daemon's operator set was reached; `fs_last_error()` names the setting.
     ErrLimitReached = -15,
+    /// The node owning the handle could not be reached (no peer has its node id, or its
+    /// daemon went away mid-transfer); `fs_last_error()` says which.
+    ErrUnreachable = -16,
+    /// An object pulled from another node failed its checksum; nothing was handed out.
+    ErrCorrupt = -17,
 }
 
 /// A stream's definition; producers and every rank must pass the same one.

@@ -36,6 +36,7 @@
 
 pub mod frame;
 mod handle;
+pub mod peer;
 pub mod ring;
 pub mod sample;
 mod stats;

@@ -86,6 +86,33 @@ store_stats! {
     limits_hit,
     /// Streams closed because no producer and no consumer used them for the idle timeout.
     streams_expired,
+    /// Peers (other nodes' daemons) connected and authenticated now.
+    peers_up,
+    /// Sealed local copies of other nodes' objects (pulled once, then served like local ones).
+    objects_pulled,
+    /// Pulls from other nodes under way.
+    pulls_in_flight,
+    /// Objects pulled from other nodes since start.
+    pulls,
+    /// Bytes pulled from other nodes since start.
+    pulled_bytes,
+    /// Pulls that failed because the owner could not be reached, refused, reset or went away.
+    pull_failures_unreachable,
+    /// Pulls that failed because the owner stalled past `--pull-timeout-ms`.
+    pull_failures_timeout,
+    /// Pulls that failed because the owner no longer had the object (deleted, evicted, or the
+    /// owner restarted).
+    pull_failures_missing,
+    /// Pulls whose bytes failed their checksum.
+    pull_failures_corrupt,
+    /// Pulls that failed because this store had no room for the copy.
+    pull_failures_full,
+    /// Peer handshakes refused, by either side (wrong secret, clashing node id, other version).
+    peers_refused,
+    /// Ranges of this node's objects sent to other nodes since start.
+    served_reads,
+    /// Bytes of this node's objects sent to other nodes since start.
+    served_bytes,
 }
 
 impl StoreStats {

@@ -32,7 +32,8 @@ pub enum Status {
     ShuttingDown = 10,
     /// The peer broke the protocol.
     Protocol = 11,
-    /// The handle names another node; this daemon does not pull yet.
+    /// The handle names another node, and this daemon has no peers to pull it from (it runs
+    /// without `--peers`).
     WrongNode = 12,
     /// A wait ran out of time.
     Timeout = 13,
@@ -43,6 +44,12 @@ pub enum Status {
     /// A limit the daemon's operator set was reached (connections per uid, streams, ring
     /// memory, leases, queued requests); the message names the setting.
     LimitReached = 16,
+    /// The handle names another node that could not be reached: no peer has its node id, or
+    /// its daemon refused, reset or went away during the transfer (the message or the daemon's
+    /// log says which).
+    Unreachable = 17,
+    /// A pulled object's checksum did not match its bytes: nothing was sealed.
+    Corrupt = 18,
 }
 
 impl Status {
@@ -67,6 +74,8 @@ impl Status {
             14 => Ended,
             15 => SpecMismatch,
             16 => LimitReached,
+            17 => Unreachable,
+            18 => Corrupt,
             _ => return None,
         })
     }
@@ -91,6 +100,8 @@ impl Status {
             Status::Ended => "stream ended",
             Status::SpecMismatch => "the stream exists with a different spec",
             Status::LimitReached => "a configured limit was reached",
+            Status::Unreachable => "the owning node could not be reached",
+            Status::Corrupt => "pulled bytes failed their checksum",
         }
     }
 }

@@ -8,8 +8,8 @@ use feedstore_consumer::Error;
 use feedstore_proto::error_chain as message;
 use feedstore_proto::sample::SampleError;
 use pyo3::exceptions::{
-    PyConnectionError, PyException, PyKeyError, PyMemoryError, PyPermissionError, PyTimeoutError,
-    PyValueError,
+    PyConnectionError, PyException, PyIOError, PyKeyError, PyMemoryError, PyPermissionError,
+    PyTimeoutError, PyValueError,
 };
 use pyo3::prelude::*;
 use pyo3::types::PyTuple;
@@ -122,6 +122,16 @@ exception!(
     "This rank holds its whole prefetch depth: drop some samples to read on."
 );
 exception!(
+    Unreachable,
+    PyConnectionError,
+    "The node owning a handle could not be reached (no peer has its node id, or its daemon went away mid-transfer)."
+);
+exception!(
+    Corrupt,
+    PyIOError,
+    "An object pulled from another node failed its checksum; nothing was handed out."
+);
+exception!(
     InvalidSample,
     PyValueError,
     "An object is not a valid feedstore sample."
@@ -148,6 +158,8 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("TooLarge", TooLarge::type_object(py))?;
     m.add("LimitReached", LimitReached::type_object(py))?;
     m.add("Timeout", Timeout::type_object(py))?;
+    m.add("Unreachable", Unreachable::type_object(py))?;
+    m.add("Corrupt", Corrupt::type_object(py))?;
     m.add("StreamMismatch", StreamMismatch::type_object(py))?;
     m.add("SampleFailed", SampleFailed::type_object(py))?;
     m.add("WindowFull", WindowFull::type_object(py))?;
@@ -170,6 +182,8 @@ pub fn to_py(e: Error) -> PyErr {
         Error::TooLarge { .. } => TooLarge::new_err(text),
         Error::LimitReached(_) => LimitReached::new_err(text),
         Error::Timeout(_) => Timeout::new_err(text),
+        Error::Unreachable { .. } => Unreachable::new_err(text),
+        Error::Corrupt { .. } => Corrupt::new_err(text),
         Error::StreamMismatch(_) => StreamMismatch::new_err(text),
         Error::SampleFailed { .. } => SampleFailed::new_err(text),
         Error::WindowFull { .. } => WindowFull::new_err(text),

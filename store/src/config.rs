@@ -40,6 +40,8 @@ pub struct DaemonConfig {
     pub worker_threads: usize,
     /// What clients may hold and ask for.
     pub limits: Limits,
+    /// Other nodes: who may pull from this one, and whom this one pulls from.
+    pub cluster: crate::cluster::ClusterConfig,
 }
 
 /// What one client, or all of them together, may make the daemon hold. Every resource a client
@@ -107,6 +109,7 @@ impl Default for DaemonConfig {
             max_create_wait_ms: 10 * 60 * 1000,
             worker_threads: 1,
             limits: Limits::default(),
+            cluster: crate::cluster::ClusterConfig::default(),
         }
     }
 }
@@ -218,6 +221,56 @@ pub struct Settings {
     /// Async worker threads; 1 serves everything on one thread, the lowest latency [default: 1].
     #[arg(long, value_name = "N")]
     pub worker_threads: Option<usize>,
+
+    /// Accept other nodes' daemons (never clients) on this TCP address, e.g. 0.0.0.0:7070, so
+    /// they can pull this node's objects. Anything but a loopback address needs
+    /// --cluster-secret-file.
+    #[arg(long, value_name = "ADDR:PORT", help_heading = "Cluster")]
+    pub listen: Option<String>,
+
+    /// Other nodes' daemons to pull from, as host:port, comma-separated or repeated: addresses,
+    /// or a DNS name that resolves to every node (a Kubernetes headless service), resolved again
+    /// every --peer-refresh-secs. This node's own address may be among them.
+    #[arg(
+        long,
+        value_name = "HOST:PORT,...",
+        value_delimiter = ',',
+        help_heading = "Cluster"
+    )]
+    pub peers: Option<Vec<String>>,
+
+    /// A file of peers, one host:port per line (# comments), read again at every refresh.
+    #[arg(long, value_name = "FILE", help_heading = "Cluster")]
+    pub peers_file: Option<PathBuf>,
+
+    /// The secret every daemon of the cluster shares (16 to 4096 bytes, mode 0600 or 0400,
+    /// e.g. `head -c 32 /dev/urandom | base64`): peers prove it to each other at every
+    /// connection (HMAC-SHA256 challenge-response).
+    #[arg(long, value_name = "FILE", help_heading = "Cluster")]
+    pub cluster_secret_file: Option<PathBuf>,
+
+    /// The longest a pull of another node's object may take, retries included; a get waiting
+    /// for it then fails with a timeout [default: 30000].
+    #[arg(long, value_name = "MS", help_heading = "Cluster")]
+    pub pull_timeout_ms: Option<u64>,
+
+    /// Connections to each peer at most; each carries one range at a time, so this many
+    /// objects (or ranges of a large one) are in flight per peer [default: 4].
+    #[arg(long, value_name = "N", help_heading = "Cluster")]
+    pub peer_connections: Option<usize>,
+
+    /// Seconds between resolving the peer list again [default: 10].
+    #[arg(long, value_name = "SECONDS", help_heading = "Cluster")]
+    pub peer_refresh_secs: Option<u64>,
+
+    /// Pulls under way at once, over all clients; a get beyond is refused with LimitReached
+    /// [default: 4096].
+    #[arg(long, value_name = "N", help_heading = "Cluster")]
+    pub max_pulls: Option<usize>,
+
+    /// Connections other daemons may have open to this one [default: 256].
+    #[arg(long, value_name = "N", help_heading = "Cluster")]
+    pub max_peer_connections: Option<usize>,
 }
 
 /// A configuration error, printed as one line by the binary.
@@ -316,6 +369,25 @@ impl Settings {
         if let Some(secs) = self.stream_idle_secs {
             l.stream_idle_timeout = Duration::from_secs(secs);
         }
+        let c = &mut cfg.cluster;
+        if let Some(v) = self.listen {
+            c.listen = Some(v.parse().map_err(|_| ConfigError::Value {
+                key: "listen",
+                message: format!("{v:?} is not an ADDR:PORT such as 0.0.0.0:7070"),
+            })?);
+        }
+        c.peers = self.peers.unwrap_or(std::mem::take(&mut c.peers));
+        c.peers_file = self.peers_file.or(c.peers_file.take());
+        c.secret_file = self.cluster_secret_file.or(c.secret_file.take());
+        if let Some(ms) = self.pull_timeout_ms {
+            c.pull_timeout = Duration::from_millis(ms);
+        }
+        c.connections_per_peer = self.peer_connections.unwrap_or(c.connections_per_peer);
+        if let Some(secs) = self.peer_refresh_secs {
+            c.refresh = Duration::from_secs(secs);
+        }
+        c.max_pulls = self.max_pulls.unwrap_or(c.max_pulls);
+        c.max_peer_connections = self.max_peer_connections.unwrap_or(c.max_peer_connections);
         Ok(())
     }
 }
@@ -393,6 +465,42 @@ impl DaemonConfig {
             return Err(ConfigError::Value {
                 key: "worker-threads",
                 message: "must be at least 1".into(),
+            });
+        }
+        self.validate_cluster()
+    }
+
+    fn validate_cluster(&self) -> Result<(), ConfigError> {
+        let c = &self.cluster;
+        if let Some(addr) = c.listen
+            && !addr.ip().is_loopback()
+            && c.secret_file.is_none()
+        {
+            return Err(ConfigError::Value {
+                key: "listen",
+                message: format!(
+                    "{addr} is reachable from other hosts: give the cluster a secret                      (--cluster-secret-file), or listen on a loopback address"
+                ),
+            });
+        }
+        for (key, value) in [
+            ("pull-timeout-ms", c.pull_timeout.as_millis() as u64),
+            ("peer-connections", c.connections_per_peer as u64),
+            ("peer-refresh-secs", c.refresh.as_secs()),
+            ("max-pulls", c.max_pulls as u64),
+            ("max-peer-connections", c.max_peer_connections as u64),
+        ] {
+            if value == 0 {
+                return Err(ConfigError::Value {
+                    key,
+                    message: "must be at least 1".into(),
+                });
+            }
+        }
+        if c.peers.iter().any(|p| !p.contains(':')) {
+            return Err(ConfigError::Value {
+                key: "peers",
+                message: format!("{:?}: each peer is HOST:PORT", c.peers),
             });
         }
         Ok(())

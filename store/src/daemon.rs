@@ -64,6 +64,17 @@ pub enum StartError {
     /// Creating the shared memory failed.
     #[error(transparent)]
     Shm(#[from] ShmError),
+    /// The cluster secret file is unusable, or the cluster settings are unsafe.
+    #[error(transparent)]
+    Secret(#[from] crate::cluster::auth::SecretError),
+    /// The peer port could not be bound.
+    #[error("cannot listen for peers on {addr}")]
+    PeerListen {
+        /// The address.
+        addr: std::net::SocketAddr,
+        /// Why.
+        source: std::io::Error,
+    },
     /// The async runtime could not start.
     #[error("cannot start the runtime")]
     Runtime(#[source] std::io::Error),
@@ -73,6 +84,8 @@ pub enum StartError {
 pub struct Daemon {
     shared: Arc<Shared>,
     listener: std::os::unix::net::UnixListener,
+    /// Where other daemons connect (`--listen`).
+    peer_listener: Option<std::net::TcpListener>,
     socket: PathBuf,
     worker_threads: usize,
 }
@@ -117,6 +130,20 @@ impl Daemon {
         };
         let manage_dir = config.socket == feedstore_proto::own_socket_path();
         prepare_socket(&config.socket, access, manage_dir)?;
+        let secret = config
+            .cluster
+            .secret_file
+            .as_deref()
+            .map(crate::cluster::auth::Secret::load)
+            .transpose()?;
+        let peer_listener = match config.cluster.listen {
+            Some(addr) => Some(
+                std::net::TcpListener::bind(addr)
+                    .and_then(|l| l.set_nonblocking(true).map(|()| l))
+                    .map_err(|source| StartError::PeerListen { addr, source })?,
+            ),
+            None => None,
+        };
         let started = Instant::now();
         let mut segments = Vec::new();
         for (i, size) in config.segment_sizes().into_iter().enumerate() {
@@ -147,7 +174,23 @@ impl Daemon {
         uids.insert(daemon_uid);
         let reader_uids = config.allow_reader_uids.iter().copied().collect();
         let limits = fit_connections_to_descriptors(config.limits.clone());
-        let objects = Objects::new(config.node_id, epoch, &sizes, hugetlb);
+        let mut objects = Objects::new(config.node_id, epoch, &sizes, hugetlb);
+        let cluster = config.cluster.enabled().then(|| {
+            let engine_conn = objects.connect(crate::objects::ClientInfo {
+                role: feedstore_proto::Role::Writer,
+                uid: daemon_uid,
+                pid: std::process::id() as i32,
+                name: "pull engine".into(),
+                internal: true,
+            });
+            Arc::new(crate::cluster::Cluster::new(
+                config.cluster.clone(),
+                config.node_id,
+                epoch,
+                secret,
+                engine_conn,
+            ))
+        });
         let shared = Shared::new(
             objects,
             segments,
@@ -163,6 +206,7 @@ impl Daemon {
                 max_create_wait_ms: config.max_create_wait_ms,
                 limits,
                 daemon_uid,
+                cluster,
             },
         )?;
         tracing::info!(
@@ -171,9 +215,17 @@ impl Daemon {
             epoch = %format!("{epoch:08x}"),
             "listening"
         );
+        if let Some(l) = &peer_listener {
+            tracing::info!(
+                peers = %l.local_addr().map_or_else(|e| e.to_string(), |a| a.to_string()),
+                authenticated = config.cluster.secret_file.is_some(),
+                "listening for peers"
+            );
+        }
         Ok(Daemon {
             shared: Arc::new(shared),
             listener,
+            peer_listener,
             socket: config.socket.clone(),
             worker_threads: config.worker_threads,
         })
@@ -206,6 +258,7 @@ impl Daemon {
         let Daemon {
             shared,
             listener,
+            peer_listener,
             socket,
             ..
         } = self;
@@ -233,6 +286,10 @@ impl Daemon {
                     }
                 })
             };
+            let cluster_tasks = match shared.cluster() {
+                Some(cluster) => cluster.clone().start(&shared, peer_listener),
+                None => Vec::new(),
+            };
             loop {
                 tokio::select! {
                     accepted = listener.accept() => match accepted {
@@ -251,6 +308,9 @@ impl Daemon {
                 }
             }
             sweeper.abort();
+            for task in cluster_tasks {
+                task.abort();
+            }
             let _ = std::fs::remove_file(&socket);
             let stats = shared.with_objects(|o| o.stats());
             tracing::info!(

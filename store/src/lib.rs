@@ -3,8 +3,9 @@
 //! One daemon runs per node. It creates the shared-memory segments (memfd, huge pages when the
 //! node has them, pre-faulted), and serves clients over a Unix socket: writers reserve an object,
 //! write it in place and seal it; readers get a lease on a sealed object and read it in place.
-//! The daemon never copies object bytes; it only hands out byte ranges and tracks who holds
-//! what.
+//! The daemon copies no object bytes on one node; it only hands out byte ranges and tracks who
+//! holds what. Across nodes it moves them: a pull lands another node's object straight from the
+//! socket into this node's shared memory, once per node.
 //!
 //! Key decision: all bookkeeping (allocator, object table, leases, LRU) lives in the daemon's
 //! private memory behind a single lock, and every client's holdings are tied to its socket
@@ -14,8 +15,8 @@
 //!
 //! Layers, bottom up: [`alloc`] (free space in a segment), [`objects`] (object lifecycle, leases,
 //! eviction), [`streams`] (ordered delivery to trainer ranks), [`peer`] (who is connecting),
-//! [`server`] (the socket protocol), [`daemon`] (start, serve, stop), [`cli`] (the
-//! binary's flags).
+//! [`server`] (the socket protocol), [`cluster`] (pulling other nodes' objects over TCP),
+//! [`daemon`] (start, serve, stop), [`cli`] (the binary's flags).
 //!
 //! ```no_run
 //! use feedstore_store::{config::DaemonConfig, daemon::Daemon};
@@ -36,6 +37,7 @@
 
 pub mod alloc;
 pub mod cli;
+pub mod cluster;
 pub mod config;
 pub mod daemon;
 pub mod objects;

@@ -9,7 +9,9 @@
 //! - delete of a leased object hides it from new gets and frees it when the last lease returns;
 //! - when space runs out, sealed, unleased, unpinned objects are evicted in LRU order (least
 //!   recently sealed or released first);
-//! - when a connection goes away, its unsealed objects are aborted and its leases returned.
+//! - when a connection goes away, its unsealed objects are aborted and its leases returned;
+//! - a copy of another node's object (pulled by [`crate::cluster`]) is found by that node's
+//!   handle once sealed, and is leased, evicted and deleted like any local object.
 
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 
@@ -38,6 +40,8 @@ struct Object {
     delete_pending: bool,
     /// Position in the LRU index while evictable.
     lru_tick: Option<u64>,
+    /// For a sealed copy of another node's object, that object's handle.
+    origin: Option<Handle>,
 }
 
 impl Object {
@@ -128,6 +132,8 @@ pub struct Objects {
     space_epoch: u64,
     /// Most leases a client connection may hold (`--max-leases-per-connection`).
     max_leases_per_conn: u64,
+    /// Sealed local copies of other nodes' objects, by the owner's handle.
+    copies: HashMap<Handle, u32>,
 }
 
 impl Objects {
@@ -147,6 +153,7 @@ impl Objects {
             counters: Counters::default(),
             space_epoch: 0,
             max_leases_per_conn: u64::MAX,
+            copies: HashMap::new(),
         }
     }
 
@@ -259,6 +266,7 @@ impl Objects {
             pinned,
             delete_pending: false,
             lru_tick: None,
+            origin: None,
         });
         let handle = self.handle(slot);
         self.conns
@@ -281,6 +289,32 @@ impl Objects {
         self.object_mut(slot).state = State::Sealed;
         self.touch(slot);
         tracing::debug!(%handle, "object sealed");
+        Ok(())
+    }
+
+    /// Seals an object `conn` filled with the bytes of `origin`, another node's object: from
+    /// now on a get of `origin` on this node leases the copy. (A copy already known for
+    /// `origin` stays; this one is aborted and `InvalidState` returned.)
+    pub fn seal_copy(
+        &mut self,
+        conn: ConnId,
+        handle: Handle,
+        origin: Handle,
+    ) -> Result<(), Status> {
+        if origin.node_id == self.node_id {
+            return Err(Status::InvalidArgument);
+        }
+        if self.copies.contains_key(&origin) {
+            self.abort(conn, handle)?;
+            return Err(Status::InvalidState);
+        }
+        let slot = self.end_reservation(conn, handle)?;
+        let obj = self.object_mut(slot);
+        obj.state = State::Sealed;
+        obj.origin = Some(origin);
+        self.copies.insert(origin, slot);
+        self.touch(slot);
+        tracing::debug!(%handle, %origin, "copy of a remote object sealed");
         Ok(())
     }
 
@@ -436,6 +470,7 @@ impl Objects {
                 State::Sealed => {
                     s.objects_sealed += 1;
                     s.objects_pinned += u64::from(obj.pinned);
+                    s.objects_pulled += u64::from(obj.origin.is_some());
                 }
             }
             s.leases += u64::from(obj.leases);
@@ -465,7 +500,8 @@ impl Objects {
 
     fn resolve(&self, handle: Handle) -> Result<u32, Status> {
         if handle.node_id != self.node_id {
-            return Err(Status::WrongNode);
+            // Another node's object: its local copy, if one has been pulled.
+            return self.copies.get(&handle).copied().ok_or(Status::WrongNode);
         }
         if handle.epoch != self.epoch {
             return Err(Status::Stale);
@@ -550,6 +586,9 @@ impl Objects {
             .expect("free of a live slot");
         if let Some(tick) = obj.lru_tick {
             self.lru.remove(&tick);
+        }
+        if let Some(origin) = obj.origin {
+            self.copies.remove(&origin);
         }
         self.segments[obj.segment as usize].free(obj.block);
         self.free_slots.push_back(slot);
@@ -727,6 +766,38 @@ mod tests {
         assert!(o.stats().used_bytes > 0, "the shared lease keeps it");
         o.release(r, h).unwrap();
         assert_eq!(o.stats().used_bytes, 0);
+    }
+
+    #[test]
+    fn a_copy_answers_to_its_owners_handle_until_it_goes() {
+        let (mut o, w, r) = store(1 << 20);
+        let origin = Handle {
+            node_id: 8,
+            epoch: 5,
+            slot: 3,
+            generation: 1,
+        };
+        assert_eq!(o.get(r, origin), Err(Status::WrongNode), "not pulled yet");
+        let c = o.create(w, 100, false).unwrap();
+        assert_eq!(
+            o.get(r, origin),
+            Err(Status::WrongNode),
+            "not visible while written"
+        );
+        o.seal_copy(w, c.handle, origin).unwrap();
+        assert_eq!(o.get(r, origin).unwrap(), c.location);
+        assert_eq!(o.stats().objects_pulled, 1);
+        let twice = o.create(w, 100, false).unwrap();
+        assert_eq!(
+            o.seal_copy(w, twice.handle, origin),
+            Err(Status::InvalidState)
+        );
+        assert_eq!(o.stats().objects_writing, 0, "the second copy was aborted");
+        o.release(r, origin).unwrap();
+        o.delete(w, origin).unwrap();
+        assert_eq!(o.get(r, origin), Err(Status::WrongNode), "gone: pull again");
+        let own = o.create(w, 10, false).unwrap().handle;
+        assert_eq!(o.seal_copy(w, own, own), Err(Status::InvalidArgument));
     }
 
     #[test]

@@ -32,13 +32,14 @@ use feedstore_proto::frame::{
 use feedstore_proto::{
     Handle, MAX_CLIENT_NAME, Role, SEGMENT_HUGETLB, SEGMENT_WRITABLE, SegmentInfo, Status,
 };
-use feedstore_shm::Segment;
+use feedstore_shm::{Access, Mapping, Segment};
 use nix::sys::socket::{ControlMessage, MsgFlags};
 use tokio::io::{AsyncReadExt, AsyncWriteExt, Interest};
 use tokio::net::UnixStream;
 use tokio::sync::watch;
 use tokio::time::Instant;
 
+use crate::cluster::Cluster;
 use crate::config::Limits;
 use crate::objects::{ClientInfo, ConnId, Objects};
 use crate::peer::Peer;
@@ -144,6 +145,10 @@ pub struct Shared {
     streams: Mutex<Streams>,
     segments: Vec<Segment>,
     readonly_fds: Vec<OwnedFd>,
+    /// The daemon's own read-write mapping of each segment: only the cluster's pulls touch
+    /// object bytes through it (sending ranges to peers, landing copies).
+    mappings: Vec<Arc<Mapping>>,
+    cluster: Option<Arc<Cluster>>,
     node_id: u32,
     epoch: u32,
     max_frame_bytes: u32,
@@ -174,6 +179,8 @@ pub struct ServeConfig {
     pub limits: Limits,
     /// The daemon's uid (may close any stream).
     pub daemon_uid: u32,
+    /// Peers to pull other nodes' objects from, if this node is part of a cluster.
+    pub cluster: Option<Arc<Cluster>>,
 }
 
 impl Shared {
@@ -187,11 +194,27 @@ impl Shared {
             .iter()
             .map(Segment::reopen_readonly)
             .collect::<Result<_, _>>()?;
+        let mappings = segments
+            .iter()
+            .map(|s| {
+                let fd =
+                    s.fd()
+                        .try_clone_to_owned()
+                        .map_err(|source| feedstore_shm::ShmError::Map {
+                            len: s.size_bytes(),
+                            access: Access::ReadWrite,
+                            source,
+                        })?;
+                Mapping::new(fd, s.size_bytes(), Access::ReadWrite, false).map(Arc::new)
+            })
+            .collect::<Result<_, _>>()?;
         Ok(Shared {
             objects: Mutex::new(objects.with_lease_limit(config.limits.max_leases_per_connection)),
             streams: Mutex::new(Streams::new(&config.limits, config.daemon_uid)),
             segments,
             readonly_fds,
+            mappings,
+            cluster: config.cluster,
             node_id: config.node_id,
             epoch: config.epoch,
             max_frame_bytes: config.max_frame_bytes,
@@ -229,6 +252,34 @@ impl Shared {
             self.stream_events.send_replace(version);
         }
         result
+    }
+
+    /// The daemon's read-write mapping of a segment.
+    pub(crate) fn mapping(&self, segment: u32) -> &Mapping {
+        &self.mappings[segment as usize]
+    }
+
+    /// Changes whenever space is freed or becomes evictable.
+    pub(crate) fn space_events(&self) -> watch::Receiver<u64> {
+        self.space.subscribe()
+    }
+
+    /// The cluster this node belongs to, if any.
+    pub fn cluster(&self) -> Option<&Arc<Cluster>> {
+        self.cluster.as_ref()
+    }
+
+    /// A snapshot of the statistics `feedstore stat` shows.
+    pub fn stats(&self) -> feedstore_proto::StoreStats {
+        let mut stats = self.with_streams(|s, o| {
+            let mut stats = o.stats();
+            s.add_stats(&mut stats);
+            stats
+        });
+        if let Some(cluster) = &self.cluster {
+            cluster.add_stats(&mut stats);
+        }
+        stats
     }
 
     /// Closes the streams nobody has used for the idle timeout.
@@ -553,18 +604,21 @@ impl Connection {
             Request::Delete { handles } => {
                 Response::Done(each(&shared, id, &handles, Objects::delete))
             }
-            Request::Get { handles } => Response::Got(
-                shared.with_objects(|o| handles.iter().map(|&h| o.get(id, h)).collect()),
-            ),
+            Request::Get { handles } => {
+                let mut got: Vec<_> =
+                    shared.with_objects(|o| handles.iter().map(|&h| o.get(id, h)).collect());
+                if let Some(cluster) = &shared.cluster
+                    && got.contains(&Err(Status::WrongNode))
+                {
+                    self.pull_then_get(cluster, id, &handles, &mut got).await?;
+                }
+                Response::Got(got)
+            }
             Request::Release { handles } => {
                 self.release(id, &handles);
                 return Ok(());
             }
-            Request::Stats => Response::Stats(shared.with_streams(|s, o| {
-                let mut stats = o.stats();
-                s.add_stats(&mut stats);
-                stats
-            })),
+            Request::Stats => Response::Stats(Box::new(shared.stats())),
             Request::CacheLookup { keys } => {
                 Response::Cached(shared.with_streams(|s, o| s.lookup(o, id, &keys)))
             }
@@ -716,10 +770,10 @@ impl Connection {
     /// reading: one-way returns (leases, stream samples) are applied at once, so a client cannot
     /// deadlock against its own returns, and other requests are queued for after the wait, at
     /// most `--max-queued-requests` of them and four maximal frames' worth of bytes.
-    async fn wait_for(
+    async fn wait_for<T>(
         &mut self,
         id: ConnId,
-        events: &mut watch::Receiver<u64>,
+        events: &mut watch::Receiver<T>,
         deadline: Instant,
     ) -> Result<(), ConnEnd> {
         // Frames that arrived with the waiting request are taken in first.
@@ -882,6 +936,57 @@ impl Connection {
         self.wbuf.clear();
         self.encode_reply(op, request_id, response);
         self.stream.write_all(&self.wbuf).await?;
+        Ok(())
+    }
+
+    /// Pulls the objects of other nodes a get found no copy of (`WrongNode` in `got`), all at
+    /// once, then leases the copies. Waits while the pulls run, serving the client's returns
+    /// meanwhile, as a create waiting for space does. A copy evicted before this get could
+    /// lease it is pulled again, twice at most, then reported `Full`.
+    async fn pull_then_get(
+        &mut self,
+        cluster: &Arc<Cluster>,
+        id: ConnId,
+        handles: &[Handle],
+        got: &mut [Result<feedstore_proto::Location, Status>],
+    ) -> Result<(), ConnEnd> {
+        let shared = self.shared.clone();
+        for _ in 0..3 {
+            let mut pulls = Vec::new();
+            for (i, &h) in handles.iter().enumerate() {
+                if got[i] == Err(Status::WrongNode) {
+                    match cluster.pull(&shared, h) {
+                        Ok(rx) => pulls.push((i, rx)),
+                        Err(status) => {
+                            shared.with_objects(Objects::note_limit_hit);
+                            got[i] = Err(status);
+                        }
+                    }
+                }
+            }
+            if pulls.is_empty() {
+                return Ok(());
+            }
+            // The pulls end by their own deadline; this one only guards against a lost task.
+            let deadline = Instant::now() + cluster.config().pull_timeout + Duration::from_secs(5);
+            for (i, mut rx) in pulls {
+                let outcome = loop {
+                    if let Some(outcome) = rx.borrow_and_update().clone() {
+                        break outcome.map_err(|e| e.status);
+                    }
+                    if rx.has_changed().is_err() || Instant::now() >= deadline {
+                        break Err(Status::Unreachable);
+                    }
+                    self.wait_for(id, &mut rx, deadline).await?;
+                };
+                got[i] = outcome.and_then(|()| shared.with_objects(|o| o.get(id, handles[i])));
+            }
+        }
+        for r in got.iter_mut() {
+            if *r == Err(Status::WrongNode) {
+                *r = Err(Status::Full);
+            }
+        }
         Ok(())
     }
 

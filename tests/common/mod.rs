@@ -36,12 +36,25 @@ pub struct DaemonProcess {
 impl DaemonProcess {
     /// Starts `feedstored` on a socket in `dir` with extra flags, and waits until it answers.
     pub fn start(dir: &Path, extra: &[&str]) -> DaemonProcess {
-        let socket = dir.join("feedstored.sock");
+        DaemonProcess::start_named(dir, "feedstored", &[], extra)
+    }
+
+    /// Starts `feedstored` with its socket and log named `name` in `dir`, run through `prefix`
+    /// (`ip netns exec NS`, say) when it is not empty.
+    pub fn start_named(dir: &Path, name: &str, prefix: &[&str], extra: &[&str]) -> DaemonProcess {
+        let socket = dir.join(format!("{name}.sock"));
         let log = dir.join(format!(
-            "feedstored-{}.log",
+            "{name}-{}.log",
             Instant::now().elapsed().as_nanos()
         ));
-        let mut cmd = Command::new(env!("CARGO_BIN_EXE_feedstored"));
+        let mut cmd = match prefix.split_first() {
+            Some((program, args)) => {
+                let mut cmd = Command::new(program);
+                cmd.args(args).arg(env!("CARGO_BIN_EXE_feedstored"));
+                cmd
+            }
+            None => Command::new(env!("CARGO_BIN_EXE_feedstored")),
+        };
         cmd.arg("--socket").arg(&socket);
         if !extra.contains(&"--capacity") {
             cmd.args(["--capacity", "64MiB"]);

@@ -40,8 +40,9 @@ use crate::{Handle, Location, Role, SegmentInfo, Status, StoreStats};
 /// First two bytes of every frame.
 pub const MAGIC: u16 = 0xFD5E;
 /// Protocol version spoken by this crate. Version 2: frame limits agreed at hello, stream
-/// detach, paged stream lists, attach without creating.
-pub const VERSION: u16 = 2;
+/// detach, paged stream lists, attach without creating. Version 3: cross-node pull statistics
+/// and statuses (`Unreachable`, `Corrupt`).
+pub const VERSION: u16 = 3;
 /// Size of the frame header.
 pub const HEADER_BYTES: usize = 16;
 /// Default maximum payload a side accepts (room for a batch of ~65k handles).
@@ -706,7 +707,7 @@ pub enum Response {
     /// Per-item statuses (seal, abort, delete, stream put, wait, close, detach).
     Done(Vec<Status>),
     /// Reply to [`Request::Stats`].
-    Stats(StoreStats),
+    Stats(Box<StoreStats>),
     /// The request failed as a whole.
     Error {
         /// Why.
@@ -819,7 +820,7 @@ impl Response {
             | Opcode::StreamWait
             | Opcode::StreamClose
             | Opcode::StreamDetach => Response::Done(r.list()?),
-            Opcode::Stats => Response::Stats(StoreStats::decode(&mut r)?),
+            Opcode::Stats => Response::Stats(Box::new(StoreStats::decode(&mut r)?)),
             Opcode::Error => Response::Error {
                 status: Status::decode(&mut r)?,
                 message: r.string()?,

@@ -232,7 +232,7 @@ fn response() -> impl Strategy<Value = (Opcode, Response)> {
         prop::collection::vec(got, 0..20).prop_map(|r| (Opcode::Get, Response::Got(r))),
         (done_ops, prop::collection::vec(any_status(), 0..20))
             .prop_map(|(op, s)| (op, Response::Done(s))),
-        stats().prop_map(|s| (Opcode::Stats, Response::Stats(s))),
+        stats().prop_map(|s| (Opcode::Stats, Response::Stats(Box::new(s)))),
         (any_status(), text(1024))
             .prop_map(|(status, message)| (Opcode::Error, Response::Error { status, message })),
         any::<u32>().prop_map(|stream| (Opcode::StreamJoin, Response::StreamJoined { stream })),

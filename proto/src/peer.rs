@@ -1,0 +1,405 @@
+//! The daemon-to-daemon protocol: how one node's `feedstored` pulls an object from the node that
+//! owns it.
+//!
+//! Separate from the client protocol ([`crate::frame`]): it runs over TCP between daemons, never
+//! between a client and a daemon, and its messages are all fixed-size but one (the verdict's
+//! reason), so a receiver reads exactly what it expects and nothing a peer sends can make it
+//! buffer more.
+//!
+//! A connection starts with a symmetric handshake, each side sending the same three messages and
+//! reading the other's:
+//!
+//! 1. [`PeerHello`] (64 bytes): magic, protocol version, node id, epoch, a random instance id and
+//!    a random nonce. Its layout is fixed for every version, so two versions can still tell each
+//!    other why they part.
+//! 2. A proof (32 bytes): HMAC-SHA256 of both hellos under the cluster secret, labelled by the
+//!    side that sends it (all zeros when the cluster runs without a secret, on loopback only).
+//! 3. [`Verdict`]: accepted, or refused with a code and a reason the other side logs.
+//!
+//! Then the connecting side sends [`ReadRequest`]s, one at a time, and the listening side
+//! answers each with a [`ReadReply`] header; when the status is `Ok`, `len` bytes of the object
+//! follow, then the xxh3-64 of those bytes (8 bytes, little-endian), which the receiver checks
+//! before it seals anything.
+
+use crate::{Handle, Status};
+
+/// The daemon-to-daemon protocol version; a peer with another version is refused at handshake.
+pub const PEER_VERSION: u16 = 1;
+
+/// First bytes of every hello.
+pub const PEER_MAGIC: [u8; 8] = *b"FSPEER\r\n";
+
+/// Hello flag: this side has a cluster secret and requires the other to prove it.
+pub const HELLO_SECRET: u16 = 1;
+
+/// Bytes of a proof (an HMAC-SHA256 tag).
+pub const PROOF_BYTES: usize = 32;
+
+/// The longest reason a verdict carries.
+pub const MAX_REASON_BYTES: usize = 512;
+
+/// The most bytes one read may ask for; larger objects are pulled in several ranges.
+pub const MAX_RANGE_BYTES: u64 = 64 << 20;
+
+/// Bytes of the checksum trailer after a range's bytes.
+pub const TRAILER_BYTES: usize = 8;
+
+/// Why a peer message could not be parsed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum PeerDecodeError {
+    /// The magic is not feedstore's: not a feedstore daemon.
+    #[error("not a feedstore peer (bad magic {0:02x?})")]
+    Magic([u8; 8]),
+    /// A field holds a value no sender produces.
+    #[error("invalid {field}: {value}")]
+    Invalid {
+        /// The field.
+        field: &'static str,
+        /// Its value.
+        value: u64,
+    },
+}
+
+/// The first message each side sends.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PeerHello {
+    /// The sender's protocol version ([`PEER_VERSION`]).
+    pub version: u16,
+    /// [`HELLO_SECRET`] or 0.
+    pub flags: u16,
+    /// The sender's node id (what its handles carry).
+    pub node_id: u32,
+    /// The sender's start epoch.
+    pub epoch: u32,
+    /// Random per daemon start: a daemon that reaches itself (its own address in a peer list or
+    /// a DNS answer) recognises its own instance and hangs up quietly.
+    pub instance: u64,
+    /// Random per connection: makes each proof fresh.
+    pub nonce: [u8; 32],
+}
+
+impl PeerHello {
+    /// Encoded size.
+    pub const BYTES: usize = 64;
+
+    /// The wire form.
+    pub fn to_bytes(&self) -> [u8; Self::BYTES] {
+        let mut b = [0u8; Self::BYTES];
+        b[0..8].copy_from_slice(&PEER_MAGIC);
+        b[8..10].copy_from_slice(&self.version.to_le_bytes());
+        b[10..12].copy_from_slice(&self.flags.to_le_bytes());
+        b[12..16].copy_from_slice(&self.node_id.to_le_bytes());
+        b[16..20].copy_from_slice(&self.epoch.to_le_bytes());
+        // 20..24 reserved, zero.
+        b[24..32].copy_from_slice(&self.instance.to_le_bytes());
+        b[32..64].copy_from_slice(&self.nonce);
+        b
+    }
+
+    /// Parses a hello of any version (the layout is the same for all).
+    pub fn from_bytes(b: &[u8; Self::BYTES]) -> Result<PeerHello, PeerDecodeError> {
+        let magic: [u8; 8] = b[0..8].try_into().expect("8 bytes");
+        if magic != PEER_MAGIC {
+            return Err(PeerDecodeError::Magic(magic));
+        }
+        Ok(PeerHello {
+            version: u16::from_le_bytes([b[8], b[9]]),
+            flags: u16::from_le_bytes([b[10], b[11]]),
+            node_id: le32(&b[12..16]),
+            epoch: le32(&b[16..20]),
+            instance: le64(&b[24..32]),
+            nonce: b[32..64].try_into().expect("32 bytes"),
+        })
+    }
+}
+
+/// Why a handshake was refused, as the refusing side reports it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u16)]
+pub enum VerdictCode {
+    /// Accepted.
+    Accepted = 0,
+    /// The protocol versions differ.
+    Version = 1,
+    /// Both daemons claim the same node id (`--node-id` sets it; namespaces on one host share a
+    /// host name, whose hash is the default).
+    NodeIdClash = 2,
+    /// The proof does not match this side's secret.
+    BadProof = 3,
+    /// One side has a cluster secret and the other none.
+    SecretMismatch = 4,
+    /// The connection reached the daemon that opened it.
+    SelfConnection = 5,
+    /// The listening side has as many peer connections as it allows.
+    Busy = 6,
+}
+
+impl VerdictCode {
+    fn from_u16(v: u16) -> Option<VerdictCode> {
+        use VerdictCode::*;
+        Some(match v {
+            0 => Accepted,
+            1 => Version,
+            2 => NodeIdClash,
+            3 => BadProof,
+            4 => SecretMismatch,
+            5 => SelfConnection,
+            6 => Busy,
+            _ => return None,
+        })
+    }
+}
+
+/// The last handshake message: the sender's decision, with a reason when it refuses.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Verdict {
+    /// The decision.
+    pub code: VerdictCode,
+    /// Why, for the other side's log (at most [`MAX_REASON_BYTES`]).
+    pub reason: String,
+}
+
+impl Verdict {
+    /// Bytes before the reason: code and reason length.
+    pub const HEAD_BYTES: usize = 4;
+
+    /// The wire form: code, reason length, reason.
+    pub fn to_bytes(&self) -> Vec<u8> {
+        let reason = crate::truncate(&self.reason, MAX_REASON_BYTES);
+        let mut b = Vec::with_capacity(Self::HEAD_BYTES + reason.len());
+        b.extend_from_slice(&(self.code as u16).to_le_bytes());
+        b.extend_from_slice(&(reason.len() as u16).to_le_bytes());
+        b.extend_from_slice(reason.as_bytes());
+        b
+    }
+
+    /// Parses the head: the code and how many reason bytes follow.
+    pub fn parse_head(b: &[u8; Self::HEAD_BYTES]) -> Result<(VerdictCode, usize), PeerDecodeError> {
+        let code = u16::from_le_bytes([b[0], b[1]]);
+        let len = u16::from_le_bytes([b[2], b[3]]) as usize;
+        let code = VerdictCode::from_u16(code).ok_or(PeerDecodeError::Invalid {
+            field: "verdict code",
+            value: u64::from(code),
+        })?;
+        if len > MAX_REASON_BYTES {
+            return Err(PeerDecodeError::Invalid {
+                field: "verdict reason length",
+                value: len as u64,
+            });
+        }
+        Ok((code, len))
+    }
+}
+
+/// Asks the owner for bytes `offset..offset + len` of an object (fewer if it is shorter).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ReadRequest {
+    /// The object, as its owner named it.
+    pub handle: Handle,
+    /// First byte wanted.
+    pub offset: u64,
+    /// Bytes wanted, at most [`MAX_RANGE_BYTES`].
+    pub len: u64,
+}
+
+impl ReadRequest {
+    /// Encoded size.
+    pub const BYTES: usize = 40;
+    const OP_READ: u16 = 1;
+
+    /// The wire form.
+    pub fn to_bytes(&self) -> [u8; Self::BYTES] {
+        let mut b = [0u8; Self::BYTES];
+        b[0..2].copy_from_slice(&Self::OP_READ.to_le_bytes());
+        // 2..8 reserved, zero.
+        b[8..24].copy_from_slice(&self.handle.to_bytes());
+        b[24..32].copy_from_slice(&self.offset.to_le_bytes());
+        b[32..40].copy_from_slice(&self.len.to_le_bytes());
+        b
+    }
+
+    /// Parses a request; refuses an unknown operation and a length over [`MAX_RANGE_BYTES`].
+    pub fn from_bytes(b: &[u8; Self::BYTES]) -> Result<ReadRequest, PeerDecodeError> {
+        let op = u16::from_le_bytes([b[0], b[1]]);
+        if op != Self::OP_READ || b[2..8].iter().any(|&x| x != 0) {
+            return Err(PeerDecodeError::Invalid {
+                field: "request operation",
+                value: u64::from(op),
+            });
+        }
+        let request = ReadRequest {
+            handle: Handle::from_bytes(b[8..24].try_into().expect("16 bytes")),
+            offset: le64(&b[24..32]),
+            len: le64(&b[32..40]),
+        };
+        if request.len == 0 || request.len > MAX_RANGE_BYTES {
+            return Err(PeerDecodeError::Invalid {
+                field: "request length",
+                value: request.len,
+            });
+        }
+        Ok(request)
+    }
+}
+
+/// The owner's answer to a [`ReadRequest`]. With `Ok`, `len` bytes and the trailer follow.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ReadReply {
+    /// `Ok`, or why not (`NotFound`, `Stale`, `NotSealed`, `InvalidArgument` for a range past
+    /// the end).
+    pub status: Status,
+    /// The object's whole length (0 unless `Ok`).
+    pub total: u64,
+    /// First byte sent.
+    pub offset: u64,
+    /// Bytes sent.
+    pub len: u64,
+}
+
+impl ReadReply {
+    /// Encoded size.
+    pub const BYTES: usize = 32;
+
+    /// A refusal.
+    pub fn refused(status: Status) -> ReadReply {
+        ReadReply {
+            status,
+            total: 0,
+            offset: 0,
+            len: 0,
+        }
+    }
+
+    /// The wire form.
+    pub fn to_bytes(&self) -> [u8; Self::BYTES] {
+        let mut b = [0u8; Self::BYTES];
+        b[0..2].copy_from_slice(&(self.status as u16).to_le_bytes());
+        // 2..8 reserved, zero.
+        b[8..16].copy_from_slice(&self.total.to_le_bytes());
+        b[16..24].copy_from_slice(&self.offset.to_le_bytes());
+        b[24..32].copy_from_slice(&self.len.to_le_bytes());
+        b
+    }
+
+    /// Parses a reply; refuses one whose range does not lie inside its object or is larger than
+    /// any request may ask.
+    pub fn from_bytes(b: &[u8; Self::BYTES]) -> Result<ReadReply, PeerDecodeError> {
+        let code = u16::from_le_bytes([b[0], b[1]]);
+        let status = Status::from_u16(code).ok_or(PeerDecodeError::Invalid {
+            field: "reply status",
+            value: u64::from(code),
+        })?;
+        let reply = ReadReply {
+            status,
+            total: le64(&b[8..16]),
+            offset: le64(&b[16..24]),
+            len: le64(&b[24..32]),
+        };
+        let inside = reply
+            .offset
+            .checked_add(reply.len)
+            .is_some_and(|end| end <= reply.total);
+        if !inside || reply.len > MAX_RANGE_BYTES || (status != Status::Ok && reply.len != 0) {
+            return Err(PeerDecodeError::Invalid {
+                field: "reply range",
+                value: reply.len,
+            });
+        }
+        Ok(reply)
+    }
+}
+
+fn le32(b: &[u8]) -> u32 {
+    u32::from_le_bytes(b.try_into().expect("4 bytes"))
+}
+
+fn le64(b: &[u8]) -> u64 {
+    u64::from_le_bytes(b.try_into().expect("8 bytes"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        #[test]
+        fn hello_round_trips(version: u16, flags: u16, node_id: u32, epoch: u32, instance: u64, nonce: [u8; 32]) {
+            let h = PeerHello { version, flags, node_id, epoch, instance, nonce };
+            prop_assert_eq!(PeerHello::from_bytes(&h.to_bytes()).unwrap(), h);
+        }
+
+        #[test]
+        fn requests_and_replies_round_trip(node: u32, slot: u32, offset in 0u64..1 << 40, len in 1..=MAX_RANGE_BYTES) {
+            let handle = Handle { node_id: node, epoch: 1, slot, generation: 2 };
+            let r = ReadRequest { handle, offset, len };
+            prop_assert_eq!(ReadRequest::from_bytes(&r.to_bytes()).unwrap(), r);
+            let reply = ReadReply { status: Status::Ok, total: offset + len, offset, len };
+            prop_assert_eq!(ReadReply::from_bytes(&reply.to_bytes()).unwrap(), reply);
+        }
+
+        #[test]
+        fn any_bytes_parse_or_fail_cleanly(b in proptest::collection::vec(any::<u8>(), 64)) {
+            let _ = PeerHello::from_bytes(b[..64].try_into().unwrap());
+            let _ = ReadRequest::from_bytes(b[..40].try_into().unwrap());
+            let _ = ReadReply::from_bytes(b[..32].try_into().unwrap());
+            let _ = Verdict::parse_head(b[..4].try_into().unwrap());
+        }
+    }
+
+    #[test]
+    fn lying_lengths_are_refused() {
+        let handle = Handle::default();
+        let mut r = ReadRequest {
+            handle,
+            offset: 0,
+            len: MAX_RANGE_BYTES + 1,
+        }
+        .to_bytes();
+        assert!(ReadRequest::from_bytes(&r).is_err(), "over the range limit");
+        r[32..40].copy_from_slice(&0u64.to_le_bytes());
+        assert!(ReadRequest::from_bytes(&r).is_err(), "empty");
+        let past_end = ReadReply {
+            status: Status::Ok,
+            total: 10,
+            offset: 8,
+            len: 4,
+        };
+        assert!(ReadReply::from_bytes(&past_end.to_bytes()).is_err());
+        let error_with_bytes = ReadReply {
+            status: Status::NotFound,
+            total: 10,
+            offset: 0,
+            len: 4,
+        };
+        assert!(ReadReply::from_bytes(&error_with_bytes.to_bytes()).is_err());
+        let long = [0u8, 0, 0xff, 0xff];
+        assert!(Verdict::parse_head(&long).is_err());
+        let mut bad = PeerHello {
+            version: 1,
+            flags: 0,
+            node_id: 1,
+            epoch: 1,
+            instance: 1,
+            nonce: [0; 32],
+        }
+        .to_bytes();
+        bad[0] = b'X';
+        assert!(matches!(
+            PeerHello::from_bytes(&bad),
+            Err(PeerDecodeError::Magic(_))
+        ));
+    }
+
+    #[test]
+    fn a_verdict_reason_is_bounded() {
+        let v = Verdict {
+            code: VerdictCode::BadProof,
+            reason: "x".repeat(10_000),
+        };
+        let b = v.to_bytes();
+        let (code, len) = Verdict::parse_head(b[..4].try_into().unwrap()).unwrap();
+        assert_eq!((code, len), (VerdictCode::BadProof, MAX_REASON_BYTES));
+        assert_eq!(b.len(), 4 + MAX_REASON_BYTES);
+    }
+}

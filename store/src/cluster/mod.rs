@@ -1,0 +1,767 @@
+//! Cross-node pulls: a handle owned by another node, read on this one.
+//!
+//! A daemon started with `--listen` accepts other daemons (never clients) on a TCP port; with
+//! `--peers` (addresses or DNS names, re-resolved every `--peer-refresh-secs`) or
+//! `--peers-file` it connects to them. Each connection starts with a handshake that exchanges
+//! node id, epoch and protocol version and, when the cluster has a secret, proves it both ways
+//! ([`auth`]); a clashing node id, another version or a wrong secret is refused with a reason
+//! logged on both sides.
+//!
+//! When a client asks this daemon for a handle of another node, the connection's get starts a
+//! pull ([`Cluster::pull`]), or joins the one under way for that handle: the engine asks the
+//! owner for the object's first range, reserves room for the whole object in this node's
+//! shared memory, lands every range straight from the socket into the reservation (large
+//! objects in ranges over several connections at once), checks each range's xxh3, and seals the
+//! copy under the owner's handle ([`Objects::seal_copy`](crate::objects::Objects::seal_copy)).
+//! The get then leases the copy like any local object, and later gets of the handle on this node
+//! never touch the network. Anything that fails aborts the reservation and answers the reader
+//! with a status that says why.
+
+pub mod auth;
+mod serve;
+pub mod transport;
+
+use std::collections::{HashMap, HashSet};
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use feedstore_proto::frame::Created;
+use feedstore_proto::{Handle, Status, StoreStats};
+use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore, watch};
+use tokio::time::Instant;
+
+use crate::objects::ConnId;
+use crate::server::Shared;
+use auth::Secret;
+use transport::{
+    Channel, LinkError, LocalIdentity, PullError, TcpChannel, TcpTransport, Transport,
+};
+
+/// Bytes per range: an object larger than this is pulled in ranges over several connections.
+pub const RANGE_BYTES: u64 = 16 << 20;
+
+/// Attempts of one pull on fresh connections after a reset or a lost connection.
+const ATTEMPTS: u32 = 3;
+
+/// How this node joins a cluster.
+#[derive(Debug, Clone)]
+pub struct ClusterConfig {
+    /// Where other daemons connect (`--listen`).
+    pub listen: Option<SocketAddr>,
+    /// Peers as `host:port`: addresses or DNS names (`--peers`).
+    pub peers: Vec<String>,
+    /// A file of peers, one `host:port` per line, re-read at each refresh (`--peers-file`).
+    pub peers_file: Option<PathBuf>,
+    /// The shared cluster secret (`--cluster-secret-file`).
+    pub secret_file: Option<PathBuf>,
+    /// The longest one pull may take, retries included (`--pull-timeout-ms`).
+    pub pull_timeout: Duration,
+    /// Connections to one peer at most, each carrying one range at a time
+    /// (`--peer-connections`).
+    pub connections_per_peer: usize,
+    /// How often peer names are resolved again (`--peer-refresh-secs`).
+    pub refresh: Duration,
+    /// Pulls under way at once, over all clients (`--max-pulls`).
+    pub max_pulls: usize,
+    /// Connections other daemons may have open to this one (`--max-peer-connections`).
+    pub max_peer_connections: usize,
+}
+
+impl Default for ClusterConfig {
+    fn default() -> Self {
+        ClusterConfig {
+            listen: None,
+            peers: Vec::new(),
+            peers_file: None,
+            secret_file: None,
+            pull_timeout: Duration::from_secs(30),
+            connections_per_peer: 4,
+            refresh: Duration::from_secs(10),
+            max_pulls: 4096,
+            max_peer_connections: 256,
+        }
+    }
+}
+
+impl ClusterConfig {
+    /// Whether this node talks to other nodes at all.
+    pub fn enabled(&self) -> bool {
+        self.listen.is_some() || !self.peers.is_empty() || self.peers_file.is_some()
+    }
+}
+
+/// Counters behind the cluster's lines of `feedstore stat`.
+#[derive(Debug, Default)]
+pub(crate) struct Counters {
+    pulls: AtomicU64,
+    pulled_bytes: AtomicU64,
+    fail_unreachable: AtomicU64,
+    fail_timeout: AtomicU64,
+    fail_missing: AtomicU64,
+    fail_corrupt: AtomicU64,
+    fail_full: AtomicU64,
+    pub(crate) peers_refused: AtomicU64,
+    pub(crate) served_reads: AtomicU64,
+    pub(crate) served_bytes: AtomicU64,
+}
+
+/// How a pull ended, as every get waiting for it learns.
+pub type PullOutcome = Result<(), PullError>;
+
+/// One peer daemon, known by its node id.
+#[derive(Debug)]
+struct Peer {
+    addr: SocketAddr,
+    node_id: u32,
+    /// Connections that may be open at once.
+    permits: Arc<Semaphore>,
+    /// Open connections not carrying a range now.
+    idle: Mutex<Vec<TcpChannel>>,
+    /// Whether its last connection attempt succeeded.
+    up: AtomicBool,
+}
+
+/// A connection taken from a peer's pool; dropped, it closes; [`Pooled::recycle`] puts it back.
+struct Pooled {
+    channel: TcpChannel,
+    _permit: OwnedSemaphorePermit,
+}
+
+#[derive(Debug, Default)]
+struct Membership {
+    by_node: HashMap<u32, Arc<Peer>>,
+    /// Addresses that reached this daemon itself.
+    own_addrs: HashSet<SocketAddr>,
+    /// The last problem logged per address or name, so a dead peer logs once, not every refresh.
+    logged: HashMap<String, String>,
+}
+
+/// This node's view of the cluster and its pulls.
+pub struct Cluster {
+    config: ClusterConfig,
+    transport: TcpTransport,
+    /// The object-table connection the pulls reserve and seal copies through.
+    engine_conn: ConnId,
+    members: Mutex<Membership>,
+    /// Bumped after each round of resolving and probing peers.
+    rounds: watch::Sender<u64>,
+    /// Asks for a round now (a pull found a peer gone).
+    kick: Notify,
+    inflight: Mutex<HashMap<Handle, watch::Receiver<Option<PullOutcome>>>>,
+    peer_connections: AtomicUsize,
+    pub(crate) counters: Counters,
+}
+
+impl std::fmt::Debug for Cluster {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Cluster")
+            .field("config", &self.config)
+            .field("engine_conn", &self.engine_conn)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Cluster {
+    /// A cluster view for the daemon `(node_id, epoch)` whose pulls use the object-table
+    /// connection `engine_conn` (an internal writer).
+    pub fn new(
+        config: ClusterConfig,
+        node_id: u32,
+        epoch: u32,
+        secret: Option<Secret>,
+        engine_conn: ConnId,
+    ) -> Cluster {
+        let instance = u64::from_le_bytes(auth::random_bytes());
+        Cluster {
+            transport: TcpTransport::new(LocalIdentity {
+                node_id,
+                epoch,
+                instance,
+                secret,
+            }),
+            config,
+            engine_conn,
+            members: Mutex::new(Membership::default()),
+            rounds: watch::Sender::new(0),
+            kick: Notify::new(),
+            inflight: Mutex::new(HashMap::new()),
+            peer_connections: AtomicUsize::new(0),
+            counters: Counters::default(),
+        }
+    }
+
+    /// The settings it runs with.
+    pub fn config(&self) -> &ClusterConfig {
+        &self.config
+    }
+
+    /// Starts the listener (if any) and the membership loop on the current runtime.
+    pub(crate) fn start(
+        self: &Arc<Self>,
+        shared: &Arc<Shared>,
+        listener: Option<std::net::TcpListener>,
+    ) -> Vec<tokio::task::JoinHandle<()>> {
+        let mut tasks = Vec::new();
+        if let Some(listener) = listener {
+            match tokio::net::TcpListener::from_std(listener) {
+                Ok(listener) => {
+                    tasks.push(tokio::spawn(serve::listen(
+                        shared.clone(),
+                        self.clone(),
+                        listener,
+                    )));
+                }
+                Err(e) => tracing::error!(error = %e, "cannot serve the peer listener"),
+            }
+        }
+        let this = self.clone();
+        tasks.push(tokio::spawn(async move { this.membership().await }));
+        tasks
+    }
+
+    /// Adds the cluster's counters to a stats snapshot.
+    pub fn add_stats(&self, s: &mut StoreStats) {
+        let c = &self.counters;
+        let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        s.peers_up = self
+            .lock_members()
+            .by_node
+            .values()
+            .filter(|p| p.up.load(Ordering::Relaxed))
+            .count() as u64;
+        s.pulls_in_flight = self.lock_inflight().len() as u64;
+        s.pulls = get(&c.pulls);
+        s.pulled_bytes = get(&c.pulled_bytes);
+        s.pull_failures_unreachable = get(&c.fail_unreachable);
+        s.pull_failures_timeout = get(&c.fail_timeout);
+        s.pull_failures_missing = get(&c.fail_missing);
+        s.pull_failures_corrupt = get(&c.fail_corrupt);
+        s.pull_failures_full = get(&c.fail_full);
+        s.peers_refused = get(&c.peers_refused);
+        s.served_reads = get(&c.served_reads);
+        s.served_bytes = get(&c.served_bytes);
+    }
+
+    fn lock_members(&self) -> std::sync::MutexGuard<'_, Membership> {
+        self.members.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn lock_inflight(
+        &self,
+    ) -> std::sync::MutexGuard<'_, HashMap<Handle, watch::Receiver<Option<PullOutcome>>>> {
+        self.inflight.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Counts an accepted peer connection against `--max-peer-connections`; `None` when full.
+    fn admit_peer_connection(self: &Arc<Self>) -> Option<PeerSlot> {
+        let n = self.peer_connections.fetch_add(1, Ordering::Relaxed);
+        if n >= self.config.max_peer_connections {
+            self.peer_connections.fetch_sub(1, Ordering::Relaxed);
+            return None;
+        }
+        Some(PeerSlot(self.clone()))
+    }
+
+    fn note_busy(&self, addr: SocketAddr) {
+        self.log_once(
+            &addr.to_string(),
+            format!(
+                "peer connection refused: {} open (--max-peer-connections)",
+                self.config.max_peer_connections
+            ),
+        );
+    }
+
+    /// Logs `message` for `key` at warn level unless it is the last thing logged for `key`.
+    fn log_once(&self, key: &str, message: String) {
+        let mut m = self.lock_members();
+        if m.logged.get(key) != Some(&message) {
+            tracing::warn!(peer = key, "{message}");
+            m.logged.insert(key.to_owned(), message);
+        }
+    }
+
+    /// Starts pulling `handle` from its owner, or joins the pull of it under way. The receiver
+    /// holds `Some` once the pull ended; on success the copy is sealed and a get finds it.
+    /// `LimitReached` when `--max-pulls` are under way.
+    pub fn pull(
+        self: &Arc<Self>,
+        shared: &Arc<Shared>,
+        handle: Handle,
+    ) -> Result<watch::Receiver<Option<PullOutcome>>, Status> {
+        let mut inflight = self.lock_inflight();
+        if let Some(rx) = inflight.get(&handle) {
+            return Ok(rx.clone());
+        }
+        if inflight.len() >= self.config.max_pulls {
+            return Err(Status::LimitReached);
+        }
+        let (tx, rx) = watch::channel(None);
+        inflight.insert(handle, rx.clone());
+        drop(inflight);
+        let (this, shared) = (self.clone(), shared.clone());
+        tokio::spawn(async move {
+            let started = std::time::Instant::now();
+            let outcome = this.run_pull(&shared, handle).await;
+            this.count(handle, &outcome, started.elapsed());
+            // Out of the table before the waiters hear: a get after a failure starts afresh,
+            // one after a success finds the sealed copy.
+            this.lock_inflight().remove(&handle);
+            let _ = tx.send(Some(outcome.map(|_| ())));
+        });
+        Ok(rx)
+    }
+
+    fn count(&self, handle: Handle, outcome: &Result<u64, PullError>, took: Duration) {
+        let c = &self.counters;
+        match outcome {
+            Ok(bytes) => {
+                c.pulls.fetch_add(1, Ordering::Relaxed);
+                c.pulled_bytes.fetch_add(*bytes, Ordering::Relaxed);
+                tracing::debug!(%handle, bytes, took_us = took.as_micros() as u64, "pulled");
+            }
+            Err(e) => {
+                let counter = match e.status {
+                    Status::Timeout => &c.fail_timeout,
+                    Status::NotFound | Status::Stale | Status::NotSealed => &c.fail_missing,
+                    Status::Corrupt => &c.fail_corrupt,
+                    Status::Full | Status::TooLarge => &c.fail_full,
+                    _ => &c.fail_unreachable,
+                };
+                counter.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(%handle, status = %e.status, reason = %e.message, "pull failed");
+            }
+        }
+    }
+
+    /// One pull, retried on fresh connections after a reset, within the pull timeout.
+    async fn run_pull(&self, shared: &Arc<Shared>, handle: Handle) -> Result<u64, PullError> {
+        let deadline = Instant::now() + self.config.pull_timeout;
+        let mut attempt = 1;
+        loop {
+            match self.try_pull(shared, handle, deadline).await {
+                Err(e) if e.retry && attempt < ATTEMPTS => {
+                    let backoff = Duration::from_millis(50 << attempt);
+                    if Instant::now() + backoff >= deadline {
+                        return Err(e);
+                    }
+                    tracing::info!(%handle, attempt, reason = %e.message, "pull failed; retrying");
+                    attempt += 1;
+                    tokio::time::sleep(backoff).await;
+                }
+                other => return other,
+            }
+        }
+    }
+
+    async fn try_pull(
+        &self,
+        shared: &Arc<Shared>,
+        handle: Handle,
+        deadline: Instant,
+    ) -> Result<u64, PullError> {
+        let peer = self.peer_for(handle.node_id, deadline).await?;
+        let mut first = self.channel(&peer, deadline).await?;
+        let head = first
+            .channel
+            .request(handle, 0, RANGE_BYTES, deadline)
+            .await
+            .inspect_err(|e| self.on_error(&peer, e))?;
+        let mut copy = Reservation::new(shared, self.engine_conn, head.total, deadline).await?;
+        let bytes = copy.bytes_mut();
+        let (lead, rest) = bytes.split_at_mut(head.len as usize);
+        let lead = async {
+            first.channel.receive(lead, deadline).await?;
+            Ok(first)
+        };
+        // The other ranges go over other connections to the same peer, at once.
+        let rest = rest
+            .chunks_mut(RANGE_BYTES as usize)
+            .enumerate()
+            .map(|(i, dest)| {
+                let offset = head.len + i as u64 * RANGE_BYTES;
+                self.pull_range(&peer, handle, offset, head.total, dest, deadline)
+            });
+        let (first, _) = tokio::try_join!(lead, futures_util::future::try_join_all(rest))
+            .inspect_err(|e| self.on_error(&peer, e))?;
+        Self::recycle(&peer, first);
+        copy.seal_as(handle)?;
+        Ok(head.total)
+    }
+
+    /// One more range of an object whose length (`total`) the first range told.
+    async fn pull_range(
+        &self,
+        peer: &Arc<Peer>,
+        handle: Handle,
+        offset: u64,
+        total: u64,
+        dest: &mut [u8],
+        deadline: Instant,
+    ) -> Result<(), PullError> {
+        let mut pooled = self.channel(peer, deadline).await?;
+        let head = pooled
+            .channel
+            .request(handle, offset, dest.len() as u64, deadline)
+            .await?;
+        if head.total != total {
+            return Err(PullError::fatal(
+                Status::Stale,
+                format!("{handle} changed length on its owner during the pull"),
+            ));
+        }
+        pooled.channel.receive(dest, deadline).await?;
+        Self::recycle(peer, pooled);
+        Ok(())
+    }
+
+    fn recycle(peer: &Peer, pooled: Pooled) {
+        peer.idle
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(pooled.channel);
+    }
+
+    /// After a failed step: a network failure makes the pooled connections suspect (the peer
+    /// may have restarted), so they are closed and fresh ones opened next time.
+    fn on_error(&self, peer: &Peer, e: &PullError) {
+        if e.retry {
+            peer.idle.lock().unwrap_or_else(|e| e.into_inner()).clear();
+        }
+    }
+
+    /// A connection to `peer`: an idle one, or a new one while fewer than
+    /// `--peer-connections` are open.
+    async fn channel(&self, peer: &Arc<Peer>, deadline: Instant) -> Result<Pooled, PullError> {
+        let permit = tokio::time::timeout_at(deadline, peer.permits.clone().acquire_owned())
+            .await
+            .map_err(|_| {
+                PullError::fatal(
+                    Status::Timeout,
+                    format!(
+                        "no connection to node {:08x} free within the pull timeout",
+                        peer.node_id
+                    ),
+                )
+            })?
+            .expect("the semaphore is never closed");
+        let idle = peer.idle.lock().unwrap_or_else(|e| e.into_inner()).pop();
+        if let Some(channel) = idle {
+            return Ok(Pooled {
+                channel,
+                _permit: permit,
+            });
+        }
+        match self.transport.connect(peer.addr, deadline).await {
+            Ok(channel) if channel.peer().node_id == peer.node_id => {
+                peer.up.store(true, Ordering::Relaxed);
+                Ok(Pooled {
+                    channel,
+                    _permit: permit,
+                })
+            }
+            Ok(channel) => {
+                self.kick.notify_one();
+                Err(PullError::fatal(
+                    Status::Unreachable,
+                    format!(
+                        "{} now answers as node {:08x}, not {:08x}",
+                        peer.addr,
+                        channel.peer().node_id,
+                        peer.node_id
+                    ),
+                ))
+            }
+            Err(e) => {
+                peer.up.store(false, Ordering::Relaxed);
+                if e.is_refusal() {
+                    self.counters.peers_refused.fetch_add(1, Ordering::Relaxed);
+                }
+                self.kick.notify_one();
+                let mut err = PullError::from(e);
+                err.message = format!(
+                    "node {:08x} at {}: {}",
+                    peer.node_id, peer.addr, err.message
+                );
+                Err(err)
+            }
+        }
+    }
+
+    /// The peer that owns `node_id`. Before the first round of finding peers has finished, waits
+    /// for it (within the deadline); after, a node nobody answers for is `Unreachable` at once.
+    async fn peer_for(&self, node_id: u32, deadline: Instant) -> Result<Arc<Peer>, PullError> {
+        let mut rounds = self.rounds.subscribe();
+        loop {
+            let round = *rounds.borrow_and_update();
+            if let Some(peer) = self.lock_members().by_node.get(&node_id) {
+                return Ok(peer.clone());
+            }
+            if round > 0 {
+                self.kick.notify_one();
+                return Err(PullError::fatal(
+                    Status::Unreachable,
+                    format!(
+                        "no peer has node id {node_id:08x} (peers: {})",
+                        self.describe_peers()
+                    ),
+                ));
+            }
+            if tokio::time::timeout_at(deadline, rounds.changed())
+                .await
+                .is_err()
+            {
+                return Err(PullError::fatal(
+                    Status::Timeout,
+                    "no peer found before the pull timeout".to_string(),
+                ));
+            }
+        }
+    }
+
+    fn describe_peers(&self) -> String {
+        let m = self.lock_members();
+        if m.by_node.is_empty() {
+            return "none reachable".into();
+        }
+        let mut peers: Vec<String> = m
+            .by_node
+            .values()
+            .map(|p| format!("{:08x} at {}", p.node_id, p.addr))
+            .collect();
+        peers.sort();
+        peers.join(", ")
+    }
+
+    /// Resolves the peer list and connects to new peers, every `--peer-refresh-secs` or when a
+    /// pull finds a peer gone.
+    async fn membership(self: Arc<Self>) {
+        loop {
+            let addrs = self.resolve().await;
+            let probes: Vec<_> = {
+                let mut m = self.lock_members();
+                // Peers whose address no longer resolves leave.
+                let before = m.by_node.len();
+                m.by_node.retain(|_, p| addrs.contains(&p.addr));
+                if m.by_node.len() < before {
+                    tracing::info!(left = before - m.by_node.len(), "peers left the peer list");
+                }
+                let known_up: HashSet<SocketAddr> = m
+                    .by_node
+                    .values()
+                    .filter(|p| p.up.load(Ordering::Relaxed))
+                    .map(|p| p.addr)
+                    .collect();
+                addrs
+                    .iter()
+                    .filter(|a| !m.own_addrs.contains(a) && !known_up.contains(a))
+                    .map(|&a| self.probe(a))
+                    .collect()
+            };
+            futures_util::future::join_all(probes).await;
+            self.rounds.send_modify(|r| *r += 1);
+            tokio::select! {
+                _ = tokio::time::sleep(self.config.refresh) => {}
+                _ = self.kick.notified() => {
+                    // A burst of failures asks once; give the peer a moment.
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                }
+            }
+        }
+    }
+
+    /// Every address the peer list names now.
+    async fn resolve(&self) -> HashSet<SocketAddr> {
+        let mut specs = self.config.peers.clone();
+        if let Some(path) = &self.config.peers_file {
+            match std::fs::read_to_string(path) {
+                Ok(text) => specs.extend(
+                    text.lines()
+                        .map(|l| l.split('#').next().unwrap_or("").trim())
+                        .filter(|l| !l.is_empty())
+                        .map(str::to_owned),
+                ),
+                Err(e) => self.log_once(
+                    &path.display().to_string(),
+                    format!("cannot read --peers-file: {e}"),
+                ),
+            }
+        }
+        let mut addrs = HashSet::new();
+        for spec in specs {
+            let lookup = tokio::time::timeout(
+                Duration::from_secs(5),
+                tokio::net::lookup_host(spec.clone()),
+            )
+            .await;
+            match lookup {
+                Ok(Ok(found)) => addrs.extend(found),
+                Ok(Err(e)) => self.log_once(&spec, format!("cannot resolve peer: {e}")),
+                Err(_) => self.log_once(&spec, "resolving the peer timed out".into()),
+            }
+        }
+        addrs
+    }
+
+    /// Connects to `addr` and, if a peer answers, files it under its node id with the connection
+    /// kept for the first pull.
+    async fn probe(&self, addr: SocketAddr) {
+        let deadline = Instant::now() + transport::HANDSHAKE_TIMEOUT;
+        match self.transport.connect(addr, deadline).await {
+            Ok(channel) => {
+                let id = channel.peer();
+                let mut m = self.lock_members();
+                if let Some(other) = m.by_node.get(&id.node_id)
+                    && other.addr != addr
+                    && other.up.load(Ordering::Relaxed)
+                {
+                    let message = format!(
+                        "{addr} and {} both claim node id {:08x}; ignoring {addr} (give each \
+                         node its own --node-id)",
+                        other.addr, id.node_id
+                    );
+                    drop(m);
+                    self.log_once(&addr.to_string(), message);
+                    return;
+                }
+                let peer = Arc::new(Peer {
+                    addr,
+                    node_id: id.node_id,
+                    permits: Arc::new(Semaphore::new(self.config.connections_per_peer)),
+                    idle: Mutex::new(vec![channel]),
+                    up: AtomicBool::new(true),
+                });
+                m.by_node.insert(id.node_id, peer);
+                m.logged.remove(&addr.to_string());
+                drop(m);
+                tracing::info!(peer = %addr, node = %format!("{:08x}", id.node_id), epoch = %format!("{:08x}", id.epoch), "peer up");
+            }
+            Err(LinkError::SelfConnection) => {
+                self.lock_members().own_addrs.insert(addr);
+            }
+            Err(e) => {
+                if e.is_refusal() {
+                    self.counters.peers_refused.fetch_add(1, Ordering::Relaxed);
+                }
+                let m = self.lock_members();
+                let was_up = m
+                    .by_node
+                    .values()
+                    .find(|p| p.addr == addr)
+                    .is_some_and(|p| p.up.swap(false, Ordering::Relaxed));
+                drop(m);
+                if was_up {
+                    tracing::warn!(peer = %addr, error = %e, "peer down");
+                }
+                self.log_once(&addr.to_string(), format!("cannot reach peer: {e}"));
+            }
+        }
+    }
+}
+
+/// A peer connection counted against `--max-peer-connections` until dropped.
+struct PeerSlot(Arc<Cluster>);
+
+impl Drop for PeerSlot {
+    fn drop(&mut self) {
+        self.0.peer_connections.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// Room for a pulled copy in this node's store, reserved by the pull engine's connection.
+/// Dropped unsealed (any failure, or shutdown), it is aborted: no half-written copy is ever
+/// visible.
+struct Reservation {
+    shared: Arc<Shared>,
+    conn: ConnId,
+    created: Created,
+    sealed: bool,
+}
+
+impl Reservation {
+    /// Reserves `size` bytes, waiting for space (eviction, releases) until `deadline`.
+    async fn new(
+        shared: &Arc<Shared>,
+        conn: ConnId,
+        size: u64,
+        deadline: Instant,
+    ) -> Result<Reservation, PullError> {
+        let mut space = shared.space_events();
+        loop {
+            space.borrow_and_update();
+            match shared.with_objects(|o| o.create(conn, size, false)) {
+                Ok(created) => {
+                    return Ok(Reservation {
+                        shared: shared.clone(),
+                        conn,
+                        created,
+                        sealed: false,
+                    });
+                }
+                Err(Status::Full) => {}
+                Err(status) => {
+                    return Err(PullError::fatal(
+                        status,
+                        format!("cannot reserve {size} bytes for a copy: {status}"),
+                    ));
+                }
+            }
+            if tokio::time::timeout_at(deadline, space.changed())
+                .await
+                .is_err()
+            {
+                shared.with_objects(|o| o.note_create_full());
+                return Err(PullError::fatal(
+                    Status::Full,
+                    format!("no room for a copy of {size} bytes within the pull timeout"),
+                ));
+            }
+        }
+    }
+
+    /// The reservation's bytes, to land the pulled ranges in.
+    fn bytes_mut(&mut self) -> &mut [u8] {
+        let loc = self.created.location;
+        // SAFETY: the range is an unsealed reservation of the engine's connection: no client can
+        // get it (it is not sealed) and the daemon hands no writer a range overlapping it, so
+        // nothing else reads or writes it; `&mut self` makes this the only borrow in this
+        // process. It lies inside its segment.
+        unsafe {
+            self.shared
+                .mapping(loc.segment)
+                .bytes_mut(loc.offset, loc.len)
+        }
+        .expect("the daemon maps its segments read-write, and objects lie inside them")
+    }
+
+    /// Seals the copy under its owner's handle. (Should another copy of it have been sealed
+    /// meanwhile, that one stays, this one is dropped, and the pull succeeded all the same.)
+    fn seal_as(mut self, origin: Handle) -> Result<(), PullError> {
+        let (conn, handle) = (self.conn, self.created.handle);
+        match self
+            .shared
+            .with_objects(|o| o.seal_copy(conn, handle, origin))
+        {
+            Ok(()) | Err(Status::InvalidState) => {
+                self.sealed = true;
+                Ok(())
+            }
+            Err(status) => Err(PullError::fatal(
+                status,
+                format!("cannot seal the copy of {origin}: {status}"),
+            )),
+        }
+    }
+}
+
+impl Drop for Reservation {
+    fn drop(&mut self) {
+        if !self.sealed {
+            let (conn, handle) = (self.conn, self.created.handle);
+            let _ = self.shared.with_objects(|o| o.abort(conn, handle));
+        }
+    }
+}

@@ -1,0 +1,578 @@
+//! The seam between the pull engine and the network, and the one transport built: TCP.
+//!
+//! The engine asks a [`Transport`] for a [`Channel`] to a peer and, over it, for ranges of the
+//! peer's objects, in two steps: [`Channel::request`] names the range and learns the object's
+//! length (so the engine can reserve room for the copy), then [`Channel::receive`] lands the
+//! range's bytes in a slice of that reservation and checks them. Nothing else of the store is
+//! visible to a transport, so another one — RDMA, where `request` returns the owner's registered
+//! address and key and `receive` is a one-sided read into this node's registered segment — fits
+//! without touching the store (see `docs/ARCHITECTURE.md`).
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use feedstore_proto::peer::{
+    HELLO_SECRET, PEER_VERSION, PROOF_BYTES, PeerHello, ReadReply, ReadRequest, TRAILER_BYTES,
+    Verdict, VerdictCode,
+};
+use feedstore_proto::{Handle, Status};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::net::TcpStream;
+use tokio::time::Instant;
+
+use super::auth::{Secret, Side, random_bytes};
+
+/// Bytes hashed per step while a range streams through: small enough to hash them while they
+/// are still in cache.
+pub const PIECE_BYTES: usize = 256 << 10;
+
+/// The longest a handshake may take.
+pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Who is at the other end of a channel, learnt at handshake.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PeerIdentity {
+    /// Its node id.
+    pub node_id: u32,
+    /// Its start epoch.
+    pub epoch: u32,
+    /// Its random instance id.
+    pub instance: u64,
+}
+
+/// What this daemon says of itself at handshake, and the secret it proves.
+#[derive(Debug, Clone)]
+pub struct LocalIdentity {
+    /// This node's id.
+    pub node_id: u32,
+    /// This daemon's epoch.
+    pub epoch: u32,
+    /// Random per start.
+    pub instance: u64,
+    /// The cluster secret, if the cluster has one.
+    pub secret: Option<Secret>,
+}
+
+/// Why a pull (or one step of it) failed: the status the reader gets, a message for the log,
+/// and whether trying again (on a fresh connection) may help.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{message}")]
+pub struct PullError {
+    /// What the reader is told.
+    pub status: Status,
+    /// What the log says.
+    pub message: String,
+    /// A fresh connection may succeed (a reset, a peer that restarted).
+    pub retry: bool,
+}
+
+impl PullError {
+    /// A failure that retrying will not mend.
+    pub fn fatal(status: Status, message: impl Into<String>) -> PullError {
+        PullError {
+            status,
+            message: message.into(),
+            retry: false,
+        }
+    }
+}
+
+/// Why a connection to a peer could not be set up.
+#[derive(Debug, thiserror::Error)]
+pub enum LinkError {
+    /// The address is this daemon's own.
+    #[error("the address is this daemon's own")]
+    SelfConnection,
+    /// This side refused the peer.
+    #[error("refused the peer: {reason}")]
+    Refused {
+        /// Why.
+        code: VerdictCode,
+        /// The reason logged on both sides.
+        reason: String,
+    },
+    /// The peer refused this side.
+    #[error("the peer refused this node: {reason}")]
+    RefusedBy {
+        /// Why.
+        code: VerdictCode,
+        /// The peer's reason.
+        reason: String,
+    },
+    /// The peer sent something no feedstore daemon sends.
+    #[error("not a feedstore peer: {0}")]
+    Protocol(String),
+    /// No answer in time.
+    #[error("no answer within {0:?}")]
+    Timeout(Duration),
+    /// The socket failed.
+    #[error(transparent)]
+    Io(#[from] std::io::Error),
+}
+
+impl LinkError {
+    /// Whether the handshake failed on a decision (secret, node id, version), not the network.
+    pub fn is_refusal(&self) -> bool {
+        matches!(
+            self,
+            LinkError::Refused { .. } | LinkError::RefusedBy { .. }
+        )
+    }
+}
+
+impl From<LinkError> for PullError {
+    fn from(e: LinkError) -> PullError {
+        match e {
+            LinkError::Timeout(_) => PullError::fatal(Status::Timeout, e.to_string()),
+            LinkError::Io(_) => PullError {
+                status: Status::Unreachable,
+                message: e.to_string(),
+                retry: true,
+            },
+            other => PullError::fatal(Status::Unreachable, other.to_string()),
+        }
+    }
+}
+
+/// The owner's answer to a request: where the range lies in its object.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RangeHeader {
+    /// The object's whole length.
+    pub total: u64,
+    /// First byte of the range.
+    pub offset: u64,
+    /// Bytes in the range.
+    pub len: u64,
+}
+
+/// Opens channels to peers.
+pub trait Transport: Send + Sync + 'static {
+    /// One connection to one peer.
+    type Channel: Channel;
+
+    /// Connects to the daemon at `addr` and authenticates both ways before `deadline`.
+    fn connect(
+        &self,
+        addr: SocketAddr,
+        deadline: Instant,
+    ) -> impl Future<Output = Result<Self::Channel, LinkError>> + Send;
+}
+
+/// One authenticated connection to one peer, carrying one range at a time.
+pub trait Channel: Send + 'static {
+    /// Who is at the other end.
+    fn peer(&self) -> PeerIdentity;
+
+    /// Asks for up to `len` bytes at `offset` of the peer's object `handle`. The owner holds a
+    /// lease on the object from here until the range is received. A refusal by the owner
+    /// (`NotFound`, `Stale`, ...) is an error with its status; the channel stays usable.
+    fn request(
+        &mut self,
+        handle: Handle,
+        offset: u64,
+        len: u64,
+        deadline: Instant,
+    ) -> impl Future<Output = Result<RangeHeader, PullError>> + Send;
+
+    /// Lands the requested range in `dest` (exactly the range's length) and checks its
+    /// checksum; `Corrupt` if it does not match. After an error the channel must be dropped.
+    fn receive(
+        &mut self,
+        dest: &mut [u8],
+        deadline: Instant,
+    ) -> impl Future<Output = Result<(), PullError>> + Send;
+}
+
+/// Peers over TCP.
+#[derive(Debug, Clone)]
+pub struct TcpTransport {
+    local: LocalIdentity,
+}
+
+impl TcpTransport {
+    /// A transport that introduces itself as `local`.
+    pub fn new(local: LocalIdentity) -> TcpTransport {
+        TcpTransport { local }
+    }
+
+    /// What this daemon says of itself.
+    pub fn local(&self) -> &LocalIdentity {
+        &self.local
+    }
+}
+
+impl Transport for TcpTransport {
+    type Channel = TcpChannel;
+
+    async fn connect(&self, addr: SocketAddr, deadline: Instant) -> Result<TcpChannel, LinkError> {
+        let deadline = deadline.min(Instant::now() + HANDSHAKE_TIMEOUT);
+        let work = async {
+            let mut stream = TcpStream::connect(addr).await?;
+            tune(&stream);
+            let peer = handshake(&mut stream, &self.local, Side::Connector).await?;
+            Ok(TcpChannel {
+                stream,
+                peer,
+                addr,
+                pending: None,
+            })
+        };
+        tokio::time::timeout_at(deadline, work)
+            .await
+            .map_err(|_| LinkError::Timeout(HANDSHAKE_TIMEOUT))?
+    }
+}
+
+/// Low latency for the small messages, keepalives so a vanished peer is noticed on an idle
+/// pooled connection.
+pub(crate) fn tune(stream: &TcpStream) {
+    use nix::sys::socket::{setsockopt, sockopt};
+    let _ = stream.set_nodelay(true);
+    let _ = setsockopt(stream, sockopt::KeepAlive, &true);
+    let _ = setsockopt(stream, sockopt::TcpKeepIdle, &30);
+    let _ = setsockopt(stream, sockopt::TcpKeepInterval, &10);
+    let _ = setsockopt(stream, sockopt::TcpKeepCount, &3);
+}
+
+/// One TCP connection to a peer.
+#[derive(Debug)]
+pub struct TcpChannel {
+    stream: TcpStream,
+    peer: PeerIdentity,
+    addr: SocketAddr,
+    /// The range requested and not yet received.
+    pending: Option<RangeHeader>,
+}
+
+impl TcpChannel {
+    fn io_error(&self, what: &str, e: std::io::Error) -> PullError {
+        PullError {
+            status: Status::Unreachable,
+            message: format!(
+                "node {:08x} at {}: {what}: {e}",
+                self.peer.node_id, self.addr
+            ),
+            retry: true,
+        }
+    }
+
+    fn timed_out(&self, what: &str) -> PullError {
+        PullError::fatal(
+            Status::Timeout,
+            format!(
+                "node {:08x} at {} stalled: {what} did not finish within the pull timeout \
+                 (--pull-timeout-ms)",
+                self.peer.node_id, self.addr
+            ),
+        )
+    }
+}
+
+impl Channel for TcpChannel {
+    fn peer(&self) -> PeerIdentity {
+        self.peer
+    }
+
+    async fn request(
+        &mut self,
+        handle: Handle,
+        offset: u64,
+        len: u64,
+        deadline: Instant,
+    ) -> Result<RangeHeader, PullError> {
+        assert!(self.pending.is_none(), "one range at a time per channel");
+        let request = ReadRequest {
+            handle,
+            offset,
+            len,
+        }
+        .to_bytes();
+        let mut head = [0u8; ReadReply::BYTES];
+        let exchange = async {
+            self.stream.write_all(&request).await?;
+            self.stream.read_exact(&mut head).await
+        };
+        match tokio::time::timeout_at(deadline, exchange).await {
+            Err(_) => return Err(self.timed_out("a request")),
+            Ok(Err(e)) => return Err(self.io_error("request failed", e)),
+            Ok(Ok(_)) => {}
+        }
+        let reply = ReadReply::from_bytes(&head).map_err(|e| {
+            PullError::fatal(
+                Status::Protocol,
+                format!(
+                    "node {:08x} at {}: bad reply: {e}",
+                    self.peer.node_id, self.addr
+                ),
+            )
+        })?;
+        if reply.status != Status::Ok {
+            return Err(PullError::fatal(
+                reply.status,
+                format!(
+                    "node {:08x} answered {} for {handle}",
+                    self.peer.node_id, reply.status
+                ),
+            ));
+        }
+        let expected = len.min(reply.total.saturating_sub(offset));
+        if reply.offset != offset || reply.len != expected {
+            return Err(PullError::fatal(
+                Status::Protocol,
+                format!(
+                    "node {:08x} sent bytes {}..+{} of {handle}, not {offset}..+{expected}",
+                    self.peer.node_id, reply.offset, reply.len
+                ),
+            ));
+        }
+        let header = RangeHeader {
+            total: reply.total,
+            offset: reply.offset,
+            len: reply.len,
+        };
+        self.pending = Some(header);
+        Ok(header)
+    }
+
+    async fn receive(&mut self, dest: &mut [u8], deadline: Instant) -> Result<(), PullError> {
+        let header = self.pending.take().expect("receive follows a request");
+        assert_eq!(
+            dest.len() as u64,
+            header.len,
+            "the destination fits the range"
+        );
+        let mut hasher = xxhash_rust::xxh3::Xxh3::new();
+        let mut trailer = [0u8; TRAILER_BYTES];
+        let stream = &mut self.stream;
+        let body = async {
+            // Straight from the socket into the reservation, hashed a piece at a time while
+            // the piece is still in cache.
+            for piece in dest.chunks_mut(PIECE_BYTES) {
+                stream.read_exact(piece).await?;
+                hasher.update(piece);
+            }
+            stream.read_exact(&mut trailer).await
+        };
+        match tokio::time::timeout_at(deadline, body).await {
+            Err(_) => return Err(self.timed_out("a transfer")),
+            Ok(Err(e)) => return Err(self.io_error("transfer broke off", e)),
+            Ok(Ok(_)) => {}
+        }
+        let sent = u64::from_le_bytes(trailer);
+        let got = hasher.digest();
+        if sent != got {
+            return Err(PullError::fatal(
+                Status::Corrupt,
+                format!(
+                    "bytes {}..+{} from node {:08x} at {} failed their checksum ({got:016x}, \
+                     sent {sent:016x})",
+                    header.offset, header.len, self.peer.node_id, self.addr
+                ),
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// The symmetric handshake (see [`feedstore_proto::peer`]): hellos, proofs, verdicts. Returns
+/// the peer's identity once both sides accepted.
+pub(crate) async fn handshake<S: AsyncRead + AsyncWrite + Unpin>(
+    stream: &mut S,
+    local: &LocalIdentity,
+    side: Side,
+) -> Result<PeerIdentity, LinkError> {
+    let mine = PeerHello {
+        version: PEER_VERSION,
+        flags: if local.secret.is_some() {
+            HELLO_SECRET
+        } else {
+            0
+        },
+        node_id: local.node_id,
+        epoch: local.epoch,
+        instance: local.instance,
+        nonce: random_bytes(),
+    };
+    stream.write_all(&mine.to_bytes()).await?;
+    let mut raw = [0u8; PeerHello::BYTES];
+    stream.read_exact(&mut raw).await?;
+    let theirs = PeerHello::from_bytes(&raw).map_err(|e| LinkError::Protocol(e.to_string()))?;
+    let (connector, acceptor) = match side {
+        Side::Connector => (&mine, &theirs),
+        Side::Acceptor => (&theirs, &mine),
+    };
+    let proof = local
+        .secret
+        .as_ref()
+        .map_or([0u8; PROOF_BYTES], |s| s.prove(side, connector, acceptor));
+    stream.write_all(&proof).await?;
+    let mut their_proof = [0u8; PROOF_BYTES];
+    stream.read_exact(&mut their_proof).await?;
+
+    let (code, reason) = judge(local, &theirs, |secret| {
+        secret.verify(side.other(), connector, acceptor, &their_proof)
+    });
+    stream
+        .write_all(
+            &Verdict {
+                code,
+                reason: reason.clone(),
+            }
+            .to_bytes(),
+        )
+        .await?;
+    let mut head = [0u8; Verdict::HEAD_BYTES];
+    stream.read_exact(&mut head).await?;
+    let (their_code, len) =
+        Verdict::parse_head(&head).map_err(|e| LinkError::Protocol(e.to_string()))?;
+    let mut their_reason = vec![0u8; len];
+    stream.read_exact(&mut their_reason).await?;
+    let their_reason = String::from_utf8_lossy(&their_reason).into_owned();
+    match (code, their_code) {
+        (VerdictCode::SelfConnection, _) | (_, VerdictCode::SelfConnection) => {
+            Err(LinkError::SelfConnection)
+        }
+        (VerdictCode::Accepted, VerdictCode::Accepted) => Ok(PeerIdentity {
+            node_id: theirs.node_id,
+            epoch: theirs.epoch,
+            instance: theirs.instance,
+        }),
+        (VerdictCode::Accepted, code) => Err(LinkError::RefusedBy {
+            code,
+            reason: their_reason,
+        }),
+        (code, _) => Err(LinkError::Refused { code, reason }),
+    }
+}
+
+/// This side's decision on the peer's hello and proof.
+fn judge(
+    local: &LocalIdentity,
+    theirs: &PeerHello,
+    proof_ok: impl FnOnce(&Secret) -> bool,
+) -> (VerdictCode, String) {
+    if theirs.instance == local.instance {
+        return (VerdictCode::SelfConnection, String::new());
+    }
+    if theirs.version != PEER_VERSION {
+        return (
+            VerdictCode::Version,
+            format!(
+                "peer protocol versions differ: node {:08x} speaks {}, node {:08x} speaks {}",
+                local.node_id, PEER_VERSION, theirs.node_id, theirs.version
+            ),
+        );
+    }
+    let they_have_secret = theirs.flags & HELLO_SECRET != 0;
+    match (&local.secret, they_have_secret) {
+        (Some(_), false) => {
+            return (
+                VerdictCode::SecretMismatch,
+                format!(
+                    "node {:08x} requires a cluster secret and node {:08x} has none \
+                     (--cluster-secret-file)",
+                    local.node_id, theirs.node_id
+                ),
+            );
+        }
+        (None, true) => {
+            return (
+                VerdictCode::SecretMismatch,
+                format!(
+                    "node {:08x} has a cluster secret and node {:08x} has none \
+                     (--cluster-secret-file)",
+                    theirs.node_id, local.node_id
+                ),
+            );
+        }
+        (Some(secret), true) if !proof_ok(secret) => {
+            return (
+                VerdictCode::BadProof,
+                format!(
+                    "node {:08x} did not prove the cluster secret of node {:08x}: the secrets \
+                     differ",
+                    theirs.node_id, local.node_id
+                ),
+            );
+        }
+        _ => {}
+    }
+    if theirs.node_id == local.node_id {
+        return (
+            VerdictCode::NodeIdClash,
+            format!(
+                "two daemons have node id {:08x}; give each node its own --node-id",
+                local.node_id
+            ),
+        );
+    }
+    (VerdictCode::Accepted, String::new())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn local(node_id: u32, secret: Option<&[u8]>) -> LocalIdentity {
+        LocalIdentity {
+            node_id,
+            epoch: 7,
+            instance: u64::from(node_id) << 8,
+            secret: secret.map(|s| Secret::from_bytes(s.to_vec()).unwrap()),
+        }
+    }
+
+    /// Runs both sides of a handshake over a real socket pair.
+    fn shake(
+        a: LocalIdentity,
+        b: LocalIdentity,
+    ) -> (
+        Result<PeerIdentity, LinkError>,
+        Result<PeerIdentity, LinkError>,
+    ) {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        rt.block_on(async {
+            let (mut x, mut y) = tokio::net::UnixStream::pair().unwrap();
+            tokio::join!(
+                handshake(&mut x, &a, Side::Connector),
+                handshake(&mut y, &b, Side::Acceptor)
+            )
+        })
+    }
+
+    const S1: &[u8] = b"first-cluster-secret";
+    const S2: &[u8] = b"other-cluster-secret";
+
+    #[test]
+    fn matching_secrets_shake_hands() {
+        let (a, b) = shake(local(1, Some(S1)), local(2, Some(S1)));
+        assert_eq!(a.unwrap().node_id, 2);
+        assert_eq!(b.unwrap().node_id, 1);
+    }
+
+    #[test]
+    fn refusals_carry_their_reason_to_both_sides() {
+        let reason = |r: Result<PeerIdentity, LinkError>| r.unwrap_err().to_string();
+        let (a, b) = shake(local(1, Some(S1)), local(2, Some(S2)));
+        assert!(reason(a).contains("secrets differ"));
+        assert!(reason(b).contains("secrets differ"));
+        let (a, b) = shake(local(1, None), local(2, Some(S1)));
+        assert!(reason(a).contains("has none"));
+        assert!(reason(b).contains("has none"));
+        let (a, b) = shake(
+            local(3, Some(S1)),
+            LocalIdentity {
+                instance: 99,
+                ..local(3, Some(S1))
+            },
+        );
+        assert!(reason(a).contains("--node-id"));
+        assert!(reason(b).contains("--node-id"));
+        let (a, b) = shake(local(4, None), local(4, None));
+        assert!(matches!(a, Err(LinkError::SelfConnection)));
+        assert!(matches!(b, Err(LinkError::SelfConnection)));
+    }
+}

@@ -1,0 +1,581 @@
+//! Cross-node pulls end to end: real daemons in separate network namespaces joined by veth pairs
+//! through a bridge, real TCP between them, real faults (a daemon killed with `kill -9`, a proxy
+//! that stalls or resets, a `tc` rate limit, a store with no room), and a check after each that
+//! nothing leaked on any node.
+//!
+//! The namespace tests need root (they make namespaces); they create everything they use and
+//! remove it when they end, a failing test included. Traffic stays inside those namespaces and
+//! on loopback.
+
+mod common;
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::path::Path;
+use std::process::Command;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use common::*;
+use feedstore_consumer::{Client, Error, Handle, StoreStats};
+
+const LIMIT: Duration = Duration::from_secs(240);
+
+fn run(cmd: &[&str]) {
+    let out = Command::new(cmd[0]).args(&cmd[1..]).output().unwrap();
+    assert!(
+        out.status.success(),
+        "{cmd:?} failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// Network namespaces joined by veth pairs to a bridge in a hub namespace: one subnet,
+/// 10.77.0.0/24, seen by nobody else. Removed on drop.
+struct Lan {
+    hub: String,
+    nodes: Vec<String>,
+}
+
+impl Lan {
+    fn new(tag: &str, n: usize) -> Lan {
+        let prefix = format!("fs{}{tag}", std::process::id());
+        let lan = Lan {
+            hub: format!("{prefix}hub"),
+            nodes: (0..n).map(|i| format!("{prefix}n{i}")).collect(),
+        };
+        lan.remove();
+        run(&["ip", "netns", "add", &lan.hub]);
+        run(&["ip", "-n", &lan.hub, "link", "add", "br0", "type", "bridge"]);
+        run(&["ip", "-n", &lan.hub, "link", "set", "br0", "up"]);
+        for (i, ns) in lan.nodes.iter().enumerate() {
+            let port = format!("p{i}");
+            run(&["ip", "netns", "add", ns]);
+            run(&[
+                "ip", "-n", &lan.hub, "link", "add", &port, "type", "veth", "peer", "name", "eth0",
+                "netns", ns,
+            ]);
+            run(&[
+                "ip", "-n", &lan.hub, "link", "set", &port, "master", "br0", "up",
+            ]);
+            run(&[
+                "ip",
+                "-n",
+                ns,
+                "addr",
+                "add",
+                &format!("{}/24", lan.ip(i)),
+                "dev",
+                "eth0",
+            ]);
+            run(&["ip", "-n", ns, "link", "set", "eth0", "up"]);
+            run(&["ip", "-n", ns, "link", "set", "lo", "up"]);
+        }
+        lan
+    }
+
+    fn ip(&self, i: usize) -> String {
+        format!("10.77.0.{}", i + 1)
+    }
+
+    fn exec(&self, i: usize) -> [&str; 4] {
+        ["ip", "netns", "exec", &self.nodes[i]]
+    }
+
+    /// Limits what node `i` sends to `rate` (a `tc` token bucket).
+    fn rate_limit(&self, i: usize, rate: &str) {
+        run(&[
+            "ip",
+            "netns",
+            "exec",
+            &self.nodes[i],
+            "tc",
+            "qdisc",
+            "add",
+            "dev",
+            "eth0",
+            "root",
+            "tbf",
+            "rate",
+            rate,
+            "burst",
+            "64kb",
+            "latency",
+            "200ms",
+        ]);
+    }
+
+    fn remove(&self) {
+        for ns in self.nodes.iter().chain([&self.hub]) {
+            let _ = Command::new("ip")
+                .args(["netns", "del", ns])
+                .stderr(std::process::Stdio::null())
+                .status();
+        }
+    }
+}
+
+impl Drop for Lan {
+    fn drop(&mut self) {
+        self.remove();
+    }
+}
+
+fn skip_unless_root(test: &str) -> bool {
+    if !is_root() {
+        eprintln!("SKIPPED {test}: needs root to make network namespaces");
+        return true;
+    }
+    false
+}
+
+fn secret_file(dir: &Path, name: &str, secret: &str) -> String {
+    use std::os::unix::fs::PermissionsExt;
+    let path = dir.join(name);
+    std::fs::write(&path, secret).unwrap();
+    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600)).unwrap();
+    path.to_str().unwrap().to_owned()
+}
+
+/// A node's daemon in namespace `i` of `lan`, listening on port 7070 of its address.
+fn node(lan: &Lan, dir: &Path, i: usize, extra: &[&str]) -> DaemonProcess {
+    let listen = format!("{}:7070", lan.ip(i));
+    let node_id = format!("{}", 0xA0 + i);
+    let mut args = vec!["--node-id", &node_id, "--listen", &listen];
+    args.extend_from_slice(extra);
+    DaemonProcess::start_named(dir, &format!("node{i}"), &lan.exec(i), &args)
+}
+
+/// Creates an object of `size` bytes on `writer`, filled with the pattern of `seed`.
+fn make(writer: &Client, size: usize, seed: u64) -> Handle {
+    let mut w = writer.create(size as u64).unwrap();
+    fill_pattern(w.as_mut_slice(), seed);
+    w.seal().unwrap()
+}
+
+/// Whether every counter that shows a leak is back at rest.
+fn at_rest(s: &StoreStats) -> bool {
+    s.objects_writing == 0 && s.leases == 0 && s.pulls_in_flight == 0
+}
+
+#[test]
+fn objects_made_on_one_node_are_read_byte_exact_on_others() {
+    if skip_unless_root("objects_made_on_one_node_are_read_byte_exact_on_others") {
+        return;
+    }
+    let _w = watchdog("objects_made_on_one_node", LIMIT);
+    let lan = Lan::new("r", 4);
+    let dir = scratch_dir("cluster-read");
+    let secret = secret_file(&dir, "secret", "the-cluster-secret-of-this-test\n");
+    let peers = format!(
+        "{0}:7070,{1}:7070,{2}:7070",
+        lan.ip(0),
+        lan.ip(1),
+        lan.ip(2)
+    );
+    let common = [
+        "--capacity",
+        "320MiB",
+        "--cluster-secret-file",
+        &secret,
+        "--peers",
+        &peers,
+        "--peer-refresh-secs",
+        "1",
+    ];
+    // Every node has every address, its own included (as a headless service answers).
+    let (a, b, c) = (
+        node(&lan, &dir, 0, &common),
+        node(&lan, &dir, 1, &common),
+        node(&lan, &dir, 2, &common),
+    );
+    let (wa, rb, rc) = (a.writer(), b.reader(), c.reader());
+    for client in [&wa, &rb, &rc] {
+        wait_for_stats(client, "two peers up", |s| s.peers_up == 2);
+    }
+
+    let sizes = [1usize, 4097, (4 << 20) + 3, 256 << 20];
+    let handles: Vec<Handle> = sizes
+        .iter()
+        .enumerate()
+        .map(|(i, &size)| make(&wa, size, i as u64 + 1))
+        .collect();
+    for (reader, name) in [(&rb, "B"), (&rc, "C")] {
+        for (i, (&h, &size)) in handles.iter().zip(&sizes).enumerate() {
+            let lease = reader
+                .get(h)
+                .unwrap_or_else(|e| panic!("{name} get {h}: {e}"));
+            assert_eq!(lease.len(), size);
+            assert!(
+                pattern_matches(&lease, i as u64 + 1),
+                "{name}: object {i} ({size} bytes) differs"
+            );
+        }
+    }
+    let sent = wa.stats().unwrap();
+    let b_stats = rb.stats().unwrap();
+    assert_eq!(b_stats.pulls, 4);
+    let total: u64 = sizes.iter().map(|&s| s as u64).sum();
+    assert_eq!(b_stats.pulled_bytes, total);
+    assert_eq!(b_stats.objects_pulled, 4);
+    // 256 MiB goes in 16 ranges, the rest in one each.
+    assert_eq!(sent.served_reads, 2 * (3 + 16));
+    assert_eq!(sent.served_bytes, 2 * total);
+
+    // A second read on B is served from B's copy: no transfer.
+    for (i, &h) in handles.iter().enumerate() {
+        assert!(pattern_matches(&rb.get(h).unwrap(), i as u64 + 1));
+    }
+    assert_eq!(rb.stats().unwrap().pulls, 4);
+    assert_eq!(wa.stats().unwrap().served_reads, sent.served_reads);
+
+    // An object deleted on its owner is gone for the other nodes too.
+    let deleted = make(&wa, 1000, 99);
+    wa.delete(deleted).unwrap();
+    assert!(matches!(rb.get(deleted), Err(Error::NotFound { .. })));
+    assert_eq!(rb.stats().unwrap().pull_failures_missing, 1);
+    // A node nobody answers for.
+    let nowhere = Handle {
+        node_id: 0xdead,
+        ..handles[0]
+    };
+    let err = rb.get(nowhere).unwrap_err();
+    assert!(matches!(err, Error::Unreachable { .. }), "{err}");
+
+    // A daemon with another secret is refused, and says so on both sides.
+    let wrong = secret_file(&dir, "wrong", "not-the-secret-of-this-cluster\n");
+    let a_addr = format!("{}:7070", lan.ip(0));
+    let d = node(
+        &lan,
+        &dir,
+        3,
+        &[
+            "--cluster-secret-file",
+            &wrong,
+            "--peers",
+            &a_addr,
+            "--peer-refresh-secs",
+            "1",
+        ],
+    );
+    let rd = d.reader();
+    let err = rd.get(handles[1]).unwrap_err();
+    assert!(matches!(err, Error::Unreachable { .. }), "{err}");
+    assert_eq!(rd.stats().unwrap().peers_up, 0);
+    wait_for_stats(&wa, "the stranger refused", |s| s.peers_refused >= 1);
+    assert!(
+        a.log_text().contains(&lan.ip(3)) && a.log_text().contains("secrets differ"),
+        "A logs the refused peer's address and why:\n{}",
+        a.log_text()
+    );
+    assert!(d.log_text().contains("secrets differ"));
+
+    // Nothing leaked anywhere once the readers let go.
+    drop(rd);
+    for (client, name) in [(&wa, "A"), (&rb, "B"), (&rc, "C")] {
+        let s = wait_for_stats(client, &format!("{name} at rest"), at_rest);
+        assert_eq!(
+            s.objects_sealed, 4,
+            "{name}: the originals or copies remain"
+        );
+    }
+}
+
+/// What the proxy does to bytes flowing from the owner to the puller.
+const FORWARD: u8 = 0;
+const STALL: u8 = 1;
+const RESET: u8 = 2;
+/// Faults start after this many bytes on a connection, past the handshake and into a transfer.
+const FAULT_AFTER: usize = 1 << 20;
+
+/// A TCP proxy in a namespace, between a puller and the owner, that forwards, stalls or resets
+/// what the owner sends. Stops on drop.
+struct Proxy {
+    mode: Arc<AtomicU8>,
+    stop: Arc<AtomicBool>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl Proxy {
+    fn start(netns: &str, listen: SocketAddr, upstream: SocketAddr) -> Proxy {
+        let mode = Arc::new(AtomicU8::new(FORWARD));
+        let stop = Arc::new(AtomicBool::new(false));
+        let (ready_tx, ready_rx) = std::sync::mpsc::channel();
+        let ns = std::fs::File::open(format!("/run/netns/{netns}")).unwrap();
+        let (m, s) = (mode.clone(), stop.clone());
+        let thread = std::thread::spawn(move || {
+            // This thread (and the threads it starts) lives in the namespace.
+            nix::sched::setns(ns, nix::sched::CloneFlags::CLONE_NEWNET).unwrap();
+            let listener = TcpListener::bind(listen).unwrap();
+            listener.set_nonblocking(true).unwrap();
+            ready_tx.send(()).unwrap();
+            let mut pumps = Vec::new();
+            while !s.load(Ordering::Relaxed) {
+                match listener.accept() {
+                    Ok((down, _)) => {
+                        let Ok(up) = TcpStream::connect_timeout(&upstream, Duration::from_secs(2))
+                        else {
+                            continue; // the owner is gone: the puller sees the close
+                        };
+                        down.set_nonblocking(false).unwrap();
+                        let (down, up) = (Arc::new(down), Arc::new(up));
+                        pumps.push(pump(up.clone(), down.clone(), m.clone(), s.clone(), true));
+                        pumps.push(pump(down, up, m.clone(), s.clone(), false));
+                    }
+                    Err(_) => std::thread::sleep(Duration::from_millis(5)),
+                }
+            }
+            for p in pumps {
+                let _ = p.join();
+            }
+        });
+        ready_rx.recv_timeout(Duration::from_secs(10)).unwrap();
+        Proxy {
+            mode,
+            stop,
+            thread: Some(thread),
+        }
+    }
+
+    fn set(&self, mode: u8) {
+        self.mode.store(mode, Ordering::Relaxed);
+    }
+}
+
+impl Drop for Proxy {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// Copies `from` to `to` until either ends or the proxy stops; faults apply to the owner's
+/// direction (`faulty`) once a connection has carried [`FAULT_AFTER`] bytes.
+fn pump(
+    from: Arc<TcpStream>,
+    to: Arc<TcpStream>,
+    mode: Arc<AtomicU8>,
+    stop: Arc<AtomicBool>,
+    faulty: bool,
+) -> JoinHandle<()> {
+    std::thread::spawn(move || {
+        from.set_read_timeout(Some(Duration::from_millis(50)))
+            .unwrap();
+        let mut buf = vec![0u8; 64 << 10];
+        let mut carried = 0usize;
+        while !stop.load(Ordering::Relaxed) {
+            let fault = if faulty && carried > FAULT_AFTER {
+                mode.load(Ordering::Relaxed)
+            } else {
+                FORWARD
+            };
+            if fault == STALL {
+                std::thread::sleep(Duration::from_millis(20));
+                continue;
+            }
+            if fault == RESET {
+                // Linger 0: closing sends a reset, not a FIN.
+                let linger = libc::linger {
+                    l_onoff: 1,
+                    l_linger: 0,
+                };
+                for s in [&from, &to] {
+                    let _ = nix::sys::socket::setsockopt(
+                        s.as_ref(),
+                        nix::sys::socket::sockopt::Linger,
+                        &linger,
+                    );
+                    let _ = s.shutdown(std::net::Shutdown::Read);
+                }
+                return;
+            }
+            match (&*from).read(&mut buf) {
+                Ok(0) => {
+                    let _ = to.shutdown(std::net::Shutdown::Write);
+                    return;
+                }
+                Ok(n) => {
+                    carried += n;
+                    if (&*to).write_all(&buf[..n]).is_err() {
+                        return;
+                    }
+                }
+                Err(e)
+                    if matches!(
+                        e.kind(),
+                        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                    ) => {}
+                Err(_) => {
+                    let _ = to.shutdown(std::net::Shutdown::Both);
+                    return;
+                }
+            }
+        }
+    })
+}
+
+#[test]
+fn faults_end_in_clear_errors_and_leak_nothing() {
+    if skip_unless_root("faults_end_in_clear_errors_and_leak_nothing") {
+        return;
+    }
+    let _w = watchdog("faults_end_in_clear_errors", LIMIT);
+    let lan = Lan::new("f", 2);
+    let dir = scratch_dir("cluster-faults");
+    let secret = secret_file(&dir, "secret", "the-cluster-secret-of-this-test\n");
+    let a = node(
+        &lan,
+        &dir,
+        0,
+        &["--capacity", "160MiB", "--cluster-secret-file", &secret],
+    );
+    // B reaches A only through the proxy, in B's namespace.
+    let proxy_addr: SocketAddr = format!("{}:7171", lan.ip(1)).parse().unwrap();
+    let a_addr: SocketAddr = format!("{}:7070", lan.ip(0)).parse().unwrap();
+    let proxy = Proxy::start(&lan.nodes[1], proxy_addr, a_addr);
+    let proxy_spec = proxy_addr.to_string();
+    let mut b = node(
+        &lan,
+        &dir,
+        1,
+        &[
+            "--capacity",
+            "96MiB",
+            "--cluster-secret-file",
+            &secret,
+            "--peers",
+            &proxy_spec,
+            "--pull-timeout-ms",
+            "4000",
+            "--peer-refresh-secs",
+            "1",
+        ],
+    );
+    let (wa, rb, wb) = (a.writer(), b.reader(), b.writer());
+    wait_for_stats(&rb, "A up", |s| s.peers_up == 1);
+    let good = make(&wa, 2 << 20, 1);
+    assert!(pattern_matches(&rb.get(good).unwrap(), 1));
+
+    // A stalling owner: the get ends with a timeout, the reservation is gone.
+    proxy.set(STALL);
+    let stalled = make(&wa, 8 << 20, 2);
+    let started = Instant::now();
+    let err = rb.get(stalled).unwrap_err();
+    assert!(matches!(err, Error::Timeout(_)), "{err}");
+    assert!(
+        started.elapsed() < Duration::from_secs(30),
+        "ended by the pull timeout"
+    );
+    let s = rb.stats().unwrap();
+    assert_eq!((s.pull_failures_timeout, s.objects_writing), (1, 0));
+
+    // A connection reset mid-transfer, every time: retried, then a clear error.
+    proxy.set(RESET);
+    let reset = make(&wa, 8 << 20, 3);
+    let err = rb.get(reset).unwrap_err();
+    assert!(matches!(err, Error::Unreachable { .. }), "{err}");
+    assert!(b.log_text().contains("retrying"), "{}", b.log_text());
+    let s = rb.stats().unwrap();
+    assert_eq!((s.pull_failures_unreachable, s.objects_writing), (1, 0));
+
+    // The link heals: the same objects arrive intact.
+    proxy.set(FORWARD);
+    assert!(pattern_matches(&rb.get(stalled).unwrap(), 2));
+    assert!(pattern_matches(&rb.get(reset).unwrap(), 3));
+
+    // No room on B: every byte of it leased by a reader.
+    let filler = make(&wb, 80 << 20, 4);
+    let held = rb.get(filler).unwrap();
+    let big = make(&wa, 32 << 20, 5);
+    let err = rb.get(big).unwrap_err();
+    assert!(matches!(err, Error::Full { .. }), "{err}");
+    assert_eq!(rb.stats().unwrap().pull_failures_full, 1);
+    drop(held);
+    wb.delete(filler).unwrap();
+
+    // The owner killed with -9 in the middle of a transfer (slowed to ~10 MB/s by tc).
+    wait_for_stats(&wa, "A at rest", at_rest);
+    lan.rate_limit(0, "80mbit");
+    let doomed = make(&wa, 24 << 20, 6);
+    let reader = b.reader();
+    let pull = std::thread::spawn(move || reader.get(doomed).map(|l| l.len()));
+    wait_for_stats(&rb, "the pull under way", |s| s.pulls_in_flight == 1);
+    std::thread::sleep(Duration::from_millis(500));
+    let mut a = a;
+    a.signal_and_wait(nix::sys::signal::Signal::SIGKILL);
+    let err = pull.join().unwrap().unwrap_err();
+    assert!(matches!(err, Error::Unreachable { .. }), "{err}");
+    drop(proxy);
+
+    // Nothing leaked on B: no reservation, no lease, no pull; only copies left (the filler
+    // evicted some), and B serves on.
+    let s = wait_for_stats(&rb, "B at rest", at_rest);
+    assert_eq!(s.objects_sealed, s.objects_pulled);
+    assert!(b.child.try_wait().unwrap().is_none(), "B still serves");
+    let own = make(&wb, 4096, 8);
+    assert!(pattern_matches(&rb.get(own).unwrap(), 8));
+    drop(b);
+}
+
+/// Two daemons on loopback, no namespaces and no secret (loopback needs none): runs as any
+/// user, so every CI run covers the pull path.
+#[test]
+fn loopback_peers_pull_without_a_secret() {
+    let _w = watchdog("loopback_peers", LIMIT);
+    let dir = scratch_dir("cluster-loopback");
+    let free_port = || {
+        TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port()
+    };
+    let (pa, pb) = (free_port(), free_port());
+    let (la, lb) = (format!("127.0.0.1:{pa}"), format!("127.0.0.1:{pb}"));
+    let a = DaemonProcess::start_named(&dir, "a", &[], &["--node-id", "1", "--listen", &la]);
+    let b = DaemonProcess::start_named(
+        &dir,
+        "b",
+        &[],
+        &[
+            "--node-id",
+            "2",
+            "--listen",
+            &lb,
+            "--peers",
+            &format!("{la},{lb}"),
+        ],
+    );
+    let (wa, rb) = (a.writer(), b.reader());
+    let handles: Vec<Handle> = (0..20)
+        .map(|i| make(&wa, 1000 + 4096 * i, i as u64))
+        .collect();
+    let leases = rb.get_batch(&handles).unwrap();
+    for (i, lease) in leases.into_iter().enumerate() {
+        let lease = lease.unwrap();
+        assert_eq!(lease.len(), 1000 + 4096 * i);
+        assert!(pattern_matches(&lease, i as u64));
+    }
+    let s = rb.stats().unwrap();
+    assert_eq!((s.pulls, s.peers_up), (20, 1));
+    // A handle of B's own is local as ever.
+    let wb = b.writer();
+    let own = make(&wb, 10, 7);
+    assert!(pattern_matches(&rb.get(own).unwrap(), 7));
+    // Listening beyond loopback needs a secret.
+    let out = Command::new(env!("CARGO_BIN_EXE_feedstored"))
+        .args(["--listen", "0.0.0.0:0", "--socket"])
+        .arg(dir.join("refused.sock"))
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("--cluster-secret-file"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
