@@ -18,110 +18,11 @@ use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use common::netns::Lan;
 use common::*;
 use feedstore_consumer::{Client, Error, Handle, StoreStats};
 
 const LIMIT: Duration = Duration::from_secs(240);
-
-fn run(cmd: &[&str]) {
-    let out = Command::new(cmd[0]).args(&cmd[1..]).output().unwrap();
-    assert!(
-        out.status.success(),
-        "{cmd:?} failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-}
-
-/// Network namespaces joined by veth pairs to a bridge in a hub namespace: one subnet,
-/// 10.77.0.0/24, seen by nobody else. Removed on drop.
-struct Lan {
-    hub: String,
-    nodes: Vec<String>,
-}
-
-impl Lan {
-    fn new(tag: &str, n: usize) -> Lan {
-        let prefix = format!("fs{}{tag}", std::process::id());
-        let lan = Lan {
-            hub: format!("{prefix}hub"),
-            nodes: (0..n).map(|i| format!("{prefix}n{i}")).collect(),
-        };
-        lan.remove();
-        run(&["ip", "netns", "add", &lan.hub]);
-        run(&["ip", "-n", &lan.hub, "link", "add", "br0", "type", "bridge"]);
-        run(&["ip", "-n", &lan.hub, "link", "set", "br0", "up"]);
-        for (i, ns) in lan.nodes.iter().enumerate() {
-            let port = format!("p{i}");
-            run(&["ip", "netns", "add", ns]);
-            run(&[
-                "ip", "-n", &lan.hub, "link", "add", &port, "type", "veth", "peer", "name", "eth0",
-                "netns", ns,
-            ]);
-            run(&[
-                "ip", "-n", &lan.hub, "link", "set", &port, "master", "br0", "up",
-            ]);
-            run(&[
-                "ip",
-                "-n",
-                ns,
-                "addr",
-                "add",
-                &format!("{}/24", lan.ip(i)),
-                "dev",
-                "eth0",
-            ]);
-            run(&["ip", "-n", ns, "link", "set", "eth0", "up"]);
-            run(&["ip", "-n", ns, "link", "set", "lo", "up"]);
-        }
-        lan
-    }
-
-    fn ip(&self, i: usize) -> String {
-        format!("10.77.0.{}", i + 1)
-    }
-
-    fn exec(&self, i: usize) -> [&str; 4] {
-        ["ip", "netns", "exec", &self.nodes[i]]
-    }
-
-    /// Limits what node `i` sends to `rate` (a `tc` token bucket).
-    fn rate_limit(&self, i: usize, rate: &str) {
-        run(&[
-            "ip",
-            "netns",
-            "exec",
-            &self.nodes[i],
-            "tc",
-            "qdisc",
-            "add",
-            "dev",
-            "eth0",
-            "root",
-            "tbf",
-            "rate",
-            rate,
-            "burst",
-            "64kb",
-            "latency",
-            "200ms",
-        ]);
-    }
-
-    fn remove(&self) {
-        for ns in self.nodes.iter().chain([&self.hub]) {
-            let _ = Command::new("ip")
-                .args(["netns", "del", ns])
-                .stderr(std::process::Stdio::null())
-                .status();
-        }
-    }
-}
-
-impl Drop for Lan {
-    fn drop(&mut self) {
-        self.remove();
-    }
-}
 
 fn skip_unless_root(test: &str) -> bool {
     if !is_root() {
@@ -303,11 +204,11 @@ impl Proxy {
         let mode = Arc::new(AtomicU8::new(FORWARD));
         let stop = Arc::new(AtomicBool::new(false));
         let (ready_tx, ready_rx) = std::sync::mpsc::channel();
-        let ns = std::fs::File::open(format!("/run/netns/{netns}")).unwrap();
+        let netns = netns.to_owned();
         let (m, s) = (mode.clone(), stop.clone());
         let thread = std::thread::spawn(move || {
             // This thread (and the threads it starts) lives in the namespace.
-            nix::sched::setns(ns, nix::sched::CloneFlags::CLONE_NEWNET).unwrap();
+            common::netns::enter(&netns);
             let listener = TcpListener::bind(listen).unwrap();
             listener.set_nonblocking(true).unwrap();
             ready_tx.send(()).unwrap();

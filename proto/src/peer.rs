@@ -18,7 +18,7 @@
 //!
 //! Then the connecting side sends [`ReadRequest`]s, one at a time, and the listening side
 //! answers each with a [`ReadReply`] header; when the status is `Ok`, `len` bytes of the object
-//! follow, then the xxh3-64 of those bytes (8 bytes, little-endian), which the receiver checks
+//! follow, then the CRC-32C of those bytes (4 bytes, little-endian), which the receiver checks
 //! before it seals anything.
 
 use crate::{Handle, Status};
@@ -41,8 +41,8 @@ pub const MAX_REASON_BYTES: usize = 512;
 /// The most bytes one read may ask for; larger objects are pulled in several ranges.
 pub const MAX_RANGE_BYTES: u64 = 64 << 20;
 
-/// Bytes of the checksum trailer after a range's bytes.
-pub const TRAILER_BYTES: usize = 8;
+/// Bytes of the checksum trailer (CRC-32C) after a range's bytes.
+pub const TRAILER_BYTES: usize = 4;
 
 /// Why a peer message could not be parsed.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]

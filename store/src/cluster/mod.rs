@@ -11,7 +11,7 @@
 //! pull ([`Cluster::pull`]), or joins the one under way for that handle: the engine asks the
 //! owner for the object's first range, reserves room for the whole object in this node's
 //! shared memory, lands every range straight from the socket into the reservation (large
-//! objects in ranges over several connections at once), checks each range's xxh3, and seals the
+//! objects in ranges over several connections at once), checks each range's CRC-32C, and seals the
 //! copy under the owner's handle ([`Objects::seal_copy`](crate::objects::Objects::seal_copy)).
 //! The get then leases the copy like any local object, and later gets of the handle on this node
 //! never touch the network. Anything that fails aborts the reservation and answers the reader

@@ -341,7 +341,7 @@ impl Channel for TcpChannel {
             header.len,
             "the destination fits the range"
         );
-        let mut hasher = xxhash_rust::xxh3::Xxh3::new();
+        let mut crc = 0u32;
         let mut trailer = [0u8; TRAILER_BYTES];
         let stream = &mut self.stream;
         let body = async {
@@ -349,7 +349,7 @@ impl Channel for TcpChannel {
             // the piece is still in cache.
             for piece in dest.chunks_mut(PIECE_BYTES) {
                 stream.read_exact(piece).await?;
-                hasher.update(piece);
+                crc = crc32c::crc32c_append(crc, piece);
             }
             stream.read_exact(&mut trailer).await
         };
@@ -358,14 +358,14 @@ impl Channel for TcpChannel {
             Ok(Err(e)) => return Err(self.io_error("transfer broke off", e)),
             Ok(Ok(_)) => {}
         }
-        let sent = u64::from_le_bytes(trailer);
-        let got = hasher.digest();
+        let sent = u32::from_le_bytes(trailer);
+        let got = crc;
         if sent != got {
             return Err(PullError::fatal(
                 Status::Corrupt,
                 format!(
-                    "bytes {}..+{} from node {:08x} at {} failed their checksum ({got:016x}, \
-                     sent {sent:016x})",
+                    "bytes {}..+{} from node {:08x} at {} failed their checksum ({got:08x}, \
+                     sent {sent:08x})",
                     header.offset, header.len, self.peer.node_id, self.addr
                 ),
             ));
