@@ -118,6 +118,26 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         100.0 * s.cache_hit_rate(),
         s.cache_entries
     );
+    println!(
+        "  cluster         {} peer(s) up, {} refused handshake(s); {} copies of other nodes' objects here",
+        s.peers_up, s.peers_refused, s.objects_pulled
+    );
+    println!(
+        "  pulls           {} done ({}), {} in flight; failed: {} unreachable, {} timed out, {} gone on the owner, {} corrupt, {} no room",
+        s.pulls,
+        format_bytes(s.pulled_bytes),
+        s.pulls_in_flight,
+        s.pull_failures_unreachable,
+        s.pull_failures_timeout,
+        s.pull_failures_missing,
+        s.pull_failures_corrupt,
+        s.pull_failures_full
+    );
+    println!(
+        "  served to peers {} range(s), {}",
+        s.served_reads,
+        format_bytes(s.served_bytes)
+    );
     if streams.is_empty() {
         println!("  streams         none");
     }

@@ -437,20 +437,19 @@ fn loopback_peers_pull_without_a_secret() {
     };
     let (pa, pb) = (free_port(), free_port());
     let (la, lb) = (format!("127.0.0.1:{pa}"), format!("127.0.0.1:{pb}"));
-    let a = DaemonProcess::start_named(&dir, "a", &[], &["--node-id", "1", "--listen", &la]);
-    let b = DaemonProcess::start_named(
-        &dir,
-        "b",
-        &[],
-        &[
-            "--node-id",
-            "2",
-            "--listen",
-            &lb,
-            "--peers",
-            &format!("{la},{lb}"),
-        ],
-    );
+    let capacity = ["--capacity", "256MiB"];
+    let a_args = [&["--node-id", "1", "--listen", &la][..], &capacity].concat();
+    let a = DaemonProcess::start_named(&dir, "a", &[], &a_args);
+    // Two connections for six objects of three ranges each, all asked for at once: no pull may
+    // wait on a connection another pull holds while that one waits on it.
+    let peers = format!("{la},{lb}");
+    let b_args = [
+        &["--node-id", "2", "--listen", &lb, "--peers", &peers][..],
+        &["--peer-connections", "2"],
+        &capacity,
+    ]
+    .concat();
+    let b = DaemonProcess::start_named(&dir, "b", &[], &b_args);
     let (wa, rb) = (a.writer(), b.reader());
     let handles: Vec<Handle> = (0..20)
         .map(|i| make(&wa, 1000 + 4096 * i, i as u64))
@@ -463,6 +462,11 @@ fn loopback_peers_pull_without_a_secret() {
     }
     let s = rb.stats().unwrap();
     assert_eq!((s.pulls, s.peers_up), (20, 1));
+    let large: Vec<Handle> = (0..6).map(|i| make(&wa, 33 << 20, 100 + i)).collect();
+    for (i, lease) in rb.get_batch(&large).unwrap().into_iter().enumerate() {
+        assert!(pattern_matches(&lease.unwrap(), 100 + i as u64));
+    }
+    assert_eq!(wa.stats().unwrap().served_reads, 20 + 6 * 3);
     // A handle of B's own is local as ever.
     let wb = b.writer();
     let own = make(&wb, 10, 7);

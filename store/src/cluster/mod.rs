@@ -370,12 +370,32 @@ impl Cluster {
             .request(handle, 0, RANGE_BYTES, deadline)
             .await
             .inspect_err(|e| self.on_error(&peer, e))?;
-        let mut copy = Reservation::new(shared, self.engine_conn, head.total, deadline).await?;
+        // No connection is held while waiting for room: the pulls that would make room may need
+        // it. Without room now, this one lets go of its connection and asks again later.
+        let (mut copy, first) = match Reservation::now(shared, self.engine_conn, head.total)? {
+            Some(copy) => (copy, Some(first)),
+            None => {
+                drop(first);
+                let copy = Reservation::new(shared, self.engine_conn, head.total, deadline).await?;
+                (copy, None)
+            }
+        };
         let bytes = copy.bytes_mut();
         let (lead, rest) = bytes.split_at_mut(head.len as usize);
+        // Every connection goes back to the pool as soon as its range is in, so concurrent
+        // pulls never wait on each other's connections.
         let lead = async {
-            first.channel.receive(lead, deadline).await?;
-            Ok(first)
+            match first {
+                Some(mut first) => {
+                    first.channel.receive(lead, deadline).await?;
+                    Self::recycle(&peer, first);
+                    Ok(())
+                }
+                None => {
+                    self.pull_range(&peer, handle, 0, head.total, lead, deadline)
+                        .await
+                }
+            }
         };
         // The other ranges go over other connections to the same peer, at once.
         let rest = rest
@@ -385,9 +405,8 @@ impl Cluster {
                 let offset = head.len + i as u64 * RANGE_BYTES;
                 self.pull_range(&peer, handle, offset, head.total, dest, deadline)
             });
-        let (first, _) = tokio::try_join!(lead, futures_util::future::try_join_all(rest))
+        tokio::try_join!(lead, futures_util::future::try_join_all(rest))
             .inspect_err(|e| self.on_error(&peer, e))?;
-        Self::recycle(&peer, first);
         copy.seal_as(handle)?;
         Ok(head.total)
     }
@@ -682,6 +701,27 @@ struct Reservation {
 }
 
 impl Reservation {
+    /// Reserves `size` bytes if there is room now (evicting if need be); `None` if not.
+    fn now(
+        shared: &Arc<Shared>,
+        conn: ConnId,
+        size: u64,
+    ) -> Result<Option<Reservation>, PullError> {
+        match shared.with_objects(|o| o.create(conn, size, false)) {
+            Ok(created) => Ok(Some(Reservation {
+                shared: shared.clone(),
+                conn,
+                created,
+                sealed: false,
+            })),
+            Err(Status::Full) => Ok(None),
+            Err(status) => Err(PullError::fatal(
+                status,
+                format!("cannot reserve {size} bytes for a copy: {status}"),
+            )),
+        }
+    }
+
     /// Reserves `size` bytes, waiting for space (eviction, releases) until `deadline`.
     async fn new(
         shared: &Arc<Shared>,
@@ -692,22 +732,8 @@ impl Reservation {
         let mut space = shared.space_events();
         loop {
             space.borrow_and_update();
-            match shared.with_objects(|o| o.create(conn, size, false)) {
-                Ok(created) => {
-                    return Ok(Reservation {
-                        shared: shared.clone(),
-                        conn,
-                        created,
-                        sealed: false,
-                    });
-                }
-                Err(Status::Full) => {}
-                Err(status) => {
-                    return Err(PullError::fatal(
-                        status,
-                        format!("cannot reserve {size} bytes for a copy: {status}"),
-                    ));
-                }
+            if let Some(copy) = Reservation::now(shared, conn, size)? {
+                return Ok(copy);
             }
             if tokio::time::timeout_at(deadline, space.changed())
                 .await
