@@ -422,8 +422,8 @@ fn faults_end_in_clear_errors_and_leak_nothing() {
     drop(b);
 }
 
-/// Two daemons on loopback, no namespaces and no secret (loopback needs none): runs as any
-/// user, so every CI run covers the pull path.
+/// Two daemons on loopback, no namespaces: runs as any user, so every CI run covers the pull
+/// path.
 #[test]
 fn loopback_peers_pull_without_a_secret() {
     let _w = watchdog("loopback_peers", LIMIT);
@@ -437,7 +437,8 @@ fn loopback_peers_pull_without_a_secret() {
     };
     let (pa, pb) = (free_port(), free_port());
     let (la, lb) = (format!("127.0.0.1:{pa}"), format!("127.0.0.1:{pb}"));
-    let capacity = ["--capacity", "256MiB"];
+    let secret = secret_file(&dir, "secret", "the-cluster-secret-of-this-test\n");
+    let capacity = ["--capacity", "256MiB", "--cluster-secret-file", &secret];
     let a_args = [&["--node-id", "1", "--listen", &la][..], &capacity].concat();
     let a = DaemonProcess::start_named(&dir, "a", &[], &a_args);
     // Two connections for six objects of three ranges each, all asked for at once: no pull may
@@ -471,15 +472,15 @@ fn loopback_peers_pull_without_a_secret() {
     let wb = b.writer();
     let own = make(&wb, 10, 7);
     assert!(pattern_matches(&rb.get(own).unwrap(), 7));
-    // Listening beyond loopback needs a secret.
+    // A cluster needs a secret, even on loopback (the port skips the socket's uid checks).
     let out = Command::new(env!("CARGO_BIN_EXE_feedstored"))
-        .args(["--listen", "0.0.0.0:0", "--socket"])
+        .args(["--listen", "127.0.0.1:0", "--socket"])
         .arg(dir.join("refused.sock"))
         .output()
         .unwrap();
     assert!(!out.status.success());
     assert!(
-        String::from_utf8_lossy(&out.stderr).contains("--cluster-secret-file"),
+        String::from_utf8_lossy(&out.stderr).contains("cluster-secret-file"),
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );

@@ -223,8 +223,7 @@ pub struct Settings {
     pub worker_threads: Option<usize>,
 
     /// Accept other nodes' daemons (never clients) on this TCP address, e.g. 0.0.0.0:7070, so
-    /// they can pull this node's objects. Anything but a loopback address needs
-    /// --cluster-secret-file.
+    /// they can pull this node's objects. Needs --cluster-secret-file.
     #[arg(long, value_name = "ADDR:PORT", help_heading = "Cluster")]
     pub listen: Option<String>,
 
@@ -268,7 +267,8 @@ pub struct Settings {
     #[arg(long, value_name = "N", help_heading = "Cluster")]
     pub max_pulls: Option<usize>,
 
-    /// Connections other daemons may have open to this one [default: 256].
+    /// Connections other daemons may have open to this one; each pulling node keeps up to its
+    /// --peer-connections open [default: 256].
     #[arg(long, value_name = "N", help_heading = "Cluster")]
     pub max_peer_connections: Option<usize>,
 }
@@ -472,15 +472,14 @@ impl DaemonConfig {
 
     fn validate_cluster(&self) -> Result<(), ConfigError> {
         let c = &self.cluster;
-        if let Some(addr) = c.listen
-            && !addr.ip().is_loopback()
-            && c.secret_file.is_none()
-        {
+        // Even on loopback: the peer port skips the socket's uid checks, so without a secret
+        // any local user could read every object through it.
+        if c.enabled() && c.secret_file.is_none() {
             return Err(ConfigError::Value {
-                key: "listen",
-                message: format!(
-                    "{addr} is reachable from other hosts: give the cluster a secret                      (--cluster-secret-file), or listen on a loopback address"
-                ),
+                key: "cluster-secret-file",
+                message: "--listen, --peers and --peers-file need the cluster's shared secret \
+                          (make one with `head -c 32 /dev/urandom | base64 > FILE; chmod 600 FILE`)"
+                    .into(),
             });
         }
         for (key, value) in [

@@ -207,6 +207,7 @@ impl Daemon {
                 limits,
                 daemon_uid,
                 cluster,
+                prefault: config.prefault,
             },
         )?;
         tracing::info!(

@@ -181,6 +181,9 @@ pub struct ServeConfig {
     pub daemon_uid: u32,
     /// Peers to pull other nodes' objects from, if this node is part of a cluster.
     pub cluster: Option<Arc<Cluster>>,
+    /// Whether the segments were pre-faulted (then the daemon's own mappings are populated
+    /// too, at no memory cost).
+    pub prefault: bool,
 }
 
 impl Shared {
@@ -194,8 +197,9 @@ impl Shared {
             .iter()
             .map(Segment::reopen_readonly)
             .collect::<Result<_, _>>()?;
-        // Mapped only where pulls use them, with page tables built now (MAP_POPULATE): a pull
-        // then lands bytes at memory speed instead of taking a page fault every 4 KiB.
+        // Mapped only where pulls use them, with page tables built now (MAP_POPULATE) when the
+        // pages exist anyway (pre-faulted): a pull then lands bytes at memory speed instead of
+        // taking a page fault every 4 KiB.
         let mappings = segments
             .iter()
             .filter(|_| config.cluster.is_some())
@@ -208,7 +212,7 @@ impl Shared {
                             access: Access::ReadWrite,
                             source,
                         })?;
-                Mapping::new(fd, s.size_bytes(), Access::ReadWrite, true).map(Arc::new)
+                Mapping::new(fd, s.size_bytes(), Access::ReadWrite, config.prefault).map(Arc::new)
             })
             .collect::<Result<_, _>>()?;
         Ok(Shared {
@@ -954,6 +958,9 @@ impl Connection {
         got: &mut [Result<feedstore_proto::Location, Status>],
     ) -> Result<(), ConnEnd> {
         let shared = self.shared.clone();
+        // One deadline for the whole get: the pulls end by their own (`--pull-timeout-ms`); this
+        // one only guards against a lost task and bounds the re-pulls.
+        let deadline = Instant::now() + cluster.config().pull_timeout + Duration::from_secs(5);
         for _ in 0..3 {
             let mut pulls = Vec::new();
             for (i, &h) in handles.iter().enumerate() {
@@ -970,12 +977,14 @@ impl Connection {
             if pulls.is_empty() {
                 return Ok(());
             }
-            // The pulls end by their own deadline; this one only guards against a lost task.
-            let deadline = Instant::now() + cluster.config().pull_timeout + Duration::from_secs(5);
             for (i, mut rx) in pulls {
                 let outcome = loop {
                     if let Some(outcome) = rx.borrow_and_update().clone() {
-                        break outcome.map_err(|e| e.status);
+                        // The owner not owning it is as good as unreachable.
+                        break outcome.map_err(|e| match e.status {
+                            Status::WrongNode => Status::Unreachable,
+                            status => status,
+                        });
                     }
                     if rx.has_changed().is_err() || Instant::now() >= deadline {
                         break Err(Status::Unreachable);

@@ -267,7 +267,7 @@ impl Cluster {
 
     fn note_busy(&self, addr: SocketAddr) {
         self.log_once(
-            &addr.to_string(),
+            &addr.ip().to_string(),
             format!(
                 "peer connection refused: {} open (--max-peer-connections)",
                 self.config.max_peer_connections
@@ -275,11 +275,15 @@ impl Cluster {
         );
     }
 
-    /// Logs `message` for `key` at warn level unless it is the last thing logged for `key`.
+    /// Logs `message` for `key` at warn level unless it is the last thing logged for `key`
+    /// (remembering at most 1024 keys).
     fn log_once(&self, key: &str, message: String) {
         let mut m = self.lock_members();
         if m.logged.get(key) != Some(&message) {
             tracing::warn!(peer = key, "{message}");
+            if m.logged.len() >= 1024 {
+                m.logged.clear();
+            }
             m.logged.insert(key.to_owned(), message);
         }
     }
@@ -304,12 +308,16 @@ impl Cluster {
         drop(inflight);
         let (this, shared) = (self.clone(), shared.clone());
         tokio::spawn(async move {
+            // Out of the table however the task ends (a panic included), and before the waiters
+            // hear: a get after a failure starts afresh, one after a success finds the copy.
+            let entry = InFlight {
+                cluster: &this,
+                handle,
+            };
             let started = std::time::Instant::now();
             let outcome = this.run_pull(&shared, handle).await;
             this.count(handle, &outcome, started.elapsed());
-            // Out of the table before the waiters hear: a get after a failure starts afresh,
-            // one after a success finds the sealed copy.
-            this.lock_inflight().remove(&handle);
+            drop(entry);
             let _ = tx.send(Some(outcome.map(|_| ())));
         });
         Ok(rx)
@@ -483,6 +491,8 @@ impl Cluster {
                 })
             }
             Ok(channel) => {
+                // Another node took the address: probe it again as a new peer.
+                peer.up.store(false, Ordering::Relaxed);
                 self.kick.notify_one();
                 Err(PullError::fatal(
                     Status::Unreachable,
@@ -678,6 +688,18 @@ impl Cluster {
                 self.log_once(&addr.to_string(), format!("cannot reach peer: {e}"));
             }
         }
+    }
+}
+
+/// A pull's entry in the in-flight table, removed when dropped.
+struct InFlight<'a> {
+    cluster: &'a Cluster,
+    handle: Handle,
+}
+
+impl Drop for InFlight<'_> {
+    fn drop(&mut self) {
+        self.cluster.lock_inflight().remove(&self.handle);
     }
 }
 

@@ -16,6 +16,9 @@ use super::transport::{HANDSHAKE_TIMEOUT, LinkError, PIECE_BYTES, handshake, tun
 use crate::objects::{ClientInfo, ConnId};
 use crate::server::Shared;
 
+/// How long a peer connection may sit idle before the owner closes it.
+const IDLE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(300);
+
 /// Accepts peer connections until the task is dropped (at shutdown).
 pub(crate) async fn listen(shared: Arc<Shared>, cluster: Arc<Cluster>, listener: TcpListener) {
     loop {
@@ -106,10 +109,12 @@ async fn serve_peer(shared: &Shared, cluster: &Cluster, mut stream: TcpStream, a
     tracing::debug!(peer = %addr, node = %format!("{:08x}", peer.node_id), "peer connected");
     let end = loop {
         let mut raw = [0u8; ReadRequest::BYTES];
-        match stream.read_exact(&mut raw).await {
-            Ok(_) => {}
-            Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => break None,
-            Err(e) => break Some(e.to_string()),
+        // A pooled connection left idle this long is closed; the puller opens a fresh one.
+        match tokio::time::timeout(IDLE_TIMEOUT, stream.read_exact(&mut raw)).await {
+            Err(_) => break Some(format!("idle for {IDLE_TIMEOUT:?}")),
+            Ok(Ok(_)) => {}
+            Ok(Err(e)) if e.kind() == std::io::ErrorKind::UnexpectedEof => break None,
+            Ok(Err(e)) => break Some(e.to_string()),
         }
         let request = match ReadRequest::from_bytes(&raw) {
             Ok(r) => r,

@@ -232,6 +232,9 @@ pub(crate) fn tune(stream: &TcpStream) {
     let _ = setsockopt(stream, sockopt::TcpKeepIdle, &30);
     let _ = setsockopt(stream, sockopt::TcpKeepInterval, &10);
     let _ = setsockopt(stream, sockopt::TcpKeepCount, &3);
+    // Sent bytes unacknowledged this long (a peer that stopped reading, a partition) end the
+    // connection, and with it the owner's lease.
+    let _ = setsockopt(stream, sockopt::TcpUserTimeout, &30_000);
 }
 
 /// One TCP connection to a peer.
@@ -465,23 +468,17 @@ fn judge(
     }
     let they_have_secret = theirs.flags & HELLO_SECRET != 0;
     match (&local.secret, they_have_secret) {
-        (Some(_), false) => {
+        (Some(_), false) | (None, true) => {
+            let (with, without) = if they_have_secret {
+                (theirs.node_id, local.node_id)
+            } else {
+                (local.node_id, theirs.node_id)
+            };
             return (
                 VerdictCode::SecretMismatch,
                 format!(
-                    "node {:08x} requires a cluster secret and node {:08x} has none \
-                     (--cluster-secret-file)",
-                    local.node_id, theirs.node_id
-                ),
-            );
-        }
-        (None, true) => {
-            return (
-                VerdictCode::SecretMismatch,
-                format!(
-                    "node {:08x} has a cluster secret and node {:08x} has none \
-                     (--cluster-secret-file)",
-                    theirs.node_id, local.node_id
+                    "node {with:08x} has a cluster secret and node {without:08x} has none \
+                     (--cluster-secret-file)"
                 ),
             );
         }
