@@ -69,7 +69,7 @@ pub enum Error {
     /// The handle belongs to another node and this node's daemon has no peers to pull it from
     /// (it runs without `--peers`).
     #[error(
-        "object {handle} belongs to node {:08x}, and this node's feedstored has no peers to pull          it from (start it with --listen and --peers)",
+        "object {handle} belongs to node {:08x}, and this node's feedstored has no peers to pull it from (start it with --listen and --peers)",
         handle.node_id
     )]
     WrongNode {
@@ -80,7 +80,7 @@ pub enum Error {
     /// or its daemon refused, reset or went away during the transfer (this node's feedstored
     /// logs which). Retrying may help once the node is back.
     #[error(
-        "object {handle} belongs to node {:08x}, which could not be reached (see this node's          feedstored log and `feedstore stat`)",
+        "object {handle} belongs to node {:08x}, which could not be reached (see this node's feedstored log and `feedstore stat`)",
         handle.node_id
     )]
     Unreachable {

@@ -218,7 +218,7 @@ impl Daemon {
         );
         if let Some(l) = &peer_listener {
             tracing::info!(
-                peers = %l.local_addr().map_or_else(|e| e.to_string(), |a| a.to_string()),
+                listen = %l.local_addr().map_or_else(|e| e.to_string(), |a| a.to_string()),
                 authenticated = config.cluster.secret_file.is_some(),
                 "listening for peers"
             );

@@ -277,7 +277,7 @@ impl Cluster {
 
     /// Logs `message` for `key` at warn level unless it is the last thing logged for `key`
     /// (remembering at most 1024 keys).
-    fn log_once(&self, key: &str, message: String) {
+    pub(crate) fn log_once(&self, key: &str, message: String) {
         let mut m = self.lock_members();
         if m.logged.get(key) != Some(&message) {
             tracing::warn!(peer = key, "{message}");

@@ -87,7 +87,11 @@ async fn serve_peer(shared: &Shared, cluster: &Cluster, mut stream: TcpStream, a
                 .counters
                 .peers_refused
                 .fetch_add(1, Ordering::Relaxed);
-            tracing::warn!(peer = %addr, reason = %e, "peer connection refused");
+            // Once per address and reason: a refused peer comes back every refresh.
+            cluster.log_once(
+                &addr.ip().to_string(),
+                format!("peer connection from {addr} refused: {e}"),
+            );
             return;
         }
         Err(e) => {
