@@ -61,6 +61,23 @@ fn at_rest(s: &StoreStats) -> bool {
     s.objects_writing == 0 && s.leases == 0 && s.pulls_in_flight == 0
 }
 
+/// A TCP connection to 127.0.0.1:`port` from the loopback address `source`.
+fn connect_from(source: &str, port: u16) -> std::os::fd::OwnedFd {
+    use nix::sys::socket::{AddressFamily, SockFlag, SockType, SockaddrIn, bind, connect, socket};
+    let fd = socket(
+        AddressFamily::Inet,
+        SockType::Stream,
+        SockFlag::SOCK_CLOEXEC,
+        None,
+    )
+    .unwrap();
+    let from: SockaddrIn = format!("{source}:0").parse().unwrap();
+    bind(std::os::fd::AsRawFd::as_raw_fd(&fd), &from).unwrap();
+    let to: SockaddrIn = format!("127.0.0.1:{port}").parse().unwrap();
+    connect(std::os::fd::AsRawFd::as_raw_fd(&fd), &to).unwrap();
+    fd
+}
+
 #[test]
 fn objects_made_on_one_node_are_read_byte_exact_on_others() {
     if skip_unless_root("objects_made_on_one_node_are_read_byte_exact_on_others") {
@@ -423,9 +440,9 @@ fn faults_end_in_clear_errors_and_leak_nothing() {
 }
 
 /// Two daemons on loopback, no namespaces: runs as any user, so every CI run covers the pull
-/// path.
+/// path. Strangers holding silent connections from one address cannot lock the others out.
 #[test]
-fn loopback_peers_pull_without_a_secret() {
+fn loopback_peers_pull_and_strangers_cannot_take_every_slot() {
     let _w = watchdog("loopback_peers", LIMIT);
     let dir = scratch_dir("cluster-loopback");
     let free_port = || {
@@ -441,6 +458,9 @@ fn loopback_peers_pull_without_a_secret() {
     let capacity = ["--capacity", "256MiB", "--cluster-secret-file", &secret];
     let a_args = [&["--node-id", "1", "--listen", &la][..], &capacity].concat();
     let a = DaemonProcess::start_named(&dir, "a", &[], &a_args);
+    // Thirty silent connections from 127.0.0.2: A keeps ten of them (twice its
+    // --peer-connections, plus two) until their handshake times out, and closes the rest.
+    let strangers: Vec<_> = (0..30).map(|_| connect_from("127.0.0.2", pa)).collect();
     // Two connections for six objects of three ranges each, all asked for at once: no pull may
     // wait on a connection another pull holds while that one waits on it.
     let peers = format!("{la},{lb}");
@@ -463,6 +483,12 @@ fn loopback_peers_pull_without_a_secret() {
     }
     let s = rb.stats().unwrap();
     assert_eq!((s.pulls, s.peers_up), (20, 1));
+    assert!(
+        a.log_text().contains("the most one address may hold"),
+        "{}",
+        a.log_text()
+    );
+    drop(strangers);
     let large: Vec<Handle> = (0..6).map(|i| make(&wa, 33 << 20, 100 + i)).collect();
     for (i, lease) in rb.get_batch(&large).unwrap().into_iter().enumerate() {
         assert!(pattern_matches(&lease.unwrap(), 100 + i as u64));

@@ -130,8 +130,6 @@ pub enum VerdictCode {
     SecretMismatch = 4,
     /// The connection reached the daemon that opened it.
     SelfConnection = 5,
-    /// The listening side has as many peer connections as it allows.
-    Busy = 6,
 }
 
 impl VerdictCode {
@@ -144,7 +142,6 @@ impl VerdictCode {
             3 => BadProof,
             4 => SecretMismatch,
             5 => SelfConnection,
-            6 => Busy,
             _ => return None,
         })
     }

@@ -253,18 +253,8 @@ mod tests {
         .unwrap()
     }
 
-    #[test]
-    fn readonly_descriptor_refuses_a_writable_mapping() {
-        let seg = segment();
-        let ro = seg.reopen_readonly().unwrap();
-        let err = Mapping::new(ro, seg.size_bytes(), Access::ReadWrite, false).unwrap_err();
-        let os = err.os_error().and_then(|e| e.raw_os_error());
-        assert_eq!(os, Some(libc::EACCES), "{err}");
-    }
-
-    #[test]
-    fn writes_through_one_mapping_are_seen_through_another() {
-        let seg = segment();
+    /// A read-write and a read-only mapping of `seg`, both populated.
+    fn both_ways(seg: &Segment) -> (Mapping, Mapping) {
         let rw = Mapping::new(
             seg.fd().try_clone_to_owned().unwrap(),
             seg.size_bytes(),
@@ -279,6 +269,22 @@ mod tests {
             true,
         )
         .unwrap();
+        (rw, ro)
+    }
+
+    #[test]
+    fn readonly_descriptor_refuses_a_writable_mapping() {
+        let seg = segment();
+        let ro = seg.reopen_readonly().unwrap();
+        let err = Mapping::new(ro, seg.size_bytes(), Access::ReadWrite, false).unwrap_err();
+        let os = err.os_error().and_then(|e| e.raw_os_error());
+        assert_eq!(os, Some(libc::EACCES), "{err}");
+    }
+
+    #[test]
+    fn writes_through_one_mapping_are_seen_through_another() {
+        let seg = segment();
+        let (rw, ro) = both_ways(&seg);
         // SAFETY: this test is the only user of the range.
         unsafe { rw.bytes_mut(128, 4).unwrap() }.copy_from_slice(b"feed");
         // SAFETY: no writer touches the range any more.
@@ -294,24 +300,10 @@ mod tests {
     #[test]
     fn shared_bytes_keep_their_mapping_and_range() {
         let seg = segment();
-        let rw = Mapping::new(
-            seg.fd().try_clone_to_owned().unwrap(),
-            seg.size_bytes(),
-            Access::ReadWrite,
-            true,
-        )
-        .unwrap();
+        let (rw, ro) = both_ways(&seg);
         // SAFETY: this test is the only user of the range.
         unsafe { rw.bytes_mut(64, 3).unwrap() }.copy_from_slice(b"abc");
-        let ro = Arc::new(
-            Mapping::new(
-                seg.reopen_readonly().unwrap(),
-                seg.size_bytes(),
-                Access::ReadOnly,
-                true,
-            )
-            .unwrap(),
-        );
+        let ro = Arc::new(ro);
         let dropped = Arc::new(std::sync::atomic::AtomicBool::new(false));
         struct Hold(Arc<std::sync::atomic::AtomicBool>);
         impl Drop for Hold {

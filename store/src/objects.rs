@@ -601,7 +601,11 @@ mod tests {
     use super::*;
 
     fn store(capacity: u64) -> (Objects, ConnId, ConnId) {
-        let mut o = Objects::new(7, 99, &[capacity], false);
+        store_with(Objects::new(7, 99, &[capacity], false))
+    }
+
+    /// `o` with a writer and a reader connected.
+    fn store_with(mut o: Objects) -> (Objects, ConnId, ConnId) {
         let info = |role| ClientInfo {
             role,
             uid: 0,
@@ -732,16 +736,7 @@ mod tests {
 
     #[test]
     fn a_connection_holds_at_most_its_lease_limit() {
-        let mut o = Objects::new(7, 99, &[1 << 20], false).with_lease_limit(3);
-        let info = |role| ClientInfo {
-            role,
-            uid: 0,
-            pid: 1,
-            name: "t".into(),
-            internal: false,
-        };
-        let w = o.connect(info(Role::Writer));
-        let r = o.connect(info(Role::Reader));
+        let (mut o, w, r) = store_with(Objects::new(7, 99, &[1 << 20], false).with_lease_limit(3));
         let h = put(&mut o, w, 64);
         for _ in 0..3 {
             o.get(r, h).unwrap();

@@ -980,11 +980,7 @@ impl Connection {
             for (i, mut rx) in pulls {
                 let outcome = loop {
                     if let Some(outcome) = rx.borrow_and_update().clone() {
-                        // The owner not owning it is as good as unreachable.
-                        break outcome.map_err(|e| match e.status {
-                            Status::WrongNode => Status::Unreachable,
-                            status => status,
-                        });
+                        break outcome.map_err(|e| e.status);
                     }
                     if rx.has_changed().is_err() || Instant::now() >= deadline {
                         break Err(Status::Unreachable);

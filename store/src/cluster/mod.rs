@@ -22,9 +22,9 @@ mod serve;
 pub mod transport;
 
 use std::collections::{HashMap, HashSet};
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -151,7 +151,8 @@ pub struct Cluster {
     /// Asks for a round now (a pull found a peer gone).
     kick: Notify,
     inflight: Mutex<HashMap<Handle, watch::Receiver<Option<PullOutcome>>>>,
-    peer_connections: AtomicUsize,
+    /// Connections other daemons have open to this one: in all, and by address.
+    peer_connections: Mutex<(usize, HashMap<IpAddr, usize>)>,
     pub(crate) counters: Counters,
 }
 
@@ -188,7 +189,7 @@ impl Cluster {
             rounds: watch::Sender::new(0),
             kick: Notify::new(),
             inflight: Mutex::new(HashMap::new()),
-            peer_connections: AtomicUsize::new(0),
+            peer_connections: Mutex::new((0, HashMap::new())),
             counters: Counters::default(),
         }
     }
@@ -255,24 +256,43 @@ impl Cluster {
         self.inflight.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Counts an accepted peer connection against `--max-peer-connections`; `None` when full.
-    fn admit_peer_connection(self: &Arc<Self>) -> Option<PeerSlot> {
-        let n = self.peer_connections.fetch_add(1, Ordering::Relaxed);
-        if n >= self.config.max_peer_connections {
-            self.peer_connections.fetch_sub(1, Ordering::Relaxed);
+    /// Counts an accepted connection against `--max-peer-connections` and against the share
+    /// one address may hold (twice `--peer-connections`, plus 2 for probes), so that strangers
+    /// on one host, unauthenticated yet, cannot take every slot. `None`, logged once, when full.
+    fn admit_peer_connection(self: &Arc<Self>, addr: SocketAddr) -> Option<PeerSlot> {
+        let per_address = 2 * self.config.connections_per_peer + 2;
+        let mut open = self
+            .peer_connections
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        let (total, by_ip) = &mut *open;
+        let mine = by_ip.entry(addr.ip()).or_insert(0);
+        let refusal = if *total >= self.config.max_peer_connections {
+            Some(format!(
+                "{total} peer connections open (--max-peer-connections)"
+            ))
+        } else if *mine >= per_address {
+            Some(format!(
+                "{mine} connections open from {}, the most one address may hold",
+                addr.ip()
+            ))
+        } else {
+            None
+        };
+        if let Some(message) = refusal {
+            if *mine == 0 {
+                by_ip.remove(&addr.ip());
+            }
+            drop(open);
+            self.log_once(
+                &addr.ip().to_string(),
+                format!("peer connection refused: {message}"),
+            );
             return None;
         }
-        Some(PeerSlot(self.clone()))
-    }
-
-    fn note_busy(&self, addr: SocketAddr) {
-        self.log_once(
-            &addr.ip().to_string(),
-            format!(
-                "peer connection refused: {} open (--max-peer-connections)",
-                self.config.max_peer_connections
-            ),
-        );
+        *mine += 1;
+        *total += 1;
+        Some(PeerSlot(self.clone(), addr.ip()))
     }
 
     /// Logs `message` for `key` at warn level unless it is the last thing logged for `key`
@@ -315,7 +335,17 @@ impl Cluster {
                 handle,
             };
             let started = std::time::Instant::now();
-            let outcome = this.run_pull(&shared, handle).await;
+            let outcome = this
+                .run_pull(&shared, handle)
+                .await
+                .map_err(|e| match e.status {
+                    // The node the handle names says it is not its own: as good as unreachable.
+                    Status::WrongNode => PullError {
+                        status: Status::Unreachable,
+                        ..e
+                    },
+                    _ => e,
+                });
             this.count(handle, &outcome, started.elapsed());
             drop(entry);
             let _ = tx.send(Some(outcome.map(|_| ())));
@@ -704,11 +734,23 @@ impl Drop for InFlight<'_> {
 }
 
 /// A peer connection counted against `--max-peer-connections` until dropped.
-struct PeerSlot(Arc<Cluster>);
+struct PeerSlot(Arc<Cluster>, IpAddr);
 
 impl Drop for PeerSlot {
     fn drop(&mut self) {
-        self.0.peer_connections.fetch_sub(1, Ordering::Relaxed);
+        let mut open = self
+            .0
+            .peer_connections
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        let (total, by_ip) = &mut *open;
+        *total -= 1;
+        if let Some(n) = by_ip.get_mut(&self.1) {
+            *n -= 1;
+            if *n == 0 {
+                by_ip.remove(&self.1);
+            }
+        }
     }
 }
 

@@ -24,8 +24,7 @@ pub(crate) async fn listen(shared: Arc<Shared>, cluster: Arc<Cluster>, listener:
     loop {
         match listener.accept().await {
             Ok((stream, addr)) => {
-                let Some(slot) = cluster.admit_peer_connection() else {
-                    cluster.note_busy(addr);
+                let Some(slot) = cluster.admit_peer_connection(addr) else {
                     drop(stream);
                     continue;
                 };
