@@ -16,7 +16,7 @@ use std::process::Command;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 use std::thread::JoinHandle;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use common::netns::Lan;
 use common::*;
@@ -381,12 +381,11 @@ fn faults_end_in_clear_errors_and_leak_nothing() {
     // A stalling owner: the get ends with a timeout, the reservation is gone.
     proxy.set(STALL);
     let stalled = make(&wa, 8 << 20, 2);
-    let started = Instant::now();
     let err = rb.get(stalled).unwrap_err();
     assert!(matches!(err, Error::Timeout(_)), "{err}");
     assert!(
-        started.elapsed() < Duration::from_secs(30),
-        "ended by the pull timeout"
+        err.to_string().contains("--pull-timeout-ms"),
+        "ended by the pull timeout: {err}"
     );
     let s = rb.stats().unwrap();
     assert_eq!((s.pull_failures_timeout, s.objects_writing), (1, 0));

@@ -166,7 +166,7 @@ fn connections_per_uid_are_bounded_and_refused_clearly() {
     let idle: Vec<_> = (0..4)
         .map(|_| RawClient::hello(&daemon.socket, Role::Reader, "idle").0)
         .collect();
-    let started = Instant::now();
+    // Refused at once, not left hanging (the watchdog fails a hang; tests assert no timings).
     let err = ConnectOptions::new(Role::Reader)
         .socket(&daemon.socket)
         .connect()
@@ -185,10 +185,6 @@ fn connections_per_uid_are_bounded_and_refused_clearly() {
     assert!(
         text.starts_with("feedstore: error:") && text.contains("--max-connections-per-uid"),
         "one clear line: {text}"
-    );
-    assert!(
-        started.elapsed() < Duration::from_secs(60),
-        "refused, not left hanging"
     );
     drop(idle);
     // The slots come back as the idle connections go.
