@@ -286,6 +286,7 @@ fn main() {
         let feed_config = FeedConfig {
             spec: spec.clone(),
             depth: 32,
+            at: Vec::new(),
             ranks: vec![StreamTask { rank: 0, seq: 0 }],
             cache,
         };

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
-use feedstore_consumer::StreamTask;
+use feedstore_consumer::{RankAt, StreamTask};
 use feedstore_producer::chat::ChatTokenizer;
 use feedstore_producer::feed::{FeedConfig, feed};
 use feedstore_producer::manifest::{IndexedManifest, Manifest};
@@ -109,9 +109,16 @@ struct StreamArgs {
     /// Data-parallel ranks sharing the records (over all nodes).
     #[arg(long, value_name = "N", default_value_t = 1, requires = "stream")]
     world: u32,
-    /// The ranks this node serves, e.g. 0-7 or 0,2,4 [default: every rank].
+    /// The ranks this producer serves, e.g. 0-7 or 0,2,4 [default: every rank].
     #[arg(long, value_name = "LIST", requires = "stream")]
     ranks: Option<String>,
+    /// Where ranks live when their trainers are on other nodes: `HOST:PORT=RANKS,...`, the
+    /// peer address (`feedstored --listen`) of each rank's node, e.g.
+    /// `10.0.0.1:7070=0-7,10.0.0.2:7070=8-15`. Samples for those ranks are made here and pulled
+    /// by their node, inside its prefetch window. Ranks not listed (or listed at this node's
+    /// own address) are this node's.
+    #[arg(long, value_name = "HOST:PORT=RANKS,...", requires = "stream")]
+    ranks_at: Vec<String>,
     /// Seeds the per-epoch shuffle.
     #[arg(long, value_name = "N", default_value_t = 0, requires = "stream")]
     seed: u64,
@@ -197,11 +204,51 @@ impl StreamArgs {
             });
         }
         Ok(FeedConfig {
+            at: self.ranks_at(&spec)?,
             spec,
             depth: self.prefetch.max(1),
             ranks: tasks,
             cache: !self.no_cache,
         })
+    }
+}
+
+impl StreamArgs {
+    /// `--ranks-at`: `host:port=0-3,6,other:port=4-5` (a part with `=` starts a node).
+    fn ranks_at(&self, spec: &StreamSpec) -> anyhow::Result<Vec<RankAt>> {
+        let mut at: Vec<RankAt> = Vec::new();
+        for value in &self.ranks_at {
+            let mut addr: Option<&str> = None;
+            for part in value.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+                let list = match part.split_once('=') {
+                    Some((a, list)) => {
+                        if !a.contains(':') {
+                            bail!(
+                                "--ranks-at {a:?}: want HOST:PORT (the node's feedstored --listen)"
+                            );
+                        }
+                        addr = Some(a.trim());
+                        list
+                    }
+                    None => part,
+                };
+                let Some(addr) = addr else {
+                    bail!("--ranks-at {value:?}: want HOST:PORT=RANKS, e.g. 10.0.0.2:7070=8-15");
+                };
+                for rank in parse_ranks(list)? {
+                    spec.check(rank)
+                        .map_err(|e| anyhow::anyhow!("--ranks-at: {e}"))?;
+                    if at.iter().any(|r| r.rank == rank) {
+                        bail!("--ranks-at names rank {rank} twice");
+                    }
+                    at.push(RankAt {
+                        rank,
+                        addr: addr.to_owned(),
+                    });
+                }
+            }
+        }
+        Ok(at)
     }
 }
 

@@ -176,6 +176,7 @@ fn readers_can_neither_close_nor_create_streams() {
         spec: spec("made-by-a-reader", 8),
         depth: 4,
         ranks: vec![],
+        at: vec![],
     }) {
         Response::Error { status, .. } => assert_eq!(status, Status::PermissionDenied),
         other => panic!("a reader created a stream: {other:?}"),

@@ -13,7 +13,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use common::*;
-use feedstore_consumer::{Delivery, Made, Stream, StreamFeeder, StreamOptions, StreamTask};
+use feedstore_consumer::{Delivery, Made, RankAt, Stream, StreamFeeder, StreamOptions, StreamTask};
 use feedstore_proto::stream::{Shuffle, StreamSpec, StreamState, Tail};
 
 const PAYLOAD: usize = 96;
@@ -128,21 +128,29 @@ fn child_process() {
         // Make every rank's samples: each object's bytes are the pattern of its record.
         Some("produce") => {
             let spec = parse_spec(&mut words);
-            // rank:seq pairs, from the consumers' checkpoints.
-            let ranks: Vec<StreamTask> = words
-                .map(|w| {
-                    let (rank, seq) = w.split_once(':').unwrap();
-                    StreamTask {
+            // rank:seq pairs, from the consumers' checkpoints; @rank=host:port for ranks whose
+            // consumers use another node's daemon.
+            let (mut ranks, mut at) = (Vec::new(), Vec::new());
+            for w in words {
+                if let Some(placed) = w.strip_prefix('@') {
+                    let (rank, addr) = placed.split_once('=').unwrap();
+                    at.push(RankAt {
                         rank: rank.parse().unwrap(),
-                        seq: seq.parse().unwrap(),
-                    }
-                })
-                .collect();
+                        addr: addr.into(),
+                    });
+                    continue;
+                }
+                let (rank, seq) = w.split_once(':').unwrap();
+                ranks.push(StreamTask {
+                    rank: rank.parse().unwrap(),
+                    seq: seq.parse().unwrap(),
+                });
+            }
             let client = feedstore_consumer::ConnectOptions::new(feedstore_consumer::Role::Writer)
                 .socket(&socket)
                 .connect()
                 .unwrap();
-            let feeder = StreamFeeder::join(&client, &spec, 8, &ranks).unwrap();
+            let feeder = StreamFeeder::join_at(&client, &spec, 8, &ranks, &at).unwrap();
             println!("READY");
             std::io::stdout().flush().unwrap();
             while let Some(tasks) = feeder.take(16, Duration::from_millis(200)).unwrap() {
@@ -478,4 +486,199 @@ fn stream_misuse_gets_clear_errors() {
         matches!(err, feedstore_consumer::Error::WindowFull { .. }),
         "{err}"
     );
+}
+
+/// Two nodes in their own network namespaces, each daemon listening on its address and knowing
+/// both; ranks 0-1 are read on node 0, ranks 2-3 on node 1.
+struct TwoNodes {
+    lan: common::netns::Lan,
+    nodes: Vec<DaemonProcess>,
+    dir: PathBuf,
+}
+
+impl TwoNodes {
+    fn start(tag: &str) -> TwoNodes {
+        use std::os::unix::fs::PermissionsExt;
+        let lan = common::netns::Lan::new(tag, 2);
+        let dir = scratch_dir(&format!("stream-nodes-{tag}"));
+        let secret = dir.join("secret");
+        std::fs::write(&secret, "two-nodes-stream-secret\n").unwrap();
+        std::fs::set_permissions(&secret, std::fs::Permissions::from_mode(0o600)).unwrap();
+        let peers = format!("{}:7070,{}:7070", lan.ip(0), lan.ip(1));
+        let nodes = (0..2)
+            .map(|i| {
+                let (listen, id) = (format!("{}:7070", lan.ip(i)), format!("{}", 0xB0 + i));
+                let args = [
+                    "--node-id",
+                    &id,
+                    "--listen",
+                    &listen,
+                    "--peers",
+                    &peers,
+                    "--cluster-secret-file",
+                    secret.to_str().unwrap(),
+                    "--peer-refresh-secs",
+                    "1",
+                ];
+                DaemonProcess::start_named(&dir, &format!("node{i}"), &lan.exec(i), &args)
+            })
+            .collect::<Vec<_>>();
+        for n in &nodes {
+            wait_for_stats(&n.reader(), "the other node up", |s| s.peers_up == 1);
+        }
+        TwoNodes { lan, nodes, dir }
+    }
+
+    /// The node whose consumers read `rank`.
+    fn home(rank: u32) -> usize {
+        (rank / 2) as usize
+    }
+
+    /// `@rank=addr` for every rank: where a producer on either node sends it.
+    fn placement(&self, spec: &StreamSpec) -> String {
+        (0..spec.world)
+            .map(|r| format!("@{r}={}:7070", self.lan.ip(Self::home(r))))
+            .collect::<Vec<_>>()
+            .join(" ")
+    }
+
+    /// A producer on node `i` serving every rank, each from its checkpoint.
+    fn producer(&self, i: usize, spec: &StreamSpec) -> ClientProcess {
+        let starts: Vec<String> = (0..spec.world)
+            .map(|r| {
+                let seq = Checkpoint::read(&self.dir.join(format!("rank{r}")))
+                    .state
+                    .map_or(0, |s| s.seq(spec));
+                format!("{r}:{seq}")
+            })
+            .collect();
+        let mut p = ClientProcess::spawn(
+            &self.nodes[i].socket,
+            &format!(
+                "produce {} {} {}",
+                spec_args(spec),
+                starts.join(" "),
+                self.placement(spec)
+            ),
+        );
+        p.ready();
+        p
+    }
+
+    /// The consumer of `rank` on its node, from its checkpoint.
+    fn consumer(&self, spec: &StreamSpec, rank: u32, pause_us: u64) -> ClientProcess {
+        let path = self.dir.join(format!("rank{rank}"));
+        let mut c = ClientProcess::spawn(
+            &self.nodes[Self::home(rank)].socket,
+            &format!(
+                "consume {} {rank} {} 5 {pause_us}",
+                spec_args(spec),
+                path.display()
+            ),
+        );
+        c.ready();
+        c
+    }
+
+    fn records(&self, spec: &StreamSpec) -> Vec<Vec<u64>> {
+        (0..spec.world)
+            .map(|r| {
+                let c = Checkpoint::read(&self.dir.join(format!("rank{r}")));
+                assert!(c.done, "rank {r} finished");
+                c.records
+            })
+            .collect()
+    }
+
+    /// Every node back at rest: no lease, reservation or pull left.
+    fn assert_at_rest(&self) {
+        for (i, n) in self.nodes.iter().enumerate() {
+            wait_for_stats(&n.reader(), &format!("node {i} at rest"), |s| {
+                s.leases == 0 && s.objects_writing == 0 && s.pulls_in_flight == 0
+            });
+        }
+    }
+}
+
+/// What an uninterrupted run delivers to each rank: the spec's records in sequence order.
+fn expected(spec: &StreamSpec) -> Vec<Vec<u64>> {
+    let end = spec.end_seq().unwrap();
+    (0..spec.world)
+        .map(|r| (0..end).map(|seq| spec.record_at(r, seq)).collect())
+        .collect()
+}
+
+fn skip_unless_root(test: &str) -> bool {
+    if !is_root() {
+        eprintln!("SKIPPED {test}: needs root to make network namespaces");
+        return true;
+    }
+    false
+}
+
+/// The colocated placement: one producer, on node 1, makes every rank's samples; node 0's ranks
+/// get theirs by pulling each from node 1 inside their windows.
+#[test]
+fn ranks_on_another_node_are_fed_by_pulls_in_the_seeds_order() {
+    if skip_unless_root("ranks_on_another_node_are_fed_by_pulls") {
+        return;
+    }
+    let _w = watchdog("ranks_on_another_node_are_fed", Duration::from_secs(240));
+    let nodes = TwoNodes::start("sa");
+    let s = spec("across", 64, 21, 4, 2);
+    let producer = nodes.producer(1, &s);
+    let consumers: Vec<ClientProcess> = (0..4).map(|r| nodes.consumer(&s, r, 0)).collect();
+    for mut p in consumers.into_iter().chain([producer]) {
+        let status = wait_child(&mut p.child, Duration::from_secs(120));
+        assert!(status.success(), "{status}");
+    }
+    assert_eq!(
+        nodes.records(&s),
+        expected(&s),
+        "each rank its share, in order"
+    );
+    let (a, b) = (nodes.nodes[0].reader(), nodes.nodes[1].reader());
+    let per_node = 2 * s.per_rank() * 2;
+    assert_eq!(
+        a.stats().unwrap().pulls,
+        per_node,
+        "node 0 pulled each of its samples once"
+    );
+    assert_eq!(b.stats().unwrap().pulls, 0, "node 1 made its own");
+    assert_eq!(b.stats().unwrap().served_reads, per_node);
+    nodes.assert_at_rest();
+}
+
+/// The spread placement under faults: producers on both nodes; node 1's producer and one of
+/// node 1's ranks are killed with `kill -9` mid-epoch (the rank restarts from its checkpoint).
+/// Every rank still reads exactly its uninterrupted sequence.
+#[test]
+fn spread_producers_survive_a_killed_producer_and_rank() {
+    if skip_unless_root("spread_producers_survive_a_killed_producer_and_rank") {
+        return;
+    }
+    let _w = watchdog("spread_producers_survive", Duration::from_secs(300));
+    let nodes = TwoNodes::start("sb");
+    let s = spec("spread", 192, 8, 4, 2);
+    let survivor = nodes.producer(0, &s);
+    let doomed = nodes.producer(1, &s);
+    let mut consumers: Vec<Option<ClientProcess>> =
+        (0..4).map(|r| Some(nodes.consumer(&s, r, 1500))).collect();
+    std::thread::sleep(Duration::from_millis(60));
+    doomed.kill9();
+    std::thread::sleep(Duration::from_millis(40));
+    consumers[2].take().unwrap().kill9();
+    let progress = Checkpoint::read(&nodes.dir.join("rank2")).records.len();
+    eprintln!("rank 2 killed after {progress} checkpointed samples");
+    consumers[2] = Some(nodes.consumer(&s, 2, 0));
+    for mut p in consumers.into_iter().flatten().chain([survivor]) {
+        let status = wait_child(&mut p.child, Duration::from_secs(180));
+        assert!(status.success(), "{status}");
+    }
+    assert_eq!(
+        nodes.records(&s),
+        expected(&s),
+        "no sample lost or duplicated after kill -9 of a producer and a rank"
+    );
+    nodes.assert_at_rest();
 }

@@ -11,7 +11,7 @@ use std::ops::Deref;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use feedstore_proto::frame::{Opcode, Request, Response, StreamItem, StreamTask};
+use feedstore_proto::frame::{Opcode, RankAt, Request, Response, StreamItem, StreamTask};
 use feedstore_proto::ring::{ENTRY_FAILED, RingEntry, RingHeader, RingWords};
 use feedstore_proto::sample::{SampleError, SampleView};
 use feedstore_proto::stream::{StreamSpec, StreamState};
@@ -504,10 +504,25 @@ impl StreamFeeder {
         depth: u32,
         ranks: &[StreamTask],
     ) -> Result<StreamFeeder, Error> {
+        Self::join_at(client, spec, depth, ranks, &[])
+    }
+
+    /// [`StreamFeeder::join`] for a stream whose ranks live on several nodes: `at` names, for
+    /// each rank another node's daemon serves, that daemon's peer address (`host:port` of its
+    /// `--listen`). This node's daemon joins the stream there over the peer connection, takes
+    /// tasks for those ranks and hands the samples made here to that node, which pulls them.
+    pub fn join_at(
+        client: &Client,
+        spec: &StreamSpec,
+        depth: u32,
+        ranks: &[StreamTask],
+        at: &[RankAt],
+    ) -> Result<StreamFeeder, Error> {
         match client.call(&Request::StreamJoin {
             spec: spec.clone(),
             depth,
             ranks: ranks.to_vec(),
+            at: at.to_vec(),
         })? {
             Response::StreamJoined { stream } => Ok(StreamFeeder {
                 client: client.clone(),

@@ -22,7 +22,9 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use feedstore_consumer::{Client, ConnectOptions, Delivery, Made, Role, StreamFeeder, StreamTask};
+use feedstore_consumer::{
+    Client, ConnectOptions, Delivery, Made, RankAt, Role, StreamFeeder, StreamTask,
+};
 use feedstore_proto::stream::{StreamSpec, sample_key};
 
 use crate::chat::ChatTokenizer;
@@ -44,6 +46,10 @@ pub struct FeedConfig {
     /// Ranks on this node with the sequence number each starts at (from the consumers' saved
     /// states; 0 for a fresh run).
     pub ranks: Vec<StreamTask>,
+    /// Ranks whose consumers use another node's daemon, with that daemon's peer address: this
+    /// node's daemon takes their tasks there and hands the samples over (see `feedstore
+    /// produce --ranks-at`).
+    pub at: Vec<RankAt>,
     /// Reuse samples still in the store (the decode-once cache) instead of making them again.
     pub cache: bool,
 }
@@ -162,7 +168,7 @@ pub fn feed(
             .collect::<Result<Vec<Client>, _>>()
     })?;
     let taker_client = clients.pop().expect("workers + 1 clients");
-    let taker = StreamFeeder::join(&taker_client, &feed.spec, feed.depth, &feed.ranks)
+    let taker = StreamFeeder::join_at(&taker_client, &feed.spec, feed.depth, &feed.ranks, &feed.at)
         .map_err(ProducerError::Stream)?;
     let feeders = clients
         .iter()

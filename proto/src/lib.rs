@@ -37,6 +37,7 @@
 pub mod frame;
 mod handle;
 pub mod peer;
+pub mod peer_stream;
 pub mod ring;
 pub mod sample;
 mod stats;

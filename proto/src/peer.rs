@@ -16,7 +16,8 @@
 //!    side that sends it (all zeros when the cluster runs without a secret, on loopback only).
 //! 3. [`Verdict`]: accepted, or refused with a code and a reason the other side logs.
 //!
-//! Then the connecting side sends [`ReadRequest`]s, one at a time, and the listening side
+//! Then, unless the connector's hello set [`HELLO_STREAMS`] (a stream session,
+//! [`crate::peer_stream`]), the connecting side sends [`ReadRequest`]s, one at a time, and the listening side
 //! answers each with a [`ReadReply`] header; when the status is `Ok`, `len` bytes of the object
 //! follow, then the CRC-32C of those bytes (4 bytes, little-endian), which the receiver checks
 //! before it seals anything.
@@ -31,6 +32,10 @@ pub const PEER_MAGIC: [u8; 8] = *b"FSPEER\r\n";
 
 /// Hello flag: this side has a cluster secret and requires the other to prove it.
 pub const HELLO_SECRET: u16 = 1;
+
+/// Hello flag (connector only): this connection carries the stream session
+/// ([`crate::peer_stream`]) instead of range reads.
+pub const HELLO_STREAMS: u16 = 2;
 
 /// Bytes of a proof (an HMAC-SHA256 tag).
 pub const PROOF_BYTES: usize = 32;

@@ -182,6 +182,7 @@ fn run_feedstore(
     let feed_config = FeedConfig {
         spec: spec.clone(),
         depth,
+        at: Vec::new(),
         ranks: (0..ranks).map(|rank| StreamTask { rank, seq: 0 }).collect(),
         // Every sample is made, as the other loaders make theirs: the decode-once cache would
         // serve repeats for free (measured in BENCHMARKS.md) and is left out of the comparison.

@@ -26,7 +26,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use feedstore_proto::frame::{
-    CREATE_PIN, Created, DecodeError, Frame, MIN_PAYLOAD_BYTES, Opcode, Request, Response,
+    CREATE_PIN, Created, DecodeError, Frame, MIN_PAYLOAD_BYTES, Opcode, RankAt, Request, Response,
     StreamTask,
 };
 use feedstore_proto::{
@@ -269,6 +269,16 @@ impl Shared {
     /// Changes whenever space is freed or becomes evictable.
     pub(crate) fn space_events(&self) -> watch::Receiver<u64> {
         self.space.subscribe()
+    }
+
+    /// Changes whenever the streams do (see [`Streams::version`]).
+    pub(crate) fn stream_events(&self) -> watch::Receiver<u64> {
+        self.stream_events.subscribe()
+    }
+
+    /// This node's id.
+    pub fn node_id(&self) -> u32 {
+        self.node_id
     }
 
     /// The cluster this node belongs to, if any.
@@ -635,10 +645,30 @@ impl Connection {
                 let (streams, more) = shared.with_streams(|s, o| s.list(o, id, after, budget));
                 Response::Streams { streams, more }
             }
-            Request::StreamJoin { spec, depth, ranks } => stream_reply(
-                shared.with_streams(|s, o| s.join(o, id, &spec, depth, &ranks)),
-                |stream| Response::StreamJoined { stream },
-            ),
+            Request::StreamJoin {
+                spec,
+                depth,
+                ranks,
+                at,
+            } => {
+                let owners = match self.locate(&at).await {
+                    Ok(owners) => owners,
+                    Err(e) => return self.reply(op, request_id, &stream_error(e)).await,
+                };
+                let joined =
+                    shared.with_streams(|s, o| s.join(o, id, &spec, depth, &ranks, &owners));
+                if let (Ok((stream, feeders)), Some(cluster)) = (&joined, &shared.cluster) {
+                    for &node in feeders {
+                        tokio::spawn(crate::cluster::feed_remote(
+                            shared.clone(),
+                            cluster.clone(),
+                            *stream,
+                            node,
+                        ));
+                    }
+                }
+                stream_reply(joined, |(stream, _)| Response::StreamJoined { stream })
+            }
             Request::StreamAttach {
                 spec,
                 rank,
@@ -688,7 +718,7 @@ impl Connection {
                 let fits = (self.peer_limit as usize - 4) / StreamTask::WIRE_BYTES;
                 let max = max.clamp(1, fits as u32);
                 self.wait_until(id, timeout_ms, |expired| {
-                    match shared.with_streams(|s, _| s.take(id, stream, max)) {
+                    match shared.with_streams(|s, _| s.take(id, stream, max, false)) {
                         Ok(tasks) if !tasks.is_empty() || expired => Some(Response::Tasks(tasks)),
                         Ok(_) => None,
                         Err(e) => Some(stream_error(e)),
@@ -703,10 +733,16 @@ impl Connection {
                         "only writers put samples into streams".into(),
                     )
                 } else {
-                    stream_reply(
-                        shared.with_streams(|s, o| s.put(o, id, stream, &items)),
-                        Response::Done,
-                    )
+                    let (put, forwards) = shared.with_streams(|s, o| {
+                        let put = s.put(o, id, stream, &items, true);
+                        (put, s.forwards(o))
+                    });
+                    if let Some(cluster) = &shared.cluster
+                        && !forwards.is_empty()
+                    {
+                        crate::cluster::forward(&shared, cluster, forwards);
+                    }
+                    stream_reply(put, Response::Done)
                 }
             }
             Request::StreamRelease { stream, rank, upto } => {
@@ -743,6 +779,43 @@ impl Connection {
             }
         };
         self.reply(op, request_id, &response).await
+    }
+
+    /// The node owning each rank of `at` (ranks at this node's own address are left out).
+    async fn locate(&self, at: &[RankAt]) -> Result<HashMap<u32, u32>, StreamError> {
+        let mut owners = HashMap::new();
+        if at.is_empty() {
+            return Ok(owners);
+        }
+        let Some(cluster) = &self.shared.cluster else {
+            return Err(StreamError {
+                status: Status::InvalidArgument,
+                message: "ranks on other nodes need this daemon in a cluster (feedstored \
+                          --listen, --peers, --cluster-secret-file)"
+                    .into(),
+            });
+        };
+        let mut nodes: HashMap<&str, Option<u32>> = HashMap::new();
+        for r in at {
+            let node = match nodes.get(r.addr.as_str()) {
+                Some(&node) => node,
+                None => {
+                    let node = cluster
+                        .node_at(&r.addr)
+                        .await
+                        .map_err(|message| StreamError {
+                            status: Status::Unreachable,
+                            message,
+                        })?;
+                    nodes.insert(&r.addr, node);
+                    node
+                }
+            };
+            if let Some(node) = node {
+                owners.insert(r.rank, node);
+            }
+        }
+        Ok(owners)
     }
 
     fn stream_release(&self, id: ConnId, stream: u32, rank: u32, upto: u64) {

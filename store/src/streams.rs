@@ -25,7 +25,7 @@
 //! Every change a waiter could be waiting for bumps [`Streams::version`]; the server wakes
 //! stream waiters when it moves, so no caller has to remember to.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::os::fd::OwnedFd;
 use std::time::{Duration, Instant};
 
@@ -190,10 +190,14 @@ struct Rank {
     consumer: Option<Consumer>,
     /// The consumer read past the rank's last sample (it may still hold some).
     finished: bool,
+    /// The node whose daemon owns the rank (its consumer's), when it is not this one: its
+    /// window lives there, and `redo` holds the tasks that daemon granted to this node's
+    /// producers.
+    owner: Option<u32>,
 }
 
 impl Rank {
-    fn new(start: u64) -> Rank {
+    fn new(start: u64, owner: Option<u32>) -> Rank {
         Rank {
             released: start,
             next: start,
@@ -202,6 +206,7 @@ impl Rank {
             redo: BTreeSet::new(),
             consumer: None,
             finished: false,
+            owner,
         }
     }
 
@@ -209,8 +214,14 @@ impl Rank {
         self.ready.len() + self.assigned.len()
     }
 
-    /// The next task of this rank, if its window has room.
+    /// The next task of this rank, if its window has room (of another node's rank: the next
+    /// task its daemon granted).
     fn next_task(&mut self, conn: ConnId, window_end: u64) -> Option<u64> {
+        if self.owner.is_some() {
+            let seq = self.redo.pop_first()?;
+            self.assigned.insert(seq, conn);
+            return Some(seq);
+        }
         let seq = match self.redo.first() {
             Some(&s) if s < window_end => {
                 self.redo.remove(&s);
@@ -236,6 +247,42 @@ impl Rank {
     }
 }
 
+/// Ranks of a stream another node's daemon owns, fed by this node's producers.
+#[derive(Debug, Default)]
+struct Remote {
+    /// The stream's id on the owner, while a session has it joined.
+    id: Option<u32>,
+    /// The owner said its ranks need nothing more.
+    ended: bool,
+    /// Samples made here for its ranks (sealed, leased by the stream) to hand over.
+    outbox: Vec<StreamItem>,
+}
+
+/// Samples made here for another node's ranks, to be pulled by that node: the stream leases
+/// each until the owner has answered for it.
+#[derive(Debug)]
+pub struct Forward {
+    /// The owner.
+    pub node: u32,
+    /// The stream's id there.
+    pub remote_stream: u32,
+    /// The connection holding the leases.
+    pub leases: ConnId,
+    /// The samples.
+    pub items: Vec<StreamItem>,
+}
+
+/// Whether a node's feeder for a stream should go on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Demand {
+    /// Ask the owner for this many tasks.
+    Tasks(u32),
+    /// Enough granted tasks wait for this node's producers.
+    Full,
+    /// No producer here serves the stream any more (or it is gone): leave.
+    Leave,
+}
+
 /// One stream.
 #[derive(Debug)]
 struct Stream {
@@ -246,6 +293,8 @@ struct Stream {
     /// The uid of the writer that created it: its writers (and root) may close it.
     owner_uid: u32,
     ranks: BTreeMap<u32, Rank>,
+    /// Other nodes owning some ranks, by node id.
+    remotes: BTreeMap<u32, Remote>,
     producers: BTreeSet<ConnId>,
     created: Instant,
     /// When a producer or consumer last came, went or acted; an idle stream expires from here.
@@ -268,7 +317,17 @@ impl Stream {
 
     /// The rank's window, made if it is new (the caller has checked there is room for it).
     fn rank(&mut self, rank: u32, start: u64) -> &mut Rank {
-        self.ranks.entry(rank).or_insert_with(|| Rank::new(start))
+        self.ranks
+            .entry(rank)
+            .or_insert_with(|| Rank::new(start, None))
+    }
+
+    /// Whether the rank needs nothing more from this node's producers.
+    fn rank_done(&self, rank: &Rank) -> bool {
+        match rank.owner {
+            None => rank.done(self.end()),
+            Some(node) => self.remotes.get(&node).is_some_and(|r| r.ended),
+        }
     }
 
     fn idle(&self) -> bool {
@@ -296,6 +355,9 @@ pub struct Streams {
     ranks: usize,
     /// Rings received per connection.
     conn_rings: HashMap<ConnId, ConnRings>,
+    /// Producer connections that are other nodes' stream sessions: they make samples only for
+    /// this node's ranks, so they keep no feeder of this node going.
+    sessions: HashSet<ConnId>,
     /// Rings attached now (each holds a descriptor and a mapping in the daemon).
     rings_attached: usize,
     max_rings: usize,
@@ -332,6 +394,7 @@ impl Streams {
             next_id: 0,
             ranks: 0,
             conn_rings: HashMap::new(),
+            sessions: HashSet::new(),
             rings_attached: 0,
             max_rings: limits.max_rings,
             orphans: HashMap::new(),
@@ -389,7 +452,9 @@ impl Streams {
     }
 
     /// A producer (a writer) joins a stream for some ranks, creating it if new; ranks not yet
-    /// known start where given.
+    /// known start where given. `owners` names the node owning each rank that lives on another
+    /// node (its consumer's daemon); the others are this node's. Returns the stream's id and
+    /// the nodes whose feeders must start (owners this stream did not know yet).
     pub fn join(
         &mut self,
         objects: &mut Objects,
@@ -397,7 +462,8 @@ impl Streams {
         spec: &StreamSpec,
         depth: u32,
         ranks: &[StreamTask],
-    ) -> Result<u32, StreamError> {
+        owners: &HashMap<u32, u32>,
+    ) -> Result<(u32, Vec<u32>), StreamError> {
         let info = objects
             .client(conn)
             .ok_or_else(|| fail(Status::Protocol, "unknown connection"))?;
@@ -414,7 +480,30 @@ impl Streams {
             spec.check(r.rank)
                 .map_err(|e| fail(Status::InvalidArgument, e.to_string()))?;
         }
-        let id = match self.find(uid, spec)? {
+        let existing = self.find(uid, spec)?;
+        if let Some(id) = existing {
+            // A rank lives on one node: every producer must say the same.
+            for (rank, r) in &self.streams[&id].ranks {
+                let said = owners.get(rank).copied();
+                let listed = ranks.iter().any(|t| t.rank == *rank);
+                if listed && said != r.owner {
+                    let place = |o: Option<u32>| {
+                        o.map_or("this node".to_string(), |n| format!("node {n:08x}"))
+                    };
+                    return Err(fail(
+                        Status::InvalidArgument,
+                        format!(
+                            "rank {rank} of stream {:?} is served from {}, not {} (--ranks-at \
+                             must agree on every node)",
+                            spec.name,
+                            place(r.owner),
+                            place(said)
+                        ),
+                    ));
+                }
+            }
+        }
+        let id = match existing {
             Some(id) => id,
             None => self.create(objects, spec, depth, uid)?,
         };
@@ -428,12 +517,23 @@ impl Streams {
         let stream = self.stream(id)?;
         stream.producers.insert(conn);
         stream.last_used = Instant::now();
+        let mut feeders = Vec::new();
         for r in ranks {
-            stream.rank(r.rank, r.seq);
+            let owner = owners.get(&r.rank).copied();
+            stream
+                .ranks
+                .entry(r.rank)
+                .or_insert_with(|| Rank::new(r.seq, owner));
+            if let Some(node) = owner
+                && !stream.remotes.contains_key(&node)
+            {
+                stream.remotes.insert(node, Remote::default());
+                feeders.push(node);
+            }
         }
         self.ranks += new.len();
         self.changed();
-        Ok(id)
+        Ok((id, feeders))
     }
 
     /// Refuses `n` more ranks past [`MAX_RANKS`].
@@ -485,6 +585,7 @@ impl Streams {
                 leases,
                 owner_uid,
                 ranks: BTreeMap::new(),
+                remotes: BTreeMap::new(),
                 producers: BTreeSet::new(),
                 created: now,
                 last_used: now,
@@ -539,6 +640,16 @@ impl Streams {
             return Err(self.limit(message));
         }
         let stream = &self.streams[&id];
+        if let Some(node) = stream.ranks.get(&rank).and_then(|r| r.owner) {
+            return Err(fail(
+                Status::InvalidArgument,
+                format!(
+                    "rank {rank} of stream {:?} is served from node {node:08x} (the producers' \
+                     --ranks-at): its consumer opens the stream there",
+                    spec.name
+                ),
+            ));
+        }
         match stream.ranks.get(&rank).and_then(|r| r.consumer.as_ref()) {
             Some(c) if c.conn == conn => {
                 return Err(fail(
@@ -631,13 +742,16 @@ impl Streams {
         Ok((id, ring))
     }
 
-    /// Up to `max` tasks for a producer, spread over the ranks that are furthest behind.
-    /// `Err(Ended)` when the stream has no work left and never will.
+    /// Up to `max` tasks for a producer, spread over the ranks that are furthest behind, this
+    /// node's ranks first (their samples need not cross the network), then those other nodes
+    /// granted. `local_only` (another node's session asking) leaves out the ranks other nodes
+    /// own. `Err(Ended)` when the stream has no work left and never will.
     pub fn take(
         &mut self,
         conn: ConnId,
         id: u32,
         max: u32,
+        local_only: bool,
     ) -> Result<Vec<StreamTask>, StreamError> {
         let Some(stream) = self.streams.get_mut(&id) else {
             return Err(fail(Status::Ended, "the stream was closed"));
@@ -645,12 +759,26 @@ impl Streams {
         if !stream.producers.contains(&conn) {
             return Err(fail(Status::Protocol, "take before joining the stream"));
         }
-        let end = stream.end();
-        if !stream.ranks.is_empty() && stream.ranks.values().all(|r| r.done(end)) {
+        let served = |r: &Rank| !local_only || r.owner.is_none();
+        if stream.ranks.values().any(served)
+            && stream
+                .ranks
+                .values()
+                .filter(|r| served(r))
+                .all(|r| stream.rank_done(r))
+        {
             return Err(fail(Status::Ended, "every rank's last epoch is made"));
         }
-        let mut order: Vec<u32> = stream.ranks.keys().copied().collect();
-        order.sort_by_key(|r| stream.ranks[r].in_flight());
+        let mut order: Vec<u32> = stream
+            .ranks
+            .iter()
+            .filter(|(_, r)| served(r))
+            .map(|(&rank, _)| rank)
+            .collect();
+        order.sort_by_key(|r| {
+            let rank = &stream.ranks[r];
+            (rank.owner.is_some(), rank.in_flight())
+        });
         let mut tasks = Vec::new();
         let mut progress = true;
         while tasks.len() < max as usize && progress {
@@ -675,13 +803,16 @@ impl Streams {
     }
 
     /// A producer delivers samples. Per item: `Ok`, or why it was not taken (the producer then
-    /// aborts its object).
+    /// aborts its object). A sample for another node's rank is sealed and leased here and waits
+    /// in that node's outbox ([`Streams::forwards`]); only this node's producers (`forwardable`)
+    /// put those, never another node's session.
     pub fn put(
         &mut self,
         objects: &mut Objects,
         conn: ConnId,
         id: u32,
         items: &[StreamItem],
+        forwardable: bool,
     ) -> Result<Vec<Status>, StreamError> {
         let stream = self
             .streams
@@ -702,7 +833,7 @@ impl Streams {
             // Any producer connection may put a task taken by another (a producer process takes
             // on one connection and puts from each CPU worker's); what matters is that the task
             // is still out. Not out any more: a resume moved the window, or it was put already.
-            if !r.assigned.contains_key(&seq) {
+            if !r.assigned.contains_key(&seq) || (r.owner.is_some() && !forwardable) {
                 statuses.push(Status::Stale);
                 continue;
             }
@@ -729,6 +860,23 @@ impl Streams {
                     continue;
                 }
             };
+            let made = item.flags & ENTRY_FAILED == 0;
+            if let Some(node) = r.owner {
+                let Some(remote) = stream.remotes.get_mut(&node) else {
+                    if made {
+                        let _ = objects.release(leases, item.handle);
+                    }
+                    statuses.push(Status::Stale);
+                    continue;
+                };
+                remote.outbox.push(*item);
+                if item.key != 0 && made {
+                    cached.push(((stream.owner_uid, item.key), item.handle));
+                }
+                stream.samples_put += 1;
+                statuses.push(Status::Ok);
+                continue;
+            }
             let entry = RingEntry {
                 seq,
                 handle: if item.flags & ENTRY_FAILED != 0 {
@@ -793,6 +941,196 @@ impl Streams {
         if self.cache.len() > 2 * sealed + 1024 {
             self.cache.retain(|_, h| objects.is_sealed(*h));
         }
+    }
+
+    /// What a feeder joins `node` with for stream `id`: the owner's uid, the spec, the depth
+    /// and where each of the ranks `node` owns starts. `None` once the stream is gone.
+    pub fn remote_join(
+        &self,
+        id: u32,
+        node: u32,
+    ) -> Option<(u32, StreamSpec, u32, Vec<StreamTask>)> {
+        let stream = self.streams.get(&id)?;
+        stream.remotes.get(&node)?;
+        let ranks = stream
+            .ranks
+            .iter()
+            .filter(|(_, r)| r.owner == Some(node))
+            .map(|(&rank, r)| StreamTask {
+                rank,
+                seq: r.released,
+            })
+            .collect();
+        Some((stream.owner_uid, stream.spec.clone(), stream.depth, ranks))
+    }
+
+    /// `node` has the stream joined as `remote_stream` (`None`: the session was lost, and with
+    /// it the tasks it had granted, which that node makes available again).
+    pub fn remote_joined(&mut self, id: u32, node: u32, remote_stream: Option<u32>) {
+        let Some(stream) = self.streams.get_mut(&id) else {
+            return;
+        };
+        let Some(remote) = stream.remotes.get_mut(&node) else {
+            return;
+        };
+        remote.id = remote_stream;
+        if remote_stream.is_none() {
+            for r in stream.ranks.values_mut().filter(|r| r.owner == Some(node)) {
+                r.redo.clear();
+            }
+        }
+        self.changed();
+    }
+
+    /// How many tasks the feeder of `node`'s ranks should ask for: enough to keep this node's
+    /// producers busy, not so many that other nodes' producers go without.
+    pub fn demand(&self, id: u32, node: u32) -> Demand {
+        let Some(stream) = self.streams.get(&id) else {
+            return Demand::Leave;
+        };
+        let local = stream
+            .producers
+            .iter()
+            .filter(|c| !self.sessions.contains(c))
+            .count();
+        if local == 0 || !stream.remotes.contains_key(&node) {
+            return Demand::Leave;
+        }
+        let waiting: usize = stream
+            .ranks
+            .values()
+            .filter(|r| r.owner == Some(node))
+            .map(|r| r.redo.len())
+            .sum();
+        let target = (local * 8).clamp(8, 1024);
+        match target.saturating_sub(waiting) {
+            0 => Demand::Full,
+            n => Demand::Tasks(n as u32),
+        }
+    }
+
+    /// Tasks `node` granted for its ranks: this node's producers take them next.
+    pub fn grant(&mut self, id: u32, node: u32, tasks: &[StreamTask]) {
+        let Some(stream) = self.streams.get_mut(&id) else {
+            return;
+        };
+        for task in tasks {
+            if let Some(r) = stream.ranks.get_mut(&task.rank)
+                && r.owner == Some(node)
+                && !r.assigned.contains_key(&task.seq)
+            {
+                r.redo.insert(task.seq);
+            }
+        }
+        stream.last_used = Instant::now();
+        self.changed();
+    }
+
+    /// `node` needs nothing more for its ranks of the stream.
+    pub fn remote_ended(&mut self, id: u32, node: u32) {
+        if let Some(remote) = self
+            .streams
+            .get_mut(&id)
+            .and_then(|s| s.remotes.get_mut(&node))
+        {
+            remote.ended = true;
+            self.changed();
+        }
+    }
+
+    /// The feeder of `node` stops (no producer here serves the stream any more): granted tasks
+    /// are forgotten (the owner takes them back when the session leaves), and a producer that
+    /// joins later starts a new feeder.
+    pub fn remote_left(&mut self, id: u32, node: u32) {
+        if let Some(stream) = self.streams.get_mut(&id) {
+            stream.remotes.remove(&node);
+            for r in stream.ranks.values_mut().filter(|r| r.owner == Some(node)) {
+                r.redo.clear();
+            }
+            self.changed();
+        }
+    }
+
+    /// Takes the samples waiting to be handed to other nodes. Those whose owner has no session
+    /// now are dropped with their leases (the owner made their tasks available again when the
+    /// session was lost).
+    pub fn forwards(&mut self, objects: &mut Objects) -> Vec<Forward> {
+        let mut out = Vec::new();
+        for stream in self.streams.values_mut() {
+            for (&node, remote) in &mut stream.remotes {
+                if remote.outbox.is_empty() {
+                    continue;
+                }
+                let items = std::mem::take(&mut remote.outbox);
+                match remote.id {
+                    Some(remote_stream) => out.push(Forward {
+                        node,
+                        remote_stream,
+                        leases: stream.leases,
+                        items,
+                    }),
+                    None => {
+                        for item in items.iter().filter(|i| i.flags & ENTRY_FAILED == 0) {
+                            let _ = objects.release(stream.leases, item.handle);
+                        }
+                    }
+                }
+            }
+        }
+        out
+    }
+
+    /// A task a producer took and cannot deliver (another node could not pull its sample)
+    /// goes back to its window, to be made again.
+    pub fn give_back(&mut self, id: u32, task: StreamTask) {
+        if let Some(r) = self
+            .streams
+            .get_mut(&id)
+            .and_then(|s| s.ranks.get_mut(&task.rank))
+            && r.assigned.remove(&task.seq).is_some()
+        {
+            r.redo.insert(task.seq);
+            self.changed();
+        }
+    }
+
+    /// Marks `conn` as another node's stream session (see [`Streams::demand`]).
+    pub fn register_session(&mut self, conn: ConnId) {
+        self.sessions.insert(conn);
+    }
+
+    /// A producer connection leaves one stream: its tasks go back to the windows.
+    pub fn leave(&mut self, conn: ConnId, id: u32) {
+        if let Some(stream) = self.streams.get_mut(&id)
+            && Self::drop_producer(stream, conn)
+        {
+            stream.last_used = Instant::now();
+            self.changed();
+        }
+    }
+
+    /// Takes `conn` out of a stream's producers and its tasks back to the windows (and its
+    /// consumer off its rank); whether it had any part in the stream.
+    fn drop_producer(stream: &mut Stream, conn: ConnId) -> bool {
+        let mut used = stream.producers.remove(&conn);
+        for r in stream.ranks.values_mut() {
+            let lost: Vec<u64> = r
+                .assigned
+                .iter()
+                .filter(|&(_, &c)| c == conn)
+                .map(|(&s, _)| s)
+                .collect();
+            used |= !lost.is_empty();
+            for s in lost {
+                r.assigned.remove(&s);
+                r.redo.insert(s);
+            }
+            if r.consumer.as_ref().is_some_and(|c| c.conn == conn) {
+                r.consumer = None;
+                used = true;
+            }
+        }
+        used
     }
 
     /// Adds the streams' and the cache's counters to the store's.
@@ -1023,30 +1361,13 @@ impl Streams {
         let mut touched = false;
         let now = Instant::now();
         for stream in self.streams.values_mut() {
-            let mut used = stream.producers.remove(&conn);
-            for r in stream.ranks.values_mut() {
-                let lost: Vec<u64> = r
-                    .assigned
-                    .iter()
-                    .filter(|&(_, &c)| c == conn)
-                    .map(|(&s, _)| s)
-                    .collect();
-                used |= !lost.is_empty();
-                for s in lost {
-                    r.assigned.remove(&s);
-                    r.redo.insert(s);
-                }
-                if r.consumer.as_ref().is_some_and(|c| c.conn == conn) {
-                    r.consumer = None;
-                    used = true;
-                }
-            }
-            if used {
+            if Self::drop_producer(stream, conn) {
                 stream.last_used = now;
                 touched = true;
             }
         }
         self.orphans.retain(|&(c, _, _), _| c != conn);
+        self.sessions.remove(&conn);
         if let Some(rings) = self.conn_rings.remove(&conn) {
             self.ring_bytes -= rings.bytes;
             self.rings_attached -= usize::from(rings.attached);
@@ -1159,10 +1480,10 @@ mod tests {
 
     /// Takes and puts everything the windows allow.
     fn fill(o: &mut Objects, s: &mut Streams, p: ConnId, id: u32) -> Vec<StreamItem> {
-        let tasks = s.take(p, id, 100).unwrap();
+        let tasks = s.take(p, id, 100, false).unwrap();
         let items: Vec<_> = tasks.iter().map(|&t| make(o, p, t)).collect();
         assert!(
-            s.put(o, p, id, &items)
+            s.put(o, p, id, &items, true)
                 .unwrap()
                 .iter()
                 .all(|s| *s == Status::Ok)
@@ -1173,12 +1494,21 @@ mod tests {
     #[test]
     fn windows_bound_the_work_and_slide_on_release() {
         let (mut o, mut s, p, c) = setup();
-        let id = s.join(&mut o, p, &spec(1), 2, &starts(&[0, 1])).unwrap();
-        let tasks = s.take(p, id, 100).unwrap();
+        let id = s
+            .join(&mut o, p, &spec(1), 2, &starts(&[0, 1]), &HashMap::new())
+            .map(|(id, _)| id)
+            .unwrap();
+        let tasks = s.take(p, id, 100, false).unwrap();
         assert_eq!(tasks.len(), 4, "depth 2 × 2 ranks: {tasks:?}");
-        assert!(s.take(p, id, 100).unwrap().is_empty(), "windows full");
+        assert!(
+            s.take(p, id, 100, false).unwrap().is_empty(),
+            "windows full"
+        );
         let items: Vec<_> = tasks.iter().map(|&t| make(&mut o, p, t)).collect();
-        assert_eq!(s.put(&mut o, p, id, &items).unwrap(), vec![Status::Ok; 4]);
+        assert_eq!(
+            s.put(&mut o, p, id, &items, true).unwrap(),
+            vec![Status::Ok; 4]
+        );
         assert_eq!(o.stats().objects_sealed, 4);
         let (_, ring) = s.attach(&mut o, c, &spec(1), 0, 0).unwrap();
         assert!(ring.size_bytes() > 0);
@@ -1191,7 +1521,7 @@ mod tests {
         assert_eq!(s.poll(c, id, 0, 2).unwrap(), None);
         s.release(&mut o, c, id, 0, 1).unwrap();
         assert_eq!(
-            s.take(p, id, 100).unwrap(),
+            s.take(p, id, 100, false).unwrap(),
             vec![StreamTask { rank: 0, seq: 2 }]
         );
         assert_eq!(
@@ -1209,7 +1539,10 @@ mod tests {
     #[test]
     fn a_reattach_never_frees_what_a_view_holds() {
         let (mut o, mut s, p, c) = setup();
-        let id = s.join(&mut o, p, &spec(4), 4, &starts(&[0])).unwrap();
+        let id = s
+            .join(&mut o, p, &spec(4), 4, &starts(&[0]), &HashMap::new())
+            .map(|(id, _)| id)
+            .unwrap();
         let items = fill(&mut o, &mut s, p, id);
         s.attach(&mut o, c, &spec(4), 0, 0).unwrap();
         // The consumer read 0..3 (holding 0), then its stream went: a detach at 3.
@@ -1250,14 +1583,20 @@ mod tests {
     #[test]
     fn only_the_owners_writers_close_a_stream() {
         let (mut o, mut s, p, c) = setup();
-        let id = s.join(&mut o, p, &spec(1), 4, &starts(&[0])).unwrap();
+        let id = s
+            .join(&mut o, p, &spec(1), 4, &starts(&[0]), &HashMap::new())
+            .map(|(id, _)| id)
+            .unwrap();
         s.attach(&mut o, c, &spec(1), 0, 0).unwrap();
         let err = s.close(&mut o, c, id).unwrap_err();
         assert_eq!(err.status, Status::PermissionDenied, "a reader: {err}");
         let stranger = client(&mut o, Role::Writer, 2000);
         let err = s.close(&mut o, stranger, id).unwrap_err();
         assert_eq!(err.status, Status::PermissionDenied, "another uid: {err}");
-        let err = s.join(&mut o, c, &spec(1), 4, &starts(&[0])).unwrap_err();
+        let err = s
+            .join(&mut o, c, &spec(1), 4, &starts(&[0]), &HashMap::new())
+            .map(|(id, _)| id)
+            .unwrap_err();
         assert_eq!(
             err.status,
             Status::PermissionDenied,
@@ -1273,7 +1612,9 @@ mod tests {
         let err = s.attach(&mut o, c, &spec(1), 0, 0).unwrap_err();
         assert_eq!(err.status, Status::NotFound);
         assert_eq!(s.list(&o, c, 0, 1 << 20).0.len(), 0);
-        s.join(&mut o, p, &spec(1), 4, &[]).unwrap();
+        s.join(&mut o, p, &spec(1), 4, &[], &HashMap::new())
+            .map(|(id, _)| id)
+            .unwrap();
         s.attach(&mut o, c, &spec(1), 0, 0).unwrap();
         let other = client(&mut o, Role::Reader, 1000);
         let err = s.attach(&mut o, other, &spec(1), 0, 0).unwrap_err();
@@ -1293,7 +1634,9 @@ mod tests {
             records: 64,
             ..spec(1)
         };
-        s.join(&mut o, p, &wide, 64, &[]).unwrap();
+        s.join(&mut o, p, &wide, 64, &[], &HashMap::new())
+            .map(|(id, _)| id)
+            .unwrap();
         for rank in 0..3 {
             let conn = client(&mut o, Role::Reader, 1000);
             s.attach(&mut o, conn, &wide, rank, 0).unwrap();
@@ -1308,12 +1651,17 @@ mod tests {
             name: "t".into(),
             ..spec(1)
         };
-        s.join(&mut o, p, &two, 4, &[]).unwrap();
+        s.join(&mut o, p, &two, 4, &[], &HashMap::new())
+            .map(|(id, _)| id)
+            .unwrap();
         let three = StreamSpec {
             name: "u".into(),
             ..spec(1)
         };
-        let err = s.join(&mut o, p, &three, 4, &[]).unwrap_err();
+        let err = s
+            .join(&mut o, p, &three, 4, &[], &HashMap::new())
+            .map(|(id, _)| id)
+            .unwrap_err();
         assert_eq!(err.status, Status::LimitReached);
         assert!(err.message.contains("--max-streams"), "{err}");
     }
@@ -1322,8 +1670,11 @@ mod tests {
     #[test]
     fn streams_belong_to_their_uid() {
         let (mut o, mut s, p, c) = setup();
-        let id = s.join(&mut o, p, &spec(1), 4, &starts(&[0])).unwrap();
-        let tasks = s.take(p, id, 1).unwrap();
+        let id = s
+            .join(&mut o, p, &spec(1), 4, &starts(&[0]), &HashMap::new())
+            .map(|(id, _)| id)
+            .unwrap();
+        let tasks = s.take(p, id, 1, false).unwrap();
         let other_reader = client(&mut o, Role::Reader, 2000);
         let err = s.attach(&mut o, other_reader, &spec(1), 0, 0).unwrap_err();
         assert_eq!(
@@ -1332,19 +1683,22 @@ mod tests {
             "uid 2000 sees no stream of uid 1000"
         );
         let other_writer = client(&mut o, Role::Writer, 2000);
-        let theirs = s.join(&mut o, other_writer, &spec(1), 4, &[]).unwrap();
+        let theirs = s
+            .join(&mut o, other_writer, &spec(1), 4, &[], &HashMap::new())
+            .map(|(id, _)| id)
+            .unwrap();
         assert_ne!(
             theirs, id,
             "the same name is another stream for another uid"
         );
         let item = make(&mut o, other_writer, tasks[0]);
-        let err = s.put(&mut o, other_writer, id, &[item]).unwrap_err();
+        let err = s.put(&mut o, other_writer, id, &[item], true).unwrap_err();
         assert_eq!(
             err.status,
             Status::Protocol,
             "only the stream's producers put into it"
         );
-        assert!(s.take(other_writer, id, 1).is_err());
+        assert!(s.take(other_writer, id, 1, false).is_err());
         s.attach(&mut o, c, &spec(1), 0, 0).unwrap();
     }
 
@@ -1357,7 +1711,10 @@ mod tests {
             world: 4,
             ..spec(1)
         };
-        let id = s.join(&mut o, p, &wide, 64, &[]).unwrap();
+        let id = s
+            .join(&mut o, p, &wide, 64, &[], &HashMap::new())
+            .map(|(id, _)| id)
+            .unwrap();
         s.attach(&mut o, c, &wide, 0, 0).unwrap();
         let err = s.attach(&mut o, c, &wide, 1, 0).unwrap_err();
         assert_eq!(err.status, Status::InvalidState, "one rank per connection");
@@ -1392,7 +1749,10 @@ mod tests {
             ..Limits::default()
         };
         let (mut o, mut s, p, c) = setup_with(&limits);
-        let id = s.join(&mut o, p, &spec(1), 4, &starts(&[0])).unwrap();
+        let id = s
+            .join(&mut o, p, &spec(1), 4, &starts(&[0]), &HashMap::new())
+            .map(|(id, _)| id)
+            .unwrap();
         fill(&mut o, &mut s, p, id);
         let later = Instant::now() + Duration::from_secs(120);
         assert_eq!(s.expire(&mut o, later), 0, "a producer is joined");
@@ -1412,18 +1772,26 @@ mod tests {
     #[test]
     fn a_dead_producers_tasks_are_made_again() {
         let (mut o, mut s, p, _) = setup();
-        let id = s.join(&mut o, p, &spec(1), 2, &starts(&[0])).unwrap();
-        let first = s.take(p, id, 1).unwrap();
+        let id = s
+            .join(&mut o, p, &spec(1), 2, &starts(&[0]), &HashMap::new())
+            .map(|(id, _)| id)
+            .unwrap();
+        let first = s.take(p, id, 1, false).unwrap();
         s.disconnect(p);
         let p2 = client(&mut o, Role::Writer, 1000);
-        s.join(&mut o, p2, &spec(1), 2, &starts(&[0])).unwrap();
-        let again = s.take(p2, id, 2).unwrap();
+        s.join(&mut o, p2, &spec(1), 2, &starts(&[0]), &HashMap::new())
+            .map(|(id, _)| id)
+            .unwrap();
+        let again = s.take(p2, id, 2, false).unwrap();
         assert_eq!(again[0], first[0], "redo first");
         let item = make(&mut o, p2, first[0]);
-        assert_eq!(s.put(&mut o, p2, id, &[item]).unwrap(), vec![Status::Ok]);
+        assert_eq!(
+            s.put(&mut o, p2, id, &[item], true).unwrap(),
+            vec![Status::Ok]
+        );
         let twice = make(&mut o, p2, first[0]);
         assert_eq!(
-            s.put(&mut o, p2, id, &[twice]).unwrap(),
+            s.put(&mut o, p2, id, &[twice], true).unwrap(),
             vec![Status::Stale],
             "put once"
         );
@@ -1432,7 +1800,10 @@ mod tests {
     #[test]
     fn attach_rewinds_and_keeps_what_it_can() {
         let (mut o, mut s, p, c) = setup();
-        let id = s.join(&mut o, p, &spec(2), 4, &starts(&[0])).unwrap();
+        let id = s
+            .join(&mut o, p, &spec(2), 4, &starts(&[0]), &HashMap::new())
+            .map(|(id, _)| id)
+            .unwrap();
         fill(&mut o, &mut s, p, id);
         s.attach(&mut o, c, &spec(2), 0, 0).unwrap();
         s.release(&mut o, c, id, 0, 3).unwrap();
@@ -1442,7 +1813,7 @@ mod tests {
         s.attach(&mut o, c2, &spec(2), 0, 1).unwrap();
         assert_eq!(s.poll(c2, id, 0, 3).unwrap(), Some(Status::Ok), "kept");
         assert_eq!(s.poll(c2, id, 0, 1).unwrap(), None, "to be made again");
-        let again = s.take(p, id, 10).unwrap();
+        let again = s.take(p, id, 10, false).unwrap();
         let seqs: Vec<u64> = again.iter().map(|t| t.seq).collect();
         assert_eq!(seqs, vec![1, 2, 4]);
         assert!(
@@ -1454,13 +1825,16 @@ mod tests {
     #[test]
     fn a_finished_stream_ends_and_a_close_returns_everything() {
         let (mut o, mut s, p, c) = setup();
-        let id = s.join(&mut o, p, &spec(1), 8, &starts(&[0])).unwrap();
-        let tasks = s.take(p, id, 100).unwrap();
+        let id = s
+            .join(&mut o, p, &spec(1), 8, &starts(&[0]), &HashMap::new())
+            .map(|(id, _)| id)
+            .unwrap();
+        let tasks = s.take(p, id, 100, false).unwrap();
         assert_eq!(tasks.len(), 4, "one epoch of 8 records over 2 ranks");
         let items: Vec<_> = tasks.iter().map(|&t| make(&mut o, p, t)).collect();
-        s.put(&mut o, p, id, &items).unwrap();
+        s.put(&mut o, p, id, &items, true).unwrap();
         assert!(
-            s.take(p, id, 1).unwrap().is_empty(),
+            s.take(p, id, 1, false).unwrap().is_empty(),
             "made but not read: a resuming consumer may still rewind"
         );
         s.attach(&mut o, c, &spec(1), 0, 0).unwrap();
@@ -1474,7 +1848,7 @@ mod tests {
             before,
             "read past the end: producers are woken"
         );
-        assert_eq!(s.take(p, id, 1).unwrap_err().status, Status::Ended);
+        assert_eq!(s.take(p, id, 1, false).unwrap_err().status, Status::Ended);
         let other = StreamSpec { seed: 2, ..spec(1) };
         assert_eq!(
             s.attach(&mut o, c, &other, 0, 0).unwrap_err().status,
@@ -1489,10 +1863,13 @@ mod tests {
     #[test]
     fn the_cache_finds_samples_still_stored() {
         let (mut o, mut s, p, _) = setup();
-        let id = s.join(&mut o, p, &spec(1), 8, &starts(&[0])).unwrap();
-        let tasks = s.take(p, id, 2).unwrap();
+        let id = s
+            .join(&mut o, p, &spec(1), 8, &starts(&[0]), &HashMap::new())
+            .map(|(id, _)| id)
+            .unwrap();
+        let tasks = s.take(p, id, 2, false).unwrap();
         let items: Vec<_> = tasks.iter().map(|&t| make(&mut o, p, t)).collect();
-        s.put(&mut o, p, id, &items).unwrap();
+        s.put(&mut o, p, id, &items, true).unwrap();
         let found = s.lookup(&o, p, &[1, 2, 99]);
         assert_eq!(
             found,
@@ -1527,7 +1904,9 @@ mod tests {
                 name: format!("stream-{i}"),
                 ..spec(1)
             };
-            s.join(&mut o, p, &spec, 4, &[]).unwrap();
+            s.join(&mut o, p, &spec, 4, &[], &HashMap::new())
+                .map(|(id, _)| id)
+                .unwrap();
         }
         let mut seen = Vec::new();
         let mut after = 0;
@@ -1546,5 +1925,118 @@ mod tests {
             }
         }
         assert_eq!(seen.len(), 10);
+    }
+
+    /// Rank 1 lives on node 9: its tasks come only from what node 9 grants, its samples wait
+    /// (sealed, leased by the stream) in node 9's outbox, and its consumer cannot attach here.
+    #[test]
+    fn another_nodes_ranks_take_only_granted_tasks_and_forward_their_samples() {
+        let (mut o, mut s, p, c) = setup();
+        let owners = HashMap::from([(1, 9)]);
+        let (id, feeders) = s
+            .join(&mut o, p, &spec(1), 2, &starts(&[0, 1]), &owners)
+            .unwrap();
+        assert_eq!(feeders, vec![9], "one feeder for node 9");
+        let (_, again) = s
+            .join(&mut o, p, &spec(1), 2, &starts(&[0, 1]), &owners)
+            .unwrap();
+        assert!(again.is_empty(), "the feeder runs already");
+        let err = s
+            .join(&mut o, p, &spec(1), 2, &starts(&[1]), &HashMap::new())
+            .unwrap_err();
+        assert_eq!(err.status, Status::InvalidArgument, "{}", err.message);
+        let err = s.attach(&mut o, c, &spec(1), 1, 0).unwrap_err();
+        assert!(err.message.contains("node 00000009"), "{}", err.message);
+
+        let local = s.take(p, id, 100, false).unwrap();
+        assert!(
+            local.iter().all(|t| t.rank == 0),
+            "nothing granted yet: {local:?}"
+        );
+        assert_eq!(s.demand(id, 9), Demand::Tasks(8));
+        let (uid, _, depth, ranks) = s.remote_join(id, 9).unwrap();
+        assert_eq!((uid, depth, ranks), (1000, 2, starts(&[1])));
+        s.remote_joined(id, 9, Some(4));
+        let granted = [
+            StreamTask { rank: 1, seq: 0 },
+            StreamTask { rank: 1, seq: 1 },
+        ];
+        s.grant(id, 9, &granted);
+        assert_eq!(s.demand(id, 9), Demand::Tasks(6));
+        assert_eq!(s.take(p, id, 100, false).unwrap(), granted.to_vec());
+        assert!(
+            s.take(p, id, 100, true).unwrap().is_empty(),
+            "another node's session is never handed a third node's tasks"
+        );
+        let items: Vec<_> = granted.iter().map(|&t| make(&mut o, p, t)).collect();
+        // A session may not put them back here (that would forward in a loop).
+        let other_session = client(&mut o, Role::Writer, 1000);
+        s.join(&mut o, other_session, &spec(1), 2, &[], &HashMap::new())
+            .unwrap();
+        assert_eq!(
+            s.put(&mut o, other_session, id, &items[..1], false)
+                .unwrap(),
+            vec![Status::Stale]
+        );
+        assert_eq!(
+            s.put(&mut o, p, id, &items, true).unwrap(),
+            vec![Status::Ok; 2]
+        );
+        let forwards = s.forwards(&mut o);
+        assert_eq!(forwards.len(), 1);
+        assert_eq!((forwards[0].node, forwards[0].remote_stream), (9, 4));
+        assert_eq!(forwards[0].items, items);
+        assert_eq!(
+            o.stats().leases,
+            2,
+            "the stream leases both until node 9 answers"
+        );
+        for item in &items {
+            o.release(forwards[0].leases, item.handle).unwrap();
+        }
+        assert!(s.forwards(&mut o).is_empty());
+
+        // A lost session forgets its grants; the owner said it ended; the last producer left.
+        s.grant(id, 9, &[StreamTask { rank: 1, seq: 2 }]);
+        s.remote_joined(id, 9, None);
+        assert!(
+            s.take(p, id, 100, false)
+                .unwrap()
+                .iter()
+                .all(|t| t.rank == 0)
+        );
+        s.remote_ended(id, 9);
+        s.register_session(other_session);
+        s.disconnect(p);
+        assert_eq!(
+            s.demand(id, 9),
+            Demand::Leave,
+            "another node's session keeps no feeder of this node going"
+        );
+        s.remote_left(id, 9);
+        assert!(s.remote_join(id, 9).is_none());
+    }
+
+    /// A task whose sample could not be pulled goes back to its window; a session leaving a
+    /// stream gives back what it took.
+    #[test]
+    fn tasks_given_back_or_left_are_made_again() {
+        let (mut o, mut s, p, _c) = setup();
+        let (id, _) = s
+            .join(&mut o, p, &spec(1), 2, &starts(&[0]), &HashMap::new())
+            .unwrap();
+        let first = s.take(p, id, 1, true).unwrap();
+        s.give_back(id, first[0]);
+        assert_eq!(s.take(p, id, 1, true).unwrap(), first, "made again");
+        s.leave(p, id);
+        let p2 = client(&mut o, Role::Writer, 1000);
+        s.join(&mut o, p2, &spec(1), 2, &[], &HashMap::new())
+            .unwrap();
+        let again = s.take(p2, id, 2, true).unwrap();
+        assert!(again.contains(&first[0]), "{again:?}");
+        assert!(
+            s.take(p, id, 1, true).is_err(),
+            "left: no longer a producer"
+        );
     }
 }

@@ -30,7 +30,7 @@ mod stats;
 mod streams;
 
 pub use objects::Created;
-pub use streams::{StreamInfo, StreamItem, StreamTask};
+pub use streams::{RankAt, StreamInfo, StreamItem, StreamTask};
 
 use crate::stream::StreamSpec;
 pub use crate::wire::DecodeError;
@@ -42,7 +42,7 @@ pub const MAGIC: u16 = 0xFD5E;
 /// Protocol version spoken by this crate. Version 2: frame limits agreed at hello, stream
 /// detach, paged stream lists, attach without creating. Version 3: cross-node pull statistics
 /// and statuses (`Unreachable`, `Corrupt`).
-pub const VERSION: u16 = 3;
+pub const VERSION: u16 = 4;
 /// Size of the frame header.
 pub const HEADER_BYTES: usize = 16;
 /// Default maximum payload a side accepts (room for a batch of ~65k handles).
@@ -380,9 +380,12 @@ pub enum Request {
         spec: StreamSpec,
         /// Prefetch depth per rank, if the stream is new.
         depth: u32,
-        /// Ranks served on this node, each with the sequence number it starts at if the daemon
-        /// does not know it yet (from the consumers' checkpointed states; 0 for a fresh run).
+        /// Ranks served, each with the sequence number it starts at if the daemon does not
+        /// know it yet (from the consumers' checkpointed states; 0 for a fresh run).
         ranks: Vec<StreamTask>,
+        /// Where ranks live that are not this node's: the peer address (`host:port`) of the
+        /// daemon their consumers use. Ranks not listed are this node's.
+        at: Vec<RankAt>,
     },
     /// A consumer attaches to its rank at a sequence number, waiting up to `timeout_ms` for a
     /// producer to create the stream. The reply carries the rank's ring.
@@ -560,10 +563,16 @@ impl Request {
                 | Request::Release { handles }
                 | Request::Delete { handles } => w.list(handles),
                 Request::Stats => {}
-                Request::StreamJoin { spec, depth, ranks } => {
+                Request::StreamJoin {
+                    spec,
+                    depth,
+                    ranks,
+                    at,
+                } => {
                     spec.encode(w);
                     w.u32(*depth);
                     w.list(ranks);
+                    w.list(at);
                 }
                 Request::StreamAttach {
                     spec,
@@ -643,6 +652,7 @@ impl Request {
                 spec: StreamSpec::decode(&mut r)?,
                 depth: r.u32()?,
                 ranks: r.list()?,
+                at: r.list()?,
             },
             Opcode::StreamAttach => Request::StreamAttach {
                 spec: StreamSpec::decode(&mut r)?,

@@ -74,6 +74,29 @@ impl Wire for StreamTask {
     }
 }
 
+/// Where a rank lives: the peer address of the daemon its consumer uses.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct RankAt {
+    /// The rank.
+    pub rank: u32,
+    /// `host:port` of that daemon's `--listen`.
+    pub addr: String,
+}
+
+impl Wire for RankAt {
+    const MIN_BYTES: usize = 4 + 2;
+    fn encode(&self, w: &mut Writer<'_>) {
+        w.u32(self.rank);
+        w.string(&self.addr);
+    }
+    fn decode(r: &mut Reader<'_>) -> Result<Self, DecodeError> {
+        Ok(RankAt {
+            rank: r.u32()?,
+            addr: r.string()?,
+        })
+    }
+}
+
 /// A delivered sample.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct StreamItem {

@@ -145,8 +145,21 @@ fn request() -> impl Strategy<Value = Request> {
         handles().prop_map(|handles| Request::Release { handles }),
         handles().prop_map(|handles| Request::Delete { handles }),
         Just(Request::Stats),
-        (spec(), any::<u32>(), prop::collection::vec(task(), 0..20))
-            .prop_map(|(spec, depth, ranks)| Request::StreamJoin { spec, depth, ranks }),
+        (
+            spec(),
+            any::<u32>(),
+            prop::collection::vec(task(), 0..20),
+            prop::collection::vec((any::<u32>(), "[a-z0-9.:]{0,24}"), 0..4)
+        )
+            .prop_map(|(spec, depth, ranks, at)| Request::StreamJoin {
+                spec,
+                depth,
+                ranks,
+                at: at
+                    .into_iter()
+                    .map(|(rank, addr)| RankAt { rank, addr })
+                    .collect()
+            }),
         (spec(), any::<u32>(), any::<u64>(), any::<u32>()).prop_map(
             |(spec, rank, seq, timeout_ms)| Request::StreamAttach {
                 spec,
@@ -404,6 +417,10 @@ fn min_bytes_are_the_smallest_encodings() {
         epochs: None,
     });
     min_bytes_is_tight(&StreamTask { rank: 0, seq: 0 });
+    min_bytes_is_tight(&RankAt {
+        rank: 0,
+        addr: String::new(),
+    });
     min_bytes_is_tight(&Handle::default());
     min_bytes_is_tight(&StoreStats::default());
     min_bytes_is_tight::<Result<Location, Status>>(&Err(Status::NotFound));

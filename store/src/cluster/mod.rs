@@ -19,6 +19,9 @@
 
 pub mod auth;
 mod serve;
+mod session;
+
+pub(crate) use session::{feed_remote, forward};
 pub mod transport;
 
 use std::collections::{HashMap, HashSet};
@@ -153,6 +156,8 @@ pub struct Cluster {
     inflight: Mutex<HashMap<Handle, watch::Receiver<Option<PullOutcome>>>>,
     /// Connections other daemons have open to this one: in all, and by address.
     peer_connections: Mutex<(usize, HashMap<IpAddr, usize>)>,
+    /// Stream sessions this node opened to other nodes, by node id.
+    sessions: Mutex<HashMap<u32, Arc<session::Session>>>,
     pub(crate) counters: Counters,
 }
 
@@ -190,6 +195,7 @@ impl Cluster {
             kick: Notify::new(),
             inflight: Mutex::new(HashMap::new()),
             peer_connections: Mutex::new((0, HashMap::new())),
+            sessions: Mutex::new(HashMap::new()),
             counters: Counters::default(),
         }
     }

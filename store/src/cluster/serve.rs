@@ -70,11 +70,16 @@ impl Drop for SendLease<'_> {
     }
 }
 
-async fn serve_peer(shared: &Shared, cluster: &Cluster, mut stream: TcpStream, addr: SocketAddr) {
+async fn serve_peer(
+    shared: &Arc<Shared>,
+    cluster: &Arc<Cluster>,
+    mut stream: TcpStream,
+    addr: SocketAddr,
+) {
     tune(&stream);
     let shake = tokio::time::timeout(
         HANDSHAKE_TIMEOUT,
-        handshake(&mut stream, cluster.transport.local(), Side::Acceptor),
+        handshake(&mut stream, cluster.transport.local(), Side::Acceptor, 0),
     )
     .await
     .unwrap_or(Err(LinkError::Timeout(HANDSHAKE_TIMEOUT)));
@@ -98,6 +103,10 @@ async fn serve_peer(shared: &Shared, cluster: &Cluster, mut stream: TcpStream, a
             return;
         }
     };
+    if peer.streams {
+        super::session::serve_session(shared.clone(), cluster.clone(), stream, addr, peer).await;
+        return;
+    }
     let id = shared.with_objects(|o| {
         o.connect(ClientInfo {
             role: Role::Reader,

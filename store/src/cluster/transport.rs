@@ -12,8 +12,8 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use feedstore_proto::peer::{
-    HELLO_SECRET, PEER_VERSION, PROOF_BYTES, PeerHello, ReadReply, ReadRequest, TRAILER_BYTES,
-    Verdict, VerdictCode,
+    HELLO_SECRET, HELLO_STREAMS, PEER_VERSION, PROOF_BYTES, PeerHello, ReadReply, ReadRequest,
+    TRAILER_BYTES, Verdict, VerdictCode,
 };
 use feedstore_proto::{Handle, Status};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
@@ -38,6 +38,8 @@ pub struct PeerIdentity {
     pub epoch: u32,
     /// Its random instance id.
     pub instance: u64,
+    /// It opened a stream session ([`feedstore_proto::peer_stream`]), not a range channel.
+    pub streams: bool,
 }
 
 /// What this daemon says of itself at handshake, and the secret it proves.
@@ -199,6 +201,25 @@ impl TcpTransport {
     pub fn local(&self) -> &LocalIdentity {
         &self.local
     }
+
+    /// Opens a stream session to the daemon at `addr`, by `deadline` (the handshake within
+    /// its own limit too).
+    pub async fn connect_session(
+        &self,
+        addr: SocketAddr,
+        deadline: Instant,
+    ) -> Result<(TcpStream, PeerIdentity), LinkError> {
+        let deadline = deadline.min(Instant::now() + HANDSHAKE_TIMEOUT);
+        let work = async {
+            let mut stream = TcpStream::connect(addr).await?;
+            tune(&stream);
+            let peer = handshake(&mut stream, &self.local, Side::Connector, HELLO_STREAMS).await?;
+            Ok((stream, peer))
+        };
+        tokio::time::timeout_at(deadline, work)
+            .await
+            .map_err(|_| LinkError::Timeout(HANDSHAKE_TIMEOUT))?
+    }
 }
 
 impl Transport for TcpTransport {
@@ -209,7 +230,7 @@ impl Transport for TcpTransport {
         let work = async {
             let mut stream = TcpStream::connect(addr).await?;
             tune(&stream);
-            let peer = handshake(&mut stream, &self.local, Side::Connector).await?;
+            let peer = handshake(&mut stream, &self.local, Side::Connector, 0).await?;
             Ok(TcpChannel {
                 stream,
                 peer,
@@ -383,14 +404,16 @@ pub(crate) async fn handshake<S: AsyncRead + AsyncWrite + Unpin>(
     stream: &mut S,
     local: &LocalIdentity,
     side: Side,
+    purpose: u16,
 ) -> Result<PeerIdentity, LinkError> {
     let mine = PeerHello {
         version: PEER_VERSION,
-        flags: if local.secret.is_some() {
-            HELLO_SECRET
-        } else {
-            0
-        },
+        flags: purpose
+            | if local.secret.is_some() {
+                HELLO_SECRET
+            } else {
+                0
+            },
         node_id: local.node_id,
         epoch: local.epoch,
         instance: local.instance,
@@ -439,6 +462,7 @@ pub(crate) async fn handshake<S: AsyncRead + AsyncWrite + Unpin>(
             node_id: theirs.node_id,
             epoch: theirs.epoch,
             instance: theirs.instance,
+            streams: side == Side::Acceptor && theirs.flags & HELLO_STREAMS != 0,
         }),
         (VerdictCode::Accepted, code) => Err(LinkError::RefusedBy {
             code,
@@ -534,8 +558,8 @@ mod tests {
         rt.block_on(async {
             let (mut x, mut y) = tokio::net::UnixStream::pair().unwrap();
             tokio::join!(
-                handshake(&mut x, &a, Side::Connector),
-                handshake(&mut y, &b, Side::Acceptor)
+                handshake(&mut x, &a, Side::Connector, 0),
+                handshake(&mut y, &b, Side::Acceptor, 0)
             )
         })
     }

@@ -1,0 +1,718 @@
+//! Streams across nodes: the stream session between two daemons
+//! ([`feedstore_proto::peer_stream`]), both ends of it.
+//!
+//! ```text
+//!  node P (producers)                                    node R (the rank's consumer)
+//!  producer ── StreamTake ──▶ daemon P: feeder(stream, R) ── Take ──▶ daemon R: window of rank r
+//!           ◀── tasks ──────── granted tasks ◀─────────────── tasks ──┘
+//!  producer ── StreamPut ───▶ sealed + leased on P ── Put(handles) ──▶ pull each from P, then
+//!                             lease returned ◀────────── Done ─────── publish into r's ring
+//! ```
+//!
+//! The rank's daemon (R) keeps the window, the order and the ring exactly as for local
+//! producers: the session is one more producer connection per uid there, so what it took and
+//! has not put goes back to the window when the session ends (node P died, the link broke).
+//! The producers' daemon (P) runs one feeder per stream and owner: it joins the stream on R,
+//! asks for tasks while its producers have room for them, and hands each sample made for R's
+//! ranks over by handle; R pulls the bytes (the cross-node pull) before it publishes them, so
+//! they arrive inside the window, ahead of the trainer. Nobody else carries samples or assigns
+//! tasks.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use feedstore_proto::frame::StreamItem;
+use feedstore_proto::peer_stream::{MAX_SESSION_ITEMS, SessionReply, SessionRequest, frame_len};
+use feedstore_proto::ring::ENTRY_FAILED;
+use feedstore_proto::{Role, Status};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
+use tokio::sync::{Semaphore, oneshot};
+use tokio::time::Instant;
+
+use super::Cluster;
+use super::transport::{PeerIdentity, PullError};
+use crate::objects::{ClientInfo, ConnId};
+use crate::server::Shared;
+use crate::streams::{Demand, Forward};
+
+/// How long one `Take` waits at the owner for room in a window.
+const TAKE_WAIT_MS: u32 = 1000;
+/// The longest wait a peer may ask for in one `Take`.
+const MAX_TAKE_WAIT_MS: u32 = 10_000;
+/// Requests one session may have under way at the owner; the reader waits beyond that.
+const MAX_SESSION_REQUESTS: usize = 64;
+/// Uids one session may produce for.
+const MAX_SESSION_UIDS: usize = 64;
+/// The longest a feeder waits before it tries a lost owner again.
+const MAX_BACKOFF: Duration = Duration::from_secs(5);
+/// A session left without a request this long is closed by the owner.
+const IDLE_TIMEOUT: Duration = Duration::from_secs(300);
+
+async fn read_frame(reader: &mut OwnedReadHalf) -> std::io::Result<Vec<u8>> {
+    let mut word = [0u8; 4];
+    reader.read_exact(&mut word).await?;
+    let len = frame_len(word)
+        .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e.to_string()))?;
+    let mut body = vec![0u8; len];
+    reader.read_exact(&mut body).await?;
+    Ok(body)
+}
+
+/// The producers' end of a session to one owner.
+pub(crate) struct Session {
+    node: u32,
+    addr: SocketAddr,
+    writer: tokio::sync::Mutex<OwnedWriteHalf>,
+    pending: Arc<Mutex<HashMap<u32, oneshot::Sender<SessionReply>>>>,
+    alive: Arc<AtomicBool>,
+    next_id: AtomicU32,
+    reader: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for Session {
+    fn drop(&mut self) {
+        self.reader.abort();
+    }
+}
+
+impl Session {
+    fn start(stream: TcpStream, addr: SocketAddr, peer: PeerIdentity) -> Session {
+        let (mut reader, writer) = stream.into_split();
+        let pending: Arc<Mutex<HashMap<u32, oneshot::Sender<SessionReply>>>> = Arc::default();
+        let alive = Arc::new(AtomicBool::new(true));
+        let task = {
+            let (pending, alive) = (pending.clone(), alive.clone());
+            tokio::spawn(async move {
+                let why = loop {
+                    let body = match read_frame(&mut reader).await {
+                        Ok(body) => body,
+                        Err(e) => break e.to_string(),
+                    };
+                    match SessionReply::decode(&body) {
+                        Ok((id, reply)) => {
+                            let waiter = pending
+                                .lock()
+                                .unwrap_or_else(|e| e.into_inner())
+                                .remove(&id);
+                            if let Some(tx) = waiter {
+                                let _ = tx.send(reply);
+                            }
+                        }
+                        Err(e) => break format!("malformed reply: {e}"),
+                    }
+                };
+                tracing::info!(peer = %addr, reason = %why, "stream session ended");
+                // Every call waiting now, and every call made from now on, learns the session
+                // is gone (the flag first, then the waiters: see `call`).
+                alive.store(false, Ordering::Release);
+                pending.lock().unwrap_or_else(|e| e.into_inner()).clear();
+            })
+        };
+        Session {
+            node: peer.node_id,
+            addr,
+            writer: tokio::sync::Mutex::new(writer),
+            pending,
+            alive,
+            next_id: AtomicU32::new(1),
+            reader: task,
+        }
+    }
+
+    fn alive(&self) -> bool {
+        self.alive.load(Ordering::Acquire) && !self.reader.is_finished()
+    }
+
+    /// Ends the session: the owner returns everything it took to the windows.
+    fn kill(&self) {
+        self.alive.store(false, Ordering::Release);
+        self.reader.abort();
+        self.pending
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clear();
+    }
+
+    /// Sends one request and waits for its answer until `deadline`. A call that times out ends
+    /// the session, so nothing the owner granted in a reply nobody read stays out.
+    async fn call(
+        &self,
+        request: &SessionRequest,
+        deadline: Instant,
+    ) -> Result<SessionReply, PullError> {
+        let lost = |what: &str| PullError {
+            status: Status::Unreachable,
+            message: format!(
+                "stream session to node {:08x} at {}: {what}",
+                self.node, self.addr
+            ),
+            retry: true,
+        };
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let (tx, rx) = oneshot::channel();
+        self.pending
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(id, tx);
+        if !self.alive() {
+            self.pending
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .remove(&id);
+            return Err(lost("closed"));
+        }
+        let bytes = request.encode(id);
+        let sent = tokio::time::timeout_at(deadline, async {
+            self.writer.lock().await.write_all(&bytes).await
+        })
+        .await;
+        match sent {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => {
+                self.kill();
+                return Err(lost(&e.to_string()));
+            }
+            Err(_) => {
+                self.kill();
+                return Err(lost("timed out sending"));
+            }
+        }
+        match tokio::time::timeout_at(deadline, rx).await {
+            Ok(Ok(reply)) => Ok(reply),
+            Ok(Err(_)) => Err(lost("closed")),
+            Err(_) => {
+                self.kill();
+                Err(PullError::fatal(
+                    Status::Timeout,
+                    format!("node {:08x} did not answer in time", self.node),
+                ))
+            }
+        }
+    }
+}
+
+impl Cluster {
+    /// The stream session to `node`, opened if there is none alive.
+    async fn session(&self, node: u32, deadline: Instant) -> Result<Arc<Session>, PullError> {
+        if let Some(s) = self.lock_sessions().get(&node).filter(|s| s.alive()) {
+            return Ok(s.clone());
+        }
+        let peer = self.peer_for(node, deadline).await?;
+        let (stream, identity) = self
+            .transport
+            .connect_session(peer.addr, deadline)
+            .await
+            .map_err(|e| {
+                let mut err = PullError::from(e);
+                err.message = format!("node {node:08x} at {}: {}", peer.addr, err.message);
+                err
+            })?;
+        if identity.node_id != node {
+            self.kick.notify_one();
+            return Err(PullError::fatal(
+                Status::Unreachable,
+                format!(
+                    "{} now answers as node {:08x}, not {node:08x}",
+                    peer.addr, identity.node_id
+                ),
+            ));
+        }
+        let fresh = Arc::new(Session::start(stream, peer.addr, identity));
+        let mut sessions = self.lock_sessions();
+        // Two callers may have opened one at once: keep the first alive one.
+        let kept = match sessions.get(&node) {
+            Some(s) if s.alive() => s.clone(),
+            _ => {
+                sessions.insert(node, fresh.clone());
+                fresh
+            }
+        };
+        Ok(kept)
+    }
+
+    fn lock_sessions(&self) -> std::sync::MutexGuard<'_, HashMap<u32, Arc<Session>>> {
+        self.sessions.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Which node's daemon listens at `addr` (`host:port`): `None` for this one. Waits (up to
+    /// the pull timeout) for the peer to be found, so producers may start before a peer does.
+    pub(crate) async fn node_at(&self, addr: &str) -> Result<Option<u32>, String> {
+        let found = tokio::time::timeout(Duration::from_secs(5), tokio::net::lookup_host(addr))
+            .await
+            .map_err(|_| format!("resolving {addr:?} took over 5 s"))?
+            .map_err(|e| format!("cannot resolve {addr:?}: {e}"))?;
+        let addrs: Vec<SocketAddr> = found.collect();
+        if self.config.listen.is_some_and(|l| addrs.contains(&l)) {
+            return Ok(None);
+        }
+        let deadline = Instant::now() + self.config.pull_timeout;
+        let mut rounds = self.rounds.subscribe();
+        loop {
+            {
+                let m = self.lock_members();
+                if addrs.iter().any(|a| m.own_addrs.contains(a)) {
+                    return Ok(None);
+                }
+                if let Some(p) = m.by_node.values().find(|p| addrs.contains(&p.addr)) {
+                    return Ok(Some(p.node_id));
+                }
+            }
+            self.kick.notify_one();
+            if tokio::time::timeout_at(deadline, rounds.changed())
+                .await
+                .is_err()
+            {
+                return Err(format!(
+                    "no peer daemon answers at {addr} (is it in --peers? peers: {})",
+                    self.describe_peers()
+                ));
+            }
+        }
+    }
+}
+
+/// Runs the feeder of stream `id`'s ranks owned by `node` until no producer here serves the
+/// stream: joins it there, keeps granted tasks ready for this node's producers, and comes back
+/// after a lost session.
+pub(crate) async fn feed_remote(shared: Arc<Shared>, cluster: Arc<Cluster>, id: u32, node: u32) {
+    let mut events = shared.stream_events();
+    let mut backoff = Duration::from_millis(100);
+    loop {
+        let Some((uid, spec, depth, ranks)) = shared.with_streams(|s, _| s.remote_join(id, node))
+        else {
+            return;
+        };
+        if shared.with_streams(|s, _| s.demand(id, node)) == Demand::Leave {
+            shared.with_streams(|s, _| s.remote_left(id, node));
+            return;
+        }
+        let joined = async {
+            let deadline = Instant::now() + cluster.config.pull_timeout;
+            let session = cluster.session(node, deadline).await?;
+            let join = SessionRequest::Join {
+                uid,
+                spec: spec.clone(),
+                depth,
+                ranks,
+            };
+            match session.call(&join, deadline).await? {
+                SessionReply::Joined { stream } => Ok((session, stream)),
+                SessionReply::Failed { status, message } => Err(PullError::fatal(status, message)),
+                other => Err(PullError::fatal(
+                    Status::Protocol,
+                    format!("unexpected answer to a join: {other:?}"),
+                )),
+            }
+        }
+        .await;
+        let (session, remote) = match joined {
+            Ok(joined) => joined,
+            Err(e) => {
+                cluster.log_once(
+                    &format!("stream {} node {node:08x}", spec.name),
+                    format!(
+                        "cannot join stream {:?} on node {node:08x}: {} (trying again)",
+                        spec.name, e.message
+                    ),
+                );
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(MAX_BACKOFF);
+                continue;
+            }
+        };
+        backoff = Duration::from_millis(100);
+        tracing::info!(stream = ?spec.name, node = %format!("{node:08x}"), remote, "joined the stream on its ranks' node");
+        shared.with_streams(|s, _| s.remote_joined(id, node, Some(remote)));
+        let left = serve_grants(&shared, &session, &mut events, id, node, remote).await;
+        if left {
+            return;
+        }
+        // The session was lost: the owner takes back what it granted; join again.
+        shared.with_streams(|s, _| s.remote_joined(id, node, None));
+    }
+}
+
+/// Asks for tasks while this node's producers want them. `true` once the feeder left (no
+/// producer here any more); `false` when the session was lost.
+async fn serve_grants(
+    shared: &Arc<Shared>,
+    session: &Session,
+    events: &mut tokio::sync::watch::Receiver<u64>,
+    id: u32,
+    node: u32,
+    remote: u32,
+) -> bool {
+    let mut ended = false;
+    loop {
+        events.borrow_and_update();
+        let demand = shared.with_streams(|s, _| s.demand(id, node));
+        match demand {
+            Demand::Leave => {
+                let deadline = Instant::now() + Duration::from_secs(5);
+                let _ = session
+                    .call(&SessionRequest::Leave { stream: remote }, deadline)
+                    .await;
+                shared.with_streams(|s, _| s.remote_left(id, node));
+                return true;
+            }
+            Demand::Tasks(n) if !ended => {
+                let take = SessionRequest::Take {
+                    stream: remote,
+                    max: n.min(MAX_SESSION_ITEMS),
+                    timeout_ms: TAKE_WAIT_MS,
+                };
+                let deadline = Instant::now()
+                    + Duration::from_millis(u64::from(TAKE_WAIT_MS))
+                    + Duration::from_secs(30);
+                match session.call(&take, deadline).await {
+                    Ok(SessionReply::Tasks(tasks)) => {
+                        if !tasks.is_empty() {
+                            shared.with_streams(|s, _| s.grant(id, node, &tasks));
+                        }
+                    }
+                    Ok(SessionReply::Failed {
+                        status: Status::Ended,
+                        ..
+                    }) => {
+                        ended = true;
+                        shared.with_streams(|s, _| s.remote_ended(id, node));
+                    }
+                    Ok(other) => {
+                        tracing::warn!(node = %format!("{node:08x}"), reply = ?other, "stream take refused; joining again");
+                        session.kill();
+                        return false;
+                    }
+                    Err(e) => {
+                        tracing::info!(node = %format!("{node:08x}"), reason = %e.message, "stream session lost; joining again");
+                        return false;
+                    }
+                }
+            }
+            // Enough granted tasks wait, or the owner needs nothing more: wait for a change.
+            _ => {
+                if !session.alive() {
+                    return false;
+                }
+                let _ = tokio::time::timeout(Duration::from_secs(1), events.changed()).await;
+            }
+        }
+    }
+}
+
+/// Hands samples made here to the node owning their ranks, and returns the stream's leases on
+/// them once that node has answered (it pulled them, or gave their tasks back to the window).
+pub(crate) fn forward(shared: &Arc<Shared>, cluster: &Arc<Cluster>, forwards: Vec<Forward>) {
+    for fwd in forwards {
+        let (shared, cluster) = (shared.clone(), cluster.clone());
+        tokio::spawn(async move {
+            let deadline = Instant::now() + cluster.config.pull_timeout + Duration::from_secs(10);
+            for items in fwd.items.chunks(MAX_SESSION_ITEMS as usize) {
+                let put = SessionRequest::Put {
+                    stream: fwd.remote_stream,
+                    source: shared.node_id(),
+                    items: items.to_vec(),
+                };
+                let answer = match cluster.session(fwd.node, deadline).await {
+                    Ok(session) => session.call(&put, deadline).await,
+                    Err(e) => Err(e),
+                };
+                match answer {
+                    Ok(SessionReply::Done(statuses)) => {
+                        let refused = statuses.iter().filter(|s| **s != Status::Ok).count();
+                        if refused > 0 {
+                            tracing::debug!(node = %format!("{:08x}", fwd.node), refused, "samples not taken by their ranks' node");
+                        }
+                    }
+                    Ok(other) => {
+                        tracing::warn!(node = %format!("{:08x}", fwd.node), reply = ?other, "samples refused by their ranks' node")
+                    }
+                    Err(e) => {
+                        tracing::info!(node = %format!("{:08x}", fwd.node), reason = %e.message, "samples not handed over (their tasks go back to the window there)")
+                    }
+                }
+                shared.with_objects(|o| {
+                    for item in items.iter().filter(|i| i.flags & ENTRY_FAILED == 0) {
+                        let _ = o.release(fwd.leases, item.handle);
+                    }
+                });
+            }
+        });
+    }
+}
+
+/// The owner's end: the producer connections (one per uid) a peer's session acts through,
+/// taken out of every stream when the session ends, however it ends.
+struct Producers {
+    shared: Arc<Shared>,
+    node: u32,
+    by_uid: Mutex<HashMap<u32, ConnId>>,
+    /// Stream id to the connection that joined it.
+    joined: Mutex<HashMap<u32, ConnId>>,
+}
+
+impl Drop for Producers {
+    fn drop(&mut self) {
+        let conns: Vec<ConnId> = self
+            .by_uid
+            .get_mut()
+            .unwrap_or_else(|e| e.into_inner())
+            .values()
+            .copied()
+            .collect();
+        self.shared.with_streams(|s, o| {
+            for conn in conns {
+                s.disconnect(conn);
+                o.disconnect(conn);
+            }
+        });
+    }
+}
+
+impl Producers {
+    fn conn_for(&self, uid: u32) -> Result<ConnId, SessionReply> {
+        let mut by_uid = self.by_uid.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(&conn) = by_uid.get(&uid) {
+            return Ok(conn);
+        }
+        if by_uid.len() >= MAX_SESSION_UIDS {
+            return Err(SessionReply::Failed {
+                status: Status::LimitReached,
+                message: format!("one session produces for at most {MAX_SESSION_UIDS} uids"),
+            });
+        }
+        let conn = self.shared.with_streams(|s, o| {
+            let conn = o.connect(ClientInfo {
+                role: Role::Writer,
+                uid,
+                pid: 0,
+                name: format!("producers of node {:08x}", self.node),
+                internal: true,
+            });
+            s.register_session(conn);
+            conn
+        });
+        by_uid.insert(uid, conn);
+        Ok(conn)
+    }
+
+    fn joined(&self, stream: u32) -> Result<ConnId, SessionReply> {
+        self.joined
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(&stream)
+            .copied()
+            .ok_or(SessionReply::Failed {
+                status: Status::Protocol,
+                message: format!("stream {stream} was not joined on this session"),
+            })
+    }
+}
+
+/// Serves a peer's stream session until it ends.
+pub(crate) async fn serve_session(
+    shared: Arc<Shared>,
+    cluster: Arc<Cluster>,
+    stream: TcpStream,
+    addr: SocketAddr,
+    peer: PeerIdentity,
+) {
+    let (mut reader, mut writer) = stream.into_split();
+    let (tx, mut rx) = tokio::sync::mpsc::channel::<Vec<u8>>(MAX_SESSION_REQUESTS);
+    let write = tokio::spawn(async move {
+        while let Some(bytes) = rx.recv().await {
+            if writer.write_all(&bytes).await.is_err() {
+                break;
+            }
+        }
+    });
+    let producers = Arc::new(Producers {
+        shared: shared.clone(),
+        node: peer.node_id,
+        by_uid: Mutex::default(),
+        joined: Mutex::default(),
+    });
+    let permits = Arc::new(Semaphore::new(MAX_SESSION_REQUESTS));
+    let mut tasks = tokio::task::JoinSet::new();
+    tracing::info!(peer = %addr, node = %format!("{:08x}", peer.node_id), "stream session opened");
+    let why = loop {
+        let body = match tokio::time::timeout(IDLE_TIMEOUT, read_frame(&mut reader)).await {
+            Err(_) => break format!("idle for {IDLE_TIMEOUT:?}"),
+            Ok(Err(e)) => break e.to_string(),
+            Ok(Ok(body)) => body,
+        };
+        let (id, request) = match SessionRequest::decode(&body) {
+            Ok(r) => r,
+            Err(e) => break format!("malformed request: {e}"),
+        };
+        let Ok(permit) = permits.clone().acquire_owned().await else {
+            break "shutting down".into();
+        };
+        let (shared, cluster, producers, tx) = (
+            shared.clone(),
+            cluster.clone(),
+            producers.clone(),
+            tx.clone(),
+        );
+        tasks.spawn(async move {
+            let reply = answer(&shared, &cluster, &producers, request).await;
+            let _ = tx.send(reply.encode(id)).await;
+            drop(permit);
+        });
+        while tasks.try_join_next().is_some() {}
+    };
+    tracing::info!(peer = %addr, reason = %why, "stream session closed");
+    tasks.shutdown().await;
+    write.abort();
+    // The last holder of `producers` drops here: the session's tasks go back to the windows.
+}
+
+async fn answer(
+    shared: &Arc<Shared>,
+    cluster: &Arc<Cluster>,
+    producers: &Producers,
+    request: SessionRequest,
+) -> SessionReply {
+    let failed = |e: crate::streams::StreamError| SessionReply::Failed {
+        status: e.status,
+        message: e.message,
+    };
+    match request {
+        SessionRequest::Join {
+            uid,
+            spec,
+            depth,
+            ranks,
+        } => {
+            let conn = match producers.conn_for(uid) {
+                Ok(c) => c,
+                Err(reply) => return reply,
+            };
+            match shared.with_streams(|s, o| s.join(o, conn, &spec, depth, &ranks, &HashMap::new()))
+            {
+                Ok((stream, _)) => {
+                    producers
+                        .joined
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .insert(stream, conn);
+                    SessionReply::Joined { stream }
+                }
+                Err(e) => failed(e),
+            }
+        }
+        SessionRequest::Take {
+            stream,
+            max,
+            timeout_ms,
+        } => {
+            let conn = match producers.joined(stream) {
+                Ok(c) => c,
+                Err(reply) => return reply,
+            };
+            let max = max.clamp(1, MAX_SESSION_ITEMS);
+            let deadline =
+                Instant::now() + Duration::from_millis(u64::from(timeout_ms.min(MAX_TAKE_WAIT_MS)));
+            let mut events = shared.stream_events();
+            loop {
+                events.borrow_and_update();
+                match shared.with_streams(|s, _| s.take(conn, stream, max, true)) {
+                    Ok(tasks) if !tasks.is_empty() || Instant::now() >= deadline => {
+                        return SessionReply::Tasks(tasks);
+                    }
+                    Ok(_) => {}
+                    Err(e) => return failed(e),
+                }
+                let _ = tokio::time::timeout_at(deadline, events.changed()).await;
+            }
+        }
+        SessionRequest::Put {
+            stream,
+            source,
+            items,
+        } => {
+            let conn = match producers.joined(stream) {
+                Ok(c) => c,
+                Err(reply) => return reply,
+            };
+            put_pulled(shared, cluster, conn, stream, source, items).await
+        }
+        SessionRequest::Leave { stream } => {
+            if let Ok(conn) = producers.joined(stream) {
+                shared.with_streams(|s, _| s.leave(conn, stream));
+                producers
+                    .joined
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .remove(&stream);
+            }
+            SessionReply::Done(vec![Status::Ok])
+        }
+    }
+}
+
+/// Pulls the samples a peer made for this node's ranks (those not here already), then puts
+/// them into the stream as a local producer would. A sample that cannot be pulled gives its
+/// task back to the window, to be made again by whichever producer takes it next.
+async fn put_pulled(
+    shared: &Arc<Shared>,
+    cluster: &Arc<Cluster>,
+    conn: ConnId,
+    stream: u32,
+    source: u32,
+    items: Vec<StreamItem>,
+) -> SessionReply {
+    let pulls = items.iter().map(|item| async move {
+        if item.flags & ENTRY_FAILED != 0 || shared.with_objects(|o| o.is_sealed(item.handle)) {
+            return Ok(());
+        }
+        if item.handle.node_id != source {
+            return Err(Status::InvalidArgument);
+        }
+        let mut rx = cluster.pull(shared, item.handle)?;
+        loop {
+            if let Some(outcome) = rx.borrow_and_update().clone() {
+                return outcome.map_err(|e| e.status);
+            }
+            if rx.changed().await.is_err() {
+                return Err(Status::Unreachable);
+            }
+        }
+    });
+    let pulled: Vec<Result<(), Status>> = futures_util::future::join_all(pulls).await;
+    let mut statuses: Vec<Status> = Vec::with_capacity(items.len());
+    let ok: Vec<StreamItem> = items
+        .iter()
+        .zip(&pulled)
+        .filter(|(_, p)| p.is_ok())
+        .map(|(i, _)| *i)
+        .collect();
+    let put = shared.with_streams(|s, o| {
+        for (item, p) in items.iter().zip(&pulled) {
+            if p.is_err() {
+                s.give_back(stream, item.task);
+            }
+        }
+        s.put(o, conn, stream, &ok, false)
+    });
+    let mut put = match put {
+        Ok(statuses) => statuses.into_iter(),
+        Err(e) => {
+            return SessionReply::Failed {
+                status: e.status,
+                message: e.message,
+            };
+        }
+    };
+    for p in &pulled {
+        statuses.push(match p {
+            Ok(()) => put.next().unwrap_or(Status::Protocol),
+            Err(status) => *status,
+        });
+    }
+    SessionReply::Done(statuses)
+}
