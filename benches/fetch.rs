@@ -287,6 +287,7 @@ fn main() {
             spec: spec.clone(),
             depth: 32,
             at: Vec::new(),
+            relay: String::new(),
             ranks: vec![StreamTask { rank: 0, seq: 0 }],
             cache,
         };

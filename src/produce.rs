@@ -119,6 +119,12 @@ struct StreamArgs {
     /// own address) are this node's.
     #[arg(long, value_name = "HOST:PORT=RANKS,...", requires = "stream")]
     ranks_at: Vec<String>,
+    /// Send every sample for another node's ranks through the node at HOST:PORT first (it
+    /// pulls the sample, then the rank's node pulls it from there), as a loader relaying
+    /// samples through a coordinator does. For measuring the seed's "before": it doubles that
+    /// node's traffic and is never faster than the default (pulled straight from here).
+    #[arg(long, value_name = "HOST:PORT", requires = "ranks_at")]
+    relay: Option<String>,
     /// Seeds the per-epoch shuffle.
     #[arg(long, value_name = "N", default_value_t = 0, requires = "stream")]
     seed: u64,
@@ -205,6 +211,7 @@ impl StreamArgs {
         }
         Ok(FeedConfig {
             at: self.ranks_at(&spec)?,
+            relay: self.relay.clone().unwrap_or_default(),
             spec,
             depth: self.prefetch.max(1),
             ranks: tasks,

@@ -177,6 +177,7 @@ fn readers_can_neither_close_nor_create_streams() {
         depth: 4,
         ranks: vec![],
         at: vec![],
+        relay: String::new(),
     }) {
         Response::Error { status, .. } => assert_eq!(status, Status::PermissionDenied),
         other => panic!("a reader created a stream: {other:?}"),

@@ -13,7 +13,9 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use common::*;
-use feedstore_consumer::{Delivery, Made, RankAt, Stream, StreamFeeder, StreamOptions, StreamTask};
+use feedstore_consumer::{
+    Delivery, Made, RankAt, StoreStats, Stream, StreamFeeder, StreamOptions, StreamTask,
+};
 use feedstore_proto::stream::{Shuffle, StreamSpec, StreamState, Tail};
 
 const PAYLOAD: usize = 96;
@@ -130,8 +132,12 @@ fn child_process() {
             let spec = parse_spec(&mut words);
             // rank:seq pairs, from the consumers' checkpoints; @rank=host:port for ranks whose
             // consumers use another node's daemon.
-            let (mut ranks, mut at) = (Vec::new(), Vec::new());
+            let (mut ranks, mut at, mut relay) = (Vec::new(), Vec::new(), String::new());
             for w in words {
+                if let Some(addr) = w.strip_prefix("relay=") {
+                    relay = addr.into();
+                    continue;
+                }
                 if let Some(placed) = w.strip_prefix('@') {
                     let (rank, addr) = placed.split_once('=').unwrap();
                     at.push(RankAt {
@@ -150,7 +156,7 @@ fn child_process() {
                 .socket(&socket)
                 .connect()
                 .unwrap();
-            let feeder = StreamFeeder::join_at(&client, &spec, 8, &ranks, &at).unwrap();
+            let feeder = StreamFeeder::join_at(&client, &spec, 8, &ranks, &at, &relay).unwrap();
             println!("READY");
             std::io::stdout().flush().unwrap();
             while let Some(tasks) = feeder.take(16, Duration::from_millis(200)).unwrap() {
@@ -488,24 +494,28 @@ fn stream_misuse_gets_clear_errors() {
     );
 }
 
-/// Two nodes in their own network namespaces, each daemon listening on its address and knowing
-/// both; ranks 0-1 are read on node 0, ranks 2-3 on node 1.
-struct TwoNodes {
+/// Nodes in their own network namespaces, each daemon listening on its address and knowing
+/// all; ranks 0-1 are read on node 0, ranks 2-3 on node 1 (a third node, if any, only makes
+/// samples).
+struct Nodes {
     lan: common::netns::Lan,
     nodes: Vec<DaemonProcess>,
     dir: PathBuf,
 }
 
-impl TwoNodes {
-    fn start(tag: &str) -> TwoNodes {
+impl Nodes {
+    fn start(tag: &str, n: usize) -> Nodes {
         use std::os::unix::fs::PermissionsExt;
-        let lan = common::netns::Lan::new(tag, 2);
+        let lan = common::netns::Lan::new(tag, n);
         let dir = scratch_dir(&format!("stream-nodes-{tag}"));
         let secret = dir.join("secret");
         std::fs::write(&secret, "two-nodes-stream-secret\n").unwrap();
         std::fs::set_permissions(&secret, std::fs::Permissions::from_mode(0o600)).unwrap();
-        let peers = format!("{}:7070,{}:7070", lan.ip(0), lan.ip(1));
-        let nodes = (0..2)
+        let peers = (0..n)
+            .map(|i| format!("{}:7070", lan.ip(i)))
+            .collect::<Vec<_>>()
+            .join(",");
+        let nodes = (0..n)
             .map(|i| {
                 let (listen, id) = (format!("{}:7070", lan.ip(i)), format!("{}", 0xB0 + i));
                 let args = [
@@ -523,10 +533,12 @@ impl TwoNodes {
                 DaemonProcess::start_named(&dir, &format!("node{i}"), &lan.exec(i), &args)
             })
             .collect::<Vec<_>>();
-        for n in &nodes {
-            wait_for_stats(&n.reader(), "the other node up", |s| s.peers_up == 1);
+        for node in &nodes {
+            wait_for_stats(&node.reader(), "the other nodes up", |s| {
+                s.peers_up == n as u64 - 1
+            });
         }
-        TwoNodes { lan, nodes, dir }
+        Nodes { lan, nodes, dir }
     }
 
     /// The node whose consumers read `rank`.
@@ -537,13 +549,19 @@ impl TwoNodes {
     /// `@rank=addr` for every rank: where a producer on either node sends it.
     fn placement(&self, spec: &StreamSpec) -> String {
         (0..spec.world)
-            .map(|r| format!("@{r}={}:7070", self.lan.ip(Self::home(r))))
+            .map(|r| format!("@{r}={}", self.addr(Self::home(r))))
             .collect::<Vec<_>>()
             .join(" ")
     }
 
-    /// A producer on node `i` serving every rank, each from its checkpoint.
-    fn producer(&self, i: usize, spec: &StreamSpec) -> ClientProcess {
+    /// The peer address of node `i`.
+    fn addr(&self, i: usize) -> String {
+        format!("{}:7070", self.lan.ip(i))
+    }
+
+    /// A producer on node `i` serving every rank, each from its checkpoint (`extra`: more
+    /// words for the child, `relay=ADDR`).
+    fn producer(&self, i: usize, spec: &StreamSpec, extra: &str) -> ClientProcess {
         let starts: Vec<String> = (0..spec.world)
             .map(|r| {
                 let seq = Checkpoint::read(&self.dir.join(format!("rank{r}")))
@@ -555,7 +573,7 @@ impl TwoNodes {
         let mut p = ClientProcess::spawn(
             &self.nodes[i].socket,
             &format!(
-                "produce {} {} {}",
+                "produce {} {} {} {extra}",
                 spec_args(spec),
                 starts.join(" "),
                 self.placement(spec)
@@ -590,9 +608,9 @@ impl TwoNodes {
             .collect()
     }
 
-    /// Every node back at rest: no lease, reservation or pull left.
-    fn assert_at_rest(&self) {
-        for (i, n) in self.nodes.iter().enumerate() {
+    /// Every node (of the first `n`) back at rest: no lease, reservation or pull left.
+    fn assert_at_rest(&self, n: usize) {
+        for (i, n) in self.nodes.iter().take(n).enumerate() {
             wait_for_stats(&n.reader(), &format!("node {i} at rest"), |s| {
                 s.leases == 0 && s.objects_writing == 0 && s.pulls_in_flight == 0
             });
@@ -624,9 +642,9 @@ fn ranks_on_another_node_are_fed_by_pulls_in_the_seeds_order() {
         return;
     }
     let _w = watchdog("ranks_on_another_node_are_fed", Duration::from_secs(240));
-    let nodes = TwoNodes::start("sa");
+    let nodes = Nodes::start("sa", 2);
     let s = spec("across", 64, 21, 4, 2);
-    let producer = nodes.producer(1, &s);
+    let producer = nodes.producer(1, &s, "");
     let consumers: Vec<ClientProcess> = (0..4).map(|r| nodes.consumer(&s, r, 0)).collect();
     for mut p in consumers.into_iter().chain([producer]) {
         let status = wait_child(&mut p.child, Duration::from_secs(120));
@@ -646,7 +664,7 @@ fn ranks_on_another_node_are_fed_by_pulls_in_the_seeds_order() {
     );
     assert_eq!(b.stats().unwrap().pulls, 0, "node 1 made its own");
     assert_eq!(b.stats().unwrap().served_reads, per_node);
-    nodes.assert_at_rest();
+    nodes.assert_at_rest(2);
 }
 
 /// The spread placement under faults: producers on both nodes; node 1's producer and one of
@@ -658,10 +676,10 @@ fn spread_producers_survive_a_killed_producer_and_rank() {
         return;
     }
     let _w = watchdog("spread_producers_survive", Duration::from_secs(300));
-    let nodes = TwoNodes::start("sb");
+    let nodes = Nodes::start("sb", 2);
     let s = spec("spread", 192, 8, 4, 2);
-    let survivor = nodes.producer(0, &s);
-    let doomed = nodes.producer(1, &s);
+    let survivor = nodes.producer(0, &s, "");
+    let doomed = nodes.producer(1, &s, "");
     let mut consumers: Vec<Option<ClientProcess>> =
         (0..4).map(|r| Some(nodes.consumer(&s, r, 1500))).collect();
     std::thread::sleep(Duration::from_millis(60));
@@ -680,5 +698,78 @@ fn spread_producers_survive_a_killed_producer_and_rank() {
         expected(&s),
         "no sample lost or duplicated after kill -9 of a producer and a rank"
     );
-    nodes.assert_at_rest();
+    nodes.assert_at_rest(2);
+}
+
+/// The relay placement: a producer-only node makes every sample, and node 0 relays those for
+/// node 1's ranks: node 0 pulls every sample (its own and node 1's), node 1 pulls its own from
+/// node 0, never from the producers' node.
+#[test]
+fn relayed_samples_pass_through_the_relay_node_once() {
+    if skip_unless_root("relayed_samples_pass_through_the_relay_node_once") {
+        return;
+    }
+    let _w = watchdog("relayed_samples_pass_through", Duration::from_secs(240));
+    let nodes = Nodes::start("sc", 3);
+    let s = spec("relayed", 64, 4, 4, 2);
+    let producer = nodes.producer(2, &s, &format!("relay={}", nodes.addr(0)));
+    let consumers: Vec<ClientProcess> = (0..4).map(|r| nodes.consumer(&s, r, 0)).collect();
+    for mut p in consumers.into_iter().chain([producer]) {
+        let status = wait_child(&mut p.child, Duration::from_secs(120));
+        assert!(status.success(), "{status}");
+    }
+    assert_eq!(nodes.records(&s), expected(&s));
+    let stats: Vec<StoreStats> = nodes
+        .nodes
+        .iter()
+        .map(|n| n.reader().stats().unwrap())
+        .collect();
+    let per_node = 2 * s.per_rank() * 2;
+    assert_eq!(
+        stats[0].pulls,
+        2 * per_node,
+        "node 0 pulled every sample: {stats:?}"
+    );
+    assert_eq!(stats[0].served_reads, per_node, "and served node 1's");
+    assert_eq!(stats[1].pulls, per_node);
+    assert_eq!(
+        stats[2].served_reads,
+        2 * per_node,
+        "each sample left its node once"
+    );
+    nodes.assert_at_rest(3);
+}
+
+/// A producer's node dies (daemon and producer, `kill -9`) mid-epoch: what it had taken, and
+/// what it had made that was not pulled yet, is made again by the other node's producer.
+#[test]
+fn a_dead_producer_node_loses_and_duplicates_nothing() {
+    if skip_unless_root("a_dead_producer_node_loses_and_duplicates_nothing") {
+        return;
+    }
+    let _w = watchdog("a_dead_producer_node", Duration::from_secs(300));
+    let mut nodes = Nodes::start("sd", 3);
+    let s = spec("node-death", 192, 13, 4, 2);
+    let doomed = nodes.producer(2, &s, "");
+    let consumers: Vec<ClientProcess> = (0..4).map(|r| nodes.consumer(&s, r, 1500)).collect();
+    // Killed once it has delivered to both ranks' nodes, long before the end.
+    for n in &nodes.nodes[..2] {
+        wait_for_stats(&n.reader(), "samples pulled from node 2", |s| s.pulls >= 8);
+    }
+    let survivor = nodes.producer(1, &s, "");
+    doomed.kill9();
+    let mut dead = nodes.nodes.pop().unwrap();
+    let pid = nix::unistd::Pid::from_raw(dead.child.id() as i32);
+    nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGKILL).unwrap();
+    dead.child.wait().unwrap();
+    for mut p in consumers.into_iter().chain([survivor]) {
+        let status = wait_child(&mut p.child, Duration::from_secs(180));
+        assert!(status.success(), "{status}");
+    }
+    assert_eq!(
+        nodes.records(&s),
+        expected(&s),
+        "no sample lost or duplicated after the producers' node died"
+    );
+    nodes.assert_at_rest(2);
 }

@@ -504,25 +504,30 @@ impl StreamFeeder {
         depth: u32,
         ranks: &[StreamTask],
     ) -> Result<StreamFeeder, Error> {
-        Self::join_at(client, spec, depth, ranks, &[])
+        Self::join_at(client, spec, depth, ranks, &[], "")
     }
 
     /// [`StreamFeeder::join`] for a stream whose ranks live on several nodes: `at` names, for
     /// each rank another node's daemon serves, that daemon's peer address (`host:port` of its
     /// `--listen`). This node's daemon joins the stream there over the peer connection, takes
     /// tasks for those ranks and hands the samples made here to that node, which pulls them.
+    /// A non-empty `relay` (a peer address) sends every such sample through that node first,
+    /// as a data loader relaying through a coordinator would (the seed's "before"; for
+    /// comparisons, never faster).
     pub fn join_at(
         client: &Client,
         spec: &StreamSpec,
         depth: u32,
         ranks: &[StreamTask],
         at: &[RankAt],
+        relay: &str,
     ) -> Result<StreamFeeder, Error> {
         match client.call(&Request::StreamJoin {
             spec: spec.clone(),
             depth,
             ranks: ranks.to_vec(),
             at: at.to_vec(),
+            relay: relay.to_owned(),
         })? {
             Response::StreamJoined { stream } => Ok(StreamFeeder {
                 client: client.clone(),

@@ -50,6 +50,9 @@ pub struct FeedConfig {
     /// node's daemon takes their tasks there and hands the samples over (see `feedstore
     /// produce --ranks-at`).
     pub at: Vec<RankAt>,
+    /// The peer address of a node every sample for another node passes through (the `relay`
+    /// placement, for comparisons); empty for none.
+    pub relay: String,
     /// Reuse samples still in the store (the decode-once cache) instead of making them again.
     pub cache: bool,
 }
@@ -168,8 +171,15 @@ pub fn feed(
             .collect::<Result<Vec<Client>, _>>()
     })?;
     let taker_client = clients.pop().expect("workers + 1 clients");
-    let taker = StreamFeeder::join_at(&taker_client, &feed.spec, feed.depth, &feed.ranks, &feed.at)
-        .map_err(ProducerError::Stream)?;
+    let taker = StreamFeeder::join_at(
+        &taker_client,
+        &feed.spec,
+        feed.depth,
+        &feed.ranks,
+        &feed.at,
+        &feed.relay,
+    )
+    .map_err(ProducerError::Stream)?;
     let feeders = clients
         .iter()
         .map(|c| StreamFeeder::join(c, &feed.spec, feed.depth, &[]))

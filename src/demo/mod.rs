@@ -183,6 +183,7 @@ fn run_feedstore(
         spec: spec.clone(),
         depth,
         at: Vec::new(),
+        relay: String::new(),
         ranks: (0..ranks).map(|rank| StreamTask { rank, seq: 0 }).collect(),
         // Every sample is made, as the other loaders make theirs: the decode-once cache would
         // serve repeats for free (measured in BENCHMARKS.md) and is left out of the comparison.

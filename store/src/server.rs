@@ -43,7 +43,7 @@ use crate::cluster::Cluster;
 use crate::config::Limits;
 use crate::objects::{ClientInfo, ConnId, Objects};
 use crate::peer::Peer;
-use crate::streams::{StreamError, Streams};
+use crate::streams::{Placement, StreamError, Streams};
 
 /// Who may connect, and in which role, decided from the peer's credentials.
 #[derive(Debug, Clone)]
@@ -650,13 +650,14 @@ impl Connection {
                 depth,
                 ranks,
                 at,
+                relay,
             } => {
-                let owners = match self.locate(&at).await {
-                    Ok(owners) => owners,
+                let placement = match self.locate(&at, &relay).await {
+                    Ok(placement) => placement,
                     Err(e) => return self.reply(op, request_id, &stream_error(e)).await,
                 };
                 let joined =
-                    shared.with_streams(|s, o| s.join(o, id, &spec, depth, &ranks, &owners));
+                    shared.with_streams(|s, o| s.join(o, id, &spec, depth, &ranks, &placement));
                 if let (Ok((stream, feeders)), Some(cluster)) = (&joined, &shared.cluster) {
                     for &node in feeders {
                         tokio::spawn(crate::cluster::feed_remote(
@@ -781,11 +782,12 @@ impl Connection {
         self.reply(op, request_id, &response).await
     }
 
-    /// The node owning each rank of `at` (ranks at this node's own address are left out).
-    async fn locate(&self, at: &[RankAt]) -> Result<HashMap<u32, u32>, StreamError> {
-        let mut owners = HashMap::new();
-        if at.is_empty() {
-            return Ok(owners);
+    /// The node owning each rank of `at` (ranks at this node's own address are left out), and
+    /// the relay's node.
+    async fn locate(&self, at: &[RankAt], relay: &str) -> Result<Placement, StreamError> {
+        let mut placement = Placement::default();
+        if at.is_empty() && relay.is_empty() {
+            return Ok(placement);
         }
         let Some(cluster) = &self.shared.cluster else {
             return Err(StreamError {
@@ -795,27 +797,28 @@ impl Connection {
                     .into(),
             });
         };
+        let unreachable = |message| StreamError {
+            status: Status::Unreachable,
+            message,
+        };
+        if !relay.is_empty() {
+            placement.relay = cluster.node_at(relay).await.map_err(unreachable)?;
+        }
         let mut nodes: HashMap<&str, Option<u32>> = HashMap::new();
         for r in at {
             let node = match nodes.get(r.addr.as_str()) {
                 Some(&node) => node,
                 None => {
-                    let node = cluster
-                        .node_at(&r.addr)
-                        .await
-                        .map_err(|message| StreamError {
-                            status: Status::Unreachable,
-                            message,
-                        })?;
+                    let node = cluster.node_at(&r.addr).await.map_err(unreachable)?;
                     nodes.insert(&r.addr, node);
                     node
                 }
             };
             if let Some(node) = node {
-                owners.insert(r.rank, node);
+                placement.owners.insert(r.rank, node);
             }
         }
-        Ok(owners)
+        Ok(placement)
     }
 
     fn stream_release(&self, id: ConnId, stream: u32, rank: u32, upto: u64) {

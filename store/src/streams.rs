@@ -268,8 +268,20 @@ pub struct Forward {
     pub remote_stream: u32,
     /// The connection holding the leases.
     pub leases: ConnId,
+    /// The node the owner pulls them through, if not from here.
+    pub relay: Option<u32>,
     /// The samples.
     pub items: Vec<StreamItem>,
+}
+
+/// Where a producer's ranks live, and how their samples travel.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Placement {
+    /// The node owning each rank that is not this node's.
+    pub owners: HashMap<u32, u32>,
+    /// A node every sample for another node passes through (the `relay` placement: the
+    /// owner pulls from it, and it from the producer's node); `None` pulls straight from here.
+    pub relay: Option<u32>,
 }
 
 /// Whether a node's feeder for a stream should go on.
@@ -295,6 +307,8 @@ struct Stream {
     ranks: BTreeMap<u32, Rank>,
     /// Other nodes owning some ranks, by node id.
     remotes: BTreeMap<u32, Remote>,
+    /// The node samples for other nodes pass through (see [`Placement::relay`]).
+    relay: Option<u32>,
     producers: BTreeSet<ConnId>,
     created: Instant,
     /// When a producer or consumer last came, went or acted; an idle stream expires from here.
@@ -452,9 +466,10 @@ impl Streams {
     }
 
     /// A producer (a writer) joins a stream for some ranks, creating it if new; ranks not yet
-    /// known start where given. `owners` names the node owning each rank that lives on another
-    /// node (its consumer's daemon); the others are this node's. Returns the stream's id and
-    /// the nodes whose feeders must start (owners this stream did not know yet).
+    /// known start where given. `placement` names the node owning each rank that lives on
+    /// another node (its consumer's daemon; the others are this node's) and the relay, if any.
+    /// Returns the stream's id and the nodes whose feeders must start (owners this stream did
+    /// not know yet).
     pub fn join(
         &mut self,
         objects: &mut Objects,
@@ -462,8 +477,9 @@ impl Streams {
         spec: &StreamSpec,
         depth: u32,
         ranks: &[StreamTask],
-        owners: &HashMap<u32, u32>,
+        placement: &Placement,
     ) -> Result<(u32, Vec<u32>), StreamError> {
+        let owners = &placement.owners;
         let info = objects
             .client(conn)
             .ok_or_else(|| fail(Status::Protocol, "unknown connection"))?;
@@ -503,10 +519,24 @@ impl Streams {
                 }
             }
         }
+        if let Some(id) = existing
+            && !self.streams[&id].producers.is_empty()
+            && self.streams[&id].relay != placement.relay
+        {
+            return Err(fail(
+                Status::InvalidArgument,
+                format!(
+                    "stream {:?} relays through {:?} here, not {:?}: its producers on one node \
+                     must agree",
+                    spec.name, self.streams[&id].relay, placement.relay
+                ),
+            ));
+        }
         let id = match existing {
             Some(id) => id,
             None => self.create(objects, spec, depth, uid)?,
         };
+        self.stream(id)?.relay = placement.relay;
         let stream = &self.streams[&id];
         let new: BTreeSet<u32> = ranks
             .iter()
@@ -586,6 +616,7 @@ impl Streams {
                 owner_uid,
                 ranks: BTreeMap::new(),
                 remotes: BTreeMap::new(),
+                relay: None,
                 producers: BTreeSet::new(),
                 created: now,
                 last_used: now,
@@ -1067,6 +1098,7 @@ impl Streams {
                         node,
                         remote_stream,
                         leases: stream.leases,
+                        relay: stream.relay,
                         items,
                     }),
                     None => {
@@ -1495,7 +1527,14 @@ mod tests {
     fn windows_bound_the_work_and_slide_on_release() {
         let (mut o, mut s, p, c) = setup();
         let id = s
-            .join(&mut o, p, &spec(1), 2, &starts(&[0, 1]), &HashMap::new())
+            .join(
+                &mut o,
+                p,
+                &spec(1),
+                2,
+                &starts(&[0, 1]),
+                &Placement::default(),
+            )
             .map(|(id, _)| id)
             .unwrap();
         let tasks = s.take(p, id, 100, false).unwrap();
@@ -1540,7 +1579,7 @@ mod tests {
     fn a_reattach_never_frees_what_a_view_holds() {
         let (mut o, mut s, p, c) = setup();
         let id = s
-            .join(&mut o, p, &spec(4), 4, &starts(&[0]), &HashMap::new())
+            .join(&mut o, p, &spec(4), 4, &starts(&[0]), &Placement::default())
             .map(|(id, _)| id)
             .unwrap();
         let items = fill(&mut o, &mut s, p, id);
@@ -1584,7 +1623,7 @@ mod tests {
     fn only_the_owners_writers_close_a_stream() {
         let (mut o, mut s, p, c) = setup();
         let id = s
-            .join(&mut o, p, &spec(1), 4, &starts(&[0]), &HashMap::new())
+            .join(&mut o, p, &spec(1), 4, &starts(&[0]), &Placement::default())
             .map(|(id, _)| id)
             .unwrap();
         s.attach(&mut o, c, &spec(1), 0, 0).unwrap();
@@ -1594,7 +1633,7 @@ mod tests {
         let err = s.close(&mut o, stranger, id).unwrap_err();
         assert_eq!(err.status, Status::PermissionDenied, "another uid: {err}");
         let err = s
-            .join(&mut o, c, &spec(1), 4, &starts(&[0]), &HashMap::new())
+            .join(&mut o, c, &spec(1), 4, &starts(&[0]), &Placement::default())
             .map(|(id, _)| id)
             .unwrap_err();
         assert_eq!(
@@ -1612,7 +1651,7 @@ mod tests {
         let err = s.attach(&mut o, c, &spec(1), 0, 0).unwrap_err();
         assert_eq!(err.status, Status::NotFound);
         assert_eq!(s.list(&o, c, 0, 1 << 20).0.len(), 0);
-        s.join(&mut o, p, &spec(1), 4, &[], &HashMap::new())
+        s.join(&mut o, p, &spec(1), 4, &[], &Placement::default())
             .map(|(id, _)| id)
             .unwrap();
         s.attach(&mut o, c, &spec(1), 0, 0).unwrap();
@@ -1634,7 +1673,7 @@ mod tests {
             records: 64,
             ..spec(1)
         };
-        s.join(&mut o, p, &wide, 64, &[], &HashMap::new())
+        s.join(&mut o, p, &wide, 64, &[], &Placement::default())
             .map(|(id, _)| id)
             .unwrap();
         for rank in 0..3 {
@@ -1651,7 +1690,7 @@ mod tests {
             name: "t".into(),
             ..spec(1)
         };
-        s.join(&mut o, p, &two, 4, &[], &HashMap::new())
+        s.join(&mut o, p, &two, 4, &[], &Placement::default())
             .map(|(id, _)| id)
             .unwrap();
         let three = StreamSpec {
@@ -1659,7 +1698,7 @@ mod tests {
             ..spec(1)
         };
         let err = s
-            .join(&mut o, p, &three, 4, &[], &HashMap::new())
+            .join(&mut o, p, &three, 4, &[], &Placement::default())
             .map(|(id, _)| id)
             .unwrap_err();
         assert_eq!(err.status, Status::LimitReached);
@@ -1671,7 +1710,7 @@ mod tests {
     fn streams_belong_to_their_uid() {
         let (mut o, mut s, p, c) = setup();
         let id = s
-            .join(&mut o, p, &spec(1), 4, &starts(&[0]), &HashMap::new())
+            .join(&mut o, p, &spec(1), 4, &starts(&[0]), &Placement::default())
             .map(|(id, _)| id)
             .unwrap();
         let tasks = s.take(p, id, 1, false).unwrap();
@@ -1684,7 +1723,14 @@ mod tests {
         );
         let other_writer = client(&mut o, Role::Writer, 2000);
         let theirs = s
-            .join(&mut o, other_writer, &spec(1), 4, &[], &HashMap::new())
+            .join(
+                &mut o,
+                other_writer,
+                &spec(1),
+                4,
+                &[],
+                &Placement::default(),
+            )
             .map(|(id, _)| id)
             .unwrap();
         assert_ne!(
@@ -1712,7 +1758,7 @@ mod tests {
             ..spec(1)
         };
         let id = s
-            .join(&mut o, p, &wide, 64, &[], &HashMap::new())
+            .join(&mut o, p, &wide, 64, &[], &Placement::default())
             .map(|(id, _)| id)
             .unwrap();
         s.attach(&mut o, c, &wide, 0, 0).unwrap();
@@ -1750,7 +1796,7 @@ mod tests {
         };
         let (mut o, mut s, p, c) = setup_with(&limits);
         let id = s
-            .join(&mut o, p, &spec(1), 4, &starts(&[0]), &HashMap::new())
+            .join(&mut o, p, &spec(1), 4, &starts(&[0]), &Placement::default())
             .map(|(id, _)| id)
             .unwrap();
         fill(&mut o, &mut s, p, id);
@@ -1773,15 +1819,22 @@ mod tests {
     fn a_dead_producers_tasks_are_made_again() {
         let (mut o, mut s, p, _) = setup();
         let id = s
-            .join(&mut o, p, &spec(1), 2, &starts(&[0]), &HashMap::new())
+            .join(&mut o, p, &spec(1), 2, &starts(&[0]), &Placement::default())
             .map(|(id, _)| id)
             .unwrap();
         let first = s.take(p, id, 1, false).unwrap();
         s.disconnect(p);
         let p2 = client(&mut o, Role::Writer, 1000);
-        s.join(&mut o, p2, &spec(1), 2, &starts(&[0]), &HashMap::new())
-            .map(|(id, _)| id)
-            .unwrap();
+        s.join(
+            &mut o,
+            p2,
+            &spec(1),
+            2,
+            &starts(&[0]),
+            &Placement::default(),
+        )
+        .map(|(id, _)| id)
+        .unwrap();
         let again = s.take(p2, id, 2, false).unwrap();
         assert_eq!(again[0], first[0], "redo first");
         let item = make(&mut o, p2, first[0]);
@@ -1801,7 +1854,7 @@ mod tests {
     fn attach_rewinds_and_keeps_what_it_can() {
         let (mut o, mut s, p, c) = setup();
         let id = s
-            .join(&mut o, p, &spec(2), 4, &starts(&[0]), &HashMap::new())
+            .join(&mut o, p, &spec(2), 4, &starts(&[0]), &Placement::default())
             .map(|(id, _)| id)
             .unwrap();
         fill(&mut o, &mut s, p, id);
@@ -1826,7 +1879,7 @@ mod tests {
     fn a_finished_stream_ends_and_a_close_returns_everything() {
         let (mut o, mut s, p, c) = setup();
         let id = s
-            .join(&mut o, p, &spec(1), 8, &starts(&[0]), &HashMap::new())
+            .join(&mut o, p, &spec(1), 8, &starts(&[0]), &Placement::default())
             .map(|(id, _)| id)
             .unwrap();
         let tasks = s.take(p, id, 100, false).unwrap();
@@ -1864,7 +1917,7 @@ mod tests {
     fn the_cache_finds_samples_still_stored() {
         let (mut o, mut s, p, _) = setup();
         let id = s
-            .join(&mut o, p, &spec(1), 8, &starts(&[0]), &HashMap::new())
+            .join(&mut o, p, &spec(1), 8, &starts(&[0]), &Placement::default())
             .map(|(id, _)| id)
             .unwrap();
         let tasks = s.take(p, id, 2, false).unwrap();
@@ -1904,7 +1957,7 @@ mod tests {
                 name: format!("stream-{i}"),
                 ..spec(1)
             };
-            s.join(&mut o, p, &spec, 4, &[], &HashMap::new())
+            s.join(&mut o, p, &spec, 4, &[], &Placement::default())
                 .map(|(id, _)| id)
                 .unwrap();
         }
@@ -1932,7 +1985,10 @@ mod tests {
     #[test]
     fn another_nodes_ranks_take_only_granted_tasks_and_forward_their_samples() {
         let (mut o, mut s, p, c) = setup();
-        let owners = HashMap::from([(1, 9)]);
+        let owners = Placement {
+            owners: HashMap::from([(1, 9)]),
+            relay: None,
+        };
         let (id, feeders) = s
             .join(&mut o, p, &spec(1), 2, &starts(&[0, 1]), &owners)
             .unwrap();
@@ -1942,7 +1998,7 @@ mod tests {
             .unwrap();
         assert!(again.is_empty(), "the feeder runs already");
         let err = s
-            .join(&mut o, p, &spec(1), 2, &starts(&[1]), &HashMap::new())
+            .join(&mut o, p, &spec(1), 2, &starts(&[1]), &Placement::default())
             .unwrap_err();
         assert_eq!(err.status, Status::InvalidArgument, "{}", err.message);
         let err = s.attach(&mut o, c, &spec(1), 1, 0).unwrap_err();
@@ -1971,8 +2027,15 @@ mod tests {
         let items: Vec<_> = granted.iter().map(|&t| make(&mut o, p, t)).collect();
         // A session may not put them back here (that would forward in a loop).
         let other_session = client(&mut o, Role::Writer, 1000);
-        s.join(&mut o, other_session, &spec(1), 2, &[], &HashMap::new())
-            .unwrap();
+        s.join(
+            &mut o,
+            other_session,
+            &spec(1),
+            2,
+            &[],
+            &Placement::default(),
+        )
+        .unwrap();
         assert_eq!(
             s.put(&mut o, other_session, id, &items[..1], false)
                 .unwrap(),
@@ -2023,14 +2086,14 @@ mod tests {
     fn tasks_given_back_or_left_are_made_again() {
         let (mut o, mut s, p, _c) = setup();
         let (id, _) = s
-            .join(&mut o, p, &spec(1), 2, &starts(&[0]), &HashMap::new())
+            .join(&mut o, p, &spec(1), 2, &starts(&[0]), &Placement::default())
             .unwrap();
         let first = s.take(p, id, 1, true).unwrap();
         s.give_back(id, first[0]);
         assert_eq!(s.take(p, id, 1, true).unwrap(), first, "made again");
         s.leave(p, id);
         let p2 = client(&mut o, Role::Writer, 1000);
-        s.join(&mut o, p2, &spec(1), 2, &[], &HashMap::new())
+        s.join(&mut o, p2, &spec(1), 2, &[], &Placement::default())
             .unwrap();
         let again = s.take(p2, id, 2, true).unwrap();
         assert!(again.contains(&first[0]), "{again:?}");

@@ -386,6 +386,9 @@ pub enum Request {
         /// Where ranks live that are not this node's: the peer address (`host:port`) of the
         /// daemon their consumers use. Ranks not listed are this node's.
         at: Vec<RankAt>,
+        /// The peer address of a node every sample for another node's ranks passes through
+        /// before that node pulls it (the `relay` placement); empty for none.
+        relay: String,
     },
     /// A consumer attaches to its rank at a sequence number, waiting up to `timeout_ms` for a
     /// producer to create the stream. The reply carries the rank's ring.
@@ -568,11 +571,13 @@ impl Request {
                     depth,
                     ranks,
                     at,
+                    relay,
                 } => {
                     spec.encode(w);
                     w.u32(*depth);
                     w.list(ranks);
                     w.list(at);
+                    w.string(relay);
                 }
                 Request::StreamAttach {
                     spec,
@@ -653,6 +658,7 @@ impl Request {
                 depth: r.u32()?,
                 ranks: r.list()?,
                 at: r.list()?,
+                relay: r.string()?,
             },
             Opcode::StreamAttach => Request::StreamAttach {
                 spec: StreamSpec::decode(&mut r)?,

@@ -149,9 +149,11 @@ fn request() -> impl Strategy<Value = Request> {
             spec(),
             any::<u32>(),
             prop::collection::vec(task(), 0..20),
-            prop::collection::vec((any::<u32>(), "[a-z0-9.:]{0,24}"), 0..4)
+            prop::collection::vec((any::<u32>(), "[a-z0-9.:]{0,24}"), 0..4),
+            "[a-z0-9.:]{0,24}"
         )
-            .prop_map(|(spec, depth, ranks, at)| Request::StreamJoin {
+            .prop_map(|(spec, depth, ranks, at, relay)| Request::StreamJoin {
+                relay,
                 spec,
                 depth,
                 ranks,

@@ -322,6 +322,17 @@ impl Cluster {
         shared: &Arc<Shared>,
         handle: Handle,
     ) -> Result<watch::Receiver<Option<PullOutcome>>, Status> {
+        self.pull_via(shared, handle, handle.node_id)
+    }
+
+    /// [`Cluster::pull`] from node `via` instead of the owner: a relay that holds (or fetches)
+    /// a copy and serves it (the `relay` placement of streams).
+    pub fn pull_via(
+        self: &Arc<Self>,
+        shared: &Arc<Shared>,
+        handle: Handle,
+        via: u32,
+    ) -> Result<watch::Receiver<Option<PullOutcome>>, Status> {
         let mut inflight = self.lock_inflight();
         if let Some(rx) = inflight.get(&handle) {
             return Ok(rx.clone());
@@ -342,7 +353,7 @@ impl Cluster {
             };
             let started = std::time::Instant::now();
             let outcome = this
-                .run_pull(&shared, handle)
+                .run_pull(&shared, handle, via)
                 .await
                 .map_err(|e| match e.status {
                     // The node the handle names says it is not its own: as good as unreachable.
@@ -357,6 +368,25 @@ impl Cluster {
             let _ = tx.send(Some(outcome.map(|_| ())));
         });
         Ok(rx)
+    }
+
+    /// Pulls `handle` through `via` (see [`Cluster::pull_via`]) and waits until the copy is
+    /// sealed here, or says why not.
+    pub(crate) async fn pulled(
+        self: &Arc<Self>,
+        shared: &Arc<Shared>,
+        handle: Handle,
+        via: u32,
+    ) -> Result<(), Status> {
+        let mut rx = self.pull_via(shared, handle, via)?;
+        loop {
+            if let Some(outcome) = rx.borrow_and_update().clone() {
+                return outcome.map_err(|e| e.status);
+            }
+            if rx.changed().await.is_err() {
+                return Err(Status::Unreachable);
+            }
+        }
     }
 
     fn count(&self, handle: Handle, outcome: &Result<u64, PullError>, took: Duration) {
@@ -382,11 +412,16 @@ impl Cluster {
     }
 
     /// One pull, retried on fresh connections after a reset, within the pull timeout.
-    async fn run_pull(&self, shared: &Arc<Shared>, handle: Handle) -> Result<u64, PullError> {
+    async fn run_pull(
+        &self,
+        shared: &Arc<Shared>,
+        handle: Handle,
+        via: u32,
+    ) -> Result<u64, PullError> {
         let deadline = Instant::now() + self.config.pull_timeout;
         let mut attempt = 1;
         loop {
-            match self.try_pull(shared, handle, deadline).await {
+            match self.try_pull(shared, handle, via, deadline).await {
                 Err(e) if e.retry && attempt < ATTEMPTS => {
                     let backoff = Duration::from_millis(50 << attempt);
                     if Instant::now() + backoff >= deadline {
@@ -405,9 +440,10 @@ impl Cluster {
         &self,
         shared: &Arc<Shared>,
         handle: Handle,
+        via: u32,
         deadline: Instant,
     ) -> Result<u64, PullError> {
-        let peer = self.peer_for(handle.node_id, deadline).await?;
+        let peer = self.peer_for(via, deadline).await?;
         let mut first = self.channel(&peer, deadline).await?;
         let head = first
             .channel

@@ -132,7 +132,7 @@ async fn serve_peer(
             Ok(r) => r,
             Err(e) => break Some(format!("malformed request: {e}")),
         };
-        if let Err(e) = send_range(&conn, cluster, &mut stream, request).await {
+        if let Err(e) = send_range(&conn, shared, cluster, &mut stream, request).await {
             break Some(e.to_string());
         }
     };
@@ -146,13 +146,22 @@ async fn serve_peer(
 /// under a lease, followed by their checksum.
 async fn send_range(
     conn: &PeerConn<'_>,
-    cluster: &Cluster,
+    shared: &Arc<Shared>,
+    cluster: &Arc<Cluster>,
     stream: &mut TcpStream,
     request: ReadRequest,
 ) -> std::io::Result<()> {
-    let shared = conn.shared;
     let handle = request.handle;
-    let location = match shared.with_objects(|o| o.get(conn.id, handle)) {
+    let mut got = shared.with_objects(|o| o.get(conn.id, handle));
+    if got == Err(Status::WrongNode) {
+        // A third node's object: this node relays it (the `relay` placement), pulling a copy
+        // from its owner first.
+        got = match cluster.pulled(shared, handle, handle.node_id).await {
+            Ok(()) => shared.with_objects(|o| o.get(conn.id, handle)),
+            Err(status) => Err(status),
+        };
+    }
+    let location = match got {
         Ok(location) => location,
         Err(status) => {
             return stream

@@ -38,7 +38,7 @@ use super::Cluster;
 use super::transport::{PeerIdentity, PullError};
 use crate::objects::{ClientInfo, ConnId};
 use crate::server::Shared;
-use crate::streams::{Demand, Forward};
+use crate::streams::{Demand, Forward, Placement};
 
 /// How long one `Take` waits at the owner for room in a window.
 const TAKE_WAIT_MS: u32 = 1000;
@@ -414,7 +414,7 @@ pub(crate) fn forward(shared: &Arc<Shared>, cluster: &Arc<Cluster>, forwards: Ve
             for items in fwd.items.chunks(MAX_SESSION_ITEMS as usize) {
                 let put = SessionRequest::Put {
                     stream: fwd.remote_stream,
-                    source: shared.node_id(),
+                    source: fwd.relay.unwrap_or(shared.node_id()),
                     items: items.to_vec(),
                 };
                 let answer = match cluster.session(fwd.node, deadline).await {
@@ -592,7 +592,8 @@ async fn answer(
                 Ok(c) => c,
                 Err(reply) => return reply,
             };
-            match shared.with_streams(|s, o| s.join(o, conn, &spec, depth, &ranks, &HashMap::new()))
+            match shared
+                .with_streams(|s, o| s.join(o, conn, &spec, depth, &ranks, &Placement::default()))
             {
                 Ok((stream, _)) => {
                     producers
@@ -670,18 +671,14 @@ async fn put_pulled(
         if item.flags & ENTRY_FAILED != 0 || shared.with_objects(|o| o.is_sealed(item.handle)) {
             return Ok(());
         }
-        if item.handle.node_id != source {
-            return Err(Status::InvalidArgument);
-        }
-        let mut rx = cluster.pull(shared, item.handle)?;
-        loop {
-            if let Some(outcome) = rx.borrow_and_update().clone() {
-                return outcome.map_err(|e| e.status);
-            }
-            if rx.changed().await.is_err() {
-                return Err(Status::Unreachable);
-            }
-        }
+        // From the relay the producers' node named, unless that is this node (then straight
+        // from the owner: this node is the one copy in between).
+        let via = if source == shared.node_id() {
+            item.handle.node_id
+        } else {
+            source
+        };
+        cluster.pulled(shared, item.handle, via).await
     });
     let pulled: Vec<Result<(), Status>> = futures_util::future::join_all(pulls).await;
     let mut statuses: Vec<Status> = Vec::with_capacity(items.len());
