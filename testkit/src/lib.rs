@@ -1,4 +1,4 @@
-//! Test harness pieces shared by feedstore's integration tests and benchmarks.
+//! Test harness pieces shared by feedstore's integration tests, benchmarks and multi-node demo.
 //!
 //! Tests talk to real components: a real S3-compatible server ([`moto::Moto`], PyPI's
 //! `moto[server]`) and real sockets. This kernel has no netem, so network latency and faults come
@@ -22,6 +22,7 @@
 //! ```
 
 pub mod moto;
+pub mod netns;
 pub mod proxy;
 
 /// `target/<profile>` of the running test executable: where cargo put it, the workspace's
