@@ -109,7 +109,18 @@ impl SocketArg {
     }
 }
 
+/// The hidden first argument that makes this binary run the daemon (`feedstored`'s own command
+/// line follows): `feedstore demo --nodes` starts each node's daemon in its namespace with it,
+/// so the demo needs no second binary built beside it.
+const RUN_DAEMON: &str = "__feedstored";
+
 fn main() -> ExitCode {
+    let mut args = std::env::args_os();
+    if args.nth(1).is_some_and(|a| a == RUN_DAEMON) {
+        return feedstore_store::cli::main_from(
+            std::iter::once(std::ffi::OsString::from("feedstored")).chain(args),
+        );
+    }
     restore_sigpipe();
     let cli = Cli::parse();
     feedstore_store::cli::init_logging_with_default("warn");

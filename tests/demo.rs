@@ -176,3 +176,72 @@ fn the_demo_serves_its_images_from_an_s3_endpoint() {
     assert_eq!(delivered(&report), (0..32).collect::<Vec<_>>());
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// `demo --nodes`, scaled down: two namespaced nodes with capped links, every placement at both
+/// scales; each run's ranks get every step's batch, the links carried traffic, and the verdict
+/// lines and report are there. Without root it refuses, saying why and what to do instead.
+#[test]
+fn the_nodes_demo_compares_placements_across_namespaced_nodes() {
+    let dir = scratch_dir("demo-nodes");
+    if !common::is_root() {
+        eprintln!("SKIPPED the_nodes_demo_compares_placements: needs root to make namespaces");
+        return;
+    }
+    let (out, report) = demo(
+        &dir,
+        "nodes",
+        &[
+            "--nodes=2",
+            "--batch=2",
+            "--steps=4",
+            "--latency-ms=0-2",
+            "--link-rate=400mbit",
+            "--step-time=0.02",
+        ],
+        |_| {},
+    );
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    for line in [
+        "x4: spread + pull",
+        "base: spread and colocated",
+        "x4: relay",
+    ] {
+        assert!(stdout.contains(line), "{line:?} missing from:\n{stdout}");
+    }
+    let runs = report["runs"].as_array().unwrap();
+    assert_eq!(runs.len(), 6, "three placements at two scales");
+    for run in runs {
+        let (ranks, batch) = (
+            run["ranks"].as_u64().unwrap(),
+            run["batch"].as_u64().unwrap(),
+        );
+        assert_eq!(run["samples"].as_u64().unwrap(), ranks * batch * 4, "{run}");
+        let links: Vec<u64> = run["link_bytes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|b| b.as_u64().unwrap())
+            .collect();
+        assert!(
+            links.iter().all(|&b| b > 0),
+            "both links carried samples: {run}"
+        );
+    }
+    assert_eq!(report["link_rate_bits"].as_u64(), Some(400_000_000));
+    assert!(dir.join("nodes.png").exists());
+
+    // A user without root is told what it needs.
+    let data = dir.join("data");
+    let mut command = Command::new(env!("CARGO_BIN_EXE_feedstore"));
+    command
+        .args(["demo", "--nodes=2", "--records=32", "--image-sides=64-256"])
+        .arg("--data-dir")
+        .arg(&data)
+        .current_dir(&dir);
+    std::fs::set_permissions(&dir, std::os::unix::fs::PermissionsExt::from_mode(0o777)).unwrap();
+    common::run_as(&mut command, 65534, 65534, &[]);
+    let out = command.output().unwrap();
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("--nodes needs root"), "{stderr}");
+}

@@ -10,6 +10,7 @@
 
 mod data;
 mod ladder;
+mod nodes;
 mod plot;
 mod source;
 
@@ -69,13 +70,14 @@ pub struct Args {
     /// (S3 answers a GET in tens of milliseconds however small the object). 0 for none.
     #[arg(long, value_name = "LOW-HIGH", default_value = "30-80")]
     latency_ms: String,
-    /// Samples per training step.
-    #[arg(long, value_name = "N", default_value_t = 16)]
-    batch: usize,
+    /// Samples per training step [default: 16; with --nodes, 4 at the base scale (x4 takes
+    /// 4 times as many)].
+    #[arg(long, value_name = "N")]
+    batch: Option<usize>,
     /// Training steps per loader (the first is the cold start; wait-time ratios are over the
-    /// rest).
-    #[arg(long, value_name = "N", default_value_t = 12)]
-    steps: usize,
+    /// rest) [default: 12].
+    #[arg(long, value_name = "N")]
+    steps: Option<usize>,
     /// Seconds one training step computes [default: chosen so that the serial loader waits 85%
     /// of the time, the seed's figure, from one timed batch].
     #[arg(long, value_name = "SECONDS")]
@@ -109,6 +111,51 @@ pub struct Args {
     /// Where the PNG plot goes (the ladder's wait-time ratios and every loader's steps).
     #[arg(long, value_name = "FILE", default_value = "feedstore-demo.png")]
     plot: PathBuf,
+    /// The seed's scale act instead: N nodes (network namespaces, a daemon each, links capped
+    /// like NICs), trainer ranks on every node, producers by placement, at the base scale and
+    /// at 4x ranks, batch and streams; prints samples/s, wait-time ratio and each node's link
+    /// use per placement and scale. Needs root (namespaces, tc).
+    #[arg(long, value_name = "N", help_heading = "Across nodes")]
+    nodes: Option<usize>,
+    /// Each node's link cap, what it sends and receives together (e.g. 400mbit, 1gbit)
+    /// [default: from a calibration run, so that the producers could fill 2.5 links].
+    #[arg(long, value_name = "RATE", value_parser = parse_rate, requires = "nodes", help_heading = "Across nodes")]
+    link_rate: Option<u64>,
+    /// The placements to compare.
+    #[arg(
+        long,
+        value_name = "LIST",
+        value_delimiter = ',',
+        default_value = "spread,colocated,relay",
+        requires = "nodes",
+        help_heading = "Across nodes"
+    )]
+    placements: Vec<nodes::Placement>,
+}
+
+/// A link rate: bits per second, with an optional k/m/g suffix and `bit`/`bps`
+/// (`400mbit`, `1gbit`, `250000000`).
+fn parse_rate(s: &str) -> Result<u64, String> {
+    let t = s.trim().to_ascii_lowercase();
+    let t = t
+        .strip_suffix("bit")
+        .or_else(|| t.strip_suffix("bps"))
+        .unwrap_or(&t);
+    let (digits, scale) = match t.chars().last() {
+        Some('k') => (&t[..t.len() - 1], 1e3),
+        Some('m') => (&t[..t.len() - 1], 1e6),
+        Some('g') => (&t[..t.len() - 1], 1e9),
+        _ => (t, 1.0),
+    };
+    let value: f64 = digits
+        .trim()
+        .parse()
+        .map_err(|_| format!("{s:?}: want a rate like 400mbit or 1gbit"))?;
+    let bits = value * scale;
+    if !(bits >= 1e6 && bits.is_finite()) {
+        return Err(format!("{s:?}: at least 1mbit"));
+    }
+    Ok(bits as u64)
 }
 
 fn default_data_dir() -> PathBuf {
@@ -291,8 +338,14 @@ fn print_rung(r: &RungResult) {
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
-    if args.batch == 0 || args.steps == 0 || args.ranks == 0 || args.records == 0 {
+    let across = args.nodes.is_some();
+    let batch = args.batch.unwrap_or(if across { 4 } else { 16 });
+    let steps = args.steps.unwrap_or(12);
+    if batch == 0 || steps == 0 || args.ranks == 0 || args.records == 0 {
         bail!("--batch, --steps, --ranks and --records must be at least 1");
+    }
+    if across {
+        nodes::require_root()?;
     }
     let (low, high) = latency(&args.latency_ms)?;
     let data_dir = args.data_dir.clone().unwrap_or_else(default_data_dir);
@@ -332,6 +385,8 @@ pub fn run(args: Args) -> anyhow::Result<()> {
 
     let (socket, _daemon) = match &args.socket.socket {
         Some(path) => (path.clone(), None),
+        // Each node has its own daemon.
+        None if across => (PathBuf::new(), None),
         None => {
             let (socket, daemon) = crate::EmbeddedDaemon::start("demo", args.capacity)?;
             (socket, Some(daemon))
@@ -368,8 +423,8 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             .map_or("on local disk".to_owned(), |e| format!("in S3 at {e}")),
         low.as_millis(),
         high.as_millis(),
-        args.batch,
-        args.steps,
+        batch,
+        steps,
         config.workers,
         cores
     );
@@ -377,11 +432,25 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         config,
         tokenizer,
         manifest,
-        batch: args.batch,
-        steps: args.steps,
+        batch,
+        steps,
         step_time: Duration::ZERO,
         source,
     };
+    if let Some(n) = args.nodes {
+        let nodes_args = nodes::NodesArgs {
+            nodes: n,
+            link_rate: args.link_rate,
+            step_time: args.step_time,
+            placements: args.placements.clone(),
+            capacity: args.capacity,
+            prefetch: args.prefetch,
+            seed: args.seed,
+            report: args.report.clone(),
+            plot: args.plot.clone(),
+        };
+        return nodes::run(&nodes_args, setup);
+    }
     let step_time = match args.step_time {
         Some(s) if s >= 0.0 && s.is_finite() => Duration::from_secs_f64(s),
         Some(_) => bail!("--step-time must be a non-negative number of seconds"),
@@ -463,24 +532,21 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         println!(
             "scaling (the prefetching loader with copies vs feedstore; the same CPUs split among ranks):"
         );
-        let base = (args.ranks.max(2), args.batch, (low, high));
-        let mut cells = vec![
-            (1, args.batch, (low, high)),
-            base,
-            (4, args.batch, (low, high)),
-        ];
+        let base = (args.ranks.max(2), batch, (low, high));
+        let mut cells = vec![(1, batch, (low, high)), base, (4, batch, (low, high))];
         cells.extend([
-            (base.0, args.batch / 2, (low, high)),
-            (base.0, args.batch * 2, (low, high)),
+            (base.0, batch / 2, (low, high)),
+            (base.0, batch * 2, (low, high)),
         ]);
-        cells.push((base.0, args.batch, (low * 3, high * 3)));
+        cells.push((base.0, batch, (low * 3, high * 3)));
         cells.retain(|c| c.1 > 0);
         cells.dedup();
+        let base_batch = batch;
         for (ranks, batch, (lo, hi)) in cells {
             let seed = args.seed;
             let cell = Setup {
                 batch,
-                step_time: step_time.mul_f64(batch as f64 / args.batch as f64),
+                step_time: step_time.mul_f64(batch as f64 / base_batch as f64),
                 source: sources(s3.clone(), seed)(lo, hi),
                 ..setup.clone()
             };
@@ -527,8 +593,8 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         "settings": {
             "records": data.records,
             "latency_ms": [low.as_secs_f64() * 1e3, high.as_secs_f64() * 1e3],
-            "batch": args.batch,
-            "steps": args.steps,
+            "batch": batch,
+            "steps": steps,
             "step_time_s": step_time.as_secs_f64(),
             "workers": setup.config.workers,
             "fetch_concurrency": setup.config.fetch_concurrency,
@@ -571,7 +637,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         &args.plot,
         &format!(
             "feedstore demo: batch {}, step {:.0} ms, images behind {}-{} ms, {} cores",
-            args.batch,
+            batch,
             step_time.as_secs_f64() * 1e3,
             low.as_millis(),
             high.as_millis(),

@@ -232,3 +232,73 @@ where
     }
     Ok(())
 }
+
+/// The multi-node picture: samples/s per placement at each scale, with the wait-time ratio and
+/// the busiest node's link use beside each bar.
+pub fn write_nodes(
+    path: &Path,
+    title: &str,
+    runs: &[super::nodes::NodesRun],
+) -> anyhow::Result<()> {
+    let _ = register_font("sans-serif", FontStyle::Normal, FONT);
+    let (width, height) = (1600u32, 200 + 70 * runs.len() as u32);
+    let mut buf = vec![0u8; width as usize * height as usize * 3];
+    draw_nodes(&mut buf, (width, height), title, runs).map_err(|e| anyhow::anyhow!("{e}"))?;
+    image::RgbImage::from_raw(width, height, buf)
+        .context("plot buffer size")?
+        .save_with_format(path, image::ImageFormat::Png)
+        .with_context(|| format!("writing {}", path.display()))
+}
+
+fn draw_nodes(
+    buf: &mut [u8],
+    size: (u32, u32),
+    title: &str,
+    runs: &[super::nodes::NodesRun],
+) -> DrawResult {
+    use super::nodes::Placement;
+    let root = BitMapBackend::with_buffer(buf, size).into_drawing_area();
+    root.fill(&WHITE)?;
+    let root = root.titled(title, ("sans-serif", 24))?;
+    let best = runs
+        .iter()
+        .map(super::nodes::NodesRun::rate)
+        .fold(1.0, f64::max);
+    let rows = runs.len() as f64;
+    let mut chart = rows_chart(
+        &root,
+        "samples/s per placement and scale (green: spread + pull, red: colocated, grey: relay)",
+        best * 1.45,
+        "samples per second, all ranks",
+        rows,
+    )?;
+    for (i, r) in runs.iter().enumerate() {
+        let y = rows - i as f64 - 1.0;
+        let color = match r.placement {
+            Placement::Spread => FEEDSTORE,
+            Placement::Colocated => WAIT,
+            Placement::Relay => RGBColor(140, 140, 140),
+        };
+        let rate = r.rate();
+        chart.draw_series(std::iter::once(Rectangle::new(
+            [(0.0, y + 0.15), (rate.max(best * 0.002), y + 0.6)],
+            color.filled(),
+        )))?;
+        let (node, busiest) = r.busiest();
+        chart.draw_series(std::iter::once(Text::new(
+            format!(
+                "{} {}: {} ranks, batch {}, {rate:.1}/s, wait {:.1}%, busiest link node {node} {:.0}%",
+                r.placement_name(),
+                r.scale,
+                r.ranks,
+                r.batch,
+                100.0 * r.result.wait_ratio(),
+                100.0 * busiest
+            ),
+            (best * 0.01, y + 0.97),
+            ("sans-serif", 15),
+        )))?;
+    }
+    root.present()?;
+    Ok(())
+}

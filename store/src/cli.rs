@@ -66,7 +66,13 @@ pub fn error_line(err: &dyn std::error::Error) -> String {
 
 /// `feedstored`'s `main`.
 pub fn main() -> ExitCode {
-    let args = Args::parse();
+    main_from(std::env::args_os())
+}
+
+/// [`main`] with the command line given (the program name first): `feedstore demo --nodes`
+/// runs its nodes' daemons through it.
+pub fn main_from(args: impl IntoIterator<Item = std::ffi::OsString>) -> ExitCode {
+    let args = Args::parse_from(args);
     init_logging();
     let config = match args.resolve() {
         Ok(c) => c,

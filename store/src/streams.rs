@@ -519,8 +519,15 @@ impl Streams {
                 }
             }
         }
+        // Another node's session and a producer's put-only connections (no ranks) say nothing
+        // about relays; this node's producers that name ranks must agree.
+        let session = self.sessions.contains(&conn) || ranks.is_empty();
         if let Some(id) = existing
-            && !self.streams[&id].producers.is_empty()
+            && !session
+            && self.streams[&id]
+                .producers
+                .iter()
+                .any(|c| !self.sessions.contains(c))
             && self.streams[&id].relay != placement.relay
         {
             return Err(fail(
@@ -536,7 +543,9 @@ impl Streams {
             Some(id) => id,
             None => self.create(objects, spec, depth, uid)?,
         };
-        self.stream(id)?.relay = placement.relay;
+        if !session {
+            self.stream(id)?.relay = placement.relay;
+        }
         let stream = &self.streams[&id];
         let new: BTreeSet<u32> = ranks
             .iter()
