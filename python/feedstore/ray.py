@@ -1,0 +1,326 @@
+"""feedstore on Ray: one daemon per Ray node, producers as Ray actors, trainers on Ray Train ranks.
+
+Ray is the cluster engine here; feedstore is the data path. Ray places the processes and tells
+the daemons where their peers are (each daemon is an actor pinned to its node, and the driver
+hands every daemon the others' addresses); samples never travel through Ray's object store,
+the driver or any head node: producers write them into their own node's shared memory, and each
+rank's daemon pulls them straight from there, inside the rank's prefetch window::
+
+    import ray, feedstore.ray as fray
+    from ray.train import ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    ray.init()
+    cluster = fray.start(capacity="8GiB")          # one feedstored per node, peers found via Ray
+    job = fray.produce(cluster, "sft", manifest="/data/sft.jsonl", tokenizer="/data/tok.json",
+                       records=100_000, world=8, epochs=1, placement="spread")
+
+    def train_loop(config):
+        with fray.open_stream("sft", records=100_000, epochs=1) as stream:  # rank from Ray Train
+            for sample in stream:
+                ...
+
+    TorchTrainer(train_loop, scaling_config=ScalingConfig(num_workers=8)).fit()
+    job.wait()
+    cluster.shutdown()
+
+Placements (the seed's comparison, one argument): ``"spread"`` (a producer actor per node,
+``scheduling_strategy="SPREAD"``; each sample pulled straight from the node that made it),
+``"colocated"`` (every producer on the driver's node, as Ray's default packing does) and
+``"relay"`` (spread, with every sample for another node passing through the driver's node first,
+as a coordinator relaying samples does).
+
+The binaries (``feedstored``, ``feedstore``) must be installed on every node: on ``PATH``, or in
+``bin_dir`` / ``$FEEDSTORE_BIN_DIR``. The manifest, images and tokenizer must be readable from
+every node that runs a producer (a shared file system, or S3 through ``--s3-endpoint`` and the
+other ``feedstore produce`` flags passed in ``args``). Nodes that join the Ray cluster after
+``start`` get no daemon.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+from typing import Dict, List, Optional, Sequence
+
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+import feedstore
+
+#: The Ray namespace feedstore's named actors live in.
+NAMESPACE = "feedstore"
+
+PLACEMENTS = ("spread", "colocated", "relay")
+
+
+def _binary(name: str, bin_dir: Optional[str]) -> str:
+    for d in [bin_dir, os.environ.get("FEEDSTORE_BIN_DIR")]:
+        if d and os.path.exists(os.path.join(d, name)):
+            return os.path.join(d, name)
+    found = shutil.which(name)
+    if not found:
+        raise RuntimeError(
+            f"{name} is not installed on node {ray.util.get_node_ip_address()}: put it on PATH, "
+            "or pass bin_dir (or set $FEEDSTORE_BIN_DIR)"
+        )
+    return found
+
+
+def _daemon_name(node_id: str) -> str:
+    return f"feedstore-daemon-{node_id}"
+
+
+@ray.remote(num_cpus=0)
+class _Daemon:
+    """One node's feedstored, started and stopped by this actor (pinned to the node)."""
+
+    def __init__(self, index: int, capacity: str, port: int, secret: str, bin_dir: Optional[str],
+                 extra: Sequence[str]):
+        self.ip = ray.util.get_node_ip_address()
+        self.port = port
+        self.dir = tempfile.mkdtemp(prefix="feedstore-ray-")
+        self.sock = os.path.join(self.dir, "feedstore.sock")
+        self.peers = os.path.join(self.dir, "peers")
+        secret_path = os.path.join(self.dir, "cluster-secret")
+        fd = os.open(secret_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secret)
+        with open(self.peers, "w") as f:
+            f.write("")
+        self.log = open(os.path.join(self.dir, "feedstored.log"), "wb")
+        self.process = subprocess.Popen(
+            [
+                _binary("feedstored", bin_dir), "--socket", self.sock, "--capacity", capacity,
+                "--node-id", str(index + 1), "--listen", f"{self.ip}:{port}",
+                "--peers-file", self.peers, "--cluster-secret-file", secret_path,
+                "--peer-refresh-secs", "1", *extra,
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=self.log,
+        )
+        deadline = time.monotonic() + 60
+        while not os.path.exists(self.sock):
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"feedstored did not start on {self.ip}: {self.log_tail()}")
+            time.sleep(0.02)
+
+    def log_tail(self) -> str:
+        self.log.flush()
+        with open(self.log.name, "rb") as f:
+            return f.read()[-4000:].decode(errors="replace")
+
+    def address(self) -> str:
+        return f"{self.ip}:{self.port}"
+
+    def socket(self) -> str:
+        return self.sock
+
+    def set_peers(self, addresses: List[str]) -> None:
+        """The daemon re-reads the file every second (``--peer-refresh-secs 1``)."""
+        tmp = self.peers + ".tmp"
+        with open(tmp, "w") as f:
+            f.write("\n".join(addresses) + "\n")
+        os.replace(tmp, self.peers)
+
+    def stats(self) -> dict:
+        return feedstore.Client(self.sock).stats()
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+class Cluster:
+    """The daemons ``start`` made, one per Ray node, by node id."""
+
+    def __init__(self, daemons: Dict[str, "ray.actor.ActorHandle"], addresses: Dict[str, str]):
+        self.daemons = daemons
+        self.addresses = addresses
+
+    def stats(self) -> Dict[str, dict]:
+        """Every node's ``feedstore stat`` figures, by node id."""
+        ids = list(self.daemons)
+        return dict(zip(ids, ray.get([self.daemons[i].stats.remote() for i in ids])))
+
+    def shutdown(self) -> None:
+        """Stops every daemon (SIGTERM) and removes its files."""
+        ray.get([d.stop.remote() for d in self.daemons.values()])
+        for d in self.daemons.values():
+            ray.kill(d)
+
+
+def start(capacity: str = "4GiB", port: int = 7070, *, bin_dir: Optional[str] = None,
+          args: Sequence[str] = (), timeout: float = 120.0) -> Cluster:
+    """Starts one feedstored per alive Ray node (an actor pinned to it, named by the node's id),
+    each listening on ``port`` of the node's address (``port + i`` for the i-th node when several
+    Ray nodes share an address, as in Ray's local test clusters), tells each where the others
+    are, and waits until every daemon sees all its peers. The cluster secret is made here and
+    handed to the daemons through Ray."""
+    nodes = sorted((n for n in ray.nodes() if n["Alive"]), key=lambda n: n["NodeID"])
+    if not nodes:
+        raise RuntimeError("no alive Ray nodes")
+    shared_ip = len({n["NodeManagerAddress"] for n in nodes}) < len(nodes)
+    secret = secrets.token_hex(32)
+    daemons = {}
+    for i, node in enumerate(nodes):
+        daemons[node["NodeID"]] = _Daemon.options(
+            name=_daemon_name(node["NodeID"]),
+            namespace=NAMESPACE,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node["NodeID"], soft=False),
+        ).remote(i, capacity, port + i if shared_ip else port, secret, bin_dir, list(args))
+    addresses = dict(zip(daemons, ray.get([d.address.remote() for d in daemons.values()])))
+    ray.get([d.set_peers.remote(list(addresses.values())) for d in daemons.values()])
+    deadline = time.monotonic() + timeout
+    for node_id, d in daemons.items():
+        while ray.get(d.stats.remote())["peers_up"] < len(daemons) - 1:
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"the daemon on node {node_id} does not see its {len(daemons) - 1} peers: "
+                    + ray.get(d.log_tail.remote())
+                )
+            time.sleep(0.1)
+    return Cluster(daemons, addresses)
+
+
+def local_daemon() -> "ray.actor.ActorHandle":
+    """The daemon actor of the node this code runs on (a task, an actor or a Ray Train worker)."""
+    node_id = ray.get_runtime_context().get_node_id()
+    try:
+        return ray.get_actor(_daemon_name(node_id), namespace=NAMESPACE)
+    except ValueError:
+        raise RuntimeError(
+            f"no feedstore daemon on Ray node {node_id}: call feedstore.ray.start() first "
+            "(nodes that joined after it have none)"
+        ) from None
+
+
+def local_socket() -> str:
+    """The socket of this node's daemon."""
+    return ray.get(local_daemon().socket.remote())
+
+
+@ray.remote(num_cpus=0)
+class _Ranks:
+    """Where each rank of a stream reads: its node's daemon address. Told by the ranks, asked by
+    the producers; it carries no samples and assigns no tasks."""
+
+    def __init__(self):
+        self.at: Dict[int, str] = {}
+
+    def register(self, rank: int, address: str) -> None:
+        self.at[rank] = address
+
+    def placement(self, world: int) -> Optional[Dict[int, str]]:
+        if all(r in self.at for r in range(world)):
+            return {r: self.at[r] for r in range(world)}
+        return None
+
+
+def _ranks(stream: str) -> "ray.actor.ActorHandle":
+    return _Ranks.options(
+        name=f"feedstore-ranks-{stream}", namespace=NAMESPACE, get_if_exists=True
+    ).remote()
+
+
+def open_stream(name: str, records: int, *, rank: Optional[int] = None,
+                world: Optional[int] = None, **kwargs) -> feedstore.Stream:
+    """Opens this rank's share of stream ``name`` on this node's daemon, after telling the
+    stream's producers where the rank reads. ``rank`` and ``world`` default to Ray Train's
+    world rank and size (inside a ``TorchTrainer`` loop); the other arguments are
+    ``feedstore.Stream``'s and must match the producers'."""
+    if rank is None or world is None:
+        import ray.train
+
+        context = ray.train.get_context()
+        rank = context.get_world_rank() if rank is None else rank
+        world = context.get_world_size() if world is None else world
+    daemon = local_daemon()
+    address, socket = ray.get([daemon.address.remote(), daemon.socket.remote()])
+    ray.get(_ranks(name).register.remote(rank, address))
+    return feedstore.Stream(name, records, rank, world, socket=socket, **kwargs)
+
+
+def _ranks_at(placement: Dict[int, str]) -> str:
+    by_node: Dict[str, List[int]] = {}
+    for rank, address in sorted(placement.items()):
+        by_node.setdefault(address, []).append(rank)
+    return ",".join(f"{a}={','.join(map(str, ranks))}" for a, ranks in by_node.items())
+
+
+@ray.remote(num_cpus=1)
+class _Producer:
+    """`feedstore produce --stream` on this actor's node, once every rank has said where it is."""
+
+    def run(self, stream: str, world: int, argv: List[str], relay: Optional[str],
+            bin_dir: Optional[str], timeout: float) -> dict:
+        ranks = _ranks(stream)
+        deadline = time.monotonic() + timeout
+        while (placement := ray.get(ranks.placement.remote(world))) is None:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the ranks of stream {stream!r} did not all open it in time")
+            time.sleep(0.2)
+        command = [
+            _binary("feedstore", bin_dir), "produce", "--socket", local_socket(),
+            "--stream", stream, "--world", str(world), "--ranks-at", _ranks_at(placement),
+            *(["--relay", relay] if relay else []), *argv,
+        ]
+        done = subprocess.run(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        return {
+            "node": ray.get_runtime_context().get_node_id(),
+            "returncode": done.returncode,
+            "stderr": done.stderr.decode(errors="replace")[-4000:],
+        }
+
+
+class ProduceJob:
+    """Producer actors running; ``wait`` for them to finish."""
+
+    def __init__(self, refs, actors):
+        self.refs = refs
+        self.actors = actors
+
+    def wait(self, timeout: Optional[float] = None) -> List[dict]:
+        """Waits for every producer; raises if one failed (with its stderr)."""
+        results = ray.get(self.refs, timeout=timeout)
+        for r in results:
+            if r["returncode"] != 0:
+                raise RuntimeError(f"a producer on node {r['node']} failed:\n{r['stderr']}")
+        return results
+
+
+def produce(cluster: Cluster, stream: str, *, manifest: str, tokenizer: str, world: int,
+            epochs: int = 1, seed: int = 0, placement: str = "spread",
+            producers: Optional[int] = None, args: Sequence[str] = (),
+            bin_dir: Optional[str] = None, timeout: float = 600.0) -> ProduceJob:
+    """Starts producers for ``stream`` (``world`` ranks, ``epochs``, ``seed``) by ``placement``:
+    ``producers`` actors (default: one per node) running ``feedstore produce`` with this
+    node's daemon, ``args`` passed on (``--workers``, ``--image-size``, S3 flags, ...). They
+    begin once every rank has opened the stream (``open_stream``) and so said where it is."""
+    if placement not in PLACEMENTS:
+        raise ValueError(f"placement must be one of {PLACEMENTS}, not {placement!r}")
+    count = producers or len(cluster.daemons)
+    argv = [
+        "--manifest", manifest, "--tokenizer", tokenizer, "--epochs", str(epochs),
+        "--seed", str(seed), *args,
+    ]
+    here = ray.get_runtime_context().get_node_id()
+    if placement == "colocated":
+        strategy = NodeAffinitySchedulingStrategy(here, soft=False)
+    else:
+        strategy = "SPREAD"
+    relay = cluster.addresses[here] if placement == "relay" else None
+    actors = [_Producer.options(scheduling_strategy=strategy).remote() for _ in range(count)]
+    refs = [a.run.remote(stream, world, argv, relay, bin_dir, timeout) for a in actors]
+    return ProduceJob(refs, actors)

@@ -1,0 +1,55 @@
+"""The Kubernetes manifests under deploy/kubernetes/ (they cannot run here): they parse, every
+daemon flag they pass is one feedstored accepts, and the daemon and the trainer pod agree on the
+socket directory, the reader uid and the cluster secret's file mode."""
+
+import subprocess
+
+import pytest
+
+yaml = pytest.importorskip("yaml")
+
+from conftest import REPO, binary  # noqa: E402
+
+DEPLOY = REPO / "deploy" / "kubernetes"
+
+
+def load(name):
+    return list(yaml.safe_load_all((DEPLOY / name).read_text()))
+
+
+def test_the_daemonset_and_trainer_pod_agree_with_each_other_and_feedstored():
+    service, daemonset = load("feedstored-daemonset.yaml")
+    (trainer,) = load("trainer-pod.yaml")
+    assert (service["kind"], daemonset["kind"], trainer["kind"]) == ("Service", "DaemonSet", "Pod")
+    pod = daemonset["spec"]["template"]
+    assert service["spec"]["selector"].items() <= pod["metadata"]["labels"].items()
+    assert service["spec"]["clusterIP"] == "None", "headless: the name resolves to every daemon"
+
+    (daemon,) = pod["spec"]["containers"]
+    help_text = subprocess.run(
+        [binary("feedstored"), "--help"], capture_output=True, check=True
+    ).stdout.decode()
+    flags = dict(a.split("=", 1) for a in daemon["args"])
+    for flag in flags:
+        assert f"{flag} " in help_text or f"{flag}=" in help_text, f"feedstored has no {flag}"
+    assert flags["--peers"].startswith(service["metadata"]["name"] + ".")
+
+    volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
+    mounts = {m["name"]: m["mountPath"] for m in daemon["volumeMounts"]}
+    assert flags["--socket"].startswith(mounts["socket-dir"] + "/")
+    assert flags["--cluster-secret-file"].startswith(mounts["cluster-secret"] + "/")
+    assert volumes["cluster-secret"]["secret"]["defaultMode"] == 0o400
+
+    (container,) = trainer["spec"]["containers"]
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    trainer_volumes = {v["name"]: v for v in trainer["spec"]["volumes"]}
+    trainer_mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+    assert (
+        trainer_volumes["socket-dir"]["hostPath"]["path"]
+        == volumes["socket-dir"]["hostPath"]["path"]
+    )
+    socket_in_trainer = env["FEEDSTORE_SOCKET"]
+    assert socket_in_trainer.startswith(trainer_mounts["socket-dir"] + "/")
+    assert socket_in_trainer.rsplit("/", 1)[1] == flags["--socket"].rsplit("/", 1)[1]
+    assert str(trainer["spec"]["securityContext"]["runAsUser"]) == flags["--allow-reader-uid"]
+    compile(container["args"][0], "trainer", "exec")

@@ -1,0 +1,133 @@
+"""feedstore.ray on a real multi-node Ray cluster on this machine: one raylet per network
+namespace (two nodes joined by veth pairs through a bridge, made and removed by the test), one
+feedstored per Ray node started through Ray, producer actors placed by the placement under
+test, and Ray Train's TorchTrainer workers as the ranks. Each rank must read exactly what the same
+stream delivers on a single daemon, sample for sample, and samples must cross the nodes.
+
+Needs root (namespaces) and Ray (`pip install "ray[train]"`; .ci/run installs it)."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ray = pytest.importorskip("ray")
+
+import feedstore  # noqa: E402
+
+from conftest import binary, finish, manifest, produce  # noqa: E402
+
+RECORDS, WORLD, EPOCHS = 24, 4, 2
+IMAGE_ARGS = ["--image-size", "64x64", "--dtype", "u8", "--layout", "hwc", "--workers", "1"]
+HERE = pathlib.Path(__file__).resolve().parent
+RAY = str(pathlib.Path(sys.executable).parent / "ray")
+
+
+def run(*cmd, check=True, **kwargs):
+    return subprocess.run([str(c) for c in cmd], check=check, capture_output=True, **kwargs)
+
+
+class Lan:
+    """Two namespaces joined by veth pairs through a bridge in a hub namespace, 10.78.0.0/24."""
+
+    def __init__(self, n: int):
+        prefix = f"fsray{os.getpid()}"
+        self.hub = f"{prefix}hub"
+        self.nodes = [f"{prefix}n{i}" for i in range(n)]
+        self.remove()
+        run("ip", "netns", "add", self.hub)
+        run("ip", "-n", self.hub, "link", "add", "br0", "type", "bridge")
+        run("ip", "-n", self.hub, "link", "set", "br0", "up")
+        for i, ns in enumerate(self.nodes):
+            run("ip", "netns", "add", ns)
+            run("ip", "-n", self.hub, "link", "add", f"p{i}", "type", "veth", "peer", "name",
+                "eth0", "netns", ns)
+            run("ip", "-n", self.hub, "link", "set", f"p{i}", "master", "br0", "up")
+            run("ip", "-n", ns, "addr", "add", f"{self.ip(i)}/24", "dev", "eth0")
+            run("ip", "-n", ns, "link", "set", "eth0", "up")
+            run("ip", "-n", ns, "link", "set", "lo", "up")
+
+    def ip(self, i: int) -> str:
+        return f"10.78.0.{i + 1}"
+
+    def exec(self, i: int, *cmd, **kwargs):
+        return run("ip", "netns", "exec", self.nodes[i], *cmd, **kwargs)
+
+    def remove(self):
+        for ns in [*self.nodes, self.hub]:
+            run("ip", "netns", "del", ns, check=False)
+
+
+@pytest.fixture
+def ray_nodes(tmp_path):
+    if os.geteuid() != 0:
+        pytest.skip("needs root to make network namespaces")
+    lan = Lan(2)
+    env = dict(os.environ)
+    # The workers import the staged package and this directory.
+    env["PYTHONPATH"] = os.pathsep.join([str(HERE), env.get("PYTHONPATH", "")])
+    env["RAY_USAGE_STATS_ENABLED"] = "0"
+    # Ray Train's torch process group (gloo) on the nodes' link, not on the host name's address.
+    env["GLOO_SOCKET_IFNAME"] = "eth0"
+    common = ["--num-cpus=3", "--disable-usage-stats"]
+    try:
+        lan.exec(0, RAY, "start", "--head", f"--node-ip-address={lan.ip(0)}", "--port=6379",
+                 "--include-dashboard=false", *common, env=env)
+        lan.exec(1, RAY, "start", f"--address={lan.ip(0)}:6379",
+                 f"--node-ip-address={lan.ip(1)}", *common, env=env)
+        yield lan, env
+    except subprocess.CalledProcessError as e:
+        raise AssertionError(f"{e.cmd} failed:\n{e.stderr.decode()[-4000:]}") from None
+    finally:
+        for i in range(2):
+            lan.exec(i, RAY, "stop", "--force", check=False, env=env)
+        lan.remove()
+
+
+def reference(daemon, tmp_path):
+    """Each rank's (seq, record, id) as a single daemon delivers the stream."""
+    producer = produce(daemon, tmp_path, "reference", RECORDS, "--world", str(WORLD),
+                       "--epochs", str(EPOCHS))
+    ranks = []
+    for rank in range(WORLD):
+        with feedstore.Stream("reference", RECORDS, rank, WORLD, epochs=EPOCHS,
+                              socket=daemon.socket, wait=120) as stream:
+            ranks.append([[s.seq, s.record, s.id] for s in stream])
+    finish(producer)
+    return ranks
+
+
+@pytest.mark.parametrize("placement", ["spread", "relay"])
+def test_ray_train_ranks_on_two_nodes_read_their_shares_in_order(
+    ray_nodes, daemon, tmp_path, placement
+):
+    lan, env = ray_nodes
+    expected = reference(daemon, tmp_path)
+    out = tmp_path / "out"
+    out.mkdir()
+    config = {
+        "address": f"{lan.ip(0)}:6379", "ip": lan.ip(0), "stream": f"ray-{placement}",
+        "records": RECORDS, "world": WORLD, "epochs": EPOCHS, "placement": placement,
+        "manifest": str(manifest(tmp_path / "ray.jsonl", RECORDS)),
+        "tokenizer": str(tmp_path / "tokenizer.json"), "args": IMAGE_ARGS,
+        "bin_dir": str(binary("feedstored").parent), "out": str(out),
+    }
+    done = lan.exec(0, sys.executable, HERE / "ray_driver.py", json.dumps(config), check=False,
+                    env=env, timeout=600)
+    assert done.returncode == 0, done.stderr.decode()[-6000:]
+    seen = [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
+    for rank in range(WORLD):
+        assert seen[rank]["seen"] == expected[rank], f"rank {rank}"
+    assert len({s["node"] for s in seen}) == 2, "Ray Train spread the ranks over both nodes"
+    result = json.loads((out / "stats.json").read_text())
+    stats = result["stats"]
+    assert len(stats) == 2
+    assert sum(s["pulls"] for s in stats.values()) > 0, f"samples crossed nodes: {stats}"
+    for s in stats.values():
+        assert s["leases"] == 0 and s["pulls_in_flight"] == 0, s
+    if placement == "relay":
+        # Every sample for a rank on the worker node passed through the head node's daemon.
+        assert max(s["served_reads"] for s in stats.values()) > 0
