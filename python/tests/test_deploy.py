@@ -53,3 +53,8 @@ def test_the_daemonset_and_trainer_pod_agree_with_each_other_and_feedstored():
     assert socket_in_trainer.rsplit("/", 1)[1] == flags["--socket"].rsplit("/", 1)[1]
     assert str(trainer["spec"]["securityContext"]["runAsUser"]) == flags["--allow-reader-uid"]
     compile(container["args"][0], "trainer", "exec")
+
+
+def test_the_examples_compile():
+    for example in sorted((REPO / "python" / "examples").glob("*.py")):
+        compile(example.read_text(), str(example), "exec")
