@@ -304,13 +304,13 @@ fn run_feedstore(
         }
     }
     result.wall = started.elapsed().as_secs_f64();
-    let client = ConnectOptions::new(Role::Writer)
+    let store = ConnectOptions::new(Role::Reader)
         .socket(socket)
         .name("demo")
-        .connect()?;
-    let store = client.stats()?;
+        .connect()?
+        .stats()?;
     // The trainers are done: closing the stream ends the producer.
-    StreamFeeder::join(&client, &spec, depth, &[])?.close()?;
+    close_stream(socket, &spec, depth)?;
     let summary = producer
         .join()
         .expect("the producer panicked")
@@ -325,6 +325,17 @@ fn run_feedstore(
         store,
         stream_name: name,
     })
+}
+
+/// Closes `spec` on the daemon at `socket` as a writer of its owner, which ends the producers
+/// feeding it there.
+fn close_stream(socket: &Path, spec: &StreamSpec, depth: u32) -> anyhow::Result<()> {
+    let client = ConnectOptions::new(Role::Writer)
+        .socket(socket)
+        .name("demo")
+        .connect()?;
+    StreamFeeder::join(&client, spec, depth, &[])?.close()?;
+    Ok(())
 }
 
 fn print_rung(r: &RungResult) {

@@ -32,7 +32,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
-use feedstore_consumer::stream::{StreamFeeder, StreamOptions};
+use feedstore_consumer::stream::StreamOptions;
 use feedstore_consumer::{ConnectOptions, RankAt, Role, Stream, StreamTask};
 use feedstore_producer::feed::{FeedConfig, feed};
 use feedstore_proto::stream::{Shuffle, StreamSpec, Tail};
@@ -469,11 +469,7 @@ fn run_once(
     // The trainers are done: closing each stream on every node ends its producers.
     for spec in &specs {
         for i in 0..n {
-            let client = ConnectOptions::new(Role::Writer)
-                .socket(nodes.socket(i))
-                .name("demo")
-                .connect()?;
-            StreamFeeder::join(&client, spec, depth, &[])?.close()?;
+            super::close_stream(nodes.socket(i), spec, depth)?;
         }
     }
     for p in producers {
