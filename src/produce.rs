@@ -122,7 +122,7 @@ struct StreamArgs {
     /// Send every sample for another node's ranks through the node at HOST:PORT first (it
     /// pulls the sample, then the rank's node pulls it from there), as a loader relaying
     /// samples through a coordinator does. For measuring the seed's "before": it doubles that
-    /// node's traffic and is never faster than the default (pulled straight from here).
+    /// node's traffic and adds a hop (the default pulls straight from here).
     #[arg(long, value_name = "HOST:PORT", requires = "ranks_at")]
     relay: Option<String>,
     /// Seeds the per-epoch shuffle.
@@ -181,7 +181,7 @@ impl StreamArgs {
             .map_err(|e| anyhow::anyhow!("--stream {name}: {e}"))?;
         let ranks: Vec<u32> = match &self.ranks {
             None => (0..self.world).collect(),
-            Some(list) => parse_ranks(list)?,
+            Some(list) => parse_ranks(list, "--ranks")?,
         };
         let mut starts = std::collections::BTreeMap::new();
         if let Some(path) = &self.resume {
@@ -242,7 +242,7 @@ impl StreamArgs {
                 let Some(addr) = addr else {
                     bail!("--ranks-at {value:?}: want HOST:PORT=RANKS, e.g. 10.0.0.2:7070=8-15");
                 };
-                for rank in parse_ranks(list)? {
+                for rank in parse_ranks(list, "--ranks-at")? {
                     spec.check(rank)
                         .map_err(|e| anyhow::anyhow!("--ranks-at: {e}"))?;
                     if at.iter().any(|r| r.rank == rank) {
@@ -259,23 +259,23 @@ impl StreamArgs {
     }
 }
 
-/// `0-7`, `0,2,4` or a mix.
-fn parse_ranks(list: &str) -> anyhow::Result<Vec<u32>> {
+/// `0-7`, `0,2,4` or a mix (`flag` names the option in errors).
+fn parse_ranks(list: &str, flag: &str) -> anyhow::Result<Vec<u32>> {
     let mut ranks = Vec::new();
     for part in list.split(',').map(str::trim).filter(|p| !p.is_empty()) {
         match part.split_once('-') {
             Some((a, b)) => {
                 let (a, b): (u32, u32) = (a.trim().parse()?, b.trim().parse()?);
                 if a > b {
-                    bail!("--ranks {part}: empty range");
+                    bail!("{flag} {part}: empty range");
                 }
                 ranks.extend(a..=b);
             }
-            None => ranks.push(part.parse().with_context(|| format!("--ranks {part:?}"))?),
+            None => ranks.push(part.parse().with_context(|| format!("{flag} {part:?}"))?),
         }
     }
     if ranks.is_empty() {
-        bail!("--ranks {list:?} names no rank");
+        bail!("{flag} {list:?} names no rank");
     }
     Ok(ranks)
 }

@@ -562,8 +562,21 @@ impl Nodes {
     /// A producer on node `i` serving every rank, each from its checkpoint (`extra`: more
     /// words for the child, `relay=ADDR`).
     fn producer(&self, i: usize, spec: &StreamSpec, extra: &str) -> ClientProcess {
-        let starts: Vec<String> = (0..spec.world)
-            .map(|r| {
+        let all: Vec<u32> = (0..spec.world).collect();
+        self.producer_of(i, spec, &all, extra)
+    }
+
+    /// A producer on node `i` serving only `ranks`.
+    fn producer_of(
+        &self,
+        i: usize,
+        spec: &StreamSpec,
+        ranks: &[u32],
+        extra: &str,
+    ) -> ClientProcess {
+        let starts: Vec<String> = ranks
+            .iter()
+            .map(|&r| {
                 let seq = Checkpoint::read(&self.dir.join(format!("rank{r}")))
                     .state
                     .map_or(0, |s| s.seq(spec));
@@ -771,5 +784,35 @@ fn a_dead_producer_node_loses_and_duplicates_nothing() {
         expected(&s),
         "no sample lost or duplicated after the producers' node died"
     );
+    nodes.assert_at_rest(2);
+}
+
+/// Producers naming part of the ranks each: node 0's names ranks 0-2 (rank 2 on node 1), node
+/// 1's only rank 3. Node 1 must hand node 0's session tasks of rank 2 alone: a task of rank 3
+/// granted to node 0, which does not know rank 3, would stall it.
+#[test]
+fn producers_serving_part_of_the_ranks_get_only_their_ranks_tasks() {
+    if skip_unless_root("producers_serving_part_of_the_ranks") {
+        return;
+    }
+    let _w = watchdog(
+        "producers_serving_part_of_the_ranks",
+        Duration::from_secs(240),
+    );
+    let nodes = Nodes::start("se", 2);
+    let s = spec("subsets", 64, 17, 4, 2);
+    let a = nodes.producer_of(0, &s, &[0, 1, 2], "");
+    let b = nodes.producer_of(1, &s, &[3], "");
+    let consumers: Vec<ClientProcess> = (0..4).map(|r| nodes.consumer(&s, r, 0)).collect();
+    for mut p in consumers.into_iter().chain([a, b]) {
+        let status = wait_child(&mut p.child, Duration::from_secs(120));
+        assert!(status.success(), "{status}");
+    }
+    assert_eq!(nodes.records(&s), expected(&s));
+    let (n0, n1) = (nodes.nodes[0].reader(), nodes.nodes[1].reader());
+    assert_eq!(n0.stats().unwrap().pulls, 0, "ranks 0-1 made on node 0");
+    // Rank 2's samples: node 1's producer may make some (a producer takes any of its node's
+    // ranks), node 0's the rest, pulled.
+    assert!(n1.stats().unwrap().pulls <= s.per_rank() * 2);
     nodes.assert_at_rest(2);
 }

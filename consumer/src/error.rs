@@ -79,13 +79,12 @@ pub enum Error {
     /// The handle belongs to another node that could not be reached: no peer has its node id,
     /// or its daemon refused, reset or went away during the transfer (this node's feedstored
     /// logs which). Retrying may help once the node is back.
-    #[error(
-        "object {handle} belongs to node {:08x}, which could not be reached (see this node's feedstored log and `feedstore stat`)",
-        handle.node_id
-    )]
+    #[error("{}", unreachable_text(handle, reason))]
     Unreachable {
-        /// The handle asked for.
+        /// The handle asked for (zero when no object was: a stream's rank on another node).
         handle: Handle,
+        /// The daemon's reason, when it gave one.
+        reason: String,
     },
     /// An object pulled from its owning node failed its checksum; nothing was handed out.
     #[error("object {handle} arrived corrupted from node {:08x} (checksum mismatch)", handle.node_id)]
@@ -200,6 +199,21 @@ fn connect_hint(source: &io::Error) -> &'static str {
     }
 }
 
+fn unreachable_text(handle: &Handle, reason: &str) -> String {
+    if *handle == Handle::default() && !reason.is_empty() {
+        return reason.to_owned();
+    }
+    let mut text = format!(
+        "object {handle} belongs to node {:08x}, which could not be reached (see this node's \
+         feedstored log and `feedstore stat`)",
+        handle.node_id
+    );
+    if !reason.is_empty() {
+        text = format!("{text}: {reason}");
+    }
+    text
+}
+
 impl Error {
     /// The error for a per-object status from the daemon.
     pub(crate) fn from_status(
@@ -213,7 +227,10 @@ impl Error {
             Status::Stale => Error::Stale { handle },
             Status::NotSealed => Error::NotSealed { handle },
             Status::WrongNode => Error::WrongNode { handle },
-            Status::Unreachable => Error::Unreachable { handle },
+            Status::Unreachable => Error::Unreachable {
+                handle,
+                reason: message.into(),
+            },
             Status::Corrupt => Error::Corrupt { handle },
             Status::Full => Error::Full { size_bytes },
             Status::TooLarge => Error::TooLarge { size_bytes },

@@ -178,7 +178,7 @@ pub enum ProducerError {
     #[error("cannot start the runtime")]
     Runtime(#[source] std::io::Error),
     /// The stream refused this producer (another spec under its name, say).
-    #[error("cannot feed the stream: {0}")]
+    #[error("cannot feed the stream")]
     Stream(#[source] feedstore_consumer::Error),
 }
 

@@ -13,7 +13,7 @@ rank's daemon pulls them straight from there, inside the rank's prefetch window:
     ray.init()
     cluster = fray.start(capacity="8GiB")          # one feedstored per node, peers found via Ray
     job = fray.produce(cluster, "sft", manifest="/data/sft.jsonl", tokenizer="/data/tok.json",
-                       records=100_000, world=8, epochs=1, placement="spread")
+                       world=8, epochs=1, placement="spread")
 
     def train_loop(config):
         with fray.open_stream("sft", records=100_000, epochs=1) as stream:  # rank from Ray Train
@@ -31,7 +31,8 @@ Placements (the seed's comparison, one argument): ``"spread"`` (a producer actor
 as a coordinator relaying samples does).
 
 The binaries (``feedstored``, ``feedstore``) must be installed on every node: on ``PATH``, or in
-``bin_dir`` / ``$FEEDSTORE_BIN_DIR``. The manifest, images and tokenizer must be readable from
+``bin_dir`` / ``$FEEDSTORE_BIN_DIR``; so must this Python package (``pip install ./python``
+builds it, with a Rust toolchain; or install a wheel built once with maturin). The manifest, images and tokenizer must be readable from
 every node that runs a producer (a shared file system, or S3 through ``--s3-endpoint`` and the
 other ``feedstore produce`` flags passed in ``args``). Nodes that join the Ray cluster after
 ``start`` get no daemon.

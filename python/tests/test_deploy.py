@@ -1,6 +1,6 @@
 """The Kubernetes manifests under deploy/kubernetes/ (they cannot run here): they parse, every
 daemon flag they pass is one feedstored accepts, and the daemon and the trainer pod agree on the
-socket directory, the reader uid and the cluster secret's file mode."""
+socket directory, the job's uid and the cluster secret's file mode."""
 
 import subprocess
 
@@ -51,7 +51,7 @@ def test_the_daemonset_and_trainer_pod_agree_with_each_other_and_feedstored():
     socket_in_trainer = env["FEEDSTORE_SOCKET"]
     assert socket_in_trainer.startswith(trainer_mounts["socket-dir"] + "/")
     assert socket_in_trainer.rsplit("/", 1)[1] == flags["--socket"].rsplit("/", 1)[1]
-    assert str(trainer["spec"]["securityContext"]["runAsUser"]) == flags["--allow-reader-uid"]
+    assert str(trainer["spec"]["securityContext"]["runAsUser"]) == flags["--allow-uid"]
     compile(container["args"][0], "trainer", "exec")
 
 

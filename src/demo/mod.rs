@@ -46,7 +46,7 @@ pub struct Args {
     /// Use the daemon already listening here instead of starting an embedded one.
     #[command(flatten)]
     socket: SocketArg,
-    /// Shared memory of the embedded daemon.
+    /// Shared memory of the embedded daemon (with --nodes: of each node's daemon).
     #[arg(long, value_name = "SIZE", default_value = "1GiB", value_parser = parse_bytes)]
     capacity: u64,
     /// Records in the derived data set (built once per setting, then cached).
@@ -82,7 +82,8 @@ pub struct Args {
     /// of the time, the seed's figure, from one timed batch].
     #[arg(long, value_name = "SECONDS")]
     step_time: Option<f64>,
-    /// Trainer ranks of the feedstore run.
+    /// Trainer ranks of the feedstore run (with --nodes: one per node at the base scale, four
+    /// at x4).
     #[arg(long, value_name = "N", default_value_t = 2)]
     ranks: u32,
     /// CPU workers per loader (decode, resize, normalise, tokenize) [default: one per core].
@@ -111,17 +112,18 @@ pub struct Args {
     /// Where the PNG plot goes (the ladder's wait-time ratios and every loader's steps).
     #[arg(long, value_name = "FILE", default_value = "feedstore-demo.png")]
     plot: PathBuf,
-    /// The seed's scale act instead: N nodes (network namespaces, a daemon each, links capped
-    /// like NICs), trainer ranks on every node, producers by placement, at the base scale and
-    /// at 4x ranks, batch and streams; prints samples/s, wait-time ratio and each node's link
-    /// use per placement and scale. Needs root (namespaces, tc).
+    /// The seed's scale act instead: N nodes, 2 to 16 (network namespaces, a daemon each, links
+    /// capped like NICs), trainer ranks on every node, producers by placement, at the base
+    /// scale and at 4x ranks, batch and streams; prints samples/s, wait-time ratio and each
+    /// node's link use per placement and scale. Needs root (namespaces, tc); 4 nodes show the
+    /// effect best, and each run takes a few minutes.
     #[arg(long, value_name = "N", help_heading = "Across nodes")]
     nodes: Option<usize>,
     /// Each node's link cap, what it sends and receives together (e.g. 400mbit, 1gbit)
     /// [default: from a calibration run, so that the producers could fill 2.5 links].
     #[arg(long, value_name = "RATE", value_parser = parse_rate, requires = "nodes", help_heading = "Across nodes")]
     link_rate: Option<u64>,
-    /// The placements to compare.
+    /// The placements to compare: spread, colocated, relay.
     #[arg(
         long,
         value_name = "LIST",

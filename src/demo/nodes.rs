@@ -117,12 +117,24 @@ impl Drop for Nodes {
 
 impl Nodes {
     fn start(n: usize, capacity: u64) -> anyhow::Result<Nodes> {
-        use std::os::unix::fs::PermissionsExt;
+        use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
         let lan = Lan::create("demo", n)
             .context("making the nodes' network namespaces (ip from iproute2)")?;
-        let dir = std::env::temp_dir().join(format!("feedstore-nodes-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir)?;
+        // A fresh directory nobody else can have made first (the demo runs as root).
+        let mut random = [0u8; 8];
+        std::io::Read::read_exact(&mut std::fs::File::open("/dev/urandom")?, &mut random)?;
+        let dir = std::env::temp_dir().join(format!(
+            "feedstore-nodes-{}-{}",
+            std::process::id(),
+            random
+                .iter()
+                .map(|b| format!("{b:02x}"))
+                .collect::<String>()
+        ));
+        std::fs::DirBuilder::new()
+            .mode(0o700)
+            .create(&dir)
+            .with_context(|| format!("creating {}", dir.display()))?;
         let mut nodes = Nodes {
             daemons: Vec::new(),
             lan,
@@ -131,7 +143,10 @@ impl Nodes {
         let secret = nodes.dir.join("cluster-secret");
         let mut random = [0u8; 16];
         std::io::Read::read_exact(&mut std::fs::File::open("/dev/urandom")?, &mut random)?;
-        let text: String = random.iter().map(|b| format!("{b:02x}")).collect();
+        let text: String = random
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect::<String>();
         std::fs::write(&secret, text)?;
         std::fs::set_permissions(&secret, std::fs::Permissions::from_mode(0o600))?;
         let peers: Vec<String> = (0..n).map(|i| nodes.addr(i)).collect();

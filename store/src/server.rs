@@ -719,7 +719,7 @@ impl Connection {
                 let fits = (self.peer_limit as usize - 4) / StreamTask::WIRE_BYTES;
                 let max = max.clamp(1, fits as u32);
                 self.wait_until(id, timeout_ms, |expired| {
-                    match shared.with_streams(|s, _| s.take(id, stream, max, false)) {
+                    match shared.with_streams(|s, _| s.take(id, stream, max, None)) {
                         Ok(tasks) if !tasks.is_empty() || expired => Some(Response::Tasks(tasks)),
                         Ok(_) => None,
                         Err(e) => Some(stream_error(e)),

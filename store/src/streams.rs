@@ -256,6 +256,13 @@ struct Remote {
     ended: bool,
     /// Samples made here for its ranks (sealed, leased by the stream) to hand over.
     outbox: Vec<StreamItem>,
+    /// How many of its ranks the owner was told of (a producer joining later with more ranks
+    /// makes the feeder join again).
+    joined_ranks: usize,
+    /// The feeder is telling the owner this node's producers left.
+    leaving: bool,
+    /// A producer joined while the feeder was leaving: it joins again instead of ending.
+    wanted: bool,
 }
 
 /// Samples made here for another node's ranks, to be pulled by that node: the stream leases
@@ -289,6 +296,8 @@ pub struct Placement {
 pub enum Demand {
     /// Ask the owner for this many tasks.
     Tasks(u32),
+    /// Producers here now serve more of the owner's ranks than it was told of: join again.
+    Rejoin,
     /// Enough granted tasks wait for this node's producers.
     Full,
     /// No producer here serves the stream any more (or it is gone): leave.
@@ -563,11 +572,16 @@ impl Streams {
                 .ranks
                 .entry(r.rank)
                 .or_insert_with(|| Rank::new(r.seq, owner));
-            if let Some(node) = owner
-                && !stream.remotes.contains_key(&node)
-            {
-                stream.remotes.insert(node, Remote::default());
-                feeders.push(node);
+            if let Some(node) = owner {
+                match stream.remotes.get_mut(&node) {
+                    // Its feeder is leaving: it stays, and joins again.
+                    Some(remote) if remote.leaving => remote.wanted = true,
+                    Some(_) => {}
+                    None => {
+                        stream.remotes.insert(node, Remote::default());
+                        feeders.push(node);
+                    }
+                }
             }
         }
         self.ranks += new.len();
@@ -784,14 +798,15 @@ impl Streams {
 
     /// Up to `max` tasks for a producer, spread over the ranks that are furthest behind, this
     /// node's ranks first (their samples need not cross the network), then those other nodes
-    /// granted. `local_only` (another node's session asking) leaves out the ranks other nodes
-    /// own. `Err(Ended)` when the stream has no work left and never will.
+    /// granted. `only` (another node's session asking) limits it to the ranks that session
+    /// joined, among this node's own. `Err(Ended)` when the stream has no work left and never
+    /// will.
     pub fn take(
         &mut self,
         conn: ConnId,
         id: u32,
         max: u32,
-        local_only: bool,
+        only: Option<&BTreeSet<u32>>,
     ) -> Result<Vec<StreamTask>, StreamError> {
         let Some(stream) = self.streams.get_mut(&id) else {
             return Err(fail(Status::Ended, "the stream was closed"));
@@ -799,39 +814,42 @@ impl Streams {
         if !stream.producers.contains(&conn) {
             return Err(fail(Status::Protocol, "take before joining the stream"));
         }
-        let served = |r: &Rank| !local_only || r.owner.is_none();
-        if stream.ranks.values().any(served)
-            && stream
-                .ranks
-                .values()
-                .filter(|r| served(r))
-                .all(|r| stream.rank_done(r))
-        {
+        let served = |rank: &u32, r: &Rank| match only {
+            None => true,
+            Some(ranks) => r.owner.is_none() && ranks.contains(rank),
+        };
+        let mut serving = stream.ranks.iter().filter(|(k, r)| served(k, r)).peekable();
+        if serving.peek().is_some() && serving.all(|(_, r)| stream.rank_done(r)) {
             return Err(fail(Status::Ended, "every rank's last epoch is made"));
         }
         let mut order: Vec<u32> = stream
             .ranks
             .iter()
-            .filter(|(_, r)| served(r))
+            .filter(|(k, r)| served(k, r))
             .map(|(&rank, _)| rank)
             .collect();
-        order.sort_by_key(|r| {
-            let rank = &stream.ranks[r];
-            (rank.owner.is_some(), rank.in_flight())
-        });
+        order.sort_by_key(|r| stream.ranks[r].in_flight());
         let mut tasks = Vec::new();
-        let mut progress = true;
-        while tasks.len() < max as usize && progress {
-            progress = false;
-            for &rank in &order {
-                if tasks.len() == max as usize {
-                    break;
-                }
-                let window_end = stream.window_end(&stream.ranks[&rank]);
-                let r = stream.ranks.get_mut(&rank).expect("listed");
-                if let Some(seq) = r.next_task(conn, window_end) {
-                    tasks.push(StreamTask { rank, seq });
-                    progress = true;
+        // This node's ranks round-robin until their windows are full, then other nodes'.
+        for remote in [false, true] {
+            let group: Vec<u32> = order
+                .iter()
+                .copied()
+                .filter(|r| stream.ranks[r].owner.is_some() == remote)
+                .collect();
+            let mut progress = true;
+            while tasks.len() < max as usize && progress {
+                progress = false;
+                for &rank in &group {
+                    if tasks.len() == max as usize {
+                        break;
+                    }
+                    let window_end = stream.window_end(&stream.ranks[&rank]);
+                    let r = stream.ranks.get_mut(&rank).expect("listed");
+                    if let Some(seq) = r.next_task(conn, window_end) {
+                        tasks.push(StreamTask { rank, seq });
+                        progress = true;
+                    }
                 }
             }
         }
@@ -1004,9 +1022,10 @@ impl Streams {
         Some((stream.owner_uid, stream.spec.clone(), stream.depth, ranks))
     }
 
-    /// `node` has the stream joined as `remote_stream` (`None`: the session was lost, and with
-    /// it the tasks it had granted, which that node makes available again).
-    pub fn remote_joined(&mut self, id: u32, node: u32, remote_stream: Option<u32>) {
+    /// `node` has the stream joined as `remote_stream`, told of `ranks` of its ranks (`None`:
+    /// the session was lost, and with it the tasks it had granted, which that node makes
+    /// available again).
+    pub fn remote_joined(&mut self, id: u32, node: u32, remote_stream: Option<u32>, ranks: usize) {
         let Some(stream) = self.streams.get_mut(&id) else {
             return;
         };
@@ -1014,6 +1033,7 @@ impl Streams {
             return;
         };
         remote.id = remote_stream;
+        remote.joined_ranks = ranks;
         if remote_stream.is_none() {
             for r in stream.ranks.values_mut().filter(|r| r.owner == Some(node)) {
                 r.redo.clear();
@@ -1036,12 +1056,11 @@ impl Streams {
         if local == 0 || !stream.remotes.contains_key(&node) {
             return Demand::Leave;
         }
-        let waiting: usize = stream
-            .ranks
-            .values()
-            .filter(|r| r.owner == Some(node))
-            .map(|r| r.redo.len())
-            .sum();
+        let owned = stream.ranks.values().filter(|r| r.owner == Some(node));
+        if owned.clone().count() > stream.remotes[&node].joined_ranks {
+            return Demand::Rejoin;
+        }
+        let waiting: usize = owned.map(|r| r.redo.len()).sum();
         let target = (local * 8).clamp(8, 1024);
         match target.saturating_sub(waiting) {
             0 => Demand::Full,
@@ -1078,17 +1097,46 @@ impl Streams {
         }
     }
 
-    /// The feeder of `node` stops (no producer here serves the stream any more): granted tasks
-    /// are forgotten (the owner takes them back when the session leaves), and a producer that
-    /// joins later starts a new feeder.
-    pub fn remote_left(&mut self, id: u32, node: u32) {
-        if let Some(stream) = self.streams.get_mut(&id) {
-            stream.remotes.remove(&node);
+    /// The feeder of `node` starts leaving, if no producer here serves the stream any more
+    /// (checked under the same lock): granted tasks are forgotten (the owner takes them back
+    /// when told), and samples made meanwhile are not handed over. `false`: producers are back.
+    pub fn begin_leave(&mut self, id: u32, node: u32) -> bool {
+        if self.demand(id, node) != Demand::Leave {
+            return false;
+        }
+        let Some(stream) = self.streams.get_mut(&id) else {
+            return true;
+        };
+        if let Some(remote) = stream.remotes.get_mut(&node) {
+            remote.leaving = true;
+            remote.wanted = false;
+            remote.id = None;
             for r in stream.ranks.values_mut().filter(|r| r.owner == Some(node)) {
                 r.redo.clear();
             }
             self.changed();
         }
+        true
+    }
+
+    /// The owner was told: the feeder ends (`true`), unless a producer joined meanwhile
+    /// (`false`: it joins again; a producer joining after this starts a new feeder).
+    pub fn end_leave(&mut self, id: u32, node: u32) -> bool {
+        let Some(stream) = self.streams.get_mut(&id) else {
+            return true;
+        };
+        let Some(remote) = stream.remotes.get_mut(&node) else {
+            return true;
+        };
+        if remote.wanted {
+            remote.leaving = false;
+            remote.wanted = false;
+            remote.joined_ranks = 0;
+            return false;
+        }
+        stream.remotes.remove(&node);
+        self.changed();
+        true
     }
 
     /// Takes the samples waiting to be handed to other nodes. Those whose owner has no session
@@ -1121,15 +1169,16 @@ impl Streams {
         out
     }
 
-    /// A task a producer took and cannot deliver (another node could not pull its sample)
-    /// goes back to its window, to be made again.
-    pub fn give_back(&mut self, id: u32, task: StreamTask) {
+    /// A task `conn` took and cannot deliver (another node could not pull its sample) goes
+    /// back to its window, to be made again.
+    pub fn give_back(&mut self, conn: ConnId, id: u32, task: StreamTask) {
         if let Some(r) = self
             .streams
             .get_mut(&id)
             .and_then(|s| s.ranks.get_mut(&task.rank))
-            && r.assigned.remove(&task.seq).is_some()
+            && r.assigned.get(&task.seq) == Some(&conn)
         {
+            r.assigned.remove(&task.seq);
             r.redo.insert(task.seq);
             self.changed();
         }
@@ -1521,7 +1570,7 @@ mod tests {
 
     /// Takes and puts everything the windows allow.
     fn fill(o: &mut Objects, s: &mut Streams, p: ConnId, id: u32) -> Vec<StreamItem> {
-        let tasks = s.take(p, id, 100, false).unwrap();
+        let tasks = s.take(p, id, 100, None).unwrap();
         let items: Vec<_> = tasks.iter().map(|&t| make(o, p, t)).collect();
         assert!(
             s.put(o, p, id, &items, true)
@@ -1546,12 +1595,9 @@ mod tests {
             )
             .map(|(id, _)| id)
             .unwrap();
-        let tasks = s.take(p, id, 100, false).unwrap();
+        let tasks = s.take(p, id, 100, None).unwrap();
         assert_eq!(tasks.len(), 4, "depth 2 × 2 ranks: {tasks:?}");
-        assert!(
-            s.take(p, id, 100, false).unwrap().is_empty(),
-            "windows full"
-        );
+        assert!(s.take(p, id, 100, None).unwrap().is_empty(), "windows full");
         let items: Vec<_> = tasks.iter().map(|&t| make(&mut o, p, t)).collect();
         assert_eq!(
             s.put(&mut o, p, id, &items, true).unwrap(),
@@ -1569,7 +1615,7 @@ mod tests {
         assert_eq!(s.poll(c, id, 0, 2).unwrap(), None);
         s.release(&mut o, c, id, 0, 1).unwrap();
         assert_eq!(
-            s.take(p, id, 100, false).unwrap(),
+            s.take(p, id, 100, None).unwrap(),
             vec![StreamTask { rank: 0, seq: 2 }]
         );
         assert_eq!(
@@ -1722,7 +1768,7 @@ mod tests {
             .join(&mut o, p, &spec(1), 4, &starts(&[0]), &Placement::default())
             .map(|(id, _)| id)
             .unwrap();
-        let tasks = s.take(p, id, 1, false).unwrap();
+        let tasks = s.take(p, id, 1, None).unwrap();
         let other_reader = client(&mut o, Role::Reader, 2000);
         let err = s.attach(&mut o, other_reader, &spec(1), 0, 0).unwrap_err();
         assert_eq!(
@@ -1753,7 +1799,7 @@ mod tests {
             Status::Protocol,
             "only the stream's producers put into it"
         );
-        assert!(s.take(other_writer, id, 1, false).is_err());
+        assert!(s.take(other_writer, id, 1, None).is_err());
         s.attach(&mut o, c, &spec(1), 0, 0).unwrap();
     }
 
@@ -1831,7 +1877,7 @@ mod tests {
             .join(&mut o, p, &spec(1), 2, &starts(&[0]), &Placement::default())
             .map(|(id, _)| id)
             .unwrap();
-        let first = s.take(p, id, 1, false).unwrap();
+        let first = s.take(p, id, 1, None).unwrap();
         s.disconnect(p);
         let p2 = client(&mut o, Role::Writer, 1000);
         s.join(
@@ -1844,7 +1890,7 @@ mod tests {
         )
         .map(|(id, _)| id)
         .unwrap();
-        let again = s.take(p2, id, 2, false).unwrap();
+        let again = s.take(p2, id, 2, None).unwrap();
         assert_eq!(again[0], first[0], "redo first");
         let item = make(&mut o, p2, first[0]);
         assert_eq!(
@@ -1875,7 +1921,7 @@ mod tests {
         s.attach(&mut o, c2, &spec(2), 0, 1).unwrap();
         assert_eq!(s.poll(c2, id, 0, 3).unwrap(), Some(Status::Ok), "kept");
         assert_eq!(s.poll(c2, id, 0, 1).unwrap(), None, "to be made again");
-        let again = s.take(p, id, 10, false).unwrap();
+        let again = s.take(p, id, 10, None).unwrap();
         let seqs: Vec<u64> = again.iter().map(|t| t.seq).collect();
         assert_eq!(seqs, vec![1, 2, 4]);
         assert!(
@@ -1891,12 +1937,12 @@ mod tests {
             .join(&mut o, p, &spec(1), 8, &starts(&[0]), &Placement::default())
             .map(|(id, _)| id)
             .unwrap();
-        let tasks = s.take(p, id, 100, false).unwrap();
+        let tasks = s.take(p, id, 100, None).unwrap();
         assert_eq!(tasks.len(), 4, "one epoch of 8 records over 2 ranks");
         let items: Vec<_> = tasks.iter().map(|&t| make(&mut o, p, t)).collect();
         s.put(&mut o, p, id, &items, true).unwrap();
         assert!(
-            s.take(p, id, 1, false).unwrap().is_empty(),
+            s.take(p, id, 1, None).unwrap().is_empty(),
             "made but not read: a resuming consumer may still rewind"
         );
         s.attach(&mut o, c, &spec(1), 0, 0).unwrap();
@@ -1910,7 +1956,7 @@ mod tests {
             before,
             "read past the end: producers are woken"
         );
-        assert_eq!(s.take(p, id, 1, false).unwrap_err().status, Status::Ended);
+        assert_eq!(s.take(p, id, 1, None).unwrap_err().status, Status::Ended);
         let other = StreamSpec { seed: 2, ..spec(1) };
         assert_eq!(
             s.attach(&mut o, c, &other, 0, 0).unwrap_err().status,
@@ -1929,7 +1975,7 @@ mod tests {
             .join(&mut o, p, &spec(1), 8, &starts(&[0]), &Placement::default())
             .map(|(id, _)| id)
             .unwrap();
-        let tasks = s.take(p, id, 2, false).unwrap();
+        let tasks = s.take(p, id, 2, None).unwrap();
         let items: Vec<_> = tasks.iter().map(|&t| make(&mut o, p, t)).collect();
         s.put(&mut o, p, id, &items, true).unwrap();
         let found = s.lookup(&o, p, &[1, 2, 99]);
@@ -2013,24 +2059,28 @@ mod tests {
         let err = s.attach(&mut o, c, &spec(1), 1, 0).unwrap_err();
         assert!(err.message.contains("node 00000009"), "{}", err.message);
 
-        let local = s.take(p, id, 100, false).unwrap();
+        let local = s.take(p, id, 100, None).unwrap();
         assert!(
             local.iter().all(|t| t.rank == 0),
             "nothing granted yet: {local:?}"
         );
-        assert_eq!(s.demand(id, 9), Demand::Tasks(8));
+        assert_eq!(s.demand(id, 9), Demand::Rejoin, "node 9 not told yet");
         let (uid, _, depth, ranks) = s.remote_join(id, 9).unwrap();
         assert_eq!((uid, depth, ranks), (1000, 2, starts(&[1])));
-        s.remote_joined(id, 9, Some(4));
+        s.remote_joined(id, 9, Some(4), 1);
+        assert_eq!(s.demand(id, 9), Demand::Tasks(8));
         let granted = [
             StreamTask { rank: 1, seq: 0 },
             StreamTask { rank: 1, seq: 1 },
         ];
         s.grant(id, 9, &granted);
         assert_eq!(s.demand(id, 9), Demand::Tasks(6));
-        assert_eq!(s.take(p, id, 100, false).unwrap(), granted.to_vec());
+        assert_eq!(s.take(p, id, 100, None).unwrap(), granted.to_vec());
         assert!(
-            s.take(p, id, 100, true).unwrap().is_empty(),
+            s.take(p, id, 100, Some(&BTreeSet::from([0, 1])))
+                .unwrap()
+                .iter()
+                .all(|t| t.rank == 0),
             "another node's session is never handed a third node's tasks"
         );
         let items: Vec<_> = granted.iter().map(|&t| make(&mut o, p, t)).collect();
@@ -2070,9 +2120,10 @@ mod tests {
 
         // A lost session forgets its grants; the owner said it ended; the last producer left.
         s.grant(id, 9, &[StreamTask { rank: 1, seq: 2 }]);
-        s.remote_joined(id, 9, None);
+        s.remote_joined(id, 9, None, 0);
+        s.remote_joined(id, 9, Some(4), 1);
         assert!(
-            s.take(p, id, 100, false)
+            s.take(p, id, 100, None)
                 .unwrap()
                 .iter()
                 .all(|t| t.rank == 0)
@@ -2085,7 +2136,15 @@ mod tests {
             Demand::Leave,
             "another node's session keeps no feeder of this node going"
         );
-        s.remote_left(id, 9);
+        // Leaving, a producer comes back: the same feeder joins again instead of ending.
+        assert!(s.begin_leave(id, 9));
+        s.join(&mut o, p, &spec(1), 2, &starts(&[0, 1]), &owners)
+            .map(|(_, feeders)| assert!(feeders.is_empty(), "no second feeder"))
+            .unwrap();
+        assert!(!s.end_leave(id, 9), "joins again");
+        s.disconnect(p);
+        assert!(s.begin_leave(id, 9));
+        assert!(s.end_leave(id, 9), "gone for good");
         assert!(s.remote_join(id, 9).is_none());
     }
 
@@ -2097,17 +2156,23 @@ mod tests {
         let (id, _) = s
             .join(&mut o, p, &spec(1), 2, &starts(&[0]), &Placement::default())
             .unwrap();
-        let first = s.take(p, id, 1, true).unwrap();
-        s.give_back(id, first[0]);
-        assert_eq!(s.take(p, id, 1, true).unwrap(), first, "made again");
-        s.leave(p, id);
+        let only = BTreeSet::from([0]);
+        let first = s.take(p, id, 1, Some(&only)).unwrap();
         let p2 = client(&mut o, Role::Writer, 1000);
+        s.give_back(p2, id, first[0]);
+        assert!(
+            s.take(p, id, 1, Some(&only)).unwrap() != first,
+            "only the connection that took a task gives it back"
+        );
+        s.give_back(p, id, first[0]);
+        assert_eq!(s.take(p, id, 1, Some(&only)).unwrap(), first, "made again");
+        s.leave(p, id);
         s.join(&mut o, p2, &spec(1), 2, &[], &Placement::default())
             .unwrap();
-        let again = s.take(p2, id, 2, true).unwrap();
+        let again = s.take(p2, id, 2, Some(&only)).unwrap();
         assert!(again.contains(&first[0]), "{again:?}");
         assert!(
-            s.take(p, id, 1, true).is_err(),
+            s.take(p, id, 1, Some(&only)).is_err(),
             "left: no longer a producer"
         );
     }

@@ -158,6 +158,8 @@ pub struct Cluster {
     peer_connections: Mutex<(usize, HashMap<IpAddr, usize>)>,
     /// Stream sessions this node opened to other nodes, by node id.
     sessions: Mutex<HashMap<u32, Arc<session::Session>>>,
+    /// Held while a session is being opened.
+    opening_sessions: tokio::sync::Mutex<()>,
     pub(crate) counters: Counters,
 }
 
@@ -196,6 +198,7 @@ impl Cluster {
             inflight: Mutex::new(HashMap::new()),
             peer_connections: Mutex::new((0, HashMap::new())),
             sessions: Mutex::new(HashMap::new()),
+            opening_sessions: tokio::sync::Mutex::new(()),
             counters: Counters::default(),
         }
     }

@@ -18,13 +18,13 @@
 //! they arrive inside the window, ahead of the trainer. Nobody else carries samples or assigns
 //! tasks.
 
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap};
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use feedstore_proto::frame::StreamItem;
+use feedstore_proto::frame::{StreamItem, StreamTask};
 use feedstore_proto::peer_stream::{MAX_SESSION_ITEMS, SessionReply, SessionRequest, frame_len};
 use feedstore_proto::ring::ENTRY_FAILED;
 use feedstore_proto::{Role, Status};
@@ -67,6 +67,8 @@ async fn read_frame(reader: &mut OwnedReadHalf) -> std::io::Result<Vec<u8>> {
 pub(crate) struct Session {
     node: u32,
     addr: SocketAddr,
+    /// The socket, shut down by [`Session::kill`] (the write half keeps it open until then).
+    fd: std::os::fd::RawFd,
     writer: tokio::sync::Mutex<OwnedWriteHalf>,
     pending: Arc<Mutex<HashMap<u32, oneshot::Sender<SessionReply>>>>,
     alive: Arc<AtomicBool>,
@@ -82,6 +84,7 @@ impl Drop for Session {
 
 impl Session {
     fn start(stream: TcpStream, addr: SocketAddr, peer: PeerIdentity) -> Session {
+        let fd = std::os::fd::AsRawFd::as_raw_fd(&stream);
         let (mut reader, writer) = stream.into_split();
         let pending: Arc<Mutex<HashMap<u32, oneshot::Sender<SessionReply>>>> = Arc::default();
         let alive = Arc::new(AtomicBool::new(true));
@@ -116,6 +119,7 @@ impl Session {
         Session {
             node: peer.node_id,
             addr,
+            fd,
             writer: tokio::sync::Mutex::new(writer),
             pending,
             alive,
@@ -128,9 +132,12 @@ impl Session {
         self.alive.load(Ordering::Acquire) && !self.reader.is_finished()
     }
 
-    /// Ends the session: the owner returns everything it took to the windows.
+    /// Ends the session: the socket is shut down (the owner sees it end and returns everything
+    /// the session took to the windows), and every call waiting fails.
     fn kill(&self) {
         self.alive.store(false, Ordering::Release);
+        // The descriptor is open: the write half, which owns it, lives as long as `self`.
+        let _ = nix::sys::socket::shutdown(self.fd, nix::sys::socket::Shutdown::Both);
         self.reader.abort();
         self.pending
             .lock()
@@ -199,6 +206,13 @@ impl Session {
 impl Cluster {
     /// The stream session to `node`, opened if there is none alive.
     async fn session(&self, node: u32, deadline: Instant) -> Result<Arc<Session>, PullError> {
+        if let Some(s) = self.lock_sessions().get(&node).filter(|s| s.alive()) {
+            return Ok(s.clone());
+        }
+        // One opening at a time: many forwards finding a session gone make one connection.
+        let _opening = tokio::time::timeout_at(deadline, self.opening_sessions.lock())
+            .await
+            .map_err(|_| PullError::fatal(Status::Timeout, "waiting to open a stream session"))?;
         if let Some(s) = self.lock_sessions().get(&node).filter(|s| s.alive()) {
             return Ok(s.clone());
         }
@@ -276,6 +290,49 @@ impl Cluster {
     }
 }
 
+/// Joins stream `id` on `node` for the ranks it owns, in joins of at most
+/// [`MAX_SESSION_ITEMS`] ranks (each adds to the last): the stream's id there and how many ranks
+/// it was told of. `None` once the stream is gone here.
+async fn join_remote(
+    shared: &Shared,
+    session: &Session,
+    id: u32,
+    node: u32,
+    deadline: Instant,
+) -> Result<Option<(u32, usize)>, PullError> {
+    let Some((uid, spec, depth, ranks)) = shared.with_streams(|s, _| s.remote_join(id, node))
+    else {
+        return Ok(None);
+    };
+    let mut remote = None;
+    let chunks: Vec<&[StreamTask]> = if ranks.is_empty() {
+        vec![&[]]
+    } else {
+        ranks.chunks(MAX_SESSION_ITEMS as usize).collect()
+    };
+    for chunk in chunks {
+        let join = SessionRequest::Join {
+            uid,
+            spec: spec.clone(),
+            depth,
+            ranks: chunk.to_vec(),
+        };
+        match session.call(&join, deadline).await? {
+            SessionReply::Joined { stream } => remote = Some(stream),
+            SessionReply::Failed { status, message } => {
+                return Err(PullError::fatal(status, message));
+            }
+            other => {
+                return Err(PullError::fatal(
+                    Status::Protocol,
+                    format!("unexpected answer to a join: {other:?}"),
+                ));
+            }
+        }
+    }
+    Ok(remote.map(|r| (r, ranks.len())))
+}
+
 /// Runs the feeder of stream `id`'s ranks owned by `node` until no producer here serves the
 /// stream: joins it there, keeps granted tasks ready for this node's producers, and comes back
 /// after a lost session.
@@ -283,41 +340,30 @@ pub(crate) async fn feed_remote(shared: Arc<Shared>, cluster: Arc<Cluster>, id: 
     let mut events = shared.stream_events();
     let mut backoff = Duration::from_millis(100);
     loop {
-        let Some((uid, spec, depth, ranks)) = shared.with_streams(|s, _| s.remote_join(id, node))
-        else {
-            return;
-        };
-        if shared.with_streams(|s, _| s.demand(id, node)) == Demand::Leave {
-            shared.with_streams(|s, _| s.remote_left(id, node));
+        // Nobody here needs it (before joining, or after a lost session): nothing to tell the
+        // owner.
+        if shared.with_streams(|s, _| s.begin_leave(id, node))
+            && shared.with_streams(|s, _| s.end_leave(id, node))
+        {
             return;
         }
         let joined = async {
             let deadline = Instant::now() + cluster.config.pull_timeout;
             let session = cluster.session(node, deadline).await?;
-            let join = SessionRequest::Join {
-                uid,
-                spec: spec.clone(),
-                depth,
-                ranks,
-            };
-            match session.call(&join, deadline).await? {
-                SessionReply::Joined { stream } => Ok((session, stream)),
-                SessionReply::Failed { status, message } => Err(PullError::fatal(status, message)),
-                other => Err(PullError::fatal(
-                    Status::Protocol,
-                    format!("unexpected answer to a join: {other:?}"),
-                )),
-            }
+            let joined = join_remote(&shared, &session, id, node, deadline).await?;
+            Ok::<_, PullError>(joined.map(|j| (session, j)))
         }
         .await;
-        let (session, remote) = match joined {
-            Ok(joined) => joined,
+        let (session, (remote, ranks)) = match joined {
+            Ok(Some(joined)) => joined,
+            // The stream is gone here.
+            Ok(None) => return,
             Err(e) => {
                 cluster.log_once(
-                    &format!("stream {} node {node:08x}", spec.name),
+                    &format!("stream {id} node {node:08x}"),
                     format!(
-                        "cannot join stream {:?} on node {node:08x}: {} (trying again)",
-                        spec.name, e.message
+                        "cannot join stream {id} on node {node:08x}: {} (trying again)",
+                        e.message
                     ),
                 );
                 tokio::time::sleep(backoff).await;
@@ -326,14 +372,14 @@ pub(crate) async fn feed_remote(shared: Arc<Shared>, cluster: Arc<Cluster>, id: 
             }
         };
         backoff = Duration::from_millis(100);
-        tracing::info!(stream = ?spec.name, node = %format!("{node:08x}"), remote, "joined the stream on its ranks' node");
-        shared.with_streams(|s, _| s.remote_joined(id, node, Some(remote)));
-        let left = serve_grants(&shared, &session, &mut events, id, node, remote).await;
-        if left {
+        tracing::info!(stream = id, node = %format!("{node:08x}"), remote, "joined the stream on its ranks' node");
+        shared.with_streams(|s, _| s.remote_joined(id, node, Some(remote), ranks));
+        if serve_grants(&shared, &session, &mut events, id, node, remote).await {
             return;
         }
-        // The session was lost: the owner takes back what it granted; join again.
-        shared.with_streams(|s, _| s.remote_joined(id, node, None));
+        // The session was lost (or the producers left and came back): what it was granted is
+        // the owner's again; join again.
+        shared.with_streams(|s, _| s.remote_joined(id, node, None, 0));
     }
 }
 
@@ -353,12 +399,32 @@ async fn serve_grants(
         let demand = shared.with_streams(|s, _| s.demand(id, node));
         match demand {
             Demand::Leave => {
-                let deadline = Instant::now() + Duration::from_secs(5);
-                let _ = session
+                if !shared.with_streams(|s, _| s.begin_leave(id, node)) {
+                    continue;
+                }
+                let deadline = Instant::now() + Duration::from_secs(30);
+                let told = session
                     .call(&SessionRequest::Leave { stream: remote }, deadline)
                     .await;
-                shared.with_streams(|s, _| s.remote_left(id, node));
-                return true;
+                if told.is_err() {
+                    // The owner takes the tasks back when the session ends.
+                    session.kill();
+                }
+                return shared.with_streams(|s, _| s.end_leave(id, node));
+            }
+            Demand::Rejoin => {
+                let deadline = Instant::now() + Duration::from_secs(30);
+                match join_remote(shared, session, id, node, deadline).await {
+                    Ok(Some((_, ranks))) => {
+                        shared.with_streams(|s, _| s.remote_joined(id, node, Some(remote), ranks));
+                    }
+                    Ok(None) => return true,
+                    Err(e) => {
+                        tracing::info!(node = %format!("{node:08x}"), reason = %e.message, "joining more ranks failed; joining again");
+                        session.kill();
+                        return false;
+                    }
+                }
             }
             Demand::Tasks(n) if !ended => {
                 let take = SessionRequest::Take {
@@ -451,8 +517,8 @@ struct Producers {
     shared: Arc<Shared>,
     node: u32,
     by_uid: Mutex<HashMap<u32, ConnId>>,
-    /// Stream id to the connection that joined it.
-    joined: Mutex<HashMap<u32, ConnId>>,
+    /// Stream id to the connection that joined it and the ranks it joined.
+    joined: Mutex<HashMap<u32, (ConnId, BTreeSet<u32>)>>,
 }
 
 impl Drop for Producers {
@@ -500,12 +566,12 @@ impl Producers {
         Ok(conn)
     }
 
-    fn joined(&self, stream: u32) -> Result<ConnId, SessionReply> {
+    fn joined(&self, stream: u32) -> Result<(ConnId, BTreeSet<u32>), SessionReply> {
         self.joined
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .get(&stream)
-            .copied()
+            .cloned()
             .ok_or(SessionReply::Failed {
                 status: Status::Protocol,
                 message: format!("stream {stream} was not joined on this session"),
@@ -600,7 +666,10 @@ async fn answer(
                         .joined
                         .lock()
                         .unwrap_or_else(|e| e.into_inner())
-                        .insert(stream, conn);
+                        .entry(stream)
+                        .or_insert_with(|| (conn, BTreeSet::new()))
+                        .1
+                        .extend(ranks.iter().map(|t| t.rank));
                     SessionReply::Joined { stream }
                 }
                 Err(e) => failed(e),
@@ -611,7 +680,7 @@ async fn answer(
             max,
             timeout_ms,
         } => {
-            let conn = match producers.joined(stream) {
+            let (conn, ranks) = match producers.joined(stream) {
                 Ok(c) => c,
                 Err(reply) => return reply,
             };
@@ -621,7 +690,7 @@ async fn answer(
             let mut events = shared.stream_events();
             loop {
                 events.borrow_and_update();
-                match shared.with_streams(|s, _| s.take(conn, stream, max, true)) {
+                match shared.with_streams(|s, _| s.take(conn, stream, max, Some(&ranks))) {
                     Ok(tasks) if !tasks.is_empty() || Instant::now() >= deadline => {
                         return SessionReply::Tasks(tasks);
                     }
@@ -636,14 +705,14 @@ async fn answer(
             source,
             items,
         } => {
-            let conn = match producers.joined(stream) {
+            let (conn, _) = match producers.joined(stream) {
                 Ok(c) => c,
                 Err(reply) => return reply,
             };
             put_pulled(shared, cluster, conn, stream, source, items).await
         }
         SessionRequest::Leave { stream } => {
-            if let Ok(conn) = producers.joined(stream) {
+            if let Ok((conn, _)) = producers.joined(stream) {
                 shared.with_streams(|s, _| s.leave(conn, stream));
                 producers
                     .joined
@@ -668,7 +737,15 @@ async fn put_pulled(
     items: Vec<StreamItem>,
 ) -> SessionReply {
     let pulls = items.iter().map(|item| async move {
-        if item.flags & ENTRY_FAILED != 0 || shared.with_objects(|o| o.is_sealed(item.handle)) {
+        if item.flags & ENTRY_FAILED != 0 {
+            return Ok(());
+        }
+        // Only another node's object: a peer may not publish this node's own objects (other
+        // users' among them) into a ring.
+        if item.handle.node_id == shared.node_id() {
+            return Err(Status::InvalidArgument);
+        }
+        if shared.with_objects(|o| o.is_sealed(item.handle)) {
             return Ok(());
         }
         // From the relay the producers' node named, unless that is this node (then straight
@@ -691,7 +768,7 @@ async fn put_pulled(
     let put = shared.with_streams(|s, o| {
         for (item, p) in items.iter().zip(&pulled) {
             if p.is_err() {
-                s.give_back(stream, item.task);
+                s.give_back(conn, stream, item.task);
             }
         }
         s.put(o, conn, stream, &ok, false)
