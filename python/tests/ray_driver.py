@@ -3,7 +3,10 @@ through feedstore.ray, producers by placement, and Ray Train's TorchTrainer work
 each writing what it read to OUT/rank{r}.json; then writes the nodes' stats to OUT/stats.json."""
 
 import json
+import os
+import signal
 import sys
+import threading
 import time
 
 import ray
@@ -20,6 +23,8 @@ def train_loop(config):
 
     import feedstore.ray as fray
 
+    import time
+
     rank = ray.train.get_context().get_world_rank()
     seen = []
     with fray.open_stream(
@@ -28,10 +33,34 @@ def train_loop(config):
         for sample in stream:
             assert sample.images[0].shape == (64, 64, 3)
             seen.append([sample.seq, sample.record, sample.id])
+            time.sleep(config["pause"])
         # The last sample's view (and its lease) would otherwise live as long as this worker.
         sample = None
     with open(f"{config['out']}/rank{rank}.json", "w") as f:
         json.dump({"node": ray.get_runtime_context().get_node_id(), "seen": seen}, f)
+
+
+def kill_a_producer(cluster):
+    """Once samples flow between the nodes, kill -9 the `feedstore produce` process feeding the
+    stream from the worker node (its actor's node), mid-epoch."""
+    worker = [a for a in cluster.addresses.values() if not a.startswith(ray.util.get_node_ip_address())][0]
+    node_id = [n for n, a in cluster.addresses.items() if a == worker][0]
+    socket = ray.get(cluster.daemons[node_id].socket.remote())
+    deadline = time.monotonic() + 120
+    while sum(s["pulls"] for s in cluster.stats().values()) < 8:
+        assert time.monotonic() < deadline, "no samples crossed the nodes"
+        time.sleep(0.05)
+    for pid in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+        except OSError:
+            continue
+        if b"produce" in argv and socket.encode() in argv:
+            os.kill(int(pid), signal.SIGKILL)
+            print(f"killed producer {pid} on node {node_id}", file=sys.stderr)
+            return
+    raise AssertionError(f"no producer process found for {socket}")
 
 
 def main():
@@ -44,6 +73,10 @@ def main():
             world=config["world"], epochs=config["epochs"], placement=config["placement"],
             args=config["args"], bin_dir=config["bin_dir"],
         )
+        killer = None
+        if config["kill_producer"]:
+            killer = threading.Thread(target=kill_a_producer, args=(cluster,), daemon=True)
+            killer.start()
         TorchTrainer(
             train_loop,
             train_loop_config=config,
@@ -53,7 +86,9 @@ def main():
             ),
             run_config=RunConfig(storage_path=config["out"] + "/results"),
         ).fit()
-        producers = job.wait(timeout=300)
+        producers = job.wait(timeout=300, check=not config["kill_producer"])
+        if killer:
+            killer.join()
         # Returns are one-way messages: let the last ones land before looking (bounded).
         deadline = time.monotonic() + 30
         while True:

@@ -20,8 +20,9 @@ import feedstore  # noqa: E402
 
 from conftest import binary, finish, manifest, produce  # noqa: E402
 
-RECORDS, WORLD, EPOCHS = 24, 4, 2
-IMAGE_ARGS = ["--image-size", "64x64", "--dtype", "u8", "--layout", "hwc", "--workers", "1"]
+RECORDS, WORLD, EPOCHS = 48, 4, 2
+IMAGE_ARGS = ["--image-size", "64x64", "--dtype", "u8", "--layout", "hwc", "--workers", "1",
+              "--prefetch", "4"]
 HERE = pathlib.Path(__file__).resolve().parent
 RAY = str(pathlib.Path(sys.executable).parent / "ray")
 
@@ -100,10 +101,15 @@ def reference(daemon, tmp_path):
     return ranks
 
 
-@pytest.mark.parametrize("placement", ["spread", "relay"])
+@pytest.mark.parametrize(
+    "placement, kill_producer", [("spread", False), ("relay", False), ("spread", True)]
+)
 def test_ray_train_ranks_on_two_nodes_read_their_shares_in_order(
-    ray_nodes, daemon, tmp_path, placement
+    ray_nodes, daemon, tmp_path, placement, kill_producer
 ):
+    """With `kill_producer`, the worker node's producer process is killed with SIGKILL once
+    samples flow: the other node's producer makes what it left, and no rank loses or repeats
+    a sample."""
     lan, env = ray_nodes
     expected = reference(daemon, tmp_path)
     out = tmp_path / "out"
@@ -114,6 +120,7 @@ def test_ray_train_ranks_on_two_nodes_read_their_shares_in_order(
         "manifest": str(manifest(tmp_path / "ray.jsonl", RECORDS)),
         "tokenizer": str(tmp_path / "tokenizer.json"), "args": IMAGE_ARGS,
         "bin_dir": str(binary("feedstored").parent), "out": str(out),
+        "kill_producer": kill_producer, "pause": 0.02 if kill_producer else 0.0,
     }
     done = lan.exec(0, sys.executable, HERE / "ray_driver.py", json.dumps(config), check=False,
                     env=env, timeout=600)
@@ -128,6 +135,9 @@ def test_ray_train_ranks_on_two_nodes_read_their_shares_in_order(
     assert sum(s["pulls"] for s in stats.values()) > 0, f"samples crossed nodes: {stats}"
     for s in stats.values():
         assert s["leases"] == 0 and s["pulls_in_flight"] == 0, s
+    if kill_producer:
+        codes = sorted(p["returncode"] for p in result["producers"])
+        assert codes == [-9, 0], result["producers"]
     if placement == "relay":
         # Every sample for a rank on the worker node passed through the head node's daemon.
         assert max(s["served_reads"] for s in stats.values()) > 0
