@@ -73,7 +73,8 @@ def ray_nodes(tmp_path):
     env["RAY_USAGE_STATS_ENABLED"] = "0"
     # Ray Train's torch process group (gloo) on the nodes' link, not on the host name's address.
     env["GLOO_SOCKET_IFNAME"] = "eth0"
-    common = ["--num-cpus=3", "--disable-usage-stats"]
+    # Samples never go through Ray's object store: keep its shared memory small.
+    common = ["--num-cpus=3", "--disable-usage-stats", "--object-store-memory=200000000"]
     try:
         lan.exec(0, RAY, "start", "--head", f"--node-ip-address={lan.ip(0)}", "--port=6379",
                  "--include-dashboard=false", *common, env=env)
@@ -102,14 +103,17 @@ def reference(daemon, tmp_path):
 
 
 @pytest.mark.parametrize(
-    "placement, kill_producer", [("spread", False), ("relay", False), ("spread", True)]
+    "placement, kill",
+    [("spread", None), ("relay", None), ("spread", "producer"), ("spread", "rank")],
 )
 def test_ray_train_ranks_on_two_nodes_read_their_shares_in_order(
-    ray_nodes, daemon, tmp_path, placement, kill_producer
+    ray_nodes, daemon, tmp_path, placement, kill
 ):
-    """With `kill_producer`, the worker node's producer process is killed with SIGKILL once
-    samples flow: the other node's producer makes what it left, and no rank loses or repeats
-    a sample."""
+    """`kill="producer"`: the worker node's producer process is killed with SIGKILL once
+    samples flow; the other node's producer makes what it left. `kill="rank"`: a Ray Train
+    worker is killed with SIGKILL after the ranks checkpointed their stream states; Ray Train
+    restarts the worker group and every rank resumes from its checkpoint. Either way no rank
+    loses or repeats a sample."""
     lan, env = ray_nodes
     expected = reference(daemon, tmp_path)
     out = tmp_path / "out"
@@ -120,7 +124,8 @@ def test_ray_train_ranks_on_two_nodes_read_their_shares_in_order(
         "manifest": str(manifest(tmp_path / "ray.jsonl", RECORDS)),
         "tokenizer": str(tmp_path / "tokenizer.json"), "args": IMAGE_ARGS,
         "bin_dir": str(binary("feedstored").parent), "out": str(out),
-        "kill_producer": kill_producer, "pause": 0.02 if kill_producer else 0.0,
+        "kill_producer": kill == "producer", "kill_rank": kill == "rank",
+        "pause": 0.02 if kill else 0.0, "checkpoint_every": 4 if kill == "rank" else 0,
     }
     done = lan.exec(0, sys.executable, HERE / "ray_driver.py", json.dumps(config), check=False,
                     env=env, timeout=600)
@@ -135,7 +140,9 @@ def test_ray_train_ranks_on_two_nodes_read_their_shares_in_order(
     assert sum(s["pulls"] for s in stats.values()) > 0, f"samples crossed nodes: {stats}"
     for s in stats.values():
         assert s["leases"] == 0 and s["pulls_in_flight"] == 0, s
-    if kill_producer:
+    if kill:
+        assert "killed" in result["killed"], result["killed"]
+    if kill == "producer":
         codes = sorted(p["returncode"] for p in result["producers"])
         assert codes == [-9, 0], result["producers"]
     if placement == "relay":
