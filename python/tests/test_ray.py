@@ -9,6 +9,7 @@ Needs root (namespaces) and Ray (`pip install "ray[train]"`; .ci/run installs it
 import json
 import os
 import pathlib
+import signal
 import subprocess
 import sys
 
@@ -57,6 +58,15 @@ class Lan:
     def exec(self, i: int, *cmd, **kwargs):
         return run("ip", "netns", "exec", self.nodes[i], *cmd, **kwargs)
 
+    def kill_processes(self):
+        for ns in self.nodes:
+            pids = run("ip", "netns", "pids", ns, check=False).stdout.split()
+            for pid in pids:
+                try:
+                    os.kill(int(pid), signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+
     def remove(self):
         for ns in [*self.nodes, self.hub]:
             run("ip", "netns", "del", ns, check=False)
@@ -84,8 +94,9 @@ def ray_nodes(tmp_path):
     except subprocess.CalledProcessError as e:
         raise AssertionError(f"{e.cmd} failed:\n{e.stderr.decode()[-4000:]}") from None
     finally:
-        for i in range(2):
-            lan.exec(i, RAY, "stop", "--force", check=False, env=env)
+        # Every process of this cluster lives in one of its namespaces: stop those (`ray stop`
+        # would stop every Ray on the machine).
+        lan.kill_processes()
         lan.remove()
 
 
