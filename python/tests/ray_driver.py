@@ -3,7 +3,10 @@ through feedstore.ray, producers by placement, and Ray Train's TorchTrainer work
 each writing what it read to OUT/rank{r}.json; then writes the nodes' stats to OUT/stats.json."""
 
 import json
+import os
+import signal
 import sys
+import threading
 import time
 
 import ray
@@ -15,23 +18,66 @@ import feedstore.ray as fray
 
 def train_loop(config):
     import json
+    import os
+    import tempfile
+    import time
 
     import ray.train
 
     import feedstore.ray as fray
 
     rank = ray.train.get_context().get_world_rank()
-    seen = []
+    # Resume from the last checkpoint (after a worker was killed): the stream's state and what
+    # was read up to it, saved together, as a trainer saves them with its model.
+    state, seen = None, []
+    checkpoint = ray.train.get_checkpoint()
+    if checkpoint:
+        with checkpoint.as_directory() as d:
+            saved = json.load(open(os.path.join(d, f"rank{rank}.json")))
+            state, seen = saved["state"], saved["seen"]
     with fray.open_stream(
-        config["stream"], config["records"], epochs=config["epochs"], wait=120
+        config["stream"], config["records"], epochs=config["epochs"], wait=120, state=state
     ) as stream:
         for sample in stream:
             assert sample.images[0].shape == (64, 64, 3)
             seen.append([sample.seq, sample.record, sample.id])
+            time.sleep(config["pause"])
+            if config["checkpoint_every"] and len(seen) % config["checkpoint_every"] == 0:
+                with tempfile.TemporaryDirectory() as d:
+                    with open(os.path.join(d, f"rank{rank}.json"), "w") as f:
+                        json.dump({"state": stream.state(), "seen": seen}, f)
+                    ray.train.report(
+                        {"read": len(seen)}, checkpoint=ray.train.Checkpoint.from_directory(d)
+                    )
         # The last sample's view (and its lease) would otherwise live as long as this worker.
         sample = None
     with open(f"{config['out']}/rank{rank}.json", "w") as f:
         json.dump({"node": ray.get_runtime_context().get_node_id(), "seen": seen}, f)
+
+
+def kill_a_producer(cluster, done):
+    """Once samples flow between the nodes, kill -9 the `feedstore produce` process feeding the
+    stream from the worker node (its actor's node), mid-epoch."""
+    here = ray.util.get_node_ip_address() + ":"
+    node_id = [n for n, a in cluster.addresses.items() if not a.startswith(here)][0]
+    socket = ray.get(cluster.daemons[node_id].socket.remote())
+    deadline = time.monotonic() + 120
+    while sum(s["pulls"] for s in cluster.stats().values()) < 8:
+        if time.monotonic() > deadline:
+            done["error"] = "no samples crossed the nodes"
+            return
+        time.sleep(0.05)
+    for pid in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+        except OSError:
+            continue
+        if b"produce" in argv and socket.encode() in argv:
+            os.kill(int(pid), signal.SIGKILL)
+            done["killed"] = f"producer {pid} on node {node_id}"
+            return
+    done["error"] = f"no producer process found for {socket}"
 
 
 def main():
@@ -44,6 +90,10 @@ def main():
             world=config["world"], epochs=config["epochs"], placement=config["placement"],
             args=config["args"], bin_dir=config["bin_dir"],
         )
+        killer, killed = None, {}
+        if config["kill_producer"]:
+            killer = threading.Thread(target=kill_a_producer, args=(cluster, killed), daemon=True)
+            killer.start()
         TorchTrainer(
             train_loop,
             train_loop_config=config,
@@ -53,7 +103,9 @@ def main():
             ),
             run_config=RunConfig(storage_path=config["out"] + "/results"),
         ).fit()
-        producers = job.wait(timeout=300)
+        producers = job.wait(timeout=300, check=not config["kill_producer"])
+        if killer:
+            killer.join()
         # Returns are one-way messages: let the last ones land before looking (bounded).
         deadline = time.monotonic() + 30
         while True:
@@ -63,7 +115,7 @@ def main():
                 break
             time.sleep(0.1)
         with open(config["out"] + "/stats.json", "w") as f:
-            json.dump({"stats": stats, "producers": producers}, f)
+            json.dump({"stats": stats, "producers": producers, "killed": killed}, f)
     finally:
         cluster.shutdown()
         ray.shutdown()

@@ -113,13 +113,17 @@ def reference(daemon, tmp_path):
     return ranks
 
 
-# Killing a producer or a Ray Train worker through Ray is not tested here yet: the kills are
-# tested against the daemons themselves (tests/stream.rs); under Ray, a restarted worker group
-# may put a rank on another node than its stream's window (see the issue's note).
-@pytest.mark.parametrize("placement", ["spread", "relay"])
+@pytest.mark.parametrize(
+    "placement, kill",
+    [("spread", None), ("relay", None), ("spread", "producer")],
+)
 def test_ray_train_ranks_on_two_nodes_read_their_shares_in_order(
-    ray_nodes, daemon, tmp_path, placement
+    ray_nodes, daemon, tmp_path, placement, kill
 ):
+    """`kill="producer"`: the worker node's producer process is killed with SIGKILL once
+    samples flow; the other node's producer makes what it left, and no rank loses or repeats a
+    sample. (A Ray Train worker killed and restarted is not tested: a restarted group may put a
+    rank on another node than its stream's window, which that node refuses.)"""
     lan, env = ray_nodes
     expected = reference(daemon, tmp_path)
     out = tmp_path / "out"
@@ -130,6 +134,8 @@ def test_ray_train_ranks_on_two_nodes_read_their_shares_in_order(
         "manifest": str(manifest(tmp_path / "ray.jsonl", RECORDS)),
         "tokenizer": str(tmp_path / "tokenizer.json"), "args": IMAGE_ARGS,
         "bin_dir": str(binary("feedstored").parent), "out": str(out),
+        "kill_producer": kill == "producer",
+        "pause": 0.02 if kill else 0.0, "checkpoint_every": 0,
     }
     done = lan.exec(0, sys.executable, HERE / "ray_driver.py", json.dumps(config), check=False,
                     env=env, timeout=600)
@@ -144,6 +150,11 @@ def test_ray_train_ranks_on_two_nodes_read_their_shares_in_order(
     assert sum(s["pulls"] for s in stats.values()) > 0, f"samples crossed nodes: {stats}"
     for s in stats.values():
         assert s["leases"] == 0 and s["pulls_in_flight"] == 0, s
+    if kill:
+        assert "killed" in result["killed"], result["killed"]
+    if kill == "producer":
+        codes = sorted(p["returncode"] for p in result["producers"])
+        assert codes == [-9, 0], result["producers"]
     if placement == "relay":
         # Every sample for a rank on the worker node passed through the head node's daemon.
         assert max(s["served_reads"] for s in stats.values()) > 0

@@ -1184,6 +1184,17 @@ impl Streams {
         }
     }
 
+    /// Whether `handle` is what stream `id`'s owner put under cache key `key`: a sample this
+    /// node's producers of that uid made, which another node's producer may hand back for a
+    /// rank of the stream (it found the sample in its own cache as a pulled copy).
+    pub fn cached_sample(&self, id: u32, key: u128, handle: Handle) -> bool {
+        key != 0
+            && self
+                .streams
+                .get(&id)
+                .is_some_and(|s| self.cache.get(&(s.owner_uid, key)) == Some(&handle))
+    }
+
     /// Marks `conn` as another node's stream session (see [`Streams::demand`]).
     pub fn register_session(&mut self, conn: ConnId) {
         self.sessions.insert(conn);

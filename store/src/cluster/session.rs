@@ -740,10 +740,16 @@ async fn put_pulled(
         if item.flags & ENTRY_FAILED != 0 {
             return Ok(());
         }
-        // Only another node's object: a peer may not publish this node's own objects (other
-        // users' among them) into a ring.
+        // This node's own object only if it is a sample this stream's producers here made (a
+        // peer's decode-once cache hit on a copy of it): a peer may not publish other objects
+        // of this node (other users' among them) into a ring.
         if item.handle.node_id == shared.node_id() {
-            return Err(Status::InvalidArgument);
+            let ours = shared.with_streams(|s, _| s.cached_sample(stream, item.key, item.handle));
+            return if ours {
+                Ok(())
+            } else {
+                Err(Status::InvalidArgument)
+            };
         }
         if shared.with_objects(|o| o.is_sealed(item.handle)) {
             return Ok(());
