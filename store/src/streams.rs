@@ -2187,4 +2187,28 @@ mod tests {
             "left: no longer a producer"
         );
     }
+
+    /// The owner takes its own object back from a peer only when it is the stream's cached
+    /// sample for that key (a peer's cache hit on a copy of it), never any other object.
+    #[test]
+    fn only_the_streams_own_cached_sample_is_taken_back() {
+        let (mut o, mut s, p, _c) = setup();
+        let (id, _) = s
+            .join(&mut o, p, &spec(1), 2, &starts(&[0]), &Placement::default())
+            .unwrap();
+        let tasks = s.take(p, id, 1, None).unwrap();
+        let item = make(&mut o, p, tasks[0]);
+        assert_eq!(
+            s.put(&mut o, p, id, &[item], true).unwrap(),
+            vec![Status::Ok]
+        );
+        assert!(s.cached_sample(id, item.key, item.handle));
+        assert!(
+            !s.cached_sample(id, item.key + 1, item.handle),
+            "another key"
+        );
+        assert!(!s.cached_sample(id, 0, item.handle), "no key");
+        let other = o.create(p, 64, false).unwrap().handle;
+        assert!(!s.cached_sample(id, item.key, other), "another object");
+    }
 }
