@@ -18,8 +18,6 @@ import feedstore.ray as fray
 
 def train_loop(config):
     import json
-    import os
-    import tempfile
     import time
 
     import ray.train
@@ -27,28 +25,14 @@ def train_loop(config):
     import feedstore.ray as fray
 
     rank = ray.train.get_context().get_world_rank()
-    # Resume from the last checkpoint (after a worker was killed): the stream's state and what
-    # was read up to it, saved together, as a trainer saves them with its model.
-    state, seen = None, []
-    checkpoint = ray.train.get_checkpoint()
-    if checkpoint:
-        with checkpoint.as_directory() as d:
-            saved = json.load(open(os.path.join(d, f"rank{rank}.json")))
-            state, seen = saved["state"], saved["seen"]
+    seen = []
     with fray.open_stream(
-        config["stream"], config["records"], epochs=config["epochs"], wait=120, state=state
+        config["stream"], config["records"], epochs=config["epochs"], wait=120
     ) as stream:
         for sample in stream:
             assert sample.images[0].shape == (64, 64, 3)
             seen.append([sample.seq, sample.record, sample.id])
             time.sleep(config["pause"])
-            if config["checkpoint_every"] and len(seen) % config["checkpoint_every"] == 0:
-                with tempfile.TemporaryDirectory() as d:
-                    with open(os.path.join(d, f"rank{rank}.json"), "w") as f:
-                        json.dump({"state": stream.state(), "seen": seen}, f)
-                    ray.train.report(
-                        {"read": len(seen)}, checkpoint=ray.train.Checkpoint.from_directory(d)
-                    )
         # The last sample's view (and its lease) would otherwise live as long as this worker.
         sample = None
     with open(f"{config['out']}/rank{rank}.json", "w") as f:

@@ -135,7 +135,7 @@ def test_ray_train_ranks_on_two_nodes_read_their_shares_in_order(
         "tokenizer": str(tmp_path / "tokenizer.json"), "args": IMAGE_ARGS,
         "bin_dir": str(binary("feedstored").parent), "out": str(out),
         "kill_producer": kill == "producer",
-        "pause": 0.02 if kill else 0.0, "checkpoint_every": 0,
+        "pause": 0.02 if kill else 0.0,
     }
     done = lan.exec(0, sys.executable, HERE / "ray_driver.py", json.dumps(config), check=False,
                     env=env, timeout=600)
