@@ -470,6 +470,13 @@ fn stream_misuse_gets_clear_errors() {
         matches!(err, feedstore_consumer::Error::StreamMismatch(_)),
         "{err}"
     );
+    // A second consumer of a rank that has one: refused, saying so (a restarted worker tries
+    // another rank of its node on this error).
+    let err = Stream::open(&daemon.socket, &s, 0, None, options.clone()).unwrap_err();
+    assert!(
+        matches!(&err, feedstore_consumer::Error::RankInUse(m) if m.contains("already has a consumer")),
+        "{err}"
+    );
     // A rank outside the world.
     let err = Stream::open(&daemon.socket, &s, 2, None, options).unwrap_err();
     assert!(

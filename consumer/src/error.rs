@@ -138,6 +138,10 @@ pub enum Error {
         /// The handle.
         handle: Handle,
     },
+    /// The stream rank already has a consumer (in another process, or in one that died and whose
+    /// connection the daemon has not closed yet).
+    #[error("{0}")]
+    RankInUse(String),
     /// An argument is out of range.
     #[error("invalid argument: {0}")]
     InvalidArgument(String),
@@ -257,6 +261,11 @@ impl Error {
             )),
             Status::Timeout => Error::Timeout(message.into()),
             Status::SpecMismatch => Error::StreamMismatch(message.into()),
+            Status::InUse => Error::RankInUse(if message.is_empty() {
+                "the stream rank already has a consumer".into()
+            } else {
+                message.into()
+            }),
             Status::Ended => Error::Ended,
             Status::LimitReached if message.is_empty() => Error::LimitReached(
                 "this connection holds as many leases as the daemon allows \

@@ -50,6 +50,9 @@ pub enum Status {
     Unreachable = 17,
     /// A pulled object's checksum did not match its bytes: nothing was sealed.
     Corrupt = 18,
+    /// The stream rank already has a consumer (one per rank): another process reads it, or a
+    /// dead one's connection is not closed yet.
+    InUse = 19,
 }
 
 impl Status {
@@ -76,6 +79,7 @@ impl Status {
             16 => LimitReached,
             17 => Unreachable,
             18 => Corrupt,
+            19 => InUse,
             _ => return None,
         })
     }
@@ -102,6 +106,7 @@ impl Status {
             Status::LimitReached => "a configured limit was reached",
             Status::Unreachable => "the owning node could not be reached",
             Status::Corrupt => "pulled bytes failed their checksum",
+            Status::InUse => "the stream rank already has a consumer",
         }
     }
 }

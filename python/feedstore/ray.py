@@ -47,7 +47,7 @@ import signal
 import subprocess
 import tempfile
 import time
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Mapping, Optional, Sequence, Union
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -149,6 +149,8 @@ class Cluster:
     def __init__(self, daemons: Dict[str, "ray.actor.ActorHandle"], addresses: Dict[str, str]):
         self.daemons = daemons
         self.addresses = addresses
+        #: Streams ``produce`` started: their rank registries go with ``shutdown``.
+        self.streams: set = set()
 
     def stats(self) -> Dict[str, dict]:
         """Every node's ``feedstore stat`` figures, by node id."""
@@ -156,10 +158,17 @@ class Cluster:
         return dict(zip(ids, ray.get([self.daemons[i].stats.remote() for i in ids])))
 
     def shutdown(self) -> None:
-        """Stops every daemon (SIGTERM) and removes its files."""
+        """Stops every daemon (SIGTERM), removes its files, and forgets where the ranks of the
+        streams ``produce`` started read."""
         ray.get([d.stop.remote() for d in self.daemons.values()])
         for d in self.daemons.values():
             ray.kill(d)
+        for stream in self.streams:
+            try:
+                ray.kill(ray.get_actor(_ranks_name(stream), namespace=NAMESPACE))
+            except ValueError:
+                pass
+        self.streams.clear()
 
 
 def start(capacity: str = "4GiB", port: int = 7070, *, bin_dir: Optional[str] = None,
@@ -214,43 +223,101 @@ def local_socket() -> str:
 
 @ray.remote(num_cpus=0)
 class _Ranks:
-    """Where each rank of a stream reads: its node's daemon address. Told by the ranks, asked by
-    the producers; it carries no samples and assigns no tasks."""
+    """Where each stream rank reads: its node's daemon address. Told by the ranks when they first
+    open the stream, asked by the producers and by restarted workers; it carries no samples and
+    assigns no tasks. Once every rank has said where it is, the placement is fixed: producers
+    feed each rank's window on that node from then on."""
 
     def __init__(self):
         self.at: Dict[int, str] = {}
 
-    def register(self, rank: int, address: str) -> None:
-        self.at[rank] = address
+    def _complete(self, world: int) -> bool:
+        return all(r in self.at for r in range(world))
+
+    def claim(self, rank: int, world: int, address: str) -> List[int]:
+        """The stream ranks the worker with world rank ``rank`` on the daemon at ``address`` may
+        read, in the order to try them: its own before the placement is fixed (where it opens is
+        where it reads), afterwards the ranks placed on its node, its own first if it is one."""
+        if not self._complete(world):
+            self.at[rank] = address
+            return [rank]
+        here = sorted(r for r, a in self.at.items() if a == address)
+        return sorted(here, key=lambda r: r != rank)
 
     def placement(self, world: int) -> Optional[Dict[int, str]]:
-        if all(r in self.at for r in range(world)):
+        if self._complete(world):
             return {r: self.at[r] for r in range(world)}
         return None
 
 
+def _ranks_name(stream: str) -> str:
+    return f"feedstore-ranks-{stream}"
+
+
 def _ranks(stream: str) -> "ray.actor.ActorHandle":
+    # Detached: a registry owned by the first rank to open the stream would die with that rank,
+    # and with it the placement a restarted rank needs. `Cluster.shutdown` removes it.
     return _Ranks.options(
-        name=f"feedstore-ranks-{stream}", namespace=NAMESPACE, get_if_exists=True
+        name=_ranks_name(stream), namespace=NAMESPACE, get_if_exists=True,
+        lifetime="detached",
     ).remote()
 
 
 def open_stream(name: str, records: int, *, rank: Optional[int] = None,
-                world: Optional[int] = None, **kwargs) -> feedstore.Stream:
-    """Opens this rank's share of stream ``name`` on this node's daemon, after telling the
-    stream's producers where the rank reads. ``rank`` and ``world`` default to Ray Train's
-    world rank and size (inside a ``TorchTrainer`` loop); the other arguments are
-    ``feedstore.Stream``'s and must match the producers'."""
-    if rank is None or world is None:
-        import ray.train
+                world: Optional[int] = None,
+                state: Union[None, str, Mapping[int, str]] = None,
+                **kwargs) -> feedstore.Stream:
+    """Opens a share of stream ``name`` on this node's daemon, after telling the stream's
+    producers where it reads. ``rank`` and ``world`` default to Ray Train's world rank and size
+    (inside a ``TorchTrainer`` loop); the other arguments are ``feedstore.Stream``'s and must
+    match the producers'.
 
-        context = ray.train.get_context()
+    A stream rank's window (its order, prefetch and resume point) lives on the node where the
+    rank first opened the stream, and producers feed it there. When Ray Train restarts the
+    worker group after a failure, it may put world rank 3 on the node where rank 0 read: a
+    restarted worker therefore reads a stream rank of *its own* node that no live worker reads
+    (its own rank first, when that is one of them), so ``stream.rank`` may differ from the world
+    rank. Save ``stream.state()`` under ``stream.rank`` with the checkpoint, and pass the
+    states of all ranks back as ``state={stream_rank: state, ...}`` (a Ray Train checkpoint
+    that every worker reports to holds them all); the worker resumes whichever rank it gets.
+    A plain ``state`` string resumes the world rank's own stream rank only. Raises
+    ``RuntimeError`` when this node has no such rank free within ``wait`` seconds (the
+    restarted group put more workers on this node than the first: give workers resources
+    that keep the count per node)."""
+    if rank is None or world is None:
+        from ray.train import get_context
+
+        context = get_context()
         rank = context.get_world_rank() if rank is None else rank
         world = context.get_world_size() if world is None else world
     daemon = local_daemon()
     address, socket = ray.get([daemon.address.remote(), daemon.socket.remote()])
-    ray.get(_ranks(name).register.remote(rank, address))
-    return feedstore.Stream(name, records, rank, world, socket=socket, **kwargs)
+    candidates = ray.get(_ranks(name).claim.remote(rank, world, address))
+    if isinstance(state, str):
+        states = {rank: state}
+        candidates = [r for r in candidates if r == rank]
+    else:
+        states = dict(state or {})
+    deadline = time.monotonic() + float(kwargs.get("wait", 300.0))
+    while True:
+        for candidate in candidates:
+            try:
+                return feedstore.Stream(name, records, candidate, world, socket=socket,
+                                        state=states.get(candidate), **kwargs)
+            except feedstore.RankInUse:
+                # Read by a live worker, or a dead one's connection is not closed yet.
+                continue
+        if not candidates or time.monotonic() > deadline:
+            raise RuntimeError(
+                f"no rank of stream {name!r} is free on this node ({address}) for world rank "
+                f"{rank}: its ranks here are {candidates or 'none'}, all read by other workers. "
+                "A stream rank reads on the node where it first opened; a restarted worker "
+                "group must keep as many workers per node as the first (resources per worker "
+                "that fill each node do)"
+                + ("; a plain state string resumes only this world rank's own stream rank"
+                   if isinstance(state, str) else "")
+            )
+        time.sleep(0.1)
 
 
 def _ranks_at(placement: Dict[int, str]) -> str:
@@ -324,6 +391,8 @@ def produce(cluster: Cluster, stream: str, *, manifest: str, tokenizer: str, wor
     else:
         strategy = "SPREAD"
     relay = cluster.addresses[here] if placement == "relay" else None
+    _ranks(stream)
+    cluster.streams.add(stream)
     actors = [_Producer.options(scheduling_strategy=strategy).remote() for _ in range(count)]
     refs = [a.run.remote(stream, world, argv, relay, bin_dir, timeout) for a in actors]
     return ProduceJob(refs, actors)

@@ -2,14 +2,15 @@
 //!
 //! Every exception derives from `feedstore.FeedstoreError`; each also derives from the builtin a
 //! Python caller would reach for first (`TimeoutError`, `ConnectionError`, `KeyError`,
-//! `ValueError`, `MemoryError`, `PermissionError`), so generic handlers keep working.
+//! `ValueError`, `MemoryError`, `PermissionError`, `RuntimeError`), so generic handlers keep
+//! working.
 
 use feedstore_consumer::Error;
 use feedstore_proto::error_chain as message;
 use feedstore_proto::sample::SampleError;
 use pyo3::exceptions::{
     PyConnectionError, PyException, PyIOError, PyKeyError, PyMemoryError, PyPermissionError,
-    PyTimeoutError, PyValueError,
+    PyRuntimeError, PyTimeoutError, PyValueError,
 };
 use pyo3::prelude::*;
 use pyo3::types::PyTuple;
@@ -112,6 +113,11 @@ exception!(
     "The stream exists with another spec, or the saved state is another stream's or rank's."
 );
 exception!(
+    RankInUse,
+    PyRuntimeError,
+    "The stream rank already has a consumer (another process reads it, or a dead one's connection is not closed yet)."
+);
+exception!(
     SampleFailed,
     PyValueError,
     "No good record could stand in for this position; the stream goes on with the next."
@@ -161,6 +167,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("Unreachable", Unreachable::type_object(py))?;
     m.add("Corrupt", Corrupt::type_object(py))?;
     m.add("StreamMismatch", StreamMismatch::type_object(py))?;
+    m.add("RankInUse", RankInUse::type_object(py))?;
     m.add("SampleFailed", SampleFailed::type_object(py))?;
     m.add("WindowFull", WindowFull::type_object(py))?;
     m.add("InvalidSample", InvalidSample::type_object(py))?;
@@ -185,6 +192,7 @@ pub fn to_py(e: Error) -> PyErr {
         Error::Unreachable { .. } => Unreachable::new_err(text),
         Error::Corrupt { .. } => Corrupt::new_err(text),
         Error::StreamMismatch(_) => StreamMismatch::new_err(text),
+        Error::RankInUse(_) => RankInUse::new_err(text),
         Error::SampleFailed { .. } => SampleFailed::new_err(text),
         Error::WindowFull { .. } => WindowFull::new_err(text),
         Error::PermissionDenied { .. } | Error::UntrustedDaemon { .. } => {

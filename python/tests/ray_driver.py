@@ -1,6 +1,7 @@
 """The Ray driver of test_ray.py, run inside node 0's network namespace: starts the daemons
-through feedstore.ray, producers by placement, and Ray Train's TorchTrainer workers as ranks,
-each writing what it read to OUT/rank{r}.json; then writes the nodes' stats to OUT/stats.json."""
+through feedstore.ray, producers by placement, and Ray Train's TorchTrainer workers (or, to move
+ranks between nodes, plain actors) as ranks, each writing what its stream rank read to
+OUT/rank{r}.json; then writes the nodes' stats to OUT/stats.json."""
 
 import json
 import os
@@ -10,33 +11,60 @@ import threading
 import time
 
 import ray
-from ray.train import RunConfig, ScalingConfig
+from ray.train import FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchTrainer
+
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 import feedstore.ray as fray
 
 
 def train_loop(config):
     import json
+    import os
+    import tempfile
     import time
 
     import ray.train
 
     import feedstore.ray as fray
 
-    rank = ray.train.get_context().get_world_rank()
-    seen = []
+    # Resume from the last checkpoint (after a worker was killed): every stream rank's state and
+    # what it read up to it, saved together, as a trainer saves them with its model. A restarted
+    # worker may read another stream rank than before (one of its node's), so all are loaded.
+    states, seens = {}, {}
+    checkpoint = ray.train.get_checkpoint()
+    if checkpoint:
+        with checkpoint.as_directory() as d:
+            for name in os.listdir(d):
+                if name.startswith("rank"):
+                    with open(os.path.join(d, name)) as f:
+                        saved = json.load(f)
+                    states[saved["rank"]], seens[saved["rank"]] = saved["state"], saved["seen"]
     with fray.open_stream(
-        config["stream"], config["records"], epochs=config["epochs"], wait=120
+        config["stream"], config["records"], epochs=config["epochs"], wait=120, state=states
     ) as stream:
+        rank = stream.rank
+        seen = seens.get(rank, [])
         for sample in stream:
             assert sample.images[0].shape == (64, 64, 3)
             seen.append([sample.seq, sample.record, sample.id])
             time.sleep(config["pause"])
+            if config["checkpoint_every"] and len(seen) % config["checkpoint_every"] == 0:
+                with tempfile.TemporaryDirectory() as d:
+                    with open(os.path.join(d, f"rank{rank}.json"), "w") as f:
+                        json.dump({"rank": rank, "state": stream.state(), "seen": seen}, f)
+                    ray.train.report(
+                        {"read": len(seen)}, checkpoint=ray.train.Checkpoint.from_directory(d)
+                    )
         # The last sample's view (and its lease) would otherwise live as long as this worker.
         sample = None
+    context = ray.train.get_context()
     with open(f"{config['out']}/rank{rank}.json", "w") as f:
-        json.dump({"node": ray.get_runtime_context().get_node_id(), "seen": seen}, f)
+        json.dump({
+            "node": ray.get_runtime_context().get_node_id(), "seen": seen,
+            "world_rank": context.get_world_rank(), "resumed": bool(checkpoint),
+        }, f)
 
 
 def kill_a_producer(cluster, done):
@@ -64,6 +92,100 @@ def kill_a_producer(cluster, done):
     done["error"] = f"no producer process found for {socket}"
 
 
+def kill_a_rank(out, done):
+    """Once every rank has checkpointed twice, kill -9 one Ray Train worker process mid-epoch."""
+    deadline = time.monotonic() + 120
+    while True:
+        if time.monotonic() > deadline:
+            done["error"] = "the ranks did not checkpoint"
+            return
+        found = []
+        for _, _, files in os.walk(out + "/results"):
+            found += [f for f in files if f.startswith("rank")]
+        if len(found) >= 8:
+            break
+        time.sleep(0.05)
+    for pid in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmdline = f.read()
+        except OSError:
+            continue
+        if b"RayTrainWorker" in cmdline:
+            os.kill(int(pid), signal.SIGKILL)
+            done["killed"] = f"Ray Train worker {pid}"
+            return
+    done["error"] = "no Ray Train worker process found"
+
+
+@ray.remote(num_cpus=1)
+class Reader:
+    """A rank as a plain Ray actor pinned to a node (for moving world ranks between nodes, which
+    Ray Train's placement does not let a test choose)."""
+
+    def read(self, config, rank, states, count):
+        """Reads up to `count` samples (None: to the end); returns the stream rank it got, what
+        it read and, when it stopped early, its state, leaving the stream open (the actor is
+        then killed, as a crashed worker would be)."""
+        stream = fray.open_stream(config["stream"], config["records"], rank=rank,
+                                  world=config["world"], epochs=config["epochs"], wait=120,
+                                  state=states)
+        self.stream, seen = stream, []
+        for sample in stream:
+            seen.append([sample.seq, sample.record, sample.id])
+            if len(seen) == count:
+                return {"rank": stream.rank, "seen": seen, "state": stream.state(),
+                        "node": ray.get_runtime_context().get_node_id()}
+        sample = None
+        stream.close()
+        return {"rank": stream.rank, "seen": seen,
+                "node": ray.get_runtime_context().get_node_id()}
+
+
+def move_ranks(cluster, config, killed):
+    """World ranks 0-1 read on node 0 and 2-3 on node 1 until a few samples in, are killed, and
+    restart from their states with the nodes swapped: each must resume a stream rank of its new
+    node (its stream rank then differs from its world rank), and each stream rank must read on
+    from where it stopped."""
+    nodes = sorted(cluster.addresses, key=lambda n: cluster.addresses[n])
+    half = config["world"] // 2
+
+    def readers(order):
+        return [Reader.options(scheduling_strategy=NodeAffinitySchedulingStrategy(
+            order[rank // half], soft=False)).remote() for rank in range(config["world"])]
+
+    first = readers(nodes)
+    before = ray.get([a.read.remote(config, r, None, 3) for r, a in enumerate(first)])
+    for actor in first:
+        ray.kill(actor)
+    killed["killed"] = f"{len(first)} reader actors"
+    states = {b["rank"]: b["state"] for b in before}
+    second = readers(nodes[::-1])
+    after = ray.get([a.read.remote(config, r, states, None) for r, a in enumerate(second)])
+    for world_rank, a in enumerate(after):
+        b = next(b for b in before if b["rank"] == a["rank"])
+        with open(f"{config['out']}/rank{a['rank']}.json", "w") as f:
+            json.dump({"node": a["node"], "seen": b["seen"] + a["seen"], "world_rank": world_rank,
+                       "resumed": True, "first_node": b["node"]}, f)
+
+
+def train(config):
+    """Ray Train's workers as the ranks (the group restarted once from the checkpoints when a
+    worker is killed)."""
+    TorchTrainer(
+        train_loop,
+        train_loop_config=config,
+        scaling_config=ScalingConfig(
+            num_workers=config["world"], resources_per_worker={"CPU": 1},
+            placement_strategy="SPREAD",
+        ),
+        run_config=RunConfig(
+            storage_path=config["out"] + "/results",
+            failure_config=FailureConfig(max_failures=1 if config["kill_rank"] else 0),
+        ),
+    ).fit()
+
+
 def main():
     config = json.loads(sys.argv[1])
     ray.init(address=config["address"], _node_ip_address=config["ip"])
@@ -78,15 +200,13 @@ def main():
         if config["kill_producer"]:
             killer = threading.Thread(target=kill_a_producer, args=(cluster, killed), daemon=True)
             killer.start()
-        TorchTrainer(
-            train_loop,
-            train_loop_config=config,
-            scaling_config=ScalingConfig(
-                num_workers=config["world"], resources_per_worker={"CPU": 1},
-                placement_strategy="SPREAD",
-            ),
-            run_config=RunConfig(storage_path=config["out"] + "/results"),
-        ).fit()
+        if config["kill_rank"]:
+            killer = threading.Thread(target=kill_a_rank, args=(config["out"], killed), daemon=True)
+            killer.start()
+        if config["move_ranks"]:
+            move_ranks(cluster, config, killed)
+        else:
+            train(config)
         producers = job.wait(timeout=300, check=not config["kill_producer"])
         if killer:
             killer.join()

@@ -115,15 +115,20 @@ def reference(daemon, tmp_path):
 
 @pytest.mark.parametrize(
     "placement, kill",
-    [("spread", None), ("relay", None), ("spread", "producer")],
+    [("spread", None), ("relay", None), ("spread", "producer"), ("spread", "rank"),
+     ("spread", "move")],
 )
 def test_ray_train_ranks_on_two_nodes_read_their_shares_in_order(
     ray_nodes, daemon, tmp_path, placement, kill
 ):
     """`kill="producer"`: the worker node's producer process is killed with SIGKILL once
-    samples flow; the other node's producer makes what it left, and no rank loses or repeats a
-    sample. (A Ray Train worker killed and restarted is not tested: a restarted group may put a
-    rank on another node than its stream's window, which that node refuses.)"""
+    samples flow; the other node's producer makes what it left. `kill="rank"`: a Ray Train
+    worker is killed with SIGKILL after the ranks checkpointed their stream states twice; Ray
+    Train restarts the worker group (which may place world ranks on other nodes than before)
+    and each stream rank resumes from its checkpoint on its node. `kill="move"`: ranks as plain
+    actors pinned to nodes read a few samples and are killed; the same world ranks restart on
+    the other node each, so every one resumes a stream rank of its new node from the saved
+    states. In every case no stream rank loses or repeats a sample."""
     lan, env = ray_nodes
     expected = reference(daemon, tmp_path)
     out = tmp_path / "out"
@@ -134,8 +139,9 @@ def test_ray_train_ranks_on_two_nodes_read_their_shares_in_order(
         "manifest": str(manifest(tmp_path / "ray.jsonl", RECORDS)),
         "tokenizer": str(tmp_path / "tokenizer.json"), "args": IMAGE_ARGS,
         "bin_dir": str(binary("feedstored").parent), "out": str(out),
-        "kill_producer": kill == "producer",
-        "pause": 0.02 if kill else 0.0,
+        "kill_producer": kill == "producer", "kill_rank": kill == "rank",
+        "move_ranks": kill == "move",
+        "pause": 0.02 if kill else 0.0, "checkpoint_every": 4 if kill == "rank" else 0,
     }
     done = lan.exec(0, sys.executable, HERE / "ray_driver.py", json.dumps(config), check=False,
                     env=env, timeout=600)
@@ -152,6 +158,13 @@ def test_ray_train_ranks_on_two_nodes_read_their_shares_in_order(
         assert s["leases"] == 0 and s["pulls_in_flight"] == 0, s
     if kill:
         assert "killed" in result["killed"], result["killed"]
+    if kill == "rank":
+        assert all(s["resumed"] for s in seen), "every worker of the restarted group resumed"
+    if kill == "move":
+        # Each world rank now runs on the other node, so reads another stream rank, which
+        # stays on the node where it first opened.
+        for rank, s in enumerate(seen):
+            assert s["world_rank"] != rank and s["node"] == s["first_node"], s
     if kill == "producer":
         codes = sorted(p["returncode"] for p in result["producers"])
         assert codes == [-9, 0], result["producers"]

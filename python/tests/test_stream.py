@@ -153,6 +153,9 @@ def test_errors_are_feedstore_exceptions(daemon, tmp_path):
     with feedstore.Stream("spec", 10, socket=daemon.socket):
         with pytest.raises(feedstore.StreamMismatch):
             feedstore.Stream("spec", 11, socket=daemon.socket)
+        with pytest.raises(feedstore.RankInUse) as e:
+            feedstore.Stream("spec", 10, socket=daemon.socket)
+        assert isinstance(e.value, RuntimeError) and "already has a consumer" in str(e.value)
     with pytest.raises(feedstore.Timeout) as e:
         next(feedstore.Stream("empty", 10, socket=daemon.socket, wait=0.3))
     assert isinstance(e.value, TimeoutError) and "are producers running" in str(e.value)

@@ -713,7 +713,7 @@ impl Streams {
             }
             Some(_) => {
                 return Err(fail(
-                    Status::InvalidState,
+                    Status::InUse,
                     format!(
                         "rank {rank} of stream {:?} already has a consumer",
                         spec.name

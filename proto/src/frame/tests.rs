@@ -33,12 +33,24 @@ fn text(max: usize) -> impl Strategy<Value = String> {
     ]
 }
 
+/// The highest wire code `Status` knows.
+const LAST_STATUS: u16 = 19;
+
 fn status() -> impl Strategy<Value = Status> {
-    (1u16..=16).prop_map(|c| Status::from_u16(c).expect("known code"))
+    (1u16..=LAST_STATUS).prop_map(|c| Status::from_u16(c).expect("known code"))
 }
 
 fn any_status() -> impl Strategy<Value = Status> {
-    (0u16..=16).prop_map(|c| Status::from_u16(c).expect("known code"))
+    (0u16..=LAST_STATUS).prop_map(|c| Status::from_u16(c).expect("known code"))
+}
+
+#[test]
+fn every_status_code_up_to_the_last_decodes_and_none_after() {
+    for code in 0..=LAST_STATUS {
+        let status = Status::from_u16(code).expect("known code");
+        assert_eq!(status as u16, code);
+    }
+    assert_eq!(Status::from_u16(LAST_STATUS + 1), None);
 }
 
 fn location() -> impl Strategy<Value = Location> {
