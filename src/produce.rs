@@ -24,9 +24,22 @@ pub struct Args {
     #[command(flatten)]
     socket: SocketArg,
     /// JSONL manifest in LLaVA / Qwen-VL form: {"id", "image" | "images", "conversations"} or
-    /// {"id", "text"}. Relative image paths resolve against the manifest's folder.
+    /// {"id", "text"}; a regular file. Relative image paths resolve against the manifest's
+    /// folder.
     #[arg(long, value_name = "FILE")]
     manifest: PathBuf,
+    /// Image files must lie beneath this folder (no `..` or symbolic link leads out of it)
+    /// [default: the manifest's folder].
+    #[arg(long, value_name = "DIR")]
+    image_root: Option<PathBuf>,
+    /// Read absolute image paths outside the image root too (relative paths stay confined).
+    #[arg(long)]
+    allow_absolute_image_paths: bool,
+    /// The largest image file or S3 object read, in bytes; larger ones are rejected before
+    /// (and, if they grow, while) reading. Only regular files are read: a directory, FIFO or
+    /// device is rejected as such.
+    #[arg(long, value_name = "BYTES", default_value_t = feedstore_producer::input::DEFAULT_MAX_IMAGE_BYTES)]
+    max_image_bytes: u64,
     /// The tokenizer's tokenizer.json (Qwen-VL family: it must have <|image_pad|> and friends).
     #[arg(long, value_name = "FILE")]
     tokenizer: PathBuf,
@@ -290,12 +303,13 @@ fn image_size(args: &Args) -> anyhow::Result<ResizeMode> {
         });
     }
     if let Some(n) = s.strip_prefix("short:") {
-        return Ok(ResizeMode::ShorterSide(
-            n.parse().context("--image-size short:N needs a number")?,
-        ));
+        return Ok(ResizeMode::ShorterSide(n.trim().parse().with_context(
+            || format!("--image-size {:?}: short:N needs a number", args.image_size),
+        )?));
     }
-    if let Some((w, h)) = s.split_once('x') {
-        let (width, height) = (w.parse()?, h.parse()?);
+    if let Some((w, h)) = s.split_once('x')
+        && let (Ok(width), Ok(height)) = (w.trim().parse(), h.trim().parse())
+    {
         return Ok(ResizeMode::Fixed { width, height });
     }
     bail!(
@@ -327,6 +341,23 @@ pub fn run_produce(args: Args) -> anyhow::Result<()> {
         "hwc" => TensorLayout::Hwc,
         other => bail!("--layout {other:?}: expected chw or hwc"),
     };
+    config
+        .validate()
+        .map_err(|e| anyhow::anyhow!("{e} (--image-size, --patch-size, --merge-size, --min-pixels, --max-pixels, --max-source-pixels)"))?;
+    let image_root = match &args.image_root {
+        Some(root) => root.clone(),
+        None => std::path::absolute(&args.manifest)
+            .with_context(|| format!("{}", args.manifest.display()))?
+            .parent()
+            .map(PathBuf::from)
+            .unwrap_or_else(|| PathBuf::from("/")),
+    };
+    let local = feedstore_producer::input::LocalFiles::beneath(
+        &image_root,
+        args.allow_absolute_image_paths,
+        args.max_image_bytes,
+    )
+    .context("--image-root")?;
     let tokenizer = Arc::new(
         ChatTokenizer::from_file(&args.tokenizer, args.max_tokens)
             .with_context(|| format!("loading {}", args.tokenizer.display()))?,
@@ -359,13 +390,15 @@ pub fn run_produce(args: Args) -> anyhow::Result<()> {
         force_path_style: args.s3_path_style,
         max_attempts: args.s3_max_attempts,
         attempt_timeout: Duration::from_secs_f64(args.s3_attempt_timeout),
+        max_object_bytes: args.max_image_bytes,
         ..S3Options::default()
     };
     let fetcher = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
         .context("starting a runtime for the S3 client")?
-        .block_on(S3Fetcher::new(&s3_options));
+        .block_on(S3Fetcher::new(&s3_options))
+        .with_local(local);
     let started = Instant::now();
     let mut last = Instant::now();
     let (mut produced, mut rejected, mut bytes) = (0u64, 0u64, 0u64);
@@ -409,7 +442,12 @@ pub fn run_produce(args: Args) -> anyhow::Result<()> {
         None => {
             let manifest = Manifest::open(&args.manifest)
                 .with_context(|| format!("opening {}", args.manifest.display()))?;
-            run(&config, tokenizer, Arc::new(fetcher), manifest, on_event)?
+            let failure = manifest.failure();
+            let summary = run(&config, tokenizer, Arc::new(fetcher), manifest, on_event)?;
+            if let Some(e) = failure.get() {
+                bail!("{}: {e}", args.manifest.display());
+            }
+            summary
         }
         Some(name) => {
             let manifest = Arc::new(

@@ -59,7 +59,8 @@ fn produce_writes_samples_and_lists_rejects() {
                 "--tokenizer",
                 tokenizer.to_str().unwrap(),
             ])
-            .args(["--workers", "2"])
+            // The photos lie outside the manifest's folder, named by absolute paths.
+            .args(["--workers", "2", "--allow-absolute-image-paths"])
             .args(extra)
             .output()
             .unwrap()
@@ -97,6 +98,179 @@ fn produce_writes_samples_and_lists_rejects() {
     assert!(!out.status.success());
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(stderr.contains("above --max-reject-rate"), "{stderr}");
+}
+
+/// `feedstore produce` with `args`, stdout and stderr to files (an endless stream of lines
+/// must not block it on a pipe), killed and failed if it runs past `limit`; returns its status,
+/// stdout and stderr (both must stay small: every input ends in bounded output too).
+fn produce_bounded(
+    dir: &Path,
+    args: &[&std::ffi::OsStr],
+    limit: Duration,
+) -> (std::process::ExitStatus, String, String) {
+    let (out, err) = (dir.join("stdout.txt"), dir.join("stderr.txt"));
+    let mut child = Command::new(env!("CARGO_BIN_EXE_feedstore"))
+        .arg("produce")
+        .args(args)
+        .stdout(std::fs::File::create(&out).unwrap())
+        .stderr(std::fs::File::create(&err).unwrap())
+        .spawn()
+        .unwrap();
+    let deadline = std::time::Instant::now() + limit;
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        if std::time::Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("feedstore produce {args:?} ran past {limit:?}");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let read = |path: &Path| {
+        let len = std::fs::metadata(path).unwrap().len();
+        assert!(len < 1 << 20, "{} grew to {len} bytes", path.display());
+        std::fs::read_to_string(path).unwrap()
+    };
+    (status, read(&out), read(&err))
+}
+
+/// Every row of the table of hostile inputs: each ends in bounded time, memory and
+/// output, with a reason a user can read, and the good records beside it are made.
+#[test]
+fn hostile_inputs_end_in_bounded_time_with_a_reason() {
+    use std::ffi::OsStr;
+    let _w = watchdog(
+        "hostile_inputs_end_in_bounded_time_with_a_reason",
+        Duration::from_secs(300),
+    );
+    let dir = scratch_dir("produce-hostile");
+    let daemon = DaemonProcess::start(&dir, &["--capacity", "128MiB"]);
+    let tokenizer = tokenizer_file(&dir);
+    let set = dir.join("set");
+    std::fs::create_dir_all(set.join("img")).unwrap();
+    std::fs::copy(
+        format!("{DATA}/photos/grace_hopper.jpg"),
+        set.join("img/good.jpg"),
+    )
+    .unwrap();
+    // 240 KB, over the 100 000-byte limit below (the good photo is 61 KB).
+    std::fs::copy(
+        format!("{DATA}/photos/chelsea.png"),
+        set.join("img/big.png"),
+    )
+    .unwrap();
+    nix::unistd::mkfifo(&set.join("img/fifo.png"), nix::sys::stat::Mode::S_IRWXU).unwrap();
+    std::os::unix::fs::symlink("/etc/hostname", set.join("img/link.png")).unwrap();
+    let turns = serde_json::json!([
+        {"from": "human", "value": "<image>\nwhat is this?"}, {"from": "gpt", "value": "a photo"}]);
+    let lines = [
+        llava("good", "img/good.jpg", &turns),
+        llava("zero", "/dev/zero", &turns),
+        llava("fifo", "img/fifo.png", &turns),
+        llava("escape", "../../../../../../../../etc/passwd", &turns),
+        llava("absolute", "/etc/passwd", &turns),
+        llava("link", "img/link.png", &turns),
+        llava("dir", "img", &turns),
+        "[1,2,3]".to_string(),
+        llava("big", "img/big.png", &turns),
+    ];
+    let manifest = set.join("m.jsonl");
+    std::fs::write(&manifest, lines.join("\n")).unwrap();
+    let socket = daemon.socket.as_os_str();
+    let common: Vec<&OsStr> = [
+        OsStr::new("--socket"),
+        socket,
+        OsStr::new("--tokenizer"),
+        tokenizer.as_os_str(),
+        OsStr::new("--workers"),
+        OsStr::new("1"),
+    ]
+    .into();
+    let limit = Duration::from_secs(60);
+
+    // Images: each bad one rejected with its reason; the good one made.
+    let mut args = common.clone();
+    args.extend([
+        OsStr::new("--manifest"),
+        manifest.as_os_str(),
+        OsStr::new("--max-reject-rate"),
+        OsStr::new("1"),
+        OsStr::new("--max-image-bytes"),
+        OsStr::new("100000"),
+    ]);
+    let (status, stdout, stderr) = produce_bounded(&dir, &args, limit);
+    assert!(status.success(), "{stderr}");
+    assert!(stdout.contains("produced 1 samples"), "{stdout}");
+    let rejects = std::fs::read_to_string(set.join("m.jsonl.rejects.jsonl")).unwrap();
+    let reason = |id: &str| -> String {
+        rejects
+            .lines()
+            .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+            .find(|r| r["id"] == id || (id == "line 8" && r["line"] == 8))
+            .unwrap_or_else(|| panic!("no reject for {id}: {rejects}"))["reason"]
+            .as_str()
+            .unwrap()
+            .to_owned()
+    };
+    for (id, want) in [
+        ("zero", "outside the image root"),
+        ("fifo", "is a FIFO, not a regular file"),
+        ("escape", "leads out of the image root"),
+        ("absolute", "outside the image root"),
+        ("link", "leads out of the image root"),
+        ("dir", "is a directory, not a regular file"),
+        ("line 8", "expected a JSON object with \"id\""),
+        ("big", "over the 100000-byte limit (--max-image-bytes)"),
+    ] {
+        let got = reason(id);
+        assert!(got.contains(want), "{id}: {got:?} lacks {want:?}");
+        assert!(!got.contains("RawRecord"), "{id}: {got}");
+    }
+
+    // Absolute paths allowed: /dev/zero is refused as a device, not read until memory runs out.
+    args.push(OsStr::new("--allow-absolute-image-paths"));
+    let (status, _, stderr) = produce_bounded(&dir, &args, limit);
+    assert!(status.success(), "{stderr}");
+    let rejects = std::fs::read_to_string(set.join("m.jsonl.rejects.jsonl")).unwrap();
+    assert!(
+        rejects.contains("/dev/zero is a character device, not a regular file"),
+        "{rejects}"
+    );
+
+    // A directory or a FIFO as the manifest: one error line, at once.
+    for (what, manifest) in [
+        ("is a directory", set.clone()),
+        ("is a FIFO", set.join("img/fifo.png")),
+    ] {
+        let mut args = common.clone();
+        args.extend([OsStr::new("--manifest"), manifest.as_os_str()]);
+        let (status, _, stderr) = produce_bounded(&dir, &args, limit);
+        assert!(!status.success());
+        assert!(stderr.contains(what), "{stderr}");
+        assert!(stderr.lines().count() < 5, "{stderr}");
+    }
+
+    // Image sizes that give no image token, or nothing: refused before any work, in a line.
+    for size in ["0x0", "28x0", "10x10", "short:0", "short:x", "axb"] {
+        let mut args = common.clone();
+        args.extend([
+            OsStr::new("--manifest"),
+            manifest.as_os_str(),
+            OsStr::new("--image-size"),
+            OsStr::new(size),
+        ]);
+        let (status, _, stderr) = produce_bounded(&dir, &args, limit);
+        assert!(!status.success(), "--image-size {size}");
+        assert!(
+            stderr.contains("at least patch × merge = 28 pixels")
+                || stderr.contains("expected qwen, WxH or short:N")
+                || stderr.contains("short:N needs a number"),
+            "--image-size {size}: {stderr}"
+        );
+        assert!(!stderr.contains("panicked"), "{stderr}");
+    }
 }
 
 /// A small PNG of `width` × `height` black pixels.
@@ -581,7 +755,14 @@ fn produce_feeds_a_stream_that_ranks_read_in_order() {
         .arg(&manifest)
         .arg("--tokenizer")
         .arg(&tokenizer)
-        .args(["--image-size", "224x224", "--workers", "2"])
+        .args([
+            "--image-size",
+            "224x224",
+            "--workers",
+            "2",
+            "--image-root",
+            DATA,
+        ])
         .args([
             "--stream", "train", "--world", "2", "--seed", "9", "--epochs", "2",
         ])

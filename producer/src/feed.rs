@@ -148,6 +148,7 @@ pub fn feed(
     manifest: Arc<IndexedManifest>,
     mut on_event: impl FnMut(&Event, &Profiler),
 ) -> Result<Summary, ProducerError> {
+    config.validate().map_err(ProducerError::Invalid)?;
     let started = Instant::now();
     if feed.spec.records != manifest.len() {
         return Err(ProducerError::Stream(

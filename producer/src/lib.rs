@@ -6,6 +6,8 @@
 //! - [`feed`]: the same pipeline feeding a stream: the daemon hands out (rank, sequence number)
 //!   tasks, the stream's spec names the record, a rejected record is replaced by the next of the
 //!   rank's share.
+//! - [`input`]: what a producer reads from the file system: regular files of bounded size,
+//!   image paths kept beneath a root (`openat2(RESOLVE_BENEATH)`), nothing that blocks.
 //! - [`manifest`]: LLaVA / Qwen-VL JSONL records, every bad line a [`manifest::Reject`] with its
 //!   line number, id and reason, never the end of the run; indexed for random access by streams.
 //! - [`pipeline`]: records in, samples sealed in the store out: tokio fetches, CPU workers, every
@@ -34,6 +36,7 @@
 
 pub mod chat;
 pub mod feed;
+pub mod input;
 pub mod manifest;
 pub mod pipeline;
 pub mod profile;

@@ -88,6 +88,7 @@ impl Reject {
 }
 
 #[derive(Deserialize)]
+#[serde(expecting = "a JSON object with \"id\" and \"conversations\" (or \"text\")")]
 struct RawRecord {
     id: Option<serde_json::Value>,
     image: Option<serde_json::Value>,
@@ -105,7 +106,10 @@ struct RawTurn {
 /// The longest line read; longer ones are rejected without being held in memory whole.
 pub const MAX_LINE_BYTES: u64 = 16 << 20;
 
-/// Reads a manifest, yielding a record or a reject per non-blank line.
+/// Reads a manifest, yielding a record or a reject per non-blank line. A failure to read the
+/// manifest itself ends it: the failure is yielded once as a reject (stage `manifest`, reason
+/// "cannot read the manifest: ...") and kept in [`Manifest::failure`] for the caller to end
+/// the run with.
 pub struct Manifest<R> {
     reader: BufReader<R>,
     base: PathBuf,
@@ -114,13 +118,30 @@ pub struct Manifest<R> {
     /// Byte offset of the next line, and of the line last read.
     offset: u64,
     line_start: u64,
+    failure: ReadFailure,
+}
+
+/// Where a [`Manifest`] keeps the error that ended it; a clone stays readable after the
+/// manifest was handed to the pipeline.
+#[derive(Debug, Clone, Default)]
+pub struct ReadFailure(std::sync::Arc<std::sync::OnceLock<String>>);
+
+impl ReadFailure {
+    /// The error that ended the manifest, if one did.
+    pub fn get(&self) -> Option<&str> {
+        self.0.get().map(String::as_str)
+    }
 }
 
 impl Manifest<std::fs::File> {
-    /// Opens a manifest file; relative image paths resolve against its folder.
+    /// Opens a manifest file (a regular file: a directory, FIFO or device is refused, saying
+    /// so); relative image paths resolve against its folder, made absolute.
     pub fn open(path: &Path) -> std::io::Result<Manifest<std::fs::File>> {
-        let file = std::fs::File::open(path)?;
-        let base = path.parent().map(Path::to_path_buf).unwrap_or_default();
+        let file = crate::input::open_regular(path)?;
+        let base = std::path::absolute(path)?
+            .parent()
+            .map(Path::to_path_buf)
+            .unwrap_or_default();
         Ok(Manifest::new(file, base))
     }
 }
@@ -140,7 +161,13 @@ impl<R: Read> Manifest<R> {
             buf: Vec::new(),
             offset,
             line_start: offset,
+            failure: ReadFailure::default(),
         }
+    }
+
+    /// A handle on the error that ends this manifest early, for after the run.
+    pub fn failure(&self) -> ReadFailure {
+        self.failure.clone()
     }
 
     /// Reads the next line into `buf`; `Ok(false)` at the end. Over-long lines are consumed and
@@ -324,16 +351,16 @@ impl IndexedManifest {
     pub fn open(path: &Path) -> std::io::Result<IndexedManifest> {
         let mut manifest = Manifest::open(path)?;
         let mut lines = Vec::new();
-        while let Some(item) = manifest.next() {
-            if let Err(r) = &item
-                && r.reason.starts_with("cannot read the manifest")
-            {
-                return Err(std::io::Error::other(r.reason.clone()));
+        while manifest.next().is_some() {
+            if let Some(failure) = manifest.failure.get() {
+                return Err(std::io::Error::other(failure.to_owned()));
             }
             lines.push((manifest.line_start, manifest.line - 1));
         }
         Ok(IndexedManifest {
-            file: std::fs::File::open(path)?,
+            // The descriptor indexed, read again by position: not the path, which may have
+            // been replaced since.
+            file: manifest.reader.into_inner(),
             base: manifest.base,
             lines,
         })
@@ -390,14 +417,15 @@ impl<R: Read> Iterator for Manifest<R> {
     type Item = Result<Record, Reject>;
 
     fn next(&mut self) -> Option<Self::Item> {
+        if self.failure.get().is_some() {
+            return None;
+        }
         loop {
             match self.next_line() {
                 Err(e) => {
-                    return Some(Err(Reject::manifest(
-                        self.line + 1,
-                        None,
-                        format!("cannot read the manifest: {e}"),
-                    )));
+                    let reason = format!("cannot read the manifest: {e}");
+                    let _ = self.failure.0.set(reason.clone());
+                    return Some(Err(Reject::manifest(self.line + 1, None, reason)));
                 }
                 Ok(Ok(false)) => return None,
                 Ok(Err(len)) => {
@@ -520,6 +548,69 @@ mod tests {
         }
         assert_eq!(out[1].as_ref().unwrap_err().id, None);
         assert_eq!(out[3].as_ref().unwrap_err().id.as_deref(), Some("b"));
+    }
+
+    #[test]
+    fn a_line_that_is_not_an_object_says_what_a_record_is() {
+        let out = read("[1,2,3]\n\"text\"\n");
+        for reject in out.iter().map(|r| r.as_ref().unwrap_err()) {
+            assert!(
+                reject.reason.contains("expected a JSON object with \"id\"")
+                    && !reject.reason.contains("RawRecord"),
+                "{}",
+                reject.reason
+            );
+        }
+    }
+
+    #[test]
+    fn a_read_error_ends_the_manifest_once() {
+        struct Broken;
+        impl Read for Broken {
+            fn read(&mut self, _: &mut [u8]) -> std::io::Result<usize> {
+                Err(std::io::Error::from_raw_os_error(
+                    nix::errno::Errno::EIO as i32,
+                ))
+            }
+        }
+        let manifest = Manifest::new(Broken, PathBuf::from("/data"));
+        let failure = manifest.failure();
+        let out: Vec<_> = manifest.take(10).collect();
+        assert_eq!(out.len(), 1, "one reject, then the end");
+        assert!(
+            out[0]
+                .as_ref()
+                .unwrap_err()
+                .reason
+                .contains("cannot read the manifest")
+        );
+        assert!(
+            failure
+                .get()
+                .is_some_and(|e| e.contains("Input/output error")),
+            "{failure:?}"
+        );
+    }
+
+    #[test]
+    fn a_manifest_must_be_a_regular_file() {
+        let dir =
+            std::env::temp_dir().join(format!("feedstore-manifest-kinds-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let fifo = dir.join("fifo.jsonl");
+        nix::unistd::mkfifo(&fifo, nix::sys::stat::Mode::S_IRWXU).unwrap();
+        for (path, what) in [
+            (dir.as_path(), "is a directory"),
+            (fifo.as_path(), "is a FIFO"),
+            (Path::new("/dev/zero"), "is a character device"),
+        ] {
+            let err = Manifest::open(path).err().expect("refused").to_string();
+            assert!(err.contains(what), "{path:?}: {err}");
+            let err = IndexedManifest::open(path).unwrap_err().to_string();
+            assert!(err.contains(what), "{path:?}: {err}");
+        }
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]

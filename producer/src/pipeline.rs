@@ -25,9 +25,10 @@ use feedstore_consumer::{Client, ConnectOptions, Handle, ObjectWriter, Role};
 use feedstore_proto::sample::{AlignedBuf, KeyValue, SampleInfo, SamplePlan};
 
 use crate::chat::{ChatTokenizer, image_pad_tokens};
+pub use crate::input::LocalFiles;
 use crate::manifest::{Content, ImageSource, Record, Reject};
 use crate::profile::{Profiler, Stage, StageProfile};
-use crate::vision::{ImageTransform, Scratch};
+use crate::vision::{ImageTransform, ResizeMode, Scratch};
 
 /// Why an image could not be fetched.
 #[derive(Debug, thiserror::Error)]
@@ -42,6 +43,12 @@ pub enum FetchError {
     /// This fetcher does not serve that kind of source.
     #[error("unsupported source {0}")]
     Unsupported(String),
+    /// The input is not one the producer reads: not a regular file, or outside the image root.
+    #[error("{0}")]
+    Invalid(String),
+    /// The file or object is larger than the limit.
+    #[error("{0}")]
+    TooLarge(String),
     /// Any other failure, after retries where they apply.
     #[error("{0}")]
     Other(String),
@@ -55,37 +62,6 @@ pub trait Fetch: Send + Sync + 'static {
         &'a self,
         source: &'a ImageSource,
     ) -> Pin<Box<dyn Future<Output = Result<Bytes, FetchError>> + Send + 'a>>;
-}
-
-/// Reads local files through tokio.
-#[derive(Debug, Default, Clone, Copy)]
-pub struct LocalFiles;
-
-impl Fetch for LocalFiles {
-    fn fetch<'a>(
-        &'a self,
-        source: &'a ImageSource,
-    ) -> Pin<Box<dyn Future<Output = Result<Bytes, FetchError>> + Send + 'a>> {
-        Box::pin(async move {
-            let ImageSource::Local(path) = source else {
-                return Err(FetchError::Unsupported(format!(
-                    "{source} (no S3 endpoint configured)"
-                )));
-            };
-            tokio::fs::read(path)
-                .await
-                .map(Bytes::from)
-                .map_err(|e| match e.kind() {
-                    std::io::ErrorKind::NotFound => {
-                        FetchError::NotFound(path.display().to_string())
-                    }
-                    std::io::ErrorKind::PermissionDenied => {
-                        FetchError::AccessDenied(path.display().to_string())
-                    }
-                    _ => FetchError::Other(format!("{}: {e}", path.display())),
-                })
-        })
-    }
 }
 
 /// How a producer runs.
@@ -119,6 +95,78 @@ impl ProducerConfig {
             merge_size: 2,
             create_timeout: Duration::from_secs(30),
         }
+    }
+}
+
+/// The most pixels an output image may have: far more than any vision-language model takes,
+/// and small enough that one image's tensor always fits a store.
+pub const MAX_OUTPUT_PIXELS: u64 = 1 << 26;
+
+impl ProducerConfig {
+    /// Checks the settings before any work is done; the error is one line naming the setting.
+    pub fn validate(&self) -> Result<(), String> {
+        let (patch, merge) = (self.patch_size, self.merge_size);
+        if patch == 0 || merge == 0 {
+            return Err(format!(
+                "patch size ({patch}) and merge size ({merge}) must be at least 1"
+            ));
+        }
+        let factor = u64::from(patch) * u64::from(merge);
+        let side = |what: String, n: u64| {
+            if n < factor {
+                Err(format!(
+                    "{what}: each side must be at least patch × merge = {factor} pixels, or                      the image gets no image token"
+                ))
+            } else {
+                Ok(())
+            }
+        };
+        match self.transform.resize {
+            ResizeMode::Fixed { width, height } => {
+                let what = format!("image size {width}x{height}");
+                side(what.clone(), width.into())?;
+                side(what.clone(), height.into())?;
+                if u64::from(width) * u64::from(height) > MAX_OUTPUT_PIXELS {
+                    return Err(format!(
+                        "{what}: more than {MAX_OUTPUT_PIXELS} pixels per image"
+                    ));
+                }
+            }
+            ResizeMode::ShorterSide(size) => {
+                side(format!("image size short:{size}"), size.into())?;
+                if u64::from(size) * u64::from(size) > MAX_OUTPUT_PIXELS {
+                    return Err(format!(
+                        "image size short:{size}: more than {MAX_OUTPUT_PIXELS} pixels per image"
+                    ));
+                }
+            }
+            ResizeMode::QwenVl {
+                min_pixels,
+                max_pixels,
+                factor: resize_factor,
+            } => {
+                if u64::from(resize_factor) != factor {
+                    return Err(format!(
+                        "the qwen resize's side multiple ({resize_factor}) must be patch × merge                          ({factor})"
+                    ));
+                }
+                if min_pixels > max_pixels {
+                    return Err(format!(
+                        "min pixels ({min_pixels}) is above max pixels ({max_pixels})"
+                    ));
+                }
+                if max_pixels < factor * factor || max_pixels > MAX_OUTPUT_PIXELS {
+                    return Err(format!(
+                        "max pixels ({max_pixels}) must be between patch × merge squared                          ({}) and {MAX_OUTPUT_PIXELS}",
+                        factor * factor
+                    ));
+                }
+            }
+        }
+        if self.transform.max_source_pixels == 0 {
+            return Err("max source pixels must be at least 1".into());
+        }
+        Ok(())
     }
 }
 
@@ -180,6 +228,9 @@ pub enum ProducerError {
     /// The stream refused this producer (another spec under its name, say).
     #[error("cannot feed the stream")]
     Stream(#[source] feedstore_consumer::Error),
+    /// A setting is out of range ([`ProducerConfig::validate`] says which).
+    #[error("{0}")]
+    Invalid(String),
 }
 
 struct Job {
@@ -211,6 +262,7 @@ pub fn run(
     records: impl Iterator<Item = Result<Record, Reject>> + Send + 'static,
     mut on_event: impl FnMut(&Event, &Profiler),
 ) -> Result<Summary, ProducerError> {
+    config.validate().map_err(ProducerError::Invalid)?;
     let started = Instant::now();
     let profiler = Arc::new(Profiler::default());
     let workers = config.workers.max(1);

@@ -19,8 +19,9 @@ use aws_sdk_s3::config::http::HttpResponse;
 use aws_sdk_s3::error::{DisplayErrorContext, SdkError};
 use aws_smithy_http_client::tls::{Provider, rustls_provider::CryptoMode};
 
+use crate::input::{DEFAULT_MAX_IMAGE_BYTES, LocalFiles};
 use crate::manifest::ImageSource;
-use crate::pipeline::{Fetch, FetchError, LocalFiles};
+use crate::pipeline::{Fetch, FetchError};
 
 /// How to reach S3.
 #[derive(Debug, Clone)]
@@ -40,6 +41,9 @@ pub struct S3Options {
     /// Static access key id and secret, for self-hosted stores and tests [default: the standard
     /// credential chain].
     pub static_credentials: Option<(String, String)>,
+    /// The largest object read: larger ones are refused by their `Content-Length` before the
+    /// body is read, and a body that runs past it is cut off.
+    pub max_object_bytes: u64,
 }
 
 impl Default for S3Options {
@@ -52,6 +56,7 @@ impl Default for S3Options {
             initial_backoff: Duration::from_millis(100),
             attempt_timeout: Duration::from_secs(30),
             static_credentials: None,
+            max_object_bytes: DEFAULT_MAX_IMAGE_BYTES,
         }
     }
 }
@@ -64,6 +69,7 @@ pub struct S3Fetcher {
     max_attempts: u32,
     initial_backoff: Duration,
     attempt_timeout: Duration,
+    max_object_bytes: u64,
 }
 
 impl S3Fetcher {
@@ -106,11 +112,18 @@ impl S3Fetcher {
             .build();
         S3Fetcher {
             client: aws_sdk_s3::Client::from_conf(config),
-            local: LocalFiles,
+            local: LocalFiles::default(),
             max_attempts: options.max_attempts.max(1),
             initial_backoff: options.initial_backoff,
             attempt_timeout: options.attempt_timeout,
+            max_object_bytes: options.max_object_bytes,
         }
+    }
+
+    /// Reads local paths with `local` (confined beneath a root, say) instead of from anywhere.
+    pub fn with_local(mut self, local: LocalFiles) -> S3Fetcher {
+        self.local = local;
+        self
     }
 
     /// The SDK client (to create buckets and upload in tests and tools).
@@ -130,17 +143,24 @@ impl S3Fetcher {
                 .send()
                 .await
                 .map_err(|e| request_error(&uri, e))?;
+            let max = self.max_object_bytes;
+            if let Some(length) = response.content_length().filter(|&n| n as u64 > max) {
+                return Err(too_large(&uri, &length.to_string(), max));
+            }
             // The SDK retries a request until its response head arrives; a body cut off or
             // stalled after that is retried here, the whole GET again.
-            let failure =
-                match tokio::time::timeout(self.attempt_timeout, response.body.collect()).await {
-                    Ok(Ok(body)) => return Ok(body.into_bytes()),
-                    Ok(Err(e)) => format!("body: {}", DisplayErrorContext(&e)),
-                    Err(_) => format!(
-                        "body not complete within the {:?} attempt timeout",
-                        self.attempt_timeout
-                    ),
-                };
+            let body = collect_bounded(response.body, max);
+            let failure = match tokio::time::timeout(self.attempt_timeout, body).await {
+                Ok(Ok(Some(body))) => return Ok(body),
+                Ok(Ok(None)) => {
+                    return Err(too_large(&uri, "more than that (past its length)", max));
+                }
+                Ok(Err(e)) => format!("body: {}", DisplayErrorContext(&e)),
+                Err(_) => format!(
+                    "body not complete within the {:?} attempt timeout",
+                    self.attempt_timeout
+                ),
+            };
             if attempt >= self.max_attempts {
                 return Err(FetchError::Other(format!(
                     "{uri}: {failure} (after {attempt} attempts)"
@@ -151,6 +171,32 @@ impl S3Fetcher {
             attempt += 1;
         }
     }
+}
+
+fn too_large(uri: &str, size: &str, max: u64) -> FetchError {
+    FetchError::TooLarge(format!(
+        "{uri} is {size} bytes, over the {max}-byte limit (--max-image-bytes)"
+    ))
+}
+
+/// The whole body if it holds at most `max` bytes, `None` as soon as it runs past them.
+async fn collect_bounded(
+    mut body: aws_sdk_s3::primitives::ByteStream,
+    max: u64,
+) -> Result<Option<Bytes>, aws_sdk_s3::primitives::ByteStreamError> {
+    let (mut chunks, mut total) = (Vec::new(), 0u64);
+    while let Some(chunk) = body.try_next().await? {
+        total += chunk.len() as u64;
+        if total > max {
+            return Ok(None);
+        }
+        chunks.push(chunk);
+    }
+    // One chunk is handed over as it is; several are joined once.
+    Ok(Some(match chunks.len() {
+        1 => chunks.pop().expect("one chunk"),
+        _ => Bytes::from(chunks.concat()),
+    }))
 }
 
 /// Maps a request error (after the SDK's own retries) to a fetch error.

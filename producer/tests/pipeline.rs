@@ -147,7 +147,7 @@ fn good_samples_arrive_and_every_bad_record_is_rejected_with_its_reason() {
     let summary = run(
         &config,
         tokenizer.clone(),
-        Arc::new(LocalFiles),
+        Arc::new(LocalFiles::default()),
         manifest,
         |event, _| match event {
             Event::Produced(p) => produced.push(p.clone()),

@@ -76,6 +76,22 @@ fn fetches_from_s3_and_rejects_missing_objects() {
             fetcher.fetch(&s3("no-such-bucket", "x.jpg")).await,
             Err(FetchError::NotFound(_))
         ));
+        // An object over the limit is refused by its length, before its body is read.
+        let small = S3Fetcher::new(&S3Options {
+            max_object_bytes: 100_000,
+            ..options(moto.endpoint())
+        })
+        .await;
+        assert!(small.fetch(&s3("vqa", "img/grace_hopper.jpg")).await.is_ok());
+        let err = small
+            .fetch(&s3("vqa", "img/chelsea.png"))
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(&err, FetchError::TooLarge(m)
+                if m == "s3://vqa/img/chelsea.png is 240512 bytes, over the 100000-byte limit (--max-image-bytes)"),
+            "{err}"
+        );
     });
 
     // The pipeline over s3:// references.

@@ -104,7 +104,7 @@ def produce(daemon: Daemon, tmp_path, name: str, records: int, *args: str) -> su
             binary("feedstore"), "produce", "--socket", daemon.socket,
             "--manifest", path, "--tokenizer", tokenizer,
             "--image-size", "64x64", "--dtype", "u8", "--layout", "hwc", "--workers", "1",
-            "--stream", name, *args,
+            "--image-root", DATA / "photos", "--stream", name, *args,
         ],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,

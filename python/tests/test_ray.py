@@ -19,11 +19,11 @@ ray = pytest.importorskip("ray")
 
 import feedstore  # noqa: E402
 
-from conftest import binary, finish, manifest, produce  # noqa: E402
+from conftest import DATA, binary, finish, manifest, produce  # noqa: E402
 
 RECORDS, WORLD, EPOCHS = 48, 4, 2
 IMAGE_ARGS = ["--image-size", "64x64", "--dtype", "u8", "--layout", "hwc", "--workers", "1",
-              "--prefetch", "4"]
+              "--prefetch", "4", "--image-root", str(DATA / "photos")]
 HERE = pathlib.Path(__file__).resolve().parent
 RAY = str(pathlib.Path(sys.executable).parent / "ray")
 

@@ -29,7 +29,7 @@ pub struct Delayed {
 impl Delayed {
     /// Local files with delays drawn from `[low, high]`.
     pub fn new(low: Duration, high: Duration, seed: u64) -> Delayed {
-        Delayed::wrap(Arc::new(LocalFiles), low, high, seed)
+        Delayed::wrap(Arc::new(LocalFiles::default()), low, high, seed)
     }
 
     /// `inner` with delays drawn from `[low, high]` added to its own.
