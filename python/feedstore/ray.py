@@ -82,7 +82,8 @@ class _Daemon:
     """One node's feedstored, started and stopped by this actor (pinned to the node)."""
 
     def __init__(self, index: int, capacity: str, port: int, secret: str, bin_dir: Optional[str],
-                 extra: Sequence[str]):
+                 extra: Sequence[str], run: str):
+        self.run = run
         self.ip = ray.util.get_node_ip_address()
         self.port = port
         self.dir = tempfile.mkdtemp(prefix="feedstore-ray-")
@@ -122,6 +123,10 @@ class _Daemon:
     def socket(self) -> str:
         return self.sock
 
+    def where(self) -> tuple:
+        """This daemon's peer address, socket, and the id of the ``start`` that made it."""
+        return self.address(), self.sock, self.run
+
     def set_peers(self, addresses: List[str]) -> None:
         """The daemon re-reads the file every second (``--peer-refresh-secs 1``)."""
         tmp = self.peers + ".tmp"
@@ -144,13 +149,13 @@ class _Daemon:
 
 
 class Cluster:
-    """The daemons ``start`` made, one per Ray node, by node id."""
+    """The daemons ``start`` made, one per Ray node, by node id, and the run's rank registry."""
 
-    def __init__(self, daemons: Dict[str, "ray.actor.ActorHandle"], addresses: Dict[str, str]):
+    def __init__(self, daemons: Dict[str, "ray.actor.ActorHandle"], addresses: Dict[str, str],
+                 registry: "ray.actor.ActorHandle"):
         self.daemons = daemons
         self.addresses = addresses
-        #: Streams ``produce`` started: their rank registries go with ``shutdown``.
-        self.streams: set = set()
+        self.registry = registry
 
     def stats(self) -> Dict[str, dict]:
         """Every node's ``feedstore stat`` figures, by node id."""
@@ -158,17 +163,12 @@ class Cluster:
         return dict(zip(ids, ray.get([self.daemons[i].stats.remote() for i in ids])))
 
     def shutdown(self) -> None:
-        """Stops every daemon (SIGTERM), removes its files, and forgets where the ranks of the
-        streams ``produce`` started read."""
-        ray.get([d.stop.remote() for d in self.daemons.values()])
-        for d in self.daemons.values():
-            ray.kill(d)
-        for stream in self.streams:
-            try:
-                ray.kill(ray.get_actor(_ranks_name(stream), namespace=NAMESPACE))
-            except ValueError:
-                pass
-        self.streams.clear()
+        """Stops every daemon (SIGTERM), removes its files, and the rank registry."""
+        try:
+            ray.get([d.stop.remote() for d in self.daemons.values()])
+        finally:
+            for actor in [*self.daemons.values(), self.registry]:
+                ray.kill(actor)
 
 
 def start(capacity: str = "4GiB", port: int = 7070, *, bin_dir: Optional[str] = None,
@@ -183,13 +183,23 @@ def start(capacity: str = "4GiB", port: int = 7070, *, bin_dir: Optional[str] = 
         raise RuntimeError("no alive Ray nodes")
     shared_ip = len({n["NodeManagerAddress"] for n in nodes}) < len(nodes)
     secret = secrets.token_hex(32)
+    # Owned by this driver and pinned to its node: it lives as long as the job, not as long as
+    # whichever worker first opened a stream; a later `start` makes a fresh one.
+    run = secrets.token_hex(6)
+    registry = _Ranks.options(
+        name=_registry_name(run),
+        namespace=NAMESPACE,
+        scheduling_strategy=NodeAffinitySchedulingStrategy(
+            ray.get_runtime_context().get_node_id(), soft=False
+        ),
+    ).remote()
     daemons = {}
     for i, node in enumerate(nodes):
         daemons[node["NodeID"]] = _Daemon.options(
             name=_daemon_name(node["NodeID"]),
             namespace=NAMESPACE,
             scheduling_strategy=NodeAffinitySchedulingStrategy(node["NodeID"], soft=False),
-        ).remote(i, capacity, port + i if shared_ip else port, secret, bin_dir, list(args))
+        ).remote(i, capacity, port + i if shared_ip else port, secret, bin_dir, list(args), run)
     addresses = dict(zip(daemons, ray.get([d.address.remote() for d in daemons.values()])))
     ray.get([d.set_peers.remote(list(addresses.values())) for d in daemons.values()])
     deadline = time.monotonic() + timeout
@@ -201,7 +211,7 @@ def start(capacity: str = "4GiB", port: int = 7070, *, bin_dir: Optional[str] = 
                     + ray.get(d.log_tail.remote())
                 )
             time.sleep(0.1)
-    return Cluster(daemons, addresses)
+    return Cluster(daemons, addresses, registry)
 
 
 def local_daemon() -> "ray.actor.ActorHandle":
@@ -223,99 +233,166 @@ def local_socket() -> str:
 
 @ray.remote(num_cpus=0)
 class _Ranks:
-    """Where each stream rank reads: its node's daemon address. Told by the ranks when they first
-    open the stream, asked by the producers and by restarted workers; it carries no samples and
-    assigns no tasks. Once every rank has said where it is, the placement is fixed: producers
-    feed each rank's window on that node from then on."""
+    """Where each stream rank reads: its node's daemon address, per stream. Told by the ranks
+    when they first open a stream, asked by the producers and by restarted workers; it carries
+    no samples and assigns no tasks. Once every rank has said where it is, the placement is
+    fixed: producers feed each rank's window on that node from then on."""
 
     def __init__(self):
-        self.at: Dict[int, str] = {}
+        self.world: Dict[str, int] = {}
+        self.at: Dict[str, Dict[int, str]] = {}
 
-    def _complete(self, world: int) -> bool:
-        return all(r in self.at for r in range(world))
+    def _check(self, stream: str, world: int) -> Dict[int, str]:
+        if self.world.setdefault(stream, world) != world:
+            raise ValueError(
+                f"stream {stream!r} has {self.world[stream]} ranks in this run, not {world}"
+            )
+        return self.at.setdefault(stream, {})
 
-    def claim(self, rank: int, world: int, address: str) -> List[int]:
-        """The stream ranks the worker with world rank ``rank`` on the daemon at ``address`` may
-        read, in the order to try them: its own before the placement is fixed (where it opens is
-        where it reads), afterwards the ranks placed on its node, its own first if it is one."""
-        if not self._complete(world):
-            self.at[rank] = address
-            return [rank]
-        here = sorted(r for r, a in self.at.items() if a == address)
-        return sorted(here, key=lambda r: r != rank)
-
-    def placement(self, world: int) -> Optional[Dict[int, str]]:
-        if self._complete(world):
-            return {r: self.at[r] for r in range(world)}
+    def claim(self, stream: str, rank: int, world: int, address: str) -> Optional[Dict[int, str]]:
+        """Before the placement is fixed, records that ``rank`` reads on ``address`` and
+        returns None (where a rank first opens is where it reads); afterwards returns the
+        placement, unchanged."""
+        at = self._check(stream, world)
+        if len(at) == world:
+            return dict(at)
+        at[rank] = address
         return None
 
+    def placement(self, stream: str, world: int) -> Optional[Dict[int, str]]:
+        at = self._check(stream, world)
+        return dict(at) if len(at) == world else None
 
-def _ranks_name(stream: str) -> str:
-    return f"feedstore-ranks-{stream}"
+
+def _registry_name(run: str) -> str:
+    return f"feedstore-ranks-{run}"
 
 
-def _ranks(stream: str) -> "ray.actor.ActorHandle":
-    # Detached: a registry owned by the first rank to open the stream would die with that rank,
-    # and with it the placement a restarted rank needs. `Cluster.shutdown` removes it.
-    return _Ranks.options(
-        name=_ranks_name(stream), namespace=NAMESPACE, get_if_exists=True,
-        lifetime="detached",
-    ).remote()
+def _registry(run: str) -> "ray.actor.ActorHandle":
+    try:
+        return ray.get_actor(_registry_name(run), namespace=NAMESPACE)
+    except ValueError:
+        raise RuntimeError(
+            "the feedstore.ray cluster of this node's daemon is gone (its driver ended)"
+        ) from None
+
+
+def _group_addresses(rank: int, world: int, address: str) -> Optional[Dict[int, str]]:
+    """Every world rank's daemon address, gathered over the torch.distributed group when one
+    of ``world`` ranks is initialised (as in a TorchTrainer loop); None otherwise."""
+    import sys
+
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return None
+    if dist.get_world_size() != world or dist.get_rank() != rank:
+        return None
+    gathered: List[Optional[tuple]] = [None] * world
+    dist.all_gather_object(gathered, (rank, address))
+    return dict(gathered)
+
+
+def _pair(placement: Dict[int, str], group: Dict[int, str]) -> Dict[int, int]:
+    """World rank to stream rank, the same in every worker: on each node, a world rank that is
+    one of the node's stream ranks keeps it, the others take the node's remaining stream ranks
+    in order."""
+    pairs: Dict[int, int] = {}
+    for address in set(group.values()):
+        streams = sorted(r for r, a in placement.items() if a == address)
+        workers = sorted(w for w, a in group.items() if a == address)
+        for w in workers:
+            if w in streams:
+                pairs[w] = w
+        rest = [s for s in streams if s not in pairs.values()]
+        for w, s in zip([w for w in workers if w not in pairs], rest):
+            pairs[w] = s
+    return pairs
 
 
 def open_stream(name: str, records: int, *, rank: Optional[int] = None,
                 world: Optional[int] = None,
                 state: Union[None, str, Mapping[int, str]] = None,
-                **kwargs) -> feedstore.Stream:
+                wait: float = 300.0, **kwargs) -> feedstore.Stream:
     """Opens a share of stream ``name`` on this node's daemon, after telling the stream's
     producers where it reads. ``rank`` and ``world`` default to Ray Train's world rank and size
-    (inside a ``TorchTrainer`` loop); the other arguments are ``feedstore.Stream``'s and must
-    match the producers'.
+    (inside a ``TorchTrainer`` loop); ``wait`` bounds the whole open; the other arguments are
+    ``feedstore.Stream``'s and must match the producers'.
 
     A stream rank's window (its order, prefetch and resume point) lives on the node where the
     rank first opened the stream, and producers feed it there. When Ray Train restarts the
-    worker group after a failure, it may put world rank 3 on the node where rank 0 read: a
-    restarted worker therefore reads a stream rank of *its own* node that no live worker reads
-    (its own rank first, when that is one of them), so ``stream.rank`` may differ from the world
-    rank. Save ``stream.state()`` under ``stream.rank`` with the checkpoint, and pass the
-    states of all ranks back as ``state={stream_rank: state, ...}`` (a Ray Train checkpoint
-    that every worker reports to holds them all); the worker resumes whichever rank it gets.
-    A plain ``state`` string resumes the world rank's own stream rank only. Raises
-    ``RuntimeError`` when this node has no such rank free within ``wait`` seconds (the
-    restarted group put more workers on this node than the first: give workers resources
-    that keep the count per node)."""
+    worker group after a failure it may put world rank 3 on the node where rank 0 read, so a
+    restarted worker reads a stream rank *of its own node*: inside a torch.distributed group of
+    ``world`` ranks (a TorchTrainer loop) every worker learns where the others are (one small
+    all-gather: call ``open_stream`` on every rank, as with any collective) and all pair world
+    ranks with their nodes' stream ranks the same way, a world rank keeping its own when that is
+    one of its node's; outside one (plain actors), a worker takes the first stream rank of its
+    node that no live consumer reads. ``stream.rank`` may thus differ from the world rank:
+    save ``stream.state()`` under ``stream.rank`` with the checkpoint and pass the states of
+    all ranks back as ``state={stream_rank: state, ...}`` (a Ray Train checkpoint that every
+    worker reports to holds them all; string keys from JSON are accepted). A worker whose
+    stream rank has no state in a non-empty mapping raises ``ValueError`` rather than start
+    that rank over. A plain ``state`` string resumes the world rank's own stream rank only.
+    Raises ``feedstore.RankInUse`` when no stream rank of this node is free within ``wait``
+    (a consumer still holds it: a live worker, or a process that inherited a dead worker's
+    connection, such as a forked DataLoader worker), and ``RuntimeError`` when this node has
+    none to give (the restarted group put more workers here than the first had: give workers
+    resources that keep the count per node)."""
     if rank is None or world is None:
         from ray.train import get_context
 
         context = get_context()
         rank = context.get_world_rank() if rank is None else rank
         world = context.get_world_size() if world is None else world
-    daemon = local_daemon()
-    address, socket = ray.get([daemon.address.remote(), daemon.socket.remote()])
-    candidates = ray.get(_ranks(name).claim.remote(rank, world, address))
+    deadline = time.monotonic() + wait
+    address, socket, run = ray.get(local_daemon().where.remote())
+    group = _group_addresses(rank, world, address)
+    placement = ray.get(_registry(run).claim.remote(name, rank, world, address))
     if isinstance(state, str):
         states = {rank: state}
-        candidates = [r for r in candidates if r == rank]
     else:
-        states = dict(state or {})
-    deadline = time.monotonic() + float(kwargs.get("wait", 300.0))
+        states = {int(r): s for r, s in (state or {}).items()}
+    if placement is None:
+        candidates = [rank]
+    elif group is not None:
+        candidates = [r for r in [_pair(placement, group).get(rank)] if r is not None]
+    else:
+        here = sorted(r for r, a in placement.items() if a == address)
+        candidates = sorted(here, key=lambda r: r != rank)
+    if isinstance(state, str):
+        candidates = [r for r in candidates if r == rank]
+    elif states:
+        missing = [r for r in candidates if r not in states]
+        if group is not None and missing:
+            raise ValueError(
+                f"no saved state for rank {missing[0]} of stream {name!r}, which world rank "
+                f"{rank} reads now: pass the states of all ranks (state={{rank: state}})"
+            )
+        candidates = [r for r in candidates if r in states]
+    if not candidates:
+        raise RuntimeError(
+            f"no rank of stream {name!r} to read on this node ({address}) for world rank {rank}"
+            + ("" if placement is None else
+               f"; its ranks here are {sorted(r for r, a in placement.items() if a == address)}")
+            + ". A stream rank reads on the node where it first opened, so a restarted worker "
+            "group must keep as many workers per node as the first had (resources per worker "
+            "that fill each node do)"
+            + (", and a plain state string resumes only this world rank's own stream rank"
+               if isinstance(state, str) else "")
+        )
     while True:
         for candidate in candidates:
             try:
-                return feedstore.Stream(name, records, candidate, world, socket=socket,
-                                        state=states.get(candidate), **kwargs)
+                return feedstore.Stream(
+                    name, records, candidate, world, socket=socket, state=states.get(candidate),
+                    wait=max(deadline - time.monotonic(), 0.1), **kwargs,
+                )
             except feedstore.RankInUse:
                 # Read by a live worker, or a dead one's connection is not closed yet.
                 continue
-        if not candidates or time.monotonic() > deadline:
-            raise RuntimeError(
-                f"no rank of stream {name!r} is free on this node ({address}) for world rank "
-                f"{rank}: its ranks here are {candidates or 'none'}, all read by other workers. "
-                "A stream rank reads on the node where it first opened; a restarted worker "
-                "group must keep as many workers per node as the first (resources per worker "
-                "that fill each node do)"
-                + ("; a plain state string resumes only this world rank's own stream rank"
-                   if isinstance(state, str) else "")
+        if time.monotonic() > deadline:
+            raise feedstore.RankInUse(
+                f"every rank of stream {name!r} world rank {rank} may read on this node "
+                f"({candidates}) kept a consumer for {wait} s"
             )
         time.sleep(0.1)
 
@@ -333,14 +410,15 @@ class _Producer:
 
     def run(self, stream: str, world: int, argv: List[str], relay: Optional[str],
             bin_dir: Optional[str], timeout: float) -> dict:
-        ranks = _ranks(stream)
+        _, socket, run = ray.get(local_daemon().where.remote())
+        registry = _registry(run)
         deadline = time.monotonic() + timeout
-        while (placement := ray.get(ranks.placement.remote(world))) is None:
+        while (placement := ray.get(registry.placement.remote(stream, world))) is None:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"the ranks of stream {stream!r} did not all open it in time")
             time.sleep(0.2)
         command = [
-            _binary("feedstore", bin_dir), "produce", "--socket", local_socket(),
+            _binary("feedstore", bin_dir), "produce", "--socket", socket,
             "--stream", stream, "--world", str(world), "--ranks-at", _ranks_at(placement),
             *(["--relay", relay] if relay else []), *argv,
         ]
@@ -391,8 +469,6 @@ def produce(cluster: Cluster, stream: str, *, manifest: str, tokenizer: str, wor
     else:
         strategy = "SPREAD"
     relay = cluster.addresses[here] if placement == "relay" else None
-    _ranks(stream)
-    cluster.streams.add(stream)
     actors = [_Producer.options(scheduling_strategy=strategy).remote() for _ in range(count)]
     refs = [a.run.remote(stream, world, argv, relay, bin_dir, timeout) for a in actors]
     return ProduceJob(refs, actors)

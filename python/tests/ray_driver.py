@@ -92,8 +92,18 @@ def kill_a_producer(cluster, done):
     done["error"] = f"no producer process found for {socket}"
 
 
-def kill_a_rank(out, done):
-    """Once every rank has checkpointed twice, kill -9 one Ray Train worker process mid-epoch."""
+def in_namespaces(pid, namespaces):
+    """Whether process `pid` runs in one of the named network namespaces (this test's nodes)."""
+    try:
+        inode = os.stat(f"/proc/{pid}/ns/net").st_ino
+    except OSError:
+        return False
+    return any(os.stat(f"/run/netns/{ns}").st_ino == inode for ns in namespaces)
+
+
+def kill_a_rank(out, namespaces, done):
+    """Once every rank has checkpointed twice, kill -9 one Ray Train worker process of this
+    test's cluster mid-epoch."""
     deadline = time.monotonic() + 120
     while True:
         if time.monotonic() > deadline:
@@ -111,7 +121,7 @@ def kill_a_rank(out, done):
                 cmdline = f.read()
         except OSError:
             continue
-        if b"RayTrainWorker" in cmdline:
+        if b"RayTrainWorker" in cmdline and in_namespaces(pid, namespaces):
             os.kill(int(pid), signal.SIGKILL)
             done["killed"] = f"Ray Train worker {pid}"
             return
@@ -201,7 +211,9 @@ def main():
             killer = threading.Thread(target=kill_a_producer, args=(cluster, killed), daemon=True)
             killer.start()
         if config["kill_rank"]:
-            killer = threading.Thread(target=kill_a_rank, args=(config["out"], killed), daemon=True)
+            killer = threading.Thread(
+                target=kill_a_rank, args=(config["out"], config["netns"], killed), daemon=True
+            )
             killer.start()
         if config["move_ranks"]:
             move_ranks(cluster, config, killed)

@@ -1723,7 +1723,7 @@ mod tests {
         s.attach(&mut o, c, &spec(1), 0, 0).unwrap();
         let other = client(&mut o, Role::Reader, 1000);
         let err = s.attach(&mut o, other, &spec(1), 0, 0).unwrap_err();
-        assert_eq!(err.status, Status::InvalidState, "one consumer per rank");
+        assert_eq!(err.status, Status::InUse, "one consumer per rank");
     }
 
     #[test]

@@ -41,8 +41,9 @@ use crate::{Handle, Location, Role, SegmentInfo, Status, StoreStats};
 pub const MAGIC: u16 = 0xFD5E;
 /// Protocol version spoken by this crate. Version 2: frame limits agreed at hello, stream
 /// detach, paged stream lists, attach without creating. Version 3: cross-node pull statistics
-/// and statuses (`Unreachable`, `Corrupt`).
-pub const VERSION: u16 = 4;
+/// and statuses (`Unreachable`, `Corrupt`). Version 4: where a stream's ranks are read
+/// (`StreamJoin` `at` and `relay`). Version 5: `InUse`, a rank that already has a consumer.
+pub const VERSION: u16 = 5;
 /// Size of the frame header.
 pub const HEADER_BYTES: usize = 16;
 /// Default maximum payload a side accepts (room for a batch of ~65k handles).
