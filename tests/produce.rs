@@ -106,12 +106,14 @@ fn produce_writes_samples_and_lists_rejects() {
 fn produce_bounded(
     dir: &Path,
     args: &[&std::ffi::OsStr],
+    env: &[(&str, &str)],
     limit: Duration,
 ) -> (std::process::ExitStatus, String, String) {
     let (out, err) = (dir.join("stdout.txt"), dir.join("stderr.txt"));
     let mut child = Command::new(env!("CARGO_BIN_EXE_feedstore"))
         .arg("produce")
         .args(args)
+        .envs(env.iter().copied())
         .stdout(std::fs::File::create(&out).unwrap())
         .stderr(std::fs::File::create(&err).unwrap())
         .spawn()
@@ -200,7 +202,7 @@ fn hostile_inputs_end_in_bounded_time_with_a_reason() {
         OsStr::new("--max-image-bytes"),
         OsStr::new("100000"),
     ]);
-    let (status, stdout, stderr) = produce_bounded(&dir, &args, limit);
+    let (status, stdout, stderr) = produce_bounded(&dir, &args, &[], limit);
     assert!(status.success(), "{stderr}");
     assert!(stdout.contains("produced 1 samples"), "{stdout}");
     let rejects = std::fs::read_to_string(set.join("m.jsonl.rejects.jsonl")).unwrap();
@@ -231,7 +233,7 @@ fn hostile_inputs_end_in_bounded_time_with_a_reason() {
 
     // Absolute paths allowed: /dev/zero is refused as a device, not read until memory runs out.
     args.push(OsStr::new("--allow-absolute-image-paths"));
-    let (status, _, stderr) = produce_bounded(&dir, &args, limit);
+    let (status, _, stderr) = produce_bounded(&dir, &args, &[], limit);
     assert!(status.success(), "{stderr}");
     let rejects = std::fs::read_to_string(set.join("m.jsonl.rejects.jsonl")).unwrap();
     assert!(
@@ -246,7 +248,7 @@ fn hostile_inputs_end_in_bounded_time_with_a_reason() {
     ] {
         let mut args = common.clone();
         args.extend([OsStr::new("--manifest"), manifest.as_os_str()]);
-        let (status, _, stderr) = produce_bounded(&dir, &args, limit);
+        let (status, _, stderr) = produce_bounded(&dir, &args, &[], limit);
         assert!(!status.success());
         assert!(stderr.contains(what), "{stderr}");
         assert!(stderr.lines().count() < 5, "{stderr}");
@@ -261,7 +263,7 @@ fn hostile_inputs_end_in_bounded_time_with_a_reason() {
             OsStr::new("--image-size"),
             OsStr::new(size),
         ]);
-        let (status, _, stderr) = produce_bounded(&dir, &args, limit);
+        let (status, _, stderr) = produce_bounded(&dir, &args, &[], limit);
         assert!(!status.success(), "--image-size {size}");
         assert!(
             stderr.contains("at least patch × merge = 28 pixels")
@@ -270,6 +272,111 @@ fn hostile_inputs_end_in_bounded_time_with_a_reason() {
             "--image-size {size}: {stderr}"
         );
         assert!(!stderr.contains("panicked"), "{stderr}");
+    }
+}
+
+/// S3 unreachable: each reject says so in one line (endpoint, key, the OS error), with no SDK
+/// type names, and the verdict says every fetch failed instead of naming a CPU stage.
+#[test]
+fn an_unreachable_s3_endpoint_is_said_in_one_line() {
+    use std::ffi::OsStr;
+    let _w = watchdog(
+        "an_unreachable_s3_endpoint_is_said_in_one_line",
+        Duration::from_secs(120),
+    );
+    let dir = scratch_dir("produce-s3-down");
+    let daemon = DaemonProcess::start(&dir, &[]);
+    let tokenizer = tokenizer_file(&dir);
+    // A loopback port nothing listens on any more.
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let endpoint = format!("http://127.0.0.1:{port}");
+    let turns = serde_json::json!([
+        {"from": "human", "value": "<image>\nwhat is this?"}, {"from": "gpt", "value": "a photo"}]);
+    let lines: Vec<String> = (0..3)
+        .map(|i| {
+            llava(
+                &format!("r{i}"),
+                &format!("s3://photos/img/{i}.jpg"),
+                &turns,
+            )
+        })
+        .collect();
+    let manifest = dir.join("m.jsonl");
+    std::fs::write(&manifest, lines.join("\n")).unwrap();
+    let args: Vec<&OsStr> = [
+        OsStr::new("--socket"),
+        daemon.socket.as_os_str(),
+        OsStr::new("--tokenizer"),
+        tokenizer.as_os_str(),
+        OsStr::new("--manifest"),
+        manifest.as_os_str(),
+        OsStr::new("--s3-endpoint"),
+        OsStr::new(&endpoint),
+        OsStr::new("--s3-path-style"),
+        OsStr::new("--s3-max-attempts"),
+        OsStr::new("2"),
+        OsStr::new("--workers"),
+        OsStr::new("1"),
+    ]
+    .into();
+    let reasons = |env: &[(&str, &str)]| {
+        let (status, stdout, _) = produce_bounded(&dir, &args, env, Duration::from_secs(90));
+        assert!(
+            !status.success(),
+            "every record rejected: above the reject rate"
+        );
+        assert!(
+            stdout.contains("verdict: fetch failed for every record (3 fetches): s3://photos/img/"),
+            "{stdout}"
+        );
+        let rejects = std::fs::read_to_string(dir.join("m.jsonl.rejects.jsonl")).unwrap();
+        let reasons: Vec<String> = rejects
+            .lines()
+            .map(|row| {
+                serde_json::from_str::<serde_json::Value>(row).unwrap()["reason"]
+                    .as_str()
+                    .unwrap()
+                    .to_owned()
+            })
+            .collect();
+        assert_eq!(reasons.len(), 3);
+        for reason in &reasons {
+            assert!(
+                reason.starts_with("s3://photos/img/")
+                    && reason.contains(&format!(" from {endpoint}: "))
+                    && !reason.contains("DispatchFailure")
+                    && !reason.contains('{')
+                    && reason.len() < 300,
+                "{reason}"
+            );
+        }
+        reasons
+    };
+    // With credentials: the refused connection, in the OS's words.
+    for reason in reasons(&[("AWS_ACCESS_KEY_ID", "k"), ("AWS_SECRET_ACCESS_KEY", "s")]) {
+        assert!(
+            reason.contains("cannot connect: ")
+                && reason.to_lowercase().contains("connection refused"),
+            "{reason}"
+        );
+    }
+    // Without (none in the environment, no files, no instance metadata): the credential
+    // chain's failure, said in its own words (or, where the machine has credentials after all,
+    // the refused connection).
+    let none = [
+        ("AWS_CONFIG_FILE", "/nonexistent"),
+        ("AWS_SHARED_CREDENTIALS_FILE", "/nonexistent"),
+        ("AWS_EC2_METADATA_DISABLED", "true"),
+    ];
+    for reason in reasons(&none) {
+        assert!(
+            reason.contains("cannot send the request: ") || reason.contains("cannot connect: "),
+            "{reason}"
+        );
     }
 }
 

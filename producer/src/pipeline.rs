@@ -411,7 +411,11 @@ pub(crate) async fn fetch_all(
                 images.push(bytes);
             }
             // Every FetchError names its source already.
-            Err(e) => return Err(reject(record, "fetch", e.to_string())),
+            Err(e) => {
+                let reason = e.to_string();
+                profiler.fetch_failed(&reason);
+                return Err(reject(record, "fetch", reason));
+            }
         }
     }
     Ok(images)

@@ -62,6 +62,9 @@ pub struct Profiler {
     fetch_blocked_ns: AtomicU64,
     fetch_in_flight: AtomicU64,
     fetched_bytes: AtomicU64,
+    fetches_ok: AtomicU64,
+    fetch_failures: AtomicU64,
+    first_fetch_failure: std::sync::OnceLock<String>,
     startup_ns: AtomicU64,
 }
 
@@ -93,9 +96,16 @@ impl Profiler {
             .store(startup.as_nanos() as u64, Ordering::Relaxed);
     }
 
-    /// Counts bytes fetched.
+    /// Counts a fetch that succeeded, and its bytes.
     pub fn fetched(&self, bytes: u64) {
         self.fetched_bytes.fetch_add(bytes, Ordering::Relaxed);
+        self.fetches_ok.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Counts a fetch that failed; the first failure's reason is kept for the verdict.
+    pub fn fetch_failed(&self, reason: &str) {
+        self.fetch_failures.fetch_add(1, Ordering::Relaxed);
+        let _ = self.first_fetch_failure.set(reason.to_owned());
     }
 
     /// A fetch started (+1) or ended (-1).
@@ -129,6 +139,9 @@ impl Profiler {
             fetch_blocked: ns(&self.fetch_blocked_ns),
             fetch_in_flight: self.fetch_in_flight.load(Ordering::Relaxed),
             fetched_bytes: self.fetched_bytes.load(Ordering::Relaxed),
+            fetches_ok: self.fetches_ok.load(Ordering::Relaxed),
+            fetch_failures: self.fetch_failures.load(Ordering::Relaxed),
+            first_fetch_failure: self.first_fetch_failure.get().cloned(),
             startup: ns(&self.startup_ns).min(wall),
         }
     }
@@ -153,6 +166,12 @@ pub struct StageProfile {
     pub fetch_in_flight: u64,
     /// Bytes fetched.
     pub fetched_bytes: u64,
+    /// Fetches that succeeded.
+    pub fetches_ok: u64,
+    /// Fetches that failed.
+    pub fetch_failures: u64,
+    /// The first failed fetch's reason.
+    pub first_fetch_failure: Option<String>,
     /// Time before the CPU workers could start (connecting to the store, mapping its memory).
     pub startup: Duration,
 }
@@ -170,6 +189,15 @@ impl StageProfile {
 
     /// One sentence: the bottleneck and the knob to turn.
     pub fn verdict(&self) -> String {
+        if self.fetches_ok == 0 && self.fetch_failures > 0 {
+            return format!(
+                "fetch failed for every record ({} fetches): {}",
+                self.fetch_failures,
+                self.first_fetch_failure
+                    .as_deref()
+                    .unwrap_or("no reason kept")
+            );
+        }
         let idle = self.cpu_idle_share();
         let fetch_busy = self.stages[0].1.as_secs_f64();
         let blocked = self.fetch_blocked.as_secs_f64();
@@ -256,5 +284,25 @@ mod tests {
             "{cpu_bound}"
         );
         assert!(profile(6, 2, 40).verdict().starts_with("balanced"));
+    }
+
+    #[test]
+    fn verdict_says_when_every_fetch_failed() {
+        let p = Profiler::default();
+        p.fetch_failed("s3://b/k from http://127.0.0.1:9: connection refused");
+        p.fetch_failed("s3://b/j from http://127.0.0.1:9: connection refused");
+        p.cpu_idle(Duration::from_secs(1));
+        let verdict = p.snapshot(Duration::from_secs(2), 1, 8).verdict();
+        assert_eq!(
+            verdict,
+            "fetch failed for every record (2 fetches): s3://b/k from http://127.0.0.1:9: \
+             connection refused"
+        );
+        p.fetched(100);
+        assert!(
+            !p.snapshot(Duration::from_secs(2), 1, 8)
+                .verdict()
+                .starts_with("fetch failed")
+        );
     }
 }

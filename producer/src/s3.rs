@@ -70,6 +70,8 @@ pub struct S3Fetcher {
     initial_backoff: Duration,
     attempt_timeout: Duration,
     max_object_bytes: u64,
+    /// Where requests go, for messages.
+    endpoint: String,
 }
 
 impl S3Fetcher {
@@ -117,6 +119,11 @@ impl S3Fetcher {
             initial_backoff: options.initial_backoff,
             attempt_timeout: options.attempt_timeout,
             max_object_bytes: options.max_object_bytes,
+            endpoint: options
+                .endpoint
+                .clone()
+                .or_else(|| std::env::var("AWS_ENDPOINT_URL").ok())
+                .unwrap_or_else(|| "AWS S3".into()),
         }
     }
 
@@ -142,7 +149,7 @@ impl S3Fetcher {
                 .key(key)
                 .send()
                 .await
-                .map_err(|e| request_error(&uri, e))?;
+                .map_err(|e| request_error(&uri, &self.endpoint, e))?;
             let max = self.max_object_bytes;
             if let Some(length) = response.content_length().filter(|&n| n as u64 > max) {
                 return Err(too_large(&uri, &length.to_string(), max));
@@ -163,7 +170,8 @@ impl S3Fetcher {
             };
             if attempt >= self.max_attempts {
                 return Err(FetchError::Other(format!(
-                    "{uri}: {failure} (after {attempt} attempts)"
+                    "{uri} from {}: {failure} (after {attempt} attempts)",
+                    self.endpoint
                 )));
             }
             tracing::debug!(%uri, attempt, %failure, "retrying");
@@ -199,24 +207,63 @@ async fn collect_bounded(
     }))
 }
 
+/// The innermost cause of `e`: the OS error or the server's words, without the layers of
+/// SDK types around it.
+fn root_cause(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut cause = e;
+    while let Some(next) = cause.source() {
+        cause = next;
+    }
+    cause.to_string()
+}
+
+/// One line saying what went wrong with a request, for the reject; the whole chain goes to the
+/// debug log (`FEEDSTORE_LOG=debug`).
+fn describe(
+    e: &SdkError<aws_sdk_s3::operation::get_object::GetObjectError, HttpResponse>,
+) -> String {
+    use aws_sdk_s3::error::ProvideErrorMetadata;
+    match e {
+        SdkError::ServiceError(s) => {
+            let status = s.raw().status().as_u16();
+            match (s.err().code(), s.err().message()) {
+                (Some(code), Some(message)) => format!("HTTP {status} {code}: {message}"),
+                (Some(code), None) => format!("HTTP {status} {code}"),
+                _ => format!("HTTP {status}"),
+            }
+        }
+        SdkError::TimeoutError(_) => "timed out".into(),
+        SdkError::DispatchFailure(d) if d.is_timeout() => {
+            format!("timed out connecting: {}", root_cause(e))
+        }
+        SdkError::DispatchFailure(d) if d.is_io() => {
+            format!("cannot connect: {}", root_cause(e))
+        }
+        // Credentials that could not be loaded, among others.
+        SdkError::DispatchFailure(_) => format!("cannot send the request: {}", root_cause(e)),
+        SdkError::ResponseError(_) => format!("bad response: {}", root_cause(e)),
+        _ => format!("cannot send the request: {}", root_cause(e)),
+    }
+}
+
 /// Maps a request error (after the SDK's own retries) to a fetch error.
 fn request_error(
     uri: &str,
+    endpoint: &str,
     e: SdkError<aws_sdk_s3::operation::get_object::GetObjectError, HttpResponse>,
 ) -> FetchError {
+    tracing::debug!(%uri, error = %DisplayErrorContext(&e), "S3 request failed");
     let status = match &e {
         SdkError::ServiceError(s) => Some(s.raw().status().as_u16()),
         _ => None,
     };
     let no_such_key = matches!(&e, SdkError::ServiceError(s) if s.err().is_no_such_key());
+    let said = describe(&e);
     match status {
         _ if no_such_key => FetchError::NotFound(uri.to_owned()),
-        Some(404) => FetchError::NotFound(format!("{uri} ({})", DisplayErrorContext(&e))),
-        Some(403) => FetchError::AccessDenied(format!("{uri} ({})", DisplayErrorContext(&e))),
-        _ => FetchError::Other(format!(
-            "{uri}: {} (after retries)",
-            DisplayErrorContext(&e)
-        )),
+        Some(404) => FetchError::NotFound(format!("{uri} ({said})")),
+        Some(403) => FetchError::AccessDenied(format!("{uri} ({said})")),
+        _ => FetchError::Other(format!("{uri} from {endpoint}: {said} (after retries)")),
     }
 }
 
