@@ -445,8 +445,8 @@ fn produce_from_s3_behind_a_faulty_network() {
         ),
         ("img/empty.jpg", Vec::new()),
         (
-            "img/anim.gif",
-            b"GIF89a\x01\x00\x01\x00\x00\x00\x00;".to_vec(),
+            "img/pic.bmp",
+            b"BM\x3a\x00\x00\x00\x00\x00\x00\x00".to_vec(),
         ),
         ("img/bomb.png", png(3000, 3000)),
     ];
@@ -594,10 +594,10 @@ fn produce_from_s3_behind_a_faulty_network() {
             "",
         ),
         (
-            "gif",
-            llava("gif", &s3("img/anim.gif"), turns),
+            "bmp",
+            llava("bmp", &s3("img/pic.bmp"), turns),
             "decode",
-            "unsupported",
+            "BMP images are not supported",
         ),
         (
             "bomb",

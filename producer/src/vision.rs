@@ -8,8 +8,10 @@
 //! 2. [`ImageTransform::target_size`] decides the output size from the dimensions alone (fixed,
 //!    shorter side, or Qwen-VL's `smart_resize`). That size fixes the tensor's shape and the number
 //!    of image tokens, so the sample's object can be reserved at its final size before any decoding.
-//! 3. [`ImageTransform::decode_into`] decodes (JPEG/PNG/WebP via `image`, zune-jpeg for JPEG),
-//!    resizes with `fast_image_resize` (bicubic, Pillow's filter), and runs one pass that
+//! 3. [`ImageTransform::decode_into`] decodes (PNG/WebP/GIF via `image`, zune-jpeg for JPEG) to
+//!    the RGB Pillow's `ImageOps.exif_transpose(...).convert("RGB")` gives (EXIF orientation
+//!    applied, 16-bit grey clipped, 16-bit colour by its high byte, alpha dropped, palettes and
+//!    CMYK converted, an animation's first frame), resizes with `fast_image_resize` (bicubic, Pillow's filter), and runs one pass that
 //!    normalises, converts dtype and layout and writes into `dst`, which is the region of the
 //!    object in shared memory. For `u8` HWC output the resize writes into `dst` directly.
 
@@ -51,6 +53,9 @@ pub enum ImageError {
     /// The bytes are no image format this build reads.
     #[error("unrecognised or unsupported image format")]
     UnknownFormat,
+    /// A format recognised by its signature that this build does not decode.
+    #[error("{0} images are not supported (JPEG, PNG, WebP and GIF are)")]
+    Unsupported(String),
     /// The header or the pixel data is broken or truncated.
     #[error("corrupt image: {0}")]
     Corrupt(String),
@@ -102,10 +107,17 @@ fn reader(encoded: &[u8]) -> Result<image::ImageReader<Cursor<&[u8]>>, ImageErro
     let reader = image::ImageReader::new(Cursor::new(encoded))
         .with_guessed_format()
         .map_err(|e| ImageError::Corrupt(e.to_string()))?;
-    if reader.format().is_none() {
-        return Err(ImageError::UnknownFormat);
+    use image::ImageFormat as F;
+    match reader.format() {
+        None => Err(ImageError::UnknownFormat),
+        Some(F::Jpeg | F::Png | F::WebP | F::Gif) => Ok(reader),
+        Some(other) => Err(ImageError::Unsupported(
+            other
+                .extensions_str()
+                .first()
+                .map_or_else(|| format!("{other:?}"), |e| e.to_uppercase()),
+        )),
     }
-    Ok(reader)
 }
 
 fn classify(e: image::ImageError) -> ImageError {
@@ -132,18 +144,28 @@ pub fn probe(encoded: &[u8], max_source_pixels: u64) -> Result<Probe, ImageError
     Ok(Probe { width, height })
 }
 
-/// Decodes to RGB8. JPEGs go to zune-jpeg directly: first in strict mode, so a truncated file is
-/// refused rather than padded with grey (the lenient decoder, like a browser, renders what it has);
-/// a complete file that strict mode dislikes for other reasons (stray bytes between markers, which
-/// real cameras write) is decoded again leniently.
+/// Decodes to RGB8 as Pillow's `ImageOps.exif_transpose(Image.open(f)).convert("RGB")` does:
+/// the EXIF orientation applied, alpha dropped, 16-bit grey clipped to 255 and 16-bit colour
+/// (or grey with alpha) cut to its high byte, palettes expanded, an animation's first frame.
+///
+/// JPEGs go to zune-jpeg directly: first in strict mode, so a truncated file is refused rather
+/// than padded with grey (the lenient decoder, like a browser, renders what it has); a complete
+/// file that strict mode dislikes for other reasons (stray bytes between markers, which real
+/// cameras write) is decoded again leniently.
 fn decode_rgb(encoded: &[u8], probe: Probe) -> Result<image::RgbImage, ImageError> {
+    use image::ImageDecoder;
     let mut reader = reader(encoded)?;
     if reader.format() != Some(image::ImageFormat::Jpeg) {
         let mut limits = image::Limits::default();
         limits.max_image_width = Some(probe.width);
         limits.max_image_height = Some(probe.height);
         reader.limits(limits);
-        return Ok(reader.decode().map_err(classify)?.into_rgb8());
+        let mut decoder = reader.into_decoder().map_err(classify)?;
+        let orientation = decoder
+            .orientation()
+            .unwrap_or(image::metadata::Orientation::NoTransforms);
+        let decoded = image::DynamicImage::from_decoder(decoder).map_err(classify)?;
+        return Ok(oriented(like_pillow(decoded), orientation));
     }
     let jpeg = |strict: bool| {
         let options = zune_core::options::DecoderOptions::default()
@@ -159,9 +181,13 @@ fn decode_rgb(encoded: &[u8], probe: Probe) -> Result<image::RgbImage, ImageErro
         let (w, h) = decoder
             .dimensions()
             .expect("dimensions known after decoding");
-        Ok::<_, zune_jpeg::errors::DecodeErrors>((pixels, w as u32, h as u32))
+        let orientation = decoder
+            .exif()
+            .and_then(|exif| image::metadata::Orientation::from_exif_chunk(exif))
+            .unwrap_or(image::metadata::Orientation::NoTransforms);
+        Ok::<_, zune_jpeg::errors::DecodeErrors>((pixels, w as u32, h as u32, orientation))
     };
-    let (pixels, w, h) = match jpeg(true) {
+    let (pixels, w, h, orientation) = match jpeg(true) {
         Ok(decoded) => decoded,
         // Baseline scans run out as ExhaustedData, others as "Premature end of buffer".
         Err(zune_jpeg::errors::DecodeErrors::ExhaustedData) => return Err(ImageError::Truncated),
@@ -170,8 +196,61 @@ fn decode_rgb(encoded: &[u8], probe: Probe) -> Result<image::RgbImage, ImageErro
         }
         Err(_) => jpeg(false).map_err(|e| ImageError::Corrupt(e.to_string()))?,
     };
-    image::RgbImage::from_raw(w, h, pixels)
-        .ok_or_else(|| ImageError::Corrupt("decoder returned a short buffer".into()))
+    let rgb = image::RgbImage::from_raw(w, h, pixels)
+        .ok_or_else(|| ImageError::Corrupt("decoder returned a short buffer".into()))?;
+    Ok(oriented(rgb, orientation))
+}
+
+/// RGB8 as Pillow's `convert("RGB")` makes it from what its PNG reader opens: 16-bit grey is
+/// mode `I`, clipped to 255 (not scaled); 16-bit colour and grey-with-alpha are read by their
+/// high byte; alpha is dropped, not composited.
+fn like_pillow(decoded: image::DynamicImage) -> image::RgbImage {
+    use image::DynamicImage as D;
+    let from = |width, height, pixels: Vec<u8>| {
+        image::RgbImage::from_raw(width, height, pixels).expect("three bytes per pixel")
+    };
+    match decoded {
+        D::ImageLuma16(grey) => {
+            let (w, h) = grey.dimensions();
+            let pixels = grey
+                .into_raw()
+                .into_iter()
+                .flat_map(|v| [v.min(255) as u8; 3])
+                .collect();
+            from(w, h, pixels)
+        }
+        D::ImageLumaA16(grey) => {
+            let (w, h) = grey.dimensions();
+            let pixels = grey
+                .into_raw()
+                .chunks_exact(2)
+                .flat_map(|p| [(p[0] >> 8) as u8; 3])
+                .collect();
+            from(w, h, pixels)
+        }
+        D::ImageRgb16(_) | D::ImageRgba16(_) => {
+            let (w, h) = (decoded.width(), decoded.height());
+            let channels = usize::from(decoded.color().channel_count());
+            let wide = decoded.into_rgba16().into_raw();
+            let pixels = wide
+                .chunks_exact(4)
+                .flat_map(|p| [(p[0] >> 8) as u8, (p[1] >> 8) as u8, (p[2] >> 8) as u8])
+                .collect();
+            debug_assert!(channels == 3 || channels == 4);
+            from(w, h, pixels)
+        }
+        other => other.into_rgb8(),
+    }
+}
+
+/// `pixels` turned upright as its EXIF orientation says.
+fn oriented(pixels: image::RgbImage, orientation: image::metadata::Orientation) -> image::RgbImage {
+    if orientation == image::metadata::Orientation::NoTransforms {
+        return pixels;
+    }
+    let mut upright = image::DynamicImage::ImageRgb8(pixels);
+    upright.apply_orientation(orientation);
+    upright.into_rgb8()
 }
 
 /// Mean and standard deviation per channel of OpenAI CLIP, which Qwen-VL's processor uses.

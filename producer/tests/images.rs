@@ -146,15 +146,16 @@ fn bad_images_are_refused_with_a_reason() {
         t.decode_into(&png[..png.len() / 2], (28, 28), &mut dst, &mut scratch),
         Err(ImageError::Corrupt(_))
     ));
-    // Not an image at all, and a format this build does not read (GIF).
+    // Not an image at all, and a format this build recognises but does not read (BMP).
     assert!(matches!(
         probe(b"{\"json\": true}", u64::MAX),
         Err(ImageError::UnknownFormat)
     ));
-    assert!(matches!(
-        probe(b"GIF89a\x01\x00\x01\x00\x00\x00\x00", u64::MAX),
-        Err(ImageError::UnknownFormat)
-    ));
+    let err = probe(b"BM\x3a\x00\x00\x00\x00\x00\x00\x00", u64::MAX).unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "BMP images are not supported (JPEG, PNG, WebP and GIF are)"
+    );
     // Decompression bomb: a tiny PNG that claims a huge canvas is refused from its header.
     let mut bomb = Vec::new();
     image::RgbImage::new(20_000, 1)
@@ -188,4 +189,49 @@ fn bad_images_are_refused_with_a_reason() {
     // And the good photo still decodes after all that.
     t.decode_into(&photo, (28, 28), &mut dst, &mut scratch)
         .unwrap();
+}
+
+/// Inputs Pillow converts specially, against what `ImageOps.exif_transpose(...).convert("RGB")`
+/// makes of them (`make_convert_goldens.py`): EXIF orientation applied, 16-bit grey clipped and
+/// 16-bit colour cut to its high byte, palettes expanded, alpha dropped, CMYK converted, an
+/// animation's first frame. Lossless inputs must match exactly; JPEGs within the decoders'
+/// rounding.
+#[test]
+fn special_inputs_decode_as_pillow_converts_them() {
+    let goldens: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(format!("{DATA}/convert/goldens.json")).unwrap(),
+    )
+    .unwrap();
+    let transform = ImageTransform::qwen_vl();
+    let cases = goldens["cases"].as_array().unwrap();
+    assert_eq!(cases.len(), 10);
+    for case in cases {
+        let input = case["input"].as_str().unwrap();
+        let encoded = std::fs::read(format!("{DATA}/{input}")).unwrap();
+        let ours = transform
+            .decode(&encoded)
+            .unwrap_or_else(|e| panic!("{input}: {e}"));
+        let golden = image::open(format!("{DATA}/{}", case["golden"].as_str().unwrap()))
+            .unwrap()
+            .into_rgb8();
+        assert_eq!(
+            ours.dimensions(),
+            golden.dimensions(),
+            "{input}: upright size"
+        );
+        let diffs: Vec<u32> = ours
+            .as_raw()
+            .iter()
+            .zip(golden.as_raw())
+            .map(|(&a, &b)| u32::from(a.abs_diff(b)))
+            .collect();
+        let mean = diffs.iter().sum::<u32>() as f64 / diffs.len() as f64;
+        let max = *diffs.iter().max().unwrap();
+        eprintln!("{input}: mean |diff| {mean:.3}, max {max}");
+        if input.ends_with(".jpg") {
+            assert!(mean < 0.5 && max <= 8, "{input}: mean {mean}, max {max}");
+        } else {
+            assert_eq!(max, 0, "{input}: lossless input, exact (mean {mean})");
+        }
+    }
 }
