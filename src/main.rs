@@ -9,6 +9,7 @@ mod check;
 mod demo;
 mod produce;
 mod stat;
+mod streams;
 
 /// feedstore: a per-node shared-memory object store that keeps training GPUs fed.
 ///
@@ -40,6 +41,9 @@ enum Command {
     /// each sample once into the running daemon's shared memory. Bad records go to a rejects
     /// file; the run ends with a stage profile naming the bottleneck.
     Produce(Box<produce::Args>),
+    /// List the daemon's streams, or close one (an ended stream stays listed, holding its ready
+    /// samples, until closed or expired).
+    Stream(streams::Args),
 }
 
 /// Lets `feedstore stat | head -3` end quietly, as Unix tools do: Rust ignores `SIGPIPE`, so a
@@ -129,6 +133,7 @@ fn main() -> ExitCode {
         Command::Demo(args) => demo::run(*args),
         Command::Check(args) => check::run(args),
         Command::Produce(args) => produce::run_produce(*args),
+        Command::Stream(args) => streams::run(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

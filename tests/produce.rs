@@ -956,6 +956,43 @@ fn produce_feeds_a_stream_that_ranks_read_in_order() {
     );
     assert!(text.contains("24 put, 24 returned, lag 0"), "{text}");
     assert!(text.contains("decode-once     24 lookups"), "{text}");
+
+    // The ended stream stays listed until it is closed; then it is gone.
+    let feedstore = |args: &[&str]| {
+        Command::new(env!("CARGO_BIN_EXE_feedstore"))
+            .args(args)
+            .args(["--socket", daemon.socket.to_str().unwrap()])
+            .output()
+            .unwrap()
+    };
+    let list = feedstore(&["stream", "list", "--json"]);
+    let rows: Vec<serde_json::Value> = String::from_utf8_lossy(&list.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(rows.len(), 1, "{rows:?}");
+    assert_eq!(
+        (rows[0]["name"].as_str(), rows[0]["put"].as_u64()),
+        (Some("train"), Some(24))
+    );
+    let table = feedstore(&["stream", "list"]);
+    assert!(String::from_utf8_lossy(&table.stdout).contains("train"));
+    let close = feedstore(&["stream", "close", "train"]);
+    assert!(
+        close.status.success(),
+        "{}",
+        String::from_utf8_lossy(&close.stderr)
+    );
+    assert!(String::from_utf8_lossy(&close.stdout).starts_with("closed stream \"train\""));
+    let list = feedstore(&["stream", "list"]);
+    assert_eq!(String::from_utf8_lossy(&list.stdout).trim(), "no streams");
+    let again = feedstore(&["stream", "close", "train"]);
+    assert!(!again.status.success());
+    assert!(
+        String::from_utf8_lossy(&again.stderr).contains("no stream named \"train\""),
+        "{}",
+        String::from_utf8_lossy(&again.stderr)
+    );
 }
 
 #[test]

@@ -660,6 +660,16 @@ impl Client {
         }
     }
 
+    /// Closes stream `id` (from [`Client::streams`]) for everyone: its held samples go back to
+    /// the store, its producers and consumers see it end. Needs a writer of the uid that made
+    /// the stream, root or the daemon's uid.
+    pub fn close_stream(&self, id: u32) -> Result<(), Error> {
+        match self.call(&Request::StreamClose { stream: id })? {
+            Response::Done(_) => Ok(()),
+            other => Err(unexpected(other)),
+        }
+    }
+
     /// Whether `ptr` points into one of this client's segment mappings (for zero-copy checks).
     pub fn maps(&self, ptr: *const u8) -> bool {
         self.inner.segments.iter().any(|m| m.contains(ptr))

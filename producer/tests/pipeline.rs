@@ -85,7 +85,11 @@ fn good_samples_arrive_and_every_bad_record_is_rejected_with_its_reason() {
         (conv("truncated.jpg", "bb", "b"), "decode", "truncated"),
         (conv("corrupt.png", "ccc", "b"), "decode", "corrupt"),
         (conv("empty.jpg", "dddd", "b"), "decode", ""),
-        (conv("pic.bmp", "eeeee", "b"), "decode", "BMP images are not supported"),
+        (
+            conv("pic.bmp", "eeeee", "b"),
+            "decode",
+            "BMP images are not supported",
+        ),
         (
             conv("bomb.png", "ffffff", "b"),
             "decode",
