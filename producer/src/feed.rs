@@ -17,24 +17,21 @@
 //! full count and a resume reproduces the same samples.
 
 use std::collections::HashSet;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use feedstore_consumer::{
-    Client, ConnectOptions, Delivery, Made, RankAt, Role, StreamFeeder, StreamTask,
-};
+use feedstore_consumer::{Delivery, Made, RankAt, StreamFeeder, StreamTask};
 use feedstore_proto::stream::{StreamSpec, sample_key};
 
 use crate::chat::ChatTokenizer;
 use crate::manifest::{IndexedManifest, Record, Reject};
 use crate::pipeline::{
-    Event, Fetch, Produced, ProducerConfig, ProducerError, Summary, fetch_and_queue, make_sample,
-    next_job,
+    Event, Fetch, Produced, ProducerConfig, ProducerError, Skeleton, Summary, fetch_and_queue,
+    make_sample,
 };
 use crate::profile::{Profiler, Stage};
-use crate::vision::Scratch;
 
 /// Which stream to feed, and where each rank starts.
 #[derive(Debug, Clone)]
@@ -79,9 +76,15 @@ enum Job {
 struct Shared {
     spec: StreamSpec,
     manifest: Arc<IndexedManifest>,
-    /// Tasks taken and not yet put.
-    in_flight: AtomicUsize,
+    /// Tasks taken and not yet put, and a wake-up for the taker when that falls below `limit`.
+    in_flight: Mutex<usize>,
+    room: Condvar,
+    /// The most tasks in flight: enough to keep every fetch and worker busy, no more.
+    limit: usize,
+    /// The taker has stopped taking (the stream ended, or the daemon went away).
     taker_done: AtomicBool,
+    /// Told when the last task in flight is done after the taker stopped: the IO side ends.
+    drained: tokio::sync::Notify,
     /// Records already reported as rejected (a record can be a candidate many times).
     reported: Mutex<HashSet<u64>>,
     events: Mutex<std::sync::mpsc::Sender<Event>>,
@@ -108,6 +111,45 @@ impl Shared {
         sample_key(&[&self.key_base, format!("{record:?}").as_bytes()])
     }
 
+    /// Waits until fewer than `limit` tasks are in flight; returns how many more fit.
+    fn wait_for_room(&self) -> usize {
+        let mut in_flight = self.in_flight.lock().unwrap_or_else(|e| e.into_inner());
+        while *in_flight >= self.limit {
+            in_flight = self.room.wait(in_flight).unwrap_or_else(|e| e.into_inner());
+        }
+        self.limit - *in_flight
+    }
+
+    /// `n` tasks were taken.
+    fn started(&self, n: usize) {
+        *self.in_flight.lock().unwrap_or_else(|e| e.into_inner()) += n;
+    }
+
+    /// A task was put (or given up): room for the taker, and the end when it was the last.
+    fn finished_one(&self) {
+        let mut in_flight = self.in_flight.lock().unwrap_or_else(|e| e.into_inner());
+        *in_flight -= 1;
+        self.room.notify_one();
+        if *in_flight == 0 && self.taker_done.load(Ordering::Acquire) {
+            self.drained.notify_one();
+        }
+    }
+
+    /// The taker stopped; the end now if nothing is in flight.
+    fn taker_finished(&self) {
+        let in_flight = self.in_flight.lock().unwrap_or_else(|e| e.into_inner());
+        self.taker_done.store(true, Ordering::Release);
+        if *in_flight == 0 {
+            self.drained.notify_one();
+        }
+    }
+
+    /// Whether the taker stopped and no task is in flight.
+    fn done(&self) -> bool {
+        self.taker_done.load(Ordering::Acquire)
+            && *self.in_flight.lock().unwrap_or_else(|e| e.into_inner()) == 0
+    }
+
     fn send(&self, event: Event) {
         let _ = self
             .events
@@ -129,15 +171,6 @@ impl Shared {
     }
 }
 
-fn connect(config: &ProducerConfig, name: String) -> Result<Client, ProducerError> {
-    ConnectOptions::new(Role::Writer)
-        .socket(&config.socket)
-        .name(name)
-        .create_timeout(config.create_timeout)
-        .connect()
-        .map_err(ProducerError::Connect)
-}
-
 /// Feeds a stream until its last epoch is made, calling `on_event` (on this thread) for every
 /// sample put and every record rejected (once per record).
 pub fn feed(
@@ -146,10 +179,8 @@ pub fn feed(
     tokenizer: Arc<ChatTokenizer>,
     fetcher: Arc<dyn Fetch>,
     manifest: Arc<IndexedManifest>,
-    mut on_event: impl FnMut(&Event, &Profiler),
+    on_event: impl FnMut(&Event, &Profiler),
 ) -> Result<Summary, ProducerError> {
-    config.validate().map_err(ProducerError::Invalid)?;
-    let started = Instant::now();
     if feed.spec.records != manifest.len() {
         return Err(ProducerError::Stream(
             feedstore_consumer::Error::StreamMismatch(format!(
@@ -159,18 +190,10 @@ pub fn feed(
             )),
         ));
     }
-    let profiler = Arc::new(Profiler::default());
-    let workers = config.workers.max(1);
-    // One connection per worker (each puts what it wrote) plus the taker's, made in parallel.
-    let mut clients = std::thread::scope(|scope| {
-        let connecting: Vec<_> = (0..=workers)
-            .map(|i| scope.spawn(move || connect(config, format!("feeder-{}-{i}", feed.spec.name))))
-            .collect();
-        connecting
-            .into_iter()
-            .map(|c| c.join().expect("connecting does not panic"))
-            .collect::<Result<Vec<Client>, _>>()
-    })?;
+    // One connection per worker (each puts what it wrote) plus the taker's.
+    let name = &feed.spec.name;
+    let (mut skeleton, mut clients) =
+        Skeleton::<Job>::connect(config, 1, |i| format!("feeder-{name}-{i}"))?;
     let taker_client = clients.pop().expect("workers + 1 clients");
     let taker = StreamFeeder::join_at(
         &taker_client,
@@ -186,16 +209,19 @@ pub fn feed(
         .map(|c| StreamFeeder::join(c, &feed.spec, feed.depth, &[]))
         .collect::<Result<Vec<_>, _>>()
         .map_err(ProducerError::Stream)?;
-    profiler.started(started.elapsed());
+    skeleton.started_now();
 
-    let (event_tx, event_rx) = std::sync::mpsc::channel::<Event>();
+    let workers = config.workers.max(1);
     let shared = Arc::new(Shared {
         spec: feed.spec.clone(),
         manifest,
-        in_flight: AtomicUsize::new(0),
+        in_flight: Mutex::new(0),
+        room: Condvar::new(),
+        limit: skeleton.fetch_concurrency() + 2 * workers,
         taker_done: AtomicBool::new(false),
+        drained: tokio::sync::Notify::new(),
         reported: Mutex::new(HashSet::new()),
-        events: Mutex::new(event_tx),
+        events: Mutex::new(skeleton.events.clone()),
         key_base: format!(
             "{:?} patch {} merge {} tokenizer {:?}",
             config.transform,
@@ -207,99 +233,77 @@ pub fn feed(
     });
     // A task, with its candidate's record when the taker already read it (for its cache key).
     let (work_tx, mut work_rx) = tokio::sync::mpsc::unbounded_channel::<(Work, Option<Record>)>();
-    let (job_tx, job_rx) = tokio::sync::mpsc::channel::<Job>(workers * 2);
-    let job_rx = Arc::new(Mutex::new(job_rx));
 
-    let mut threads = Vec::new();
+    // CPU: make the sample, put it (or try the next candidate).
     for (client, feeder) in clients.into_iter().zip(feeders) {
-        let (job_rx, work_tx, shared, profiler) = (
-            job_rx.clone(),
-            work_tx.clone(),
-            shared.clone(),
-            profiler.clone(),
-        );
+        let (work_tx, shared, profiler) =
+            (work_tx.clone(), shared.clone(), skeleton.profiler.clone());
         let (tokenizer, config) = (tokenizer.clone(), config.clone());
-        threads.push(std::thread::spawn(move || {
-            let mut scratch = Scratch::default();
-            while let Some(job) = next_job(&job_rx, &profiler) {
-                let (work, index, made, produced, key) = match job {
-                    Job::Failed { work, index } => (work, index, Made::Failed, None, 0),
-                    Job::Sample {
-                        work,
-                        index,
-                        record,
-                        images,
-                    } => match make_sample(
-                        &config,
-                        &client,
-                        &tokenizer,
-                        &profiler,
-                        &mut scratch,
-                        &record,
-                        images,
-                    ) {
-                        Ok((object, bytes)) => {
-                            let produced = Produced {
-                                handle: object.handle(),
-                                line: record.line,
-                                id: record.id.clone(),
-                                bytes,
-                            };
-                            let key = shared.key(&record);
-                            (work, index, Made::Written(object), Some(produced), key)
-                        }
-                        Err(reject) => {
-                            shared.rejected(index, reject);
-                            let next = Work {
-                                candidate: work.candidate + 1,
-                                ..work
-                            };
-                            let _ = work_tx.send((next, None));
-                            continue;
-                        }
-                    },
-                };
-                let put_started = Instant::now();
-                let result = feeder.put(vec![Delivery {
-                    task: work.task,
-                    record: index,
-                    key,
-                    made,
-                }]);
-                profiler.record(Stage::Write, put_started.elapsed());
-                shared.in_flight.fetch_sub(1, Ordering::AcqRel);
-                match result.map(|mut r| r.pop().expect("one result")) {
-                    Ok(Ok(())) => {
-                        if let Some(p) = produced {
-                            shared.send(Event::Produced(p));
-                        }
+        skeleton.cpu((client, feeder), move |(client, feeder), scratch, job| {
+            let (work, index, made, produced, key) = match job {
+                Job::Failed { work, index } => (work, index, Made::Failed, None, 0),
+                Job::Sample {
+                    work,
+                    index,
+                    record,
+                    images,
+                } => match make_sample(
+                    &config, client, &tokenizer, &profiler, scratch, &record, images,
+                ) {
+                    Ok((object, bytes)) => {
+                        let produced = Produced {
+                            handle: object.handle(),
+                            line: record.line,
+                            id: record.id.clone(),
+                            bytes,
+                        };
+                        let key = shared.key(&record);
+                        (work, index, Made::Written(object), Some(produced), key)
                     }
-                    // A resume moved the window past this task: someone else's now.
-                    Ok(Err(e)) => {
-                        tracing::debug!(?work, error = %e, "stream did not take a sample")
+                    Err(reject) => {
+                        shared.rejected(index, reject);
+                        let next = Work {
+                            candidate: work.candidate + 1,
+                            ..work
+                        };
+                        let _ = work_tx.send((next, None));
+                        return;
                     }
-                    // Closed while this sample was being made: nobody needs it.
-                    Err(feedstore_consumer::Error::Ended) => {
-                        tracing::debug!(?work, "the stream closed before the sample was put")
+                },
+            };
+            let put_started = Instant::now();
+            let result = feeder.put(vec![Delivery {
+                task: work.task,
+                record: index,
+                key,
+                made,
+            }]);
+            profiler.record(Stage::Write, put_started.elapsed());
+            shared.finished_one();
+            match result.map(|mut r| r.pop().expect("one result")) {
+                Ok(Ok(())) => {
+                    if let Some(p) = produced {
+                        shared.send(Event::Produced(p));
                     }
-                    Err(e) => tracing::warn!(?work, error = %e, "putting a sample failed"),
                 }
+                // A resume moved the window past this task: someone else's now.
+                Ok(Err(e)) => tracing::debug!(?work, error = %e, "stream did not take a sample"),
+                // Closed while this sample was being made: nobody needs it.
+                Err(feedstore_consumer::Error::Ended) => {
+                    tracing::debug!(?work, "the stream closed before the sample was put")
+                }
+                Err(e) => tracing::warn!(?work, error = %e, "putting a sample failed"),
             }
-        }));
+        });
     }
 
     // The taker: asks the daemon for work while there is room in the pipeline.
-    let limit = config.fetch_concurrency.max(1) + 2 * workers;
     let cache = feed.cache;
     let taker_thread = {
         let (shared, work_tx) = (shared.clone(), work_tx.clone());
         std::thread::spawn(move || {
             let failure = loop {
-                let room = limit.saturating_sub(shared.in_flight.load(Ordering::Acquire));
-                if room == 0 {
-                    std::thread::sleep(Duration::from_millis(2));
-                    continue;
-                }
+                let room = shared.wait_for_room();
                 match taker.take(room as u32, Duration::from_millis(200)) {
                     Ok(Some(tasks)) => {
                         let tasks = if cache {
@@ -307,7 +311,7 @@ pub fn feed(
                         } else {
                             tasks.into_iter().map(|t| (t, None)).collect()
                         };
-                        shared.in_flight.fetch_add(tasks.len(), Ordering::AcqRel);
+                        shared.started(tasks.len());
                         for (task, record) in tasks {
                             let _ = work_tx.send((Work { task, candidate: 0 }, record));
                         }
@@ -316,130 +320,95 @@ pub fn feed(
                     Err(e) => break Some(e),
                 }
             };
-            shared.taker_done.store(true, Ordering::Release);
+            shared.taker_finished();
             drop(taker_client);
             failure
         })
     };
-    // Fetches that fail send their task back for the next candidate.
-    let retry_tx = work_tx;
 
-    let fetch_concurrency = config.fetch_concurrency.max(1);
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .map_err(ProducerError::Runtime)?;
-    let io = {
-        let (shared, profiler) = (shared.clone(), profiler.clone());
-        std::thread::spawn(move || {
-            runtime.block_on(async move {
-                let permits = Arc::new(tokio::sync::Semaphore::new(fetch_concurrency));
-                loop {
-                    let work =
-                        tokio::time::timeout(Duration::from_millis(20), work_rx.recv()).await;
-                    let Ok(Some((mut work, mut read))) = work else {
-                        if shared.taker_done.load(Ordering::Acquire)
-                            && shared.in_flight.load(Ordering::Acquire) == 0
-                        {
-                            break;
-                        }
-                        continue;
-                    };
-                    // Walk the candidates until one reads as a record.
-                    let (index, record) = loop {
-                        let Some(index) = shared.candidate(work) else {
-                            break (u64::MAX, None);
-                        };
-                        // The taker's read is for the first candidate; later ones read here.
-                        match read.take().map_or_else(|| shared.manifest.get(index), Ok) {
-                            Ok(record) => break (index, Some(record)),
-                            Err(reject) => {
-                                shared.rejected(index, reject);
-                                work.candidate += 1;
-                            }
-                        }
-                    };
-                    let Some(record) = record else {
-                        let index = shared.spec.record_at(work.task.rank, work.task.seq);
-                        let _ = job_tx.send(Job::Failed { work, index }).await;
-                        continue;
-                    };
-                    let permit = permits.clone().acquire_owned().await.expect("never closed");
-                    let (fetcher, job_tx, shared, profiler, retry) = (
-                        fetcher.clone(),
-                        job_tx.clone(),
-                        shared.clone(),
-                        profiler.clone(),
-                        retry_tx.clone(),
-                    );
-                    tokio::spawn(async move {
-                        let _permit = permit;
-                        let queued = fetch_and_queue(
-                            &*fetcher,
+    // IO: walk each task's candidates to a record, fetch its images, queue the job; fetches
+    // that fail send the task back for the next candidate. Ends when the taker is done and no
+    // task is left in flight.
+    let fetch_concurrency = skeleton.fetch_concurrency();
+    let (job_tx, io_shared, profiler) = (
+        skeleton.jobs.clone(),
+        shared.clone(),
+        skeleton.profiler.clone(),
+    );
+    let retry_tx = work_tx;
+    skeleton.io(async move {
+        let shared = io_shared;
+        let permits = Arc::new(tokio::sync::Semaphore::new(fetch_concurrency));
+        loop {
+            let (mut work, mut read) = tokio::select! {
+                next = work_rx.recv() => match next {
+                    Some(next) => next,
+                    None => break,
+                },
+                () = shared.drained.notified() => {
+                    if shared.done() {
+                        break;
+                    }
+                    continue;
+                }
+            };
+            // Walk the candidates until one reads as a record.
+            let (index, record) = loop {
+                let Some(index) = shared.candidate(work) else {
+                    break (u64::MAX, None);
+                };
+                // The taker's read is for the first candidate; later ones read here.
+                match read.take().map_or_else(|| shared.manifest.get(index), Ok) {
+                    Ok(record) => break (index, Some(record)),
+                    Err(reject) => {
+                        shared.rejected(index, reject);
+                        work.candidate += 1;
+                    }
+                }
+            };
+            let Some(record) = record else {
+                let index = shared.spec.record_at(work.task.rank, work.task.seq);
+                let _ = job_tx.send(Job::Failed { work, index }).await;
+                continue;
+            };
+            let permit = permits.clone().acquire_owned().await.expect("never closed");
+            let (fetcher, job_tx, shared, profiler, retry) = (
+                fetcher.clone(),
+                job_tx.clone(),
+                shared.clone(),
+                profiler.clone(),
+                retry_tx.clone(),
+            );
+            tokio::spawn(async move {
+                let _permit = permit;
+                let queued =
+                    fetch_and_queue(&*fetcher, record, &profiler, &job_tx, |record, images| {
+                        Job::Sample {
+                            work,
+                            index,
                             record,
-                            &profiler,
-                            &job_tx,
-                            |record, images| Job::Sample {
-                                work,
-                                index,
-                                record,
-                                images,
-                            },
-                        );
-                        if let Err(reject) = queued.await {
-                            shared.rejected(index, reject);
-                            let next = Work {
-                                candidate: work.candidate + 1,
-                                ..work
-                            };
-                            let _ = retry.send((next, None));
+                            images,
                         }
                     });
+                if let Err(reject) = queued.await {
+                    shared.rejected(index, reject);
+                    let next = Work {
+                        candidate: work.candidate + 1,
+                        ..work
+                    };
+                    let _ = retry.send((next, None));
                 }
             });
-        })
-    };
-    let (mut produced, mut rejected) = (0, 0);
-    // The sender inside `shared` lives as long as the threads do; stop once they are all done.
-    loop {
-        match event_rx.recv_timeout(Duration::from_millis(50)) {
-            Ok(event) => {
-                match &event {
-                    Event::Produced(_) => produced += 1,
-                    Event::Rejected(_) => rejected += 1,
-                }
-                on_event(&event, &profiler);
-            }
-            Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {
-                if io.is_finished() && taker_thread.is_finished() {
-                    break;
-                }
-            }
-            Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => break,
         }
-    }
-    io.join().expect("the IO thread does not panic");
-    let failure = taker_thread.join().expect("the taker does not panic");
-    for t in threads {
-        t.join().expect("a worker does not panic");
-    }
-    while let Ok(event) = event_rx.try_recv() {
-        match &event {
-            Event::Produced(_) => produced += 1,
-            Event::Rejected(_) => rejected += 1,
-        }
-        on_event(&event, &profiler);
-    }
-    if let Some(e) = failure {
+    })?;
+    // Events flow until every stage has dropped its sender (the shared one included).
+    drop(shared);
+    let summary = skeleton.finish(on_event);
+    if let Some(e) = taker_thread.join().expect("the taker does not panic") {
         // The daemon went away or closed the stream: the run did not finish.
         return Err(ProducerError::Stream(e));
     }
-    let profile = profiler.snapshot(started.elapsed(), workers, fetch_concurrency);
-    Ok(Summary {
-        produced,
-        rejected,
-        profile,
-    })
+    Ok(summary)
 }
 
 /// Puts every task whose sample the store still holds (by cache key) and returns the others,

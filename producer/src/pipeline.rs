@@ -240,7 +240,7 @@ struct Job {
 
 /// A CPU worker's next job from the queue it shares with the other workers; the wait counts as
 /// the worker's idle time. `None` once the queue is closed and empty.
-pub(crate) fn next_job<J>(
+fn next_job<J>(
     queue: &std::sync::Mutex<tokio::sync::mpsc::Receiver<J>>,
     profiler: &Profiler,
 ) -> Option<J> {
@@ -253,6 +253,151 @@ pub(crate) fn next_job<J>(
     job
 }
 
+/// The skeleton every producer run is built on, in named stages: [`Skeleton::connect`] (one
+/// store connection per CPU worker, made in parallel: each maps the store, which is the
+/// producer's cold start), [`Skeleton::cpu`] (worker threads, each with its own state, draining
+/// one bounded queue of jobs), [`Skeleton::io`] (one thread whose tokio runtime fetches and
+/// queues jobs) and [`Skeleton::finish`] (events to the caller's thread until every stage has
+/// ended: no polling). [`run`] (a manifest, once) and [`crate::feed::feed`] (a stream's tasks)
+/// differ only in where jobs come from and what a worker does with a sample.
+pub(crate) struct Skeleton<J> {
+    /// The run's stage profiler.
+    pub(crate) profiler: Arc<Profiler>,
+    started: Instant,
+    workers: usize,
+    fetch_concurrency: usize,
+    /// Where the IO side queues jobs for the CPU workers (bounded: a slow CPU side holds
+    /// fetches back).
+    pub(crate) jobs: tokio::sync::mpsc::Sender<J>,
+    queue: Arc<std::sync::Mutex<tokio::sync::mpsc::Receiver<J>>>,
+    /// Where samples and rejects go; the run ends when every clone is gone.
+    pub(crate) events: std::sync::mpsc::Sender<Event>,
+    received: std::sync::mpsc::Receiver<Event>,
+    threads: Vec<std::thread::JoinHandle<()>>,
+}
+
+impl<J: Send + 'static> Skeleton<J> {
+    /// Connects one writer per CPU worker and `extra` more (named by `name(i)`), in parallel.
+    pub(crate) fn connect(
+        config: &ProducerConfig,
+        extra: usize,
+        name: impl Fn(usize) -> String + Sync,
+    ) -> Result<(Skeleton<J>, Vec<Client>), ProducerError> {
+        config.validate().map_err(ProducerError::Invalid)?;
+        let started = Instant::now();
+        let workers = config.workers.max(1);
+        let name = &name;
+        let clients = std::thread::scope(|scope| {
+            let connecting: Vec<_> = (0..workers + extra)
+                .map(|i| {
+                    scope.spawn(move || {
+                        ConnectOptions::new(Role::Writer)
+                            .socket(&config.socket)
+                            .name(name(i))
+                            .create_timeout(config.create_timeout)
+                            .connect()
+                            .map_err(ProducerError::Connect)
+                    })
+                })
+                .collect();
+            connecting
+                .into_iter()
+                .map(|c| c.join().expect("connecting does not panic"))
+                .collect::<Result<Vec<Client>, _>>()
+        })?;
+        let profiler = Arc::new(Profiler::default());
+        profiler.started(started.elapsed());
+        let (jobs, queue) = tokio::sync::mpsc::channel::<J>(workers * 2);
+        let (events, received) = std::sync::mpsc::channel();
+        let skeleton = Skeleton {
+            profiler,
+            started,
+            workers,
+            fetch_concurrency: config.fetch_concurrency.max(1),
+            jobs,
+            queue: Arc::new(std::sync::Mutex::new(queue)),
+            events,
+            received,
+            threads: Vec::new(),
+        };
+        Ok((skeleton, clients))
+    }
+
+    /// Counts the time until now as the producer's start-up (after joining a stream, say).
+    pub(crate) fn started_now(&self) {
+        self.profiler.started(self.started.elapsed());
+    }
+
+    /// Fetches in flight at most.
+    pub(crate) fn fetch_concurrency(&self) -> usize {
+        self.fetch_concurrency
+    }
+
+    /// Starts a CPU worker owning `state` (its connection): `work` handles each job, until the
+    /// queue is closed and empty.
+    pub(crate) fn cpu<W: Send + 'static>(
+        &mut self,
+        mut state: W,
+        mut work: impl FnMut(&mut W, &mut Scratch, J) + Send + 'static,
+    ) {
+        let (queue, profiler) = (self.queue.clone(), self.profiler.clone());
+        self.threads.push(std::thread::spawn(move || {
+            let mut scratch = Scratch::default();
+            while let Some(job) = next_job(&queue, &profiler) {
+                work(&mut state, &mut scratch, job);
+            }
+        }));
+    }
+
+    /// Runs `io` on the IO thread's runtime (current-thread: IO never takes a CPU worker's
+    /// core).
+    pub(crate) fn io(
+        &mut self,
+        io: impl Future<Output = ()> + Send + 'static,
+    ) -> Result<(), ProducerError> {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .map_err(ProducerError::Runtime)?;
+        self.threads
+            .push(std::thread::spawn(move || runtime.block_on(io)));
+        Ok(())
+    }
+
+    /// Hands every event to `on_event` (on this thread) until the stages have all ended and
+    /// dropped their senders, joins their threads, and sums the run up.
+    pub(crate) fn finish(self, mut on_event: impl FnMut(&Event, &Profiler)) -> Summary {
+        let Skeleton {
+            profiler,
+            started,
+            workers,
+            fetch_concurrency,
+            jobs,
+            queue,
+            events,
+            received,
+            threads,
+        } = self;
+        drop((jobs, queue, events));
+        let (mut produced, mut rejected) = (0, 0);
+        for event in received {
+            match &event {
+                Event::Produced(_) => produced += 1,
+                Event::Rejected(_) => rejected += 1,
+            }
+            on_event(&event, &profiler);
+        }
+        for t in threads {
+            t.join().expect("a producer thread does not panic");
+        }
+        Summary {
+            produced,
+            rejected,
+            profile: profiler.snapshot(started.elapsed(), workers, fetch_concurrency),
+        }
+    }
+}
+
 /// Runs the pipeline over `records` to the end, calling `on_event` (on this thread) for every
 /// sample and reject as they happen.
 pub fn run(
@@ -260,121 +405,59 @@ pub fn run(
     tokenizer: Arc<ChatTokenizer>,
     fetcher: Arc<dyn Fetch>,
     records: impl Iterator<Item = Result<Record, Reject>> + Send + 'static,
-    mut on_event: impl FnMut(&Event, &Profiler),
+    on_event: impl FnMut(&Event, &Profiler),
 ) -> Result<Summary, ProducerError> {
-    config.validate().map_err(ProducerError::Invalid)?;
-    let started = Instant::now();
-    let profiler = Arc::new(Profiler::default());
-    let workers = config.workers.max(1);
-    // Each worker's connection maps (and pre-faults) the store's memory: done in parallel, it is
-    // the producer's cold start.
-    let clients = std::thread::scope(|scope| {
-        let connecting: Vec<_> = (0..workers)
-            .map(|i| {
-                scope.spawn(move || {
-                    ConnectOptions::new(Role::Writer)
-                        .socket(&config.socket)
-                        .name(format!("producer-worker-{i}"))
-                        .create_timeout(config.create_timeout)
-                        .connect()
-                        .map_err(ProducerError::Connect)
-                })
-            })
-            .collect();
-        connecting
-            .into_iter()
-            .map(|c| c.join().expect("connecting does not panic"))
-            .collect::<Result<Vec<Client>, _>>()
-    })?;
-    profiler.started(started.elapsed());
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .map_err(ProducerError::Runtime)?;
-
-    let (job_tx, job_rx) = tokio::sync::mpsc::channel::<Job>(workers * 2);
-    let job_rx = Arc::new(std::sync::Mutex::new(job_rx));
-    let (event_tx, event_rx) = std::sync::mpsc::channel::<Event>();
-
-    let mut threads = Vec::new();
+    let (mut skeleton, clients) =
+        Skeleton::<Job>::connect(config, 0, |i| format!("producer-worker-{i}"))?;
     for client in clients {
-        let (job_rx, event_tx, profiler) = (job_rx.clone(), event_tx.clone(), profiler.clone());
+        let (events, profiler) = (skeleton.events.clone(), skeleton.profiler.clone());
         let (tokenizer, config) = (tokenizer.clone(), config.clone());
-        threads.push(std::thread::spawn(move || {
-            let mut scratch = Scratch::default();
-            while let Some(job) = next_job(&job_rx, &profiler) {
-                let event =
-                    match produce(&config, &client, &tokenizer, &profiler, &mut scratch, job) {
-                        Ok(p) => Event::Produced(p),
-                        Err(r) => Event::Rejected(r),
-                    };
-                if event_tx.send(event).is_err() {
-                    return;
-                }
-            }
-        }));
+        skeleton.cpu(client, move |client, scratch, job| {
+            let event = match produce(&config, client, &tokenizer, &profiler, scratch, job) {
+                Ok(p) => Event::Produced(p),
+                Err(r) => Event::Rejected(r),
+            };
+            let _ = events.send(event);
+        });
     }
-
-    let fetch_concurrency = config.fetch_concurrency.max(1);
-    let io = {
-        let (event_tx, profiler) = (event_tx.clone(), profiler.clone());
-        std::thread::spawn(move || {
-            runtime.block_on(async move {
-                let permits = Arc::new(tokio::sync::Semaphore::new(fetch_concurrency));
-                for item in records {
-                    let record = match item {
-                        Ok(r) => r,
-                        Err(reject) => {
-                            let _ = event_tx.send(Event::Rejected(reject));
-                            continue;
-                        }
-                    };
-                    let permit = permits.clone().acquire_owned().await.expect("never closed");
-                    let (fetcher, job_tx, event_tx, profiler) = (
-                        fetcher.clone(),
-                        job_tx.clone(),
-                        event_tx.clone(),
-                        profiler.clone(),
-                    );
-                    tokio::spawn(async move {
-                        let _permit = permit;
-                        let queued = fetch_and_queue(
-                            &*fetcher,
-                            record,
-                            &profiler,
-                            &job_tx,
-                            |record, images| Job { record, images },
-                        );
-                        if let Err(reject) = queued.await {
-                            let _ = event_tx.send(Event::Rejected(reject));
-                        }
+    let fetch_concurrency = skeleton.fetch_concurrency();
+    let (job_tx, event_tx, profiler) = (
+        skeleton.jobs.clone(),
+        skeleton.events.clone(),
+        skeleton.profiler.clone(),
+    );
+    skeleton.io(async move {
+        let permits = Arc::new(tokio::sync::Semaphore::new(fetch_concurrency));
+        for item in records {
+            let record = match item {
+                Ok(r) => r,
+                Err(reject) => {
+                    let _ = event_tx.send(Event::Rejected(reject));
+                    continue;
+                }
+            };
+            let permit = permits.clone().acquire_owned().await.expect("never closed");
+            let (fetcher, job_tx, event_tx, profiler) = (
+                fetcher.clone(),
+                job_tx.clone(),
+                event_tx.clone(),
+                profiler.clone(),
+            );
+            tokio::spawn(async move {
+                let _permit = permit;
+                let queued =
+                    fetch_and_queue(&*fetcher, record, &profiler, &job_tx, |record, images| {
+                        Job { record, images }
                     });
+                if let Err(reject) = queued.await {
+                    let _ = event_tx.send(Event::Rejected(reject));
                 }
-                // Every fetch holds a permit until its job is queued: all permits back means done.
-                let _ = permits.acquire_many(fetch_concurrency as u32).await;
             });
-        })
-    };
-    drop(event_tx);
-
-    let (mut produced, mut rejected) = (0, 0);
-    for event in event_rx {
-        match &event {
-            Event::Produced(_) => produced += 1,
-            Event::Rejected(_) => rejected += 1,
         }
-        on_event(&event, &profiler);
-    }
-    io.join().expect("the IO thread does not panic");
-    for t in threads {
-        t.join().expect("a worker does not panic");
-    }
-    let profile = profiler.snapshot(started.elapsed(), workers, fetch_concurrency);
-    Ok(Summary {
-        produced,
-        rejected,
-        profile,
-    })
+        // Every fetch holds a permit until its job is queued: all permits back means done.
+        let _ = permits.acquire_many(fetch_concurrency as u32).await;
+    })?;
+    Ok(skeleton.finish(on_event))
 }
 
 /// Fetches a record's images and queues the job made of them for the CPU workers, counting the
