@@ -28,8 +28,8 @@ use feedstore_proto::stream::{StreamSpec, sample_key};
 use crate::chat::ChatTokenizer;
 use crate::manifest::{IndexedManifest, Record, Reject};
 use crate::pipeline::{
-    Event, Fetch, Produced, ProducerConfig, ProducerError, Skeleton, Summary, fetch_and_queue,
-    make_sample,
+    Event, Fetch, Produced, ProducerConfig, ProducerError, Skeleton, Summary, make_sample,
+    spawn_fetch,
 };
 use crate::profile::{Profiler, Stage};
 
@@ -371,34 +371,30 @@ pub fn feed(
                 let _ = job_tx.send(Job::Failed { work, index }).await;
                 continue;
             };
-            let permit = permits.clone().acquire_owned().await.expect("never closed");
-            let (fetcher, job_tx, shared, profiler, retry) = (
-                fetcher.clone(),
-                job_tx.clone(),
-                shared.clone(),
-                profiler.clone(),
-                retry_tx.clone(),
-            );
-            tokio::spawn(async move {
-                let _permit = permit;
-                let queued =
-                    fetch_and_queue(&*fetcher, record, &profiler, &job_tx, |record, images| {
-                        Job::Sample {
-                            work,
-                            index,
-                            record,
-                            images,
-                        }
-                    });
-                if let Err(reject) = queued.await {
+            let (shared, retry) = (shared.clone(), retry_tx.clone());
+            let job = move |record, images| Job::Sample {
+                work,
+                index,
+                record,
+                images,
+            };
+            spawn_fetch(
+                &permits,
+                &fetcher,
+                record,
+                &profiler,
+                &job_tx,
+                job,
+                move |reject| {
                     shared.rejected(index, reject);
                     let next = Work {
                         candidate: work.candidate + 1,
                         ..work
                     };
                     let _ = retry.send((next, None));
-                }
-            });
+                },
+            )
+            .await;
         }
     })?;
     // Events flow until every stage has dropped its sender (the shared one included).

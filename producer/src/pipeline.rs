@@ -436,23 +436,20 @@ pub fn run(
                     continue;
                 }
             };
-            let permit = permits.clone().acquire_owned().await.expect("never closed");
-            let (fetcher, job_tx, event_tx, profiler) = (
-                fetcher.clone(),
-                job_tx.clone(),
-                event_tx.clone(),
-                profiler.clone(),
-            );
-            tokio::spawn(async move {
-                let _permit = permit;
-                let queued =
-                    fetch_and_queue(&*fetcher, record, &profiler, &job_tx, |record, images| {
-                        Job { record, images }
-                    });
-                if let Err(reject) = queued.await {
+            let event_tx = event_tx.clone();
+            let job = |record, images| Job { record, images };
+            spawn_fetch(
+                &permits,
+                &fetcher,
+                record,
+                &profiler,
+                &job_tx,
+                job,
+                move |reject| {
                     let _ = event_tx.send(Event::Rejected(reject));
-                }
-            });
+                },
+            )
+            .await;
         }
         // Every fetch holds a permit until its job is queued: all permits back means done.
         let _ = permits.acquire_many(fetch_concurrency as u32).await;
@@ -460,9 +457,31 @@ pub fn run(
     Ok(skeleton.finish(on_event))
 }
 
+/// Waits for one of `permits` (the fetches allowed in flight), then fetches `record`'s images
+/// in a task of its own and queues `job(record, images)` for the CPU workers, or hands the
+/// reject to `rejected`. The permit is held until the job is queued.
+pub(crate) async fn spawn_fetch<J: Send + 'static>(
+    permits: &Arc<tokio::sync::Semaphore>,
+    fetcher: &Arc<dyn Fetch>,
+    record: Record,
+    profiler: &Arc<Profiler>,
+    jobs: &tokio::sync::mpsc::Sender<J>,
+    job: impl FnOnce(Record, Vec<Bytes>) -> J + Send + 'static,
+    rejected: impl FnOnce(Reject) + Send + 'static,
+) {
+    let permit = permits.clone().acquire_owned().await.expect("never closed");
+    let (fetcher, profiler, jobs) = (fetcher.clone(), profiler.clone(), jobs.clone());
+    tokio::spawn(async move {
+        let _permit = permit;
+        if let Err(reject) = fetch_and_queue(&*fetcher, record, &profiler, &jobs, job).await {
+            rejected(reject);
+        }
+    });
+}
+
 /// Fetches a record's images and queues the job made of them for the CPU workers, counting the
 /// time a full queue held it as fetch-side waiting. The reject if a fetch failed.
-pub(crate) async fn fetch_and_queue<J>(
+async fn fetch_and_queue<J>(
     fetcher: &dyn Fetch,
     record: Record,
     profiler: &Profiler,

@@ -15,6 +15,17 @@ fn goldens() -> serde_json::Value {
         .unwrap()
 }
 
+/// Mean and largest absolute difference between two images' bytes.
+fn differences(ours: &[u8], golden: &[u8]) -> (f64, u32) {
+    assert_eq!(ours.len(), golden.len());
+    let diffs = ours
+        .iter()
+        .zip(golden)
+        .map(|(&a, &b)| u32::from(a.abs_diff(b)));
+    let (sum, max) = diffs.fold((0u64, 0), |(sum, max), d| (sum + u64::from(d), max.max(d)));
+    (sum as f64 / ours.len() as f64, max)
+}
+
 fn u8_hwc(width: u32, height: u32) -> ImageTransform {
     ImageTransform {
         resize: ResizeMode::Fixed { width, height },
@@ -65,13 +76,7 @@ fn resized_pixels_match_pillow() {
         u8_hwc(w, h)
             .decode_into(&photo, (w, h), &mut ours, &mut scratch)
             .unwrap();
-        let diffs: Vec<u32> = ours
-            .iter()
-            .zip(golden.as_raw())
-            .map(|(&a, &b)| u32::from(a.abs_diff(b)))
-            .collect();
-        let mean = diffs.iter().sum::<u32>() as f64 / diffs.len() as f64;
-        let max = *diffs.iter().max().unwrap();
+        let (mean, max) = differences(&ours, golden.as_raw());
         let png = r["photo"].as_str().unwrap().ends_with(".png");
         eprintln!("{}: {w}x{h} mean |diff| {mean:.3}, max {max}", r["photo"]);
         // PNG decoding is exact, so only the resize differs; JPEG decoders (zune-jpeg vs libjpeg)
@@ -219,14 +224,7 @@ fn special_inputs_decode_as_pillow_converts_them() {
             golden.dimensions(),
             "{input}: upright size"
         );
-        let diffs: Vec<u32> = ours
-            .as_raw()
-            .iter()
-            .zip(golden.as_raw())
-            .map(|(&a, &b)| u32::from(a.abs_diff(b)))
-            .collect();
-        let mean = diffs.iter().sum::<u32>() as f64 / diffs.len() as f64;
-        let max = *diffs.iter().max().unwrap();
+        let (mean, max) = differences(ours.as_raw(), golden.as_raw());
         eprintln!("{input}: mean |diff| {mean:.3}, max {max}");
         if input.ends_with(".jpg") {
             assert!(mean < 0.5 && max <= 8, "{input}: mean {mean}, max {max}");
