@@ -81,6 +81,10 @@ def ray_nodes(tmp_path):
     # The workers import the staged package and this directory.
     env["PYTHONPATH"] = os.pathsep.join([str(HERE), env.get("PYTHONPATH", "")])
     env["RAY_USAGE_STATS_ENABLED"] = "0"
+    # Ray keeps per-user state in ~/.ray (an auth token a local `ray.init()` leaves there makes
+    # this cluster refuse its own driver): the test's cluster has a home of its own.
+    env["HOME"] = str(tmp_path / "home")
+    os.makedirs(env["HOME"])
     # Ray Train's torch process group (gloo) on the nodes' link, not on the host name's address.
     env["GLOO_SOCKET_IFNAME"] = "eth0"
     # Samples never go through Ray's object store: keep its shared memory small.
