@@ -28,16 +28,19 @@ pub struct Args {
     /// folder.
     #[arg(long, value_name = "FILE")]
     manifest: PathBuf,
-    /// Image files must lie beneath this folder (no `..` or symbolic link leads out of it)
-    /// [default: the manifest's folder].
+    /// Relative image paths resolve against this folder (LLaVA's `image_folder`), and every
+    /// image must lie beneath it: no `..` and no symbolic link (an absolute one at all) leads
+    /// out [default: the manifest's folder].
     #[arg(long, value_name = "DIR")]
     image_root: Option<PathBuf>,
-    /// Read absolute image paths outside the image root too (relative paths stay confined).
+    /// Read absolute image paths outside the image root too, as given (relative paths stay
+    /// confined).
     #[arg(long)]
     allow_absolute_image_paths: bool,
     /// The largest image file or S3 object read, in bytes; larger ones are rejected before
-    /// (and, if they grow, while) reading. Only regular files are read: a directory, FIFO or
-    /// device is rejected as such.
+    /// (and, if they grow, while) reading. Images in memory at once are bounded by this times
+    /// --fetch-concurrency plus three per worker. Only regular files are read: a directory,
+    /// FIFO or device is rejected as such, without opening it.
     #[arg(long, value_name = "BYTES", default_value_t = feedstore_producer::input::DEFAULT_MAX_IMAGE_BYTES)]
     max_image_bytes: u64,
     /// The tokenizer's tokenizer.json (Qwen-VL family: it must have <|image_pad|> and friends).
@@ -378,11 +381,18 @@ pub fn run_produce(args: Args) -> anyhow::Result<()> {
         bail!("--s3-attempt-timeout must be a positive number of seconds");
     }
     eprintln!(
-        "producing from {} into the store at {} with {} workers and {} fetches in flight",
+        "producing from {} into the store at {} with {} workers and {} fetches in flight; \
+         images beneath {}{}",
         args.manifest.display(),
         config.socket.display(),
         config.workers,
-        config.fetch_concurrency
+        config.fetch_concurrency,
+        image_root.display(),
+        if args.allow_absolute_image_paths {
+            " (absolute paths anywhere)"
+        } else {
+            ""
+        }
     );
     let s3_options = S3Options {
         endpoint: args.s3_endpoint.clone(),

@@ -138,6 +138,18 @@ fn produce_bounded(
     (status, read(&out), read(&err))
 }
 
+/// The reason of the reject with `id` (or `line N`) in a rejects file's text.
+fn reason_in(rejects: &str, id: &str) -> String {
+    rejects
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+        .find(|r| r["id"] == id || format!("line {}", r["line"]) == id)
+        .unwrap_or_else(|| panic!("no reject for {id}: {rejects}"))["reason"]
+        .as_str()
+        .unwrap()
+        .to_owned()
+}
+
 /// Every row of the table of hostile inputs: each ends in bounded time, memory and
 /// output, with a reason a user can read, and the good records beside it are made.
 #[test]
@@ -206,16 +218,7 @@ fn hostile_inputs_end_in_bounded_time_with_a_reason() {
     assert!(status.success(), "{stderr}");
     assert!(stdout.contains("produced 1 samples"), "{stdout}");
     let rejects = std::fs::read_to_string(set.join("m.jsonl.rejects.jsonl")).unwrap();
-    let reason = |id: &str| -> String {
-        rejects
-            .lines()
-            .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
-            .find(|r| r["id"] == id || (id == "line 8" && r["line"] == 8))
-            .unwrap_or_else(|| panic!("no reject for {id}: {rejects}"))["reason"]
-            .as_str()
-            .unwrap()
-            .to_owned()
-    };
+    let reason = |id: &str| reason_in(&rejects, id);
     for (id, want) in [
         ("zero", "outside the image root"),
         ("fifo", "is a FIFO, not a regular file"),
@@ -240,6 +243,41 @@ fn hostile_inputs_end_in_bounded_time_with_a_reason() {
         rejects.contains("/dev/zero is a character device, not a regular file"),
         "{rejects}"
     );
+    for id in ["escape", "link"] {
+        let reason = reason_in(&rejects, id);
+        assert!(
+            reason.contains("leads out of the image root"),
+            "{id}: {reason}"
+        );
+    }
+
+    // An image root elsewhere (LLaVA's image_folder): relative paths resolve against it and
+    // stay beneath it, absolute paths allowed or not.
+    let manifests = dir.join("manifests");
+    std::fs::create_dir_all(&manifests).unwrap();
+    let other = manifests.join("m2.jsonl");
+    let lines = [
+        llava("good", "good.jpg", &turns),
+        llava("escape", "../../set/img/good.jpg", &turns),
+    ];
+    std::fs::write(&other, lines.join("\n")).unwrap();
+    let image_root = set.join("img");
+    let mut args = common.clone();
+    args.extend([
+        OsStr::new("--manifest"),
+        other.as_os_str(),
+        OsStr::new("--image-root"),
+        image_root.as_os_str(),
+        OsStr::new("--allow-absolute-image-paths"),
+        OsStr::new("--max-reject-rate"),
+        OsStr::new("1"),
+    ]);
+    let (status, stdout, stderr) = produce_bounded(&dir, &args, &[], limit);
+    assert!(status.success(), "{stderr}");
+    assert!(stdout.contains("produced 1 samples"), "{stdout}");
+    let rejects = std::fs::read_to_string(manifests.join("m2.jsonl.rejects.jsonl")).unwrap();
+    let reason = reason_in(&rejects, "escape");
+    assert!(reason.contains("leads out of the image root"), "{reason}");
 
     // A directory or a FIFO as the manifest: one error line, at once.
     for (what, manifest) in [
@@ -330,7 +368,7 @@ fn an_unreachable_s3_endpoint_is_said_in_one_line() {
             "every record rejected: above the reject rate"
         );
         assert!(
-            stdout.contains("verdict: fetch failed for every record (3 fetches): s3://photos/img/"),
+            stdout.contains("verdict: every image fetch failed (3 fetches): s3://photos/img/"),
             "{stdout}"
         );
         let rejects = std::fs::read_to_string(dir.join("m.jsonl.rejects.jsonl")).unwrap();

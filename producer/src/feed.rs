@@ -72,6 +72,15 @@ enum Job {
     Failed { work: Work, index: u64 },
 }
 
+/// Marks a task finished when dropped.
+struct Finished<'a>(&'a Shared);
+
+impl Drop for Finished<'_> {
+    fn drop(&mut self) {
+        self.0.finished_one();
+    }
+}
+
 /// What the threads share.
 struct Shared {
     spec: StreamSpec,
@@ -271,6 +280,9 @@ pub fn feed(
                     }
                 },
             };
+            // The task is done however the put ends (a panic included): the taker gets room
+            // and the IO side its end.
+            let _finished = Finished(&shared);
             let put_started = Instant::now();
             let result = feeder.put(vec![Delivery {
                 task: work.task,
@@ -279,8 +291,12 @@ pub fn feed(
                 made,
             }]);
             profiler.record(Stage::Write, put_started.elapsed());
-            shared.finished_one();
-            match result.map(|mut r| r.pop().expect("one result")) {
+            let result = result.and_then(|mut r| {
+                r.pop().ok_or_else(|| {
+                    feedstore_consumer::Error::Protocol("a put answered without a result".into())
+                })
+            });
+            match result {
                 Ok(Ok(())) => {
                     if let Some(p) = produced {
                         shared.send(Event::Produced(p));
@@ -297,35 +313,6 @@ pub fn feed(
         });
     }
 
-    // The taker: asks the daemon for work while there is room in the pipeline.
-    let cache = feed.cache;
-    let taker_thread = {
-        let (shared, work_tx) = (shared.clone(), work_tx.clone());
-        std::thread::spawn(move || {
-            let failure = loop {
-                let room = shared.wait_for_room();
-                match taker.take(room as u32, Duration::from_millis(200)) {
-                    Ok(Some(tasks)) => {
-                        let tasks = if cache {
-                            serve_from_cache(&shared, &taker, tasks)
-                        } else {
-                            tasks.into_iter().map(|t| (t, None)).collect()
-                        };
-                        shared.started(tasks.len());
-                        for (task, record) in tasks {
-                            let _ = work_tx.send((Work { task, candidate: 0 }, record));
-                        }
-                    }
-                    Ok(None) => break None,
-                    Err(e) => break Some(e),
-                }
-            };
-            shared.taker_finished();
-            drop(taker_client);
-            failure
-        })
-    };
-
     // IO: walk each task's candidates to a record, fetch its images, queue the job; fetches
     // that fail send the task back for the next candidate. Ends when the taker is done and no
     // task is left in flight.
@@ -335,7 +322,7 @@ pub fn feed(
         shared.clone(),
         skeleton.profiler.clone(),
     );
-    let retry_tx = work_tx;
+    let (retry_tx, taker_tx) = (work_tx.clone(), work_tx);
     skeleton.io(async move {
         let shared = io_shared;
         let permits = Arc::new(tokio::sync::Semaphore::new(fetch_concurrency));
@@ -397,6 +384,36 @@ pub fn feed(
             .await;
         }
     })?;
+    // The taker: asks the daemon for work while there is room in the pipeline (started after
+    // the IO side, whose runtime may fail to start).
+    let cache = feed.cache;
+    let taker_thread = {
+        let (shared, work_tx) = (shared.clone(), taker_tx);
+        std::thread::spawn(move || {
+            let failure = loop {
+                let room = shared.wait_for_room();
+                match taker.take(room as u32, Duration::from_millis(200)) {
+                    Ok(Some(tasks)) => {
+                        let tasks = if cache {
+                            serve_from_cache(&shared, &taker, tasks)
+                        } else {
+                            tasks.into_iter().map(|t| (t, None)).collect()
+                        };
+                        shared.started(tasks.len());
+                        for (task, record) in tasks {
+                            let _ = work_tx.send((Work { task, candidate: 0 }, record));
+                        }
+                    }
+                    Ok(None) => break None,
+                    Err(e) => break Some(e),
+                }
+            };
+            shared.taker_finished();
+            drop(taker_client);
+            failure
+        })
+    };
+
     // Events flow until every stage has dropped its sender (the shared one included).
     drop(shared);
     let summary = skeleton.finish(on_event);

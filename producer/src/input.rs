@@ -11,8 +11,8 @@
 
 use std::fs::File;
 use std::io::Read;
-use std::os::fd::OwnedFd;
-use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::pin::Pin;
 use std::sync::Arc;
@@ -25,38 +25,93 @@ use crate::manifest::ImageSource;
 use crate::pipeline::{Fetch, FetchError};
 
 /// The default limit on one image file or object: generous for any photo or scan a
-/// vision-language model is trained on, far below what would exhaust a node.
-pub const DEFAULT_MAX_IMAGE_BYTES: u64 = 256 << 20;
+/// vision-language model is trained on. Memory held by images at once is bounded by this times
+/// the images in flight (`--fetch-concurrency` plus about three per CPU worker).
+pub const DEFAULT_MAX_IMAGE_BYTES: u64 = 64 << 20;
 
-/// Opens `path` for reading without blocking on a FIFO or a device, and refuses anything but
-/// a regular file, saying what it is.
+/// The largest `max_bytes` a reader takes (1 TiB): beyond it the setting is surely a mistake.
+pub const MAX_IMAGE_BYTES_LIMIT: u64 = 1 << 40;
+
+/// Opens `path` for reading as [`open_beneath`] does, without a root: symbolic links are
+/// followed, but nothing but a regular file is ever opened for reading (a device's driver never
+/// runs, a FIFO never blocks).
 pub fn open_regular(path: &Path) -> std::io::Result<File> {
-    let file = std::fs::OpenOptions::new()
-        .read(true)
-        .custom_flags((OFlag::O_NONBLOCK | OFlag::O_NOCTTY).bits())
-        .open(path)?;
-    check_regular(&file, path)?;
+    open_checked(None, path)
+}
+
+/// Opens `path` (beneath `dir` when given: no `..`, absolute or magic link leads out) first as an
+/// `O_PATH` descriptor, which only names the file; refuses it, saying what it is, unless `fstat`
+/// says it is a regular file; and only then opens that same file for reading, through
+/// `/proc/self/fd` (where `/proc` is missing, by a second non-blocking open of the path).
+fn open_checked(dir: Option<&OwnedFd>, path: &Path) -> std::io::Result<File> {
+    let named = retry_eagain(|| match dir {
+        Some(dir) => nix::fcntl::openat2(
+            dir,
+            path,
+            OpenHow::new()
+                .flags(OFlag::O_PATH | OFlag::O_CLOEXEC)
+                .resolve(ResolveFlag::RESOLVE_BENEATH | ResolveFlag::RESOLVE_NO_MAGICLINKS),
+        ),
+        None => nix::fcntl::open(
+            path,
+            OFlag::O_PATH | OFlag::O_CLOEXEC,
+            nix::sys::stat::Mode::empty(),
+        ),
+    })?;
+    let stat = nix::sys::stat::fstat(&named)?;
+    check_kind(stat.st_mode, path)?;
+    let flags = OFlag::O_RDONLY | OFlag::O_NONBLOCK | OFlag::O_NOCTTY | OFlag::O_CLOEXEC;
+    let proc_path = format!("/proc/self/fd/{}", named.as_raw_fd());
+    let file = match nix::fcntl::open(proc_path.as_str(), flags, nix::sys::stat::Mode::empty()) {
+        Ok(fd) => File::from(fd),
+        Err(Errno::ENOENT) => {
+            let fd = match dir {
+                Some(dir) => nix::fcntl::openat2(
+                    dir,
+                    path,
+                    OpenHow::new()
+                        .flags(flags)
+                        .resolve(ResolveFlag::RESOLVE_BENEATH | ResolveFlag::RESOLVE_NO_MAGICLINKS),
+                )?,
+                None => nix::fcntl::open(path, flags, nix::sys::stat::Mode::empty())?,
+            };
+            File::from(fd)
+        }
+        Err(e) => return Err(e.into()),
+    };
+    // The same file as the one checked (a path swapped in between is refused).
+    let again = file.metadata()?;
+    if (again.dev(), again.ino()) != (stat.st_dev, stat.st_ino) {
+        return Err(std::io::Error::other(format!(
+            "{} changed while it was opened",
+            path.display()
+        )));
+    }
     Ok(file)
 }
 
-/// Refuses `file` unless it is a regular file.
-fn check_regular(file: &File, path: &Path) -> std::io::Result<std::fs::Metadata> {
-    let meta = file.metadata()?;
-    let kind = meta.file_type();
-    let what = if kind.is_file() {
-        return Ok(meta);
-    } else if kind.is_dir() {
-        "a directory"
-    } else if kind.is_fifo() {
-        "a FIFO"
-    } else if kind.is_char_device() {
-        "a character device"
-    } else if kind.is_block_device() {
-        "a block device"
-    } else if kind.is_socket() {
-        "a socket"
-    } else {
-        "not a regular file"
+/// `open` again while it fails with `EAGAIN` (a rename racing `openat2`'s `..` check), a few
+/// times.
+fn retry_eagain(mut open: impl FnMut() -> nix::Result<OwnedFd>) -> nix::Result<OwnedFd> {
+    let mut tries = 0;
+    loop {
+        match open() {
+            Err(Errno::EAGAIN) if tries < 8 => tries += 1,
+            other => return other,
+        }
+    }
+}
+
+/// Refuses a file mode unless it is a regular file's, saying what it is.
+fn check_kind(mode: nix::libc::mode_t, path: &Path) -> std::io::Result<()> {
+    let what = match mode & nix::libc::S_IFMT {
+        nix::libc::S_IFREG => return Ok(()),
+        nix::libc::S_IFDIR => "a directory",
+        nix::libc::S_IFIFO => "a FIFO",
+        nix::libc::S_IFCHR => "a character device",
+        nix::libc::S_IFBLK => "a block device",
+        nix::libc::S_IFSOCK => "a socket",
+        _ => "not a regular file",
     };
     Err(std::io::Error::new(
         std::io::ErrorKind::InvalidInput,
@@ -64,8 +119,8 @@ fn check_regular(file: &File, path: &Path) -> std::io::Result<std::fs::Metadata>
     ))
 }
 
-/// Reads all of `file` (opened by [`open_regular`] or the like) if it holds at most `max`
-/// bytes: the size is checked before reading and again while reading.
+/// Reads all of `file` (a regular file) if it holds at most `max` bytes: the size is checked
+/// before reading and again while reading.
 fn read_bounded(file: File, path: &Path, max: u64) -> Result<Vec<u8>, FetchError> {
     let too_large = |size: String| {
         FetchError::TooLarge(format!(
@@ -73,12 +128,12 @@ fn read_bounded(file: File, path: &Path, max: u64) -> Result<Vec<u8>, FetchError
             path.display()
         ))
     };
-    let meta = check_regular(&file, path).map_err(|e| FetchError::Invalid(e.to_string()))?;
-    if meta.len() > max {
-        return Err(too_large(meta.len().to_string()));
+    let len = file.metadata().map_err(|e| io_error(path, e))?.len();
+    if len > max {
+        return Err(too_large(len.to_string()));
     }
-    let mut bytes = Vec::with_capacity(meta.len() as usize);
-    file.take(max + 1)
+    let mut bytes = Vec::with_capacity(len as usize);
+    file.take(max.saturating_add(1))
         .read_to_end(&mut bytes)
         .map_err(|e| io_error(path, e))?;
     if bytes.len() as u64 > max {
@@ -93,6 +148,7 @@ fn io_error(path: &Path, e: std::io::Error) -> FetchError {
         std::io::ErrorKind::PermissionDenied => {
             FetchError::AccessDenied(path.display().to_string())
         }
+        std::io::ErrorKind::InvalidInput => FetchError::Invalid(e.to_string()),
         _ => FetchError::Other(format!("{}: {e}", path.display())),
     }
 }
@@ -100,8 +156,10 @@ fn io_error(path: &Path, e: std::io::Error) -> FetchError {
 /// The folder image paths must stay beneath.
 #[derive(Debug)]
 struct Root {
-    /// As given (absolute): image paths are matched against it by their components.
+    /// As given, made absolute: where relative paths resolve, and shown in messages.
     path: PathBuf,
+    /// Its canonical spelling: an absolute image path beneath either spelling is inside.
+    canonical: PathBuf,
     /// An `O_PATH` descriptor the paths are resolved from.
     dir: OwnedFd,
     /// Absolute image paths elsewhere are read as given.
@@ -116,32 +174,39 @@ pub struct LocalFiles {
 }
 
 impl Default for LocalFiles {
-    /// Files anywhere this process may read, up to [`DEFAULT_MAX_IMAGE_BYTES`] each: for
-    /// manifests the caller trusts (the `feedstore` command confines images with
-    /// [`LocalFiles::beneath`]).
+    /// Files anywhere this process may read, relative paths against their manifest's folder, up
+    /// to [`DEFAULT_MAX_IMAGE_BYTES`] each: for manifests the caller trusts (the `feedstore`
+    /// command confines images with [`LocalFiles::beneath`]).
     fn default() -> Self {
         LocalFiles::anywhere(DEFAULT_MAX_IMAGE_BYTES)
     }
 }
 
 impl LocalFiles {
-    /// Files anywhere this process may read, up to `max_bytes` each.
+    /// Files anywhere this process may read (relative paths against their manifest's folder),
+    /// up to `max_bytes` each.
     pub fn anywhere(max_bytes: u64) -> LocalFiles {
         LocalFiles {
             root: None,
-            max_bytes,
+            max_bytes: max_bytes.min(MAX_IMAGE_BYTES_LIMIT),
         }
     }
 
-    /// Files beneath `root` only (no `..`, no symbolic link leads out), up to `max_bytes` each.
-    /// With `absolute_anywhere`, an absolute path outside `root` is read as given (the user
-    /// allows absolute paths); relative paths stay confined either way.
+    /// Files beneath `root` only, up to `max_bytes` each: relative image paths resolve against
+    /// `root` (not their manifest's folder), absolute ones must lie beneath it, and neither `..`
+    /// nor a symbolic link (an absolute one at all) leads out. With `absolute_anywhere`, an
+    /// absolute path outside `root` is read as given (the user allows absolute paths); relative
+    /// paths stay confined either way. Fails, saying why, where the kernel (or a container's
+    /// seccomp profile) lacks `openat2`.
     pub fn beneath(
         root: &Path,
         absolute_anywhere: bool,
         max_bytes: u64,
     ) -> std::io::Result<LocalFiles> {
         let path = std::path::absolute(root)?;
+        let canonical = std::fs::canonicalize(&path).map_err(|e| {
+            std::io::Error::new(e.kind(), format!("image root {}: {e}", path.display()))
+        })?;
         let dir = nix::fcntl::open(
             &path,
             OFlag::O_PATH | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC,
@@ -153,13 +218,24 @@ impl LocalFiles {
                 format!("image root {}: {}", path.display(), e.desc()),
             )
         })?;
+        let how = OpenHow::new()
+            .flags(OFlag::O_PATH | OFlag::O_CLOEXEC)
+            .resolve(ResolveFlag::RESOLVE_BENEATH);
+        if let Err(e @ (Errno::ENOSYS | Errno::EPERM)) = nix::fcntl::openat2(&dir, ".", how) {
+            return Err(std::io::Error::other(format!(
+                "confining image paths needs openat2 (Linux 5.6 or later, allowed by the \
+                 container's seccomp profile): {}",
+                e.desc()
+            )));
+        }
         Ok(LocalFiles {
             root: Some(Arc::new(Root {
                 path,
+                canonical,
                 dir,
                 absolute_anywhere,
             })),
-            max_bytes,
+            max_bytes: max_bytes.min(MAX_IMAGE_BYTES_LIMIT),
         })
     }
 
@@ -168,19 +244,40 @@ impl LocalFiles {
         self.max_bytes
     }
 
-    /// Opens `path` as this reader's rules allow.
-    fn open(&self, path: &Path) -> Result<File, FetchError> {
-        let Some(root) = &self.root else {
-            return open_regular(path).map_err(|e| match e.kind() {
-                std::io::ErrorKind::InvalidInput => FetchError::Invalid(e.to_string()),
-                _ => io_error(path, e),
-            });
+    /// The image root, if paths are confined.
+    pub fn root(&self) -> Option<&Path> {
+        self.root.as_ref().map(|r| r.path.as_path())
+    }
+
+    /// Opens the image at `path` (as written in a manifest whose folder is `base`) as this
+    /// reader's rules allow; returns it with the path it stands for, for messages.
+    fn open(&self, base: &Path, path: &Path) -> Result<(File, PathBuf), FetchError> {
+        let fail = |shown: &Path, e: std::io::Error| match e.raw_os_error() {
+            Some(code) if code == Errno::EXDEV as i32 => FetchError::Invalid(format!(
+                "{} leads out of the image root {} (through .. or a symbolic link)",
+                shown.display(),
+                self.root().map_or(Path::new("/"), |r| r).display()
+            )),
+            _ => io_error(shown, e),
         };
-        let absolute = std::path::absolute(path).map_err(|e| io_error(path, e))?;
-        let Ok(inside) = absolute.strip_prefix(&root.path) else {
-            if root.absolute_anywhere && path.is_absolute() {
-                return LocalFiles::anywhere(self.max_bytes).open(path);
-            }
+        let Some(root) = &self.root else {
+            let full = base.join(path);
+            return open_checked(None, &full)
+                .map(|f| (f, full.clone()))
+                .map_err(|e| fail(&full, e));
+        };
+        let inside = if path.is_relative() {
+            path
+        } else if let Some(inside) = [&root.canonical, &root.path]
+            .iter()
+            .find_map(|r| path.strip_prefix(r).ok())
+        {
+            inside
+        } else if root.absolute_anywhere {
+            return open_checked(None, path)
+                .map(|f| (f, path.to_path_buf()))
+                .map_err(|e| fail(path, e));
+        } else {
             return Err(FetchError::Invalid(format!(
                 "{} is outside the image root {} (set --image-root, or allow absolute paths \
                  with --allow-absolute-image-paths)",
@@ -188,29 +285,22 @@ impl LocalFiles {
                 root.path.display()
             )));
         };
-        let how = OpenHow::new()
-            .flags(OFlag::O_RDONLY | OFlag::O_NONBLOCK | OFlag::O_NOCTTY | OFlag::O_CLOEXEC)
-            .resolve(ResolveFlag::RESOLVE_BENEATH | ResolveFlag::RESOLVE_NO_MAGICLINKS);
+        let shown = root.path.join(inside);
         let target = if inside.as_os_str().is_empty() {
             Path::new(".")
         } else {
             inside
         };
-        match nix::fcntl::openat2(&root.dir, target, how) {
-            Ok(fd) => Ok(File::from(fd)),
-            Err(Errno::EXDEV) => Err(FetchError::Invalid(format!(
-                "{} leads out of the image root {} (through .. or a symbolic link)",
-                path.display(),
-                root.path.display()
-            ))),
-            Err(e) => Err(io_error(path, e.into())),
-        }
+        open_checked(Some(&root.dir), target)
+            .map(|f| (f, shown.clone()))
+            .map_err(|e| fail(&shown, e))
     }
 
-    /// Reads the file at `path`: a regular file of at most the limit, as this reader allows.
-    pub fn read(&self, path: &Path) -> Result<Vec<u8>, FetchError> {
-        let file = self.open(path)?;
-        read_bounded(file, path, self.max_bytes)
+    /// Reads the image at `path` (as written in a manifest whose folder is `base`): a regular
+    /// file of at most the limit, as this reader allows.
+    pub fn read(&self, base: &Path, path: &Path) -> Result<Vec<u8>, FetchError> {
+        let (file, shown) = self.open(base, path)?;
+        read_bounded(file, &shown, self.max_bytes)
     }
 }
 
@@ -220,15 +310,15 @@ impl Fetch for LocalFiles {
         source: &'a ImageSource,
     ) -> Pin<Box<dyn Future<Output = Result<Bytes, FetchError>> + Send + 'a>> {
         Box::pin(async move {
-            let ImageSource::Local(path) = source else {
+            let ImageSource::Local { base, path } = source else {
                 return Err(FetchError::Unsupported(format!(
                     "{source} (no S3 endpoint configured)"
                 )));
             };
-            let (files, path) = (self.clone(), path.clone());
-            tokio::task::spawn_blocking(move || files.read(&path).map(Bytes::from))
+            let (files, base, path) = (self.clone(), base.clone(), path.clone());
+            tokio::task::spawn_blocking(move || files.read(&base, &path).map(Bytes::from))
                 .await
-                .map_err(|e| FetchError::Other(format!("reading {}: {e}", source)))?
+                .map_err(|e| FetchError::Other(format!("reading {source}: {e}")))?
         })
     }
 }
@@ -252,17 +342,17 @@ mod tests {
         let fifo = dir.join("images/fifo.png");
         nix::unistd::mkfifo(&fifo, nix::sys::stat::Mode::S_IRWXU).unwrap();
         let files = LocalFiles::anywhere(8);
-        assert_eq!(files.read(&dir.join("images/ok.png")).unwrap(), b"12345678");
+        let read = |files: &LocalFiles, path: &str| files.read(&dir, Path::new(path));
+        assert_eq!(read(&files, "images/ok.png").unwrap(), b"12345678");
         // A FIFO with no writer: refused at once instead of waiting for one forever.
-        let err = files.read(&fifo).unwrap_err().to_string();
+        let err = read(&files, "images/fifo.png").unwrap_err().to_string();
         assert!(err.contains("is a FIFO, not a regular file"), "{err}");
-        let err = files.read(&dir.join("images")).unwrap_err().to_string();
+        let err = read(&files, "images").unwrap_err().to_string();
         assert!(err.contains("is a directory"), "{err}");
-        let err = files.read(Path::new("/dev/zero")).unwrap_err().to_string();
+        // A device is refused from its O_PATH descriptor: its driver is never opened.
+        let err = read(&files, "/dev/zero").unwrap_err().to_string();
         assert!(err.contains("is a character device"), "{err}");
-        let err = LocalFiles::anywhere(7)
-            .read(&dir.join("images/ok.png"))
-            .unwrap_err();
+        let err = read(&LocalFiles::anywhere(7), "images/ok.png").unwrap_err();
         assert!(
             matches!(&err, FetchError::TooLarge(m) if m.contains("8 bytes, over the 7-byte limit")),
             "{err}"
@@ -273,36 +363,46 @@ mod tests {
     #[test]
     fn image_paths_stay_beneath_the_root() {
         let dir = scratch("root");
-        std::fs::write(dir.join("images/ok.png"), b"png").unwrap();
-        std::fs::create_dir(dir.join("images/sub")).unwrap();
-        std::fs::write(dir.join("secret"), b"outside").unwrap();
-        std::os::unix::fs::symlink(dir.join("secret"), dir.join("images/link.png")).unwrap();
-        std::os::unix::fs::symlink("../secret", dir.join("images/rel-link.png")).unwrap();
         let root = dir.join("images");
-        let files = LocalFiles::beneath(&root, false, 1 << 20).unwrap();
-        assert_eq!(files.read(&root.join("ok.png")).unwrap(), b"png");
-        assert_eq!(files.read(&root.join("sub/../ok.png")).unwrap(), b"png");
-        for escape in [
-            root.join("../secret"),
-            root.join("../../../../../../etc/passwd"),
-            root.join("link.png"),
-            root.join("rel-link.png"),
-        ] {
-            let err = files.read(&escape).unwrap_err().to_string();
-            assert!(
-                err.contains("leads out of the image root"),
-                "{escape:?}: {err}"
-            );
+        std::fs::write(root.join("ok.png"), b"png").unwrap();
+        std::fs::create_dir(root.join("sub")).unwrap();
+        std::fs::write(dir.join("secret"), b"outside").unwrap();
+        std::os::unix::fs::symlink(dir.join("secret"), root.join("link.png")).unwrap();
+        std::os::unix::fs::symlink("../secret", root.join("rel-link.png")).unwrap();
+        // The manifest lives elsewhere: relative paths resolve against the root, not its folder.
+        let manifests = dir.join("manifests");
+        for absolute_anywhere in [false, true] {
+            let files = LocalFiles::beneath(&root, absolute_anywhere, 1 << 20).unwrap();
+            let read = |path: &Path| files.read(&manifests, path);
+            assert_eq!(read(Path::new("ok.png")).unwrap(), b"png");
+            assert_eq!(read(Path::new("sub/../ok.png")).unwrap(), b"png");
+            assert_eq!(read(&root.join("ok.png")).unwrap(), b"png");
+            // Relative paths stay confined whatever absolute paths may do.
+            for escape in [
+                "../secret",
+                "../../../../../../etc/passwd",
+                "sub/../../secret",
+                "link.png",
+                "rel-link.png",
+            ]
+            .map(Path::new)
+            {
+                let err = read(escape).unwrap_err().to_string();
+                assert!(
+                    err.contains("leads out of the image root"),
+                    "{escape:?}: {err}"
+                );
+            }
+            let err = read(&root.join("link.png")).unwrap_err().to_string();
+            assert!(err.contains("leads out of the image root"), "{err}");
+            let outside = read(&dir.join("secret"));
+            if absolute_anywhere {
+                assert_eq!(outside.unwrap(), b"outside");
+            } else {
+                let err = outside.unwrap_err().to_string();
+                assert!(err.contains("outside the image root"), "{err}");
+            }
         }
-        let err = files
-            .read(Path::new("/etc/passwd"))
-            .unwrap_err()
-            .to_string();
-        assert!(err.contains("outside the image root"), "{err}");
-        // Allowing absolute paths reads them as given; relative ones stay confined.
-        let open = LocalFiles::beneath(&root, true, 1 << 20).unwrap();
-        assert_eq!(open.read(&dir.join("secret")).unwrap(), b"outside");
-        assert!(open.read(&root.join("../secret")).is_err());
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }

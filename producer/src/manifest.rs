@@ -8,7 +8,7 @@
 //! ```
 //!
 //! Image references are `s3://bucket/key` or file paths, relative ones resolved against the
-//! manifest's folder. A bad line never stops the run: [`Manifest`] yields a [`Reject`] with the
+//! manifest's folder (or the image root the reader is given: see [`crate::input::LocalFiles`]). A bad line never stops the run: [`Manifest`] yields a [`Reject`] with the
 //! line number, the id when it could be read, and the reason, and goes on with the next line.
 
 use std::io::{BufRead, BufReader, Read};
@@ -28,15 +28,31 @@ pub enum ImageSource {
         /// Key.
         key: String,
     },
-    /// A file on this node.
-    Local(PathBuf),
+    /// A file on this node, as the manifest names it.
+    Local {
+        /// The manifest's folder (absolute), which a relative `path` resolves against unless
+        /// the reader is given another image root.
+        base: PathBuf,
+        /// The path as written: absolute, or relative to the image root.
+        path: PathBuf,
+    },
+}
+
+impl ImageSource {
+    /// A local file at `path` as written, in a manifest whose folder is `base`.
+    pub fn local(base: impl Into<PathBuf>, path: impl Into<PathBuf>) -> ImageSource {
+        ImageSource::Local {
+            base: base.into(),
+            path: path.into(),
+        }
+    }
 }
 
 impl std::fmt::Display for ImageSource {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             ImageSource::S3 { bucket, key } => write!(f, "s3://{bucket}/{key}"),
-            ImageSource::Local(path) => write!(f, "{}", path.display()),
+            ImageSource::Local { base, path } => write!(f, "{}", base.join(path).display()),
         }
     }
 }
@@ -327,12 +343,7 @@ impl<R: Read> Manifest<R> {
                 "image reference {reference:?}: scheme {scheme}:// is not supported (use s3:// or a path)"
             ));
         }
-        let path = Path::new(reference);
-        Ok(ImageSource::Local(if path.is_absolute() {
-            path.to_path_buf()
-        } else {
-            self.base.join(path)
-        }))
+        Ok(ImageSource::local(&self.base, reference))
     }
 }
 
@@ -476,8 +487,8 @@ mod tests {
         assert_eq!(
             b.images,
             vec![
-                ImageSource::Local("/data/set/x/1.jpg".into()),
-                ImageSource::Local("/abs/2.jpg".into())
+                ImageSource::local("/data/set", "x/1.jpg"),
+                ImageSource::local("/data/set", "/abs/2.jpg")
             ]
         );
         assert!(

@@ -98,24 +98,34 @@ impl ProducerConfig {
     }
 }
 
-/// The most pixels an output image may have: far more than any vision-language model takes,
-/// and small enough that one image's tensor always fits a store.
-pub const MAX_OUTPUT_PIXELS: u64 = 1 << 26;
+/// The most CPU workers, and the most fetches in flight, a producer runs.
+pub const MAX_PARALLEL: usize = 4096;
+
+pub use crate::vision::MAX_OUTPUT_PIXELS;
 
 impl ProducerConfig {
     /// Checks the settings before any work is done; the error is one line naming the setting.
     pub fn validate(&self) -> Result<(), String> {
         let (patch, merge) = (self.patch_size, self.merge_size);
-        if patch == 0 || merge == 0 {
+        for (what, n) in [
+            ("workers", self.workers),
+            ("fetch concurrency", self.fetch_concurrency),
+        ] {
+            if !(1..=MAX_PARALLEL).contains(&n) {
+                return Err(format!("{what} ({n}) must be between 1 and {MAX_PARALLEL}"));
+            }
+        }
+        if patch == 0 || merge == 0 || patch > 1024 || merge > 64 {
             return Err(format!(
-                "patch size ({patch}) and merge size ({merge}) must be at least 1"
+                "patch size ({patch}) must be 1 to 1024 and merge size ({merge}) 1 to 64"
             ));
         }
         let factor = u64::from(patch) * u64::from(merge);
         let side = |what: String, n: u64| {
             if n < factor {
                 Err(format!(
-                    "{what}: each side must be at least patch × merge = {factor} pixels, or                      the image gets no image token"
+                    "{what}: each side must be at least patch × merge = {factor} pixels, or \
+                     the image gets no image token"
                 ))
             } else {
                 Ok(())
@@ -147,7 +157,8 @@ impl ProducerConfig {
             } => {
                 if u64::from(resize_factor) != factor {
                     return Err(format!(
-                        "the qwen resize's side multiple ({resize_factor}) must be patch × merge                          ({factor})"
+                        "the qwen resize's side multiple ({resize_factor}) must be patch × merge \
+                         ({factor})"
                     ));
                 }
                 if min_pixels > max_pixels {
@@ -157,7 +168,8 @@ impl ProducerConfig {
                 }
                 if max_pixels < factor * factor || max_pixels > MAX_OUTPUT_PIXELS {
                     return Err(format!(
-                        "max pixels ({max_pixels}) must be between patch × merge squared                          ({}) and {MAX_OUTPUT_PIXELS}",
+                        "max pixels ({max_pixels}) must be between patch × merge squared \
+                         ({}) and {MAX_OUTPUT_PIXELS}",
                         factor * factor
                     ));
                 }
@@ -590,9 +602,21 @@ pub(crate) fn make_sample(
     images: Vec<Bytes>,
 ) -> Result<(ObjectWriter, u64), Reject> {
     let reserve = |size: u64| client.create(size).map_err(|e| e.to_string());
-    make_sample_into(
-        config, tokenizer, profiler, scratch, record, images, reserve,
-    )
+    // A panic in a decoder, the resizer or the tokenizer on one hostile record rejects that
+    // record (its reservation is aborted as the writer unwinds), not the worker and the run.
+    let made = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        make_sample_into(
+            config, tokenizer, profiler, scratch, record, images, reserve,
+        )
+    }));
+    made.unwrap_or_else(|_| {
+        *scratch = Scratch::default();
+        Err(reject(
+            record,
+            "decode",
+            "the producer panicked on this record (a bug: please report it with the record)".into(),
+        ))
+    })
 }
 
 /// One sample — decode, resize, normalise, tokenize — written into the buffer `reserve` gives

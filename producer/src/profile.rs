@@ -191,7 +191,7 @@ impl StageProfile {
     pub fn verdict(&self) -> String {
         if self.fetches_ok == 0 && self.fetch_failures > 0 {
             return format!(
-                "fetch failed for every record ({} fetches): {}",
+                "every image fetch failed ({} fetches): {}",
                 self.fetch_failures,
                 self.first_fetch_failure
                     .as_deref()
@@ -295,8 +295,8 @@ mod tests {
         let verdict = p.snapshot(Duration::from_secs(2), 1, 8).verdict();
         assert_eq!(
             verdict,
-            "fetch failed for every record (2 fetches): s3://b/k from http://127.0.0.1:9: \
-             connection refused"
+            "every image fetch failed (2 fetches): s3://b/k from http://127.0.0.1:9: connection \
+             refused"
         );
         p.fetched(100);
         assert!(

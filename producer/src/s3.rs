@@ -288,7 +288,7 @@ impl Fetch for S3Fetcher {
     ) -> Pin<Box<dyn Future<Output = Result<Bytes, FetchError>> + Send + 'a>> {
         match source {
             ImageSource::S3 { bucket, key } => Box::pin(self.get(bucket, key)),
-            ImageSource::Local(_) => self.local.fetch(source),
+            ImageSource::Local { .. } => self.local.fetch(source),
         }
     }
 }

@@ -5,15 +5,19 @@
 //!
 //! 1. [`probe`] reads only the header: format and dimensions. The decompression-bomb guard
 //!    (`max_source_pixels`) refuses an image before a single pixel is decoded.
-//! 2. [`ImageTransform::target_size`] decides the output size from the dimensions alone (fixed,
-//!    shorter side, or Qwen-VL's `smart_resize`). That size fixes the tensor's shape and the number
-//!    of image tokens, so the sample's object can be reserved at its final size before any decoding.
+//! 2. [`ImageTransform::target_size`] decides the output size from the upright decoded image's
+//!    dimensions (fixed, shorter side, or Qwen-VL's `smart_resize`; the header's may be rotated
+//!    by EXIF orientation). That size fixes the tensor's shape and the number of image tokens, so
+//!    the sample's object is reserved at its final size before anything is written.
 //! 3. [`ImageTransform::decode_into`] decodes (PNG/WebP/GIF via `image`, zune-jpeg for JPEG) to
-//!    the RGB Pillow's `ImageOps.exif_transpose(...).convert("RGB")` gives (EXIF orientation
-//!    applied, 16-bit grey clipped, 16-bit colour by its high byte, alpha dropped, palettes and
-//!    CMYK converted, an animation's first frame), resizes with `fast_image_resize` (bicubic, Pillow's filter), and runs one pass that
-//!    normalises, converts dtype and layout and writes into `dst`, which is the region of the
-//!    object in shared memory. For `u8` HWC output the resize writes into `dst` directly.
+//!    the RGB that Pillow (9.4, the goldens' version) makes with
+//!    `ImageOps.exif_transpose(...).convert("RGB")`: EXIF orientation applied, 16-bit grey
+//!    clipped, 16-bit colour by its high byte, alpha dropped, palettes and CMYK converted, an
+//!    animation's first frame. (Not matched: orientation from XMP or PNG text chunks, and a GIF
+//!    whose first frame leaves part of the canvas uncovered: black here, the background colour
+//!    in Pillow.) It resizes with `fast_image_resize` (bicubic, Pillow's filter) and runs one
+//!    pass that normalises, converts dtype and layout and writes into `dst`, which is the region
+//!    of the object in shared memory. For `u8` HWC output the resize writes into `dst` directly.
 
 use std::io::Cursor;
 
@@ -53,6 +57,16 @@ pub enum ImageError {
     /// The bytes are no image format this build reads.
     #[error("unrecognised or unsupported image format")]
     UnknownFormat,
+    /// The output size the resize rule gives is empty or larger than any model takes.
+    #[error(
+        "the resize would make a {width}x{height} image (an empty side, or more than {MAX_OUTPUT_PIXELS} pixels)"
+    )]
+    OutputSize {
+        /// Output width.
+        width: u32,
+        /// Output height.
+        height: u32,
+    },
     /// A format recognised by its signature that this build does not decode.
     #[error("{0} images are not supported (JPEG, PNG, WebP and GIF are)")]
     Unsupported(String),
@@ -159,13 +173,18 @@ fn decode_rgb(encoded: &[u8], probe: Probe) -> Result<image::RgbImage, ImageErro
         let mut limits = image::Limits::default();
         limits.max_image_width = Some(probe.width);
         limits.max_image_height = Some(probe.height);
+        // A GIF frame larger than its header's canvas cannot allocate past the canvas either.
+        limits.max_alloc = Some(u64::from(probe.width) * u64::from(probe.height) * 8 + (1 << 20));
         reader.limits(limits);
         let mut decoder = reader.into_decoder().map_err(classify)?;
         let orientation = decoder
             .orientation()
             .unwrap_or(image::metadata::Orientation::NoTransforms);
+        // The file's own colour type (the decoder reports grey with a tRNS chunk as grey with
+        // alpha): IHDR's bit depth and colour type, at bytes 24 and 25 of a PNG.
+        let grey16 = encoded.starts_with(b"\x89PNG") && encoded.get(24..26) == Some(&[16, 0]);
         let decoded = image::DynamicImage::from_decoder(decoder).map_err(classify)?;
-        return Ok(oriented(like_pillow(decoded), orientation));
+        return Ok(oriented(like_pillow(decoded, grey16), orientation));
     }
     let jpeg = |strict: bool| {
         let options = zune_core::options::DecoderOptions::default()
@@ -201,10 +220,11 @@ fn decode_rgb(encoded: &[u8], probe: Probe) -> Result<image::RgbImage, ImageErro
     Ok(oriented(rgb, orientation))
 }
 
-/// RGB8 as Pillow's `convert("RGB")` makes it from what its PNG reader opens: 16-bit grey is
-/// mode `I`, clipped to 255 (not scaled); 16-bit colour and grey-with-alpha are read by their
-/// high byte; alpha is dropped, not composited.
-fn like_pillow(decoded: image::DynamicImage) -> image::RgbImage {
+/// RGB8 as Pillow's `convert("RGB")` makes it from what its PNG reader opens: 16-bit grey
+/// (`grey16`: the file's colour type, even when a tRNS chunk made the decoder add alpha) is mode
+/// `I`, clipped to 255 (not scaled); 16-bit colour and grey-with-alpha are read by their high
+/// byte; alpha is dropped, not composited.
+fn like_pillow(decoded: image::DynamicImage, grey16: bool) -> image::RgbImage {
     use image::DynamicImage as D;
     let from = |width, height, pixels: Vec<u8>| {
         image::RgbImage::from_raw(width, height, pixels).expect("three bytes per pixel")
@@ -224,19 +244,24 @@ fn like_pillow(decoded: image::DynamicImage) -> image::RgbImage {
             let pixels = grey
                 .into_raw()
                 .chunks_exact(2)
-                .flat_map(|p| [(p[0] >> 8) as u8; 3])
+                .flat_map(|p| {
+                    [if grey16 {
+                        p[0].min(255) as u8
+                    } else {
+                        (p[0] >> 8) as u8
+                    }; 3]
+                })
                 .collect();
             from(w, h, pixels)
         }
         D::ImageRgb16(_) | D::ImageRgba16(_) => {
             let (w, h) = (decoded.width(), decoded.height());
-            let channels = usize::from(decoded.color().channel_count());
-            let wide = decoded.into_rgba16().into_raw();
-            let pixels = wide
+            let pixels = decoded
+                .into_rgba16()
+                .into_raw()
                 .chunks_exact(4)
                 .flat_map(|p| [(p[0] >> 8) as u8, (p[1] >> 8) as u8, (p[2] >> 8) as u8])
                 .collect();
-            debug_assert!(channels == 3 || channels == 4);
             from(w, h, pixels)
         }
         other => other.into_rgb8(),
@@ -252,6 +277,10 @@ fn oriented(pixels: image::RgbImage, orientation: image::metadata::Orientation) 
     upright.apply_orientation(orientation);
     upright.into_rgb8()
 }
+
+/// The most pixels an output image may have: far more than any vision-language model takes,
+/// and small enough that one image's tensor fits a store.
+pub const MAX_OUTPUT_PIXELS: u64 = 1 << 26;
 
 /// Mean and standard deviation per channel of OpenAI CLIP, which Qwen-VL's processor uses.
 pub const CLIP_MEAN: [f32; 3] = [0.481_454_66, 0.457_827_5, 0.408_210_73];
@@ -299,20 +328,31 @@ impl ImageTransform {
         if width == 0 || height == 0 {
             return Err(ImageError::Empty);
         }
-        match self.resize {
-            ResizeMode::Fixed { width, height } => Ok((width, height)),
+        let (w, h) = match self.resize {
+            ResizeMode::Fixed { width, height } => (width, height),
             ResizeMode::ShorterSide(size) => {
                 let scale = f64::from(size) / f64::from(width.min(height));
-                let w = ((f64::from(width) * scale).round() as u32).max(1);
-                let h = ((f64::from(height) * scale).round() as u32).max(1);
-                Ok((w, h))
+                let w = (f64::from(width) * scale).round().min(f64::from(u32::MAX)) as u32;
+                let h = (f64::from(height) * scale).round().min(f64::from(u32::MAX)) as u32;
+                (w.max(1), h.max(1))
             }
             ResizeMode::QwenVl {
                 min_pixels,
                 max_pixels,
                 factor,
-            } => smart_resize(height, width, factor, min_pixels, max_pixels).map(|(h, w)| (w, h)),
+            } => {
+                smart_resize(height, width, factor, min_pixels, max_pixels).map(|(h, w)| (w, h))?
+            }
+        };
+        // A side of 0 (Qwen's rule with a tiny max area) or a huge one (a long, thin image
+        // under `short:N`): refused rather than written.
+        if w == 0 || h == 0 || u64::from(w) * u64::from(h) > MAX_OUTPUT_PIXELS {
+            return Err(ImageError::OutputSize {
+                width: w,
+                height: h,
+            });
         }
+        Ok((w, h))
     }
 
     /// The output tensor's shape for an output of `width` × `height`.

@@ -209,7 +209,7 @@ fn special_inputs_decode_as_pillow_converts_them() {
     .unwrap();
     let transform = ImageTransform::qwen_vl();
     let cases = goldens["cases"].as_array().unwrap();
-    assert_eq!(cases.len(), 10);
+    assert_eq!(cases.len(), 11);
     for case in cases {
         let input = case["input"].as_str().unwrap();
         let encoded = std::fs::read(format!("{DATA}/{input}")).unwrap();

@@ -41,6 +41,27 @@ pub enum Tail {
     Pad,
 }
 
+impl std::fmt::Display for Shuffle {
+    /// As `--shuffle` takes it: `none`, `full`, `block:N`.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Shuffle::None => f.write_str("none"),
+            Shuffle::Full => f.write_str("full"),
+            Shuffle::Block(n) => write!(f, "block:{n}"),
+        }
+    }
+}
+
+impl std::fmt::Display for Tail {
+    /// As `--tail` takes it: `drop`, `pad`.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Tail::Drop => "drop",
+            Tail::Pad => "pad",
+        })
+    }
+}
+
 impl std::str::FromStr for Shuffle {
     type Err = String;
 
@@ -88,6 +109,36 @@ pub struct StreamSpec {
     pub tail: Tail,
     /// Epochs to run; `None` runs until the stream is closed.
     pub epochs: Option<u64>,
+}
+
+impl StreamSpec {
+    /// What differs from `other`, in words: `records 40 (asked: 41), seed 0 (asked: 1)`, this
+    /// spec's values first.
+    pub fn differences(&self, other: &StreamSpec) -> String {
+        let epochs = |e: Option<u64>| e.map_or("unbounded".to_string(), |e| e.to_string());
+        let fields = [
+            (
+                "records",
+                self.records.to_string(),
+                other.records.to_string(),
+            ),
+            ("seed", self.seed.to_string(), other.seed.to_string()),
+            ("world", self.world.to_string(), other.world.to_string()),
+            (
+                "shuffle",
+                self.shuffle.to_string(),
+                other.shuffle.to_string(),
+            ),
+            ("tail", self.tail.to_string(), other.tail.to_string()),
+            ("epochs", epochs(self.epochs), epochs(other.epochs)),
+        ];
+        fields
+            .iter()
+            .filter(|(_, a, b)| a != b)
+            .map(|(name, a, b)| format!("{name} {a} (asked: {b})"))
+            .collect::<Vec<_>>()
+            .join(", ")
+    }
 }
 
 /// Why a spec or state is unusable.
@@ -420,6 +471,21 @@ mod tests {
             tail,
             epochs: Some(3),
         }
+    }
+
+    #[test]
+    fn spec_differences_name_each_field_in_words() {
+        let a = spec(40, 2, Shuffle::Full, Tail::Drop);
+        let b = StreamSpec {
+            records: 41,
+            epochs: None,
+            ..spec(40, 2, Shuffle::Block(8), Tail::Drop)
+        };
+        assert_eq!(
+            a.differences(&b),
+            "records 40 (asked: 41), shuffle full (asked: block:8), epochs 3 (asked: unbounded)"
+        );
+        assert_eq!(a.differences(&a), "");
     }
 
     #[test]

@@ -106,11 +106,19 @@ class _Daemon:
             stdout=subprocess.DEVNULL,
             stderr=self.log,
         )
-        deadline = time.monotonic() + 60
-        while not os.path.exists(self.sock):
+        # Ready when it answers, not when its socket appears: a daemon maps (and pre-faults)
+        # its whole capacity after binding the socket, ~1.5 s per GiB on a small machine.
+        deadline = time.monotonic() + 600
+        while True:
             if self.process.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"feedstored did not start on {self.ip}: {self.log_tail()}")
-            time.sleep(0.02)
+            if os.path.exists(self.sock):
+                try:
+                    feedstore.Client(self.sock).stats()
+                    break
+                except (feedstore.ConnectError, feedstore.Timeout, feedstore.Disconnected):
+                    pass
+            time.sleep(0.05)
 
     def log_tail(self) -> str:
         self.log.flush()
@@ -162,10 +170,16 @@ class Cluster:
         ids = list(self.daemons)
         return dict(zip(ids, ray.get([self.daemons[i].stats.remote() for i in ids])))
 
-    def shutdown(self) -> None:
-        """Stops every daemon (SIGTERM), removes its files, and the rank registry."""
+    def shutdown(self, wait: bool = True) -> None:
+        """Stops every daemon (SIGTERM), removes its files, and the rank registry. Call it when
+        the job ends (in a ``finally``): daemon actors outlive nothing, but their temporary
+        folders stay behind a driver that exits without it."""
         try:
-            ray.get([d.stop.remote() for d in self.daemons.values()])
+            stops = [d.stop.remote() for d in self.daemons.values()]
+            if wait:
+                ray.get(stops)
+            else:
+                ray.wait(stops, num_returns=len(stops), timeout=60)
         finally:
             for actor in [*self.daemons.values(), self.registry]:
                 ray.kill(actor)
@@ -194,23 +208,37 @@ def start(capacity: str = "4GiB", port: int = 7070, *, bin_dir: Optional[str] = 
         ),
     ).remote()
     daemons = {}
-    for i, node in enumerate(nodes):
-        daemons[node["NodeID"]] = _Daemon.options(
-            name=_daemon_name(node["NodeID"]),
-            namespace=NAMESPACE,
-            scheduling_strategy=NodeAffinitySchedulingStrategy(node["NodeID"], soft=False),
-        ).remote(i, capacity, port + i if shared_ip else port, secret, bin_dir, list(args), run)
-    addresses = dict(zip(daemons, ray.get([d.address.remote() for d in daemons.values()])))
-    ray.get([d.set_peers.remote(list(addresses.values())) for d in daemons.values()])
-    deadline = time.monotonic() + timeout
-    for node_id, d in daemons.items():
-        while ray.get(d.stats.remote())["peers_up"] < len(daemons) - 1:
-            if time.monotonic() > deadline:
+    try:
+        for i, node in enumerate(nodes):
+            name = _daemon_name(node["NodeID"])
+            try:
+                ray.get_actor(name, namespace=NAMESPACE)
                 raise RuntimeError(
-                    f"the daemon on node {node_id} does not see its {len(daemons) - 1} peers: "
-                    + ray.get(d.log_tail.remote())
+                    f"a feedstore daemon already runs on node {node['NodeID']}: call "
+                    "shutdown() on the cluster start() returned before starting another"
                 )
-            time.sleep(0.1)
+            except ValueError:
+                pass
+            daemons[node["NodeID"]] = _Daemon.options(
+                name=name,
+                namespace=NAMESPACE,
+                scheduling_strategy=NodeAffinitySchedulingStrategy(node["NodeID"], soft=False),
+            ).remote(i, capacity, port + i if shared_ip else port, secret, bin_dir, list(args), run)
+        addresses = dict(zip(daemons, ray.get([d.address.remote() for d in daemons.values()])))
+        ray.get([d.set_peers.remote(list(addresses.values())) for d in daemons.values()])
+        deadline = time.monotonic() + timeout
+        for node_id, d in daemons.items():
+            while ray.get(d.stats.remote())["peers_up"] < len(daemons) - 1:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(
+                        f"the daemon on node {node_id} does not see its {len(daemons) - 1} "
+                        "peers: " + ray.get(d.log_tail.remote())
+                    )
+                time.sleep(0.1)
+    except BaseException:
+        # Whatever did start is stopped, its files removed.
+        Cluster(daemons, {}, registry).shutdown(wait=False)
+        raise
     return Cluster(daemons, addresses, registry)
 
 
@@ -379,6 +407,18 @@ def open_stream(name: str, records: int, *, rank: Optional[int] = None,
             + (", and a plain state string resumes only this world rank's own stream rank"
                if isinstance(state, str) else "")
         )
+    if placement is not None and not states:
+        import warnings
+
+        warnings.warn(
+            f"world rank {rank} opens stream {name!r} again without a saved state: its stream "
+            "rank starts over from the beginning (pass state={rank: stream.state(), ...} to "
+            "resume)",
+            stacklevel=2,
+        )
+        if group is None:
+            # Without states, a worker may not take over another worker's rank.
+            candidates = [r for r in candidates if r == rank]
     while True:
         for candidate in candidates:
             try:
@@ -389,10 +429,17 @@ def open_stream(name: str, records: int, *, rank: Optional[int] = None,
             except feedstore.RankInUse:
                 # Read by a live worker, or a dead one's connection is not closed yet.
                 continue
+            except feedstore.Timeout as e:
+                if placement is None:
+                    raise feedstore.Timeout(
+                        f"{e}; the producers start once all {world} ranks of stream {name!r} "
+                        "have opened it (have they? each rank opens it once)"
+                    ) from None
+                raise
         if time.monotonic() > deadline:
             raise feedstore.RankInUse(
-                f"every rank of stream {name!r} world rank {rank} may read on this node "
-                f"({candidates}) kept a consumer for {wait} s"
+                f"stream {name!r}: every stream rank world rank {rank} may read on this node "
+                f"({candidates}) still had a consumer after {wait} s"
             )
         time.sleep(0.1)
 
@@ -422,10 +469,12 @@ class _Producer:
             "--stream", stream, "--world", str(world), "--ranks-at", _ranks_at(placement),
             *(["--relay", relay] if relay else []), *argv,
         ]
-        done = subprocess.run(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        done = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         return {
             "node": ray.get_runtime_context().get_node_id(),
             "returncode": done.returncode,
+            # The summary, stage profile and verdict; the progress lines and errors.
+            "stdout": done.stdout.decode(errors="replace")[-4000:],
             "stderr": done.stderr.decode(errors="replace")[-4000:],
         }
 
@@ -438,7 +487,8 @@ class ProduceJob:
         self.actors = actors
 
     def wait(self, timeout: Optional[float] = None, check: bool = True) -> List[dict]:
-        """Waits for every producer and returns each one's node, exit status and stderr; with
+        """Waits for every producer and returns each one's node, exit status, stdout (its
+        summary, stage profile and verdict) and stderr; with
         ``check``, raises if one failed (the others still made every sample: what a failed
         producer took goes back to its rank's window)."""
         results = ray.get(self.refs, timeout=timeout)

@@ -466,8 +466,10 @@ impl Streams {
             return Err(fail(
                 Status::SpecMismatch,
                 format!(
-                    "stream {:?} exists with another spec ({existing:?}); close it or pick another name",
-                    spec.name
+                    "stream {:?} exists with another spec: {}; open it with the producers' \
+                     settings (or close it, `feedstore stream close`, or pick another name)",
+                    spec.name,
+                    existing.differences(spec)
                 ),
             ));
         }

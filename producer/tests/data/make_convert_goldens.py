@@ -30,9 +30,9 @@ def exif(orientation):
     return e
 
 
-def png16(path, pixels, colour_type):
+def png16(path, pixels, colour_type, trns=None):
     """A 16-bit PNG written by hand (Pillow writes 16-bit grey only): big-endian samples,
-    filter 0 on every row."""
+    filter 0 on every row, and a tRNS chunk when given."""
     h, w = pixels.shape[:2]
     raw = b"".join(b"\0" + pixels[y].astype(">u2").tobytes() for y in range(h))
 
@@ -43,6 +43,8 @@ def png16(path, pixels, colour_type):
     with open(path, "wb") as f:
         f.write(b"\x89PNG\r\n\x1a\n")
         f.write(chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 16, colour_type, 0, 0, 0)))
+        if trns is not None:
+            f.write(chunk(b"tRNS", struct.pack(">H", trns)))
         f.write(chunk(b"IDAT", zlib.compress(raw)))
         f.write(chunk(b"IEND", b""))
 
@@ -61,6 +63,8 @@ cases.append(("exif2.png", "a PNG whose eXIf orientation is 2 (mirrored)"))
 grey = np.asarray(chelsea.convert("L")).astype(np.uint16) * 3
 Image.fromarray(grey).save(f"{out}/grey16.png")
 cases.append(("grey16.png", "16-bit grey, values 0-765"))
+png16(f"{out}/grey16trns.png", grey, 0, trns=int(grey[0, 0]))
+cases.append(("grey16trns.png", "16-bit grey with a tRNS transparent value (still clipped)"))
 # 16-bit colour and grey with alpha: Pillow reads the high byte of each sample.
 wide = np.asarray(chelsea).astype(np.uint16) * 257 + np.arange(96, dtype=np.uint16)[None, :, None]
 png16(f"{out}/rgb16.png", wide, 2)
@@ -87,6 +91,7 @@ goldens = []
 for name, what in cases:
     im = ImageOps.exif_transpose(Image.open(f"{out}/{name}")).convert("RGB")
     golden = name.rsplit(".", 1)[0] + ".rgb.png"
+    im.info = {}  # the pixels only (a carried-over tRNS value cannot be saved with RGB)
     im.save(f"{out}/{golden}")
     goldens.append({"input": f"convert/{name}", "what": what, "golden": f"convert/{golden}",
                     "width": im.size[0], "height": im.size[1]})
