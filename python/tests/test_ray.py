@@ -126,9 +126,10 @@ def test_ray_train_ranks_on_two_nodes_read_their_shares_in_order(
     ray_nodes, daemon, tmp_path, placement, kill
 ):
     """`kill="producer"`: the worker node's producer process is killed with SIGKILL once
-    samples flow; the other node's producer makes what it left. `kill="rank"`: a Ray Train
-    worker is killed with SIGKILL after the ranks checkpointed their stream states twice; Ray
-    Train restarts the worker group (which may place world ranks on other nodes than before)
+    samples flow; the other node's producer makes what it left. `kill="rank"`: the Ray Train
+    worker of world rank 1 kills itself with SIGKILL mid-epoch, after the ranks checkpointed their
+    stream states twice; Ray Train restarts the worker group (which may place world ranks on
+    other nodes than before)
     and each stream rank resumes from its checkpoint on its node. `kill="move"`: ranks as plain
     actors pinned to nodes read a few samples and are killed; the same world ranks restart on
     the other node each, so every one resumes a stream rank of its new node from the saved
@@ -144,7 +145,7 @@ def test_ray_train_ranks_on_two_nodes_read_their_shares_in_order(
         "tokenizer": str(tmp_path / "tokenizer.json"), "args": IMAGE_ARGS,
         "bin_dir": str(binary("feedstored").parent), "out": str(out),
         "kill_producer": kill == "producer", "kill_rank": kill == "rank",
-        "move_ranks": kill == "move", "netns": lan.nodes,
+        "move_ranks": kill == "move",
         "pause": 0.02 if kill else 0.0, "checkpoint_every": 4 if kill == "rank" else 0,
     }
     done = lan.exec(0, sys.executable, HERE / "ray_driver.py", json.dumps(config), check=False,
