@@ -168,7 +168,6 @@ impl Daemon {
             log_thp_state();
         }
 
-        let listener = bind_socket(&config.socket, access)?;
         let epoch = random_epoch();
         let mut uids: std::collections::HashSet<u32> = config.allow_uids.iter().copied().collect();
         uids.insert(daemon_uid);
@@ -210,6 +209,9 @@ impl Daemon {
                 prefault: config.prefault,
             },
         )?;
+        // Bound last, when everything is mapped (and pre-faulted): a client that finds the
+        // socket is answered at once, instead of waiting out the mapping of a large store.
+        let listener = bind_socket(&config.socket, access)?;
         tracing::info!(
             socket = %config.socket.display(),
             node = %format!("{:08x}", config.node_id),
