@@ -61,6 +61,16 @@ struct Work {
     candidate: u64,
 }
 
+impl Work {
+    /// The same task with its next candidate record (this one was rejected).
+    fn next(self) -> Work {
+        Work {
+            candidate: self.candidate + 1,
+            ..self
+        }
+    }
+}
+
 enum Job {
     Sample {
         work: Work,
@@ -271,11 +281,7 @@ pub fn feed(
                     }
                     Err(reject) => {
                         shared.rejected(index, reject);
-                        let next = Work {
-                            candidate: work.candidate + 1,
-                            ..work
-                        };
-                        let _ = work_tx.send((next, None));
+                        let _ = work_tx.send((work.next(), None));
                         return;
                     }
                 },
@@ -374,11 +380,7 @@ pub fn feed(
                 job,
                 move |reject| {
                     shared.rejected(index, reject);
-                    let next = Work {
-                        candidate: work.candidate + 1,
-                        ..work
-                    };
-                    let _ = retry.send((next, None));
+                    let _ = retry.send((work.next(), None));
                 },
             )
             .await;

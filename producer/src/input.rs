@@ -36,14 +36,15 @@ pub const MAX_IMAGE_BYTES_LIMIT: u64 = 1 << 40;
 /// followed, but nothing but a regular file is ever opened for reading (a device's driver never
 /// runs, a FIFO never blocks).
 pub fn open_regular(path: &Path) -> std::io::Result<File> {
-    open_checked(None, path)
+    open_checked(None, path).map(|(file, _)| file)
 }
 
 /// Opens `path` (beneath `dir` when given: no `..`, absolute or magic link leads out) first as an
 /// `O_PATH` descriptor, which only names the file; refuses it, saying what it is, unless `fstat`
 /// says it is a regular file; and only then opens that same file for reading, through
 /// `/proc/self/fd` (where `/proc` is missing, by a second non-blocking open of the path).
-fn open_checked(dir: Option<&OwnedFd>, path: &Path) -> std::io::Result<File> {
+/// Returns it with its size.
+fn open_checked(dir: Option<&OwnedFd>, path: &Path) -> std::io::Result<(File, u64)> {
     let named = retry_eagain(|| match dir {
         Some(dir) => nix::fcntl::openat2(
             dir,
@@ -87,7 +88,7 @@ fn open_checked(dir: Option<&OwnedFd>, path: &Path) -> std::io::Result<File> {
             path.display()
         )));
     }
-    Ok(file)
+    Ok((file, again.len()))
 }
 
 /// `open` again while it fails with `EAGAIN` (a rename racing `openat2`'s `..` check), a few
@@ -119,16 +120,15 @@ fn check_kind(mode: nix::libc::mode_t, path: &Path) -> std::io::Result<()> {
     ))
 }
 
-/// Reads all of `file` (a regular file) if it holds at most `max` bytes: the size is checked
-/// before reading and again while reading.
-fn read_bounded(file: File, path: &Path, max: u64) -> Result<Vec<u8>, FetchError> {
+/// Reads all of `file` (a regular file of `len` bytes when opened) if it holds at most `max`
+/// bytes: the size is checked before reading and again while reading.
+fn read_bounded(file: File, len: u64, path: &Path, max: u64) -> Result<Vec<u8>, FetchError> {
     let too_large = |size: String| {
         FetchError::TooLarge(format!(
             "{} is {size} bytes, over the {max}-byte limit (--max-image-bytes)",
             path.display()
         ))
     };
-    let len = file.metadata().map_err(|e| io_error(path, e))?.len();
     if len > max {
         return Err(too_large(len.to_string()));
     }
@@ -249,58 +249,52 @@ impl LocalFiles {
         self.root.as_ref().map(|r| r.path.as_path())
     }
 
-    /// Opens the image at `path` (as written in a manifest whose folder is `base`) as this
-    /// reader's rules allow; returns it with the path it stands for, for messages.
-    fn open(&self, base: &Path, path: &Path) -> Result<(File, PathBuf), FetchError> {
-        let fail = |shown: &Path, e: std::io::Error| match e.raw_os_error() {
+    /// Reads the image at `path` (as written in a manifest whose folder is `base`): a regular
+    /// file of at most the limit, opened as this reader's rules allow.
+    pub fn read(&self, base: &Path, path: &Path) -> Result<Vec<u8>, FetchError> {
+        // Where to resolve from (a root's descriptor, or anywhere), what, and what to call it.
+        let (dir, target, shown) = match &self.root {
+            None => (None, base.join(path), base.join(path)),
+            Some(root) => {
+                let inside = if path.is_relative() {
+                    Some(path)
+                } else {
+                    [&root.canonical, &root.path]
+                        .iter()
+                        .find_map(|r| path.strip_prefix(r).ok())
+                };
+                match inside {
+                    Some(inside) if inside.as_os_str().is_empty() => {
+                        (Some(&root.dir), PathBuf::from("."), root.path.clone())
+                    }
+                    Some(inside) => (
+                        Some(&root.dir),
+                        inside.to_path_buf(),
+                        root.path.join(inside),
+                    ),
+                    None if root.absolute_anywhere => {
+                        (None, path.to_path_buf(), path.to_path_buf())
+                    }
+                    None => {
+                        return Err(FetchError::Invalid(format!(
+                            "{} is outside the image root {} (set --image-root, or allow \
+                             absolute paths with --allow-absolute-image-paths)",
+                            path.display(),
+                            root.path.display()
+                        )));
+                    }
+                }
+            }
+        };
+        let (file, len) = open_checked(dir, &target).map_err(|e| match e.raw_os_error() {
             Some(code) if code == Errno::EXDEV as i32 => FetchError::Invalid(format!(
                 "{} leads out of the image root {} (through .. or a symbolic link)",
                 shown.display(),
                 self.root().map_or(Path::new("/"), |r| r).display()
             )),
-            _ => io_error(shown, e),
-        };
-        let Some(root) = &self.root else {
-            let full = base.join(path);
-            return open_checked(None, &full)
-                .map(|f| (f, full.clone()))
-                .map_err(|e| fail(&full, e));
-        };
-        let inside = if path.is_relative() {
-            path
-        } else if let Some(inside) = [&root.canonical, &root.path]
-            .iter()
-            .find_map(|r| path.strip_prefix(r).ok())
-        {
-            inside
-        } else if root.absolute_anywhere {
-            return open_checked(None, path)
-                .map(|f| (f, path.to_path_buf()))
-                .map_err(|e| fail(path, e));
-        } else {
-            return Err(FetchError::Invalid(format!(
-                "{} is outside the image root {} (set --image-root, or allow absolute paths \
-                 with --allow-absolute-image-paths)",
-                path.display(),
-                root.path.display()
-            )));
-        };
-        let shown = root.path.join(inside);
-        let target = if inside.as_os_str().is_empty() {
-            Path::new(".")
-        } else {
-            inside
-        };
-        open_checked(Some(&root.dir), target)
-            .map(|f| (f, shown.clone()))
-            .map_err(|e| fail(&shown, e))
-    }
-
-    /// Reads the image at `path` (as written in a manifest whose folder is `base`): a regular
-    /// file of at most the limit, as this reader allows.
-    pub fn read(&self, base: &Path, path: &Path) -> Result<Vec<u8>, FetchError> {
-        let (file, shown) = self.open(base, path)?;
-        read_bounded(file, &shown, self.max_bytes)
+            _ => io_error(&shown, e),
+        })?;
+        read_bounded(file, len, &shown, self.max_bytes)
     }
 }
 

@@ -114,7 +114,9 @@ class _Daemon:
                 raise RuntimeError(f"feedstored did not start on {self.ip}: {self.log_tail()}")
             if os.path.exists(self.sock):
                 try:
-                    feedstore.Client(self.sock).stats()
+                    # Kept for `stats`: each new client maps (and pre-faults) the whole store.
+                    self.client = feedstore.Client(self.sock, name="feedstore.ray daemon actor")
+                    self.client.stats()
                     break
                 except (feedstore.ConnectError, feedstore.Timeout, feedstore.Disconnected):
                     pass
@@ -143,9 +145,10 @@ class _Daemon:
         os.replace(tmp, self.peers)
 
     def stats(self) -> dict:
-        return feedstore.Client(self.sock).stats()
+        return self.client.stats()
 
     def stop(self) -> None:
+        self.client = None
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
             try:
