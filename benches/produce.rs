@@ -6,12 +6,21 @@
 //! the sizes SFT data has. Both sides do: decode, convert to RGB, Qwen-VL smart resize (bicubic) to
 //! 28-pixel multiples within 56²..1280·28² pixels, scale to 0..1, CLIP mean/std, CHW f32.
 //!
-//! Run: `cargo bench --bench produce` (needs `pip install pillow numpy` for the baseline).
+//! Then the tokenize stage: a conversation rendered with Qwen3's chat template (minijinja), its
+//! image expanded, tokenized and labelled, against the tokenizer alone on the finished text (the
+//! floor any renderer pays; what the hand-written Qwen3 renderer this replaced cost) and against
+//! Python `transformers` (`apply_chat_template` + the processor's expansion + the fast tokenizer)
+//! in the same run.
+//!
+//! Run: `cargo bench --bench produce` (needs `pip install pillow numpy` for the image baseline and
+//! `transformers` for the tokenize baseline; `FEEDSTORE_BENCH_PYTHON` names another interpreter,
+//! a venv's, for both).
 
 use std::hint::black_box;
 use std::process::Command;
 use std::time::Instant;
 
+use feedstore_producer::chat::{ChatTokenizer, Message, Role};
 use feedstore_producer::vision::{ImageTransform, Scratch};
 
 mod common;
@@ -79,7 +88,7 @@ fn main() {
     }
     let ours = n as f64 / started.elapsed().as_secs_f64();
 
-    let python = Command::new("python3")
+    let python = Command::new(python())
         .arg("-c")
         .arg(PYTHON)
         .arg(rounds.to_string())
@@ -127,4 +136,174 @@ fn main() {
         );
     }
     let _ = std::fs::remove_dir_all(&dir);
+    tokenize(quick);
+}
+
+fn python() -> String {
+    std::env::var("FEEDSTORE_BENCH_PYTHON").unwrap_or_else(|_| "python3".into())
+}
+
+const TRANSFORMERS: &str = r#"
+import json, sys, time
+from transformers import PreTrainedTokenizerFast
+tok = PreTrainedTokenizerFast(tokenizer_file=sys.argv[1])
+template, rounds = open(sys.argv[2]).read(), int(sys.argv[3])
+cases = json.loads(sys.argv[4])
+out = []
+for messages, pads in cases:
+    start = time.perf_counter()
+    for _ in range(rounds):
+        text = tok.apply_chat_template(messages, chat_template=template, tokenize=False)
+        for n in pads:
+            text = text.replace("<image>", "<|vision_start|>" + "<|image_pad|>" * n + "<|vision_end|>", 1)
+        tok(text, add_special_tokens=False, return_offsets_mapping=True)
+    out.append((time.perf_counter() - start) / rounds * 1e6)
+print(json.dumps(out))
+"#;
+
+/// Microseconds per conversation: feedstore's encode, the tokenizer alone on the finished text,
+/// and Python transformers.
+fn tokenize(quick: bool) {
+    use std::io::Read;
+    let gz = std::fs::read(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/producer/tests/data/qwen3-tokenizer.json.gz"
+    ))
+    .unwrap();
+    let mut json = Vec::new();
+    flate2::read::GzDecoder::new(&gz[..])
+        .read_to_end(&mut json)
+        .unwrap();
+    let chat = ChatTokenizer::from_bytes(&json, 1 << 20).unwrap();
+    let plain = tokenizers::Tokenizer::from_bytes(&json).unwrap();
+    let m = |role: Role, content: &str| Message::new(role, content);
+    let cases: Vec<(&str, Vec<Message>, Vec<usize>)> = vec![
+        (
+            "VQA: one image (256 tokens), one reply",
+            vec![
+                m(
+                    Role::User,
+                    "<image>\nWhat is the person in the picture holding?",
+                ),
+                m(Role::Assistant, "A book with a red cover."),
+            ],
+            vec![256],
+        ),
+        (
+            "system + 4 turns, one image (256 tokens)",
+            vec![
+                m(Role::System, "You are a careful visual assistant."),
+                m(Role::User, "<image>\nDescribe the scene."),
+                m(
+                    Role::Assistant,
+                    "A rocket on a launch pad under a clear sky, with service towers on both sides.",
+                ),
+                m(Role::User, "Is it day or night?"),
+                m(
+                    Role::Assistant,
+                    "Day: the sky is bright blue and the shadows are short.",
+                ),
+            ],
+            vec![256],
+        ),
+        (
+            "text, 8 turns",
+            (0..8)
+                .map(|i| {
+                    if i % 2 == 0 {
+                        m(Role::User, &format!("Question {i}: what is {i} times {i}?"))
+                    } else {
+                        m(
+                            Role::Assistant,
+                            &format!("The answer is {}.", (i - 1) * (i - 1)),
+                        )
+                    }
+                })
+                .collect(),
+            vec![],
+        ),
+    ];
+    let rounds = if quick { 200 } else { 2000 };
+    let time = |f: &mut dyn FnMut()| {
+        for _ in 0..rounds / 10 {
+            f();
+        }
+        let started = Instant::now();
+        for _ in 0..rounds {
+            f();
+        }
+        started.elapsed().as_secs_f64() / rounds as f64 * 1e6
+    };
+    let dir = std::env::temp_dir().join(format!("feedstore-bench-tok-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let tokenizer_path = dir.join("tokenizer.json");
+    std::fs::write(&tokenizer_path, &json).unwrap();
+    let template_path = dir.join("qwen3.jinja");
+    std::fs::write(&template_path, feedstore_producer::template::QWEN3).unwrap();
+    let python_cases: Vec<serde_json::Value> = cases
+        .iter()
+        .map(|(_, messages, pads)| {
+            let messages: Vec<_> = messages
+                .iter()
+                .map(|m| serde_json::json!({"role": m.role.name(), "content": m.content}))
+                .collect();
+            serde_json::json!([messages, pads])
+        })
+        .collect();
+    let python_rounds = (rounds / 4).to_string();
+    let hf: Option<Vec<f64>> = Command::new(python())
+        .args(["-c", TRANSFORMERS])
+        .arg(&tokenizer_path)
+        .arg(&template_path)
+        .arg(&python_rounds)
+        .arg(serde_json::Value::from(python_cases).to_string())
+        .env("TOKENIZERS_PARALLELISM", "false")
+        .env("RAYON_NUM_THREADS", "1")
+        .output()
+        .ok()
+        .filter(|out| {
+            if !out.status.success() {
+                eprintln!(
+                    "transformers baseline not run (pip install transformers): {}",
+                    String::from_utf8_lossy(&out.stderr)
+                        .lines()
+                        .last()
+                        .unwrap_or("")
+                );
+            }
+            out.status.success()
+        })
+        .and_then(|out| serde_json::from_slice(&out.stdout).ok());
+    let _ = std::fs::remove_dir_all(&dir);
+
+    println!();
+    println!(
+        "## tokenize: chat template + image expansion + tokenizer + labels, one core ({rounds} rounds)"
+    );
+    println!();
+    println!(
+        "| conversation | feedstore (minijinja) µs | tokenizer alone µs | template + labels share | transformers µs | vs transformers |"
+    );
+    println!("|---|---|---|---|---|---|");
+    for (i, (name, messages, pads)) in cases.iter().enumerate() {
+        let ours = time(&mut || {
+            black_box(chat.encode(messages, pads).unwrap());
+        });
+        // The same finished text, tokenized alone.
+        let text = {
+            let encoded = chat.encode(messages, pads).unwrap();
+            plain.decode(&encoded.ids, false).unwrap()
+        };
+        let alone = time(&mut || {
+            black_box(plain.encode(text.as_str(), false).unwrap());
+        });
+        let share = (ours - alone) / ours * 100.0;
+        match hf.as_ref().and_then(|hf| hf.get(i)) {
+            Some(hf) => println!(
+                "| {name} | {ours:.1} | {alone:.1} | {share:.0}% | {hf:.1} | {:.1}x |",
+                hf / ours
+            ),
+            None => println!("| {name} | {ours:.1} | {alone:.1} | {share:.0}% | not run | |"),
+        }
+    }
 }

@@ -23,8 +23,8 @@ use crate::SocketArg;
 pub struct Args {
     #[command(flatten)]
     socket: SocketArg,
-    /// JSONL manifest in LLaVA / Qwen-VL form: {"id", "image" | "images", "conversations"} or
-    /// {"id", "text"}; a regular file. Relative image paths resolve against the manifest's
+    /// JSONL manifest in LLaVA / Qwen-VL form: {"id", "image" | "images", "conversations",
+    /// "tools" (optional)} or {"id", "text"}; a regular file. Relative image paths resolve against the manifest's
     /// folder.
     #[arg(long, value_name = "FILE")]
     manifest: PathBuf,
@@ -43,9 +43,17 @@ pub struct Args {
     /// FIFO or device is rejected as such, without opening it.
     #[arg(long, value_name = "BYTES", default_value_t = feedstore_producer::input::DEFAULT_MAX_IMAGE_BYTES)]
     max_image_bytes: u64,
-    /// The tokenizer's tokenizer.json (Qwen-VL family: it must have <|image_pad|> and friends).
+    /// The model's tokenizer.json. Its chat template is read from beside it, as transformers
+    /// reads it (chat_template.jinja, chat_template.json, then tokenizer_config.json's
+    /// chat_template); a Qwen tokenizer with none there gets Qwen3's built-in template. Images
+    /// need an image token: <|image_pad|> (Qwen-VL) or <image> (LLaVA).
     #[arg(long, value_name = "FILE")]
     tokenizer: PathBuf,
+    /// The chat template to render conversations with instead of the tokenizer's: a Jinja file,
+    /// a JSON file holding "chat_template" (tokenizer_config.json, chat_template.json), or
+    /// `qwen3` for the built-in one.
+    #[arg(long, value_name = "FILE")]
+    chat_template: Option<PathBuf>,
     /// Where rejected records go, one JSON object per line with line, id, stage and reason
     /// [default: <manifest>.rejects.jsonl].
     #[arg(long, value_name = "FILE")]
@@ -362,8 +370,12 @@ pub fn run_produce(args: Args) -> anyhow::Result<()> {
     )
     .context("--image-root")?;
     let tokenizer = Arc::new(
-        ChatTokenizer::from_file(&args.tokenizer, args.max_tokens)
-            .with_context(|| format!("loading {}", args.tokenizer.display()))?,
+        ChatTokenizer::load(
+            &args.tokenizer,
+            args.chat_template.as_deref(),
+            args.max_tokens,
+        )
+        .with_context(|| format!("loading {}", args.tokenizer.display()))?,
     );
     let rejects_path = args.rejects.clone().unwrap_or_else(|| {
         let mut p = args.manifest.clone().into_os_string();
@@ -382,7 +394,7 @@ pub fn run_produce(args: Args) -> anyhow::Result<()> {
     }
     eprintln!(
         "producing from {} into the store at {} with {} workers and {} fetches in flight; \
-         images beneath {}{}",
+         images beneath {}{}; chat template: {}",
         args.manifest.display(),
         config.socket.display(),
         config.workers,
@@ -392,7 +404,8 @@ pub fn run_produce(args: Args) -> anyhow::Result<()> {
             " (absolute paths anywhere)"
         } else {
             ""
-        }
+        },
+        tokenizer.template().origin()
     );
     let s3_options = S3Options {
         endpoint: args.s3_endpoint.clone(),

@@ -100,6 +100,87 @@ fn produce_writes_samples_and_lists_rejects() {
     assert!(stderr.contains("above --max-reject-rate"), "{stderr}");
 }
 
+/// `--chat-template` renders with the model's own template (Qwen2.5-VL's, which writes its own
+/// image markers from content parts, and a system prompt of its own): the samples' ids and
+/// labels are what `transformers` makes of the same record.
+#[test]
+fn produce_renders_the_chat_template_it_is_given() {
+    use feedstore_proto::sample::SampleView;
+
+    let _w = watchdog(
+        "produce_renders_the_chat_template_it_is_given",
+        Duration::from_secs(120),
+    );
+    let dir = scratch_dir("produce-template");
+    let daemon = DaemonProcess::start(&dir, &[]);
+    let tokenizer = tokenizer_file(&dir);
+    let goldens: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(format!("{DATA}/chat/goldens.json")).unwrap(),
+    )
+    .unwrap();
+    let case = goldens["cases"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["template"] == "qwen2_5_vl" && c["name"] == "image after text")
+        .unwrap();
+    assert_eq!(case["image_tokens"], serde_json::json!([64]));
+    let mut record = case["record"].clone();
+    record["id"] = "hopper".into();
+    record["image"] = "grace_hopper.jpg".into();
+    let manifest = dir.join("m.jsonl");
+    std::fs::write(&manifest, record.to_string()).unwrap();
+    let handles = dir.join("handles.jsonl");
+    let out = Command::new(env!("CARGO_BIN_EXE_feedstore"))
+        .args(["produce", "--socket", daemon.socket.to_str().unwrap()])
+        .arg("--manifest")
+        .arg(&manifest)
+        .arg("--tokenizer")
+        .arg(&tokenizer)
+        .arg("--chat-template")
+        .arg(format!("{DATA}/chat/qwen2_5_vl.jinja"))
+        .arg("--image-root")
+        .arg(format!("{DATA}/photos"))
+        .arg("--handles")
+        .arg(&handles)
+        .args(["--image-size", "224x224", "--workers", "1"])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("qwen2_5_vl.jinja"),
+        "names its template: {stderr}"
+    );
+    let row: serde_json::Value =
+        serde_json::from_str(std::fs::read_to_string(&handles).unwrap().trim()).unwrap();
+    let handle: feedstore_proto::Handle = row["handle"].as_str().unwrap().parse().unwrap();
+    let reader = daemon.reader();
+    let lease = reader.get(handle).unwrap();
+    let sample = SampleView::new(&lease).unwrap();
+    let ids: Vec<u32> = serde_json::from_value(case["ids"].clone()).unwrap();
+    let labels: Vec<i32> = serde_json::from_value(case["labels"].clone()).unwrap();
+    assert_eq!(sample.tokens(), &ids[..]);
+    assert_eq!(sample.labels(), &labels[..]);
+
+    // A template that does not compile ends the run before it starts, saying where.
+    let broken = dir.join("broken.jinja");
+    std::fs::write(&broken, "{% for m in messages %}").unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_feedstore"))
+        .args(["produce", "--socket", daemon.socket.to_str().unwrap()])
+        .arg("--manifest")
+        .arg(&manifest)
+        .arg("--tokenizer")
+        .arg(&tokenizer)
+        .arg("--chat-template")
+        .arg(&broken)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(stderr.contains("broken.jinja"), "{stderr}");
+}
+
 /// `feedstore produce` with `args`, stdout and stderr to files (an endless stream of lines
 /// must not block it on a pipe), killed and failed if it runs past `limit`; returns its status,
 /// stdout and stderr (both must stay small: every input ends in bounded output too).
@@ -447,7 +528,7 @@ fn produce_from_s3_behind_a_faulty_network() {
     let daemon = DaemonProcess::start(&dir, &["--capacity", "128MiB"]);
     let tokenizer = tokenizer_file(&dir);
     let goldens: serde_json::Value = serde_json::from_str(
-        &std::fs::read_to_string(format!("{DATA}/qwen3_goldens.json")).unwrap(),
+        &std::fs::read_to_string(format!("{DATA}/chat/goldens.json")).unwrap(),
     )
     .unwrap();
     let golden = |name: &str| {
@@ -455,7 +536,7 @@ fn produce_from_s3_behind_a_faulty_network() {
             .as_array()
             .unwrap()
             .iter()
-            .find(|c| c["name"] == name)
+            .find(|c| c["template"] == "qwen3" && c["name"] == name)
             .unwrap()
             .clone()
     };
@@ -546,7 +627,7 @@ fn produce_from_s3_behind_a_faulty_network() {
     )
     .unwrap();
 
-    let turns = &with_image["conversation"];
+    let turns = &with_image["record"]["conversations"];
     let s3 = |key: &str| format!("s3://vqa-data/{key}");
     // (id, source photo for the pixel check, manifest line)
     let good: Vec<(&str, Option<&str>, String)> = vec![
@@ -583,7 +664,7 @@ fn produce_from_s3_behind_a_faulty_network() {
         (
             "words",
             None,
-            serde_json::json!({"id": "words", "conversations": text_only["conversation"]})
+            serde_json::json!({"id": "words", "conversations": text_only["record"]["conversations"]})
                 .to_string(),
         ),
     ];
@@ -817,14 +898,16 @@ fn produce_from_s3_behind_a_faulty_network() {
             &ids[..],
             "{id}: token ids equal Hugging Face's"
         );
-        let messages: Vec<_> = expected["conversation"]
+        let messages: Vec<_> = expected["record"]["conversations"]
             .as_array()
             .unwrap()
             .iter()
-            .map(|t| feedstore_producer::chat::Message {
-                role: feedstore_producer::chat::Role::from_llava(t["from"].as_str().unwrap())
-                    .unwrap(),
-                content: t["value"].as_str().unwrap().into(),
+            .map(|t| {
+                feedstore_producer::chat::Message::new(
+                    feedstore_producer::chat::Role::from_llava(t["from"].as_str().unwrap())
+                        .unwrap(),
+                    t["value"].as_str().unwrap(),
+                )
             })
             .collect();
         let pads: Vec<usize> = serde_json::from_value(expected["image_tokens"].clone()).unwrap();

@@ -1,20 +1,38 @@
-//! Conversations to token ids and labels, the way Qwen-VL training expects them.
+//! Conversations to token ids and labels, the way the model's own chat template makes them.
 //!
-//! A LLaVA/Qwen-VL style record is a list of turns (`human`/`gpt`/`system`). [`ChatTokenizer`]
-//! renders it with Qwen3's chat template (reproduced from `tokenizer_config.json`'s Jinja source,
-//! byte for byte, for system/user/assistant turns), expands each `<image>` placeholder into
-//! `<|vision_start|>` + N × `<|image_pad|>` + `<|vision_end|>` with N from the resized image's
-//! patch grid, tokenizes the whole text once — as Hugging Face does, so merges across turn
-//! boundaries come out the same — and masks every token outside the assistant's replies in the
-//! labels.
+//! A LLaVA/Qwen-VL style record is a list of turns (`human`/`gpt`/`system`/`tool`, tool calls,
+//! a record's `tools`). [`ChatTokenizer`] renders it with the model's chat template
+//! ([`crate::template`]: Jinja, as Hugging Face's `apply_chat_template` renders it), expands each
+//! image into the image tokens the model's processor would put there, tokenizes the whole text once
+//! (as Hugging Face does, so merges across turn boundaries come out the same) and masks every
+//! token outside the assistant's turns in the labels.
 //!
-//! The token ids are checked against goldens produced by Hugging Face's Python `tokenizers` on
-//! text rendered by jinja2 from the same template (`tests/data/qwen3_goldens.json`).
+//! **Images.** A template either takes a message's content as text, where the record's `<image>`
+//! placeholders stay as written (Qwen3's, Llama's), or as a list of parts (`{"type": "image"}`,
+//! `{"type": "text", "text": ...}`) from which it writes its own image marker (Qwen2.5-VL's,
+//! LLaVA's). Which one is found by rendering a probe once. Each image then becomes N image tokens
+//! (N from the resized image's patch grid): `<|vision_start|>` + N × `<|image_pad|>` +
+//! `<|vision_end|>` for a Qwen-VL tokenizer given placeholders, N × the marker's token for a
+//! template that writes its own.
+//!
+//! **Labels.** An assistant turn trains from where the template's generation prompt ends
+//! (`render(messages[..i], add_generation_prompt=True)` is a prefix of the whole text) to the end
+//! of the turn: the end of `render(messages[..=i])` without its trailing whitespace, which keeps
+//! the end-of-turn token (`<|im_end|>`, `<|eot_id|>`) and drops the newline after it. Where a
+//! template writes an earlier turn differently once later turns follow (Qwen3's reasoning block
+//! goes on the last reply only), the turn is found by the template's own markers instead: its
+//! generation prompt, and the end-of-turn text it writes after a reply.
+//!
+//! Checked against goldens made by `transformers` for four families' templates
+//! (`tests/data/chat/`).
 
 use std::ops::Range;
 use std::path::Path;
 
 use feedstore_proto::sample::IGNORE_INDEX;
+use minijinja::Value;
+
+use crate::template::{ChatTemplate, SpecialTokens};
 
 /// Who speaks a turn.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -25,24 +43,30 @@ pub enum Role {
     User,
     /// The model's reply (`"from": "gpt"`), the part trained on.
     Assistant,
+    /// A tool's result (`"from": "tool"` or `"observation"`).
+    Tool,
 }
 
 impl Role {
-    /// Maps a LLaVA `from` field.
+    /// Maps a LLaVA / ShareGPT `from` field (`function_call` is an assistant turn too, read by
+    /// the manifest with its call).
     pub fn from_llava(from: &str) -> Option<Role> {
         match from {
             "human" | "user" => Some(Role::User),
             "gpt" | "assistant" => Some(Role::Assistant),
             "system" => Some(Role::System),
+            "tool" | "observation" => Some(Role::Tool),
             _ => None,
         }
     }
 
-    fn name(self) -> &'static str {
+    /// The role's name in a template's `messages`.
+    pub fn name(self) -> &'static str {
         match self {
             Role::System => "system",
             Role::User => "user",
             Role::Assistant => "assistant",
+            Role::Tool => "tool",
         }
     }
 }
@@ -54,33 +78,61 @@ pub struct Message {
     pub role: Role,
     /// Text, with `<image>` where an image goes.
     pub content: String,
+    /// An assistant's tool calls, as the template reads them
+    /// (`[{"type": "function", "function": {"name": ..., "arguments": {...}}}]`).
+    pub tool_calls: Option<serde_json::Value>,
+}
+
+impl Message {
+    /// A turn with no tool calls.
+    pub fn new(role: Role, content: impl Into<String>) -> Message {
+        Message {
+            role,
+            content: content.into(),
+            tool_calls: None,
+        }
+    }
 }
 
 /// The placeholder LLaVA-style records put where an image goes.
 pub const IMAGE_PLACEHOLDER: &str = "<image>";
 
-/// Why a conversation could not be tokenized. Each rejects one sample, not the run.
+/// The most turns a conversation may have: finding each reply renders the conversation up to it
+/// twice, so the work grows with the square of the turns.
+pub const MAX_TURNS: usize = 1024;
+
+/// The largest `tokenizer.json` read (256 MiB; large vocabularies take about 30).
+pub const MAX_TOKENIZER_BYTES: u64 = 256 << 20;
+
+/// Why a conversation could not be tokenized. Each rejects one sample, not the run (except
+/// [`ChatError::Load`] and a template that does not compile, which end it before it starts).
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum ChatError {
-    /// The tokenizer file could not be loaded.
-    #[error("cannot load tokenizer {path}: {message}")]
+    /// A tokenizer or template file could not be read.
+    #[error("cannot load {path}: {message}")]
     Load {
         /// The file.
         path: String,
-        /// The tokenizers crate's message.
+        /// Why.
         message: String,
     },
-    /// The tokenizer lacks a token the template needs.
-    #[error("tokenizer has no {0} token; is it a Qwen-VL tokenizer?")]
-    MissingToken(&'static str),
+    /// The chat template failed to compile or to render.
+    #[error("chat template {0}")]
+    Template(String),
+    /// The conversation has images but the tokenizer has no token to put them in.
+    #[error("the tokenizer has no image token (<|image_pad|> or <image>)")]
+    NoImageToken,
     /// Nothing to train on.
     #[error("conversation has no assistant reply")]
     NoAssistantReply,
+    /// More than [`MAX_TURNS`] turns.
+    #[error("conversation has {0} turns; at most {MAX_TURNS} are taken")]
+    TooManyTurns(usize),
     /// `<image>` placeholders and images disagree.
     #[error("conversation has {placeholders} <image> placeholders but {images} images")]
     ImageCountMismatch {
-        /// Placeholders in the text.
+        /// Placeholders in the text (or image markers the template wrote).
         placeholders: usize,
         /// Images supplied.
         images: usize,
@@ -107,83 +159,175 @@ pub struct Encoded {
     pub labels: Vec<i32>,
 }
 
-/// A tokenizer with Qwen's chat template.
+/// How images appear in what the template renders, and what each becomes.
+#[derive(Debug, Clone)]
+struct Images {
+    /// The template takes content as a list of parts and writes its own image marker.
+    parts: bool,
+    /// What stands for one image in the rendered text: `<image>` in a placeholder template, the
+    /// marker token in a parts template.
+    marker: String,
+    /// The token repeated once per image token, and what goes around the run.
+    pad: String,
+    open: String,
+    close: String,
+}
+
+/// A tokenizer with the model's chat template.
 pub struct ChatTokenizer {
     tokenizer: tokenizers::Tokenizer,
+    template: ChatTemplate,
+    /// `None`: the tokenizer has no image token; conversations with images are refused.
+    images: Option<Images>,
+    /// The template's generation prompt and the text it ends a reply with (trimmed): the turn
+    /// markers used where the prefix renders do not line up.
+    generation_prompt: String,
+    turn_end: String,
     max_tokens: usize,
-    /// A digest of the `tokenizer.json` bytes: part of a sample's cache key.
+    /// A digest of the `tokenizer.json` bytes and the template: part of a sample's cache key.
     identity: u128,
 }
 
 impl std::fmt::Debug for ChatTokenizer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("ChatTokenizer")
+            .field("template", &self.template.origin())
             .field("max_tokens", &self.max_tokens)
-            .finish()
+            .finish_non_exhaustive()
     }
 }
 
-const REQUIRED_TOKENS: [&str; 5] = [
-    "<|im_start|>",
-    "<|im_end|>",
-    "<|vision_start|>",
-    "<|image_pad|>",
-    "<|vision_end|>",
-];
-
 impl ChatTokenizer {
-    /// Loads a `tokenizer.json`; conversations longer than `max_tokens` are rejected.
+    /// Loads a `tokenizer.json` with the chat template beside it
+    /// ([`ChatTemplate::beside`]); with none there, Qwen3's built-in template for a tokenizer
+    /// that has Qwen's `<|im_start|>`, and an error for any other. Conversations longer than
+    /// `max_tokens` are rejected.
     pub fn from_file(path: &Path, max_tokens: usize) -> Result<ChatTokenizer, ChatError> {
-        let load = |message: String| ChatError::Load {
-            path: path.display().to_string(),
-            message,
-        };
-        let json = std::fs::read(path).map_err(|e| load(e.to_string()))?;
-        let tokenizer =
-            tokenizers::Tokenizer::from_bytes(&json).map_err(|e| load(e.to_string()))?;
-        Self::new(tokenizer, max_tokens, &json)
+        Self::load(path, None, max_tokens)
     }
 
-    /// Loads a `tokenizer.json` from memory.
+    /// Loads a `tokenizer.json` with the template in `template` (a `.jinja` file, or a `.json`
+    /// one holding `chat_template`; the name `qwen3` is the built-in one), or, when `None`, the
+    /// one found as [`ChatTokenizer::from_file`] finds it.
+    pub fn load(
+        path: &Path,
+        template: Option<&Path>,
+        max_tokens: usize,
+    ) -> Result<ChatTokenizer, ChatError> {
+        let json = crate::template::read_bounded(path, MAX_TOKENIZER_BYTES)?;
+        let tokenizer = tokenizers::Tokenizer::from_bytes(&json).map_err(|e| ChatError::Load {
+            path: path.display().to_string(),
+            message: e.to_string(),
+        })?;
+        let template = match template {
+            Some(t) if t == Path::new("qwen3") => ChatTemplate::qwen3(),
+            Some(t) => ChatTemplate::from_file(t, SpecialTokens::beside(path)?)?,
+            None => match ChatTemplate::beside(path)? {
+                Some(t) => t,
+                None if tokenizer.token_to_id("<|im_start|>").is_some() => ChatTemplate::qwen3(),
+                None => {
+                    let looked: Vec<String> = crate::template::looked_for(path)
+                        .iter()
+                        .map(|p| p.display().to_string())
+                        .collect();
+                    return Err(ChatError::Template(format!(
+                        "not found (looked for {}); name one with --chat-template",
+                        looked.join(", ")
+                    )));
+                }
+            },
+        };
+        Self::new(tokenizer, template, max_tokens, &json)
+    }
+
+    /// Loads a `tokenizer.json` from memory, with Qwen3's built-in template.
     pub fn from_bytes(json: &[u8], max_tokens: usize) -> Result<ChatTokenizer, ChatError> {
+        Self::with_template(json, ChatTemplate::qwen3(), max_tokens)
+    }
+
+    /// Loads a `tokenizer.json` from memory with `template`.
+    pub fn with_template(
+        json: &[u8],
+        template: ChatTemplate,
+        max_tokens: usize,
+    ) -> Result<ChatTokenizer, ChatError> {
         let tokenizer = tokenizers::Tokenizer::from_bytes(json).map_err(|e| ChatError::Load {
             path: "<memory>".into(),
             message: e.to_string(),
         })?;
-        Self::new(tokenizer, max_tokens, json)
+        Self::new(tokenizer, template, max_tokens, json)
     }
 
     fn new(
         tokenizer: tokenizers::Tokenizer,
+        template: ChatTemplate,
         max_tokens: usize,
         json: &[u8],
     ) -> Result<ChatTokenizer, ChatError> {
-        for token in REQUIRED_TOKENS {
-            if tokenizer.token_to_id(token).is_none() {
-                return Err(ChatError::MissingToken(token));
-            }
-        }
+        let probe = Probe::run(&template, &tokenizer);
+        let identity =
+            feedstore_proto::stream::sample_key(&[json, &template.identity().to_le_bytes()]);
         Ok(ChatTokenizer {
             tokenizer,
+            template,
+            images: probe.images,
+            generation_prompt: probe.generation_prompt,
+            turn_end: probe.turn_end,
             max_tokens,
-            identity: feedstore_proto::stream::sample_key(&[json]),
+            identity,
         })
     }
 
     /// What distinguishes this tokenizer's output from another's: a digest of its
-    /// `tokenizer.json` and the token limit.
+    /// `tokenizer.json` and template, and the token limit.
     pub fn identity(&self) -> (u128, usize) {
         (self.identity, self.max_tokens)
     }
 
+    /// The chat template in use.
+    pub fn template(&self) -> &ChatTemplate {
+        &self.template
+    }
+
     /// Renders, expands, tokenizes and labels a conversation. `image_tokens[i]` is the number of
-    /// `<|image_pad|>` tokens image `i` takes (its merged patch count).
+    /// image tokens image `i` takes (its merged patch count).
     pub fn encode(
         &self,
         messages: &[Message],
         image_tokens: &[usize],
     ) -> Result<Encoded, ChatError> {
-        let (text, spans) = render(messages, image_tokens)?;
+        self.encode_with_tools(messages, None, image_tokens)
+    }
+
+    /// [`ChatTokenizer::encode`] with the tool definitions the template lists (`tools`, as
+    /// `apply_chat_template(..., tools=...)` takes them).
+    pub fn encode_with_tools(
+        &self,
+        messages: &[Message],
+        tools: Option<&serde_json::Value>,
+        image_tokens: &[usize],
+    ) -> Result<Encoded, ChatError> {
+        if !messages.iter().any(|m| m.role == Role::Assistant) {
+            return Err(ChatError::NoAssistantReply);
+        }
+        if messages.len() > MAX_TURNS {
+            return Err(ChatError::TooManyTurns(messages.len()));
+        }
+        let placeholders: usize = messages
+            .iter()
+            .map(|m| m.content.matches(IMAGE_PLACEHOLDER).count())
+            .sum();
+        if placeholders != image_tokens.len() {
+            return Err(ChatError::ImageCountMismatch {
+                placeholders,
+                images: image_tokens.len(),
+            });
+        }
+        let images = match (&self.images, image_tokens.is_empty()) {
+            (Some(images), _) => Some(images),
+            (None, true) => None,
+            (None, false) => return Err(ChatError::NoImageToken),
+        };
         let expanded_len: usize = image_tokens.iter().sum();
         // Cheap early refusal before tokenizing megabytes of pad tokens.
         if expanded_len > self.max_tokens {
@@ -192,9 +336,56 @@ impl ChatTokenizer {
                 max: self.max_tokens,
             });
         }
+        let parts = images.is_some_and(|i| i.parts);
+        let values: Vec<Value> = messages.iter().map(|m| message_value(m, parts)).collect();
+        let tools = tools.map(Value::from_serialize);
+        let (text, spans) = self.render(messages, &values, tools.as_ref())?;
+        let (text, spans) = match images {
+            Some(images) => expand(images, &text, spans, image_tokens)?,
+            None => (text, spans),
+        };
         self.encode_with(&text, |start, end| {
             spans.iter().any(|s| s.start <= start && end <= s.end)
         })
+    }
+
+    /// Renders the conversation and finds each assistant turn's trained byte range in it.
+    fn render(
+        &self,
+        messages: &[Message],
+        values: &[Value],
+        tools: Option<&Value>,
+    ) -> Result<(String, Vec<Range<usize>>), ChatError> {
+        let text = self.template.render(values, tools, false)?;
+        let mut spans = Vec::new();
+        let mut cursor = 0;
+        for (i, _) in messages
+            .iter()
+            .enumerate()
+            .filter(|(_, m)| m.role == Role::Assistant)
+        {
+            let before = self.template.render(&values[..i], tools, true)?;
+            let start = if text.starts_with(&before) && before.len() >= cursor {
+                before.len()
+            } else {
+                find_after(&text, cursor, &self.generation_prompt)
+                    .map(|at| at + self.generation_prompt.len())
+                    .ok_or_else(|| unfound(i))?
+            };
+            let through = self.template.render(&values[..=i], tools, false)?;
+            let end = if text.starts_with(&through) && through.trim_end().len() > start {
+                through.trim_end().len()
+            } else if self.turn_end.is_empty() {
+                return Err(unfound(i));
+            } else {
+                find_after(&text, start, &self.turn_end)
+                    .map(|at| at + self.turn_end.len())
+                    .ok_or_else(|| unfound(i))?
+            };
+            spans.push(start..end);
+            cursor = end;
+        }
+        Ok((text, spans))
     }
 
     /// Tokenizes plain text; every token counts in the loss.
@@ -235,154 +426,223 @@ impl ChatTokenizer {
     }
 }
 
-/// Number of `<|image_pad|>` tokens for an image resized to `height` × `width` pixels: one per
-/// `merge × merge` block of `patch × patch` patches (Qwen2/2.5-VL: patch 14, merge 2, so one
-/// token per 28 × 28 pixels; Qwen3-VL: patch 16).
-pub fn image_pad_tokens(height: u32, width: u32, patch: u32, merge: u32) -> usize {
-    ((height / patch) as usize * (width / patch) as usize) / (merge as usize * merge as usize)
+fn unfound(message: usize) -> ChatError {
+    ChatError::Template(format!(
+        "renders message {message} (an assistant turn) where its generation prompt and end of \
+         turn cannot find it"
+    ))
 }
 
-/// Python's `str.strip('\n')` family, which the template uses.
-fn strip_newlines(s: &str) -> &str {
-    s.trim_matches('\n')
+fn find_after(text: &str, from: usize, needle: &str) -> Option<usize> {
+    if needle.is_empty() {
+        return None;
+    }
+    text.get(from..)?.find(needle).map(|at| from + at)
 }
 
-/// Renders Qwen3's chat template (system/user/assistant turns, no tools, no generation prompt)
-/// with images expanded; returns the text and the byte ranges of the assistant's replies (their
-/// content and closing `<|im_end|>`), which are the tokens trained on.
-fn render(
-    messages: &[Message],
+/// A message as a template reads it: `role`, `content` (text, or a list of parts when the
+/// template takes parts) and `tool_calls` when it has some (no key otherwise: templates test
+/// `'tool_calls' in message`).
+fn message_value(m: &Message, parts: bool) -> Value {
+    let content = if parts {
+        let mut list = Vec::new();
+        for (i, text) in m.content.split(IMAGE_PLACEHOLDER).enumerate() {
+            if i > 0 {
+                list.push(Value::from_iter([("type", Value::from("image"))]));
+            }
+            if !text.is_empty() {
+                list.push(Value::from_iter([
+                    ("type", Value::from("text")),
+                    ("text", Value::from(text)),
+                ]));
+            }
+        }
+        Value::from(list)
+    } else {
+        Value::from(m.content.as_str())
+    };
+    let mut fields = vec![("role", Value::from(m.role.name())), ("content", content)];
+    if let Some(calls) = &m.tool_calls {
+        fields.push(("tool_calls", Value::from_serialize(calls)));
+    }
+    Value::from_iter(fields)
+}
+
+/// Replaces each image marker in `text` with its image tokens and moves the spans with it.
+fn expand(
+    images: &Images,
+    text: &str,
+    spans: Vec<Range<usize>>,
     image_tokens: &[usize],
 ) -> Result<(String, Vec<Range<usize>>), ChatError> {
-    if !messages.iter().any(|m| m.role == Role::Assistant) {
-        return Err(ChatError::NoAssistantReply);
-    }
-    let placeholders: usize = messages
-        .iter()
-        .map(|m| m.content.matches(IMAGE_PLACEHOLDER).count())
-        .sum();
-    if placeholders != image_tokens.len() {
+    let markers: Vec<usize> = text
+        .match_indices(images.marker.as_str())
+        .map(|(at, _)| at)
+        .collect();
+    if markers.len() != image_tokens.len() {
         return Err(ChatError::ImageCountMismatch {
-            placeholders,
+            placeholders: markers.len(),
             images: image_tokens.len(),
         });
     }
-    // The template's `last_query_index`: the last user turn (tool responses aside, which
-    // LLaVA-style records do not have).
-    let last_query = messages
+    let extra: usize = image_tokens
         .iter()
-        .rposition(|m| m.role == Role::User)
-        .unwrap_or(messages.len() - 1);
-    let mut images = image_tokens.iter();
-    let mut expand = |content: &str, out: &mut String| {
-        let mut parts = content.split(IMAGE_PLACEHOLDER).peekable();
-        while let Some(part) = parts.next() {
-            out.push_str(part);
-            if parts.peek().is_some() {
-                let n = *images.next().expect("placeholder count checked");
-                out.push_str("<|vision_start|>");
-                out.reserve(n * "<|image_pad|>".len());
-                for _ in 0..n {
-                    out.push_str("<|image_pad|>");
-                }
-                out.push_str("<|vision_end|>");
-            }
+        .map(|n| images.open.len() + n * images.pad.len() + images.close.len())
+        .sum();
+    let mut out = String::with_capacity(text.len() + extra);
+    // (where a marker ended in `text`, how far later text moved) for each marker.
+    let mut moved: Vec<(usize, isize)> = Vec::with_capacity(markers.len());
+    let mut last = 0;
+    for (&at, &n) in markers.iter().zip(image_tokens) {
+        out.push_str(&text[last..at]);
+        out.push_str(&images.open);
+        for _ in 0..n {
+            out.push_str(&images.pad);
         }
+        out.push_str(&images.close);
+        last = at + images.marker.len();
+        moved.push((last, out.len() as isize - last as isize));
+    }
+    out.push_str(&text[last..]);
+    let map = |pos: usize| -> usize {
+        let shift = moved
+            .iter()
+            .take_while(|(end, _)| *end <= pos)
+            .last()
+            .map_or(0, |(_, by)| *by);
+        (pos as isize + shift) as usize
     };
-    let mut text = String::new();
-    let mut spans = Vec::new();
-    for (i, m) in messages.iter().enumerate() {
-        match m.role {
-            Role::System | Role::User => {
-                text.push_str("<|im_start|>");
-                text.push_str(m.role.name());
-                text.push('\n');
-                expand(&m.content, &mut text);
-                text.push_str("<|im_end|>\n");
+    let spans = spans
+        .into_iter()
+        .map(|s| map(s.start)..map(s.end))
+        .collect();
+    Ok((out, spans))
+}
+
+/// What a template does, found once by rendering small conversations.
+struct Probe {
+    images: Option<Images>,
+    generation_prompt: String,
+    turn_end: String,
+}
+
+impl Probe {
+    fn run(template: &ChatTemplate, tokenizer: &tokenizers::Tokenizer) -> Probe {
+        let has = |t: &str| tokenizer.token_to_id(t).is_some();
+        const REPLY: &str = "feedstore probe reply";
+        let user = |parts: bool, image: bool| {
+            let m = Message::new(Role::User, if image { "<image>q" } else { "q" });
+            message_value(&m, parts)
+        };
+        let render =
+            |messages: &[Value], prompt: bool| template.render(messages, None, prompt).ok();
+        // A template writes its own image marker when an image part changes what it renders.
+        let with = render(&[user(true, true)], false);
+        let without = render(&[user(true, false)], false);
+        let written = match (&with, &without) {
+            (Some(with), Some(without)) if with != without => {
+                ["<|image_pad|>", "<image>", "<|image|>"]
+                    .into_iter()
+                    .find(|t| has(t) && with.matches(t).count() == 1 + without.matches(t).count())
             }
-            Role::Assistant => {
-                let (mut content, mut reasoning) = (m.content.as_str(), "");
-                if let Some(at) = content.rfind("</think>") {
-                    let before = &content[..content.find("</think>").expect("present")];
-                    reasoning = before.trim_end_matches('\n');
-                    reasoning = reasoning
-                        .rsplit("<think>")
-                        .next()
-                        .unwrap_or("")
-                        .trim_start_matches('\n');
-                    content = content[at + "</think>".len()..].trim_start_matches('\n');
-                }
-                text.push_str("<|im_start|>assistant\n");
-                let start = text.len();
-                if i > last_query && (i + 1 == messages.len() || !reasoning.is_empty()) {
-                    text.push_str("<think>\n");
-                    text.push_str(strip_newlines(reasoning));
-                    text.push_str("\n</think>\n\n");
-                    expand(content.trim_start_matches('\n'), &mut text);
+            _ => None,
+        };
+        let images = match written {
+            Some(marker) => Some(Images {
+                parts: true,
+                marker: marker.into(),
+                pad: marker.into(),
+                open: String::new(),
+                close: String::new(),
+            }),
+            None if has("<|image_pad|>") => {
+                let (open, close) = if has("<|vision_start|>") && has("<|vision_end|>") {
+                    ("<|vision_start|>", "<|vision_end|>")
                 } else {
-                    expand(content, &mut text);
-                }
-                text.push_str("<|im_end|>");
-                spans.push(start..text.len());
-                text.push('\n');
+                    ("", "")
+                };
+                Some(Images {
+                    parts: false,
+                    marker: IMAGE_PLACEHOLDER.into(),
+                    pad: "<|image_pad|>".into(),
+                    open: open.into(),
+                    close: close.into(),
+                })
             }
+            None if has(IMAGE_PLACEHOLDER) => Some(Images {
+                parts: false,
+                marker: IMAGE_PLACEHOLDER.into(),
+                pad: IMAGE_PLACEHOLDER.into(),
+                open: String::new(),
+                close: String::new(),
+            }),
+            None => None,
+        };
+        let parts = written.is_some();
+        let asked = [user(parts, false)];
+        let generation_prompt = match (render(&asked, false), render(&asked, true)) {
+            (Some(a), Some(b)) => b.strip_prefix(a.as_str()).unwrap_or("").to_owned(),
+            _ => String::new(),
+        };
+        let answered = [
+            user(parts, false),
+            message_value(&Message::new(Role::Assistant, REPLY), parts),
+        ];
+        let turn_end = render(&answered, false)
+            .and_then(|t| {
+                t.rsplit_once(REPLY)
+                    .map(|(_, end)| end.trim_end().to_owned())
+            })
+            .unwrap_or_default();
+        Probe {
+            images,
+            generation_prompt,
+            turn_end,
         }
     }
-    Ok((text, spans))
+}
+
+/// Number of image tokens for an image resized to `height` × `width` pixels: one per
+/// `merge × merge` block of `patch × patch` patches (Qwen2/2.5-VL: patch 14, merge 2, so one
+/// token per 28 × 28 pixels; Qwen3-VL: patch 16; LLaVA-1.5: patch 14, merge 1 at 336 px, 576).
+pub fn image_pad_tokens(height: u32, width: u32, patch: u32, merge: u32) -> usize {
+    ((height / patch) as usize * (width / patch) as usize) / (merge as usize * merge as usize)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    fn msg(role: Role, content: &str) -> Message {
-        Message {
-            role,
-            content: content.into(),
-        }
-    }
-
     #[test]
-    fn earlier_replies_have_no_think_block_and_the_last_has_an_empty_one() {
-        let (text, spans) = render(
-            &[
-                msg(Role::User, "a"),
-                msg(Role::Assistant, "b"),
-                msg(Role::User, "c"),
-                msg(Role::Assistant, "d"),
-            ],
-            &[],
-        )
-        .unwrap();
-        assert_eq!(
-            text,
-            "<|im_start|>user\na<|im_end|>\n<|im_start|>assistant\nb<|im_end|>\n<|im_start|>user\nc<|im_end|>\n\
-             <|im_start|>assistant\n<think>\n\n</think>\n\nd<|im_end|>\n"
-        );
-        assert_eq!(&text[spans[0].clone()], "b<|im_end|>");
-        assert_eq!(
-            &text[spans[1].clone()],
-            "<think>\n\n</think>\n\nd<|im_end|>"
-        );
-    }
-
-    #[test]
-    fn placeholders_must_match_images() {
-        let conv = [
-            msg(Role::User, "<image>\n<image>\nq"),
-            msg(Role::Assistant, "a"),
-        ];
+    fn expansion_moves_the_spans_with_the_text() {
+        let images = Images {
+            parts: false,
+            marker: "<image>".into(),
+            pad: "P".into(),
+            open: "[".into(),
+            close: "]".into(),
+        };
+        let text = "u<image>v<image>|reply|";
+        let (out, spans) =
+            expand(&images, text, std::iter::once(17..22).collect(), &[3, 1]).unwrap();
+        assert_eq!(out, "u[PPP]v[P]|reply|");
+        assert_eq!(&out[spans[0].clone()], "reply");
         assert!(matches!(
-            render(&conv, &[4]),
+            expand(&images, text, vec![], &[1]),
             Err(ChatError::ImageCountMismatch {
                 placeholders: 2,
                 images: 1
             })
         ));
-        assert!(matches!(
-            render(&[msg(Role::User, "q")], &[]),
-            Err(ChatError::NoAssistantReply)
-        ));
+    }
+
+    #[test]
+    fn parts_split_at_placeholders_and_skip_empty_text() {
+        let v = message_value(&Message::new(Role::User, "<image>\nq<image>"), true);
+        assert_eq!(
+            v.to_string(),
+            r#"{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "\nq"}, {"type": "image"}]}"#
+        );
     }
 
     #[test]
@@ -390,5 +650,6 @@ mod tests {
         assert_eq!(image_pad_tokens(448, 448, 14, 2), 256);
         assert_eq!(image_pad_tokens(56, 28, 14, 2), 2);
         assert_eq!(image_pad_tokens(512, 768, 16, 2), 384);
+        assert_eq!(image_pad_tokens(336, 336, 14, 1), 576);
     }
 }

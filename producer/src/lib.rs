@@ -1,8 +1,9 @@
 //! feedstore producers: turn a manifest of multimodal records into samples written once into
 //! the node's shared-memory store.
 //!
-//! - [`chat`]: conversations to token ids and loss labels with Qwen's chat template and Qwen-VL
-//!   image-token expansion, matching Hugging Face's tokenizer output token for token.
+//! - [`chat`]: conversations to token ids and loss labels with the model's own chat template
+//!   ([`template`]: Jinja rendered as Hugging Face's `apply_chat_template` renders it) and the
+//!   model's image-token expansion, matching Hugging Face's output token for token.
 //! - [`feed`]: the same pipeline feeding a stream: the daemon hands out (rank, sequence number)
 //!   tasks, the stream's spec names the record, a rejected record is replaced by the next of the
 //!   rank's share.
@@ -25,8 +26,8 @@
 //! # fn main() -> Result<(), feedstore_producer::chat::ChatError> {
 //! let tokenizer = ChatTokenizer::from_file("tokenizer.json".as_ref(), 8192)?;
 //! let conversation = [
-//!     Message { role: Role::User, content: "<image>\nwhat is the blue shape?".into() },
-//!     Message { role: Role::Assistant, content: "rectangle".into() },
+//!     Message::new(Role::User, "<image>\nwhat is the blue shape?"),
+//!     Message::new(Role::Assistant, "rectangle"),
 //! ];
 //! let encoded = tokenizer.encode(&conversation, &[4])?; // one image of 4 merged patches
 //! assert_eq!(encoded.ids.len(), encoded.labels.len());
@@ -41,4 +42,5 @@ pub mod manifest;
 pub mod pipeline;
 pub mod profile;
 pub mod s3;
+pub mod template;
 pub mod vision;

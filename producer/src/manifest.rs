@@ -77,6 +77,9 @@ pub struct Record {
     pub images: Vec<ImageSource>,
     /// What to train on.
     pub content: Content,
+    /// Tool definitions the chat template lists (the record's `"tools"`), as
+    /// `apply_chat_template(..., tools=...)` takes them.
+    pub tools: Option<serde_json::Value>,
 }
 
 /// A sample that will not be produced, as written to the rejects JSONL file.
@@ -111,12 +114,54 @@ struct RawRecord {
     images: Option<serde_json::Value>,
     conversations: Option<Vec<RawTurn>>,
     text: Option<String>,
+    tools: Option<serde_json::Value>,
 }
 
 #[derive(Deserialize)]
 struct RawTurn {
     from: String,
     value: String,
+    tool_calls: Option<serde_json::Value>,
+}
+
+/// One turn of a record. `function_call` (ShareGPT's tool call) is an assistant turn whose value
+/// is the call as JSON (`{"name": ..., "arguments": {...}}`); a turn's own `tool_calls` are taken
+/// as they are.
+fn message(turn: RawTurn) -> Result<Message, String> {
+    if turn.from == "function_call" {
+        let call: serde_json::Value = serde_json::from_str(&turn.value)
+            .ok()
+            .filter(|c: &serde_json::Value| c.get("name").is_some_and(|n| n.is_string()))
+            .ok_or_else(|| {
+                "a \"function_call\" turn's value is not a JSON object with a \"name\"".to_owned()
+            })?;
+        return Ok(Message {
+            role: Role::Assistant,
+            content: String::new(),
+            tool_calls: Some(serde_json::json!([{"type": "function", "function": call}])),
+        });
+    }
+    let role = Role::from_llava(&turn.from).ok_or_else(|| {
+        format!(
+            "unknown speaker \"from\": {:?} (expected human, gpt, system, tool, observation or \
+             function_call)",
+            turn.from
+        )
+    })?;
+    match &turn.tool_calls {
+        Some(calls) if role != Role::Assistant || !calls.is_array() => {
+            return Err(format!(
+                "\"tool_calls\" must be a list on an assistant turn (found on a {:?} turn)",
+                turn.from
+            ));
+        }
+        _ => {}
+    }
+    Ok(Message {
+        role,
+        content: turn.value,
+        tool_calls: turn.tool_calls,
+    })
 }
 
 /// The longest line read; longer ones are rejected without being held in memory whole.
@@ -279,18 +324,7 @@ impl<R: Read> Manifest<R> {
                 }
                 let messages = turns
                     .into_iter()
-                    .map(|t| {
-                        let role = Role::from_llava(&t.from).ok_or_else(|| {
-                            format!(
-                                "unknown speaker \"from\": {:?} (expected human, gpt or system)",
-                                t.from
-                            )
-                        })?;
-                        Ok(Message {
-                            role,
-                            content: t.value,
-                        })
-                    })
+                    .map(message)
                     .collect::<Result<Vec<_>, String>>()
                     .map_err(reject)?;
                 Content::Conversation(messages)
@@ -313,11 +347,20 @@ impl<R: Read> Manifest<R> {
                 ));
             }
         };
+        if let Some(tools) = &raw.tools {
+            if !tools.is_array() {
+                return Err(reject(format!("\"tools\" is not a list: {tools}")));
+            }
+            if matches!(content, Content::Text(_)) {
+                return Err(reject("a \"text\" record cannot have \"tools\"".into()));
+            }
+        }
         Ok(Some(Record {
             line,
             id,
             images,
             content,
+            tools: raw.tools,
         }))
     }
 
@@ -542,6 +585,18 @@ mod tests {
                 "cannot have images",
             ),
             ("{\"id\": [1], \"text\": \"t\"}", "\"id\" must be"),
+            (
+                "{\"id\": \"j\", \"conversations\": [{\"from\": \"function_call\", \"value\": \"get(1)\"}]}",
+                "not a JSON object with a \"name\"",
+            ),
+            (
+                "{\"id\": \"k\", \"conversations\": [{\"from\": \"human\", \"value\": \"x\", \"tool_calls\": []}]}",
+                "must be a list on an assistant turn",
+            ),
+            (
+                "{\"id\": \"l\", \"tools\": {\"name\": \"f\"}, \"conversations\": [{\"from\": \"gpt\", \"value\": \"x\"}]}",
+                "\"tools\" is not a list",
+            ),
         ];
         let text: String = cases.iter().map(|(l, _)| format!("{l}\n")).collect();
         let out = read(&text);

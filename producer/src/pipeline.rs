@@ -655,7 +655,9 @@ pub fn make_sample_into<B: SampleBuffer>(
         .map(|(_, (w, h))| image_pad_tokens(*h, *w, config.patch_size, config.merge_size))
         .collect();
     let encoded = match &record.content {
-        Content::Conversation(messages) => tokenizer.encode(messages, &pads),
+        Content::Conversation(messages) => {
+            tokenizer.encode_with_tools(messages, record.tools.as_ref(), &pads)
+        }
         Content::Text(text) => tokenizer.encode_text(text),
     }
     .map_err(|e| reject(record, "tokenize", e.to_string()))?;

@@ -227,9 +227,11 @@ fn good_samples_arrive_and_every_bad_record_is_rejected_with_its_reason() {
                     .as_array()
                     .unwrap()
                     .iter()
-                    .map(|t| Message {
-                        role: Speaker::from_llava(t["from"].as_str().unwrap()).unwrap(),
-                        content: t["value"].as_str().unwrap().into(),
+                    .map(|t| {
+                        Message::new(
+                            Speaker::from_llava(t["from"].as_str().unwrap()).unwrap(),
+                            t["value"].as_str().unwrap(),
+                        )
                     })
                     .collect();
                 tokenizer.encode(&messages, &pads).unwrap()
