@@ -222,8 +222,21 @@ fn tokenize(quick: bool) {
                 .collect(),
             vec![],
         ),
+        (
+            "text, 400 turns (replies found by markers)",
+            (0..400)
+                .map(|i| {
+                    if i % 2 == 0 {
+                        m(Role::User, &format!("Step {i}: run the next tool."))
+                    } else {
+                        m(Role::Assistant, &format!("Ran it; result {i}."))
+                    }
+                })
+                .collect(),
+            vec![],
+        ),
     ];
-    let rounds = if quick { 200 } else { 2000 };
+    let rounds = if quick { 20 } else { 200 };
     let time = |f: &mut dyn FnMut()| {
         for _ in 0..rounds / 10 {
             f();
@@ -250,7 +263,7 @@ fn tokenize(quick: bool) {
             serde_json::json!([messages, pads])
         })
         .collect();
-    let python_rounds = (rounds / 4).to_string();
+    let python_rounds = (rounds / 2).to_string();
     let hf: Option<Vec<f64>> = Command::new(python())
         .args(["-c", TRANSFORMERS])
         .arg(&tokenizer_path)

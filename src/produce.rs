@@ -24,8 +24,10 @@ pub struct Args {
     #[command(flatten)]
     socket: SocketArg,
     /// JSONL manifest in LLaVA / Qwen-VL form: {"id", "image" | "images", "conversations",
-    /// "tools" (optional)} or {"id", "text"}; a regular file. Relative image paths resolve against the manifest's
-    /// folder.
+    /// "tools" (optional)} or {"id", "text"}; a regular file. A turn is {"from", "value"}, from
+    /// human, gpt, system, tool / observation (a tool's result) or function_call (a call, its
+    /// value {"name", "arguments"} as an object or JSON text); a gpt turn may carry
+    /// "tool_calls". Relative image paths resolve against the manifest's folder.
     #[arg(long, value_name = "FILE")]
     manifest: PathBuf,
     /// Relative image paths resolve against this folder (LLaVA's `image_folder`), and every
@@ -46,7 +48,8 @@ pub struct Args {
     /// The model's tokenizer.json. Its chat template is read from beside it, as transformers
     /// reads it (chat_template.jinja, chat_template.json, then tokenizer_config.json's
     /// chat_template); a Qwen tokenizer with none there gets Qwen3's built-in template. Images
-    /// need an image token: <|image_pad|> (Qwen-VL) or <image> (LLaVA).
+    /// need an image token: <|image_pad|> (Qwen-VL), <image> (LLaVA), or <|image|> where the
+    /// template writes it.
     #[arg(long, value_name = "FILE")]
     tokenizer: PathBuf,
     /// The chat template to render conversations with instead of the tokenizer's: a Jinja file,
@@ -375,7 +378,7 @@ pub fn run_produce(args: Args) -> anyhow::Result<()> {
             args.chat_template.as_deref(),
             args.max_tokens,
         )
-        .with_context(|| format!("loading {}", args.tokenizer.display()))?,
+        .context("loading the tokenizer and its chat template")?,
     );
     let rejects_path = args.rejects.clone().unwrap_or_else(|| {
         let mut p = args.manifest.clone().into_os_string();

@@ -20,8 +20,10 @@
 //! of the turn: the end of `render(messages[..=i])` without its trailing whitespace, which keeps
 //! the end-of-turn token (`<|im_end|>`, `<|eot_id|>`) and drops the newline after it. Where a
 //! template writes an earlier turn differently once later turns follow (Qwen3's reasoning block
-//! goes on the last reply only), the turn is found by the template's own markers instead: its
-//! generation prompt, and the end-of-turn text it writes after a reply.
+//! goes on the last reply only), and for every reply of a conversation with more than
+//! [`MAX_RENDERED_REPLIES`] of them (the renders grow with the square of the turns), the turn is
+//! found by the template's own markers instead: its generation prompt, and the end-of-turn text
+//! it writes after a reply.
 //!
 //! Checked against goldens made by `transformers` for four families' templates
 //! (`tests/data/chat/`).
@@ -32,7 +34,7 @@ use std::path::Path;
 use feedstore_proto::sample::IGNORE_INDEX;
 use minijinja::Value;
 
-use crate::template::{ChatTemplate, SpecialTokens};
+use crate::template::{Budget, ChatTemplate, SpecialTokens};
 
 /// Who speaks a turn.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -101,6 +103,12 @@ pub const IMAGE_PLACEHOLDER: &str = "<image>";
 /// twice, so the work grows with the square of the turns.
 pub const MAX_TURNS: usize = 1024;
 
+/// Replies found by rendering the conversation up to each (exact whatever the template does;
+/// two renders per reply, so the work grows with the square of the turns). Beyond this many, a
+/// conversation's replies are found by the markers the template writes around a plain reply
+/// (its generation prompt and end of turn), in one pass.
+pub const MAX_RENDERED_REPLIES: usize = 32;
+
 /// The largest `tokenizer.json` read (256 MiB; large vocabularies take about 30).
 pub const MAX_TOKENIZER_BYTES: u64 = 256 << 20;
 
@@ -130,9 +138,9 @@ pub enum ChatError {
     #[error("conversation has {0} turns; at most {MAX_TURNS} are taken")]
     TooManyTurns(usize),
     /// `<image>` placeholders and images disagree.
-    #[error("conversation has {placeholders} <image> placeholders but {images} images")]
+    #[error("conversation has {placeholders} image placeholders but {images} images")]
     ImageCountMismatch {
-        /// Placeholders in the text (or image markers the template wrote).
+        /// `<image>` placeholders in the records' text, or image markers the template wrote.
         placeholders: usize,
         /// Images supplied.
         images: usize,
@@ -162,8 +170,6 @@ pub struct Encoded {
 /// How images appear in what the template renders, and what each becomes.
 #[derive(Debug, Clone)]
 struct Images {
-    /// The template takes content as a list of parts and writes its own image marker.
-    parts: bool,
     /// What stands for one image in the rendered text: `<image>` in a placeholder template, the
     /// marker token in a parts template.
     marker: String,
@@ -177,12 +183,15 @@ struct Images {
 pub struct ChatTokenizer {
     tokenizer: tokenizers::Tokenizer,
     template: ChatTemplate,
+    /// The template takes content as a list of parts (and writes its own image markers).
+    parts: bool,
     /// `None`: the tokenizer has no image token; conversations with images are refused.
     images: Option<Images>,
     /// The template's generation prompt and the text it ends a reply with (trimmed): the turn
     /// markers used where the prefix renders do not line up.
     generation_prompt: String,
     turn_end: String,
+    markers_only: bool,
     max_tokens: usize,
     /// A digest of the `tokenizer.json` bytes and the template: part of a sample's cache key.
     identity: u128,
@@ -270,9 +279,11 @@ impl ChatTokenizer {
         Ok(ChatTokenizer {
             tokenizer,
             template,
+            parts: probe.parts,
             images: probe.images,
             generation_prompt: probe.generation_prompt,
             turn_end: probe.turn_end,
+            markers_only: false,
             max_tokens,
             identity,
         })
@@ -336,100 +347,141 @@ impl ChatTokenizer {
                 max: self.max_tokens,
             });
         }
-        let parts = images.is_some_and(|i| i.parts);
-        let values: Vec<Value> = messages.iter().map(|m| message_value(m, parts)).collect();
+        let values: Vec<Value> = messages
+            .iter()
+            .map(|m| message_value(m, self.parts))
+            .collect();
         let tools = tools.map(Value::from_serialize);
-        let (text, spans) = self.render(messages, &values, tools.as_ref())?;
-        let (text, spans) = match images {
-            Some(images) => expand(images, &text, spans, image_tokens)?,
-            None => (text, spans),
+        let mut budget = Budget::for_tokens(self.max_tokens);
+        // The whole text first, tokenized and held to the token limit, before the renders that
+        // find the replies (two per reply) are spent on it.
+        let text = self
+            .template
+            .render(&values, tools.as_ref(), false, &mut budget)?;
+        let (expanded, moved) = match images {
+            Some(images) => expand(images, &text, image_tokens)?,
+            None => (text.clone(), Vec::new()),
         };
-        self.encode_with(&text, |start, end| {
+        let encoding = self.tokenize(&expanded)?;
+        let spans: Vec<Range<usize>> = self
+            .replies(messages, &values, tools.as_ref(), &text, &mut budget)?
+            .into_iter()
+            .map(|s| moved_to(&moved, s.start)..moved_to(&moved, s.end))
+            .collect();
+        Ok(label(&encoding, |start, end| {
             spans.iter().any(|s| s.start <= start && end <= s.end)
-        })
+        }))
     }
 
-    /// Renders the conversation and finds each assistant turn's trained byte range in it.
-    fn render(
+    /// Finds each assistant turn's trained byte range in `text`, the whole conversation as the
+    /// template renders it: by prefix renders for up to [`MAX_RENDERED_REPLIES`] replies, by the
+    /// template's markers beyond (or where a prefix render does not line up).
+    fn replies(
         &self,
         messages: &[Message],
         values: &[Value],
         tools: Option<&Value>,
-    ) -> Result<(String, Vec<Range<usize>>), ChatError> {
-        let text = self.template.render(values, tools, false)?;
-        let mut spans = Vec::new();
+        text: &str,
+        budget: &mut Budget,
+    ) -> Result<Vec<Range<usize>>, ChatError> {
+        let replies: Vec<usize> = (0..messages.len())
+            .filter(|&i| messages[i].role == Role::Assistant)
+            .collect();
+        let by_markers = self.markers_only
+            || (replies.len() > MAX_RENDERED_REPLIES
+                && !self.generation_prompt.is_empty()
+                && !self.turn_end.is_empty());
+        let mut spans = Vec::with_capacity(replies.len());
         let mut cursor = 0;
-        for (i, _) in messages
-            .iter()
-            .enumerate()
-            .filter(|(_, m)| m.role == Role::Assistant)
-        {
-            let before = self.template.render(&values[..i], tools, true)?;
-            let start = if text.starts_with(&before) && before.len() >= cursor {
-                before.len()
-            } else {
-                find_after(&text, cursor, &self.generation_prompt)
-                    .map(|at| at + self.generation_prompt.len())
-                    .ok_or_else(|| unfound(i))?
+        for i in replies {
+            let before = match by_markers {
+                true => None,
+                // An empty prefix may not render at all (templates index `messages[0]`).
+                false if i == 0 => self.template.render(&[], tools, true, budget).ok(),
+                false => Some(self.template.render(&values[..i], tools, true, budget)?),
             };
-            let through = self.template.render(&values[..=i], tools, false)?;
-            let end = if text.starts_with(&through) && through.trim_end().len() > start {
-                through.trim_end().len()
-            } else if self.turn_end.is_empty() {
-                return Err(unfound(i));
-            } else {
-                find_after(&text, start, &self.turn_end)
-                    .map(|at| at + self.turn_end.len())
-                    .ok_or_else(|| unfound(i))?
+            let start = match before {
+                Some(before) if text.starts_with(&before) && before.len() >= cursor => before.len(),
+                _ => find_after(text, cursor, &self.generation_prompt)
+                    .map(|at| at + self.generation_prompt.len())
+                    .ok_or_else(|| unfound(i, "starts"))?,
+            };
+            let through = match by_markers {
+                true => None,
+                false => Some(self.template.render(&values[..=i], tools, false, budget)?),
+            };
+            let end = match through {
+                Some(through) if text.starts_with(&through) && through.trim_end().len() > start => {
+                    through.trim_end().len()
+                }
+                _ => {
+                    let end = find_after(text, start, &self.turn_end)
+                        .map(|at| at + self.turn_end.len())
+                        .ok_or_else(|| unfound(i, "ends"))?;
+                    // Found by a marker: it must not run on into the next assistant turn.
+                    if find_after(&text[..end], start, &self.generation_prompt).is_some() {
+                        return Err(unfound(i, "ends"));
+                    }
+                    end
+                }
             };
             spans.push(start..end);
             cursor = end;
         }
-        Ok((text, spans))
+        Ok(spans)
+    }
+
+    /// Finds every reply by the template's markers alone, as conversations of more than
+    /// [`MAX_RENDERED_REPLIES`] replies are (for tests: the two ways agree).
+    #[doc(hidden)]
+    pub fn find_replies_by_markers(mut self) -> ChatTokenizer {
+        self.markers_only = true;
+        self
     }
 
     /// Tokenizes plain text; every token counts in the loss.
     pub fn encode_text(&self, text: &str) -> Result<Encoded, ChatError> {
-        self.encode_with(text, |_, _| true)
+        Ok(label(&self.tokenize(text)?, |_, _| true))
     }
 
-    /// Tokenizes `text` once, refuses it past the maximum, and labels each token by whether its
-    /// byte range is `trained`.
-    fn encode_with(
-        &self,
-        text: &str,
-        trained: impl Fn(usize, usize) -> bool,
-    ) -> Result<Encoded, ChatError> {
+    /// Tokenizes `text` once and refuses it past the maximum.
+    fn tokenize(&self, text: &str) -> Result<tokenizers::Encoding, ChatError> {
         let encoding = self
             .tokenizer
             .encode(text, false)
             .map_err(|e| ChatError::Encode(e.to_string()))?;
-        let ids = encoding.get_ids().to_vec();
-        if ids.len() > self.max_tokens {
+        if encoding.get_ids().len() > self.max_tokens {
             return Err(ChatError::TooLong {
-                tokens: ids.len(),
+                tokens: encoding.get_ids().len(),
                 max: self.max_tokens,
             });
         }
-        let labels = ids
-            .iter()
-            .zip(encoding.get_offsets())
-            .map(|(&id, &(start, end))| {
-                if trained(start, end) {
-                    id as i32
-                } else {
-                    IGNORE_INDEX
-                }
-            })
-            .collect();
-        Ok(Encoded { ids, labels })
+        Ok(encoding)
     }
 }
 
-fn unfound(message: usize) -> ChatError {
+/// Ids and labels: each token labelled by whether its byte range is `trained`.
+fn label(encoding: &tokenizers::Encoding, trained: impl Fn(usize, usize) -> bool) -> Encoded {
+    let ids = encoding.get_ids().to_vec();
+    let labels = ids
+        .iter()
+        .zip(encoding.get_offsets())
+        .map(|(&id, &(start, end))| {
+            if trained(start, end) {
+                id as i32
+            } else {
+                IGNORE_INDEX
+            }
+        })
+        .collect();
+    Encoded { ids, labels }
+}
+
+fn unfound(message: usize, what: &str) -> ChatError {
     ChatError::Template(format!(
-        "renders message {message} (an assistant turn) where its generation prompt and end of \
-         turn cannot find it"
+        "cannot tell where message {message} (an assistant turn) {what}: the template renders \
+         it differently once later turns follow, and the generation prompt or end of turn it \
+         writes after a plain reply does not find it"
     ))
 }
 
@@ -468,13 +520,16 @@ fn message_value(m: &Message, parts: bool) -> Value {
     Value::from_iter(fields)
 }
 
-/// Replaces each image marker in `text` with its image tokens and moves the spans with it.
+/// Where text after a replaced marker moved: (the marker's end in the rendered text, how far
+/// later text moved), one per marker in order.
+type Moves = Vec<(usize, isize)>;
+
+/// Replaces each image marker in `text` with its image tokens; returns the text and how it moved.
 fn expand(
     images: &Images,
     text: &str,
-    spans: Vec<Range<usize>>,
     image_tokens: &[usize],
-) -> Result<(String, Vec<Range<usize>>), ChatError> {
+) -> Result<(String, Moves), ChatError> {
     let markers: Vec<usize> = text
         .match_indices(images.marker.as_str())
         .map(|(at, _)| at)
@@ -490,8 +545,7 @@ fn expand(
         .map(|n| images.open.len() + n * images.pad.len() + images.close.len())
         .sum();
     let mut out = String::with_capacity(text.len() + extra);
-    // (where a marker ended in `text`, how far later text moved) for each marker.
-    let mut moved: Vec<(usize, isize)> = Vec::with_capacity(markers.len());
+    let mut moved = Vec::with_capacity(markers.len());
     let mut last = 0;
     for (&at, &n) in markers.iter().zip(image_tokens) {
         out.push_str(&text[last..at]);
@@ -504,23 +558,22 @@ fn expand(
         moved.push((last, out.len() as isize - last as isize));
     }
     out.push_str(&text[last..]);
-    let map = |pos: usize| -> usize {
-        let shift = moved
-            .iter()
-            .take_while(|(end, _)| *end <= pos)
-            .last()
-            .map_or(0, |(_, by)| *by);
-        (pos as isize + shift) as usize
-    };
-    let spans = spans
-        .into_iter()
-        .map(|s| map(s.start)..map(s.end))
-        .collect();
-    Ok((out, spans))
+    Ok((out, moved))
+}
+
+/// Where `pos` in the rendered text is in the expanded one.
+fn moved_to(moved: &Moves, pos: usize) -> usize {
+    let shift = moved
+        .iter()
+        .take_while(|(end, _)| *end <= pos)
+        .last()
+        .map_or(0, |(_, by)| *by);
+    pos.saturating_add_signed(shift)
 }
 
 /// What a template does, found once by rendering small conversations.
 struct Probe {
+    parts: bool,
     images: Option<Images>,
     generation_prompt: String,
     turn_end: String,
@@ -530,31 +583,42 @@ impl Probe {
     fn run(template: &ChatTemplate, tokenizer: &tokenizers::Tokenizer) -> Probe {
         let has = |t: &str| tokenizer.token_to_id(t).is_some();
         const REPLY: &str = "feedstore probe reply";
+        const QUESTION: &str = "feedstore probe question";
         let user = |parts: bool, image: bool| {
-            let m = Message::new(Role::User, if image { "<image>q" } else { "q" });
+            let content = if image { "<image>" } else { "" }.to_owned() + QUESTION;
+            let m = Message::new(Role::User, content);
             message_value(&m, parts)
         };
-        let render =
-            |messages: &[Value], prompt: bool| template.render(messages, None, prompt).ok();
+        let render = |messages: &[Value], prompt: bool| {
+            template
+                .render(messages, None, prompt, &mut Budget::for_tokens(0))
+                .ok()
+        };
         // A template writes its own image marker when an image part changes what it renders.
         let with = render(&[user(true, true)], false);
         let without = render(&[user(true, false)], false);
+        // ... and writes a text part's text, not the list itself (a text template that prints
+        // `message.content` whole differs too, with the parts' keys in it).
+        let parts = matches!((&with, &without), (Some(with), Some(without))
+            if with != without
+                && !without.contains("'type'")
+                && !without.contains("\"type\"")
+                && without.contains(QUESTION));
         let written = match (&with, &without) {
-            (Some(with), Some(without)) if with != without => {
-                ["<|image_pad|>", "<image>", "<|image|>"]
-                    .into_iter()
-                    .find(|t| has(t) && with.matches(t).count() == 1 + without.matches(t).count())
-            }
+            (Some(with), Some(without)) if parts => ["<|image_pad|>", "<image>", "<|image|>"]
+                .into_iter()
+                .find(|t| has(t) && with.matches(t).count() == 1 + without.matches(t).count()),
             _ => None,
         };
         let images = match written {
             Some(marker) => Some(Images {
-                parts: true,
                 marker: marker.into(),
                 pad: marker.into(),
                 open: String::new(),
                 close: String::new(),
             }),
+            // A parts template whose marker the tokenizer lacks: text-only records still work.
+            None if parts => None,
             None if has("<|image_pad|>") => {
                 let (open, close) = if has("<|vision_start|>") && has("<|vision_end|>") {
                     ("<|vision_start|>", "<|vision_end|>")
@@ -562,7 +626,6 @@ impl Probe {
                     ("", "")
                 };
                 Some(Images {
-                    parts: false,
                     marker: IMAGE_PLACEHOLDER.into(),
                     pad: "<|image_pad|>".into(),
                     open: open.into(),
@@ -570,7 +633,6 @@ impl Probe {
                 })
             }
             None if has(IMAGE_PLACEHOLDER) => Some(Images {
-                parts: false,
                 marker: IMAGE_PLACEHOLDER.into(),
                 pad: IMAGE_PLACEHOLDER.into(),
                 open: String::new(),
@@ -578,7 +640,6 @@ impl Probe {
             }),
             None => None,
         };
-        let parts = written.is_some();
         let asked = [user(parts, false)];
         let generation_prompt = match (render(&asked, false), render(&asked, true)) {
             (Some(a), Some(b)) => b.strip_prefix(a.as_str()).unwrap_or("").to_owned(),
@@ -595,6 +656,7 @@ impl Probe {
             })
             .unwrap_or_default();
         Probe {
+            parts,
             images,
             generation_prompt,
             turn_end,
@@ -616,19 +678,21 @@ mod tests {
     #[test]
     fn expansion_moves_the_spans_with_the_text() {
         let images = Images {
-            parts: false,
             marker: "<image>".into(),
             pad: "P".into(),
             open: "[".into(),
             close: "]".into(),
         };
         let text = "u<image>v<image>|reply|";
-        let (out, spans) =
-            expand(&images, text, std::iter::once(17..22).collect(), &[3, 1]).unwrap();
+        let (out, moved) = expand(&images, text, &[3, 1]).unwrap();
         assert_eq!(out, "u[PPP]v[P]|reply|");
-        assert_eq!(&out[spans[0].clone()], "reply");
+        assert_eq!(&out[moved_to(&moved, 17)..moved_to(&moved, 22)], "reply");
+        assert_eq!(moved_to(&moved, 1), 1);
+        // No image tokens at all: later text moves back.
+        let (out, moved) = expand(&images, text, &[0, 0]).unwrap();
+        assert_eq!(&out[moved_to(&moved, 17)..moved_to(&moved, 22)], "reply");
         assert!(matches!(
-            expand(&images, text, vec![], &[1]),
+            expand(&images, text, &[1]),
             Err(ChatError::ImageCountMismatch {
                 placeholders: 2,
                 images: 1

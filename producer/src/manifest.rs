@@ -120,7 +120,7 @@ struct RawRecord {
 #[derive(Deserialize)]
 struct RawTurn {
     from: String,
-    value: String,
+    value: serde_json::Value,
     tool_calls: Option<serde_json::Value>,
 }
 
@@ -129,12 +129,15 @@ struct RawTurn {
 /// as they are.
 fn message(turn: RawTurn) -> Result<Message, String> {
     if turn.from == "function_call" {
-        let call: serde_json::Value = serde_json::from_str(&turn.value)
-            .ok()
-            .filter(|c: &serde_json::Value| c.get("name").is_some_and(|n| n.is_string()))
-            .ok_or_else(|| {
-                "a \"function_call\" turn's value is not a JSON object with a \"name\"".to_owned()
-            })?;
+        // The call as JSON text (ShareGPT's form) or as an object.
+        let call = match turn.value {
+            serde_json::Value::String(text) => serde_json::from_str(&text).ok(),
+            object => Some(object),
+        }
+        .filter(|c: &serde_json::Value| c.get("name").is_some_and(|n| n.is_string()))
+        .ok_or_else(|| {
+            "a \"function_call\" turn's value is not a JSON object with a \"name\"".to_owned()
+        })?;
         return Ok(Message {
             role: Role::Assistant,
             content: String::new(),
@@ -149,17 +152,26 @@ fn message(turn: RawTurn) -> Result<Message, String> {
         )
     })?;
     match &turn.tool_calls {
-        Some(calls) if role != Role::Assistant || !calls.is_array() => {
+        Some(_) if role != Role::Assistant => {
             return Err(format!(
-                "\"tool_calls\" must be a list on an assistant turn (found on a {:?} turn)",
+                "\"tool_calls\" on a {:?} turn (only assistant turns make calls)",
                 turn.from
             ));
         }
+        Some(calls) if !calls.is_array() => {
+            return Err("\"tool_calls\" is not a list".into());
+        }
         _ => {}
     }
+    let serde_json::Value::String(content) = turn.value else {
+        return Err(format!(
+            "a {:?} turn's \"value\" is not a string: {}",
+            turn.from, turn.value
+        ));
+    };
     Ok(Message {
         role,
-        content: turn.value,
+        content,
         tool_calls: turn.tool_calls,
     })
 }
@@ -321,6 +333,13 @@ impl<R: Read> Manifest<R> {
             (Some(turns), None) => {
                 if turns.is_empty() {
                     return Err(reject("\"conversations\" is empty".into()));
+                }
+                if turns.len() > crate::chat::MAX_TURNS {
+                    return Err(reject(format!(
+                        "\"conversations\" has {} turns; at most {} are taken",
+                        turns.len(),
+                        crate::chat::MAX_TURNS
+                    )));
                 }
                 let messages = turns
                     .into_iter()
@@ -591,7 +610,7 @@ mod tests {
             ),
             (
                 "{\"id\": \"k\", \"conversations\": [{\"from\": \"human\", \"value\": \"x\", \"tool_calls\": []}]}",
-                "must be a list on an assistant turn",
+                "only assistant turns make calls",
             ),
             (
                 "{\"id\": \"l\", \"tools\": {\"name\": \"f\"}, \"conversations\": [{\"from\": \"gpt\", \"value\": \"x\"}]}",

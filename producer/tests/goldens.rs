@@ -1,7 +1,8 @@
-//! Token ids and labels equal what Hugging Face `transformers` makes of the same records under
-//! four families' chat templates: Qwen3's (the built-in one), and Qwen2.5-VL's, LLaVA-1.5's and
-//! Llama 3.1's as fixtures (goldens from `tests/data/chat/make_chat_goldens.py`). The records go
-//! through the manifest reader, so its reading of tool calls and tool results is checked too.
+//! Token ids equal what Hugging Face `transformers` makes of the same records under four
+//! families' chat templates: Qwen3's (the built-in one), and Qwen2.5-VL's, LLaVA-1.5's and Llama
+//! 3.1's as fixtures; labels equal those the golden script finds with each family's own turn
+//! markers, written out there (goldens from `tests/data/chat/make_chat_goldens.py`). The records
+//! go through the manifest reader, so its reading of tool calls and tool results is checked too.
 
 use std::path::Path;
 
@@ -100,6 +101,33 @@ fn ids_and_labels_match_transformers_for_four_families() {
     }
 }
 
+/// Replies found by the template's markers alone (as in conversations of more than
+/// `MAX_RENDERED_REPLIES` replies) get the same labels as by prefix renders, for every family
+/// whose template writes an end of turn (LLaVA-1.5's writes none, so its replies are always
+/// found by rendering).
+#[test]
+fn replies_found_by_markers_get_the_same_labels() {
+    let goldens = goldens();
+    for name in ["qwen3", "qwen2_5_vl", "llama3_1"] {
+        let tok = chat_tokenizer(name, &goldens["families"][name]).find_replies_by_markers();
+        for case in goldens["cases"].as_array().unwrap() {
+            if case["template"] != name {
+                continue;
+            }
+            let what = format!("{name} / {}", case["name"]);
+            let (messages, tools) = read_record(case);
+            let encoded = tok
+                .encode_with_tools(
+                    &messages,
+                    tools.as_ref(),
+                    &numbers::<usize>(&case["image_tokens"]),
+                )
+                .unwrap_or_else(|e| panic!("{what}: {e}"));
+            assert_eq!(encoded.labels, numbers::<i32>(&case["labels"]), "{what}");
+        }
+    }
+}
+
 #[test]
 fn the_built_in_template_is_qwen3s_own() {
     // The shared copy of Qwen3's tokenizer_config.json, where the project has it beside it.
@@ -187,6 +215,45 @@ fn a_template_error_rejects_the_record_with_the_templates_words() {
         ChatTemplate::new("{% if %}", SpecialTokens::default(), "broken"),
         Err(ChatError::Template(_))
     ));
+}
+
+/// A record chooses its tools and turns: one written to make a template write gigabytes (tools
+/// nested 120 deep, which Llama 3.1's template writes with `tojson(indent=4)`) is rejected for
+/// its size, mid-render; one with more turns than taken is rejected when the manifest is read.
+#[test]
+fn a_hostile_record_is_rejected_before_it_costs_much() {
+    let goldens = goldens();
+    let family = &goldens["families"]["llama3_1"];
+    let template = ChatTemplate::from_file(
+        Path::new(&format!("{DATA}/chat/llama3_1.jinja")),
+        SpecialTokens::default(),
+    )
+    .unwrap();
+    let tok = ChatTokenizer::with_template(&tokenizer_json_for(family), template, 8192).unwrap();
+    // 64 lists nested 120 deep: 16 KB of JSON that Python writes as 3.6 MB with indent=4.
+    let deep = (0..120).fold(serde_json::json!(0), |v, _| serde_json::json!([v]));
+    let wide: Vec<serde_json::Value> = (0..64).map(|_| deep.clone()).collect();
+    let conv = [
+        Message::new(Role::User, "q"),
+        Message::new(Role::Assistant, "a"),
+    ];
+    let e = tok
+        .encode_with_tools(&conv, Some(&serde_json::Value::from(wide)), &[])
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("more than 2097152 bytes"), "{e}");
+
+    let turns: Vec<serde_json::Value> = (0..1025)
+        .map(
+            |i| serde_json::json!({"from": if i % 2 == 0 { "human" } else { "gpt" }, "value": "x"}),
+        )
+        .collect();
+    let line = serde_json::json!({"id": "many", "conversations": turns}).to_string();
+    let reject = Manifest::new(line.as_bytes(), "/data".into())
+        .next()
+        .unwrap()
+        .unwrap_err();
+    assert!(reject.reason.contains("1025 turns"), "{}", reject.reason);
 }
 
 #[test]

@@ -94,6 +94,9 @@ CASES = [
     ("two replies in a row", {"conversations": [
         {"from": "human", "value": "Say two things."}, {"from": "gpt", "value": "One."},
         {"from": "gpt", "value": "Two."}]}, [], ["qwen3", "qwen2_5_vl", "llama3_1"]),
+    ("reply first", {"conversations": [
+        {"from": "gpt", "value": "Hello, I am the bot."}, {"from": "human", "value": "hi"},
+        {"from": "gpt", "value": "Hi! What can I do?"}]}, [], ["qwen3", "qwen2_5_vl", "llama3_1"]),
     ("tool call and result", {"tools": WEATHER, "conversations": [
         {"from": "system", "value": "You help with travel."},
         {"from": "human", "value": "What's the weather in Paris?"},
@@ -117,7 +120,8 @@ def messages(record, parts):
     out = []
     for turn in record["conversations"]:
         if turn["from"] == "function_call":
-            role, value, calls = "assistant", "", [{"type": "function", "function": json.loads(turn["value"])}]
+            call = turn["value"] if isinstance(turn["value"], dict) else json.loads(turn["value"])
+            role, value, calls = "assistant", "", [{"type": "function", "function": call}]
         else:
             role, value, calls = ROLES[turn["from"]], turn["value"], turn.get("tool_calls")
         if parts:
