@@ -40,8 +40,9 @@ pub struct Args {
     #[arg(long)]
     allow_absolute_image_paths: bool,
     /// The largest image file or S3 object read, in bytes; larger ones are rejected before
-    /// (and, if they grow, while) reading. Images in memory at once are bounded by this times
-    /// --fetch-concurrency plus three per worker. Only regular files are read: a directory,
+    /// (and, if they grow, while) reading. A record's images (at most 128) are fetched and held
+    /// together: images in memory at once are bounded by this times the images of the records in
+    /// flight (--fetch-concurrency) plus three per worker. Only regular files are read: a directory,
     /// FIFO or device is rejected as such, without opening it.
     #[arg(long, value_name = "BYTES", default_value_t = feedstore_producer::input::DEFAULT_MAX_IMAGE_BYTES)]
     max_image_bytes: u64,

@@ -28,6 +28,22 @@ fn tokenizer_file(dir: &Path) -> PathBuf {
     path
 }
 
+/// A case of the chat goldens (`producer/tests/data/chat/goldens.json`): a record, what
+/// `transformers` makes of it under `template`.
+fn chat_golden(template: &str, name: &str) -> serde_json::Value {
+    let goldens: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(format!("{DATA}/chat/goldens.json")).unwrap(),
+    )
+    .unwrap();
+    goldens["cases"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["template"] == template && c["name"] == name)
+        .unwrap()
+        .clone()
+}
+
 #[test]
 fn produce_writes_samples_and_lists_rejects() {
     let _w = watchdog(
@@ -114,16 +130,7 @@ fn produce_renders_the_chat_template_it_is_given() {
     let dir = scratch_dir("produce-template");
     let daemon = DaemonProcess::start(&dir, &[]);
     let tokenizer = tokenizer_file(&dir);
-    let goldens: serde_json::Value = serde_json::from_str(
-        &std::fs::read_to_string(format!("{DATA}/chat/goldens.json")).unwrap(),
-    )
-    .unwrap();
-    let case = goldens["cases"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|c| c["template"] == "qwen2_5_vl" && c["name"] == "image after text")
-        .unwrap();
+    let case = chat_golden("qwen2_5_vl", "image after text");
     assert_eq!(case["image_tokens"], serde_json::json!([64]));
     let mut record = case["record"].clone();
     record["id"] = "hopper".into();
@@ -527,19 +534,7 @@ fn produce_from_s3_behind_a_faulty_network() {
     let dir = scratch_dir("produce-s3");
     let daemon = DaemonProcess::start(&dir, &["--capacity", "128MiB"]);
     let tokenizer = tokenizer_file(&dir);
-    let goldens: serde_json::Value = serde_json::from_str(
-        &std::fs::read_to_string(format!("{DATA}/chat/goldens.json")).unwrap(),
-    )
-    .unwrap();
-    let golden = |name: &str| {
-        goldens["cases"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .find(|c| c["template"] == "qwen3" && c["name"] == name)
-            .unwrap()
-            .clone()
-    };
+    let golden = |name: &str| chat_golden("qwen3", name);
     // Hugging Face's ids for one 224×224 image (64 image tokens), and for text alone.
     let with_image = golden("image after text");
     assert_eq!(with_image["image_tokens"], serde_json::json!([64]));

@@ -99,8 +99,9 @@ impl Message {
 /// The placeholder LLaVA-style records put where an image goes.
 pub const IMAGE_PLACEHOLDER: &str = "<image>";
 
-/// The most turns a conversation may have: finding each reply renders the conversation up to it
-/// twice, so the work grows with the square of the turns.
+/// The most turns a conversation may have (its replies are found by rendering it up to each, for
+/// up to [`MAX_RENDERED_REPLIES`] of them, and for every one with a template that writes no end
+/// of turn: work that grows with the square of the turns, within the record's render budget).
 pub const MAX_TURNS: usize = 1024;
 
 /// Replies found by rendering the conversation up to each (exact whatever the template does;
@@ -353,6 +354,22 @@ impl ChatTokenizer {
             .collect();
         let tools = tools.map(Value::from_serialize);
         let mut budget = Budget::for_tokens(self.max_tokens);
+        // Text a template drops (earlier replies' reasoning, say) still costs every render a
+        // scan: a record longer than one render may write is refused before any.
+        let record_bytes: usize = messages
+            .iter()
+            .map(|m| m.content.len() + m.tool_calls.as_ref().map_or(0, |c| c.to_string().len()))
+            .sum::<usize>()
+            + tools.as_ref().map_or(0, |t| t.to_string().len());
+        if record_bytes > budget.render_bytes {
+            return Err(ChatError::Template(format!(
+                "{}: the conversation's text is {record_bytes} bytes, more than the {} bytes \
+                 one render may write for --max-tokens {}",
+                self.template.origin(),
+                budget.render_bytes,
+                self.max_tokens
+            )));
+        }
         // The whole text first, tokenized and held to the token limit, before the renders that
         // find the replies (two per reply) are spent on it.
         let text = self
@@ -391,6 +408,20 @@ impl ChatTokenizer {
             || (replies.len() > MAX_RENDERED_REPLIES
                 && !self.generation_prompt.is_empty()
                 && !self.turn_end.is_empty());
+        // By markers, every generation prompt in the text must be a reply's: a user's text that
+        // writes one would shift every later span.
+        if by_markers
+            && find_after(text, 0, &self.generation_prompt).is_some()
+            && text.matches(self.generation_prompt.as_str()).count() != replies.len()
+        {
+            return Err(ChatError::Template(format!(
+                "{}: the text has {} assistant headers for {} replies (does a turn's text \
+                 write one?)",
+                self.template.origin(),
+                text.matches(self.generation_prompt.as_str()).count(),
+                replies.len()
+            )));
+        }
         let mut spans = Vec::with_capacity(replies.len());
         let mut cursor = 0;
         for i in replies {
@@ -401,7 +432,15 @@ impl ChatTokenizer {
                 false => Some(self.template.render(&values[..i], tools, true, budget)?),
             };
             let start = match before {
-                Some(before) if text.starts_with(&before) && before.len() >= cursor => before.len(),
+                // A prefix counts when it ends where the template's generation prompt does
+                // (an empty render, or a bare BOS, would be a prefix of anything).
+                Some(before)
+                    if text.starts_with(&before)
+                        && before.len() >= cursor
+                        && before.ends_with(self.generation_prompt.as_str()) =>
+                {
+                    before.len()
+                }
                 _ => find_after(text, cursor, &self.generation_prompt)
                     .map(|at| at + self.generation_prompt.len())
                     .ok_or_else(|| unfound(i, "starts"))?,

@@ -164,9 +164,11 @@ fn message(turn: RawTurn) -> Result<Message, String> {
         _ => {}
     }
     let serde_json::Value::String(content) = turn.value else {
+        let value = turn.value.to_string();
         return Err(format!(
             "a {:?} turn's \"value\" is not a string: {}",
-            turn.from, turn.value
+            turn.from,
+            feedstore_proto::truncate(&value, 200)
         ));
     };
     Ok(Message {
@@ -175,6 +177,9 @@ fn message(turn: RawTurn) -> Result<Message, String> {
         tool_calls: turn.tool_calls,
     })
 }
+
+/// The most images one record may name: a record's images are fetched and held together.
+pub const MAX_IMAGES_PER_RECORD: usize = 128;
 
 /// The longest line read; longer ones are rejected without being held in memory whole.
 pub const MAX_LINE_BYTES: u64 = 16 << 20;
@@ -323,6 +328,12 @@ impl<R: Read> Manifest<R> {
                     )));
                 }
             }
+        }
+        if refs.len() > MAX_IMAGES_PER_RECORD {
+            return Err(reject(format!(
+                "{} images; a record may have at most {MAX_IMAGES_PER_RECORD}",
+                refs.len()
+            )));
         }
         let images = refs
             .iter()

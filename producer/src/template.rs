@@ -37,6 +37,9 @@ pub const MAX_TEMPLATE_FILE_BYTES: u64 = 16 << 20;
 /// conversation (Qwen3's takes about 60 per turn), far below a loop that never ends.
 const RENDER_FUEL: u64 = 10_000_000;
 
+/// How many full-length texts a record's renders may write together.
+const RECORD_RENDERS: usize = 32;
+
 /// What all of one record's renders may take together.
 #[derive(Debug, Clone)]
 pub struct Budget {
@@ -56,7 +59,7 @@ impl Budget {
         let render_bytes = max_tokens.saturating_mul(256).max(1 << 20);
         Budget {
             render_bytes,
-            total_bytes: render_bytes.saturating_mul(32),
+            total_bytes: render_bytes.saturating_mul(RECORD_RENDERS),
             fuel: 4 * RENDER_FUEL,
         }
     }
@@ -292,16 +295,23 @@ impl ChatTemplate {
             out: Vec::new(),
             limit,
         };
-        TOJSON_LIMIT.with(|l| l.set(limit));
-        let rendered = template.render_captured_to(context, &mut out);
-        TOJSON_LIMIT.with(|l| l.set(usize::MAX));
+        let rendered = {
+            let _limit = TojsonLimit::set(limit);
+            template.render_captured_to(context, &mut out)
+        };
         let fail = |what: String| ChatError::Template(format!("{}: {what}", self.origin));
         let captured = match rendered {
             Ok(captured) => captured,
             Err(e) if e.kind() == ErrorKind::WriteFailure => {
-                return Err(fail(format!(
-                    "renders this conversation to more than {limit} bytes"
-                )));
+                return Err(fail(if limit < budget.render_bytes {
+                    format!(
+                        "renders this conversation's turns to more than the {} bytes a \
+                         record's renders may write together",
+                        RECORD_RENDERS * budget.render_bytes
+                    )
+                } else {
+                    format!("renders this conversation to more than {limit} bytes")
+                }));
             }
             Err(e) if e.kind() == ErrorKind::OutOfFuel => {
                 return Err(fail(format!(
@@ -436,6 +446,22 @@ fn generation_blocks_as_ifs(source: &str) -> String {
 thread_local! {
     /// The most bytes a `tojson` call may write: the limit of the render it is part of.
     static TOJSON_LIMIT: std::cell::Cell<usize> = const { std::cell::Cell::new(usize::MAX) };
+}
+
+/// Sets [`TOJSON_LIMIT`] for one render, and puts it back however the render ends.
+struct TojsonLimit;
+
+impl TojsonLimit {
+    fn set(limit: usize) -> TojsonLimit {
+        TOJSON_LIMIT.with(|l| l.set(limit));
+        TojsonLimit
+    }
+}
+
+impl Drop for TojsonLimit {
+    fn drop(&mut self) {
+        TOJSON_LIMIT.with(|l| l.set(usize::MAX));
+    }
 }
 
 /// How `tojson` writes, as Python's `json.dumps` takes it.
@@ -617,7 +643,8 @@ fn write_json_string(s: &str, ensure_ascii: bool, out: &mut String) {
             '\t' => out.push_str("\\t"),
             '\u{8}' => out.push_str("\\b"),
             '\u{c}' => out.push_str("\\f"),
-            c if (c as u32) < 0x20 || (ensure_ascii && !c.is_ascii()) => {
+            // Python escapes what is not printable ASCII (` ` to `~`) when `ensure_ascii`.
+            c if (c as u32) < 0x20 || (ensure_ascii && !(' '..='~').contains(&c)) => {
                 let mut units = [0u16; 2];
                 for unit in c.encode_utf16(&mut units) {
                     out.push_str(&format!("\\u{unit:04x}"));
@@ -666,6 +693,14 @@ pub fn looked_for(tokenizer: &Path) -> Vec<PathBuf> {
 mod tests {
     use super::*;
 
+    /// The error rendering `source` with no messages gives.
+    fn render_error(source: &str) -> String {
+        let t = ChatTemplate::new(source, SpecialTokens::default(), "test").unwrap();
+        t.render(&[], None, false, &mut Budget::for_tokens(10))
+            .unwrap_err()
+            .to_string()
+    }
+
     fn render(source: &str, ctx: Value) -> String {
         let t = ChatTemplate::new(source, SpecialTokens::default(), "test").unwrap();
         t.env
@@ -699,11 +734,7 @@ mod tests {
             ),
             r#"{"k":"\u00e9\ud83d\ude00","n":[1,2]}"#
         );
-        let t = ChatTemplate::new("{{ x | tojson }}", SpecialTokens::default(), "t").unwrap();
-        assert!(
-            t.render(&[], None, false, &mut Budget::for_tokens(10))
-                .is_err()
-        );
+        assert!(render_error("{{ x | tojson }}").contains("undefined"));
         assert_eq!(python_float(1.5e-7), "1.5e-07");
     }
 
@@ -745,16 +776,7 @@ mod tests {
             ),
             "y|True"
         );
-        let t = ChatTemplate::new(
-            "{{ raise_exception('only user and assistant') }}",
-            SpecialTokens::default(),
-            "test",
-        )
-        .unwrap();
-        let e = t
-            .render(&[], None, false, &mut Budget::for_tokens(10))
-            .unwrap_err()
-            .to_string();
+        let e = render_error("{{ raise_exception('only user and assistant') }}");
         assert!(e.contains("only user and assistant"), "{e}");
         assert_eq!(
             render(
@@ -767,16 +789,9 @@ mod tests {
 
     #[test]
     fn a_template_that_never_ends_runs_out_of_fuel() {
-        let t = ChatTemplate::new(
+        let e = render_error(
             "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
-            SpecialTokens::default(),
-            "test",
-        )
-        .unwrap();
-        let e = t
-            .render(&[], None, false, &mut Budget::for_tokens(10))
-            .unwrap_err()
-            .to_string();
+        );
         assert!(e.contains("instructions"), "{e}");
     }
 

@@ -6,7 +6,7 @@
 
 use std::path::Path;
 
-use feedstore_producer::chat::{ChatError, ChatTokenizer, Message, Role};
+use feedstore_producer::chat::{ChatError, ChatTokenizer, Encoded, Message, Role};
 use feedstore_producer::manifest::{Content, Manifest};
 use feedstore_producer::template::{ChatTemplate, SpecialTokens};
 mod common;
@@ -71,6 +71,20 @@ fn numbers<T: serde::de::DeserializeOwned>(v: &serde_json::Value) -> Vec<T> {
     serde_json::from_value(v.clone()).unwrap()
 }
 
+/// A golden case's record, read and encoded; with its name for messages.
+fn encode_case(tok: &ChatTokenizer, family: &str, case: &serde_json::Value) -> (String, Encoded) {
+    let what = format!("{family} / {}", case["name"]);
+    let (messages, tools) = read_record(case);
+    let encoded = tok
+        .encode_with_tools(
+            &messages,
+            tools.as_ref(),
+            &numbers::<usize>(&case["image_tokens"]),
+        )
+        .unwrap_or_else(|e| panic!("{what}: {e}"));
+    (what, encoded)
+}
+
 #[test]
 fn ids_and_labels_match_transformers_for_four_families() {
     let goldens = goldens();
@@ -82,15 +96,7 @@ fn ids_and_labels_match_transformers_for_four_families() {
         let mine: Vec<_> = cases.iter().filter(|c| c["template"] == **name).collect();
         assert!(mine.len() >= 5, "{name}: {} cases", mine.len());
         for case in mine {
-            let what = format!("{name} / {}", case["name"]);
-            let (messages, tools) = read_record(case);
-            let encoded = tok
-                .encode_with_tools(
-                    &messages,
-                    tools.as_ref(),
-                    &numbers::<usize>(&case["image_tokens"]),
-                )
-                .unwrap_or_else(|e| panic!("{what}: {e}"));
+            let (what, encoded) = encode_case(&tok, name, case);
             assert_eq!(encoded.ids, numbers::<u32>(&case["ids"]), "{what}: ids");
             assert_eq!(
                 encoded.labels,
@@ -114,15 +120,7 @@ fn replies_found_by_markers_get_the_same_labels() {
             if case["template"] != name {
                 continue;
             }
-            let what = format!("{name} / {}", case["name"]);
-            let (messages, tools) = read_record(case);
-            let encoded = tok
-                .encode_with_tools(
-                    &messages,
-                    tools.as_ref(),
-                    &numbers::<usize>(&case["image_tokens"]),
-                )
-                .unwrap_or_else(|e| panic!("{what}: {e}"));
+            let (what, encoded) = encode_case(&tok, name, case);
             assert_eq!(encoded.labels, numbers::<i32>(&case["labels"]), "{what}");
         }
     }
