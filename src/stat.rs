@@ -47,6 +47,13 @@ pub fn run(args: Args) -> anyhow::Result<()> {
                         "making": t.making, "put": t.put, "returned": t.returned,
                         "slowest": t.slowest, "fastest": t.fastest,
                         "cold_start_us": t.cold_start_us,
+                        "ranks_attached": t.ranks_attached.iter().map(|r| serde_json::json!({
+                            "rank": r.rank, "released": r.released, "ready": r.ready,
+                            "waited_us": r.figures.waited_us, "taken": r.figures.taken,
+                            "elapsed_us": r.figures.elapsed_us,
+                            "first_sample_us": r.figures.first_sample_us,
+                            "wait_ratio": r.figures.wait_ratio(),
+                        })).collect::<Vec<_>>(),
                     })
                 })
                 .collect(),
@@ -162,6 +169,35 @@ pub fn run(args: Args) -> anyhow::Result<()> {
                 format!("{:.2} s", t.cold_start_us as f64 / 1e6)
             }
         );
+        if (t.consumers as usize) > t.ranks_attached.len() {
+            println!(
+                "    ({} more attached rank(s) not listed)",
+                t.consumers as usize - t.ranks_attached.len()
+            );
+        }
+        for r in &t.ranks_attached {
+            let f = &r.figures;
+            let rate = if f.elapsed_us == 0 {
+                0.0
+            } else {
+                f.taken as f64 / (f.elapsed_us as f64 / 1e6)
+            };
+            println!(
+                "    rank {}: at {}, {} ready; its trainer waited {:.1}% of {:.1} s, {} samples ({:.1}/s), first sample after {}",
+                r.rank,
+                r.released,
+                r.ready,
+                100.0 * f.wait_ratio(),
+                f.elapsed_us as f64 / 1e6,
+                f.taken,
+                rate,
+                if f.first_sample_us == 0 {
+                    "(none yet)".to_string()
+                } else {
+                    format!("{:.3} s", f.first_sample_us as f64 / 1e6)
+                }
+            );
+        }
     }
     Ok(())
 }

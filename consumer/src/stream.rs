@@ -11,7 +11,9 @@ use std::ops::Deref;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use feedstore_proto::frame::{Opcode, RankAt, Request, Response, StreamItem, StreamTask};
+use feedstore_proto::frame::{
+    Opcode, RankAt, RankFigures, Request, Response, StreamItem, StreamTask,
+};
 use feedstore_proto::ring::{ENTRY_FAILED, RingEntry, RingHeader, RingWords};
 use feedstore_proto::sample::{SampleError, SampleView};
 use feedstore_proto::stream::{StreamSpec, StreamState};
@@ -97,7 +99,18 @@ pub struct Stream {
     first_sample: Option<Duration>,
     /// The daemon knows this rank read past its last sample.
     told_end: bool,
+    /// The first `next_sample` call: the trainer's loop runs from here.
+    started: Option<Instant>,
+    /// Time spent waiting for samples not yet in the ring.
+    waited: Duration,
+    /// Samples taken, and how many the daemon was last told of.
+    taken: u64,
+    reported: u64,
 }
+
+/// A consumer reports its figures to the daemon at least every this many samples (riding on a
+/// return when one is due, otherwise alone: one one-way message).
+const REPORT_EVERY: u64 = 64;
 
 impl std::fmt::Debug for Stream {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -207,6 +220,10 @@ impl Stream {
             opened: Instant::now(),
             first_sample: None,
             told_end: false,
+            started: None,
+            waited: Duration::ZERO,
+            taken: 0,
+            reported: 0,
         })
     }
 
@@ -214,6 +231,19 @@ impl Stream {
     /// before it).
     pub fn time_to_first_sample(&self) -> Option<Duration> {
         self.first_sample
+    }
+
+    /// What this consumer measured of its own reading, as it reports it to the daemon: time
+    /// spent waiting for samples not yet in the ring, samples taken, and time since its first
+    /// `next_sample` call (the rest of that time is the trainer's own work).
+    pub fn figures(&self) -> RankFigures {
+        let micros = |d: Duration| d.as_micros().min(u128::from(u64::MAX)) as u64;
+        RankFigures {
+            waited_us: micros(self.waited),
+            taken: self.taken,
+            elapsed_us: self.started.map_or(0, |s| micros(s.elapsed())),
+            first_sample_us: self.first_sample.map_or(0, |d| micros(d).max(1)),
+        }
     }
 
     /// Where the stream stands: save this with a checkpoint, and [`Stream::open`] from it to
@@ -237,6 +267,7 @@ impl Stream {
     /// [`Stream::next_sample`], waiting up to `wait` instead (an embedding that must react to
     /// signals waits in slices and retries on [`Error::Timeout`]; nothing is lost by a timeout).
     pub fn next_sample_within(&mut self, wait: Duration) -> Result<Option<StreamSample>, Error> {
+        self.started.get_or_insert_with(Instant::now);
         if self.end.is_some_and(|end| self.next >= end) {
             self.return_samples(true);
             if !self.told_end {
@@ -255,12 +286,20 @@ impl Stream {
         self.return_samples(false);
         let entry = match self.header.read_entry(&self.ring, self.next) {
             Some(entry) => entry,
-            None => match self.wait(wait)? {
-                Some(entry) => entry,
-                None => return Ok(None),
-            },
+            None => {
+                // Only here does the trainer wait for data: the clock is read on this path
+                // alone, never on the hand-off of a sample already in the ring.
+                let began = Instant::now();
+                let waited = self.wait(wait);
+                self.waited += began.elapsed();
+                match waited? {
+                    Some(entry) => entry,
+                    None => return Ok(None),
+                }
+            }
         };
         self.next += 1;
+        self.taken += 1;
         self.first_sample
             .get_or_insert_with(|| self.opened.elapsed());
         if entry.flags & ENTRY_FAILED != 0 {
@@ -304,17 +343,24 @@ impl Stream {
             .returned(seq);
     }
 
-    /// Tells the daemon which samples came back, once a batch is pending (or `now`).
+    /// Tells the daemon which samples came back, once a batch is pending (or `now`), and how
+    /// this consumer's reading went, every [`REPORT_EVERY`] samples (or `now`).
     fn return_samples(&mut self, now: bool) {
         let upto = self.returns.lock().unwrap_or_else(|e| e.into_inner()).upto;
-        if upto > self.sent && (now || upto - self.sent >= u64::from(self.opts.return_batch)) {
+        let returns_due =
+            upto > self.sent && (now || upto - self.sent >= u64::from(self.opts.return_batch));
+        let report_due =
+            self.taken >= self.reported + REPORT_EVERY || (now && self.taken > self.reported);
+        if returns_due || report_due {
             let release = Request::StreamRelease {
                 stream: self.id,
                 rank: self.rank,
-                upto,
+                upto: upto.max(self.sent),
+                figures: self.figures(),
             };
             if self.client.send_one_way(&release).is_ok() {
-                self.sent = upto;
+                self.sent = upto.max(self.sent);
+                self.reported = self.taken;
             }
         }
     }

@@ -23,6 +23,12 @@ macro_rules! store_stats {
                 [$((stringify!($name), self.$name)),+]
             }
 
+            /// Every counter with its name and its description (the field's documentation,
+            /// lines joined): for exports that describe what they export.
+            pub fn described(&self) -> [(&'static str, &'static str, u64); Self::FIELDS] {
+                [$((stringify!($name), concat!($($doc),+), self.$name)),+]
+            }
+
             /// The counters in wire order.
             pub(crate) fn from_fields(f: &[u64; Self::FIELDS]) -> StoreStats {
                 let mut values = f.iter().copied();

@@ -42,6 +42,8 @@ pub struct DaemonConfig {
     pub limits: Limits,
     /// Other nodes: who may pull from this one, and whom this one pulls from.
     pub cluster: crate::cluster::ClusterConfig,
+    /// Where Prometheus scrapes `/metrics` (`--metrics-addr`); none by default.
+    pub metrics_addr: Option<std::net::SocketAddr>,
 }
 
 /// What one client, or all of them together, may make the daemon hold. Every resource a client
@@ -110,6 +112,7 @@ impl Default for DaemonConfig {
             worker_threads: 1,
             limits: Limits::default(),
             cluster: crate::cluster::ClusterConfig::default(),
+            metrics_addr: None,
         }
     }
 }
@@ -221,6 +224,13 @@ pub struct Settings {
     /// Async worker threads; 1 serves everything on one thread, the lowest latency [default: 1].
     #[arg(long, value_name = "N")]
     pub worker_threads: Option<usize>,
+
+    /// Serve Prometheus metrics at http://ADDR:PORT/metrics, e.g. 127.0.0.1:9464: the store's
+    /// counters, each stream's, and each attached rank's wait-time ratio, samples and time to
+    /// first sample as its trainer reports them [default: off]. Anyone who can reach the address
+    /// reads stream names and counts: bind to loopback or a private network.
+    #[arg(long, value_name = "ADDR:PORT")]
+    pub metrics_addr: Option<String>,
 
     /// Accept other nodes' daemons (never clients) on this TCP address, e.g. 0.0.0.0:7070, so
     /// they can pull this node's objects. Needs --cluster-secret-file.
@@ -368,6 +378,12 @@ impl Settings {
         }
         if let Some(secs) = self.stream_idle_secs {
             l.stream_idle_timeout = Duration::from_secs(secs);
+        }
+        if let Some(v) = self.metrics_addr {
+            cfg.metrics_addr = Some(v.parse().map_err(|_| ConfigError::Value {
+                key: "metrics-addr",
+                message: format!("{v:?} is not an ADDR:PORT such as 127.0.0.1:9464"),
+            })?);
         }
         let c = &mut cfg.cluster;
         if let Some(v) = self.listen {

@@ -67,6 +67,14 @@ pub enum StartError {
     /// The cluster secret file is unusable, or the cluster settings are unsafe.
     #[error(transparent)]
     Secret(#[from] crate::cluster::auth::SecretError),
+    /// The metrics port could not be bound.
+    #[error("cannot serve metrics on {addr}")]
+    MetricsListen {
+        /// The address.
+        addr: std::net::SocketAddr,
+        /// Why.
+        source: std::io::Error,
+    },
     /// The peer port could not be bound.
     #[error("cannot listen for peers on {addr}")]
     PeerListen {
@@ -86,6 +94,8 @@ pub struct Daemon {
     listener: std::os::unix::net::UnixListener,
     /// Where other daemons connect (`--listen`).
     peer_listener: Option<std::net::TcpListener>,
+    /// Where Prometheus scrapes (`--metrics-addr`).
+    metrics_listener: Option<std::net::TcpListener>,
     socket: PathBuf,
     worker_threads: usize,
 }
@@ -141,6 +151,14 @@ impl Daemon {
                 std::net::TcpListener::bind(addr)
                     .and_then(|l| l.set_nonblocking(true).map(|()| l))
                     .map_err(|source| StartError::PeerListen { addr, source })?,
+            ),
+            None => None,
+        };
+        let metrics_listener = match config.metrics_addr {
+            Some(addr) => Some(
+                std::net::TcpListener::bind(addr)
+                    .and_then(|l| l.set_nonblocking(true).map(|()| l))
+                    .map_err(|source| StartError::MetricsListen { addr, source })?,
             ),
             None => None,
         };
@@ -225,10 +243,17 @@ impl Daemon {
                 "listening for peers"
             );
         }
+        if let Some(l) = &metrics_listener {
+            tracing::info!(
+                metrics = %l.local_addr().map_or_else(|e| e.to_string(), |a| format!("http://{a}/metrics")),
+                "serving metrics"
+            );
+        }
         Ok(Daemon {
             shared: Arc::new(shared),
             listener,
             peer_listener,
+            metrics_listener,
             socket: config.socket.clone(),
             worker_threads: config.worker_threads,
         })
@@ -262,6 +287,7 @@ impl Daemon {
             shared,
             listener,
             peer_listener,
+            metrics_listener,
             socket,
             ..
         } = self;
@@ -289,10 +315,19 @@ impl Daemon {
                     }
                 })
             };
-            let cluster_tasks = match shared.cluster() {
+            let mut cluster_tasks = match shared.cluster() {
                 Some(cluster) => cluster.clone().start(&shared, peer_listener),
                 None => Vec::new(),
             };
+            if let Some(listener) = metrics_listener {
+                match tokio::net::TcpListener::from_std(listener) {
+                    Ok(listener) => cluster_tasks.push(tokio::spawn(crate::metrics::serve(
+                        listener,
+                        shared.clone(),
+                    ))),
+                    Err(e) => tracing::error!(error = %e, "cannot serve the metrics listener"),
+                }
+            }
             loop {
                 tokio::select! {
                     accepted = listener.accept() => match accepted {

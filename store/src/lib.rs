@@ -40,6 +40,7 @@ pub mod cli;
 pub mod cluster;
 pub mod config;
 pub mod daemon;
+pub mod metrics;
 pub mod objects;
 pub mod peer;
 pub mod server;

@@ -286,6 +286,25 @@ impl Shared {
         self.cluster.as_ref()
     }
 
+    /// The statistics and every open stream (all their attached ranks), taken under one hold of
+    /// the locks: what a metrics scrape shows.
+    pub fn snapshot(
+        &self,
+    ) -> (
+        feedstore_proto::StoreStats,
+        Vec<feedstore_proto::frame::StreamInfo>,
+    ) {
+        let (mut stats, streams) = self.with_streams(|s, o| {
+            let mut stats = o.stats();
+            s.add_stats(&mut stats);
+            (stats, s.all())
+        });
+        if let Some(cluster) = &self.cluster {
+            cluster.add_stats(&mut stats);
+        }
+        (stats, streams)
+    }
+
     /// A snapshot of the statistics `feedstore stat` shows.
     pub fn stats(&self) -> feedstore_proto::StoreStats {
         let mut stats = self.with_streams(|s, o| {
@@ -746,8 +765,13 @@ impl Connection {
                     stream_reply(put, Response::Done)
                 }
             }
-            Request::StreamRelease { stream, rank, upto } => {
-                self.stream_release(id, stream, rank, upto);
+            Request::StreamRelease {
+                stream,
+                rank,
+                upto,
+                figures,
+            } => {
+                self.stream_release(id, stream, rank, upto, figures);
                 return Ok(());
             }
             Request::StreamWait {
@@ -821,10 +845,17 @@ impl Connection {
         Ok(placement)
     }
 
-    fn stream_release(&self, id: ConnId, stream: u32, rank: u32, upto: u64) {
+    fn stream_release(
+        &self,
+        id: ConnId,
+        stream: u32,
+        rank: u32,
+        upto: u64,
+        figures: feedstore_proto::frame::RankFigures,
+    ) {
         if let Err(e) = self
             .shared
-            .with_streams(|s, o| s.release(o, id, stream, rank, upto))
+            .with_streams(|s, o| s.release(o, id, stream, rank, upto, figures))
         {
             tracing::debug!(conn = id, stream, rank, upto, error = %e, "stream release refused");
         }
@@ -880,8 +911,13 @@ impl Connection {
         while let Some((request_id, request, len)) = self.take_frame()? {
             match request {
                 Request::Release { handles } => self.release(id, &handles),
-                Request::StreamRelease { stream, rank, upto } => {
-                    self.stream_release(id, stream, rank, upto);
+                Request::StreamRelease {
+                    stream,
+                    rank,
+                    upto,
+                    figures,
+                } => {
+                    self.stream_release(id, stream, rank, upto, figures);
                 }
                 other => {
                     let limits = &self.shared.limits;

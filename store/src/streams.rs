@@ -29,7 +29,7 @@ use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::os::fd::OwnedFd;
 use std::time::{Duration, Instant};
 
-use feedstore_proto::frame::{StreamInfo, StreamItem, StreamTask};
+use feedstore_proto::frame::{RankFigures, RankInfo, StreamInfo, StreamItem, StreamTask};
 use feedstore_proto::ring::{ENTRY_FAILED, RingEntry, RingHeader, ring_bytes};
 use feedstore_proto::stream::StreamSpec;
 use feedstore_proto::{Handle, Location, Role, Status};
@@ -154,6 +154,27 @@ struct Consumer {
     conn: ConnId,
     ring: Ring,
     published: Published,
+    /// What the consumer last reported of its reading (with its returns), and when.
+    figures: RankFigures,
+    reported_at: Option<Instant>,
+    /// Since when it has been waiting for a sample not yet ready (a `StreamWait` found it
+    /// missing, and none has found it since): a rank starving now shows as waiting before its
+    /// consumer's next report says so.
+    waiting_since: Option<Instant>,
+}
+
+impl Consumer {
+    /// Its figures as of now: the last report, plus the wait under way since then.
+    fn figures_now(&self, now: Instant) -> RankFigures {
+        let mut f = self.figures;
+        if let Some(since) = self.waiting_since {
+            let micros = |d: Duration| d.as_micros().min(u128::from(u64::MAX)) as u64;
+            f.waited_us = f.waited_us.saturating_add(micros(now - since));
+            let from = self.reported_at.map_or(since, |r| r.min(since));
+            f.elapsed_us = f.elapsed_us.saturating_add(micros(now - from));
+        }
+        f
+    }
 }
 
 impl Consumer {
@@ -781,6 +802,9 @@ impl Streams {
             conn,
             ring,
             published: Published::default(),
+            figures: RankFigures::default(),
+            reported_at: None,
+            waiting_since: None,
         };
         for entry in r.ready.values() {
             consumer.publish(objects, leases, entry);
@@ -1277,6 +1301,7 @@ impl Streams {
         id: u32,
         rank: u32,
         upto: u64,
+        figures: RankFigures,
     ) -> Result<(), StreamError> {
         let stream = self.stream(id)?;
         let leases = stream.leases;
@@ -1291,6 +1316,8 @@ impl Streams {
         }
         if let Some(c) = &mut r.consumer {
             c.published.read_below(upto);
+            c.figures = figures;
+            c.reported_at = Some(Instant::now());
         }
         for entry in &returned {
             if entry.flags & ENTRY_FAILED == 0 {
@@ -1321,10 +1348,16 @@ impl Streams {
             return Ok(Some(Status::Ended));
         }
         let r = Self::consumer_of(stream, conn, rank, "wait")?;
+        let ready = r.ready.contains_key(&seq);
         if let Some(c) = &mut r.consumer {
             c.published.read_below(seq);
+            if ready {
+                c.waiting_since = None;
+            } else {
+                c.waiting_since.get_or_insert_with(Instant::now);
+            }
         }
-        Ok(r.ready.contains_key(&seq).then_some(Status::Ok))
+        Ok(ready.then_some(Status::Ok))
     }
 
     /// The consumer on `conn` asks for `seq` of `rank`: if that is past the rank's last sample,
@@ -1499,22 +1532,7 @@ impl Streams {
             .range(after.saturating_add(1)..)
             .filter(|(_, s)| sees_all || s.owner_uid == uid);
         for (&id, s) in visible {
-            let info = StreamInfo {
-                id,
-                owner_uid: s.owner_uid,
-                name: s.spec.name.clone(),
-                depth: s.depth,
-                producers: s.producers.len() as u32,
-                consumers: s.ranks.values().filter(|r| r.consumer.is_some()).count() as u32,
-                ranks: s.ranks.len() as u32,
-                ready: s.ranks.values().map(|r| r.ready.len() as u64).sum(),
-                making: s.ranks.values().map(|r| r.assigned.len() as u64).sum(),
-                put: s.samples_put,
-                returned: s.samples_returned,
-                slowest: s.ranks.values().map(|r| r.released).min().unwrap_or(0),
-                fastest: s.ranks.values().map(|r| r.released).max().unwrap_or(0),
-                cold_start_us: s.cold_start.map_or(0, |d| d.as_micros().max(1) as u64),
-            };
+            let info = Self::info(id, s, StreamInfo::RANKS_LISTED);
             if !page.is_empty() && used + info.wire_bytes() > budget_bytes {
                 return (page, true);
             }
@@ -1522,6 +1540,49 @@ impl Streams {
             page.push(info);
         }
         (page, false)
+    }
+
+    /// Every open stream, whoever owns it, with every attached rank: for the daemon's own
+    /// metrics.
+    pub fn all(&self) -> Vec<StreamInfo> {
+        self.streams
+            .iter()
+            .map(|(&id, s)| Self::info(id, s, usize::MAX))
+            .collect()
+    }
+
+    /// A stream as listed, with at most `ranks` of its attached ranks.
+    fn info(id: u32, s: &Stream, ranks: usize) -> StreamInfo {
+        let now = Instant::now();
+        StreamInfo {
+            id,
+            owner_uid: s.owner_uid,
+            name: s.spec.name.clone(),
+            depth: s.depth,
+            producers: s.producers.len() as u32,
+            consumers: s.ranks.values().filter(|r| r.consumer.is_some()).count() as u32,
+            ranks: s.ranks.len() as u32,
+            ready: s.ranks.values().map(|r| r.ready.len() as u64).sum(),
+            making: s.ranks.values().map(|r| r.assigned.len() as u64).sum(),
+            put: s.samples_put,
+            returned: s.samples_returned,
+            slowest: s.ranks.values().map(|r| r.released).min().unwrap_or(0),
+            fastest: s.ranks.values().map(|r| r.released).max().unwrap_or(0),
+            cold_start_us: s.cold_start.map_or(0, |d| d.as_micros().max(1) as u64),
+            ranks_attached: s
+                .ranks
+                .iter()
+                .filter_map(|(&rank, r)| {
+                    r.consumer.as_ref().map(|c| RankInfo {
+                        rank,
+                        released: r.released,
+                        ready: r.ready.len() as u32,
+                        figures: c.figures_now(now),
+                    })
+                })
+                .take(ranks)
+                .collect(),
+        }
     }
 }
 
@@ -1626,7 +1687,8 @@ mod tests {
         );
         assert_eq!(s.poll(c, id, 0, 0).unwrap(), Some(Status::Ok));
         assert_eq!(s.poll(c, id, 0, 2).unwrap(), None);
-        s.release(&mut o, c, id, 0, 1).unwrap();
+        s.release(&mut o, c, id, 0, 1, RankFigures::default())
+            .unwrap();
         assert_eq!(
             s.take(p, id, 100, None).unwrap(),
             vec![StreamTask { rank: 0, seq: 2 }]
@@ -1653,7 +1715,8 @@ mod tests {
         let items = fill(&mut o, &mut s, p, id);
         s.attach(&mut o, c, &spec(4), 0, 0).unwrap();
         // The consumer read 0..3 (holding 0), then its stream went: a detach at 3.
-        s.release(&mut o, c, id, 0, 0).unwrap();
+        s.release(&mut o, c, id, 0, 0, RankFigures::default())
+            .unwrap();
         s.detach(&mut o, c, id, 0, 3).unwrap();
         assert_eq!(
             o.stats().leases,
@@ -1927,7 +1990,8 @@ mod tests {
             .unwrap();
         fill(&mut o, &mut s, p, id);
         s.attach(&mut o, c, &spec(2), 0, 0).unwrap();
-        s.release(&mut o, c, id, 0, 3).unwrap();
+        s.release(&mut o, c, id, 0, 3, RankFigures::default())
+            .unwrap();
         s.disconnect(c);
         // The checkpoint said 1: 1 and 2 were returned, 3 is still held.
         let c2 = client(&mut o, Role::Reader, 1000);

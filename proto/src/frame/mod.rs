@@ -30,7 +30,7 @@ mod stats;
 mod streams;
 
 pub use objects::Created;
-pub use streams::{RankAt, StreamInfo, StreamItem, StreamTask};
+pub use streams::{RankAt, RankFigures, RankInfo, StreamInfo, StreamItem, StreamTask};
 
 use crate::stream::StreamSpec;
 pub use crate::wire::DecodeError;
@@ -43,7 +43,8 @@ pub const MAGIC: u16 = 0xFD5E;
 /// detach, paged stream lists, attach without creating. Version 3: cross-node pull statistics
 /// and statuses (`Unreachable`, `Corrupt`). Version 4: where a stream's ranks are read
 /// (`StreamJoin` `at` and `relay`). Version 5: `InUse`, a rank that already has a consumer.
-pub const VERSION: u16 = 5;
+/// Version 6: consumers report their figures with their returns; stream lists carry them.
+pub const VERSION: u16 = 6;
 /// Size of the frame header.
 pub const HEADER_BYTES: usize = 16;
 /// Default maximum payload a side accepts (room for a batch of ~65k handles).
@@ -421,8 +422,9 @@ pub enum Request {
         /// The samples.
         items: Vec<StreamItem>,
     },
-    /// A consumer returns every sample before `upto` to the stream's window. One-way: no reply.
-    /// (The bytes stay leased by the consumer's own connection until each view goes.)
+    /// A consumer returns every sample before `upto` to the stream's window, and reports its
+    /// figures. One-way: no reply. (The bytes stay leased by the consumer's own connection
+    /// until each view goes.)
     StreamRelease {
         /// From [`Response::StreamAttached`].
         stream: u32,
@@ -430,6 +432,8 @@ pub enum Request {
         rank: u32,
         /// Everything below this sequence number is returned.
         upto: u64,
+        /// What the consumer measured of its reading so far.
+        figures: RankFigures,
     },
     /// A consumer waits until `seq` is in its ring, up to `timeout_ms`.
     StreamWait {
@@ -604,8 +608,14 @@ impl Request {
                     w.u32(*stream);
                     w.list(items);
                 }
-                Request::StreamRelease { stream, rank, upto } => {
+                Request::StreamRelease {
+                    stream,
+                    rank,
+                    upto,
+                    figures,
+                } => {
                     streams::encode_position(w, *stream, *rank, *upto);
+                    figures.encode(w);
                 }
                 Request::StreamWait {
                     stream,
@@ -678,7 +688,12 @@ impl Request {
             },
             Opcode::StreamRelease => {
                 let (stream, rank, upto) = streams::decode_position(&mut r)?;
-                Request::StreamRelease { stream, rank, upto }
+                Request::StreamRelease {
+                    stream,
+                    rank,
+                    upto,
+                    figures: RankFigures::decode(&mut r)?,
+                }
             }
             Opcode::StreamWait => {
                 let (stream, rank, seq) = streams::decode_position(&mut r)?;

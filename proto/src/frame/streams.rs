@@ -168,18 +168,107 @@ pub struct StreamInfo {
     pub fastest: u64,
     /// Microseconds from the stream's creation to its first sample; 0 before that.
     pub cold_start_us: u64,
+    /// The ranks with a consumer attached, by rank, as their consumers report them (at most
+    /// [`StreamInfo::RANKS_LISTED`]).
+    pub ranks_attached: Vec<RankInfo>,
+}
+
+/// What a consumer measures of its own reading and reports with its returns
+/// ([`crate::frame::Request::StreamRelease`]): the trainer's side of the wait-time ratio.
+/// Times count from its first request for a sample.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct RankFigures {
+    /// Microseconds it spent waiting for samples not yet in its ring.
+    pub waited_us: u64,
+    /// Samples it took.
+    pub taken: u64,
+    /// Microseconds since its first request for a sample, when it reported.
+    pub elapsed_us: u64,
+    /// Microseconds from opening to its first sample; 0 before that.
+    pub first_sample_us: u64,
+}
+
+impl RankFigures {
+    /// The share of its time the rank spent waiting for data (0 before anything is known).
+    pub fn wait_ratio(&self) -> f64 {
+        if self.elapsed_us == 0 {
+            0.0
+        } else {
+            (self.waited_us as f64 / self.elapsed_us as f64).min(1.0)
+        }
+    }
+}
+
+impl Wire for RankFigures {
+    const MIN_BYTES: usize = 4 * 8;
+    fn encode(&self, w: &mut Writer<'_>) {
+        for v in [
+            self.waited_us,
+            self.taken,
+            self.elapsed_us,
+            self.first_sample_us,
+        ] {
+            w.u64(v);
+        }
+    }
+    fn decode(r: &mut Reader<'_>) -> Result<Self, DecodeError> {
+        Ok(RankFigures {
+            waited_us: r.u64()?,
+            taken: r.u64()?,
+            elapsed_us: r.u64()?,
+            first_sample_us: r.u64()?,
+        })
+    }
+}
+
+/// One attached rank of a stream, as `feedstore stat` and the metrics show it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RankInfo {
+    /// The rank.
+    pub rank: u32,
+    /// The first sequence number its consumer has not returned.
+    pub released: u64,
+    /// Samples made and waiting in its window.
+    pub ready: u32,
+    /// What its consumer last reported, plus a wait under way since (as the daemon sees it).
+    pub figures: RankFigures,
+}
+
+impl Wire for RankInfo {
+    const MIN_BYTES: usize = 4 + 8 + 4 + RankFigures::MIN_BYTES;
+    fn encode(&self, w: &mut Writer<'_>) {
+        w.u32(self.rank);
+        w.u64(self.released);
+        w.u32(self.ready);
+        self.figures.encode(w);
+    }
+    fn decode(r: &mut Reader<'_>) -> Result<Self, DecodeError> {
+        Ok(RankInfo {
+            rank: r.u32()?,
+            released: r.u64()?,
+            ready: r.u32()?,
+            figures: RankFigures::decode(r)?,
+        })
+    }
 }
 
 impl StreamInfo {
+    /// The most attached ranks one entry lists: 256 × 48 bytes fit any page a client may ask
+    /// for (at least 64 KiB).
+    pub const RANKS_LISTED: usize = 256;
+
     /// Bytes this entry takes in a [`crate::frame::Response::Streams`] page.
     pub fn wire_bytes(&self) -> usize {
-        <StreamInfo as Wire>::MIN_BYTES + self.name.len()
+        <StreamInfo as Wire>::MIN_BYTES
+            + self.name.len()
+            + self.ranks_attached.len() * RankInfo::MIN_BYTES
     }
 }
 
 impl Wire for StreamInfo {
-    /// An empty name: id, owner, the name's length, four `u32`s and seven `u64`s.
-    const MIN_BYTES: usize = 4 + 4 + 2 + 4 * 4 + 7 * 8;
+    /// An empty name: id, owner, the name's length, four `u32`s, seven `u64`s and an empty
+    /// rank list (its count).
+    const MIN_BYTES: usize = 4 + 4 + 2 + 4 * 4 + 7 * 8 + 4;
     fn encode(&self, w: &mut Writer<'_>) {
         w.u32(self.id);
         w.u32(self.owner_uid);
@@ -198,6 +287,7 @@ impl Wire for StreamInfo {
         ] {
             w.u64(v);
         }
+        w.list(&self.ranks_attached);
     }
     fn decode(r: &mut Reader<'_>) -> Result<Self, DecodeError> {
         Ok(StreamInfo {
@@ -215,6 +305,7 @@ impl Wire for StreamInfo {
             slowest: r.u64()?,
             fastest: r.u64()?,
             cold_start_us: r.u64()?,
+            ranks_attached: r.list()?,
         })
     }
 }

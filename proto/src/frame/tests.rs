@@ -104,14 +104,32 @@ fn item() -> impl Strategy<Value = StreamItem> {
     )
 }
 
+fn figures() -> impl Strategy<Value = RankFigures> {
+    prop::array::uniform4(any::<u64>()).prop_map(|f| RankFigures {
+        waited_us: f[0],
+        taken: f[1],
+        elapsed_us: f[2],
+        first_sample_us: f[3],
+    })
+}
+
 fn info() -> impl Strategy<Value = StreamInfo> {
+    let rank = (any::<u32>(), any::<u64>(), any::<u32>(), figures()).prop_map(
+        |(rank, released, ready, figures)| RankInfo {
+            rank,
+            released,
+            ready,
+            figures,
+        },
+    );
     (
         (any::<u32>(), any::<u32>()),
         text(MAX_STREAM_NAME),
         prop::array::uniform4(any::<u32>()),
         prop::array::uniform7(any::<u64>()),
+        prop::collection::vec(rank, 0..4),
     )
-        .prop_map(|((id, owner_uid), name, a, b)| StreamInfo {
+        .prop_map(|((id, owner_uid), name, a, b, ranks_attached)| StreamInfo {
             id,
             owner_uid,
             name,
@@ -126,6 +144,7 @@ fn info() -> impl Strategy<Value = StreamInfo> {
             slowest: b[4],
             fastest: b[5],
             cold_start_us: b[6],
+            ranks_attached,
         })
 }
 
@@ -191,8 +210,14 @@ fn request() -> impl Strategy<Value = Request> {
         }),
         (any::<u32>(), prop::collection::vec(item(), 0..20))
             .prop_map(|(stream, items)| Request::StreamPut { stream, items }),
-        (any::<u32>(), any::<u32>(), any::<u64>())
-            .prop_map(|(stream, rank, upto)| Request::StreamRelease { stream, rank, upto }),
+        (any::<u32>(), any::<u32>(), any::<u64>(), figures()).prop_map(
+            |(stream, rank, upto, figures)| Request::StreamRelease {
+                stream,
+                rank,
+                upto,
+                figures
+            }
+        ),
         (any::<u32>(), any::<u32>(), any::<u64>(), any::<u32>()).prop_map(
             |(stream, rank, seq, timeout_ms)| Request::StreamWait {
                 stream,
@@ -412,6 +437,7 @@ fn listed(id: u32, name: &str) -> StreamInfo {
         slowest: 0,
         fastest: 0,
         cold_start_us: 0,
+        ranks_attached: Vec::new(),
     }
 }
 
@@ -431,6 +457,12 @@ fn min_bytes_are_the_smallest_encodings() {
         epochs: None,
     });
     min_bytes_is_tight(&StreamTask { rank: 0, seq: 0 });
+    min_bytes_is_tight(&RankInfo {
+        rank: 0,
+        released: 0,
+        ready: 0,
+        figures: RankFigures::default(),
+    });
     min_bytes_is_tight(&RankAt {
         rank: 0,
         addr: String::new(),
