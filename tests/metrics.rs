@@ -56,6 +56,14 @@ fn sample(scrape: &str, name_and_labels: &str) -> Option<f64> {
     })
 }
 
+/// A daemon serving metrics on a free loopback port: its scratch folder, the port, the daemon.
+fn daemon_with_metrics(test: &str) -> (std::path::PathBuf, u16, DaemonProcess) {
+    let dir = scratch_dir(test);
+    let port = free_port();
+    let daemon = DaemonProcess::start(&dir, &["--metrics-addr", &format!("127.0.0.1:{port}")]);
+    (dir, port, daemon)
+}
+
 /// A child process killed when dropped.
 struct Killed(Child);
 
@@ -72,9 +80,7 @@ fn a_ranks_wait_time_ratio_reaches_prometheus() {
         "a_ranks_wait_time_ratio_reaches_prometheus",
         Duration::from_secs(240),
     );
-    let dir = scratch_dir("metrics");
-    let port = free_port();
-    let daemon = DaemonProcess::start(&dir, &["--metrics-addr", &format!("127.0.0.1:{port}")]);
+    let (dir, port, daemon) = daemon_with_metrics("metrics");
 
     // A producer that makes one sample every 4 ms, a trainer that computes 2 ms per sample:
     // the trainer waits about half its time.
@@ -269,9 +275,7 @@ fn the_metrics_server_answers_only_what_it_serves() {
         "the_metrics_server_answers_only_what_it_serves",
         Duration::from_secs(60),
     );
-    let dir = scratch_dir("metrics-http");
-    let port = free_port();
-    let _daemon = DaemonProcess::start(&dir, &["--metrics-addr", &format!("127.0.0.1:{port}")]);
+    let (_dir, port, _daemon) = daemon_with_metrics("metrics-http");
     assert!(get(port, "/").0.contains("404"));
     assert!(get(port, "/metrics?x=1").0.contains("200"));
     let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
@@ -298,9 +302,7 @@ fn a_starving_rank_shows_as_waiting_before_it_reports() {
         "a_starving_rank_shows_as_waiting_before_it_reports",
         Duration::from_secs(60),
     );
-    let dir = scratch_dir("metrics-starving");
-    let port = free_port();
-    let daemon = DaemonProcess::start(&dir, &["--metrics-addr", &format!("127.0.0.1:{port}")]);
+    let (_dir, port, daemon) = daemon_with_metrics("metrics-starving");
     let spec = StreamSpec {
         name: "starving".into(),
         records: 10,
