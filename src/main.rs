@@ -10,6 +10,7 @@ mod demo;
 mod produce;
 mod stat;
 mod streams;
+mod top;
 
 /// feedstore: a per-node shared-memory object store that keeps training GPUs fed.
 ///
@@ -44,6 +45,10 @@ enum Command {
     /// List the daemon's streams, or close one (an ended stream stays listed, holding its ready
     /// samples, until closed or expired).
     Stream(streams::Args),
+    /// Watch the streams live: per stream and rank, the trainer's wait-time ratio over the last
+    /// interval and since its first request, samples/s, lag, and a verdict (compute- or
+    /// data-bound). Refreshes in place on a terminal, prints one view per interval otherwise.
+    Top(top::Args),
 }
 
 /// Lets `feedstore stat | head -3` end quietly, as Unix tools do: Rust ignores `SIGPIPE`, so a
@@ -130,6 +135,7 @@ fn main() -> ExitCode {
     feedstore_store::cli::init_logging_with_default("warn");
     let result = match cli.command {
         Command::Stat(args) => stat::run(args),
+        Command::Top(args) => top::run(args),
         Command::Demo(args) => demo::run(*args),
         Command::Check(args) => check::run(args),
         Command::Produce(args) => produce::run_produce(*args),

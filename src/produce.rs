@@ -1,6 +1,6 @@
 //! `feedstore produce`: a manifest in, samples sealed in the store out.
 
-use std::io::Write;
+use std::io::{IsTerminal, Write};
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -429,6 +429,9 @@ pub fn run_produce(args: Args) -> anyhow::Result<()> {
     let started = Instant::now();
     let mut last = Instant::now();
     let (mut produced, mut rejected, mut bytes) = (0u64, 0u64, 0u64);
+    // On a terminal, a progress bar (with an ETA once the run's length is known); otherwise
+    // plain lines every half second, for logs.
+    let bar = std::io::stderr().is_terminal().then(progress_bar);
     let mut write_error = None;
     let on_event = |event: &Event, profiler: &feedstore_producer::profile::Profiler| {
         match event {
@@ -452,17 +455,28 @@ pub fn run_produce(args: Args) -> anyhow::Result<()> {
                 }
             }
         }
+        if let Some(bar) = &bar {
+            bar.set_position(produced + rejected);
+        }
         if last.elapsed() >= Duration::from_millis(500) {
             last = Instant::now();
             let wall = started.elapsed();
             let profile = profiler.snapshot(wall, config.workers, config.fetch_concurrency);
-            eprintln!(
-                "  {produced} produced, {rejected} rejected, {:.1} samples/s, {:.0} MB/s into the store, {} fetches in flight; {}",
-                produced as f64 / wall.as_secs_f64(),
-                bytes as f64 / 1e6 / wall.as_secs_f64(),
-                profile.fetch_in_flight,
-                profile.verdict()
-            );
+            match &bar {
+                Some(bar) => bar.set_message(format!(
+                    "{rejected} rejected, {:.0} MB/s, {} fetches in flight; {}",
+                    bytes as f64 / 1e6 / wall.as_secs_f64(),
+                    profile.fetch_in_flight,
+                    profile.verdict()
+                )),
+                None => eprintln!(
+                    "  {produced} produced, {rejected} rejected, {:.1} samples/s, {:.0} MB/s into the store, {} fetches in flight; {}",
+                    produced as f64 / wall.as_secs_f64(),
+                    bytes as f64 / 1e6 / wall.as_secs_f64(),
+                    profile.fetch_in_flight,
+                    profile.verdict()
+                ),
+            }
         }
     };
     let summary = match &args.stream.stream {
@@ -482,6 +496,12 @@ pub fn run_produce(args: Args) -> anyhow::Result<()> {
                     .with_context(|| format!("indexing {}", args.manifest.display()))?,
             );
             let feed_config = args.stream.feed(name, manifest.len())?;
+            if let (Some(bar), Some(epochs)) = (&bar, feed_config.spec.epochs) {
+                // This producer's share: its ranks' positions over every epoch.
+                let total = feed_config.spec.per_rank() * feed_config.ranks.len() as u64 * epochs;
+                bar.set_length(total);
+                bar.set_style(bar_style(true));
+            }
             eprintln!(
                 "feeding stream {name:?}: {} records, {} per rank per epoch, ranks {:?}, {} epochs",
                 manifest.len(),
@@ -502,6 +522,9 @@ pub fn run_produce(args: Args) -> anyhow::Result<()> {
             )?
         }
     };
+    if let Some(bar) = &bar {
+        bar.finish();
+    }
     rejects.flush().context("writing the rejects file")?;
     if let Some(out) = handles.as_mut() {
         out.flush().context("writing the handles file")?;
@@ -531,4 +554,21 @@ pub fn run_produce(args: Args) -> anyhow::Result<()> {
         );
     }
     Ok(())
+}
+
+/// A progress bar on stderr: records done, rate, elapsed, and the profiler's verdict as its
+/// message; a length (and an ETA) once the run's size is known.
+fn progress_bar() -> indicatif::ProgressBar {
+    let bar = indicatif::ProgressBar::no_length().with_style(bar_style(false));
+    bar.enable_steady_tick(Duration::from_millis(200));
+    bar
+}
+
+fn bar_style(known_length: bool) -> indicatif::ProgressStyle {
+    let template = if known_length {
+        "{spinner} [{elapsed_precise}] {bar:40} {pos}/{len} records, {per_sec}, ETA {eta}\n  {wide_msg}"
+    } else {
+        "{spinner} [{elapsed_precise}] {pos} records, {per_sec}\n  {wide_msg}"
+    };
+    indicatif::ProgressStyle::with_template(template).expect("a valid template")
 }

@@ -48,6 +48,18 @@ fn get(port: u16, path: &str) -> (String, String) {
     )
 }
 
+/// `text` as a URL query value.
+fn url_encode(text: &str) -> String {
+    text.bytes()
+        .map(|b| match b {
+            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'_' | b'.' | b'~' => {
+                (b as char).to_string()
+            }
+            _ => format!("%{b:02X}"),
+        })
+        .collect()
+}
+
 /// The value of the sample `name{labels}` in a scrape (labels as written, in order).
 fn sample(scrape: &str, name_and_labels: &str) -> Option<f64> {
     scrape.lines().find_map(|line| {
@@ -264,6 +276,43 @@ fn a_ranks_wait_time_ratio_reaches_prometheus() {
         "Prometheus answers {value:.3}, the trainer measured {own:.3}"
     );
 
+    // The Grafana dashboard's queries name metrics the daemon exports, and Prometheus runs
+    // every one of them.
+    let dashboard: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/deploy/grafana/feedstore.json"
+        ))
+        .unwrap(),
+    )
+    .unwrap();
+    let mut queries = 0;
+    for panel in dashboard["panels"].as_array().unwrap() {
+        for target in panel["targets"].as_array().unwrap() {
+            let expr = target["expr"].as_str().unwrap();
+            for name in expr
+                .split(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+                .filter(|w| w.starts_with("feedstore_"))
+            {
+                assert!(
+                    scrape.contains(&format!("# TYPE {name} ")),
+                    "the dashboard queries {name}, which the daemon does not export"
+                );
+            }
+            let expr = expr
+                .replace("$__rate_interval", "10s")
+                .replace("$instance", ".*");
+            let (_, body) = get(
+                prom_port,
+                &format!("/api/v1/query?query={}", url_encode(&expr)),
+            );
+            let answer: serde_json::Value = serde_json::from_str(&body).unwrap();
+            assert_eq!(answer["status"], "success", "{expr}: {answer}");
+            queries += 1;
+        }
+    }
+    assert!(queries >= 12, "{queries}");
+
     // The trainer read the whole epoch: the producer sees the stream end.
     producer.join().unwrap();
     drop(stream);
@@ -335,4 +384,257 @@ fn a_starving_rank_shows_as_waiting_before_it_reports() {
         .unwrap()
             > 0.0
     );
+}
+
+/// `feedstore top` in a real terminal (tmux on a server of its own): while a trainer reads a
+/// stream fed by a slow producer, the view shows the stream, the rank's wait and a verdict.
+#[test]
+fn feedstore_top_shows_a_running_stream_in_a_terminal() {
+    let _w = watchdog(
+        "feedstore_top_shows_a_running_stream_in_a_terminal",
+        Duration::from_secs(120),
+    );
+    let (dir, _port, daemon) = daemon_with_metrics("metrics-top");
+    let spec = StreamSpec {
+        name: "top-run".into(),
+        records: 400,
+        seed: 3,
+        world: 1,
+        shuffle: Shuffle::Full,
+        tail: Tail::Drop,
+        epochs: Some(1),
+    };
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let producer = {
+        let (socket, spec, stop) = (daemon.socket.clone(), spec.clone(), stop.clone());
+        std::thread::spawn(move || {
+            let client = connect(&socket, feedstore_consumer::Role::Writer);
+            let feeder =
+                StreamFeeder::join(&client, &spec, 4, &[StreamTask { rank: 0, seq: 0 }]).unwrap();
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                let Some(tasks) = feeder.take(1, Duration::from_millis(200)).unwrap() else {
+                    break;
+                };
+                let made = tasks
+                    .into_iter()
+                    .map(|task| {
+                        std::thread::sleep(Duration::from_millis(10));
+                        let mut w = client.create(64).unwrap();
+                        w.as_mut_slice().fill(1);
+                        Delivery {
+                            task,
+                            record: spec.record_at(task.rank, task.seq),
+                            key: 0,
+                            made: Made::Written(w),
+                        }
+                    })
+                    .collect();
+                if feeder.put(made).is_err() {
+                    break;
+                }
+            }
+        })
+    };
+    let trainer = {
+        let (socket, spec, stop) = (daemon.socket.clone(), spec.clone(), stop.clone());
+        std::thread::spawn(move || {
+            let mut stream =
+                Stream::open(&socket, &spec, 0, None, StreamOptions::default()).unwrap();
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                match stream.next_sample() {
+                    Ok(Some(_)) => std::thread::sleep(Duration::from_millis(2)),
+                    _ => break,
+                }
+            }
+        })
+    };
+
+    let server = format!("feedstore-top-{}", std::process::id());
+    let tmux = |args: &[&str]| {
+        Command::new("tmux")
+            .args(["-L", &server])
+            .args(args)
+            .output()
+            .expect("tmux")
+    };
+    let command = format!(
+        "{} top --socket {} --interval 0.5",
+        env!("CARGO_BIN_EXE_feedstore"),
+        daemon.socket.display()
+    );
+    let started = tmux(&[
+        "new-session",
+        "-d",
+        "-s",
+        "top",
+        "-x",
+        "160",
+        "-y",
+        "40",
+        &command,
+    ]);
+    assert!(started.status.success(), "{started:?}");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let screen = loop {
+        let captured = tmux(&["capture-pane", "-p", "-t", "top"]);
+        let screen = String::from_utf8_lossy(&captured.stdout).into_owned();
+        if screen.contains("data-bound") || screen.contains("compute-bound") {
+            break screen;
+        }
+        if Instant::now() > deadline {
+            let _ = tmux(&["kill-server"]);
+            panic!("no view within 30 s:\n{screen}");
+        }
+        std::thread::sleep(Duration::from_millis(300));
+    };
+    let _ = tmux(&["kill-server"]);
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    trainer.join().unwrap();
+    producer.join().unwrap();
+    assert!(screen.contains("stream \"top-run\""), "{screen}");
+    assert!(
+        screen.contains("wait now") && screen.contains("samples/s"),
+        "{screen}"
+    );
+    // The producer makes a sample every 10 ms, the trainer needs 2 ms: it waits for data.
+    assert!(screen.contains("verdict: data-bound"), "{screen}");
+    std::fs::write(dir.join("top-screen.txt"), &screen).unwrap();
+}
+
+/// A rank's counters only grow, scrape after scrape, while its trainer alternates between
+/// waiting (a producer that stalls now and then) and computing between reports: the daemon's
+/// estimate of a wait never falls back to an older report.
+#[test]
+fn rank_counters_never_go_back() {
+    let _w = watchdog("rank_counters_never_go_back", Duration::from_secs(120));
+    let (_dir, port, daemon) = daemon_with_metrics("metrics-monotonic");
+    let spec = StreamSpec {
+        name: "bursty".into(),
+        records: 60,
+        seed: 5,
+        world: 1,
+        shuffle: Shuffle::None,
+        tail: Tail::Drop,
+        epochs: Some(1),
+    };
+    let producer = {
+        let (socket, spec) = (daemon.socket.clone(), spec.clone());
+        std::thread::spawn(move || {
+            let client = connect(&socket, feedstore_consumer::Role::Writer);
+            let feeder =
+                StreamFeeder::join(&client, &spec, 4, &[StreamTask { rank: 0, seq: 0 }]).unwrap();
+            while let Some(tasks) = feeder.take(1, Duration::from_millis(200)).unwrap() {
+                let made = tasks
+                    .into_iter()
+                    .map(|task| {
+                        // Stall for a while every tenth sample.
+                        if task.seq % 10 == 9 {
+                            std::thread::sleep(Duration::from_millis(300));
+                        }
+                        let mut w = client.create(64).unwrap();
+                        w.as_mut_slice().fill(1);
+                        Delivery {
+                            task,
+                            record: spec.record_at(task.rank, task.seq),
+                            key: 0,
+                            made: Made::Written(w),
+                        }
+                    })
+                    .collect();
+                feeder.put(made).unwrap();
+            }
+        })
+    };
+    let trainer = {
+        let (socket, spec) = (daemon.socket.clone(), spec.clone());
+        std::thread::spawn(move || {
+            let mut stream =
+                Stream::open(&socket, &spec, 0, None, StreamOptions::default()).unwrap();
+            while let Some(sample) = stream.next_sample().unwrap() {
+                drop(sample);
+                std::thread::sleep(Duration::from_millis(40));
+            }
+            stream
+        })
+    };
+    let labels = r#"{stream="bursty",uid="0",rank="0"}"#;
+    let mut last = (0.0, 0.0);
+    let mut scrapes = 0;
+    while !trainer.is_finished() {
+        let (_, scrape) = get(port, "/metrics");
+        let waited = sample(
+            &scrape,
+            &format!("feedstore_rank_wait_seconds_total{labels}"),
+        );
+        let run = sample(
+            &scrape,
+            &format!("feedstore_rank_run_seconds_total{labels}"),
+        );
+        if let (Some(waited), Some(run)) = (waited, run) {
+            assert!(
+                waited >= last.0 && run >= last.1,
+                "went back: wait {} -> {waited}, run {} -> {run}",
+                last.0,
+                last.1
+            );
+            last = (waited, run);
+            scrapes += 1;
+        }
+        std::thread::sleep(Duration::from_millis(25));
+    }
+    let stream = trainer.join().unwrap();
+    producer.join().unwrap();
+    assert!(scrapes > 10, "{scrapes} scrapes saw the rank");
+    assert!(last.0 > 0.0, "the trainer waited: {last:?}");
+    drop(stream);
+}
+
+/// The deployment files are what they claim: systemd accepts the unit (pointed at the binary
+/// built here), and the daemon starts with the shipped `feedstore.toml` (flags for the socket,
+/// capacity and port win over the file, as documented).
+#[test]
+fn the_systemd_unit_and_config_are_valid() {
+    let _w = watchdog(
+        "the_systemd_unit_and_config_are_valid",
+        Duration::from_secs(60),
+    );
+    let dir = scratch_dir("deploy");
+    let root = env!("CARGO_MANIFEST_DIR");
+    if Command::new("systemd-analyze")
+        .arg("--version")
+        .output()
+        .is_ok()
+    {
+        let unit = std::fs::read_to_string(format!("{root}/deploy/systemd/feedstored.service"))
+            .unwrap()
+            .replace(
+                "/usr/local/bin/feedstored",
+                env!("CARGO_BIN_EXE_feedstored"),
+            );
+        let path = dir.join("feedstored.service");
+        std::fs::write(&path, unit).unwrap();
+        let verified = Command::new("systemd-analyze")
+            .args(["verify", "--man=no"])
+            .arg(&path)
+            .output()
+            .unwrap();
+        let said = String::from_utf8_lossy(&verified.stderr);
+        assert!(
+            verified.status.success() && !said.contains("feedstored.service"),
+            "systemd-analyze verify: {said}"
+        );
+    } else {
+        eprintln!("SKIPPED the unit check: no systemd-analyze here");
+    }
+    let port = free_port();
+    let _daemon = DaemonProcess::start(
+        &dir,
+        &[
+            "--config",
+            &format!("{root}/deploy/systemd/feedstore.toml"),
+            "--metrics-addr",
+            &format!("127.0.0.1:{port}"),
+        ],
+    );
+    assert!(get(port, "/metrics").0.contains("200"));
 }

@@ -188,6 +188,81 @@ fn produce_renders_the_chat_template_it_is_given() {
     assert!(stderr.contains("broken.jinja"), "{stderr}");
 }
 
+/// On a terminal (tmux on a server of its own), `feedstore produce` shows a progress bar: records,
+/// rate and elapsed time, and the profiler's verdict under it; the summary follows as usual.
+#[test]
+fn produce_shows_a_progress_bar_on_a_terminal() {
+    let _w = watchdog(
+        "produce_shows_a_progress_bar_on_a_terminal",
+        Duration::from_secs(120),
+    );
+    let dir = scratch_dir("produce-bar");
+    let daemon = DaemonProcess::start(&dir, &[]);
+    let tokenizer = tokenizer_file(&dir);
+    let manifest = dir.join("m.jsonl");
+    let lines: Vec<String> = (0..40)
+        .map(|i| {
+            serde_json::json!({"id": format!("r{i}"), "image": "grace_hopper.jpg", "conversations": [
+                {"from": "human", "value": "<image>\nwho?"}, {"from": "gpt", "value": "Grace Hopper"}]})
+            .to_string()
+        })
+        .collect();
+    std::fs::write(&manifest, lines.join("\n")).unwrap();
+    let server = format!("feedstore-bar-{}", std::process::id());
+    let tmux = |args: &[&str]| {
+        Command::new("tmux")
+            .args(["-L", &server])
+            .args(args)
+            .output()
+            .expect("tmux")
+    };
+    let command = format!(
+        "{} produce --socket {} --manifest {} --tokenizer {} --image-root {DATA}/photos \
+         --image-size 224x224 --workers 1; echo EXITED $?; sleep 60",
+        env!("CARGO_BIN_EXE_feedstore"),
+        daemon.socket.display(),
+        manifest.display(),
+        tokenizer.display()
+    );
+    let started = tmux(&[
+        "new-session",
+        "-d",
+        "-s",
+        "bar",
+        "-x",
+        "200",
+        "-y",
+        "50",
+        &command,
+    ]);
+    assert!(started.status.success(), "{started:?}");
+    let deadline = std::time::Instant::now() + Duration::from_secs(90);
+    let screen = loop {
+        let captured = tmux(&["capture-pane", "-p", "-t", "bar"]);
+        let screen = String::from_utf8_lossy(&captured.stdout).into_owned();
+        if screen.contains("EXITED") {
+            break screen;
+        }
+        if std::time::Instant::now() > deadline {
+            let _ = tmux(&["kill-server"]);
+            panic!("produce did not finish within 90 s:\n{screen}");
+        }
+        std::thread::sleep(Duration::from_millis(300));
+    };
+    let _ = tmux(&["kill-server"]);
+    assert!(screen.contains("EXITED 0"), "{screen}");
+    assert!(
+        screen.contains("40 records"),
+        "the bar's last state: {screen}"
+    );
+    assert!(screen.contains("[00:0"), "elapsed time: {screen}");
+    assert!(screen.contains("produced 40 samples"), "{screen}");
+    assert!(
+        !screen.contains(" produced, 0 rejected,"),
+        "no plain progress lines on a terminal: {screen}"
+    );
+}
+
 /// `feedstore produce` with `args`, stdout and stderr to files (an endless stream of lines
 /// must not block it on a pipe), killed and failed if it runs past `limit`; returns its status,
 /// stdout and stderr (both must stay small: every input ends in bounded output too).

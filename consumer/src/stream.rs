@@ -147,6 +147,8 @@ impl Stream {
         opts: StreamOptions,
         mut interrupt: impl FnMut() -> Result<(), Error>,
     ) -> Result<Stream, Error> {
+        // Time to first sample counts from here: a wait for the stream to exist is cold start too.
+        let opened = Instant::now();
         spec.check(rank)
             .map_err(|e| Error::InvalidArgument(e.to_string()))?;
         let seq = match from {
@@ -217,7 +219,7 @@ impl Stream {
             })),
             sent: seq,
             opts,
-            opened: Instant::now(),
+            opened,
             first_sample: None,
             told_end: false,
             started: None,

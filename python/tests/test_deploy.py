@@ -33,6 +33,10 @@ def test_the_daemonset_and_trainer_pod_agree_with_each_other_and_feedstored():
     for flag in flags:
         assert f"{flag} " in help_text or f"{flag}=" in help_text, f"feedstored has no {flag}"
     assert flags["--peers"].startswith(service["metadata"]["name"] + ".")
+    metrics_port = flags["--metrics-addr"].rsplit(":", 1)[1]
+    assert pod["metadata"]["annotations"]["prometheus.io/port"] == metrics_port
+    ports = {p["name"]: p["containerPort"] for p in daemon["ports"]}
+    assert str(ports["metrics"]) == metrics_port
 
     volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
     mounts = {m["name"]: m["mountPath"] for m in daemon["volumeMounts"]}

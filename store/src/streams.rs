@@ -161,19 +161,66 @@ struct Consumer {
     /// missing, and none has found it since): a rank starving now shows as waiting before its
     /// consumer's next report says so.
     waiting_since: Option<Instant>,
+    /// Waits the daemon saw end since the last report (the next report includes them), and when
+    /// the last of them ended.
+    waited_unreported: Duration,
+    last_wait_end: Option<Instant>,
+    /// When the daemon first saw it wait, for a consumer that has not reported yet.
+    first_wait: Option<Instant>,
+    /// The highest (waited, elapsed) microseconds shown so far: what is shown never goes back
+    /// (a report can say a little less than the daemon's estimate before it), so the metrics'
+    /// counters only grow.
+    shown: std::cell::Cell<(u64, u64)>,
 }
 
 impl Consumer {
-    /// Its figures as of now: the last report, plus the wait under way since then.
+    /// Its figures as of now: the last report, plus what the daemon has seen since (waits that
+    /// ended, a wait under way, and the time up to the last of them), never less than what was
+    /// shown before. Time the trainer spends on its own work after its last report counts once
+    /// it reports again (or waits): an idle consumer's ratio stays as it last was.
     fn figures_now(&self, now: Instant) -> RankFigures {
+        let micros = |d: Duration| d.as_micros().min(u128::from(u64::MAX)) as u64;
         let mut f = self.figures;
-        if let Some(since) = self.waiting_since {
-            let micros = |d: Duration| d.as_micros().min(u128::from(u64::MAX)) as u64;
-            f.waited_us = f.waited_us.saturating_add(micros(now - since));
-            let from = self.reported_at.map_or(since, |r| r.min(since));
-            f.elapsed_us = f.elapsed_us.saturating_add(micros(now - from));
-        }
+        let under_way = self
+            .waiting_since
+            .map_or(Duration::ZERO, |since| now - since);
+        f.waited_us = f
+            .waited_us
+            .saturating_add(micros(self.waited_unreported + under_way));
+        let seen_until = if self.waiting_since.is_some() {
+            Some(now)
+        } else {
+            self.last_wait_end
+        };
+        let seen_since = |from: Instant| {
+            seen_until.map_or(0, |until| micros(until.saturating_duration_since(from)))
+        };
+        f.elapsed_us = match (self.reported_at, self.first_wait) {
+            (Some(at), _) => f.elapsed_us.saturating_add(seen_since(at)),
+            (None, Some(first)) => seen_since(first),
+            (None, None) => f.elapsed_us,
+        };
+        let (waited, elapsed) = self.shown.get();
+        f.waited_us = f.waited_us.max(waited);
+        f.elapsed_us = f.elapsed_us.max(elapsed).max(f.waited_us);
+        self.shown.set((f.waited_us, f.elapsed_us));
         f
+    }
+
+    /// A `StreamWait` found its sample `ready` or not.
+    fn polled(&mut self, ready: bool, now: Instant) {
+        match (ready, self.waiting_since) {
+            (true, Some(since)) => {
+                self.waited_unreported += now - since;
+                self.last_wait_end = Some(now);
+                self.waiting_since = None;
+            }
+            (false, None) => {
+                self.waiting_since = Some(now);
+                self.first_wait.get_or_insert(now);
+            }
+            _ => {}
+        }
     }
 }
 
@@ -805,6 +852,10 @@ impl Streams {
             figures: RankFigures::default(),
             reported_at: None,
             waiting_since: None,
+            waited_unreported: Duration::ZERO,
+            last_wait_end: None,
+            first_wait: None,
+            shown: std::cell::Cell::new((0, 0)),
         };
         for entry in r.ready.values() {
             consumer.publish(objects, leases, entry);
@@ -1317,7 +1368,11 @@ impl Streams {
         if let Some(c) = &mut r.consumer {
             c.published.read_below(upto);
             c.figures = figures;
+            // The report includes every wait that ended before it (not one under way: the
+            // consumer counts a wait when it ends).
             c.reported_at = Some(Instant::now());
+            c.waited_unreported = Duration::ZERO;
+            c.last_wait_end = None;
         }
         for entry in &returned {
             if entry.flags & ENTRY_FAILED == 0 {
@@ -1351,11 +1406,7 @@ impl Streams {
         let ready = r.ready.contains_key(&seq);
         if let Some(c) = &mut r.consumer {
             c.published.read_below(seq);
-            if ready {
-                c.waiting_since = None;
-            } else {
-                c.waiting_since.get_or_insert_with(Instant::now);
-            }
+            c.polled(ready, Instant::now());
         }
         Ok(ready.then_some(Status::Ok))
     }
