@@ -523,6 +523,11 @@ pub fn run_produce(args: Args) -> anyhow::Result<()> {
         }
     };
     if let Some(bar) = &bar {
+        // Several producers share ranks, or a resume started past 0: the bar's length was an
+        // upper bound; end it where it stands.
+        if bar.length().is_some_and(|len| len > bar.position()) {
+            bar.set_length(bar.position());
+        }
         bar.finish();
     }
     rejects.flush().context("writing the rejects file")?;
@@ -559,9 +564,9 @@ pub fn run_produce(args: Args) -> anyhow::Result<()> {
 /// A progress bar on stderr: records done, rate, elapsed, and the profiler's verdict as its
 /// message; a length (and an ETA) once the run's size is known.
 fn progress_bar() -> indicatif::ProgressBar {
-    let bar = indicatif::ProgressBar::no_length().with_style(bar_style(false));
-    bar.enable_steady_tick(Duration::from_millis(200));
-    bar
+    // Drawn as records finish (no ticker thread): nothing draws before the first one, so the
+    // run's opening lines stay whole.
+    indicatif::ProgressBar::no_length().with_style(bar_style(false))
 }
 
 fn bar_style(known_length: bool) -> indicatif::ProgressStyle {

@@ -34,6 +34,9 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     if !(args.interval >= 0.1 && args.interval.is_finite() && args.interval <= 3600.0) {
         anyhow::bail!("--interval must be between 0.1 and 3600 seconds");
     }
+    if args.count == Some(0) {
+        anyhow::bail!("--count must be at least 1");
+    }
     let socket = args.socket.path();
     let client = ConnectOptions::new(Role::Reader)
         .socket(&socket)
@@ -41,7 +44,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         .populate(false)
         .connect()?;
     let terminal = std::io::stdout().is_terminal();
-    let mut previous: HashMap<(u32, u32), RankFigures> = HashMap::new();
+    let mut previous: HashMap<(u32, u32), (RankFigures, Window)> = HashMap::new();
     let mut shown = 0u64;
     loop {
         let started = Instant::now();
@@ -70,7 +73,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
 fn render(
     client: &Client,
     socket: &str,
-    previous: &mut HashMap<(u32, u32), RankFigures>,
+    previous: &mut HashMap<(u32, u32), (RankFigures, Window)>,
 ) -> anyhow::Result<String> {
     use std::fmt::Write;
     let s = client.stats().context("reading statistics")?;
@@ -114,9 +117,14 @@ fn render(
         let mut waits = Vec::new();
         for r in &t.ranks_attached {
             let f = r.figures;
-            let before = previous.get(&(t.id, r.rank)).copied();
-            let now = window(before, f);
-            seen.insert((t.id, r.rank), f);
+            let now = match previous.get(&(t.id, r.rank)) {
+                // Nothing new since the last view (a trainer reports as it takes samples, not
+                // on a clock): the last window stands.
+                Some((before, window)) if *before == f => *window,
+                Some((before, _)) => window(Some(*before), f),
+                None => window(None, f),
+            };
+            seen.insert((t.id, r.rank), (f, now));
             waits.push(now.wait);
             writeln!(
                 v,
@@ -148,6 +156,7 @@ fn render(
 }
 
 /// A rank's figures over the last interval.
+#[derive(Debug, Clone, Copy)]
 struct Window {
     /// Share of the interval spent waiting (since the first request on the first view).
     wait: f64,
@@ -165,12 +174,6 @@ fn window(before: Option<RankFigures>, now: RankFigures) -> Window {
                 rate: Some((now.taken - b.taken) as f64 / (elapsed / 1e6)),
             }
         }
-        // Nothing new reported since the last view (a trainer between reports): the last
-        // figures stand.
-        Some(b) if now == b => Window {
-            wait: now.wait_ratio(),
-            rate: Some(0.0),
-        },
         _ => Window {
             wait: now.wait_ratio(),
             rate: None,

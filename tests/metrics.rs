@@ -402,7 +402,8 @@ fn feedstore_top_shows_a_running_stream_in_a_terminal() {
         world: 1,
         shuffle: Shuffle::Full,
         tail: Tail::Drop,
-        epochs: Some(1),
+        // Unbounded: the test stops the trainer itself, however slow the machine.
+        epochs: None,
     };
     let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
     let producer = {
@@ -452,7 +453,7 @@ fn feedstore_top_shows_a_running_stream_in_a_terminal() {
     let server = format!("feedstore-top-{}", std::process::id());
     let tmux = |args: &[&str]| {
         Command::new("tmux")
-            .args(["-L", &server])
+            .args(["-L", &server, "-f", "/dev/null"])
             .args(args)
             .output()
             .expect("tmux")
@@ -586,6 +587,16 @@ fn rank_counters_never_go_back() {
     producer.join().unwrap();
     assert!(scrapes > 10, "{scrapes} scrapes saw the rank");
     assert!(last.0 > 0.0, "the trainer waited: {last:?}");
+    // Growing never meant over-counting: once the trainer's last report is in, the daemon shows
+    // what the trainer measured.
+    let own = stream.figures();
+    let (_, scrape) = get(port, "/metrics");
+    let exported = sample(&scrape, &format!("feedstore_rank_wait_ratio{labels}")).unwrap();
+    assert!(
+        (exported - own.wait_ratio()).abs() < 0.03,
+        "the daemon shows {exported:.3}, the trainer measured {:.3}",
+        own.wait_ratio()
+    );
     drop(stream);
 }
 

@@ -211,7 +211,7 @@ fn produce_shows_a_progress_bar_on_a_terminal() {
     let server = format!("feedstore-bar-{}", std::process::id());
     let tmux = |args: &[&str]| {
         Command::new("tmux")
-            .args(["-L", &server])
+            .args(["-L", &server, "-f", "/dev/null"])
             .args(args)
             .output()
             .expect("tmux")

@@ -104,8 +104,17 @@ impl Daemon {
     /// Creates the segments and binds the socket. Nothing is served until [`Daemon::serve`] or
     /// [`Daemon::spawn`].
     pub fn bind(config: &DaemonConfig) -> Result<Daemon, StartError> {
+        // Reserved huge pages are not in MemAvailable: a store that will live on them is
+        // checked against the free ones instead.
+        let huge_free = meminfo_bytes("Hugepagesize").and_then(|size| {
+            let free = meminfo_bytes("HugePages_Free")? / 1024;
+            Some(free * size)
+        });
+        let on_huge_pages = config.huge_pages != feedstore_shm::HugePages::Off
+            && huge_free.is_some_and(|free| free >= config.capacity_bytes);
         if let Some(available) = meminfo_bytes("MemAvailable")
             && config.capacity_bytes > available
+            && !on_huge_pages
         {
             return Err(StartError::CapacityTooLarge {
                 capacity_bytes: config.capacity_bytes,

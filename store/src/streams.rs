@@ -161,6 +161,10 @@ struct Consumer {
     /// missing, and none has found it since): a rank starving now shows as waiting before its
     /// consumer's next report says so.
     waiting_since: Option<Instant>,
+    /// The sequence number it waits for: the wait ends when that entry is published into its
+    /// ring (whether or not a `StreamWait` is there to see it: a client waiting in slices may
+    /// find it in the ring without asking again).
+    waiting_for: Option<u64>,
     /// Waits the daemon saw end since the last report (the next report includes them), and when
     /// the last of them ended.
     waited_unreported: Duration,
@@ -207,20 +211,25 @@ impl Consumer {
         f
     }
 
-    /// A `StreamWait` found its sample `ready` or not.
-    fn polled(&mut self, ready: bool, now: Instant) {
-        match (ready, self.waiting_since) {
-            (true, Some(since)) => {
-                self.waited_unreported += now - since;
-                self.last_wait_end = Some(now);
-                self.waiting_since = None;
-            }
-            (false, None) => {
-                self.waiting_since = Some(now);
-                self.first_wait.get_or_insert(now);
-            }
-            _ => {}
+    /// A `StreamWait` for `seq` found it `ready` or not.
+    fn polled(&mut self, seq: u64, ready: bool, now: Instant) {
+        if ready {
+            self.wait_ended(now);
+        } else if self.waiting_since.is_none() || self.waiting_for != Some(seq) {
+            self.wait_ended(now);
+            self.waiting_since = Some(now);
+            self.waiting_for = Some(seq);
+            self.first_wait.get_or_insert(now);
         }
+    }
+
+    /// The wait under way, if any, ended `now`.
+    fn wait_ended(&mut self, now: Instant) {
+        if let Some(since) = self.waiting_since.take() {
+            self.waited_unreported += now - since;
+            self.last_wait_end = Some(now);
+        }
+        self.waiting_for = None;
     }
 }
 
@@ -239,6 +248,9 @@ impl Consumer {
             self.published.0.insert(entry.seq, entry.handle);
         }
         self.ring.publish(entry);
+        if self.waiting_for == Some(entry.seq) {
+            self.wait_ended(Instant::now());
+        }
     }
 }
 
@@ -852,6 +864,7 @@ impl Streams {
             figures: RankFigures::default(),
             reported_at: None,
             waiting_since: None,
+            waiting_for: None,
             waited_unreported: Duration::ZERO,
             last_wait_end: None,
             first_wait: None,
@@ -1368,11 +1381,15 @@ impl Streams {
         if let Some(c) = &mut r.consumer {
             c.published.read_below(upto);
             c.figures = figures;
-            // The report includes every wait that ended before it (not one under way: the
-            // consumer counts a wait when it ends).
-            c.reported_at = Some(Instant::now());
+            // The report includes every wait that ended before it, and a wait in slices up to
+            // its last slice: a wait still under way counts on from here.
+            let now = Instant::now();
+            c.reported_at = Some(now);
             c.waited_unreported = Duration::ZERO;
             c.last_wait_end = None;
+            if let Some(since) = &mut c.waiting_since {
+                *since = now;
+            }
         }
         for entry in &returned {
             if entry.flags & ENTRY_FAILED == 0 {
@@ -1406,7 +1423,7 @@ impl Streams {
         let ready = r.ready.contains_key(&seq);
         if let Some(c) = &mut r.consumer {
             c.published.read_below(seq);
-            c.polled(ready, Instant::now());
+            c.polled(seq, ready, Instant::now());
         }
         Ok(ready.then_some(Status::Ok))
     }
