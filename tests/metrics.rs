@@ -235,8 +235,21 @@ fn a_ranks_wait_time_ratio_reaches_prometheus() {
         ),
     )
     .unwrap();
+    let mut prometheus = Command::new("prometheus");
+    // Killed by the kernel when this test process dies (a watchdog abort skips `Killed`'s drop).
+    let die_with_parent = || {
+        // SAFETY: prctl with these arguments only sets this process's parent-death signal.
+        if unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) } == 0 {
+            Ok(())
+        } else {
+            Err(std::io::Error::last_os_error())
+        }
+    };
+    // SAFETY: the hook runs between fork and exec and only calls prctl, which is
+    // async-signal-safe and allocates nothing.
+    unsafe { std::os::unix::process::CommandExt::pre_exec(&mut prometheus, die_with_parent) };
     let _prometheus = Killed(
-        Command::new("prometheus")
+        prometheus
             .arg(format!(
                 "--config.file={}",
                 dir.join("prometheus.yml").display()
