@@ -76,6 +76,41 @@ fn daemon_with_metrics(test: &str) -> (std::path::PathBuf, u16, DaemonProcess) {
     (dir, port, daemon)
 }
 
+/// A producer thread feeding rank 0 of `spec`, one sample at a time, sleeping `pause(seq)`
+/// before making each; it stops at the stream's end or once `stop` is set.
+fn spawn_producer(
+    socket: std::path::PathBuf,
+    spec: StreamSpec,
+    pause: fn(u64) -> Duration,
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+) -> std::thread::JoinHandle<()> {
+    std::thread::spawn(move || {
+        let client = connect(&socket, feedstore_consumer::Role::Writer);
+        let feeder =
+            StreamFeeder::join(&client, &spec, 4, &[StreamTask { rank: 0, seq: 0 }]).unwrap();
+        while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+            let Some(tasks) = feeder.take(1, Duration::from_millis(200)).unwrap() else {
+                break;
+            };
+            let made = tasks
+                .into_iter()
+                .map(|task| {
+                    std::thread::sleep(pause(task.seq));
+                    let mut w = client.create(64).unwrap();
+                    w.as_mut_slice().fill(1);
+                    Delivery {
+                        task,
+                        record: spec.record_at(task.rank, task.seq),
+                        key: 0,
+                        made: Made::Written(w),
+                    }
+                })
+                .collect();
+            feeder.put(made).unwrap();
+        }
+    })
+}
+
 /// A child process killed when dropped.
 struct Killed(Child);
 
@@ -105,31 +140,12 @@ fn a_ranks_wait_time_ratio_reaches_prometheus() {
         tail: Tail::Drop,
         epochs: Some(1),
     };
-    let producer = {
-        let (socket, spec) = (daemon.socket.clone(), spec.clone());
-        std::thread::spawn(move || {
-            let client = connect(&socket, feedstore_consumer::Role::Writer);
-            let feeder =
-                StreamFeeder::join(&client, &spec, 4, &[StreamTask { rank: 0, seq: 0 }]).unwrap();
-            while let Some(tasks) = feeder.take(1, Duration::from_millis(200)).unwrap() {
-                let made = tasks
-                    .into_iter()
-                    .map(|task| {
-                        std::thread::sleep(Duration::from_millis(4));
-                        let mut w = client.create(64).unwrap();
-                        w.as_mut_slice().fill(1);
-                        Delivery {
-                            task,
-                            record: spec.record_at(task.rank, task.seq),
-                            key: 0,
-                            made: Made::Written(w),
-                        }
-                    })
-                    .collect();
-                feeder.put(made).unwrap();
-            }
-        })
-    };
+    let producer = spawn_producer(
+        daemon.socket.clone(),
+        spec.clone(),
+        |_| Duration::from_millis(4),
+        Default::default(),
+    );
     let mut stream = Stream::open(
         &daemon.socket,
         &spec,
@@ -419,36 +435,12 @@ fn feedstore_top_shows_a_running_stream_in_a_terminal() {
         epochs: None,
     };
     let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let producer = {
-        let (socket, spec, stop) = (daemon.socket.clone(), spec.clone(), stop.clone());
-        std::thread::spawn(move || {
-            let client = connect(&socket, feedstore_consumer::Role::Writer);
-            let feeder =
-                StreamFeeder::join(&client, &spec, 4, &[StreamTask { rank: 0, seq: 0 }]).unwrap();
-            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
-                let Some(tasks) = feeder.take(1, Duration::from_millis(200)).unwrap() else {
-                    break;
-                };
-                let made = tasks
-                    .into_iter()
-                    .map(|task| {
-                        std::thread::sleep(Duration::from_millis(10));
-                        let mut w = client.create(64).unwrap();
-                        w.as_mut_slice().fill(1);
-                        Delivery {
-                            task,
-                            record: spec.record_at(task.rank, task.seq),
-                            key: 0,
-                            made: Made::Written(w),
-                        }
-                    })
-                    .collect();
-                if feeder.put(made).is_err() {
-                    break;
-                }
-            }
-        })
-    };
+    let producer = spawn_producer(
+        daemon.socket.clone(),
+        spec.clone(),
+        |_| Duration::from_millis(10),
+        stop.clone(),
+    );
     let trainer = {
         let (socket, spec, stop) = (daemon.socket.clone(), spec.clone(), stop.clone());
         std::thread::spawn(move || {
@@ -464,13 +456,7 @@ fn feedstore_top_shows_a_running_stream_in_a_terminal() {
     };
 
     let server = format!("feedstore-top-{}", std::process::id());
-    let tmux = |args: &[&str]| {
-        Command::new("tmux")
-            .args(["-L", &server, "-f", "/dev/null"])
-            .args(args)
-            .output()
-            .expect("tmux")
-    };
+    let tmux = |args: &[&str]| tmux(&server, args);
     let command = format!(
         "{} top --socket {} --interval 0.5",
         env!("CARGO_BIN_EXE_feedstore"),
@@ -531,34 +517,13 @@ fn rank_counters_never_go_back() {
         tail: Tail::Drop,
         epochs: Some(1),
     };
-    let producer = {
-        let (socket, spec) = (daemon.socket.clone(), spec.clone());
-        std::thread::spawn(move || {
-            let client = connect(&socket, feedstore_consumer::Role::Writer);
-            let feeder =
-                StreamFeeder::join(&client, &spec, 4, &[StreamTask { rank: 0, seq: 0 }]).unwrap();
-            while let Some(tasks) = feeder.take(1, Duration::from_millis(200)).unwrap() {
-                let made = tasks
-                    .into_iter()
-                    .map(|task| {
-                        // Stall for a while every tenth sample.
-                        if task.seq % 10 == 9 {
-                            std::thread::sleep(Duration::from_millis(300));
-                        }
-                        let mut w = client.create(64).unwrap();
-                        w.as_mut_slice().fill(1);
-                        Delivery {
-                            task,
-                            record: spec.record_at(task.rank, task.seq),
-                            key: 0,
-                            made: Made::Written(w),
-                        }
-                    })
-                    .collect();
-                feeder.put(made).unwrap();
-            }
-        })
-    };
+    let producer = spawn_producer(
+        daemon.socket.clone(),
+        spec.clone(),
+        // Stall for a while every tenth sample.
+        |seq| Duration::from_millis(if seq % 10 == 9 { 300 } else { 0 }),
+        Default::default(),
+    );
     let trainer = {
         let (socket, spec) = (daemon.socket.clone(), spec.clone());
         std::thread::spawn(move || {

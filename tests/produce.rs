@@ -209,13 +209,7 @@ fn produce_shows_a_progress_bar_on_a_terminal() {
         .collect();
     std::fs::write(&manifest, lines.join("\n")).unwrap();
     let server = format!("feedstore-bar-{}", std::process::id());
-    let tmux = |args: &[&str]| {
-        Command::new("tmux")
-            .args(["-L", &server, "-f", "/dev/null"])
-            .args(args)
-            .output()
-            .expect("tmux")
-    };
+    let tmux = |args: &[&str]| tmux(&server, args);
     let command = format!(
         "{} produce --socket {} --manifest {} --tokenizer {} --image-root {DATA}/photos \
          --image-size 224x224 --workers 1; echo EXITED $?; sleep 60",

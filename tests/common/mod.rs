@@ -498,3 +498,13 @@ pub fn child_says(cmd: &mut Command) -> String {
         .trim()
         .to_owned()
 }
+
+/// `tmux` on a server of its own (`-L server`), without the user's configuration: a real
+/// terminal for tests of what programs draw there.
+pub fn tmux(server: &str, args: &[&str]) -> std::process::Output {
+    Command::new("tmux")
+        .args(["-L", server, "-f", "/dev/null"])
+        .args(args)
+        .output()
+        .expect("tmux (./scripts/test installs it)")
+}
