@@ -1,6 +1,6 @@
 //! `feedstore top`: the seed's figure, live. Refreshes a view of every stream and attached rank:
-//! the wait-time ratio over the last interval (and since the rank's first request), samples/s,
-//! the lag between ranks, and a verdict on where the time goes.
+//! the wait-time ratio between a rank's last two reports (and since its first request),
+//! samples/s, the lag between ranks, and a verdict on where the time goes.
 
 use std::collections::HashMap;
 use std::io::{IsTerminal, Write};
