@@ -2,7 +2,9 @@
 
 use anyhow::Context;
 use feedstore_consumer::ConnectOptions;
+use feedstore_producer::profile::StageProfile;
 use feedstore_proto::Role;
+use feedstore_proto::frame::{PRODUCER_STAGES, ProducerFigures};
 use feedstore_store::config::format_bytes;
 
 use crate::SocketArg;
@@ -54,6 +56,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
                             "first_sample_us": r.figures.first_sample_us,
                             "wait_ratio": r.figures.wait_ratio(),
                         })).collect::<Vec<_>>(),
+                        "producer": producer_json(&t.producer),
                     })
                 })
                 .collect(),
@@ -169,6 +172,17 @@ pub fn run(args: Args) -> anyhow::Result<()> {
                 format!("{:.2} s", t.cold_start_us as f64 / 1e6)
             }
         );
+        if t.producer.elapsed_us > 0 {
+            let p = StageProfile::from_figures(&t.producer);
+            println!(
+                "    producers (all reports so far): {} CPU worker(s) now; {}",
+                t.producer.cpu_workers,
+                p.verdict()
+            );
+            for line in p.table().lines() {
+                println!("    {line}");
+            }
+        }
         if (t.consumers as usize) > t.ranks_attached.len() {
             println!(
                 "    ({} more attached rank(s) not listed)",
@@ -200,4 +214,25 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         }
     }
     Ok(())
+}
+
+/// The producers' figures as `feedstore stat --json` prints them, with their verdict.
+fn producer_json(f: &ProducerFigures) -> serde_json::Value {
+    let per_stage = |values: &[u64; 5]| {
+        PRODUCER_STAGES
+            .iter()
+            .zip(values)
+            .map(|(stage, v)| ((*stage).to_owned(), serde_json::Value::from(*v)))
+            .collect::<serde_json::Map<_, _>>()
+    };
+    serde_json::json!({
+        "elapsed_us": f.elapsed_us, "startup_us": f.startup_us, "worker_us": f.worker_us,
+        "stage_busy_us": per_stage(&f.stage_busy_us), "stage_items": per_stage(&f.stage_items),
+        "cpu_idle_us": f.cpu_idle_us, "fetch_blocked_us": f.fetch_blocked_us,
+        "backpressure_us": f.backpressure_us, "fetched_bytes": f.fetched_bytes,
+        "fetches_ok": f.fetches_ok, "fetch_failures": f.fetch_failures,
+        "cache_hits": f.cache_hits, "cpu_workers": f.cpu_workers,
+        "fetch_concurrency": f.fetch_concurrency, "fetch_in_flight": f.fetch_in_flight,
+        "verdict": (f.elapsed_us > 0).then(|| StageProfile::from_figures(f).verdict()),
+    })
 }

@@ -1,6 +1,7 @@
 //! `feedstore top`: the seed's figure, live. Refreshes a view of every stream and attached rank:
 //! the wait-time ratio between a rank's last two reports (and since its first request),
-//! samples/s, the lag between ranks, and a verdict on where the time goes.
+//! samples/s, the lag between ranks, the producers' stage profile over the interval, and a verdict
+//! on where the time goes.
 
 use std::collections::HashMap;
 use std::io::{IsTerminal, Write};
@@ -8,8 +9,9 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use feedstore_consumer::{Client, ConnectOptions};
+use feedstore_producer::profile::StageProfile;
 use feedstore_proto::Role;
-use feedstore_proto::frame::{RankFigures, StreamInfo};
+use feedstore_proto::frame::{ProducerFigures, RankFigures, StreamInfo};
 use feedstore_store::config::format_bytes;
 
 use crate::SocketArg;
@@ -44,7 +46,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         .populate(false)
         .connect()?;
     let terminal = std::io::stdout().is_terminal();
-    let mut previous: HashMap<(u32, u32), (RankFigures, Window)> = HashMap::new();
+    let mut previous = Previous::default();
     let mut shown = 0u64;
     loop {
         let started = Instant::now();
@@ -68,13 +70,17 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     }
 }
 
-/// One view; `previous` holds each rank's figures at the last view, for the rates over the
-/// interval.
-fn render(
-    client: &Client,
-    socket: &str,
-    previous: &mut HashMap<(u32, u32), (RankFigures, Window)>,
-) -> anyhow::Result<String> {
+/// What the last view read, for the figures over the interval.
+#[derive(Debug, Default)]
+struct Previous {
+    /// Each rank's figures and its window, by stream and rank.
+    ranks: HashMap<(u32, u32), (RankFigures, Window)>,
+    /// Each stream's producer figures and what grew over the last interval that saw a report.
+    producers: HashMap<u32, (ProducerFigures, ProducerFigures)>,
+}
+
+/// One view; `previous` holds what the last view read.
+fn render(client: &Client, socket: &str, previous: &mut Previous) -> anyhow::Result<String> {
     use std::fmt::Write;
     let s = client.stats().context("reading statistics")?;
     let streams = client.streams().context("listing streams")?;
@@ -89,7 +95,7 @@ fn render(
         s.evictions,
         streams.len()
     )?;
-    let mut seen = HashMap::new();
+    let mut seen = Previous::default();
     for t in &streams {
         writeln!(v)?;
         writeln!(
@@ -105,6 +111,28 @@ fn render(
             t.making,
             t.fastest - t.slowest
         )?;
+        let producers = (t.producer.elapsed_us > 0).then(|| {
+            let grown = match previous.producers.get(&t.id) {
+                // No report since the last view: the last interval stands.
+                Some((before, grown)) if *before == t.producer => *grown,
+                Some((before, _)) if t.producer.elapsed_us > before.elapsed_us => {
+                    t.producer.since(before)
+                }
+                _ => t.producer,
+            };
+            seen.producers.insert(t.id, (t.producer, grown));
+            StageProfile::from_figures(&grown)
+        });
+        if let Some(p) = &producers {
+            writeln!(
+                v,
+                "  producers: {} CPU worker(s), {} fetch(es) in flight, {} from the cache; {}",
+                t.producer.cpu_workers,
+                t.producer.fetch_in_flight,
+                t.producer.cache_hits,
+                p.verdict()
+            )?;
+        }
         if t.ranks_attached.is_empty() {
             writeln!(v, "  no trainer attached")?;
             continue;
@@ -117,14 +145,14 @@ fn render(
         let mut waits = Vec::new();
         for r in &t.ranks_attached {
             let f = r.figures;
-            let now = match previous.get(&(t.id, r.rank)) {
+            let now = match previous.ranks.get(&(t.id, r.rank)) {
                 // Nothing new since the last view (a trainer reports as it takes samples, not
                 // on a clock): the last window stands.
                 Some((before, window)) if *before == f => *window,
                 Some((before, _)) => window(Some(*before), f),
                 None => window(None, f),
             };
-            seen.insert((t.id, r.rank), (f, now));
+            seen.ranks.insert((t.id, r.rank), (f, now));
             waits.push(now.wait);
             writeln!(
                 v,
@@ -149,7 +177,7 @@ fn render(
                 t.consumers as usize - t.ranks_attached.len()
             )?;
         }
-        writeln!(v, "  verdict: {}", verdict(t, &waits))?;
+        writeln!(v, "  verdict: {}", verdict(t, &waits, producers.as_ref()))?;
     }
     *previous = seen;
     Ok(v)
@@ -181,8 +209,9 @@ fn window(before: Option<RankFigures>, now: RankFigures) -> Window {
     }
 }
 
-/// Where a stream's time goes, from its ranks' wait over the interval.
-fn verdict(t: &StreamInfo, waits: &[f64]) -> String {
+/// Where a stream's time goes, from its ranks' wait over the interval and what its producers
+/// reported over it.
+fn verdict(t: &StreamInfo, waits: &[f64], producers: Option<&StageProfile>) -> String {
     let worst = waits.iter().copied().fold(0.0, f64::max);
     let mean = waits.iter().sum::<f64>() / waits.len().max(1) as f64;
     if worst <= DATA_BOUND {
@@ -196,9 +225,16 @@ fn verdict(t: &StreamInfo, waits: &[f64]) -> String {
             "data-bound: trainers wait {:.1}% of their time and no producer is joined: start `feedstore produce --stream`",
             100.0 * mean
         )
+    } else if let Some(p) = producers {
+        format!(
+            "data-bound: trainers wait {:.1}% of their time (worst rank {:.1}%): the producers are behind; they are {}",
+            100.0 * mean,
+            100.0 * worst,
+            p.verdict()
+        )
     } else {
         format!(
-            "data-bound: trainers wait {:.1}% of their time (worst rank {:.1}%): the producers are behind; their own verdict (`feedstore produce`'s profile) names the stage to scale",
+            "data-bound: trainers wait {:.1}% of their time (worst rank {:.1}%): the producers are behind and have not reported their profile yet",
             100.0 * mean,
             100.0 * worst
         )

@@ -3,7 +3,9 @@
 //! of its time; the rank's wait-time ratio the daemon exports (from what the consumer reports
 //! with its returns) agrees with the one the trainer measures around its own loop; `promtool
 //! check metrics` accepts the scrape; a real Prometheus server scrapes the daemon and answers a
-//! query for the rank's ratio. `feedstore stat` shows the rank's figures too.
+//! query for the rank's ratio. `feedstore stat` shows the rank's figures too. A stream fed by a
+//! real `feedstore produce` and read by a slow trainer: the producer's stage profile reaches the
+//! metrics, `feedstore stat` and `feedstore top`, with the verdict (trainer-bound).
 //!
 //! Needs `promtool` and `prometheus` (Debian's `prometheus` package; `./scripts/test` installs
 //! it). Traffic stays on 127.0.0.1.
@@ -109,6 +111,38 @@ fn spawn_producer(
             feeder.put(made).unwrap();
         }
     })
+}
+
+/// The Grafana dashboard's queries.
+fn dashboard_queries() -> Vec<String> {
+    let dashboard: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/deploy/grafana/feedstore.json"
+        ))
+        .unwrap(),
+    )
+    .unwrap();
+    let mut queries = Vec::new();
+    for panel in dashboard["panels"].as_array().unwrap() {
+        for target in panel["targets"].as_array().unwrap() {
+            queries.push(target["expr"].as_str().unwrap().to_owned());
+        }
+    }
+    queries
+}
+
+/// Every metric `expr` names (of those `which` picks) is in the scrape.
+fn dashboard_names_are_exported(expr: &str, scrape: &str, which: impl Fn(&str) -> bool) {
+    for name in expr
+        .split(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+        .filter(|w| w.starts_with("feedstore_") && which(w))
+    {
+        assert!(
+            scrape.contains(&format!("# TYPE {name} ")),
+            "the dashboard queries {name}, which the daemon does not export"
+        );
+    }
 }
 
 /// A child process killed when dropped.
@@ -306,39 +340,23 @@ fn a_ranks_wait_time_ratio_reaches_prometheus() {
     );
 
     // The Grafana dashboard's queries name metrics the daemon exports, and Prometheus runs
-    // every one of them.
-    let dashboard: serde_json::Value = serde_json::from_str(
-        &std::fs::read_to_string(concat!(
-            env!("CARGO_MANIFEST_DIR"),
-            "/deploy/grafana/feedstore.json"
-        ))
-        .unwrap(),
-    )
-    .unwrap();
+    // every one of them. (This stream's producer is a bare feeder that reports no profile: the
+    // producer metrics are checked against a real producer's scrape below.)
     let mut queries = 0;
-    for panel in dashboard["panels"].as_array().unwrap() {
-        for target in panel["targets"].as_array().unwrap() {
-            let expr = target["expr"].as_str().unwrap();
-            for name in expr
-                .split(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
-                .filter(|w| w.starts_with("feedstore_"))
-            {
-                assert!(
-                    scrape.contains(&format!("# TYPE {name} ")),
-                    "the dashboard queries {name}, which the daemon does not export"
-                );
-            }
-            let expr = expr
-                .replace("$__rate_interval", "10s")
-                .replace("$instance", ".*");
-            let (_, body) = get(
-                prom_port,
-                &format!("/api/v1/query?query={}", url_encode(&expr)),
-            );
-            let answer: serde_json::Value = serde_json::from_str(&body).unwrap();
-            assert_eq!(answer["status"], "success", "{expr}: {answer}");
-            queries += 1;
-        }
+    for expr in dashboard_queries() {
+        dashboard_names_are_exported(&expr, &scrape, |name| {
+            !name.starts_with("feedstore_producer_")
+        });
+        let expr = expr
+            .replace("$__rate_interval", "10s")
+            .replace("$instance", ".*");
+        let (_, body) = get(
+            prom_port,
+            &format!("/api/v1/query?query={}", url_encode(&expr)),
+        );
+        let answer: serde_json::Value = serde_json::from_str(&body).unwrap();
+        assert_eq!(answer["status"], "success", "{expr}: {answer}");
+        queries += 1;
     }
     assert!(queries >= 12, "{queries}");
 
@@ -626,4 +644,181 @@ fn the_systemd_unit_and_config_are_valid() {
         ],
     );
     assert!(get(port, "/metrics").0.contains("200"));
+}
+
+/// A stream fed by a real `feedstore produce` and read by a slow trainer: the producer reports
+/// its stage profile to the daemon, which exports it (stage times and items, cache hits, the
+/// time it waited on full windows) and shows it in `feedstore stat` and `feedstore top`, with
+/// the verdict: trainer-bound, the producer keeps up.
+#[test]
+fn a_streams_producer_reports_its_stage_profile() {
+    let _w = watchdog(
+        "a_streams_producer_reports_its_stage_profile",
+        Duration::from_secs(240),
+    );
+    let (dir, port, daemon) = daemon_with_metrics("metrics-producer");
+    let tokenizer = tokenizer_file(&dir);
+    let turns = serde_json::json!([
+        {"from": "human", "value": "<image>\nWhat is this?"},
+        {"from": "gpt", "value": "A black square."},
+    ]);
+    let lines: Vec<String> = (0..8)
+        .map(|i| {
+            let image = dir.join(format!("{i}.png"));
+            std::fs::write(&image, png(96, 64)).unwrap();
+            llava(&format!("r{i}"), image.to_str().unwrap(), &turns)
+        })
+        .collect();
+    let manifest = dir.join("m.jsonl");
+    std::fs::write(&manifest, lines.join("\n")).unwrap();
+    // Two epochs: the second comes from the decode-once cache.
+    let mut producer = KillOnDrop(
+        Command::new(env!("CARGO_BIN_EXE_feedstore"))
+            .args(["produce", "--socket", daemon.socket.to_str().unwrap()])
+            .arg("--manifest")
+            .arg(&manifest)
+            .arg("--tokenizer")
+            .arg(&tokenizer)
+            .args(["--workers", "1", "--stream", "prof", "--seed", "3"])
+            .args(["--epochs", "2", "--prefetch", "2"])
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(dir.join("produce.log")).unwrap())
+            .spawn()
+            .unwrap(),
+    );
+    let spec = StreamSpec {
+        name: "prof".into(),
+        records: 8,
+        seed: 3,
+        world: 1,
+        shuffle: Shuffle::Full,
+        tail: Tail::Drop,
+        epochs: Some(2),
+    };
+    let mut stream = Stream::open(
+        &daemon.socket,
+        &spec,
+        0,
+        None,
+        StreamOptions {
+            wait: Duration::from_secs(60),
+            ..StreamOptions::default()
+        },
+    )
+    .unwrap();
+    // A trainer far slower than the producer: 150 ms a sample, a window of two.
+    let mut taken = 0;
+    let mut top_view = String::new();
+    while let Some(sample) = stream.next_sample().unwrap() {
+        drop(sample);
+        taken += 1;
+        std::thread::sleep(Duration::from_millis(150));
+        if taken == 12 {
+            let top = Command::new(env!("CARGO_BIN_EXE_feedstore"))
+                .args(["top", "--count", "1", "--socket"])
+                .arg(&daemon.socket)
+                .output()
+                .unwrap();
+            top_view = String::from_utf8_lossy(&top.stdout).into_owned();
+        }
+    }
+    assert_eq!(taken, 16, "both epochs");
+    assert!(
+        top_view.contains("producers: 1 CPU worker(s)") && top_view.contains("trainer-bound"),
+        "feedstore top shows the producer's profile and verdict:\n{top_view}"
+    );
+    let status = wait_child(&mut producer.0, Duration::from_secs(60));
+    assert!(
+        status.success(),
+        "{}",
+        std::fs::read_to_string(dir.join("produce.log")).unwrap_or_default()
+    );
+
+    // The producer has gone; what it reported stays with the stream (its last report included
+    // the CPU workers' last samples).
+    let (_, scrape) = get(port, "/metrics");
+    let labels = |stage: &str| format!(r#"{{stream="prof",uid="0",stage="{stage}"}}"#);
+    for stage in ["fetch", "decode", "resize", "tokenize", "write"] {
+        assert_eq!(
+            sample(
+                &scrape,
+                &format!("feedstore_producer_stage_items_total{}", labels(stage))
+            ),
+            Some(8.0),
+            "{stage}: each record made once, the second epoch from the cache\n{scrape}"
+        );
+        assert!(
+            sample(
+                &scrape,
+                &format!(
+                    "feedstore_producer_stage_busy_seconds_total{}",
+                    labels(stage)
+                )
+            )
+            .unwrap()
+                > 0.0,
+            "{stage}"
+        );
+    }
+    for expr in dashboard_queries() {
+        dashboard_names_are_exported(&expr, &scrape, |_| true);
+    }
+    let stream_labels = r#"{stream="prof",uid="0"}"#;
+    let value = |name: &str| {
+        sample(&scrape, &format!("{name}{stream_labels}"))
+            .unwrap_or_else(|| panic!("no {name} in:\n{scrape}"))
+    };
+    assert_eq!(value("feedstore_producer_cache_hit_samples_total"), 8.0);
+    assert_eq!(value("feedstore_producer_fetches_total"), 8.0);
+    assert!(value("feedstore_producer_fetched_bytes_total") > 0.0);
+    assert_eq!(
+        value("feedstore_producer_cpu_workers"),
+        0.0,
+        "none joined now"
+    );
+    let (run, waited) = (
+        value("feedstore_producer_run_seconds_total"),
+        value("feedstore_producer_backpressure_seconds_total"),
+    );
+    assert!(
+        waited > 0.5 * (run - value("feedstore_producer_startup_seconds_total")),
+        "the producer waited on full windows most of its time: {waited:.2} of {run:.2} s"
+    );
+    let mut promtool = Command::new("promtool")
+        .args(["check", "metrics"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("promtool (Debian's prometheus package; ./scripts/test installs it)");
+    promtool
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(scrape.as_bytes())
+        .unwrap();
+    let checked = promtool.wait_with_output().unwrap();
+    assert!(
+        checked.status.success(),
+        "promtool: {}",
+        String::from_utf8_lossy(&checked.stdout)
+    );
+
+    // `feedstore stat` prints the same profile, its table and its verdict.
+    let stat = Command::new(env!("CARGO_BIN_EXE_feedstore"))
+        .args(["stat", "--json", "--socket"])
+        .arg(&daemon.socket)
+        .output()
+        .unwrap();
+    let json: serde_json::Value = serde_json::from_slice(&stat.stdout).unwrap();
+    let producer = &json["streams"][0]["producer"];
+    assert_eq!(producer["stage_items"]["decode"], 8, "{producer}");
+    assert!(
+        producer["verdict"]
+            .as_str()
+            .unwrap()
+            .starts_with("trainer-bound"),
+        "{producer}"
+    );
+    drop(stream);
 }

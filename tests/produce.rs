@@ -7,26 +7,13 @@
 mod common;
 
 use std::collections::BTreeMap;
-use std::io::Read;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Command;
 use std::time::Duration;
 
 use common::*;
 
-const DATA: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/producer/tests/data");
-
-/// The committed Qwen3 tokenizer, decompressed into `dir`.
-fn tokenizer_file(dir: &Path) -> PathBuf {
-    let gz = std::fs::read(format!("{DATA}/qwen3-tokenizer.json.gz")).unwrap();
-    let mut json = Vec::new();
-    flate2::read::GzDecoder::new(&gz[..])
-        .read_to_end(&mut json)
-        .unwrap();
-    let path = dir.join("tokenizer.json");
-    std::fs::write(&path, json).unwrap();
-    path
-}
+const DATA: &str = PRODUCER_DATA;
 
 /// A case of the chat goldens (`producer/tests/data/chat/goldens.json`): a record, what
 /// `transformers` makes of it under `template`.
@@ -573,20 +560,6 @@ fn an_unreachable_s3_endpoint_is_said_in_one_line() {
             "{reason}"
         );
     }
-}
-
-/// A small PNG of `width` × `height` black pixels.
-fn png(width: u32, height: u32) -> Vec<u8> {
-    let mut out = Vec::new();
-    image::RgbImage::new(width, height)
-        .write_to(&mut std::io::Cursor::new(&mut out), image::ImageFormat::Png)
-        .unwrap();
-    out
-}
-
-/// A LLaVA-style record with one image.
-fn llava(id: &str, image: &str, turns: &serde_json::Value) -> String {
-    serde_json::json!({"id": id, "image": image, "conversations": turns}).to_string()
 }
 
 #[test]

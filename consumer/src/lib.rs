@@ -33,7 +33,7 @@ mod writer;
 
 pub use client::{Client, ConnectOptions, CreateOptions};
 pub use error::Error;
-pub use feedstore_proto::frame::{RankAt, StreamTask};
+pub use feedstore_proto::frame::{ProducerFigures, RankAt, StreamTask};
 pub use feedstore_proto::{Handle, Role, StoreStats};
 pub use lease::Lease;
 pub use stream::{Delivery, Made, Stream, StreamFeeder, StreamOptions, StreamSample};

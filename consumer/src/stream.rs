@@ -12,7 +12,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use feedstore_proto::frame::{
-    Opcode, RankAt, RankFigures, Request, Response, StreamItem, StreamTask,
+    Opcode, ProducerFigures, RankAt, RankFigures, Request, Response, StreamItem, StreamTask,
 };
 use feedstore_proto::ring::{ENTRY_FAILED, RingEntry, RingHeader, RingWords};
 use feedstore_proto::sample::{SampleError, SampleView};
@@ -605,6 +605,15 @@ impl StreamFeeder {
             Err(Error::Ended) => Ok(None),
             Err(e) => Err(e),
         }
+    }
+
+    /// Reports the producer's figures to the daemon (one-way: no round trip), for `feedstore
+    /// top` and the metrics.
+    pub fn report(&self, figures: &ProducerFigures) -> Result<(), Error> {
+        self.client.send_one_way(&Request::ProducerReport {
+            stream: self.id,
+            figures: *figures,
+        })
     }
 
     /// Looks samples up in the daemon's decode-once cache: per key, the handle of the sample if

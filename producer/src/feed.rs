@@ -33,6 +33,9 @@ use crate::pipeline::{
 };
 use crate::profile::{Profiler, Stage};
 
+/// How often a producer reports its profile to the daemon (and once more at its end).
+const REPORT_EVERY: Duration = Duration::from_secs(1);
+
 /// Which stream to feed, and where each rank starts.
 #[derive(Debug, Clone)]
 pub struct FeedConfig {
@@ -296,7 +299,8 @@ pub fn feed(
                 key,
                 made,
             }]);
-            profiler.record(Stage::Write, put_started.elapsed());
+            // The sample's write counted it; a cancelled one (Failed) is no sample.
+            profiler.add_busy(Stage::Write, put_started.elapsed());
             let result = result.and_then(|mut r| {
                 r.pop().ok_or_else(|| {
                     feedstore_consumer::Error::Protocol("a put answered without a result".into())
@@ -387,17 +391,30 @@ pub fn feed(
         }
     })?;
     // The taker: asks the daemon for work while there is room in the pipeline (started after
-    // the IO side, whose runtime may fail to start).
+    // the IO side, whose runtime may fail to start), and reports the profile to the daemon.
     let cache = feed.cache;
     let taker_thread = {
         let (shared, work_tx) = (shared.clone(), taker_tx);
+        let (profiler, snapshot) = (skeleton.profiler.clone(), skeleton.snapshots());
         std::thread::spawn(move || {
+            let mut reported = Instant::now();
             let failure = loop {
                 let room = shared.wait_for_room();
-                match taker.take(room as u32, Duration::from_millis(200)) {
+                let asked = Instant::now();
+                let took = taker.take(room as u32, Duration::from_millis(200));
+                // The daemon answers at once while it has work: time spent here is time every
+                // rank's window was full (the trainers had not returned samples).
+                profiler.backpressure(asked.elapsed());
+                if reported.elapsed() >= REPORT_EVERY {
+                    reported = Instant::now();
+                    if let Err(e) = taker.report(&snapshot().figures()) {
+                        tracing::debug!(error = %e, "reporting the profile failed");
+                    }
+                }
+                match took {
                     Ok(Some(tasks)) => {
                         let tasks = if cache {
-                            serve_from_cache(&shared, &taker, tasks)
+                            serve_from_cache(&shared, &taker, &profiler, tasks)
                         } else {
                             tasks.into_iter().map(|t| (t, None)).collect()
                         };
@@ -411,15 +428,22 @@ pub fn feed(
                 }
             };
             shared.taker_finished();
-            drop(taker_client);
-            failure
+            (failure, taker, taker_client)
         })
     };
 
     // Events flow until every stage has dropped its sender (the shared one included).
     drop(shared);
     let summary = skeleton.finish(on_event);
-    if let Some(e) = taker_thread.join().expect("the taker does not panic") {
+    let (failure, taker, taker_client) = taker_thread.join().expect("the taker does not panic");
+    // The last report, with the CPU workers' last samples, before the taker's connection goes.
+    if failure.is_none()
+        && let Err(e) = taker.report(&summary.profile.figures())
+    {
+        tracing::debug!(error = %e, "reporting the profile failed");
+    }
+    drop((taker, taker_client));
+    if let Some(e) = failure {
         // The daemon went away or closed the stream: the run did not finish.
         return Err(ProducerError::Stream(e));
     }
@@ -431,6 +455,7 @@ pub fn feed(
 fn serve_from_cache(
     shared: &Shared,
     taker: &StreamFeeder,
+    profiler: &Profiler,
     tasks: Vec<StreamTask>,
 ) -> Vec<(StreamTask, Option<Record>)> {
     let records: Vec<Option<(u64, Record)>> = tasks
@@ -484,6 +509,7 @@ fn serve_from_cache(
             for (result, (record, handle)) in results.into_iter().zip(records) {
                 // Evicted between the lookup and the put: the daemon hands the task out again.
                 if result.is_ok() {
+                    profiler.cache_hits(1);
                     shared.send(Event::Produced(Produced {
                         handle,
                         line: record.line,

@@ -340,6 +340,13 @@ impl<J: Send + 'static> Skeleton<J> {
         self.profiler.started(self.started.elapsed());
     }
 
+    /// Takes the profile as of any moment, from any thread.
+    pub(crate) fn snapshots(&self) -> impl Fn() -> StageProfile + Send + 'static {
+        let (profiler, started) = (self.profiler.clone(), self.started);
+        let (workers, fetch_concurrency) = (self.workers, self.fetch_concurrency);
+        move || profiler.snapshot(started.elapsed(), workers, fetch_concurrency)
+    }
+
     /// Fetches in flight at most.
     pub(crate) fn fetch_concurrency(&self) -> usize {
         self.fetch_concurrency

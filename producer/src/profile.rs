@@ -3,11 +3,16 @@
 //! Every fix to a data pipeline exposes the next bottleneck, so the producer measures each stage
 //! as it runs: busy time and item count per stage, how long CPU workers sat idle waiting for
 //! fetched images (the pipeline is fetch-bound), and how long fetched images waited for a free
-//! CPU worker (it is CPU-bound). [`StageProfile::verdict`] turns those into one sentence naming
-//! the bottleneck and the flag to change.
+//! CPU worker (it is CPU-bound), and, feeding a stream, how long it waited for the daemon to
+//! hand out work while every rank's window was full (the trainers are the bottleneck).
+//! [`StageProfile::verdict`] turns those into one sentence naming the bottleneck and the flag to
+//! change. A stream's producers report these figures to the daemon ([`StageProfile::figures`]),
+//! which sums them for `feedstore top` and the metrics ([`StageProfile::from_figures`]).
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
+
+use feedstore_proto::frame::ProducerFigures;
 
 /// A pipeline stage.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -66,6 +71,9 @@ pub struct Profiler {
     fetch_failures: AtomicU64,
     first_fetch_failure: std::sync::OnceLock<String>,
     startup_ns: AtomicU64,
+    /// Waiting for work while every rank's prefetch window was full.
+    backpressure_ns: AtomicU64,
+    cache_hits: AtomicU64,
 }
 
 impl Profiler {
@@ -75,6 +83,14 @@ impl Profiler {
         c.busy_ns
             .fetch_add(busy.as_nanos() as u64, Ordering::Relaxed);
         c.items.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Adds busy time to a stage for an item already counted (a sample's put into its stream,
+    /// after its write).
+    pub fn add_busy(&self, stage: Stage, busy: Duration) {
+        self.stages[stage as usize]
+            .busy_ns
+            .fetch_add(busy.as_nanos() as u64, Ordering::Relaxed);
     }
 
     /// Adds time a CPU worker spent waiting for input.
@@ -108,6 +124,17 @@ impl Profiler {
         let _ = self.first_fetch_failure.set(reason.to_owned());
     }
 
+    /// Adds time spent waiting for the daemon to hand out work (every window full).
+    pub fn backpressure(&self, d: Duration) {
+        self.backpressure_ns
+            .fetch_add(d.as_nanos() as u64, Ordering::Relaxed);
+    }
+
+    /// Counts samples served from the decode-once cache.
+    pub fn cache_hits(&self, n: u64) {
+        self.cache_hits.fetch_add(n, Ordering::Relaxed);
+    }
+
     /// A fetch started (+1) or ended (-1).
     pub fn fetch_in_flight(&self, delta: i64) {
         if delta >= 0 {
@@ -127,6 +154,7 @@ impl Profiler {
         fetch_concurrency: usize,
     ) -> StageProfile {
         let ns = |a: &AtomicU64| Duration::from_nanos(a.load(Ordering::Relaxed));
+        let startup = ns(&self.startup_ns).min(wall);
         StageProfile {
             wall,
             cpu_workers,
@@ -142,8 +170,21 @@ impl Profiler {
             fetches_ok: self.fetches_ok.load(Ordering::Relaxed),
             fetch_failures: self.fetch_failures.load(Ordering::Relaxed),
             first_fetch_failure: self.first_fetch_failure.get().cloned(),
-            startup: ns(&self.startup_ns).min(wall),
+            startup,
+            worker_time: (wall - startup)
+                .checked_mul(u32::try_from(cpu_workers).unwrap_or(u32::MAX))
+                .unwrap_or(Duration::MAX),
+            backpressure: ns(&self.backpressure_ns),
+            cache_hits: self.cache_hits.load(Ordering::Relaxed),
         }
+    }
+}
+
+fn share(part: Duration, whole: Duration) -> f64 {
+    if whole.is_zero() {
+        0.0
+    } else {
+        (part.as_secs_f64() / whole.as_secs_f64()).min(1.0)
     }
 }
 
@@ -174,16 +215,73 @@ pub struct StageProfile {
     pub first_fetch_failure: Option<String>,
     /// Time before the CPU workers could start (connecting to the store, mapping its memory).
     pub startup: Duration,
+    /// The CPU workers' time since they started: workers × (wall − startup).
+    pub worker_time: Duration,
+    /// Time spent waiting for work while every rank's prefetch window was full.
+    pub backpressure: Duration,
+    /// Samples served from the decode-once cache.
+    pub cache_hits: u64,
 }
 
 impl StageProfile {
     /// Share of the CPU workers' time since they started spent waiting for input.
     pub fn cpu_idle_share(&self) -> f64 {
-        let capacity = (self.wall - self.startup).as_secs_f64() * self.cpu_workers as f64;
-        if capacity == 0.0 {
-            0.0
-        } else {
-            (self.cpu_idle.as_secs_f64() / capacity).min(1.0)
+        share(self.cpu_idle, self.worker_time)
+    }
+
+    /// Share of the time since the workers started spent waiting for work while every rank's
+    /// prefetch window was full.
+    pub fn backpressure_share(&self) -> f64 {
+        share(self.backpressure, self.wall.saturating_sub(self.startup))
+    }
+
+    /// What a producer reports to the daemon.
+    pub fn figures(&self) -> ProducerFigures {
+        let us = |d: Duration| d.as_micros().min(u128::from(u64::MAX)) as u64;
+        ProducerFigures {
+            elapsed_us: us(self.wall),
+            startup_us: us(self.startup),
+            worker_us: us(self.worker_time),
+            stage_busy_us: self.stages.map(|(_, busy, _)| us(busy)),
+            stage_items: self.stages.map(|(_, _, items)| items),
+            cpu_idle_us: us(self.cpu_idle),
+            fetch_blocked_us: us(self.fetch_blocked),
+            backpressure_us: us(self.backpressure),
+            fetched_bytes: self.fetched_bytes,
+            fetches_ok: self.fetches_ok,
+            fetch_failures: self.fetch_failures,
+            cache_hits: self.cache_hits,
+            cpu_workers: self.cpu_workers as u64,
+            fetch_concurrency: self.fetch_concurrency as u64,
+            fetch_in_flight: self.fetch_in_flight,
+        }
+    }
+
+    /// A profile from reported figures (one producer's, a sum of several, or what grew between
+    /// two readings: [`ProducerFigures::since`]). Its verdict reads them as one producer's.
+    pub fn from_figures(f: &ProducerFigures) -> StageProfile {
+        let us = Duration::from_micros;
+        let mut stages = STAGES.map(|s| (s, Duration::ZERO, 0));
+        for (i, stage) in stages.iter_mut().enumerate() {
+            stage.1 = us(f.stage_busy_us[i]);
+            stage.2 = f.stage_items[i];
+        }
+        StageProfile {
+            wall: us(f.elapsed_us),
+            cpu_workers: f.cpu_workers as usize,
+            fetch_concurrency: f.fetch_concurrency as usize,
+            stages,
+            cpu_idle: us(f.cpu_idle_us),
+            fetch_blocked: us(f.fetch_blocked_us),
+            fetch_in_flight: f.fetch_in_flight,
+            fetched_bytes: f.fetched_bytes,
+            fetches_ok: f.fetches_ok,
+            fetch_failures: f.fetch_failures,
+            first_fetch_failure: None,
+            startup: us(f.startup_us.min(f.elapsed_us)),
+            worker_time: us(f.worker_us),
+            backpressure: us(f.backpressure_us),
+            cache_hits: f.cache_hits,
         }
     }
 
@@ -196,6 +294,21 @@ impl StageProfile {
                 self.first_fetch_failure
                     .as_deref()
                     .unwrap_or("no reason kept")
+            );
+        }
+        let decoded = self.stages[Stage::Decode as usize].2;
+        if self.cache_hits > 0 && self.fetches_ok == 0 && decoded == 0 {
+            return format!(
+                "served from the decode-once cache: {} samples reused, nothing fetched or decoded",
+                self.cache_hits
+            );
+        }
+        let waiting = self.backpressure_share();
+        if waiting > 0.5 {
+            return format!(
+                "trainer-bound: every rank's prefetch window was full {:.0}% of the time; the \
+                 producers keep up (more workers would not help)",
+                waiting * 100.0
             );
         }
         let idle = self.cpu_idle_share();
@@ -284,6 +397,45 @@ mod tests {
             "{cpu_bound}"
         );
         assert!(profile(6, 2, 40).verdict().starts_with("balanced"));
+    }
+
+    #[test]
+    fn verdict_says_when_the_trainers_or_the_cache_are_why() {
+        let p = Profiler::default();
+        p.record(Stage::Fetch, Duration::from_secs(4));
+        p.record(Stage::Decode, Duration::from_secs(1));
+        p.started(Duration::from_secs(2));
+        p.backpressure(Duration::from_secs(7));
+        let verdict = p.snapshot(Duration::from_secs(12), 2, 8).verdict();
+        assert!(
+            verdict.starts_with("trainer-bound") && verdict.contains("70%"),
+            "{verdict}"
+        );
+        let cached = Profiler::default();
+        cached.cache_hits(40);
+        cached.cpu_idle(Duration::from_secs(9));
+        let verdict = cached.snapshot(Duration::from_secs(5), 2, 8).verdict();
+        assert!(
+            verdict.contains("decode-once cache: 40 samples"),
+            "{verdict}"
+        );
+    }
+
+    #[test]
+    fn stages_are_in_the_order_the_protocol_counts_them() {
+        for (stage, name) in STAGES.iter().zip(feedstore_proto::frame::PRODUCER_STAGES) {
+            assert!(stage.name().starts_with(name), "{stage:?} is not {name}");
+        }
+    }
+
+    /// What the daemon sums and `feedstore top` reads back is the profile the producer had.
+    #[test]
+    fn figures_round_trip_through_a_profile() {
+        let p = profile(16, 1, 40);
+        let back = StageProfile::from_figures(&p.figures());
+        assert_eq!(back.figures(), p.figures());
+        assert_eq!(back.verdict(), p.verdict());
+        assert_eq!(back.cpu_idle_share(), p.cpu_idle_share());
     }
 
     #[test]

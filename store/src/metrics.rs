@@ -12,6 +12,13 @@
 //! `rate(feedstore_rank_wait_seconds_total[1m]) / rate(feedstore_rank_run_seconds_total[1m])`;
 //! `feedstore_rank_wait_ratio` is the same since its consumer's first request.
 //!
+//! A stream's producers on this node report their stage profile (`feedstore_producer_*`, summed
+//! over the producers, labelled `stream`, `uid` and, per stage, `stage`); the verdict's inputs
+//! over a window: CPU workers idle (fetch-bound) is
+//! `rate(feedstore_producer_cpu_idle_seconds_total[1m]) / rate(feedstore_producer_worker_seconds_total[1m])`,
+//! producers held back by full windows (trainer-bound) is
+//! `rate(feedstore_producer_backpressure_seconds_total[1m]) / rate(feedstore_producer_run_seconds_total[1m])`.
+//!
 //! The server is small on purpose: one request per connection (`Connection: close`), a request
 //! head of at most 8 KiB read within 2 s, at most 16 connections at once (more get `503` at
 //! once), `GET /metrics` only.
@@ -20,7 +27,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use feedstore_proto::StoreStats;
-use feedstore_proto::frame::StreamInfo;
+use feedstore_proto::frame::{PRODUCER_STAGES, ProducerFigures, StreamInfo};
 use prometheus_client::encoding::prometheus_text;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
@@ -318,9 +325,133 @@ pub fn encode(stats: &StoreStats, streams: &[StreamInfo]) -> String {
         "Samples made and waiting in the rank's window",
         ready,
     );
+    register_producers(&mut registry, streams);
     let mut out = String::new();
     prometheus_text::encode(&mut out, &registry).expect("writing to a String");
     out
+}
+
+/// A producer figure: its name, its help, and how to read it off the producers' sum.
+type ProducerFigure = (&'static str, &'static str, fn(&ProducerFigures) -> u64);
+
+/// The producers' stage profiles, per stream (those whose producers reported).
+fn register_producers(registry: &mut Registry, streams: &[StreamInfo]) {
+    let reported = || streams.iter().filter(|t| t.producer.elapsed_us > 0);
+    let times: [ProducerFigure; 6] = [
+        (
+            "producer_run_seconds",
+            "Time since each producer started, summed over the stream's producers",
+            |f| f.elapsed_us,
+        ),
+        (
+            "producer_startup_seconds",
+            "Time before the producers' CPU workers could start (connecting, mapping the store, joining)",
+            |f| f.startup_us,
+        ),
+        (
+            "producer_worker_seconds",
+            "The CPU workers' time since they started (workers times their running time)",
+            |f| f.worker_us,
+        ),
+        (
+            "producer_cpu_idle_seconds",
+            "Time CPU workers waited for fetched input (high: fetch-bound)",
+            |f| f.cpu_idle_us,
+        ),
+        (
+            "producer_fetch_blocked_seconds",
+            "Time fetched records waited for a CPU worker (high: CPU-bound)",
+            |f| f.fetch_blocked_us,
+        ),
+        (
+            "producer_backpressure_seconds",
+            "Time producers waited for work while every rank's prefetch window was full (high: trainer-bound)",
+            |f| f.backpressure_us,
+        ),
+    ];
+    for (name, help, value) in times {
+        let family = FloatCounters::default();
+        for t in reported() {
+            family
+                .get_or_create(&stream_labels(t))
+                .inc_by(value(&t.producer) as f64 / 1e6);
+        }
+        registry.register(name, help, family);
+    }
+    let counts: [ProducerFigure; 4] = [
+        ("producer_fetched_bytes", "Image bytes fetched", |f| {
+            f.fetched_bytes
+        }),
+        ("producer_fetches", "Image fetches that succeeded", |f| {
+            f.fetches_ok
+        }),
+        (
+            "producer_fetch_failures",
+            "Image fetches that failed",
+            |f| f.fetch_failures,
+        ),
+        (
+            "producer_cache_hit_samples",
+            "Samples served from the decode-once cache instead of being made",
+            |f| f.cache_hits,
+        ),
+    ];
+    for (name, help, value) in counts {
+        let family = Counts::default();
+        for t in reported() {
+            family
+                .get_or_create(&stream_labels(t))
+                .inc_by(value(&t.producer));
+        }
+        registry.register(name, help, family);
+    }
+    let levels: [ProducerFigure; 3] = [
+        (
+            "producer_cpu_workers",
+            "CPU workers of the stream's producers joined now",
+            |f| f.cpu_workers,
+        ),
+        (
+            "producer_fetch_concurrency",
+            "Most fetches in flight, over the producers joined now",
+            |f| f.fetch_concurrency,
+        ),
+        ("producer_fetches_in_flight", "Fetches in flight now", |f| {
+            f.fetch_in_flight
+        }),
+    ];
+    for (name, help, value) in levels {
+        let family = Levels::default();
+        for t in reported() {
+            family
+                .get_or_create(&stream_labels(t))
+                .set(i64::try_from(value(&t.producer)).unwrap_or(i64::MAX));
+        }
+        registry.register(name, help, family);
+    }
+    let busy = FloatCounters::default();
+    let items = Counts::default();
+    for t in reported() {
+        for (i, stage) in PRODUCER_STAGES.iter().enumerate() {
+            let mut labels = stream_labels(t);
+            labels.push(("stage", (*stage).to_owned()));
+            busy.get_or_create(&labels)
+                .inc_by(t.producer.stage_busy_us[i] as f64 / 1e6);
+            items
+                .get_or_create(&labels)
+                .inc_by(t.producer.stage_items[i]);
+        }
+    }
+    registry.register(
+        "producer_stage_busy_seconds",
+        "Busy time per pipeline stage, summed over concurrent tasks",
+        busy,
+    );
+    registry.register(
+        "producer_stage_items",
+        "Items through each pipeline stage",
+        items,
+    );
 }
 
 fn stream_labels(t: &StreamInfo) -> Labels {

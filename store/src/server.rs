@@ -774,6 +774,10 @@ impl Connection {
                 self.stream_release(id, stream, rank, upto, figures);
                 return Ok(());
             }
+            Request::ProducerReport { stream, figures } => {
+                self.producer_report(id, stream, &figures);
+                return Ok(());
+            }
             Request::StreamWait {
                 stream,
                 rank,
@@ -861,6 +865,20 @@ impl Connection {
         }
     }
 
+    fn producer_report(
+        &self,
+        id: ConnId,
+        stream: u32,
+        figures: &feedstore_proto::frame::ProducerFigures,
+    ) {
+        if let Err(e) = self
+            .shared
+            .with_streams(|s, _| s.producer_report(id, stream, figures))
+        {
+            tracing::debug!(conn = id, stream, error = %e, "producer report refused");
+        }
+    }
+
     /// Re-checks a stream condition whenever the streams change, until `check` answers (it is
     /// told when the time is up, and must answer then).
     async fn wait_until<T>(
@@ -918,6 +936,9 @@ impl Connection {
                     figures,
                 } => {
                     self.stream_release(id, stream, rank, upto, figures);
+                }
+                Request::ProducerReport { stream, figures } => {
+                    self.producer_report(id, stream, &figures);
                 }
                 other => {
                     let limits = &self.shared.limits;

@@ -29,7 +29,9 @@ use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::os::fd::OwnedFd;
 use std::time::{Duration, Instant};
 
-use feedstore_proto::frame::{RankFigures, RankInfo, StreamInfo, StreamItem, StreamTask};
+use feedstore_proto::frame::{
+    ProducerFigures, RankFigures, RankInfo, StreamInfo, StreamItem, StreamTask,
+};
 use feedstore_proto::ring::{ENTRY_FAILED, RingEntry, RingHeader, ring_bytes};
 use feedstore_proto::stream::StreamSpec;
 use feedstore_proto::{Handle, Location, Role, Status};
@@ -399,6 +401,10 @@ struct Stream {
     /// The node samples for other nodes pass through (see [`Placement::relay`]).
     relay: Option<u32>,
     producers: BTreeSet<ConnId>,
+    /// The latest figures each joined producer reported (at most one entry per producer).
+    producer_figures: BTreeMap<ConnId, ProducerFigures>,
+    /// The counters of producers that left: the stream's sums never go back.
+    producers_departed: ProducerFigures,
     created: Instant,
     /// When a producer or consumer last came, went or acted; an idle stream expires from here.
     last_used: Instant,
@@ -723,6 +729,8 @@ impl Streams {
                 remotes: BTreeMap::new(),
                 relay: None,
                 producers: BTreeSet::new(),
+                producer_figures: BTreeMap::new(),
+                producers_departed: ProducerFigures::default(),
                 created: now,
                 last_used: now,
                 cold_start: None,
@@ -1304,6 +1312,9 @@ impl Streams {
     /// consumer off its rank); whether it had any part in the stream.
     fn drop_producer(stream: &mut Stream, conn: ConnId) -> bool {
         let mut used = stream.producers.remove(&conn);
+        if let Some(left) = stream.producer_figures.remove(&conn) {
+            stream.producers_departed.add(&left.counters());
+        }
         for r in stream.ranks.values_mut() {
             let lost: Vec<u64> = r
                 .assigned
@@ -1401,6 +1412,29 @@ impl Streams {
         if !returned.is_empty() {
             self.changed();
         }
+        Ok(())
+    }
+
+    /// A producer of the stream reports its figures: kept per producer, its counters never
+    /// going back (see [`ProducerFigures::update`]).
+    pub fn producer_report(
+        &mut self,
+        conn: ConnId,
+        id: u32,
+        figures: &ProducerFigures,
+    ) -> Result<(), StreamError> {
+        let stream = self.stream(id)?;
+        if !stream.producers.contains(&conn) {
+            return Err(fail(
+                Status::Protocol,
+                "a producer report from a connection that did not join the stream",
+            ));
+        }
+        stream
+            .producer_figures
+            .entry(conn)
+            .or_default()
+            .update(figures);
         Ok(())
     }
 
@@ -1650,6 +1684,13 @@ impl Streams {
                 })
                 .take(ranks)
                 .collect(),
+            producer: s
+                .producer_figures
+                .values()
+                .fold(s.producers_departed, |mut sum, f| {
+                    sum.add(f);
+                    sum
+                }),
         }
     }
 }
@@ -2169,8 +2210,9 @@ mod tests {
             "another uid's"
         );
         loop {
-            let (page, more) = s.list(&o, p, after, 200);
-            assert!(page.iter().map(StreamInfo::wire_bytes).sum::<usize>() <= 200);
+            // Room for three entries (each about 280 bytes).
+            let (page, more) = s.list(&o, p, after, 900);
+            assert!(page.iter().map(StreamInfo::wire_bytes).sum::<usize>() <= 900);
             after = page.last().unwrap().id;
             seen.extend(page.into_iter().map(|i| i.name));
             if !more {

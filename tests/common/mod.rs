@@ -508,3 +508,33 @@ pub fn tmux(server: &str, args: &[&str]) -> std::process::Output {
         .output()
         .expect("tmux (./scripts/test installs it)")
 }
+
+/// The producer's test data: the committed tokenizer, chat goldens.
+pub const PRODUCER_DATA: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/producer/tests/data");
+
+/// The committed Qwen3 tokenizer, decompressed into `dir`.
+pub fn tokenizer_file(dir: &Path) -> PathBuf {
+    use std::io::Read;
+    let gz = std::fs::read(format!("{PRODUCER_DATA}/qwen3-tokenizer.json.gz")).unwrap();
+    let mut json = Vec::new();
+    flate2::read::GzDecoder::new(&gz[..])
+        .read_to_end(&mut json)
+        .unwrap();
+    let path = dir.join("tokenizer.json");
+    std::fs::write(&path, json).unwrap();
+    path
+}
+
+/// A small PNG of `width` × `height` black pixels.
+pub fn png(width: u32, height: u32) -> Vec<u8> {
+    let mut out = Vec::new();
+    image::RgbImage::new(width, height)
+        .write_to(&mut std::io::Cursor::new(&mut out), image::ImageFormat::Png)
+        .unwrap();
+    out
+}
+
+/// A LLaVA-style record with one image.
+pub fn llava(id: &str, image: &str, turns: &serde_json::Value) -> String {
+    serde_json::json!({"id": id, "image": image, "conversations": turns}).to_string()
+}

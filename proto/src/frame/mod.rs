@@ -11,7 +11,8 @@
 //! | 8..12  | `request_id`  | chosen by the client, echoed in the reply              |
 //! | 12..16 | `payload_len` | at most the receiver's limit                           |
 //!
-//! Every request but [`Request::Release`] and [`Request::StreamRelease`] gets exactly one reply,
+//! Every request but the one-way ones ([`Request::Release`], [`Request::StreamRelease`],
+//! [`Request::ProducerReport`]) gets exactly one reply,
 //! in order. Batches are the unit: `Get`, `Seal`, `Delete`, ... carry a list of handles and the
 //! reply carries one result each, so a client amortises a round trip over many objects.
 //!
@@ -30,7 +31,10 @@ mod stats;
 mod streams;
 
 pub use objects::Created;
-pub use streams::{RankAt, RankFigures, RankInfo, StreamInfo, StreamItem, StreamTask};
+pub use streams::{
+    PRODUCER_STAGES, ProducerFigures, RankAt, RankFigures, RankInfo, StreamInfo, StreamItem,
+    StreamTask,
+};
 
 use crate::stream::StreamSpec;
 pub use crate::wire::DecodeError;
@@ -44,7 +48,8 @@ pub const MAGIC: u16 = 0xFD5E;
 /// and statuses (`Unreachable`, `Corrupt`). Version 4: where a stream's ranks are read
 /// (`StreamJoin` `at` and `relay`). Version 5: `InUse`, a rank that already has a consumer.
 /// Version 6: consumers report their figures with their returns; stream lists carry them.
-pub const VERSION: u16 = 6;
+/// Version 7: producers report their stage figures; stream lists carry their sum.
+pub const VERSION: u16 = 7;
 /// Size of the frame header.
 pub const HEADER_BYTES: usize = 16;
 /// Default maximum payload a side accepts (room for a batch of ~65k handles).
@@ -96,13 +101,15 @@ pub enum Opcode {
     StreamList = 17,
     /// [`Request::StreamDetach`]
     StreamDetach = 18,
+    /// [`Request::ProducerReport`]
+    ProducerReport = 19,
     /// [`Response::Error`] (reply only).
     Error = 0x7FFF,
 }
 
 impl Opcode {
     /// Every opcode, for tests and fuzzers that must cover them all.
-    pub const ALL: [Opcode; 19] = [
+    pub const ALL: [Opcode; 20] = [
         Opcode::Hello,
         Opcode::Create,
         Opcode::Seal,
@@ -121,6 +128,7 @@ impl Opcode {
         Opcode::CacheLookup,
         Opcode::StreamList,
         Opcode::StreamDetach,
+        Opcode::ProducerReport,
         Opcode::Error,
     ];
 
@@ -473,6 +481,14 @@ pub enum Request {
         /// The first sequence number the consumer did not read.
         next: u64,
     },
+    /// A producer of a stream reports its figures (the daemon keeps the latest, per connection,
+    /// for `feedstore top` and the metrics). One-way: no reply.
+    ProducerReport {
+        /// From [`Response::StreamJoined`].
+        stream: u32,
+        /// What the producer measured so far.
+        figures: ProducerFigures,
+    },
 }
 
 impl Request {
@@ -497,6 +513,7 @@ impl Request {
             Request::CacheLookup { .. } => Opcode::CacheLookup,
             Request::StreamList { .. } => Opcode::StreamList,
             Request::StreamDetach { .. } => Opcode::StreamDetach,
+            Request::ProducerReport { .. } => Opcode::ProducerReport,
         }
     }
 
@@ -504,7 +521,9 @@ impl Request {
     pub fn expects_reply(&self) -> bool {
         !matches!(
             self,
-            Request::Release { .. } | Request::StreamRelease { .. }
+            Request::Release { .. }
+                | Request::StreamRelease { .. }
+                | Request::ProducerReport { .. }
         )
     }
 
@@ -632,6 +651,10 @@ impl Request {
                 Request::StreamDetach { stream, rank, next } => {
                     streams::encode_position(w, *stream, *rank, *next);
                 }
+                Request::ProducerReport { stream, figures } => {
+                    w.u32(*stream);
+                    figures.encode(w);
+                }
             },
         )
     }
@@ -711,6 +734,10 @@ impl Request {
                 let (stream, rank, next) = streams::decode_position(&mut r)?;
                 Request::StreamDetach { stream, rank, next }
             }
+            Opcode::ProducerReport => Request::ProducerReport {
+                stream: r.u32()?,
+                figures: ProducerFigures::decode(&mut r)?,
+            },
             Opcode::Error => unreachable!("filtered above"),
         };
         r.finish()?;
@@ -869,7 +896,7 @@ impl Response {
                 streams: r.list()?,
                 more: r.bool("more")?,
             },
-            Opcode::Release | Opcode::StreamRelease => {
+            Opcode::Release | Opcode::StreamRelease | Opcode::ProducerReport => {
                 return Err(DecodeError::UnknownOpcode { found: raw });
             }
         };

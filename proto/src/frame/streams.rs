@@ -171,6 +171,163 @@ pub struct StreamInfo {
     /// The ranks with a consumer attached, by rank, as their consumers report them (at most
     /// [`StreamInfo::RANKS_LISTED`]).
     pub ranks_attached: Vec<RankInfo>,
+    /// What this node's producers of the stream reported, summed: the counters of every producer
+    /// that ever reported (they only grow), the gauges of those joined now.
+    pub producer: ProducerFigures,
+}
+
+/// The producer's pipeline stages, in order, as [`ProducerFigures`] counts them and metrics
+/// label them.
+pub const PRODUCER_STAGES: [&str; 5] = ["fetch", "decode", "resize", "tokenize", "write"];
+
+/// What a producer measures of its own work and reports to the daemon
+/// ([`crate::frame::Request::ProducerReport`]): the producer's side of the bottleneck verdict.
+/// Times are microseconds since the producer started. Every field but the last three is a
+/// counter (it only grows); those three are gauges.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ProducerFigures {
+    /// Since the producer started.
+    pub elapsed_us: u64,
+    /// Before its CPU workers could start (connecting, mapping the store, joining the stream).
+    pub startup_us: u64,
+    /// The CPU workers' time since they started: workers × (elapsed − startup).
+    pub worker_us: u64,
+    /// Busy time per stage ([`PRODUCER_STAGES`]), summed over concurrent tasks.
+    pub stage_busy_us: [u64; 5],
+    /// Items per stage.
+    pub stage_items: [u64; 5],
+    /// CPU workers waiting for fetched input (the pipeline is fetch-bound).
+    pub cpu_idle_us: u64,
+    /// Fetched records waiting for a CPU worker (it is CPU-bound).
+    pub fetch_blocked_us: u64,
+    /// Waiting for the daemon to hand out work while every rank's prefetch window was full:
+    /// the trainers are the bottleneck.
+    pub backpressure_us: u64,
+    /// Bytes fetched.
+    pub fetched_bytes: u64,
+    /// Fetches that succeeded.
+    pub fetches_ok: u64,
+    /// Fetches that failed.
+    pub fetch_failures: u64,
+    /// Samples served from the decode-once cache instead of being made.
+    pub cache_hits: u64,
+    /// CPU workers (gauge).
+    pub cpu_workers: u64,
+    /// Most fetches in flight (gauge).
+    pub fetch_concurrency: u64,
+    /// Fetches in flight now (gauge).
+    pub fetch_in_flight: u64,
+}
+
+impl ProducerFigures {
+    pub(crate) const FIELDS: usize = 23;
+    /// The fields from this index on are gauges.
+    const GAUGES: usize = 20;
+
+    pub(crate) fn fields(&self) -> [u64; Self::FIELDS] {
+        let s = &self.stage_busy_us;
+        let i = &self.stage_items;
+        [
+            self.elapsed_us,
+            self.startup_us,
+            self.worker_us,
+            s[0],
+            s[1],
+            s[2],
+            s[3],
+            s[4],
+            i[0],
+            i[1],
+            i[2],
+            i[3],
+            i[4],
+            self.cpu_idle_us,
+            self.fetch_blocked_us,
+            self.backpressure_us,
+            self.fetched_bytes,
+            self.fetches_ok,
+            self.fetch_failures,
+            self.cache_hits,
+            self.cpu_workers,
+            self.fetch_concurrency,
+            self.fetch_in_flight,
+        ]
+    }
+
+    pub(crate) fn from_fields(f: [u64; Self::FIELDS]) -> ProducerFigures {
+        ProducerFigures {
+            elapsed_us: f[0],
+            startup_us: f[1],
+            worker_us: f[2],
+            stage_busy_us: [f[3], f[4], f[5], f[6], f[7]],
+            stage_items: [f[8], f[9], f[10], f[11], f[12]],
+            cpu_idle_us: f[13],
+            fetch_blocked_us: f[14],
+            backpressure_us: f[15],
+            fetched_bytes: f[16],
+            fetches_ok: f[17],
+            fetch_failures: f[18],
+            cache_hits: f[19],
+            cpu_workers: f[20],
+            fetch_concurrency: f[21],
+            fetch_in_flight: f[22],
+        }
+    }
+
+    /// A newer report from the same producer: its counters never go back (a report that says
+    /// less keeps what was shown), its gauges are replaced.
+    pub fn update(&mut self, newer: &ProducerFigures) {
+        let (mut f, n) = (self.fields(), newer.fields());
+        for (i, (old, new)) in f.iter_mut().zip(n).enumerate() {
+            *old = if i < Self::GAUGES {
+                (*old).max(new)
+            } else {
+                new
+            };
+        }
+        *self = Self::from_fields(f);
+    }
+
+    /// Adds another producer's figures (saturating).
+    pub fn add(&mut self, other: &ProducerFigures) {
+        let (mut f, o) = (self.fields(), other.fields());
+        for (a, b) in f.iter_mut().zip(o) {
+            *a = a.saturating_add(b);
+        }
+        *self = Self::from_fields(f);
+    }
+
+    /// The counters only: what a producer that left leaves behind.
+    pub fn counters(&self) -> ProducerFigures {
+        let mut f = self.fields();
+        f[Self::GAUGES..].fill(0);
+        Self::from_fields(f)
+    }
+
+    /// What grew from `earlier` to `self` (the counters; the gauges as of `self`).
+    pub fn since(&self, earlier: &ProducerFigures) -> ProducerFigures {
+        let (mut f, e) = (self.fields(), earlier.fields());
+        for (a, b) in f[..Self::GAUGES].iter_mut().zip(e) {
+            *a = a.saturating_sub(b);
+        }
+        Self::from_fields(f)
+    }
+}
+
+impl Wire for ProducerFigures {
+    const MIN_BYTES: usize = Self::FIELDS * 8;
+    fn encode(&self, w: &mut Writer<'_>) {
+        for v in self.fields() {
+            w.u64(v);
+        }
+    }
+    fn decode(r: &mut Reader<'_>) -> Result<Self, DecodeError> {
+        let mut f = [0; Self::FIELDS];
+        for v in &mut f {
+            *v = r.u64()?;
+        }
+        Ok(Self::from_fields(f))
+    }
 }
 
 /// What a consumer measures of its own reading and reports with its returns
@@ -266,9 +423,9 @@ impl StreamInfo {
 }
 
 impl Wire for StreamInfo {
-    /// An empty name: id, owner, the name's length, four `u32`s, seven `u64`s and an empty
-    /// rank list (its count).
-    const MIN_BYTES: usize = 4 + 4 + 2 + 4 * 4 + 7 * 8 + 4;
+    /// An empty name: id, owner, the name's length, four `u32`s, seven `u64`s, an empty rank
+    /// list (its count) and the producers' figures.
+    const MIN_BYTES: usize = 4 + 4 + 2 + 4 * 4 + 7 * 8 + 4 + ProducerFigures::MIN_BYTES;
     fn encode(&self, w: &mut Writer<'_>) {
         w.u32(self.id);
         w.u32(self.owner_uid);
@@ -288,6 +445,7 @@ impl Wire for StreamInfo {
             w.u64(v);
         }
         w.list(&self.ranks_attached);
+        self.producer.encode(w);
     }
     fn decode(r: &mut Reader<'_>) -> Result<Self, DecodeError> {
         Ok(StreamInfo {
@@ -306,6 +464,7 @@ impl Wire for StreamInfo {
             fastest: r.u64()?,
             cold_start_us: r.u64()?,
             ranks_attached: r.list()?,
+            producer: ProducerFigures::decode(r)?,
         })
     }
 }

@@ -113,6 +113,11 @@ fn figures() -> impl Strategy<Value = RankFigures> {
     })
 }
 
+fn producer_figures() -> impl Strategy<Value = ProducerFigures> {
+    prop::collection::vec(any::<u64>(), ProducerFigures::FIELDS)
+        .prop_map(|v| ProducerFigures::from_fields(v.try_into().expect("FIELDS values")))
+}
+
 fn info() -> impl Strategy<Value = StreamInfo> {
     let rank = (any::<u32>(), any::<u64>(), any::<u32>(), figures()).prop_map(
         |(rank, released, ready, figures)| RankInfo {
@@ -128,24 +133,28 @@ fn info() -> impl Strategy<Value = StreamInfo> {
         prop::array::uniform4(any::<u32>()),
         prop::array::uniform7(any::<u64>()),
         prop::collection::vec(rank, 0..4),
+        producer_figures(),
     )
-        .prop_map(|((id, owner_uid), name, a, b, ranks_attached)| StreamInfo {
-            id,
-            owner_uid,
-            name,
-            depth: a[0],
-            producers: a[1],
-            consumers: a[2],
-            ranks: a[3],
-            ready: b[0],
-            making: b[1],
-            put: b[2],
-            returned: b[3],
-            slowest: b[4],
-            fastest: b[5],
-            cold_start_us: b[6],
-            ranks_attached,
-        })
+        .prop_map(
+            |((id, owner_uid), name, a, b, ranks_attached, producer)| StreamInfo {
+                id,
+                owner_uid,
+                name,
+                depth: a[0],
+                producers: a[1],
+                consumers: a[2],
+                ranks: a[3],
+                ready: b[0],
+                making: b[1],
+                put: b[2],
+                returned: b[3],
+                slowest: b[4],
+                fastest: b[5],
+                cold_start_us: b[6],
+                ranks_attached,
+                producer,
+            },
+        )
 }
 
 fn request() -> impl Strategy<Value = Request> {
@@ -231,6 +240,8 @@ fn request() -> impl Strategy<Value = Request> {
         any::<u32>().prop_map(|after| Request::StreamList { after }),
         (any::<u32>(), any::<u32>(), any::<u64>())
             .prop_map(|(stream, rank, next)| Request::StreamDetach { stream, rank, next }),
+        (any::<u32>(), producer_figures())
+            .prop_map(|(stream, figures)| Request::ProducerReport { stream, figures }),
     ]
 }
 
@@ -438,6 +449,7 @@ fn listed(id: u32, name: &str) -> StreamInfo {
         fastest: 0,
         cold_start_us: 0,
         ranks_attached: Vec::new(),
+        producer: ProducerFigures::default(),
     }
 }
 
@@ -463,6 +475,7 @@ fn min_bytes_are_the_smallest_encodings() {
         ready: 0,
         figures: RankFigures::default(),
     });
+    min_bytes_is_tight(&ProducerFigures::default());
     min_bytes_is_tight(&RankAt {
         rank: 0,
         addr: String::new(),
@@ -594,4 +607,33 @@ fn max_batch_items_fill_both_limits() {
     }
     // A get of ~48k handles fits the request (16 bytes each) but not its reply (22 each).
     assert!(max_batch_items(Opcode::Get, MAX_PAYLOAD_BYTES, MAX_PAYLOAD_BYTES) < 48_000);
+}
+
+/// A producer's counters never go back between its reports, and what leaves with it stays.
+#[test]
+fn producer_figures_only_grow() {
+    let mut shown = ProducerFigures {
+        elapsed_us: 10,
+        cache_hits: 4,
+        fetch_in_flight: 3,
+        ..ProducerFigures::default()
+    };
+    shown.update(&ProducerFigures {
+        elapsed_us: 7,
+        cache_hits: 5,
+        fetch_in_flight: 1,
+        ..ProducerFigures::default()
+    });
+    assert_eq!(
+        (shown.elapsed_us, shown.cache_hits, shown.fetch_in_flight),
+        (10, 5, 1),
+        "counters keep their largest value, gauges the latest"
+    );
+    let left = shown.counters();
+    assert_eq!((left.elapsed_us, left.fetch_in_flight), (10, 0));
+    let mut sum = left;
+    sum.add(&shown);
+    assert_eq!((sum.cache_hits, sum.fetch_in_flight), (10, 1));
+    let grown = sum.since(&left);
+    assert_eq!((grown.cache_hits, grown.fetch_in_flight), (5, 1));
 }
