@@ -3,6 +3,7 @@
 use std::io::{IsTerminal, Write};
 use std::path::PathBuf;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
@@ -433,6 +434,8 @@ pub fn run_produce(args: Args) -> anyhow::Result<()> {
     // plain lines every half second, for logs.
     let bar = std::io::stderr().is_terminal().then(progress_bar);
     let mut write_error = None;
+    // Ctrl-C (or SIGTERM) ends the run with the profile so far; a second one kills at once.
+    catch_interrupts();
     let on_event = |event: &Event, profiler: &feedstore_producer::profile::Profiler| {
         match event {
             Event::Produced(p) => {
@@ -454,6 +457,31 @@ pub fn run_produce(args: Args) -> anyhow::Result<()> {
                     write_error.get_or_insert(e);
                 }
             }
+            Event::Idle => {}
+        }
+        if INTERRUPTED.load(Ordering::Relaxed) {
+            if let Some(bar) = &bar {
+                bar.abandon();
+            }
+            // What was written so far stays readable.
+            let _ = rejects.flush();
+            if let Some(out) = handles.as_mut() {
+                let _ = out.flush();
+            }
+            let wall = started.elapsed();
+            let profile = profiler.snapshot(wall, config.workers, config.fetch_concurrency);
+            println!(
+                "interrupted after {:.2} s: produced {produced} samples ({:.1} MB), rejected {rejected} (listed in {}); the profile so far:",
+                wall.as_secs_f64(),
+                bytes as f64 / 1e6,
+                rejects_path.display()
+            );
+            print!("{}", profile.table());
+            println!("verdict: {}", profile.verdict());
+            let _ = std::io::stdout().flush();
+            // The daemon takes back what this process held (unsealed objects, tasks in
+            // flight) when its connections close.
+            std::process::exit(130);
         }
         if let Some(bar) = &bar {
             bar.set_position(produced + rejected);
@@ -559,6 +587,31 @@ pub fn run_produce(args: Args) -> anyhow::Result<()> {
         );
     }
     Ok(())
+}
+
+/// Set by the first SIGINT or SIGTERM.
+static INTERRUPTED: AtomicBool = AtomicBool::new(false);
+
+extern "C" fn interrupted(_: nix::libc::c_int) {
+    INTERRUPTED.store(true, Ordering::Relaxed);
+}
+
+/// The first SIGINT or SIGTERM sets [`INTERRUPTED`] (the run's event loop, called at least every
+/// half second, prints the profile so far and exits); the handler then resets itself, so a
+/// second one ends the process at once.
+fn catch_interrupts() {
+    use nix::sys::signal::{SaFlags, SigAction, SigHandler, SigSet, Signal, sigaction};
+    let action = SigAction::new(
+        SigHandler::Handler(interrupted),
+        SaFlags::SA_RESETHAND | SaFlags::SA_RESTART,
+        SigSet::empty(),
+    );
+    for signal in [Signal::SIGINT, Signal::SIGTERM] {
+        // SAFETY: the handler only stores to an atomic, which is async-signal-safe.
+        if let Err(e) = unsafe { sigaction(signal, &action) } {
+            tracing::warn!(?signal, error = %e, "cannot catch the signal; it ends the run without a profile");
+        }
+    }
 }
 
 /// A progress bar on stderr: records done, rate, elapsed, and the profiler's verdict as its

@@ -244,6 +244,69 @@ fn produce_shows_a_progress_bar_on_a_terminal() {
     );
 }
 
+/// A producer whose stream has no room left (no trainer reads it) keeps printing its progress
+/// lines to a pipe, with the verdict (trainer-bound); Ctrl-C ends it with the profile so far.
+#[test]
+fn a_stalled_producer_says_why_and_ctrl_c_prints_its_profile() {
+    let _w = watchdog(
+        "a_stalled_producer_says_why_and_ctrl_c_prints_its_profile",
+        Duration::from_secs(120),
+    );
+    let dir = scratch_dir("produce-stalled");
+    let daemon = DaemonProcess::start(&dir, &[]);
+    let tokenizer = tokenizer_file(&dir);
+    let lines: Vec<String> = (0..8)
+        .map(|i| serde_json::json!({"id": format!("t{i}"), "text": format!("text {i}")}).to_string())
+        .collect();
+    let manifest = dir.join("text.jsonl");
+    std::fs::write(&manifest, lines.join("\n")).unwrap();
+    let (out, err) = (dir.join("stdout"), dir.join("stderr"));
+    let mut producer = KillOnDrop(
+        Command::new(env!("CARGO_BIN_EXE_feedstore"))
+            .args(["produce", "--socket", daemon.socket.to_str().unwrap()])
+            .arg("--manifest")
+            .arg(&manifest)
+            .arg("--tokenizer")
+            .arg(&tokenizer)
+            .args(["--workers", "1", "--stream", "stalled", "--epochs", "0"])
+            .args(["--prefetch", "2"])
+            .stdout(std::fs::File::create(&out).unwrap())
+            .stderr(std::fs::File::create(&err).unwrap())
+            .spawn()
+            .unwrap(),
+    );
+    // Two samples fill the only rank's window; then nothing happens, and the lines go on.
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        let said = std::fs::read_to_string(&err).unwrap_or_default();
+        if said
+            .lines()
+            .any(|l| l.contains("2 produced") && l.contains("trainer-bound"))
+        {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no progress line saying why within 60 s:\n{said}"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(producer.0.id() as i32),
+        nix::sys::signal::Signal::SIGINT,
+    )
+    .unwrap();
+    let status = wait_child(&mut producer.0, Duration::from_secs(30));
+    let printed = std::fs::read_to_string(&out).unwrap();
+    assert_eq!(status.code(), Some(130), "{printed}");
+    assert!(
+        printed.contains("interrupted after") && printed.contains("produced 2 samples"),
+        "{printed}"
+    );
+    assert!(printed.contains("tokenize"), "the stage table: {printed}");
+    assert!(printed.contains("verdict: trainer-bound"), "{printed}");
+}
+
 /// `feedstore produce` with `args`, stdout and stderr to files (an endless stream of lines
 /// must not block it on a pipe), killed and failed if it runs past `limit`; returns its status,
 /// stdout and stderr (both must stay small: every input ends in bounded output too).

@@ -202,7 +202,13 @@ pub enum Event {
     Produced(Produced),
     /// A record was rejected.
     Rejected(Reject),
+    /// Nothing happened for [`IDLE_TICK`]: a run stalled (on its inputs, or on full windows)
+    /// still gets its caller called, to draw progress or notice an interrupt.
+    Idle,
 }
+
+/// How long a run goes without an event before its caller is called with [`Event::Idle`].
+pub const IDLE_TICK: Duration = Duration::from_millis(500);
 
 /// The end of a run.
 #[derive(Debug, Clone)]
@@ -383,7 +389,8 @@ impl<J: Send + 'static> Skeleton<J> {
         Ok(())
     }
 
-    /// Hands every event to `on_event` (on this thread) until the stages have all ended and
+    /// Hands every event to `on_event` (on this thread), and [`Event::Idle`] while none comes,
+    /// until the stages have all ended and
     /// dropped their senders, joins their threads, and sums the run up.
     pub(crate) fn finish(self, mut on_event: impl FnMut(&Event, &Profiler)) -> Summary {
         let Skeleton {
@@ -399,10 +406,16 @@ impl<J: Send + 'static> Skeleton<J> {
         } = self;
         drop((jobs, queue, events));
         let (mut produced, mut rejected) = (0, 0);
-        for event in received {
+        loop {
+            let event = match received.recv_timeout(IDLE_TICK) {
+                Ok(event) => event,
+                Err(std::sync::mpsc::RecvTimeoutError::Timeout) => Event::Idle,
+                Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => break,
+            };
             match &event {
                 Event::Produced(_) => produced += 1,
                 Event::Rejected(_) => rejected += 1,
+                Event::Idle => {}
             }
             on_event(&event, &profiler);
         }

@@ -156,6 +156,7 @@ fn good_samples_arrive_and_every_bad_record_is_rejected_with_its_reason() {
         |event, _| match event {
             Event::Produced(p) => produced.push(p.clone()),
             Event::Rejected(r) => rejects.push(r.clone()),
+            Event::Idle => {}
         },
     )
     .unwrap();

@@ -229,6 +229,25 @@ impl Stream {
         self.with(|s| Ok(s.state().to_text()))
     }
 
+    /// What this consumer measured of its own reading, as it reports it to the daemon (and
+    /// `feedstore top` and the metrics show it): `waited` (seconds spent waiting for samples
+    /// not yet made), `taken` (samples), `elapsed` (seconds since its first request: waiting
+    /// plus the trainer's own work), `wait_ratio` (waited / elapsed: the wait-time ratio) and
+    /// `first_sample` (seconds from opening to the first sample; None before it).
+    fn figures<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let f = self.with(|s| Ok(s.figures()))?;
+        let dict = PyDict::new(py);
+        dict.set_item("waited", f.waited_us as f64 / 1e6)?;
+        dict.set_item("taken", f.taken)?;
+        dict.set_item("elapsed", f.elapsed_us as f64 / 1e6)?;
+        dict.set_item("wait_ratio", f.wait_ratio())?;
+        dict.set_item(
+            "first_sample",
+            (f.first_sample_us > 0).then(|| f.first_sample_us as f64 / 1e6),
+        )?;
+        Ok(dict)
+    }
+
     /// Seconds from opening the stream to its first sample (None before it).
     #[getter]
     fn time_to_first_sample(&self) -> PyResult<Option<f64>> {

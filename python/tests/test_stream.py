@@ -317,3 +317,20 @@ def test_a_consumer_depth_is_ignored_with_a_warning(daemon):
     feedstore.Writer("deep", 4, socket=daemon.socket, depth=2)
     with pytest.warns(DeprecationWarning, match="depth"):
         feedstore.Stream("deep", 4, socket=daemon.socket, depth=64).close()
+
+
+def test_a_stream_reports_what_it_measured(daemon):
+    writer = feedstore.Writer("measured", 3, shuffle="none", socket=daemon.socket)
+    for task in writer.take(max=3, wait=5.0):
+        writer.put(task, np.full((8, 8, 3), task.record, dtype=np.uint8))
+    stream = feedstore.Stream("measured", 3, shuffle="none", socket=daemon.socket, wait=30)
+    before = stream.figures()
+    assert before["taken"] == 0 and before["first_sample"] is None
+    samples = [next(stream) for _ in range(3)]
+    figures = stream.figures()
+    assert figures["taken"] == 3
+    assert figures["first_sample"] is not None and figures["first_sample"] > 0
+    assert 0 <= figures["waited"] <= figures["elapsed"]
+    assert figures["wait_ratio"] == pytest.approx(figures["waited"] / figures["elapsed"])
+    assert figures["first_sample"] == pytest.approx(stream.time_to_first_sample)
+    del samples
