@@ -132,7 +132,8 @@ fn main() -> ExitCode {
     }
     restore_sigpipe();
     let cli = Cli::parse();
-    feedstore_store::cli::init_logging_with_default("warn");
+    // Log lines go above `feedstore produce`'s progress bar, never through it.
+    feedstore_store::cli::init_logging_to("warn", || produce::AroundTheBar);
     let result = match cli.command {
         Command::Stat(args) => stat::run(args),
         Command::Top(args) => top::run(args),

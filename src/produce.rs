@@ -433,6 +433,9 @@ pub fn run_produce(args: Args) -> anyhow::Result<()> {
     // On a terminal, a progress bar (with an ETA once the run's length is known); otherwise
     // plain lines every half second, for logs.
     let bar = std::io::stderr().is_terminal().then(progress_bar);
+    if let Some(bar) = &bar {
+        let _ = BAR.set(bar.clone());
+    }
     let mut write_error = None;
     // Ctrl-C (or SIGTERM) ends the run with the profile so far; a second one kills at once.
     catch_interrupts();
@@ -587,6 +590,31 @@ pub fn run_produce(args: Args) -> anyhow::Result<()> {
         );
     }
     Ok(())
+}
+
+/// The progress bar being drawn, if any: log lines are written around it.
+static BAR: std::sync::OnceLock<indicatif::ProgressBar> = std::sync::OnceLock::new();
+
+/// Stderr for log lines: with a progress bar drawn, the bar steps aside for each line (a log
+/// line written through it would garble both).
+pub struct AroundTheBar;
+
+impl Write for AroundTheBar {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.write_all(buf)?;
+        Ok(buf.len())
+    }
+
+    fn write_all(&mut self, buf: &[u8]) -> std::io::Result<()> {
+        match BAR.get().filter(|bar| !bar.is_finished()) {
+            Some(bar) => bar.suspend(|| std::io::stderr().write_all(buf)),
+            None => std::io::stderr().write_all(buf),
+        }
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        std::io::stderr().flush()
+    }
 }
 
 /// Set by the first SIGINT or SIGTERM.

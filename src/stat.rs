@@ -151,6 +151,12 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     if streams.is_empty() {
         println!("  streams         none");
     }
+    if s.attaches_waiting > 0 {
+        println!(
+            "  {} trainer(s) waiting for a stream no producer has created yet (is `feedstore produce --stream` running, with the same name, as the same user?)",
+            s.attaches_waiting
+        );
+    }
     for t in &streams {
         println!(
             "  stream {:?} (uid {}): depth {}, {} producer connection(s), {} of {} rank(s) attached, {} ready, {} being made, {} put, {} returned, lag {} (slowest rank at {}), cold start {}",

@@ -95,6 +95,13 @@ fn render(client: &Client, socket: &str, previous: &mut Previous) -> anyhow::Res
         s.evictions,
         streams.len()
     )?;
+    if s.attaches_waiting > 0 {
+        writeln!(
+            v,
+            "{} trainer(s) waiting for a stream no producer has created yet (is `feedstore produce --stream` running, with the same name, as the same user?)",
+            s.attaches_waiting
+        )?;
+    }
     let mut seen = Previous::default();
     for t in &streams {
         writeln!(v)?;

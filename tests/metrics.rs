@@ -408,11 +408,44 @@ fn a_starving_rank_shows_as_waiting_before_it_reports() {
         tail: Tail::Drop,
         epochs: Some(1),
     };
+    // The trainer opens the stream before any producer created it: the daemon shows it
+    // waiting (in the metrics, `feedstore stat` and `feedstore top`), not nothing.
+    let opening = {
+        let (socket, spec) = (daemon.socket.clone(), spec.clone());
+        std::thread::spawn(move || {
+            Stream::open(&socket, &spec, 0, None, StreamOptions::default()).unwrap()
+        })
+    };
+    let reader = daemon.reader();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while reader.stats().unwrap().attaches_waiting != 1 {
+        assert!(Instant::now() < deadline, "the waiting open never showed");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let (_, scrape) = get(port, "/metrics");
+    assert_eq!(
+        sample(&scrape, "feedstore_attaches_waiting"),
+        Some(1.0),
+        "{scrape}"
+    );
+    for args in [&["stat"][..], &["top", "--count", "1"]] {
+        let shown = Command::new(env!("CARGO_BIN_EXE_feedstore"))
+            .args(args)
+            .arg("--socket")
+            .arg(&daemon.socket)
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&shown.stdout);
+        assert!(
+            text.contains("1 trainer(s) waiting for a stream no producer has created"),
+            "{args:?}: {text}"
+        );
+    }
     // A producer joins (the stream exists) and makes nothing.
     let writer = connect(&daemon.socket, feedstore_consumer::Role::Writer);
     let _feeder = StreamFeeder::join(&writer, &spec, 4, &[StreamTask { rank: 0, seq: 0 }]).unwrap();
-    let mut stream =
-        Stream::open(&daemon.socket, &spec, 0, None, StreamOptions::default()).unwrap();
+    let mut stream = opening.join().unwrap();
+    assert_eq!(reader.stats().unwrap().attaches_waiting, 0);
     let waited = stream.next_sample_within(Duration::from_millis(1500));
     assert!(
         matches!(waited, Err(feedstore_consumer::Error::Timeout(_))),

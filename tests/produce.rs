@@ -256,7 +256,9 @@ fn a_stalled_producer_says_why_and_ctrl_c_prints_its_profile() {
     let daemon = DaemonProcess::start(&dir, &[]);
     let tokenizer = tokenizer_file(&dir);
     let lines: Vec<String> = (0..8)
-        .map(|i| serde_json::json!({"id": format!("t{i}"), "text": format!("text {i}")}).to_string())
+        .map(|i| {
+            serde_json::json!({"id": format!("t{i}"), "text": format!("text {i}")}).to_string()
+        })
         .collect();
     let manifest = dir.join("text.jsonl");
     std::fs::write(&manifest, lines.join("\n")).unwrap();

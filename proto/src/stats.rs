@@ -119,6 +119,9 @@ store_stats! {
     served_reads,
     /// Bytes of this node's objects sent to other nodes since start.
     served_bytes,
+    /// Consumers waiting for a stream that does not exist yet (opened before any producer of
+    /// it joined: a trainer blocked on a stream name no producer uses shows here).
+    attaches_waiting,
 }
 
 impl StoreStats {

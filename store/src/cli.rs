@@ -47,13 +47,22 @@ pub fn init_logging() {
 /// Installs the log subscriber with another default level (tools that print their own output
 /// default to `warn`).
 pub fn init_logging_with_default(default: &str) {
+    init_logging_to(default, std::io::stderr);
+}
+
+/// Installs the log subscriber writing to `writer` (stderr, or stderr around a progress bar),
+/// one write per event.
+pub fn init_logging_to<W>(default: &str, writer: W)
+where
+    W: for<'w> tracing_subscriber::fmt::MakeWriter<'w> + Send + Sync + 'static,
+{
     let filter = std::env::var("FEEDSTORE_LOG")
         .or_else(|_| std::env::var("RUST_LOG"))
         .unwrap_or_else(|_| default.into());
     use std::io::IsTerminal;
     let _ = tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::new(filter))
-        .with_writer(std::io::stderr)
+        .with_writer(writer)
         // Colours for a person at a terminal, plain text for a log file or journal.
         .with_ansi(std::io::stderr().is_terminal())
         .try_init();

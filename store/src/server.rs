@@ -22,6 +22,7 @@ use std::collections::{HashMap, HashSet, VecDeque};
 use std::io::IoSlice;
 use std::ops::{Deref, DerefMut};
 use std::os::fd::{AsRawFd, OwnedFd};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
@@ -160,6 +161,25 @@ pub struct Shared {
     space: watch::Sender<u64>,
     /// Follows [`Streams::version`]; stream waiters watch it.
     stream_events: watch::Sender<u64>,
+    /// Consumers waiting for their stream to be created.
+    attaches_waiting: AtomicU64,
+}
+
+/// Counts a consumer waiting for its stream to be created, for as long as it lives (the wait
+/// ends, or its connection goes mid-wait).
+struct AttachWaiting<'a>(&'a AtomicU64);
+
+impl<'a> AttachWaiting<'a> {
+    fn new(count: &'a AtomicU64) -> Self {
+        count.fetch_add(1, Ordering::Relaxed);
+        AttachWaiting(count)
+    }
+}
+
+impl Drop for AttachWaiting<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
 }
 
 /// The daemon-wide settings a [`Shared`] serves with.
@@ -231,6 +251,7 @@ impl Shared {
             admissions: Mutex::new(Admissions::default()),
             space: watch::Sender::new(0),
             stream_events: watch::Sender::new(0),
+            attaches_waiting: AtomicU64::new(0),
         })
     }
 
@@ -299,9 +320,7 @@ impl Shared {
             s.add_stats(&mut stats);
             (stats, s.all())
         });
-        if let Some(cluster) = &self.cluster {
-            cluster.add_stats(&mut stats);
-        }
+        self.add_stats(&mut stats);
         (stats, streams)
     }
 
@@ -312,10 +331,16 @@ impl Shared {
             s.add_stats(&mut stats);
             stats
         });
-        if let Some(cluster) = &self.cluster {
-            cluster.add_stats(&mut stats);
-        }
+        self.add_stats(&mut stats);
         stats
+    }
+
+    /// Adds what lives outside the locks: the cluster's counters, consumers waiting for streams.
+    fn add_stats(&self, stats: &mut feedstore_proto::StoreStats) {
+        if let Some(cluster) = &self.cluster {
+            cluster.add_stats(stats);
+        }
+        stats.attaches_waiting = self.attaches_waiting.load(Ordering::Relaxed);
     }
 
     /// Closes the streams nobody has used for the idle timeout.
@@ -695,6 +720,7 @@ impl Connection {
                 seq,
                 timeout_ms,
             } => {
+                let mut waiting = None;
                 let attached = self
                     .wait_until(id, timeout_ms, |expired| {
                         let attached = shared.with_streams(|s, o| -> Result<_, StreamError> {
@@ -706,7 +732,12 @@ impl Connection {
                             Ok((stream, ring.capacity(), ring.size_bytes(), fd))
                         });
                         match attached {
-                            Err(e) if e.status == Status::NotFound && !expired => None,
+                            Err(e) if e.status == Status::NotFound && !expired => {
+                                waiting.get_or_insert_with(|| {
+                                    AttachWaiting::new(&shared.attaches_waiting)
+                                });
+                                None
+                            }
                             Err(e) if e.status == Status::NotFound => Some(Err(StreamError {
                                 status: Status::Timeout,
                                 message: e.message,
@@ -715,6 +746,7 @@ impl Connection {
                         }
                     })
                     .await?;
+                drop(waiting);
                 return match attached {
                     Ok((stream, capacity, ring_bytes, fd)) => {
                         let response = Response::StreamAttached {

@@ -48,7 +48,8 @@ pub const MAGIC: u16 = 0xFD5E;
 /// and statuses (`Unreachable`, `Corrupt`). Version 4: where a stream's ranks are read
 /// (`StreamJoin` `at` and `relay`). Version 5: `InUse`, a rank that already has a consumer.
 /// Version 6: consumers report their figures with their returns; stream lists carry them.
-/// Version 7: producers report their stage figures; stream lists carry their sum.
+/// Version 7: producers report their stage figures; stream lists carry their sum; statistics
+/// count consumers waiting for a stream to be created.
 pub const VERSION: u16 = 7;
 /// Size of the frame header.
 pub const HEADER_BYTES: usize = 16;
