@@ -16,6 +16,11 @@ Python code can publish samples too (``Writer``), and ``feedstore.torch`` plugs 
 PyTorch ``DataLoader``. Every error is a ``feedstore.FeedstoreError``.
 """
 
+# numpy is imported here, in Python, before the extension first needs its C API: a Ctrl-C
+# during numpy's (slow, first) import then raises KeyboardInterrupt as usual, instead of
+# interrupting an import the extension makes from inside Rust (which cannot recover).
+import numpy  # noqa: F401
+
 from feedstore._native import (
     Client,
     ConnectError,
