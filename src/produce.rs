@@ -3,7 +3,7 @@
 use std::io::{IsTerminal, Write};
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
@@ -436,6 +436,7 @@ pub fn run_produce(args: Args) -> anyhow::Result<()> {
     if let Some(bar) = &bar {
         let _ = BAR.set(bar.clone());
     }
+    let _abandon = BarOnError(bar.clone());
     let mut write_error = None;
     // Ctrl-C (or SIGTERM) ends the run with the profile so far; a second one kills at once.
     catch_interrupts();
@@ -484,7 +485,7 @@ pub fn run_produce(args: Args) -> anyhow::Result<()> {
             let _ = std::io::stdout().flush();
             // The daemon takes back what this process held (unsealed objects, tasks in
             // flight) when its connections close.
-            std::process::exit(130);
+            std::process::exit(128 + INTERRUPTED_BY.load(Ordering::Relaxed));
         }
         if let Some(bar) = &bar {
             bar.set_position(produced + rejected);
@@ -619,25 +620,56 @@ impl Write for AroundTheBar {
 
 /// Set by the first SIGINT or SIGTERM.
 static INTERRUPTED: AtomicBool = AtomicBool::new(false);
+/// Which signal it was: the exit status is 128 + its number, as if it had killed the process.
+static INTERRUPTED_BY: AtomicI32 = AtomicI32::new(0);
 
-extern "C" fn interrupted(_: nix::libc::c_int) {
+extern "C" fn interrupted(signal: nix::libc::c_int) {
+    INTERRUPTED_BY.store(signal, Ordering::Relaxed);
     INTERRUPTED.store(true, Ordering::Relaxed);
+    // The next SIGINT or SIGTERM, of either kind, ends the process at once.
+    for signal in [nix::libc::SIGINT, nix::libc::SIGTERM] {
+        // SAFETY: signal(2) is async-signal-safe, and SIG_DFL is a valid disposition.
+        unsafe { nix::libc::signal(signal, nix::libc::SIG_DFL) };
+    }
 }
 
 /// The first SIGINT or SIGTERM sets [`INTERRUPTED`] (the run's event loop, called at least every
-/// half second, prints the profile so far and exits); the handler then resets itself, so a
-/// second one ends the process at once.
+/// half second once the run has started, prints the profile so far and exits with 128 + the
+/// signal's number); a second one ends the process at once. A signal the process was started
+/// ignoring (`nohup`, a script's `&`) stays ignored.
 fn catch_interrupts() {
     use nix::sys::signal::{SaFlags, SigAction, SigHandler, SigSet, Signal, sigaction};
     let action = SigAction::new(
         SigHandler::Handler(interrupted),
-        SaFlags::SA_RESETHAND | SaFlags::SA_RESTART,
+        SaFlags::SA_RESTART,
         SigSet::empty(),
     );
     for signal in [Signal::SIGINT, Signal::SIGTERM] {
-        // SAFETY: the handler only stores to an atomic, which is async-signal-safe.
-        if let Err(e) = unsafe { sigaction(signal, &action) } {
-            tracing::warn!(?signal, error = %e, "cannot catch the signal; it ends the run without a profile");
+        // SAFETY: the handler only stores to atomics and calls signal(2), both
+        // async-signal-safe.
+        match unsafe { sigaction(signal, &action) } {
+            Ok(old) if old.handler() == SigHandler::SigIgn => {
+                // SAFETY: puts back the disposition the process started with.
+                let _ = unsafe { sigaction(signal, &old) };
+            }
+            Ok(_) => {}
+            Err(e) => {
+                tracing::warn!(?signal, error = %e, "cannot catch the signal; it ends the run without a profile")
+            }
+        }
+    }
+}
+
+/// Abandons the progress bar when the run ends early (an error), so what is printed next is
+/// not drawn over.
+struct BarOnError(Option<indicatif::ProgressBar>);
+
+impl Drop for BarOnError {
+    fn drop(&mut self) {
+        if let Some(bar) = &self.0
+            && !bar.is_finished()
+        {
+            bar.abandon();
         }
     }
 }

@@ -120,12 +120,13 @@ fn render(client: &Client, socket: &str, previous: &mut Previous) -> anyhow::Res
         )?;
         let producers = (t.producer.elapsed_us > 0).then(|| {
             let grown = match previous.producers.get(&t.id) {
-                // No report since the last view: the last interval stands.
-                Some((before, grown)) if *before == t.producer => *grown,
                 Some((before, _)) if t.producer.elapsed_us > before.elapsed_us => {
                     t.producer.since(before)
                 }
-                _ => t.producer,
+                // No report since the last view (a producer leaving changes only the gauges):
+                // the last interval stands.
+                Some((_, grown)) => *grown,
+                None => t.producer,
             };
             seen.producers.insert(t.id, (t.producer, grown));
             StageProfile::from_figures(&grown)

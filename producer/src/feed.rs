@@ -94,12 +94,20 @@ impl Drop for Finished<'_> {
     }
 }
 
+/// This producer's tasks between the taker and the daemon.
+#[derive(Debug)]
+struct InFlight {
+    tasks: usize,
+    /// Since when none has been in flight (`None` while some are).
+    idle_since: Option<Instant>,
+}
+
 /// What the threads share.
 struct Shared {
     spec: StreamSpec,
     manifest: Arc<IndexedManifest>,
     /// Tasks taken and not yet put, and a wake-up for the taker when that falls below `limit`.
-    in_flight: Mutex<usize>,
+    in_flight: Mutex<InFlight>,
     room: Condvar,
     /// The most tasks in flight: enough to keep every fetch and worker busy, no more.
     limit: usize,
@@ -133,43 +141,59 @@ impl Shared {
         sample_key(&[&self.key_base, format!("{record:?}").as_bytes()])
     }
 
-    /// Waits until fewer than `limit` tasks are in flight; returns how many more fit.
-    fn wait_for_room(&self) -> usize {
-        let mut in_flight = self.in_flight.lock().unwrap_or_else(|e| e.into_inner());
-        while *in_flight >= self.limit {
-            in_flight = self.room.wait(in_flight).unwrap_or_else(|e| e.into_inner());
-        }
-        self.limit - *in_flight
+    fn in_flight(&self) -> std::sync::MutexGuard<'_, InFlight> {
+        self.in_flight.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Waits up to `wait` until fewer than `limit` tasks are in flight: how many more fit;
+    /// `None` if the time ran out first.
+    fn wait_for_room(&self, wait: Duration) -> Option<usize> {
+        let (in_flight, _) = self
+            .room
+            .wait_timeout_while(self.in_flight(), wait, |f| f.tasks >= self.limit)
+            .unwrap_or_else(|e| e.into_inner());
+        (in_flight.tasks < self.limit).then(|| self.limit - in_flight.tasks)
     }
 
     /// `n` tasks were taken.
     fn started(&self, n: usize) {
-        *self.in_flight.lock().unwrap_or_else(|e| e.into_inner()) += n;
+        let mut in_flight = self.in_flight();
+        in_flight.tasks += n;
+        if n > 0 {
+            in_flight.idle_since = None;
+        }
+    }
+
+    /// Since when none of this producer's tasks has been in flight, if none is.
+    fn idle_since(&self) -> Option<Instant> {
+        self.in_flight().idle_since
     }
 
     /// A task was put (or given up): room for the taker, and the end when it was the last.
     fn finished_one(&self) {
-        let mut in_flight = self.in_flight.lock().unwrap_or_else(|e| e.into_inner());
-        *in_flight -= 1;
+        let mut in_flight = self.in_flight();
+        in_flight.tasks -= 1;
         self.room.notify_one();
-        if *in_flight == 0 && self.taker_done.load(Ordering::Acquire) {
-            self.drained.notify_one();
+        if in_flight.tasks == 0 {
+            in_flight.idle_since = Some(Instant::now());
+            if self.taker_done.load(Ordering::Acquire) {
+                self.drained.notify_one();
+            }
         }
     }
 
     /// The taker stopped; the end now if nothing is in flight.
     fn taker_finished(&self) {
-        let in_flight = self.in_flight.lock().unwrap_or_else(|e| e.into_inner());
+        let in_flight = self.in_flight();
         self.taker_done.store(true, Ordering::Release);
-        if *in_flight == 0 {
+        if in_flight.tasks == 0 {
             self.drained.notify_one();
         }
     }
 
     /// Whether the taker stopped and no task is in flight.
     fn done(&self) -> bool {
-        self.taker_done.load(Ordering::Acquire)
-            && *self.in_flight.lock().unwrap_or_else(|e| e.into_inner()) == 0
+        self.taker_done.load(Ordering::Acquire) && self.in_flight().tasks == 0
     }
 
     fn send(&self, event: Event) {
@@ -194,7 +218,8 @@ impl Shared {
 }
 
 /// Feeds a stream until its last epoch is made, calling `on_event` (on this thread) for every
-/// sample put and every record rejected (once per record).
+/// sample put and every record rejected (once per record), and with [`Event::Idle`] while
+/// nothing happens. Reports the run's profile to the daemon every second and at its end.
 pub fn feed(
     config: &ProducerConfig,
     feed: &FeedConfig,
@@ -237,7 +262,10 @@ pub fn feed(
     let shared = Arc::new(Shared {
         spec: feed.spec.clone(),
         manifest,
-        in_flight: Mutex::new(0),
+        in_flight: Mutex::new(InFlight {
+            tasks: 0,
+            idle_since: Some(Instant::now()),
+        }),
         room: Condvar::new(),
         limit: skeleton.fetch_concurrency() + 2 * workers,
         taker_done: AtomicBool::new(false),
@@ -293,14 +321,17 @@ pub fn feed(
             // and the IO side its end.
             let _finished = Finished(&shared);
             let put_started = Instant::now();
+            let sample = matches!(made, Made::Written(_));
             let result = feeder.put(vec![Delivery {
                 task: work.task,
                 record: index,
                 key,
                 made,
             }]);
-            // The sample's write counted it; a cancelled one (Failed) is no sample.
-            profiler.add_busy(Stage::Write, put_started.elapsed());
+            // Part of the sample's write (which counted it); a failed task is no sample.
+            if sample {
+                profiler.add_busy(Stage::Write, put_started.elapsed());
+            }
             let result = result.and_then(|mut r| {
                 r.pop().ok_or_else(|| {
                     feedstore_consumer::Error::Protocol("a put answered without a result".into())
@@ -399,17 +430,25 @@ pub fn feed(
         std::thread::spawn(move || {
             let mut reported = Instant::now();
             let failure = loop {
-                let room = shared.wait_for_room();
-                let asked = Instant::now();
-                let took = taker.take(room as u32, Duration::from_millis(200));
-                // The daemon answers at once while it has work: time spent here is time every
-                // rank's window was full (the trainers had not returned samples).
-                profiler.backpressure(asked.elapsed());
                 if reported.elapsed() >= REPORT_EVERY {
                     reported = Instant::now();
                     if let Err(e) = taker.report(&snapshot().figures()) {
                         tracing::debug!(error = %e, "reporting the profile failed");
                     }
+                }
+                // A full pipeline (CPU-bound) keeps the taker here: it reports between waits.
+                let Some(room) = shared.wait_for_room(REPORT_EVERY) else {
+                    continue;
+                };
+                let asked = Instant::now();
+                let took = taker.take(room as u32, Duration::from_millis(200));
+                // The daemon answers at once while a window has room. Time waited here with
+                // none of this producer's own tasks in flight (they only finish while the
+                // taker waits) is time every window was full of made samples, or of other
+                // producers' tasks: the trainers set the pace. While some are in flight, the
+                // window may be full of this producer's own work: not counted.
+                if let Some(idle) = shared.idle_since() {
+                    profiler.backpressure(idle.max(asked).elapsed());
                 }
                 match took {
                     Ok(Some(tasks)) => {

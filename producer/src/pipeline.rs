@@ -431,7 +431,7 @@ impl<J: Send + 'static> Skeleton<J> {
 }
 
 /// Runs the pipeline over `records` to the end, calling `on_event` (on this thread) for every
-/// sample and reject as they happen.
+/// sample and reject as they happen, and with [`Event::Idle`] while nothing happens.
 pub fn run(
     config: &ProducerConfig,
     tokenizer: Arc<ChatTokenizer>,
@@ -581,7 +581,8 @@ fn produce(
     let handle = object
         .seal()
         .map_err(|e| reject(&record, "write", e.to_string()))?;
-    profiler.record(Stage::Write, started.elapsed());
+    // Part of the sample's write (which counted it).
+    profiler.add_busy(Stage::Write, started.elapsed());
     Ok(Produced {
         handle,
         line: record.line,

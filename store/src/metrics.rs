@@ -15,9 +15,9 @@
 //! A stream's producers on this node report their stage profile (`feedstore_producer_*`, summed
 //! over the producers, labelled `stream`, `uid` and, per stage, `stage`); the verdict's inputs
 //! over a window: CPU workers idle (fetch-bound) is
-//! `rate(feedstore_producer_cpu_idle_seconds_total[1m]) / rate(feedstore_producer_worker_seconds_total[1m])`,
+//! `rate(feedstore_producer_cpu_idle_seconds_total[5m]) / rate(feedstore_producer_worker_seconds_total[5m])`,
 //! producers held back by full windows (trainer-bound) is
-//! `rate(feedstore_producer_backpressure_seconds_total[1m]) / rate(feedstore_producer_run_seconds_total[1m])`.
+//! `rate(feedstore_producer_backpressure_seconds_total[5m]) / rate(feedstore_producer_run_seconds_total[5m])`.
 //!
 //! The server is small on purpose: one request per connection (`Connection: close`), a request
 //! head of at most 8 KiB read within 2 s, at most 16 connections at once (more get `503` at
