@@ -45,9 +45,10 @@ enum Command {
     /// List the daemon's streams, or close one (an ended stream stays listed, holding its ready
     /// samples, until closed or expired).
     Stream(streams::Args),
-    /// Watch the streams live: per stream and rank, the trainer's wait-time ratio between its
-    /// last two reports and since its first request, samples/s, lag, and a verdict (compute- or
-    /// data-bound). Refreshes in place on a terminal, prints one view per interval otherwise.
+    /// Watch the streams live: per stream and rank, the trainer's wait-time ratio over the last
+    /// interval and since its first request, samples/s, lag, the producers' verdict (fetch-,
+    /// CPU- or trainer-bound) and the stream's (compute- or data-bound). Refreshes in place on a
+    /// terminal, prints one view per interval otherwise.
     Top(top::Args),
 }
 

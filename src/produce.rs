@@ -429,6 +429,8 @@ pub fn run_produce(args: Args) -> anyhow::Result<()> {
         .with_local(local);
     let started = Instant::now();
     let mut last = Instant::now();
+    // Produced at the last plain line, for the rate since it.
+    let mut produced_then = 0u64;
     let (mut produced, mut rejected, mut bytes) = (0u64, 0u64, 0u64);
     // On a terminal, a progress bar (with an ETA once the run's length is known); otherwise
     // plain lines every half second, for logs.
@@ -465,7 +467,8 @@ pub fn run_produce(args: Args) -> anyhow::Result<()> {
         }
         if INTERRUPTED.load(Ordering::Relaxed) {
             if let Some(bar) = &bar {
-                bar.abandon();
+                // The profile printed next says where the run stood.
+                bar.finish_and_clear();
             }
             // What was written so far stays readable.
             let _ = rejects.flush();
@@ -491,7 +494,10 @@ pub fn run_produce(args: Args) -> anyhow::Result<()> {
             bar.set_position(produced + rejected);
         }
         if last.elapsed() >= Duration::from_millis(500) {
+            let since = last.elapsed();
             last = Instant::now();
+            let rate_now = (produced - produced_then) as f64 / since.as_secs_f64();
+            produced_then = produced;
             let wall = started.elapsed();
             let profile = profiler.snapshot(wall, config.workers, config.fetch_concurrency);
             match &bar {
@@ -502,7 +508,7 @@ pub fn run_produce(args: Args) -> anyhow::Result<()> {
                     profile.verdict()
                 )),
                 None => eprintln!(
-                    "  {produced} produced, {rejected} rejected, {:.1} samples/s, {:.0} MB/s into the store, {} fetches in flight; {}",
+                    "  {produced} produced, {rejected} rejected, {rate_now:.1} samples/s now ({:.1} over the run), {:.0} MB/s into the store, {} fetches in flight; {}",
                     produced as f64 / wall.as_secs_f64(),
                     bytes as f64 / 1e6 / wall.as_secs_f64(),
                     profile.fetch_in_flight,
@@ -534,15 +540,19 @@ pub fn run_produce(args: Args) -> anyhow::Result<()> {
                 bar.set_length(total);
                 bar.set_style(bar_style(true));
             }
-            eprintln!(
-                "feeding stream {name:?}: {} records, {} per rank per epoch, ranks {:?}, {} epochs",
-                manifest.len(),
-                feed_config.spec.per_rank(),
-                feed_config.ranks.iter().map(|r| r.rank).collect::<Vec<_>>(),
-                feed_config
-                    .spec
-                    .epochs
-                    .map_or("unbounded".into(), |e| e.to_string())
+            // Through the bar (when there is one), which would draw over it otherwise.
+            say_around(
+                &bar,
+                format!(
+                    "feeding stream {name:?}: {} records, {} per rank per epoch, ranks {:?}, {} epoch(s)",
+                    manifest.len(),
+                    feed_config.spec.per_rank(),
+                    feed_config.ranks.iter().map(|r| r.rank).collect::<Vec<_>>(),
+                    feed_config
+                        .spec
+                        .epochs
+                        .map_or("unbounded".into(), |e| e.to_string())
+                ),
             );
             feed(
                 &config,
@@ -657,6 +667,14 @@ fn catch_interrupts() {
                 tracing::warn!(?signal, error = %e, "cannot catch the signal; it ends the run without a profile")
             }
         }
+    }
+}
+
+/// Prints a line on stderr above the progress bar, if one is drawn.
+fn say_around(bar: &Option<indicatif::ProgressBar>, line: String) {
+    match bar {
+        Some(bar) => bar.suspend(|| eprintln!("{line}")),
+        None => eprintln!("{line}"),
     }
 }
 

@@ -1,5 +1,6 @@
 //! `feedstore top`: the seed's figure, live. Refreshes a view of every stream and attached rank:
-//! the wait-time ratio between a rank's last two reports (and since its first request),
+//! the wait-time ratio between the reports seen at the last two views (and since the rank's
+//! first request),
 //! samples/s, the lag between ranks, the producers' stage profile over the interval, and a verdict
 //! on where the time goes.
 
