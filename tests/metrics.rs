@@ -113,6 +113,30 @@ fn spawn_producer(
     })
 }
 
+/// `promtool check metrics` (Prometheus's own checker) accepts the scrape.
+fn promtool_accepts(scrape: &str) {
+    let mut promtool = Command::new("promtool")
+        .args(["check", "metrics"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("promtool (Debian's prometheus package; ./scripts/test installs it)");
+    promtool
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(scrape.as_bytes())
+        .unwrap();
+    let checked = promtool.wait_with_output().unwrap();
+    assert!(
+        checked.status.success(),
+        "promtool: {}{}",
+        String::from_utf8_lossy(&checked.stdout),
+        String::from_utf8_lossy(&checked.stderr)
+    );
+}
+
 /// The Grafana dashboard's queries.
 fn dashboard_queries() -> Vec<String> {
     let dashboard: serde_json::Value = serde_json::from_str(
@@ -243,26 +267,7 @@ fn a_ranks_wait_time_ratio_reaches_prometheus() {
     );
 
     // Prometheus's own checker accepts the format, names and help.
-    let mut promtool = Command::new("promtool")
-        .args(["check", "metrics"])
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("promtool (Debian's prometheus package; ./scripts/test installs it)");
-    promtool
-        .stdin
-        .take()
-        .unwrap()
-        .write_all(scrape.as_bytes())
-        .unwrap();
-    let checked = promtool.wait_with_output().unwrap();
-    assert!(
-        checked.status.success(),
-        "promtool: {}{}",
-        String::from_utf8_lossy(&checked.stdout),
-        String::from_utf8_lossy(&checked.stderr)
-    );
+    promtool_accepts(&scrape);
 
     // `feedstore stat` shows the rank's figures.
     let stat = Command::new(env!("CARGO_BIN_EXE_feedstore"))
@@ -706,12 +711,7 @@ fn a_streams_producer_reports_its_stage_profile() {
     std::fs::write(&manifest, lines.join("\n")).unwrap();
     // Two epochs: the second comes from the decode-once cache.
     let mut producer = KillOnDrop(
-        Command::new(env!("CARGO_BIN_EXE_feedstore"))
-            .args(["produce", "--socket", daemon.socket.to_str().unwrap()])
-            .arg("--manifest")
-            .arg(&manifest)
-            .arg("--tokenizer")
-            .arg(&tokenizer)
+        produce_command(&daemon.socket, &manifest, &tokenizer)
             .args(["--workers", "1", "--stream", "prof", "--seed", "3"])
             .args(["--epochs", "2", "--prefetch", "2"])
             .stdout(Stdio::null())
@@ -817,25 +817,7 @@ fn a_streams_producer_reports_its_stage_profile() {
         waited > 0.5 * (run - value("feedstore_producer_startup_seconds_total")),
         "the producer waited on full windows most of its time: {waited:.2} of {run:.2} s"
     );
-    let mut promtool = Command::new("promtool")
-        .args(["check", "metrics"])
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("promtool (Debian's prometheus package; ./scripts/test installs it)");
-    promtool
-        .stdin
-        .take()
-        .unwrap()
-        .write_all(scrape.as_bytes())
-        .unwrap();
-    let checked = promtool.wait_with_output().unwrap();
-    assert!(
-        checked.status.success(),
-        "promtool: {}",
-        String::from_utf8_lossy(&checked.stdout)
-    );
+    promtool_accepts(&scrape);
 
     // `feedstore stat` prints the same profile, its table and its verdict.
     let stat = Command::new(env!("CARGO_BIN_EXE_feedstore"))

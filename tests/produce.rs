@@ -7,7 +7,7 @@
 mod common;
 
 use std::collections::BTreeMap;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
 
@@ -125,12 +125,7 @@ fn produce_renders_the_chat_template_it_is_given() {
     let manifest = dir.join("m.jsonl");
     std::fs::write(&manifest, record.to_string()).unwrap();
     let handles = dir.join("handles.jsonl");
-    let out = Command::new(env!("CARGO_BIN_EXE_feedstore"))
-        .args(["produce", "--socket", daemon.socket.to_str().unwrap()])
-        .arg("--manifest")
-        .arg(&manifest)
-        .arg("--tokenizer")
-        .arg(&tokenizer)
+    let out = produce_command(&daemon.socket, &manifest, &tokenizer)
         .arg("--chat-template")
         .arg(format!("{DATA}/chat/qwen2_5_vl.jinja"))
         .arg("--image-root")
@@ -160,12 +155,7 @@ fn produce_renders_the_chat_template_it_is_given() {
     // A template that does not compile ends the run before it starts, saying where.
     let broken = dir.join("broken.jinja");
     std::fs::write(&broken, "{% for m in messages %}").unwrap();
-    let out = Command::new(env!("CARGO_BIN_EXE_feedstore"))
-        .args(["produce", "--socket", daemon.socket.to_str().unwrap()])
-        .arg("--manifest")
-        .arg(&manifest)
-        .arg("--tokenizer")
-        .arg(&tokenizer)
+    let out = produce_command(&daemon.socket, &manifest, &tokenizer)
         .arg("--chat-template")
         .arg(&broken)
         .output()
@@ -244,6 +234,19 @@ fn produce_shows_a_progress_bar_on_a_terminal() {
     );
 }
 
+/// A manifest of `n` text-only records (`t0`, `t1`, ...) in `dir`.
+fn text_manifest(dir: &Path, n: usize) -> PathBuf {
+    let lines: Vec<String> = (0..n)
+        .map(|i| {
+            serde_json::json!({"id": format!("t{i}"), "text": format!("record number {i}")})
+                .to_string()
+        })
+        .collect();
+    let manifest = dir.join("text.jsonl");
+    std::fs::write(&manifest, lines.join("\n")).unwrap();
+    manifest
+}
+
 /// A producer whose stream has no room left (no trainer reads it) keeps printing its progress
 /// lines to a pipe, with the verdict (trainer-bound); Ctrl-C ends it with the profile so far.
 #[test]
@@ -255,21 +258,10 @@ fn a_stalled_producer_says_why_and_ctrl_c_prints_its_profile() {
     let dir = scratch_dir("produce-stalled");
     let daemon = DaemonProcess::start(&dir, &[]);
     let tokenizer = tokenizer_file(&dir);
-    let lines: Vec<String> = (0..8)
-        .map(|i| {
-            serde_json::json!({"id": format!("t{i}"), "text": format!("text {i}")}).to_string()
-        })
-        .collect();
-    let manifest = dir.join("text.jsonl");
-    std::fs::write(&manifest, lines.join("\n")).unwrap();
+    let manifest = text_manifest(&dir, 8);
     let (out, err) = (dir.join("stdout"), dir.join("stderr"));
     let mut producer = KillOnDrop(
-        Command::new(env!("CARGO_BIN_EXE_feedstore"))
-            .args(["produce", "--socket", daemon.socket.to_str().unwrap()])
-            .arg("--manifest")
-            .arg(&manifest)
-            .arg("--tokenizer")
-            .arg(&tokenizer)
+        produce_command(&daemon.socket, &manifest, &tokenizer)
             .args(["--workers", "1", "--stream", "stalled", "--epochs", "0"])
             .args(["--prefetch", "2"])
             .stdout(std::fs::File::create(&out).unwrap())
@@ -878,12 +870,7 @@ fn produce_from_s3_behind_a_faulty_network() {
     std::fs::write(&manifest, lines.join("\n")).unwrap();
     let handles = dir.join("handles.jsonl");
 
-    let out = Command::new(env!("CARGO_BIN_EXE_feedstore"))
-        .args(["produce", "--socket", daemon.socket.to_str().unwrap()])
-        .arg("--manifest")
-        .arg(&manifest)
-        .arg("--tokenizer")
-        .arg(&tokenizer)
+    let out = produce_command(&daemon.socket, &manifest, &tokenizer)
         .arg("--handles")
         .arg(&handles)
         .args([
@@ -1079,12 +1066,7 @@ fn produce_feeds_a_stream_that_ranks_read_in_order() {
     let manifest = dir.join("train.jsonl");
     std::fs::write(&manifest, lines.join("\n")).unwrap();
 
-    let producer = Command::new(env!("CARGO_BIN_EXE_feedstore"))
-        .args(["produce", "--socket", daemon.socket.to_str().unwrap()])
-        .arg("--manifest")
-        .arg(&manifest)
-        .arg("--tokenizer")
-        .arg(&tokenizer)
+    let producer = produce_command(&daemon.socket, &manifest, &tokenizer)
         .args([
             "--image-size",
             "224x224",
@@ -1229,14 +1211,7 @@ fn produce_resumes_a_stream_from_saved_states() {
     );
     let dir = scratch_dir("produce-resume");
     let tokenizer = tokenizer_file(&dir);
-    let lines: Vec<String> = (0..10)
-        .map(|i| {
-            serde_json::json!({"id": format!("t{i}"), "text": format!("record number {i}")})
-                .to_string()
-        })
-        .collect();
-    let manifest = dir.join("text.jsonl");
-    std::fs::write(&manifest, lines.join("\n")).unwrap();
+    let manifest = text_manifest(&dir, 10);
     let spec = StreamSpec {
         name: "text".into(),
         records: 10,
@@ -1325,21 +1300,10 @@ fn a_feeding_producer_reports_the_daemon_going_away() {
     );
     let dir = scratch_dir("produce-daemon-gone");
     let tokenizer = tokenizer_file(&dir);
-    let lines: Vec<String> = (0..8)
-        .map(|i| {
-            serde_json::json!({"id": format!("t{i}"), "text": format!("text {i}")}).to_string()
-        })
-        .collect();
-    let manifest = dir.join("text.jsonl");
-    std::fs::write(&manifest, lines.join("\n")).unwrap();
+    let manifest = text_manifest(&dir, 8);
     let mut daemon = DaemonProcess::start(&dir, &[]);
     // Unbounded epochs: only the daemon's end stops this producer.
-    let producer = Command::new(env!("CARGO_BIN_EXE_feedstore"))
-        .args(["produce", "--socket", daemon.socket.to_str().unwrap()])
-        .arg("--manifest")
-        .arg(&manifest)
-        .arg("--tokenizer")
-        .arg(&tokenizer)
+    let producer = produce_command(&daemon.socket, &manifest, &tokenizer)
         .args(["--workers", "1", "--stream", "forever", "--epochs", "0"])
         .stdout(std::process::Stdio::null())
         .stderr(std::process::Stdio::piped())

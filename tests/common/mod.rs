@@ -538,3 +538,16 @@ pub fn png(width: u32, height: u32) -> Vec<u8> {
 pub fn llava(id: &str, image: &str, turns: &serde_json::Value) -> String {
     serde_json::json!({"id": id, "image": image, "conversations": turns}).to_string()
 }
+
+/// `feedstore produce` against the daemon at `socket`, with a manifest and a tokenizer.
+pub fn produce_command(socket: &Path, manifest: &Path, tokenizer: &Path) -> Command {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_feedstore"));
+    cmd.arg("produce")
+        .arg("--socket")
+        .arg(socket)
+        .arg("--manifest")
+        .arg(manifest)
+        .arg("--tokenizer")
+        .arg(tokenizer);
+    cmd
+}
