@@ -25,6 +25,9 @@ pub enum Access {
     ReadWrite,
 }
 
+/// What makes two mappings the same: device, inode, access, length.
+type MappingKey = (u64, u64, Access, u64);
+
 /// A whole segment mapped `MAP_SHARED` into this process.
 ///
 /// The mapping owns its descriptor's memory for as long as it lives: dropping the daemon's
@@ -66,6 +69,57 @@ impl Mapping {
         // Best effort: only effective where shmem THP is `advise` or stronger.
         let _ = map.advise(Advice::HugePage);
         Ok(Mapping { map, access })
+    }
+
+    /// Maps a segment descriptor as [`Mapping::new`] does (without populating), unless this
+    /// process already maps the same memory (the same inode) the same way: then that mapping,
+    /// and `false` for "not new". Every connection of a process receives the store's
+    /// descriptors; mapping them once per process instead of once per connection spares a
+    /// producer with N workers N page tables of the whole store.
+    pub fn shared(fd: OwnedFd, len: u64, access: Access) -> Result<(Arc<Mapping>, bool), ShmError> {
+        crate::segment::check_sealed(fd.as_fd(), len)?;
+        let stat = nix::sys::stat::fstat(fd.as_fd()).map_err(|e| ShmError::Map {
+            len,
+            access,
+            source: std::io::Error::from(e),
+        })?;
+        let key = (stat.st_dev as u64, stat.st_ino as u64, access, len);
+        static MAPPED: std::sync::Mutex<Vec<(MappingKey, std::sync::Weak<Mapping>)>> =
+            std::sync::Mutex::new(Vec::new());
+        let mut mapped = MAPPED.lock().unwrap_or_else(|e| e.into_inner());
+        mapped.retain(|(_, weak)| weak.strong_count() > 0);
+        if let Some(existing) = mapped
+            .iter()
+            .find(|(k, _)| *k == key)
+            .and_then(|(_, weak)| weak.upgrade())
+        {
+            return Ok((existing, false));
+        }
+        let mapping = Arc::new(Mapping::new(fd, len, access, false)?);
+        mapped.push((key, Arc::downgrade(&mapping)));
+        Ok((mapping, true))
+    }
+
+    /// Builds the page tables for the whole mapping now, as `populate` would have at map time
+    /// (`MADV_POPULATE_READ` for a read-only mapping, `MADV_POPULATE_WRITE` for a writable one;
+    /// Linux 5.14 or later). Contents are untouched and other threads may use the mapping
+    /// meanwhile, so a client runs this on a thread of its own, off its first request's path.
+    /// It goes 16 MiB at a time: the process's memory-map lock is held only per step, so the
+    /// process's own `mmap` calls (an allocation, a thread's stack, another mapping) wait at most
+    /// one step, not the whole store.
+    pub fn prefault(&self) -> std::io::Result<()> {
+        const STEP: usize = 16 << 20;
+        let advice = match self.access {
+            Access::ReadOnly => Advice::PopulateRead,
+            Access::ReadWrite => Advice::PopulateWrite,
+        };
+        let mut offset = 0;
+        while offset < self.map.len() {
+            let len = STEP.min(self.map.len() - offset);
+            self.map.advise_range(advice, offset, len)?;
+            offset += len;
+        }
+        Ok(())
     }
 
     /// Length in bytes.
@@ -295,6 +349,43 @@ mod tests {
         assert!(unsafe { ro.bytes(seg.size_bytes() - 2, 4) }.is_none());
         // SAFETY: as above; an overflowing range is refused.
         assert!(unsafe { ro.bytes(u64::MAX, 2) }.is_none());
+    }
+
+    /// Connections of one process map a store once: the same memory the same way gives the same
+    /// mapping while it lives; another access, another segment, or a mapping gone: a new one.
+    #[test]
+    fn a_process_maps_the_same_memory_once() {
+        let (seg, other) = (segment(), segment());
+        let rw = || seg.fd().try_clone_to_owned().unwrap();
+        let (first, new) = Mapping::shared(rw(), seg.size_bytes(), Access::ReadWrite).unwrap();
+        assert!(new);
+        let (again, new) = Mapping::shared(rw(), seg.size_bytes(), Access::ReadWrite).unwrap();
+        assert!(!new && Arc::ptr_eq(&first, &again));
+        let (ro, new) = Mapping::shared(
+            seg.reopen_readonly().unwrap(),
+            seg.size_bytes(),
+            Access::ReadOnly,
+        )
+        .unwrap();
+        assert!(new && ro.access() == Access::ReadOnly);
+        let (elsewhere, new) = Mapping::shared(
+            other.fd().try_clone_to_owned().unwrap(),
+            other.size_bytes(),
+            Access::ReadWrite,
+        )
+        .unwrap();
+        assert!(new && !Arc::ptr_eq(&first, &elsewhere));
+        // Prefaulting leaves the contents alone.
+        // SAFETY: this test is the only user of the range.
+        unsafe { first.bytes_mut(64, 4).unwrap() }.copy_from_slice(b"kept");
+        first.prefault().unwrap();
+        ro.prefault().unwrap();
+        // SAFETY: no writer touches the range any more.
+        assert_eq!(unsafe { ro.bytes(64, 4).unwrap() }, b"kept");
+        drop((first, again));
+        let (fresh, new) = Mapping::shared(rw(), seg.size_bytes(), Access::ReadWrite).unwrap();
+        assert!(new, "a mapping nobody holds is not kept");
+        drop(fresh);
     }
 
     #[test]
