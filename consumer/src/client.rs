@@ -193,14 +193,15 @@ pub(crate) struct Inner {
     releases: Arc<ReleaseQueue>,
 }
 
-/// Builds the segments' page tables on a thread of its own (it holds the mappings until done).
-fn prefault_in_background(segments: Vec<Arc<Mapping>>) {
+/// Builds the segments' page tables on a thread of its own (holding each mapping only a step at
+/// a time: a client dropped meanwhile frees its memory, and the thread ends).
+fn prefault_in_background(segments: Vec<std::sync::Weak<Mapping>>) {
     let spawned = std::thread::Builder::new()
         .name("feedstore-prefault".into())
         .spawn(move || {
             for segment in &segments {
-                if let Err(e) = segment.prefault() {
-                    // Older kernels lack MADV_POPULATE_*: pages fault in on first touch.
+                if let Err(e) = Mapping::prefault(segment) {
+                    // Pages fault in on first touch instead.
                     tracing::debug!(error = %e, "prefaulting the store's mapping failed");
                     return;
                 }
@@ -432,18 +433,18 @@ impl Client {
             Role::Writer => Access::ReadWrite,
         };
         let mut segments = Vec::with_capacity(infos.len());
-        let mut new = Vec::new();
+        let mut unbuilt = Vec::new();
         for (i, (info, fd)) in infos.iter().zip(fds).enumerate() {
             check_segment_id(info, i)?;
             // Another connection of this process may map the same store already: shared.
-            let (mapping, is_new) = Mapping::shared(fd, info.size_bytes, access)?;
-            if is_new {
-                new.push(mapping.clone());
+            let mapping = Mapping::shared(fd, info.size_bytes, access, (node_id, epoch, i as u32))?;
+            if opts.populate && mapping.claim_prefault() {
+                unbuilt.push(Arc::downgrade(&mapping));
             }
             segments.push(mapping);
         }
-        if opts.populate && !new.is_empty() {
-            prefault_in_background(new);
+        if !unbuilt.is_empty() {
+            prefault_in_background(unbuilt);
         }
         tracing::debug!(node_id, epoch, segments = segments.len(), role = ?opts.role, "connected");
         let releases = Arc::new(ReleaseQueue {

@@ -2,8 +2,8 @@
 
 use std::ops::Deref;
 use std::os::fd::{AsFd, OwnedFd};
-use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, Weak};
 
 use memmap2::{Advice, MmapOptions, MmapRaw};
 
@@ -25,8 +25,29 @@ pub enum Access {
     ReadWrite,
 }
 
-/// What makes two mappings the same: device, inode, access, length.
-type MappingKey = (u64, u64, Access, u64);
+/// What makes two mappings of a process the same (see [`Mapping::shared`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct MappingKey {
+    /// The caller's: the daemon's node, its start epoch, the segment's index.
+    identity: (u32, u32, u32),
+    /// Device and inode.
+    inode: (u64, u64),
+    len: u64,
+    access: Access,
+    /// The descriptor's open mode (`O_ACCMODE`).
+    mode: i32,
+}
+
+/// The process whose mappings [`mapped_list`] holds: a forked child sees another pid and maps
+/// its own.
+static LIST_OWNER: AtomicU32 = AtomicU32::new(0);
+
+/// The live mappings made by [`Mapping::shared`] in this process.
+fn mapped_list() -> std::sync::MutexGuard<'static, Vec<(MappingKey, Weak<Mapping>)>> {
+    static MAPPED: std::sync::Mutex<Vec<(MappingKey, Weak<Mapping>)>> =
+        std::sync::Mutex::new(Vec::new());
+    MAPPED.lock().unwrap_or_else(|e| e.into_inner())
+}
 
 /// A whole segment mapped `MAP_SHARED` into this process.
 ///
@@ -38,6 +59,8 @@ type MappingKey = (u64, u64, Access, u64);
 pub struct Mapping {
     map: MmapRaw,
     access: Access,
+    /// Whether a client has claimed building its page tables ([`Mapping::claim_prefault`]).
+    prefault_claimed: AtomicBool,
 }
 
 impl Mapping {
@@ -68,56 +91,121 @@ impl Mapping {
         .map_err(map_err)?;
         // Best effort: only effective where shmem THP is `advise` or stronger.
         let _ = map.advise(Advice::HugePage);
-        Ok(Mapping { map, access })
+        Ok(Mapping {
+            map,
+            access,
+            prefault_claimed: AtomicBool::new(populate),
+        })
     }
 
     /// Maps a segment descriptor as [`Mapping::new`] does (without populating), unless this
-    /// process already maps the same memory (the same inode) the same way: then that mapping,
-    /// and `false` for "not new". Every connection of a process receives the store's
-    /// descriptors; mapping them once per process instead of once per connection spares a
-    /// producer with N workers N page tables of the whole store.
-    pub fn shared(fd: OwnedFd, len: u64, access: Access) -> Result<(Arc<Mapping>, bool), ShmError> {
-        crate::segment::check_sealed(fd.as_fd(), len)?;
-        let stat = nix::sys::stat::fstat(fd.as_fd()).map_err(|e| ShmError::Map {
+    /// process already maps the same memory the same way: then that mapping, shared. Every
+    /// connection of a process receives the store's descriptors; mapping them once per process
+    /// instead of once per connection spares a producer with N workers N page tables of the
+    /// whole store.
+    ///
+    /// "The same" is the same `identity` (the caller's: the daemon's node, its start epoch and
+    /// the segment's index, so a restarted daemon's segments never match an old mapping), the
+    /// same inode, length, access and descriptor open mode, while a mapping of it lives. A
+    /// process forked from the one that filled the list maps its own (it never takes the
+    /// list's lock, which a thread of its parent may have held at the fork).
+    pub fn shared(
+        fd: OwnedFd,
+        len: u64,
+        access: Access,
+        identity: (u32, u32, u32),
+    ) -> Result<Arc<Mapping>, ShmError> {
+        let os = |source: nix::Error| ShmError::Map {
             len,
             access,
-            source: std::io::Error::from(e),
-        })?;
-        let key = (stat.st_dev as u64, stat.st_ino as u64, access, len);
-        static MAPPED: std::sync::Mutex<Vec<(MappingKey, std::sync::Weak<Mapping>)>> =
-            std::sync::Mutex::new(Vec::new());
-        let mut mapped = MAPPED.lock().unwrap_or_else(|e| e.into_inner());
-        mapped.retain(|(_, weak)| weak.strong_count() > 0);
-        if let Some(existing) = mapped
-            .iter()
-            .find(|(k, _)| *k == key)
-            .and_then(|(_, weak)| weak.upgrade())
-        {
-            return Ok((existing, false));
+            source: std::io::Error::from(source),
+        };
+        let stat = nix::sys::stat::fstat(fd.as_fd()).map_err(os)?;
+        let mode = nix::fcntl::fcntl(fd.as_fd(), nix::fcntl::FcntlArg::F_GETFL).map_err(os)?
+            & libc::O_ACCMODE;
+        let key = MappingKey {
+            identity,
+            inode: (stat.st_dev as u64, stat.st_ino as u64),
+            len,
+            access,
+            mode,
+        };
+        let pid = std::process::id();
+        let owner = match LIST_OWNER.compare_exchange(0, pid, Ordering::AcqRel, Ordering::Acquire) {
+            Ok(_) => pid,
+            Err(owner) => owner,
+        };
+        if owner != pid {
+            return Ok(Arc::new(Mapping::new(fd, len, access, false)?));
         }
+        let find = |mapped: &mut Vec<(MappingKey, Weak<Mapping>)>| {
+            mapped.retain(|(_, weak)| weak.strong_count() > 0);
+            mapped
+                .iter()
+                .find(|(k, _)| *k == key)
+                .and_then(|(_, weak)| weak.upgrade())
+        };
+        if let Some(existing) = find(&mut mapped_list()) {
+            return Ok(existing);
+        }
+        // Mapped without the lock held; another connection of this process may have mapped it
+        // meanwhile, and then theirs is kept (ours goes).
         let mapping = Arc::new(Mapping::new(fd, len, access, false)?);
+        let mut mapped = mapped_list();
+        if let Some(existing) = find(&mut mapped) {
+            return Ok(existing);
+        }
         mapped.push((key, Arc::downgrade(&mapping)));
-        Ok((mapping, true))
+        Ok(mapping)
     }
 
-    /// Builds the page tables for the whole mapping now, as `populate` would have at map time
-    /// (`MADV_POPULATE_READ` for a read-only mapping, `MADV_POPULATE_WRITE` for a writable one;
-    /// Linux 5.14 or later). Contents are untouched and other threads may use the mapping
-    /// meanwhile, so a client runs this on a thread of its own, off its first request's path.
-    /// It goes 16 MiB at a time: the process's memory-map lock is held only per step, so the
-    /// process's own `mmap` calls (an allocation, a thread's stack, another mapping) wait at most
-    /// one step, not the whole store.
-    pub fn prefault(&self) -> std::io::Result<()> {
+    /// Whether this call is the first to claim the mapping's prefault (so it is built once, by
+    /// whichever connection first asks for it).
+    pub fn claim_prefault(&self) -> bool {
+        !self.prefault_claimed.swap(true, Ordering::AcqRel)
+    }
+
+    /// Builds the page tables of the mapping `weak` names, 16 MiB at a time, until done or until
+    /// the mapping is gone (it is held only during each step, so a client dropped meanwhile
+    /// frees its memory). Uses `MADV_POPULATE_READ` for a read-only mapping and
+    /// `MADV_POPULATE_WRITE` for a writable one (Linux 5.14 or later; older kernels: one read
+    /// per page). Contents are untouched and other threads may use the mapping meanwhile, so a
+    /// client runs this on a thread of its own, off its first request's path; the process's
+    /// memory-map lock is held per step, so its own `mmap` calls wait at most one step.
+    pub fn prefault(weak: &Weak<Mapping>) -> std::io::Result<()> {
         const STEP: usize = 16 << 20;
-        let advice = match self.access {
-            Access::ReadOnly => Advice::PopulateRead,
-            Access::ReadWrite => Advice::PopulateWrite,
-        };
         let mut offset = 0;
-        while offset < self.map.len() {
-            let len = STEP.min(self.map.len() - offset);
-            self.map.advise_range(advice, offset, len)?;
-            offset += len;
+        let mut touch_pages = false;
+        while let Some(mapping) = weak.upgrade() {
+            let len = mapping.map.len();
+            if offset >= len {
+                break;
+            }
+            let step = STEP.min(len - offset);
+            if !touch_pages {
+                let advice = match mapping.access {
+                    Access::ReadOnly => Advice::PopulateRead,
+                    Access::ReadWrite => Advice::PopulateWrite,
+                };
+                match mapping.map.advise_range(advice, offset, step) {
+                    Ok(()) => {}
+                    Err(e) if e.raw_os_error() == Some(libc::EINVAL) => touch_pages = true,
+                    Err(e) => return Err(e),
+                }
+            }
+            if touch_pages {
+                let page = 4096;
+                let base = mapping.map.as_ptr();
+                for at in (offset..offset + step).step_by(page) {
+                    // `at` lies inside the live mapping (held by `mapping`): in bounds.
+                    let ptr = base.wrapping_add(at).cast::<std::sync::atomic::AtomicU8>();
+                    // SAFETY: `ptr` points into the live mapping, and the byte is read
+                    // atomically, as bytes other processes may write are.
+                    let byte = unsafe { &*ptr };
+                    std::hint::black_box(byte.load(Ordering::Relaxed));
+                }
+            }
+            offset += step;
         }
         Ok(())
     }
@@ -352,40 +440,50 @@ mod tests {
     }
 
     /// Connections of one process map a store once: the same memory the same way gives the same
-    /// mapping while it lives; another access, another segment, or a mapping gone: a new one.
+    /// mapping while it lives; another access, another segment, another daemon start, or a
+    /// mapping gone: a new one.
     #[test]
     fn a_process_maps_the_same_memory_once() {
         let (seg, other) = (segment(), segment());
+        let id = (7, 1, 0);
         let rw = || seg.fd().try_clone_to_owned().unwrap();
-        let (first, new) = Mapping::shared(rw(), seg.size_bytes(), Access::ReadWrite).unwrap();
-        assert!(new);
-        let (again, new) = Mapping::shared(rw(), seg.size_bytes(), Access::ReadWrite).unwrap();
-        assert!(!new && Arc::ptr_eq(&first, &again));
-        let (ro, new) = Mapping::shared(
-            seg.reopen_readonly().unwrap(),
-            seg.size_bytes(),
-            Access::ReadOnly,
-        )
-        .unwrap();
-        assert!(new && ro.access() == Access::ReadOnly);
-        let (elsewhere, new) = Mapping::shared(
+        let share = |fd, access, id| Mapping::shared(fd, seg.size_bytes(), access, id).unwrap();
+        let first = share(rw(), Access::ReadWrite, id);
+        assert!(Arc::ptr_eq(&first, &share(rw(), Access::ReadWrite, id)));
+        let ro = share(seg.reopen_readonly().unwrap(), Access::ReadOnly, id);
+        assert!(ro.access() == Access::ReadOnly && !Arc::ptr_eq(&first, &ro));
+        let restarted = share(rw(), Access::ReadWrite, (7, 2, 0));
+        assert!(!Arc::ptr_eq(&first, &restarted), "another daemon start");
+        let elsewhere = share(
             other.fd().try_clone_to_owned().unwrap(),
-            other.size_bytes(),
             Access::ReadWrite,
-        )
-        .unwrap();
-        assert!(new && !Arc::ptr_eq(&first, &elsewhere));
-        // Prefaulting leaves the contents alone.
+            id,
+        );
+        assert!(!Arc::ptr_eq(&first, &elsewhere), "another segment");
+        // A read-only mapping made from a read-write descriptor is not handed to readers.
+        let ro_of_rw = share(rw(), Access::ReadOnly, id);
+        assert!(!Arc::ptr_eq(&ro, &ro_of_rw));
+
+        // Page tables are built once, and leave the contents alone.
+        assert!(first.claim_prefault() && !first.claim_prefault());
         // SAFETY: this test is the only user of the range.
         unsafe { first.bytes_mut(64, 4).unwrap() }.copy_from_slice(b"kept");
-        first.prefault().unwrap();
-        ro.prefault().unwrap();
+        Mapping::prefault(&Arc::downgrade(&first)).unwrap();
+        Mapping::prefault(&Arc::downgrade(&ro)).unwrap();
         // SAFETY: no writer touches the range any more.
         assert_eq!(unsafe { ro.bytes(64, 4).unwrap() }, b"kept");
-        drop((first, again));
-        let (fresh, new) = Mapping::shared(rw(), seg.size_bytes(), Access::ReadWrite).unwrap();
-        assert!(new, "a mapping nobody holds is not kept");
-        drop(fresh);
+        let gone = Arc::downgrade(&restarted);
+        drop(restarted);
+        Mapping::prefault(&gone).unwrap();
+
+        let weak = Arc::downgrade(&first);
+        drop(first);
+        assert!(weak.upgrade().is_none(), "the list holds no mapping alive");
+        let fresh = share(rw(), Access::ReadWrite, id);
+        assert!(
+            fresh.claim_prefault(),
+            "a new mapping, its page tables not built"
+        );
     }
 
     #[test]
