@@ -117,6 +117,20 @@ impl SocketArg {
             .clone()
             .unwrap_or_else(feedstore_proto::client_socket_path)
     }
+
+    /// A connection for a tool that reads the daemon's lists and statistics, never an object's
+    /// bytes: it builds no page tables of the store.
+    fn inspect(
+        &self,
+        role: feedstore_proto::Role,
+        name: &str,
+    ) -> Result<feedstore_consumer::Client, feedstore_consumer::Error> {
+        feedstore_consumer::ConnectOptions::new(role)
+            .socket(self.path())
+            .name(name)
+            .populate(false)
+            .connect()
+    }
 }
 
 /// The hidden first argument that makes this binary run the daemon (`feedstored`'s own command

@@ -1,7 +1,6 @@
 //! `feedstore stat`.
 
 use anyhow::Context;
-use feedstore_consumer::ConnectOptions;
 use feedstore_producer::profile::StageProfile;
 use feedstore_proto::Role;
 use feedstore_proto::frame::{PRODUCER_STAGES, ProducerFigures};
@@ -21,11 +20,7 @@ pub struct Args {
 
 pub fn run(args: Args) -> anyhow::Result<()> {
     let socket = args.socket.path();
-    let client = ConnectOptions::new(Role::Reader)
-        .socket(&socket)
-        .name("feedstore-stat")
-        .populate(false)
-        .connect()?;
+    let client = args.socket.inspect(Role::Reader, "feedstore-stat")?;
     let s = client.stats().context("reading statistics")?;
     let streams = client.streams().context("listing streams")?;
     if args.json {

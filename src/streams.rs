@@ -1,7 +1,6 @@
 //! `feedstore stream`: list a daemon's streams, close one.
 
 use anyhow::{Context, bail};
-use feedstore_consumer::ConnectOptions;
 use feedstore_proto::Role;
 use feedstore_proto::frame::StreamInfo;
 
@@ -47,11 +46,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
 }
 
 fn list(socket: SocketArg, json: bool) -> anyhow::Result<()> {
-    let client = ConnectOptions::new(Role::Reader)
-        .socket(socket.path())
-        .name("feedstore-stream-list")
-        .populate(false)
-        .connect()?;
+    let client = socket.inspect(Role::Reader, "feedstore-stream-list")?;
     let streams = client.streams().context("listing streams")?;
     if json {
         for t in &streams {
@@ -93,11 +88,7 @@ fn row(t: &StreamInfo) -> serde_json::Value {
 }
 
 fn close(socket: SocketArg, name: &str, uid: Option<u32>) -> anyhow::Result<()> {
-    let client = ConnectOptions::new(Role::Writer)
-        .socket(socket.path())
-        .name("feedstore-stream-close")
-        .populate(false)
-        .connect()?;
+    let client = socket.inspect(Role::Writer, "feedstore-stream-close")?;
     let streams = client.streams().context("listing streams")?;
     let named: Vec<&StreamInfo> = streams
         .iter()

@@ -9,7 +9,7 @@ use std::io::{IsTerminal, Write};
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
-use feedstore_consumer::{Client, ConnectOptions};
+use feedstore_consumer::Client;
 use feedstore_producer::profile::StageProfile;
 use feedstore_proto::Role;
 use feedstore_proto::frame::{ProducerFigures, RankFigures, StreamInfo};
@@ -41,11 +41,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         anyhow::bail!("--count must be at least 1");
     }
     let socket = args.socket.path();
-    let client = ConnectOptions::new(Role::Reader)
-        .socket(&socket)
-        .name("feedstore-top")
-        .populate(false)
-        .connect()?;
+    let client = args.socket.inspect(Role::Reader, "feedstore-top")?;
     let terminal = std::io::stdout().is_terminal();
     let mut previous = Previous::default();
     let mut shown = 0u64;
