@@ -1,5 +1,7 @@
 //! Producer CPU stage: decode + resize + normalise, samples per second on one core, against
-//! Pillow + numpy doing the same transform on the same images in the same run.
+//! Pillow + numpy, Pillow with `draft` + numpy (the DCT-scaled decode a careful Python user
+//! writes) and SPDL (Meta's loader: FFmpeg decode + scale) doing the same transform on the same
+//! images in the same run, at two output sizes (Qwen2.5-VL's default cap and 256 image tokens).
 //!
 //! Images are derived from the committed test photos (grace_hopper.jpg, rocket.jpg, chelsea.png):
 //! each rescaled so its long side is 512, 1024 and 2048 px and re-encoded as JPEG (quality 90),
@@ -12,24 +14,25 @@
 //! Python `transformers` (`apply_chat_template` + the processor's expansion + the fast tokenizer)
 //! in the same run.
 //!
-//! Run: `cargo bench --bench produce` (needs `pip install pillow numpy` for the image baseline and
-//! `transformers` for the tokenize baseline; `FEEDSTORE_BENCH_PYTHON` names another interpreter,
-//! a venv's, for both).
+//! Run: `cargo bench --bench produce` (needs `pip install pillow numpy` for the image baselines,
+//! `spdl` with FFmpeg's libraries for SPDL's, and `transformers` for the tokenize baseline;
+//! `FEEDSTORE_BENCH_PYTHON` names another interpreter, a venv's, for all). The whole process is
+//! pinned to one core.
 
 use std::hint::black_box;
 use std::process::Command;
 use std::time::Instant;
 
 use feedstore_producer::chat::{ChatTokenizer, Message, Role};
-use feedstore_producer::vision::{ImageTransform, Scratch};
+use feedstore_producer::jpeg;
+use feedstore_producer::vision::{ImageTransform, ResizeMode, Scratch};
 
 mod common;
 use common::derive_images;
 
 const PYTHON: &str = r#"
-import math, sys, time
+import io, math, sys, time
 import numpy as np
-from PIL import Image
 
 def smart_resize(h, w, factor=28, min_pixels=56*56, max_pixels=14*14*4*1280):
     hb = max(factor, round(h / factor) * factor)
@@ -46,97 +49,258 @@ def smart_resize(h, w, factor=28, min_pixels=56*56, max_pixels=14*14*4*1280):
 
 mean = np.array([0.48145466, 0.4578275, 0.40821073], dtype=np.float32)
 std = np.array([0.26862954, 0.26130258, 0.27577711], dtype=np.float32)
-paths, rounds = sys.argv[2:], int(sys.argv[1])
+mode, rounds, max_pixels, paths = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4:]
 data = [open(p, "rb").read() for p in paths]
-import io
+
+def normalise(rgb):
+    x = np.asarray(rgb, dtype=np.float32) / 255.0
+    return np.ascontiguousarray(((x - mean) / std).transpose(2, 0, 1))
+
+if mode == "spdl":
+    import spdl.io
+    def one(b):
+        packets = spdl.io.demux_image(b)
+        h, w = smart_resize(packets.codec.height, packets.codec.width, max_pixels=max_pixels)
+        frames = spdl.io.decode_packets(
+            packets, filter_desc=f"scale=w={w}:h={h}:flags=bicubic,format=pix_fmts=rgb24")
+        return normalise(spdl.io.to_numpy(spdl.io.convert_frames(frames)))
+else:
+    from PIL import Image
+    def one(b):
+        im = Image.open(io.BytesIO(b))
+        h, w = smart_resize(im.height, im.width, max_pixels=max_pixels)
+        if mode == "draft":
+            im.draft("RGB", (w, h))
+        return normalise(im.convert("RGB").resize((w, h), Image.BICUBIC))
+
 n, start = 0, time.perf_counter()
 for _ in range(rounds):
     for b in data:
-        im = Image.open(io.BytesIO(b)).convert("RGB")
-        h, w = smart_resize(im.height, im.width)
-        x = np.asarray(im.resize((w, h), Image.BICUBIC), dtype=np.float32) / 255.0
-        x = np.ascontiguousarray(((x - mean) / std).transpose(2, 0, 1))
+        one(b)
         n += 1
 print(n / (time.perf_counter() - start))
 "#;
 
+/// One row of the image table: a pipeline's samples per second, or why it did not run.
+struct Row {
+    name: &'static str,
+    rate: Result<f64, String>,
+}
+
 fn main() {
     let quick = std::env::args().any(|a| a == "--quick");
     let rounds = if quick { 2 } else { 8 };
+    // One core for every pipeline: this process and the Python it starts (which inherits the
+    // mask), so a decoder's own threads cannot spread.
+    pin_to_one_core();
     let dir = std::env::temp_dir().join(format!("feedstore-bench-images-{}", std::process::id()));
     let paths = derive_images(&dir);
     let data: Vec<Vec<u8>> = paths.iter().map(|p| std::fs::read(p).unwrap()).collect();
 
-    // feedstore: one thread, into a reused destination buffer (the shared-memory region in the
-    // producer).
-    let transform = ImageTransform::qwen_vl();
+    for (label, max_pixels) in [
+        (
+            "Qwen2.5-VL's default, at most 1280 image tokens (1280·28² px)",
+            1280 * 28 * 28,
+        ),
+        (
+            "at most 256 image tokens (256·28² px, about 448×448)",
+            256 * 28 * 28,
+        ),
+    ] {
+        let transform = ImageTransform {
+            resize: ResizeMode::QwenVl {
+                min_pixels: 56 * 56,
+                max_pixels,
+                factor: 28,
+            },
+            ..ImageTransform::qwen_vl()
+        };
+        let full = ImageTransform {
+            jpeg_draft: false,
+            ..transform.clone()
+        };
+        let ours = feedstore_rate(&transform, &data, rounds);
+        let ours_full = feedstore_rate(&full, &data, rounds);
+        let baseline = |mode: &str| python_rate(mode, rounds, max_pixels, &paths);
+        let rows = [
+            Row {
+                name: "Pillow + numpy (baseline)",
+                rate: baseline("plain"),
+            },
+            Row {
+                name: "Pillow with `draft` + numpy",
+                rate: baseline("draft"),
+            },
+            Row {
+                name: "SPDL (FFmpeg decode + bicubic scale) + numpy",
+                rate: baseline("spdl"),
+            },
+            Row {
+                name: "feedstore, every pixel decoded (`jpeg_draft` off)",
+                rate: Ok(ours_full),
+            },
+            Row {
+                name: "feedstore (libjpeg-turbo at the DCT scale, fast_image_resize, LUT normalise)",
+                rate: Ok(ours),
+            },
+        ];
+        println!(
+            "## decode + resize + normalise, one core: {label} ({} derived JPEGs, long side 512-2048 px, {rounds} rounds)",
+            paths.len()
+        );
+        println!();
+        println!("| pipeline | samples/s | vs Pillow + numpy | vs Pillow with draft |");
+        println!("|---|---|---|---|");
+        let ratio = |rate: f64, row: usize| match &rows[row].rate {
+            Ok(base) => format!("{:.2}x", rate / base),
+            Err(_) => "-".into(),
+        };
+        for row in &rows {
+            match &row.rate {
+                Ok(rate) => println!(
+                    "| {} | {rate:.1} | {} | {} |",
+                    row.name,
+                    ratio(*rate, 0),
+                    ratio(*rate, 1)
+                ),
+                Err(why) => println!("| {} | not run: {why} | | |", row.name),
+            }
+        }
+        println!();
+    }
+    decoders(&paths, &data, rounds);
+    let _ = std::fs::remove_dir_all(&dir);
+    tokenize(quick);
+}
+
+/// The decoder choice: milliseconds per JPEG, decode to RGB only, by long side: zune-jpeg and
+/// libjpeg-turbo (mozjpeg-sys's build) decoding every pixel, and libjpeg-turbo at the DCT scale
+/// a 256-token output allows.
+fn decoders(paths: &[std::path::PathBuf], data: &[Vec<u8>], rounds: usize) {
+    let small = ImageTransform {
+        resize: ResizeMode::QwenVl {
+            min_pixels: 56 * 56,
+            max_pixels: 256 * 28 * 28,
+            factor: 28,
+        },
+        ..ImageTransform::qwen_vl()
+    };
+    let time = |f: &mut dyn FnMut(&[u8])| {
+        let mut per_side = std::collections::BTreeMap::<u32, (f64, u32)>::new();
+        for (path, bytes) in paths.iter().zip(data) {
+            let side: u32 = path
+                .file_stem()
+                .and_then(|s| s.to_str())
+                .and_then(|s| s.rsplit('-').next())
+                .and_then(|s| s.parse().ok())
+                .unwrap();
+            let started = Instant::now();
+            for _ in 0..rounds * 2 {
+                f(bytes);
+            }
+            let entry = per_side.entry(side).or_default();
+            entry.0 += started.elapsed().as_secs_f64() * 1e3 / (rounds * 2) as f64;
+            entry.1 += 1;
+        }
+        per_side
+            .into_iter()
+            .map(|(side, (ms, n))| (side, ms / f64::from(n)))
+            .collect::<Vec<_>>()
+    };
+    let zune = time(&mut |bytes| {
+        let options = zune_core::options::DecoderOptions::default()
+            .jpeg_set_out_colorspace(zune_core::colorspace::ColorSpace::RGB);
+        let mut decoder = zune_jpeg::JpegDecoder::new_with_options(
+            zune_core::bytestream::ZCursor::new(bytes),
+            options,
+        );
+        black_box(decoder.decode().unwrap());
+    });
+    let full = time(&mut |bytes| {
+        black_box(jpeg::decode(bytes, |_| Ok(1)).unwrap());
+    });
+    let scaled = time(&mut |bytes| {
+        black_box(
+            jpeg::decode(bytes, |h| {
+                let target = small.target_size(h.width, h.height)?;
+                Ok(jpeg::draft_scale(h.width, h.height, target))
+            })
+            .unwrap(),
+        );
+    });
+    println!("## JPEG decode only, ms per image, one core (the decoder choice)");
+    println!();
+    println!(
+        "| long side | zune-jpeg 0.5 | libjpeg-turbo (mozjpeg-sys) | libjpeg-turbo at the DCT scale for 256 tokens |"
+    );
+    println!("|---|---|---|---|");
+    for ((side, z), ((_, f), (_, s))) in zune.iter().zip(full.iter().zip(&scaled)) {
+        println!("| {side} px | {z:.2} | {f:.2} | {s:.2} |");
+    }
+    println!();
+}
+
+/// feedstore's decode, resize and normalise on this thread, into a reused destination buffer
+/// (the shared-memory region in the producer): samples per second.
+fn feedstore_rate(transform: &ImageTransform, data: &[Vec<u8>], rounds: usize) -> f64 {
     let mut scratch = Scratch::default();
     let mut dst = Vec::new();
     let mut n = 0u64;
     let started = Instant::now();
     for _ in 0..rounds {
-        for bytes in &data {
-            let rgb = transform.decode(bytes).unwrap();
-            let target = transform.target_size(rgb.width(), rgb.height()).unwrap();
-            dst.resize((target.0 * target.1 * 3 * 4) as usize, 0u8);
+        for bytes in data {
+            let decoded = transform.decode(bytes).unwrap();
+            let (w, h) = decoded.target;
+            dst.resize((w * h * 3 * 4) as usize, 0u8);
             transform
-                .resize_into(&rgb, target, &mut dst, &mut scratch)
+                .resize_into(&decoded.rgb, decoded.target, &mut dst, &mut scratch)
                 .unwrap();
             black_box(&dst);
             n += 1;
         }
     }
-    let ours = n as f64 / started.elapsed().as_secs_f64();
+    n as f64 / started.elapsed().as_secs_f64()
+}
 
-    let python = Command::new(python())
+/// A Python baseline's samples per second: `plain` Pillow, Pillow with `draft`, or `spdl`.
+fn python_rate(
+    mode: &str,
+    rounds: usize,
+    max_pixels: u64,
+    paths: &[std::path::PathBuf],
+) -> Result<f64, String> {
+    let out = Command::new(python())
         .arg("-c")
         .arg(PYTHON)
-        .arg(rounds.to_string())
-        .args(&paths)
+        .args([mode.to_string(), rounds.to_string(), max_pixels.to_string()])
+        .args(paths)
         // This machine sets OpenBLAS overrides that slow a current numpy; the baseline runs
         // without them, as a user's would.
         .env_remove("OPENBLAS_CORETYPE")
         .env_remove("OPENBLAS_L2_SIZE")
         .env("OMP_NUM_THREADS", "1")
         .env("OPENBLAS_NUM_THREADS", "1")
-        .output();
-    let pil = match python {
-        Ok(out) if out.status.success() => String::from_utf8_lossy(&out.stdout)
-            .trim()
-            .parse::<f64>()
-            .ok(),
-        Ok(out) => {
-            eprintln!(
-                "Pillow baseline failed (pip install pillow numpy): {}",
-                String::from_utf8_lossy(&out.stderr).trim()
-            );
-            None
-        }
-        Err(e) => {
-            eprintln!("python3 not runnable: {e}");
-            None
-        }
-    };
-    println!(
-        "## decode + resize + normalise, one core ({} derived JPEGs, long side 512-2048 px, {rounds} rounds)",
-        paths.len()
-    );
-    println!();
-    println!("| pipeline | samples/s | vs Pillow + numpy |");
-    println!("|---|---|---|");
-    if let Some(pil) = pil {
-        println!("| Pillow + numpy (baseline) | {pil:.1} | 1.00x |");
-        println!(
-            "| feedstore (zune-jpeg, fast_image_resize, LUT normalise) | {ours:.1} | {:.2}x |",
-            ours / pil
-        );
-    } else {
-        println!(
-            "| feedstore (zune-jpeg, fast_image_resize, LUT normalise) | {ours:.1} | baseline not run |"
-        );
+        .output()
+        .map_err(|e| format!("{} not runnable: {e}", python()))?;
+    if !out.status.success() {
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        return Err(stderr.trim().lines().last().unwrap_or("failed").to_string());
     }
-    let _ = std::fs::remove_dir_all(&dir);
-    tokenize(quick);
+    String::from_utf8_lossy(&out.stdout)
+        .trim()
+        .parse::<f64>()
+        .map_err(|e| e.to_string())
+}
+
+/// Restricts this process (and what it starts) to the first CPU it may run on.
+fn pin_to_one_core() {
+    let allowed = nix::sched::sched_getaffinity(nix::unistd::Pid::from_raw(0)).unwrap();
+    let first = (0..nix::sched::CpuSet::count())
+        .find(|&c| allowed.is_set(c).unwrap_or(false))
+        .unwrap();
+    let mut one = nix::sched::CpuSet::new();
+    one.set(first).unwrap();
+    nix::sched::sched_setaffinity(nix::unistd::Pid::from_raw(0), &one).unwrap();
 }
 
 fn python() -> String {

@@ -90,6 +90,12 @@ pub struct Args {
     /// Tensor layout: chw or hwc.
     #[arg(long, value_name = "LAYOUT", default_value = "chw")]
     layout: String,
+    /// Decode every pixel of a JPEG before resizing, as transformers' image processors do
+    /// [default: decode at the largest DCT scale (1/2, 1/4, 1/8) that keeps the image at least
+    /// the output size, as Pillow's `Image.draft`: the same pixels within resize rounding, far
+    /// less work for large photos].
+    #[arg(long)]
+    full_jpeg_decode: bool,
     /// Refuse images with more pixels than this before decoding (decompression-bomb guard).
     #[arg(long, value_name = "PIXELS", default_value_t = 64 << 20)]
     max_source_pixels: u64,
@@ -345,6 +351,7 @@ pub fn run_produce(args: Args) -> anyhow::Result<()> {
     config.merge_size = args.merge_size;
     config.transform.resize = image_size(&args)?;
     config.transform.max_source_pixels = args.max_source_pixels;
+    config.transform.jpeg_draft = !args.full_jpeg_decode;
     config.transform.dtype = match args.dtype.to_ascii_lowercase().as_str() {
         "f32" => DType::F32,
         "bf16" => DType::BF16,

@@ -38,6 +38,7 @@
 pub mod chat;
 pub mod feed;
 pub mod input;
+pub mod jpeg;
 pub mod manifest;
 pub mod pipeline;
 pub mod profile;

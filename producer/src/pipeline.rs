@@ -658,14 +658,10 @@ pub fn make_sample_into<B: SampleBuffer>(
     let started = Instant::now();
     let mut decoded = Vec::with_capacity(images.len());
     for (bytes, source) in images.iter().zip(&record.images) {
-        let rgb = t
+        let image = t
             .decode(bytes)
             .map_err(|e| reject(record, "decode", format!("{source}: {e}")))?;
-        let (w, h) = rgb.dimensions();
-        let target = t
-            .target_size(w, h)
-            .map_err(|e| reject(record, "decode", format!("{source}: {e}")))?;
-        decoded.push((rgb, target));
+        decoded.push((image.rgb, image.target));
     }
     drop(images);
     profiler.record(Stage::Decode, started.elapsed());

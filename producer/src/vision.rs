@@ -5,12 +5,16 @@
 //!
 //! 1. [`probe`] reads only the header: format and dimensions. The decompression-bomb guard
 //!    (`max_source_pixels`) refuses an image before a single pixel is decoded.
-//! 2. [`ImageTransform::target_size`] decides the output size from the upright decoded image's
+//! 2. [`ImageTransform::target_size`] decides the output size from the source's upright
 //!    dimensions (fixed, shorter side, or Qwen-VL's `smart_resize`; the header's may be rotated
 //!    by EXIF orientation). That size fixes the tensor's shape and the number of image tokens, so
 //!    the sample's object is reserved at its final size before anything is written.
-//! 3. [`ImageTransform::decode_into`] decodes (PNG/WebP/GIF via `image`, zune-jpeg for JPEG) to
-//!    the RGB that Pillow (9.4, the goldens' version) makes with
+//! 3. [`ImageTransform::decode`] decodes a JPEG with libjpeg-turbo's decoder (the one Pillow
+//!    links; [`crate::jpeg`]) at the largest DCT scale, 1/2, 1/4 or 1/8, that keeps it at least
+//!    the output size (Pillow's `Image.draft` rule; [`ImageTransform::jpeg_draft`]), so a 2048 px
+//!    photo bound for 448 px never has its every pixel decoded; PNG/WebP/GIF (and CMYK JPEGs)
+//!    go through `image` (zune-jpeg). The result is the RGB that Pillow (9.4, the goldens'
+//!    version) makes with
 //!    `ImageOps.exif_transpose(...).convert("RGB")`: EXIF orientation applied, 16-bit grey
 //!    clipped, 16-bit colour by its high byte, alpha dropped, palettes and CMYK converted, an
 //!    animation's first frame. (Not matched: orientation from XMP or PNG text chunks, and a GIF
@@ -24,6 +28,8 @@ use std::io::Cursor;
 use fast_image_resize::images::{Image, ImageRef};
 use fast_image_resize::{FilterType, PixelType, ResizeAlg, ResizeOptions, Resizer};
 use feedstore_proto::sample::{DType, TensorLayout};
+
+use crate::jpeg;
 
 /// How to size the output.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -162,10 +168,11 @@ pub fn probe(encoded: &[u8], max_source_pixels: u64) -> Result<Probe, ImageError
 /// the EXIF orientation applied, alpha dropped, 16-bit grey clipped to 255 and 16-bit colour
 /// (or grey with alpha) cut to its high byte, palettes expanded, an animation's first frame.
 ///
-/// JPEGs go to zune-jpeg directly: first in strict mode, so a truncated file is refused rather
-/// than padded with grey (the lenient decoder, like a browser, renders what it has); a complete
-/// file that strict mode dislikes for other reasons (stray bytes between markers, which real
-/// cameras write) is decoded again leniently.
+/// The JPEGs that come here are CMYK and YCCK ones ([`crate::jpeg`] decodes the rest), which
+/// go to zune-jpeg directly: first in strict mode, so a truncated file is refused rather than
+/// padded with grey (the lenient decoder, like a browser, renders what it has); a complete file
+/// that strict mode dislikes for other reasons (stray bytes between markers, which real cameras
+/// write) is decoded again leniently.
 fn decode_rgb(encoded: &[u8], probe: Probe) -> Result<image::RgbImage, ImageError> {
     use image::ImageDecoder;
     let mut reader = reader(encoded)?;
@@ -288,6 +295,18 @@ pub const CLIP_MEAN: [f32; 3] = [0.481_454_66, 0.457_827_5, 0.408_210_73];
 #[allow(clippy::excessive_precision)]
 pub const CLIP_STD: [f32; 3] = [0.268_629_54, 0.261_302_58, 0.275_777_11];
 
+/// A decoded image, upright, and the output size its source asks for.
+#[derive(Debug)]
+pub struct Decoded {
+    /// RGB8 pixels: the source's upright size, or less where a JPEG was decoded at a DCT scale.
+    pub rgb: image::RgbImage,
+    /// The output `(width, height)`: [`ImageTransform::target_size`] of the source's upright
+    /// size (not of `rgb`'s), or the size the caller asked for.
+    pub target: (u32, u32),
+    /// The JPEG DCT scale denominator the decode used: 1 (every pixel), 2, 4 or 8.
+    pub scale: u32,
+}
+
 /// The whole image transform of one pipeline.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ImageTransform {
@@ -303,6 +322,10 @@ pub struct ImageTransform {
     pub layout: TensorLayout,
     /// Decompression-bomb guard: images with more pixels are refused before decoding.
     pub max_source_pixels: u64,
+    /// Decode a JPEG at the largest DCT scale (1/2, 1/4, 1/8) that keeps it at least the output
+    /// size, then resize, as Pillow's `Image.draft` does; `false` decodes every pixel, as
+    /// transformers' image processors do (equal to their pixels within resize rounding).
+    pub jpeg_draft: bool,
 }
 
 impl ImageTransform {
@@ -320,6 +343,7 @@ impl ImageTransform {
             dtype: DType::F32,
             layout: TensorLayout::Chw,
             max_source_pixels: 64 << 20,
+            jpeg_draft: true,
         }
     }
 
@@ -372,14 +396,67 @@ impl ImageTransform {
         dst: &mut [u8],
         scratch: &mut Scratch,
     ) -> Result<(), ImageError> {
-        let rgb = self.decode(encoded)?;
-        self.resize_into(&rgb, target, dst, scratch)
+        let decoded = self.decode_for(encoded, Some(target))?;
+        self.resize_into(&decoded.rgb, target, dst, scratch)
     }
 
-    /// Decodes to RGB8, after the header check and the decompression-bomb guard.
-    pub fn decode(&self, encoded: &[u8]) -> Result<image::RgbImage, ImageError> {
+    /// Decodes to upright RGB8, after the header check and the decompression-bomb guard, with
+    /// the output size the source asks for ([`ImageTransform::target_size`] of its upright size).
+    /// A JPEG is decoded at the DCT scale that size allows (see [`ImageTransform::jpeg_draft`]).
+    pub fn decode(&self, encoded: &[u8]) -> Result<Decoded, ImageError> {
+        self.decode_for(encoded, None)
+    }
+
+    fn decode_for(
+        &self,
+        encoded: &[u8],
+        target: Option<(u32, u32)>,
+    ) -> Result<Decoded, ImageError> {
         let probe = probe(encoded, self.max_source_pixels)?;
-        decode_rgb(encoded, probe)
+        if reader(encoded)?.format() == Some(image::ImageFormat::Jpeg) {
+            let mut wanted = target;
+            let decoded = jpeg::decode(encoded, |header| {
+                if u64::from(header.width) * u64::from(header.height) > self.max_source_pixels {
+                    return Err(ImageError::TooLarge {
+                        width: header.width,
+                        height: header.height,
+                        max_pixels: self.max_source_pixels,
+                    });
+                }
+                let (w, h) = header.upright();
+                let target = match target {
+                    Some(target) => target,
+                    None => self.target_size(w, h)?,
+                };
+                wanted = Some(target);
+                if !self.jpeg_draft {
+                    return Ok(1);
+                }
+                let stored = if jpeg::swaps_axes(header.orientation) {
+                    (target.1, target.0)
+                } else {
+                    target
+                };
+                Ok(jpeg::draft_scale(header.width, header.height, stored))
+            })?;
+            if let (Some(decoded), Some(target)) = (decoded, wanted) {
+                return Ok(Decoded {
+                    rgb: oriented(decoded.pixels, decoded.orientation),
+                    target,
+                    scale: decoded.scale,
+                });
+            }
+        }
+        let rgb = decode_rgb(encoded, probe)?;
+        let target = match target {
+            Some(target) => target,
+            None => self.target_size(rgb.width(), rgb.height())?,
+        };
+        Ok(Decoded {
+            rgb,
+            target,
+            scale: 1,
+        })
     }
 
     /// Resizes decoded pixels to `target` and writes the normalised tensor into `dst`

@@ -202,10 +202,10 @@ fn good_samples_arrive_and_every_bad_record_is_rejected_with_its_reason() {
         for (i, key) in sample.source_keys().enumerate() {
             let bytes = std::fs::read(key).unwrap();
             let t = &config.transform;
-            let rgb = t.decode(&bytes).unwrap();
-            let target = t.target_size(rgb.width(), rgb.height()).unwrap();
+            let decoded = t.decode(&bytes).unwrap();
+            let target = decoded.target;
             let mut expected = vec![0u8; sample.image(i).unwrap().bytes().len()];
-            t.resize_into(&rgb, target, &mut expected, &mut scratch)
+            t.resize_into(&decoded.rgb, target, &mut expected, &mut scratch)
                 .unwrap();
             assert!(
                 sample.image(i).unwrap().bytes() == &expected[..],

@@ -1,5 +1,6 @@
 """Regenerates resized/*.png and resize_goldens.json: Pillow's bicubic resize of the test photos
-(what a PyTorch/PIL preprocessing pipeline produces) and Qwen-VL's smart_resize target sizes.
+(what a PyTorch/PIL preprocessing pipeline produces), the same after `Image.draft` for JPEGs (the
+DCT-scaled decode), and Qwen-VL's smart_resize target sizes.
 
     pip install pillow==13.0.0
     python3 producer/tests/data/make_image_goldens.py producer/tests/data
@@ -52,9 +53,22 @@ for name in ("grace_hopper.jpg", "rocket.jpg", "chelsea.png"):
     im = Image.open(f"{root}/photos/{name}").convert("RGB")
     w, h = im.size
     qh, qw = smart_resize(h, w, 28, 4 * 28 * 28, 256 * 28 * 28)
-    for tag, (tw, th) in (("qwen", (qw, qh)), ("224", (224, 224))):
+    targets = [("qwen", (qw, qh)), ("224", (224, 224))]
+    if name.endswith(".jpg"):
+        # Small enough for DCT scales 4 and 8.
+        targets += [("112", (112, 112)), ("56", (56, 56))]
+    for tag, (tw, th) in targets:
         out = f"resized/{name.rsplit('.', 1)[0]}-{tag}.png"
         im.resize((tw, th), Image.BICUBIC).save(f"{root}/{out}")
         resized.append({"photo": f"photos/{name}", "width": tw, "height": th, "golden": out})
+        if name.endswith(".jpg"):
+            # What a careful Pillow user writes: `draft` first, so libjpeg decodes at the largest
+            # DCT scale (1/2, 1/4, 1/8) that keeps the image at least the output size.
+            drafted = Image.open(f"{root}/photos/{name}")
+            drafted.draft("RGB", (tw, th))
+            out = f"resized/{name.rsplit('.', 1)[0]}-{tag}-draft.png"
+            drafted.convert("RGB").resize((tw, th), Image.BICUBIC).save(f"{root}/{out}")
+            scale = w // drafted.width
+            resized.append({"photo": f"photos/{name}", "width": tw, "height": th, "golden": out, "draft_scale": scale})
 
 json.dump({"pillow": Image.__version__, "smart_resize": sizes, "resized": resized}, open(f"{root}/resize_goldens.json", "w"), indent=1)
