@@ -119,8 +119,7 @@ fn main() {
             jpeg_draft: false,
             ..transform.clone()
         };
-        let ours = feedstore_rate(&transform, &data, rounds);
-        let ours_full = feedstore_rate(&full, &data, rounds);
+        let [ours, ours_full] = feedstore_rates([&transform, &full], &data, rounds);
         let baseline = |mode: &str| python_rate(mode, rounds, max_pixels, &paths);
         let rows = [
             Row {
@@ -241,25 +240,34 @@ fn decoders(paths: &[std::path::PathBuf], data: &[Vec<u8>], rounds: usize) {
 }
 
 /// feedstore's decode, resize and normalise on this thread, into a reused destination buffer
-/// (the shared-memory region in the producer): samples per second.
-fn feedstore_rate(transform: &ImageTransform, data: &[Vec<u8>], rounds: usize) -> f64 {
+/// (the shared-memory region in the producer): samples per second for each transform, measured
+/// in alternating rounds after one untimed round each (buffers, tables and caches warm).
+fn feedstore_rates<const N: usize>(
+    transforms: [&ImageTransform; N],
+    data: &[Vec<u8>],
+    rounds: usize,
+) -> [f64; N] {
     let mut scratch = Scratch::default();
     let mut dst = Vec::new();
-    let mut n = 0u64;
-    let started = Instant::now();
-    for _ in 0..rounds {
-        for bytes in data {
-            let decoded = transform.decode(bytes).unwrap();
-            let (w, h) = decoded.target;
-            dst.resize((w * h * 3 * 4) as usize, 0u8);
-            transform
-                .resize_into(&decoded.rgb, decoded.target, &mut dst, &mut scratch)
-                .unwrap();
-            black_box(&dst);
-            n += 1;
+    let mut seconds = [0f64; N];
+    for round in 0..=rounds {
+        for (t, transform) in transforms.iter().enumerate() {
+            let started = Instant::now();
+            for bytes in data {
+                let decoded = transform.decode(bytes).unwrap();
+                let (w, h) = decoded.target;
+                dst.resize((w * h * 3 * 4) as usize, 0u8);
+                transform
+                    .resize_into(&decoded.rgb, decoded.target, &mut dst, &mut scratch)
+                    .unwrap();
+                black_box(&dst);
+            }
+            if round > 0 {
+                seconds[t] += started.elapsed().as_secs_f64();
+            }
         }
     }
-    n as f64 / started.elapsed().as_secs_f64()
+    seconds.map(|s| (rounds * data.len()) as f64 / s)
 }
 
 /// A Python baseline's samples per second: `plain` Pillow, Pillow with `draft`, or `spdl`.

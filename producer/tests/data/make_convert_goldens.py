@@ -1,5 +1,6 @@
 """Regenerates convert/: inputs of the kinds Pillow converts specially (EXIF orientation, 16-bit
-grey and colour, palette, grey with alpha, CMYK, an animated GIF), derived from the test photos,
+grey and colour, palette, grey with alpha, CMYK, an animated GIF; a greyscale and a progressive
+JPEG), derived from the test photos,
 and what Pillow makes of each: `ImageOps.exif_transpose(Image.open(f)).convert("RGB")`, the
 preprocessing a vision-language pipeline applies. The producer's decode must match these.
 
@@ -82,6 +83,10 @@ la8.save(f"{out}/la8.png")
 cases.append(("la8.png", "8-bit grey with an alpha gradient (alpha dropped, not composited)"))
 chelsea.convert("CMYK").save(f"{out}/cmyk.jpg", quality=95)
 cases.append(("cmyk.jpg", "a CMYK JPEG"))
+chelsea.convert("L").save(f"{out}/grey.jpg", quality=90)
+cases.append(("grey.jpg", "a greyscale JPEG"))
+Image.open(f"{root}/photos/grace_hopper.jpg").save(f"{out}/progressive.jpg", quality=85, progressive=True)
+cases.append(("progressive.jpg", "a progressive JPEG (several scans)"))
 
 frames = [chelsea, hopper, chelsea.transpose(Image.FLIP_TOP_BOTTOM)]
 frames[0].save(f"{out}/animated.gif", save_all=True, append_images=frames[1:], duration=100, loop=0)
