@@ -1,5 +1,6 @@
 //! The connection to the node's daemon.
 
+use std::collections::VecDeque;
 use std::io::{IoSliceMut, Read};
 use std::os::fd::{FromRawFd, OwnedFd, RawFd};
 use std::os::unix::io::AsRawFd;
@@ -18,7 +19,7 @@ use nix::sys::socket::{ControlMessageOwned, MsgFlags};
 
 use crate::Error;
 use crate::lease::Lease;
-use crate::writer::ObjectWriter;
+use crate::writer::{ObjectWriter, PutPipeline};
 
 /// How to connect.
 #[derive(Debug, Clone)]
@@ -310,7 +311,19 @@ struct CallState {
     next_id: u32,
     wbuf: Vec<u8>,
     rbuf: RecvBuf,
+    /// Requests sent by [`Client::submit`] whose replies are not read yet, oldest first (the
+    /// daemon answers a connection's requests in order). At most [`MAX_OUTSTANDING`].
+    outstanding: VecDeque<u32>,
+    /// Replies read ahead of the one a caller waited for, by request id, until collected.
+    arrived: Vec<(u32, Response)>,
 }
+
+/// The most submitted requests whose replies are not yet collected, per connection.
+const MAX_OUTSTANDING: usize = 64;
+
+/// A request sent with [`Client::submit`], whose reply [`Client::collect`] reads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Ticket(u32);
 
 /// A connection to the node's `feedstored`.
 ///
@@ -460,6 +473,8 @@ impl Client {
                     next_id: 1,
                     wbuf,
                     rbuf,
+                    outstanding: VecDeque::new(),
+                    arrived: Vec::new(),
                 }),
                 send: Mutex::new(()),
                 segments,
@@ -547,7 +562,7 @@ impl Client {
 
     /// The writer of a reservation the daemon just made for this connection (aborted if the
     /// daemon named a range outside its segments).
-    fn writer(&self, created: Created) -> Result<ObjectWriter, Error> {
+    pub(crate) fn writer(&self, created: Created) -> Result<ObjectWriter, Error> {
         match self.mapping(created.location) {
             Ok(mapping) => Ok(ObjectWriter::new(
                 self.clone(),
@@ -570,6 +585,12 @@ impl Client {
         let mut writer = self.create(bytes.len() as u64)?;
         writer.as_mut_slice().copy_from_slice(bytes);
         writer.seal()
+    }
+
+    /// A pipeline for many puts from this thread, with the daemon's replies off the critical
+    /// path: see [`PutPipeline`].
+    pub fn put_pipeline(&self) -> PutPipeline {
+        PutPipeline::new(self.clone())
     }
 
     /// Writes several objects in two round trips (one create batch, one seal batch; more when
@@ -801,6 +822,11 @@ impl Client {
         }
         let mut guard = inner.call.lock().unwrap_or_else(|e| e.into_inner());
         let state = &mut *guard;
+        // Replies to submitted requests come first on the socket: read them aside.
+        if let Err(e) = self.read_outstanding(state, None) {
+            inner.broken.store(true, Ordering::Relaxed);
+            return Err(e);
+        }
         let id = state.next_id;
         state.next_id = state.next_id.wrapping_add(1);
         state.wbuf.clear();
@@ -827,6 +853,82 @@ impl Client {
             inner.broken.store(true, Ordering::Relaxed);
         }
         result
+    }
+
+    /// Sends a request without waiting for its reply (queued releases riding along); the reply
+    /// is read by [`Client::collect`], or read aside by the next call that needs the socket.
+    /// Several may be outstanding, up to [`MAX_OUTSTANDING`].
+    pub(crate) fn submit(&self, request: &Request) -> Result<Ticket, Error> {
+        let inner = &*self.inner;
+        if inner.forked() {
+            return Err(Error::Forked);
+        }
+        if inner.broken.load(Ordering::Relaxed) {
+            return Err(Error::Disconnected { source: None });
+        }
+        let mut guard = inner.call.lock().unwrap_or_else(|e| e.into_inner());
+        let state = &mut *guard;
+        if state.outstanding.len() + state.arrived.len() >= MAX_OUTSTANDING {
+            return Err(Error::Protocol(format!(
+                "more than {MAX_OUTSTANDING} requests outstanding on one connection"
+            )));
+        }
+        let id = state.next_id;
+        state.next_id = state.next_id.wrapping_add(1);
+        state.wbuf.clear();
+        request.encode(id, inner.request_limit, &mut state.wbuf)?;
+        let queued = inner.releases.take();
+        if !queued.is_empty() {
+            let mut releases = Vec::new();
+            encode_releases(&queued, inner.request_limit, &mut releases)?;
+            state.wbuf.splice(0..0, releases);
+        }
+        if let Err(e) = self.send(&state.wbuf) {
+            inner.broken.store(true, Ordering::Relaxed);
+            return Err(e);
+        }
+        state.outstanding.push_back(id);
+        Ok(Ticket(id))
+    }
+
+    /// The reply to a submitted request: read aside already, or read now (with the replies
+    /// before it, read aside).
+    pub(crate) fn collect(&self, ticket: Ticket) -> Result<Response, Error> {
+        let inner = &*self.inner;
+        let mut guard = inner.call.lock().unwrap_or_else(|e| e.into_inner());
+        let state = &mut *guard;
+        if let Some(i) = state.arrived.iter().position(|(id, _)| *id == ticket.0) {
+            return check_error(state.arrived.swap_remove(i).1);
+        }
+        match self.read_outstanding(state, Some(ticket.0)) {
+            Ok(Some(response)) => check_error(response),
+            Ok(None) => Err(Error::Protocol(format!(
+                "no request {} outstanding",
+                ticket.0
+            ))),
+            Err(e) => {
+                inner.broken.store(true, Ordering::Relaxed);
+                Err(e)
+            }
+        }
+    }
+
+    /// Reads the outstanding replies in order, setting each aside, until `until`'s, which is
+    /// returned (or all of them, for `None`).
+    fn read_outstanding(
+        &self,
+        state: &mut CallState,
+        until: Option<u32>,
+    ) -> Result<Option<Response>, Error> {
+        let inner = &*self.inner;
+        while let Some(id) = state.outstanding.pop_front() {
+            let response = read_reply(&inner.stream, &mut state.rbuf, id, inner.reply_limit)?;
+            if until == Some(id) {
+                return Ok(Some(response));
+            }
+            state.arrived.push((id, response));
+        }
+        Ok(None)
     }
 
     /// Sends a request that has no reply, with the queued lease releases riding along.

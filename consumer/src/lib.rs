@@ -37,4 +37,4 @@ pub use feedstore_proto::frame::{ProducerFigures, RankAt, StreamTask};
 pub use feedstore_proto::{Handle, Role, StoreStats};
 pub use lease::Lease;
 pub use stream::{Delivery, Made, Stream, StreamFeeder, StreamOptions, StreamSample};
-pub use writer::ObjectWriter;
+pub use writer::{ObjectWriter, PutPipeline};

@@ -1,11 +1,14 @@
 //! Writable reservations: reserve -> write -> seal.
 
+use std::collections::VecDeque;
 use std::sync::Arc;
 
-use feedstore_proto::frame::{Opcode, Request};
+use feedstore_proto::Status;
+use feedstore_proto::frame::{Opcode, Request, Response};
 use feedstore_proto::{Handle, Location};
 use feedstore_shm::Mapping;
 
+use crate::client::Ticket;
 use crate::{Client, Error};
 
 /// A reserved, unsealed object: writable by this client only, invisible to everyone else.
@@ -141,6 +144,138 @@ impl Drop for ObjectWriter {
             {
                 tracing::debug!(%handle, error = %e, "abort of a dropped writer failed");
             }
+        }
+    }
+}
+
+/// Seals sent by a [`PutPipeline`] and not yet confirmed, at most.
+const MAX_SEALING: usize = 8;
+
+/// Many puts back to back, each costing the copy and little else (issue 17).
+///
+/// A plain [`Client::put`] makes two round trips around its copy, create and seal, and the seal
+/// reaches a daemon that slept through the copy: waking it costs more than the round trip. The
+/// pipeline keeps the next reservation ready (asked for, of the last put's size, before the copy
+/// starts, so the daemon answers while the copy runs) and sends each seal without waiting for its
+/// reply, which is read while a later put copies. A put of a size other than the last one's
+/// reserves in a round trip of its own, as a plain put does.
+///
+/// **When an object is visible.** The daemon serves a connection's requests in order, so an
+/// object is sealed before any later request of this client is served: a stream put, a get, a
+/// handle sent on with this client all see it sealed. Another connection that looks a handle up
+/// before the seal arrives gets [`Error`] "not sealed", never other bytes. Call
+/// [`PutPipeline::flush`] before handing handles to another process. A failed seal is returned by
+/// the next `put` or `flush` (its object is aborted). Dropping the pipeline flushes it and gives
+/// back the reservation kept ready.
+pub struct PutPipeline {
+    client: Client,
+    /// The reservation asked for ahead, and its size.
+    ahead: Option<(Ticket, u64)>,
+    /// Seals sent and not yet confirmed, oldest first.
+    sealing: VecDeque<(Ticket, Handle)>,
+    /// The first failure of a seal, for the next call to return.
+    failed: Option<Error>,
+}
+
+impl PutPipeline {
+    pub(crate) fn new(client: Client) -> PutPipeline {
+        PutPipeline {
+            client,
+            ahead: None,
+            sealing: VecDeque::new(),
+            failed: None,
+        }
+    }
+
+    /// Writes `bytes` as a new object and seals it (see the type's note on when another
+    /// connection sees it).
+    pub fn put(&mut self, bytes: &[u8]) -> Result<Handle, Error> {
+        self.confirm(MAX_SEALING - 1)?;
+        let size = bytes.len() as u64;
+        let mut writer = match self.take_ahead(size) {
+            Some(writer) => writer,
+            None => self.client.create(size)?,
+        };
+        // The next one, asked for now so the daemon answers while this copy runs. It must not
+        // wait for space (a full store would hold this connection's seals behind it): when the
+        // store is full the next put reserves in a round trip of its own, waiting as a put does.
+        let next = Request::Create {
+            sizes: vec![size],
+            timeout_ms: 0,
+            flags: 0,
+        };
+        self.ahead = Some((self.client.submit(&next)?, size));
+        writer.as_mut_slice().copy_from_slice(bytes);
+        let handle = writer.hand_over();
+        let ticket = self.client.submit(&Request::Seal {
+            handles: vec![handle],
+        })?;
+        self.sealing.push_back((ticket, handle));
+        Ok(handle)
+    }
+
+    /// Waits until every seal sent is confirmed: from then on every connection sees the objects.
+    /// Returns the first seal that failed since the last call.
+    pub fn flush(&mut self) -> Result<(), Error> {
+        self.confirm(0)
+    }
+
+    /// The reservation asked for ahead, if it is of `size` and was made; one of another size is
+    /// given back.
+    fn take_ahead(&mut self, size: u64) -> Option<ObjectWriter> {
+        let (ticket, ahead_size) = self.ahead.take()?;
+        let writer = match self.client.collect(ticket) {
+            Ok(Response::Created(mut results)) if results.len() == 1 => results
+                .pop()
+                .and_then(|r| r.ok())
+                .map(|c| self.client.writer(c)),
+            _ => None,
+        };
+        match writer {
+            Some(Ok(writer)) if ahead_size == size => Some(writer),
+            _ => None, // dropped: aborted
+        }
+    }
+
+    /// Reads seal confirmations until at most `keep` are outstanding.
+    fn confirm(&mut self, keep: usize) -> Result<(), Error> {
+        while self.sealing.len() > keep {
+            let (ticket, handle) = self.sealing.pop_front().expect("longer than keep");
+            let status = match self.client.collect(ticket) {
+                Ok(Response::Done(statuses)) if statuses.len() == 1 => statuses[0],
+                Ok(other) => {
+                    return Err(Error::Protocol(format!("unexpected reply {other:?}")));
+                }
+                Err(e) => return Err(e),
+            };
+            if status != Status::Ok {
+                let _ = self
+                    .client
+                    .each(Opcode::Abort, &[handle], |handles| Request::Abort {
+                        handles,
+                    });
+                self.failed
+                    .get_or_insert(Error::from_status(status, handle, 0, ""));
+            }
+        }
+        self.failed.take().map_or(Ok(()), Err)
+    }
+}
+
+impl std::fmt::Debug for PutPipeline {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PutPipeline")
+            .field("reservation_ready", &self.ahead.is_some())
+            .field("seals_unconfirmed", &self.sealing.len())
+            .finish()
+    }
+}
+
+impl Drop for PutPipeline {
+    fn drop(&mut self) {
+        drop(self.take_ahead(u64::MAX));
+        if let Err(e) = self.flush() {
+            tracing::debug!(error = %e, "a pipelined seal failed");
         }
     }
 }
