@@ -160,11 +160,17 @@ fn main() -> ExitCode {
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            let line = e
-                .chain()
-                .map(|c| c.to_string())
-                .collect::<Vec<_>>()
-                .join(": ");
+            // Each cause once: an error that already says its source's words is not followed
+            // by them again.
+            let mut line = String::new();
+            for cause in e.chain().map(|c| c.to_string()) {
+                if !line.contains(&cause) {
+                    if !line.is_empty() {
+                        line.push_str(": ");
+                    }
+                    line.push_str(&cause);
+                }
+            }
             eprintln!("feedstore: error: {line}");
             ExitCode::FAILURE
         }

@@ -45,7 +45,7 @@ pub struct Args {
     /// together: images in memory at once are bounded by this times the images of the records in
     /// flight (--fetch-concurrency) plus three per worker. Only regular files are read: a directory,
     /// FIFO or device is rejected as such, without opening it.
-    #[arg(long, value_name = "BYTES", default_value_t = feedstore_producer::input::DEFAULT_MAX_IMAGE_BYTES)]
+    #[arg(long, value_name = "BYTES", default_value = "64MiB", value_parser = feedstore_store::config::parse_bytes)]
     max_image_bytes: u64,
     /// The model's tokenizer.json. Its chat template is read from beside it, as transformers
     /// reads it (chat_template.jinja, chat_template.json, then tokenizer_config.json's
@@ -104,10 +104,10 @@ pub struct Args {
     #[arg(long, value_name = "N", default_value_t = 8192)]
     max_tokens: usize,
     /// Image fetches in flight at most: raise it when the verdict says fetch-bound.
-    #[arg(long, value_name = "N", default_value_t = 32)]
+    #[arg(long, value_name = "N", default_value_t = 32, value_parser = at_least_one)]
     fetch_concurrency: usize,
     /// CPU workers (decode, resize, tokenize, write) [default: one per core].
-    #[arg(long, value_name = "N")]
+    #[arg(long, value_name = "N", value_parser = at_least_one)]
     workers: Option<usize>,
     /// Exit non-zero when more than this share of records is rejected (0.05 = 5%).
     #[arg(long, value_name = "SHARE", default_value_t = 0.05)]
@@ -395,13 +395,8 @@ pub fn run_produce(args: Args) -> anyhow::Result<()> {
         p.push(".rejects.jsonl");
         p.into()
     });
-    let create = |path: &std::path::Path| {
-        std::fs::File::create(path)
-            .map(std::io::BufWriter::new)
-            .with_context(|| format!("creating {}", path.display()))
-    };
-    let mut rejects = create(&rejects_path)?;
-    let mut handles = args.handles.as_deref().map(create).transpose()?;
+    let mut rejects = LazyFile::new(&rejects_path);
+    let mut handles = args.handles.as_deref().map(LazyFile::new);
     if !(args.s3_attempt_timeout > 0.0 && args.s3_attempt_timeout.is_finite()) {
         bail!("--s3-attempt-timeout must be a positive number of seconds");
     }
@@ -459,7 +454,7 @@ pub fn run_produce(args: Args) -> anyhow::Result<()> {
                     let row = serde_json::json!({
                         "line": p.line, "id": p.id, "handle": p.handle.to_string(), "bytes": p.bytes,
                     });
-                    if let Err(e) = writeln!(out, "{row}") {
+                    if let Err(e) = out.line(&row.to_string()) {
                         write_error.get_or_insert(e);
                     }
                 }
@@ -467,7 +462,7 @@ pub fn run_produce(args: Args) -> anyhow::Result<()> {
             Event::Rejected(r) => {
                 rejected += 1;
                 let line = serde_json::to_string(r).expect("rejects serialise");
-                if let Err(e) = writeln!(rejects, "{line}") {
+                if let Err(e) = rejects.line(&line) {
                     write_error.get_or_insert(e);
                 }
             }
@@ -580,12 +575,12 @@ pub fn run_produce(args: Args) -> anyhow::Result<()> {
         }
         bar.finish();
     }
-    rejects.flush().context("writing the rejects file")?;
+    rejects.flush()?;
     if let Some(out) = handles.as_mut() {
-        out.flush().context("writing the handles file")?;
+        out.flush()?;
     }
     if let Some(e) = write_error {
-        return Err(e).context("writing the rejects or handles file");
+        return Err(e);
     }
     let wall = summary.profile.wall.as_secs_f64();
     println!(
@@ -609,6 +604,53 @@ pub fn run_produce(args: Args) -> anyhow::Result<()> {
         );
     }
     Ok(())
+}
+
+/// A count that must be at least 1.
+fn at_least_one(s: &str) -> Result<usize, String> {
+    match s.parse::<usize>() {
+        Ok(0) => Err("must be at least 1".into()),
+        Ok(n) => Ok(n),
+        Err(e) => Err(e.to_string()),
+    }
+}
+
+/// An output file (rejects, handles) created when its first line is written, or by the final
+/// flush of a run that wrote none: a run that fails before making anything (no daemon, a
+/// manifest that is a directory) leaves an earlier run's file as it was.
+struct LazyFile {
+    path: PathBuf,
+    file: Option<std::io::BufWriter<std::fs::File>>,
+}
+
+impl LazyFile {
+    fn new(path: &std::path::Path) -> LazyFile {
+        LazyFile {
+            path: path.to_owned(),
+            file: None,
+        }
+    }
+
+    fn file(&mut self) -> anyhow::Result<&mut std::io::BufWriter<std::fs::File>> {
+        if self.file.is_none() {
+            let file = std::fs::File::create(&self.path)
+                .with_context(|| format!("creating {}", self.path.display()))?;
+            self.file = Some(std::io::BufWriter::new(file));
+        }
+        Ok(self.file.as_mut().expect("just created"))
+    }
+
+    fn line(&mut self, line: &str) -> anyhow::Result<()> {
+        let path = self.path.display().to_string();
+        writeln!(self.file()?, "{line}").with_context(|| format!("writing {path}"))
+    }
+
+    fn flush(&mut self) -> anyhow::Result<()> {
+        let path = self.path.display().to_string();
+        self.file()?
+            .flush()
+            .with_context(|| format!("writing {path}"))
+    }
 }
 
 /// The progress bar being drawn, if any: log lines are written around it.

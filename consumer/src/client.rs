@@ -195,23 +195,11 @@ pub(crate) struct Inner {
 }
 
 /// Builds the segments' page tables on a thread of its own (holding each mapping only a step at
-/// a time: a client dropped meanwhile frees its memory, and the thread ends). The thread runs
-/// under `SCHED_IDLE`: on a busy node it takes only CPU time nothing else wants, so it never
-/// delays the first samples a producer makes or a trainer reads (a page it has not reached yet
-/// faults in on first touch instead).
+/// a time: a client dropped meanwhile frees its memory, and the thread ends).
 fn prefault_in_background(segments: Vec<std::sync::Weak<Mapping>>) {
     let spawned = std::thread::Builder::new()
         .name("feedstore-prefault".into())
         .spawn(move || {
-            let idle = libc::sched_param { sched_priority: 0 };
-            // SAFETY: `sched_setscheduler(0, ..)` sets the calling thread's policy; `idle` is a
-            // valid parameter block for SCHED_IDLE (priority 0).
-            if unsafe { libc::sched_setscheduler(0, libc::SCHED_IDLE, &idle) } != 0 {
-                tracing::debug!(
-                    error = %std::io::Error::last_os_error(),
-                    "the prefault thread keeps its priority"
-                );
-            }
             for segment in &segments {
                 if let Err(e) = Mapping::prefault(segment) {
                     // Pages fault in on first touch instead.

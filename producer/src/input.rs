@@ -288,7 +288,7 @@ impl LocalFiles {
         };
         let (file, len) = open_checked(dir, &target).map_err(|e| match e.raw_os_error() {
             Some(code) if code == Errno::EXDEV as i32 => FetchError::Invalid(format!(
-                "{} leads out of the image root {} (through .. or a symbolic link)",
+                "{} leads out of the image root {} (through .., a symbolic link out, or an absolute symbolic link, which is refused even when it points inside)",
                 shown.display(),
                 self.root().map_or(Path::new("/"), |r| r).display()
             )),
