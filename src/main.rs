@@ -160,11 +160,11 @@ fn main() -> ExitCode {
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            // Each cause once: an error that already says its source's words is not followed
-            // by them again.
+            // Each cause once: an error that already says its source's words (after a colon, as
+            // `what: why` does) is not followed by them again.
             let mut line = String::new();
             for cause in e.chain().map(|c| c.to_string()) {
-                if !line.contains(&cause) {
+                if !line.contains(&format!(": {cause}")) {
                     if !line.is_empty() {
                         line.push_str(": ");
                     }

@@ -40,7 +40,7 @@ pub struct Args {
     /// confined).
     #[arg(long)]
     allow_absolute_image_paths: bool,
-    /// The largest image file or S3 object read, in bytes; larger ones are rejected before
+    /// The largest image file or S3 object read (a size: 67108864, 64MiB); larger ones are rejected before
     /// (and, if they grow, while) reading. A record's images (at most 128) are fetched and held
     /// together: images in memory at once are bounded by this times the images of the records in
     /// flight (--fetch-concurrency) plus three per worker. Only regular files are read: a directory,
@@ -395,8 +395,8 @@ pub fn run_produce(args: Args) -> anyhow::Result<()> {
         p.push(".rejects.jsonl");
         p.into()
     });
-    let mut rejects = LazyFile::new(&rejects_path);
-    let mut handles = args.handles.as_deref().map(LazyFile::new);
+    let mut rejects = LazyFile::new(&rejects_path)?;
+    let mut handles = args.handles.as_deref().map(LazyFile::new).transpose()?;
     if !(args.s3_attempt_timeout > 0.0 && args.s3_attempt_timeout.is_finite()) {
         bail!("--s3-attempt-timeout must be a positive number of seconds");
     }
@@ -446,6 +446,15 @@ pub fn run_produce(args: Args) -> anyhow::Result<()> {
     // Ctrl-C (or SIGTERM) ends the run with the profile so far; a second one kills at once.
     catch_interrupts();
     let on_event = |event: &Event, profiler: &feedstore_producer::profile::Profiler| {
+        if !matches!(event, Event::Idle) && write_error.is_none() {
+            // The run has made something: this run's files replace the last run's now.
+            let created = rejects
+                .file()
+                .and_then(|_| handles.as_mut().map_or(Ok(()), |h| h.file().map(|_| ())));
+            if let Err(e) = created {
+                write_error = Some(e);
+            }
+        }
         match event {
             Event::Produced(p) => {
                 produced += 1;
@@ -615,20 +624,29 @@ fn at_least_one(s: &str) -> Result<usize, String> {
     }
 }
 
-/// An output file (rejects, handles) created when its first line is written, or by the final
-/// flush of a run that wrote none: a run that fails before making anything (no daemon, a
-/// manifest that is a directory) leaves an earlier run's file as it was.
+/// An output file (rejects, handles) created when the run makes its first sample or reject, or
+/// by the final flush of a run that made none: a run that fails before making anything (no
+/// daemon, a manifest that is a directory) leaves an earlier run's file as it was. Whether it
+/// can be written is checked up front, without touching it.
 struct LazyFile {
     path: PathBuf,
     file: Option<std::io::BufWriter<std::fs::File>>,
 }
 
 impl LazyFile {
-    fn new(path: &std::path::Path) -> LazyFile {
-        LazyFile {
+    fn new(path: &std::path::Path) -> anyhow::Result<LazyFile> {
+        use nix::unistd::{AccessFlags, access};
+        let dir = match path.parent() {
+            Some(dir) if !dir.as_os_str().is_empty() => dir,
+            _ => std::path::Path::new("."),
+        };
+        let target = if path.exists() { path } else { dir };
+        access(target, AccessFlags::W_OK)
+            .with_context(|| format!("{} cannot be written", path.display()))?;
+        Ok(LazyFile {
             path: path.to_owned(),
             file: None,
-        }
+        })
     }
 
     fn file(&mut self) -> anyhow::Result<&mut std::io::BufWriter<std::fs::File>> {

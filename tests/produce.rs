@@ -957,7 +957,10 @@ fn produce_from_s3_behind_a_faulty_network() {
         let expected = match photo {
             Some(photo) => {
                 let image = sample.image(0).unwrap();
-                let golden = image::open(format!("{DATA}/resized/{photo}-224.png"))
+                // JPEGs are decoded at the DCT scale the output allows: Pillow's `draft` + resize.
+                let png = *photo == "chelsea";
+                let golden = if png { "" } else { "-draft" };
+                let golden = image::open(format!("{DATA}/resized/{photo}-224{golden}.png"))
                     .unwrap()
                     .into_rgb8();
                 let diffs: Vec<u32> = image
@@ -969,11 +972,10 @@ fn produce_from_s3_behind_a_faulty_network() {
                 assert_eq!(diffs.len(), 224 * 224 * 3, "{id}");
                 let mean = diffs.iter().sum::<u32>() as f64 / diffs.len() as f64;
                 let max = *diffs.iter().max().unwrap();
-                // As in producer/tests/images.rs: PNG decoding is exact; JPEG decoders round
-                // their IDCT differently.
-                let png = *photo == "chelsea";
+                // As in producer/tests/images.rs: the decode equals Pillow's (PNG, and JPEG
+                // through the same libjpeg-turbo decoder), so only the resize differs.
                 assert!(
-                    mean < if png { 0.2 } else { 0.5 } && max <= if png { 2 } else { 12 },
+                    mean < if png { 0.2 } else { 0.3 } && max <= if png { 2 } else { 8 },
                     "{id}: mean |diff| {mean:.3}, max {max} against Pillow"
                 );
                 assert_eq!(sample.image_grid_thw(0), Some([1, 16, 16]));

@@ -194,6 +194,8 @@ fn put_pipeline_seals_in_order_and_gives_back_what_it_reserved() {
         assert!(held.len() < 16, "an 8 MiB store held more than 16 MiB");
     };
     assert!(matches!(err, Error::Full { .. }), "{err}");
+    // Only the put's own create counts as refused: the reservation asked for ahead is not.
+    assert_eq!(writer.stats().unwrap().creates_full, 1);
     drop(pipeline);
     drop(held);
     wait_for_stats(&writer, "nothing left reserved", |s| s.objects_writing == 0);

@@ -869,8 +869,9 @@ impl Client {
         let mut guard = inner.call.lock().unwrap_or_else(|e| e.into_inner());
         let state = &mut *guard;
         if state.outstanding.len() + state.arrived.len() >= MAX_OUTSTANDING {
-            return Err(Error::Protocol(format!(
-                "more than {MAX_OUTSTANDING} requests outstanding on one connection"
+            return Err(Error::LimitReached(format!(
+                "{MAX_OUTSTANDING} requests already sent on this connection without their \
+                 replies read (pipelines sharing one client)"
             )));
         }
         let id = state.next_id;
@@ -899,6 +900,13 @@ impl Client {
         let state = &mut *guard;
         if let Some(i) = state.arrived.iter().position(|(id, _)| *id == ticket.0) {
             return check_error(state.arrived.swap_remove(i).1);
+        }
+        // The socket is the parent's after a fork, and out of step once broken.
+        if inner.forked() {
+            return Err(Error::Forked);
+        }
+        if inner.broken.load(Ordering::Relaxed) {
+            return Err(Error::Disconnected { source: None });
         }
         match self.read_outstanding(state, Some(ticket.0)) {
             Ok(Some(response)) => check_error(response),

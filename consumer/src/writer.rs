@@ -4,7 +4,7 @@ use std::collections::VecDeque;
 use std::sync::Arc;
 
 use feedstore_proto::Status;
-use feedstore_proto::frame::{Opcode, Request, Response};
+use feedstore_proto::frame::{CREATE_AHEAD, Opcode, Request, Response};
 use feedstore_proto::{Handle, Location};
 use feedstore_shm::Mapping;
 
@@ -148,32 +148,34 @@ impl Drop for ObjectWriter {
     }
 }
 
-/// Seals sent by a [`PutPipeline`] and not yet confirmed, at most.
-const MAX_SEALING: usize = 8;
+/// Requests a [`PutPipeline`] sent and has not read the replies of, at most.
+const MAX_UNCONFIRMED: usize = 8;
 
-/// Many puts back to back, each costing the copy and little else (issue 17).
+/// Many puts back to back, with the daemon's replies off the critical path (issue 17).
 ///
 /// A plain [`Client::put`] makes two round trips around its copy, create and seal, and the seal
 /// reaches a daemon that slept through the copy: waking it costs more than the round trip. The
 /// pipeline keeps the next reservation ready (asked for, of the last put's size, before the copy
 /// starts, so the daemon answers while the copy runs) and sends each seal without waiting for its
-/// reply, which is read while a later put copies. A put of a size other than the last one's
-/// reserves in a round trip of its own, as a plain put does.
+/// reply, which is read during a later put. A put of another size than the last one's reserves
+/// in a round trip of its own (the unused reservation is given back without waiting), and so
+/// does a put that finds the store full (the reservation asked for ahead never waits for space).
 ///
 /// **When an object is visible.** The daemon serves a connection's requests in order, so an
 /// object is sealed before any later request of this client is served: a stream put, a get, a
 /// handle sent on with this client all see it sealed. Another connection that looks a handle up
 /// before the seal arrives gets [`Error`] "not sealed", never other bytes. Call
-/// [`PutPipeline::flush`] before handing handles to another process. A failed seal is returned by
-/// the next `put` or `flush` (its object is aborted). Dropping the pipeline flushes it and gives
-/// back the reservation kept ready.
+/// [`PutPipeline::flush`] before handing handles to another process; it also returns the first
+/// seal that failed (its object is given back). Dropping the pipeline gives back the
+/// reservation kept ready and waits for the seals; a failure then is only logged.
 pub struct PutPipeline {
     client: Client,
     /// The reservation asked for ahead, and its size.
     ahead: Option<(Ticket, u64)>,
-    /// Seals sent and not yet confirmed, oldest first.
-    sealing: VecDeque<(Ticket, Handle)>,
-    /// The first failure of a seal, for the next call to return.
+    /// Requests sent whose replies are not read yet, oldest first: seals (with their handle,
+    /// given back if the seal fails) and aborts of unused reservations.
+    unconfirmed: VecDeque<(Ticket, Option<Handle>)>,
+    /// The first failure, for the next call to return.
     failed: Option<Error>,
 }
 
@@ -182,7 +184,7 @@ impl PutPipeline {
         PutPipeline {
             client,
             ahead: None,
-            sealing: VecDeque::new(),
+            unconfirmed: VecDeque::new(),
             failed: None,
         }
     }
@@ -190,7 +192,7 @@ impl PutPipeline {
     /// Writes `bytes` as a new object and seals it (see the type's note on when another
     /// connection sees it).
     pub fn put(&mut self, bytes: &[u8]) -> Result<Handle, Error> {
-        self.confirm(MAX_SEALING - 1)?;
+        self.confirm(MAX_UNCONFIRMED - 2)?;
         let size = bytes.len() as u64;
         let mut writer = match self.take_ahead(size) {
             Some(writer) => writer,
@@ -199,63 +201,72 @@ impl PutPipeline {
         // The next one, asked for now so the daemon answers while this copy runs. It must not
         // wait for space (a full store would hold this connection's seals behind it): when the
         // store is full the next put reserves in a round trip of its own, waiting as a put does.
+        // If it cannot be sent, the next put does without it.
         let next = Request::Create {
             sizes: vec![size],
             timeout_ms: 0,
-            flags: 0,
+            flags: CREATE_AHEAD,
         };
-        self.ahead = Some((self.client.submit(&next)?, size));
+        self.ahead = self.client.submit(&next).ok().map(|t| (t, size));
         writer.as_mut_slice().copy_from_slice(bytes);
-        let handle = writer.hand_over();
+        // Sent before the writer lets go: if the seal cannot be sent, dropping the writer gives
+        // the object back.
+        let handle = writer.handle();
         let ticket = self.client.submit(&Request::Seal {
             handles: vec![handle],
         })?;
-        self.sealing.push_back((ticket, handle));
+        writer.hand_over();
+        self.unconfirmed.push_back((ticket, Some(handle)));
         Ok(handle)
     }
 
     /// Waits until every seal sent is confirmed: from then on every connection sees the objects.
-    /// Returns the first seal that failed since the last call.
+    /// Returns the first failure since the last call.
     pub fn flush(&mut self) -> Result<(), Error> {
         self.confirm(0)
     }
 
-    /// The reservation asked for ahead, if it is of `size` and was made; one of another size is
-    /// given back.
+    /// The reservation asked for ahead, if it was made and is of `size`; one of another size
+    /// is given back (without waiting for the reply).
     fn take_ahead(&mut self, size: u64) -> Option<ObjectWriter> {
-        let (ticket, ahead_size) = self.ahead.take()?;
-        let writer = match self.client.collect(ticket) {
-            Ok(Response::Created(mut results)) if results.len() == 1 => results
-                .pop()
-                .and_then(|r| r.ok())
-                .map(|c| self.client.writer(c)),
-            _ => None,
+        let (ticket, _) = self.ahead.take()?;
+        let created = match self.client.collect(ticket) {
+            Ok(Response::Created(mut results)) if results.len() == 1 => results.pop()?.ok()?,
+            _ => return None,
         };
-        match writer {
-            Some(Ok(writer)) if ahead_size == size => Some(writer),
-            _ => None, // dropped: aborted
+        if created.location.len == size {
+            return self.client.writer(created).ok();
         }
+        let abort = Request::Abort {
+            handles: vec![created.handle],
+        };
+        match self.client.submit(&abort) {
+            Ok(ticket) => self.unconfirmed.push_back((ticket, None)),
+            // Given back in a round trip, then (or by the daemon when the connection closes).
+            Err(_) => drop(self.client.writer(created)),
+        }
+        None
     }
 
-    /// Reads seal confirmations until at most `keep` are outstanding.
+    /// Reads replies until at most `keep` are outstanding, and returns the first failure.
     fn confirm(&mut self, keep: usize) -> Result<(), Error> {
-        while self.sealing.len() > keep {
-            let (ticket, handle) = self.sealing.pop_front().expect("longer than keep");
-            let status = match self.client.collect(ticket) {
-                Ok(Response::Done(statuses)) if statuses.len() == 1 => statuses[0],
-                Ok(other) => {
-                    return Err(Error::Protocol(format!("unexpected reply {other:?}")));
-                }
-                Err(e) => return Err(e),
+        while self.unconfirmed.len() > keep {
+            let (ticket, handle) = self.unconfirmed.pop_front().expect("longer than keep");
+            let failure = match self.client.collect(ticket) {
+                Ok(Response::Done(statuses)) if statuses.len() == 1 => (statuses[0] != Status::Ok)
+                    .then(|| Error::from_status(statuses[0], handle.unwrap_or_default(), 0, "")),
+                Ok(other) => Some(Error::Protocol(format!("unexpected reply {other:?}"))),
+                Err(e) => Some(e),
             };
-            if status != Status::Ok {
+            // An abort's failure is no one's concern: the daemon takes the space back when the
+            // connection closes. A seal's failure gives its object back and is reported.
+            if let (Some(failure), Some(handle)) = (failure, handle) {
                 let _ = self
                     .client
                     .each(Opcode::Abort, &[handle], |handles| Request::Abort {
                         handles,
                     });
-                self.failed
-                    .get_or_insert(Error::from_status(status, handle, 0, ""));
+                self.failed.get_or_insert(failure);
             }
         }
         self.failed.take().map_or(Ok(()), Err)
@@ -266,16 +277,16 @@ impl std::fmt::Debug for PutPipeline {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("PutPipeline")
             .field("reservation_ready", &self.ahead.is_some())
-            .field("seals_unconfirmed", &self.sealing.len())
+            .field("unconfirmed", &self.unconfirmed.len())
             .finish()
     }
 }
 
 impl Drop for PutPipeline {
     fn drop(&mut self) {
-        drop(self.take_ahead(u64::MAX));
+        let _ = self.take_ahead(u64::MAX);
         if let Err(e) = self.flush() {
-            tracing::debug!(error = %e, "a pipelined seal failed");
+            tracing::warn!(error = %e, "a pipelined put failed (call flush() to see it)");
         }
     }
 }

@@ -27,8 +27,8 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use feedstore_proto::frame::{
-    CREATE_PIN, Created, DecodeError, Frame, MIN_PAYLOAD_BYTES, Opcode, RankAt, Request, Response,
-    StreamTask,
+    CREATE_AHEAD, CREATE_PIN, Created, DecodeError, Frame, MIN_PAYLOAD_BYTES, Opcode, RankAt,
+    Request, Response, StreamTask,
 };
 use feedstore_proto::{
     Handle, MAX_CLIENT_NAME, Role, SEGMENT_HUGETLB, SEGMENT_WRITABLE, SegmentInfo, Status,
@@ -651,8 +651,14 @@ impl Connection {
                     let deadline = Instant::now() + wait;
                     for size in sizes {
                         results.push(
-                            self.create_one(id, size, flags & CREATE_PIN != 0, deadline)
-                                .await?,
+                            self.create_one(
+                                id,
+                                size,
+                                flags & CREATE_PIN != 0,
+                                flags & CREATE_AHEAD != 0,
+                                deadline,
+                            )
+                            .await?,
                         );
                     }
                     Response::Created(results)
@@ -1179,6 +1185,7 @@ impl Connection {
         id: ConnId,
         size: u64,
         pinned: bool,
+        ahead: bool,
         deadline: Instant,
     ) -> Result<Result<Created, Status>, ConnEnd> {
         let shared = self.shared.clone();
@@ -1191,6 +1198,9 @@ impl Connection {
                 other => return Ok(other),
             }
             if Instant::now() >= deadline {
+                if ahead {
+                    return Ok(Err(Status::Full));
+                }
                 let stats = shared.with_objects(|o| {
                     o.note_create_full();
                     o.stats()

@@ -61,6 +61,11 @@ pub const MIN_PAYLOAD_BYTES: u32 = 64 << 10;
 pub const REPLY_BIT: u16 = 0x8000;
 /// Create flag: the object is never evicted (it can still be deleted).
 pub const CREATE_PIN: u32 = 1;
+/// Create flag: a reservation asked for ahead of need (a put pipeline's next object): when the
+/// store has no room it is refused without a warning or a count in `creates_full`, since the
+/// put that would have used it reserves again, waiting as a put does. (Daemons before this flag
+/// ignore it.)
+pub const CREATE_AHEAD: u32 = 2;
 
 /// Request kinds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
