@@ -165,41 +165,30 @@ fn put_vs_memcpy(writer: &Client, deleter: &Client, scale: u64) {
             }
             // The objects of the last RING puts stay; older ones are deleted (untimed), so the
             // store reuses space no recent put wrote.
-            let mut live = std::collections::VecDeque::new();
-            for _ in 0..block {
-                let t = Instant::now();
-                let h = writer.put(black_box(&src)).unwrap();
-                let p = t.elapsed();
-                live.push_back(h);
-                if live.len() >= RING {
-                    deleter.delete(live.pop_front().unwrap()).unwrap();
+            let timed = |put_one: &mut dyn FnMut() -> Handle, times: &mut Vec<Duration>| {
+                let mut live = std::collections::VecDeque::new();
+                for _ in 0..block {
+                    let t = Instant::now();
+                    let h = put_one();
+                    let p = t.elapsed();
+                    live.push_back(h);
+                    if live.len() >= RING {
+                        deleter.delete(live.pop_front().unwrap()).unwrap();
+                    }
+                    if round > 0 {
+                        times.push(p);
+                    }
                 }
-                if round > 0 {
-                    put.push(p);
-                }
-            }
-            for h in live.drain(..) {
-                deleter.delete(h).unwrap();
-            }
-            for _ in 0..block {
-                // The same through a pipeline: the next reservation asked for before the copy,
-                // the seal sent without waiting. The object deleted is RING puts old: its seal
-                // was served long before.
-                let t = Instant::now();
-                let h = pipeline.put(black_box(&src)).unwrap();
-                let p = t.elapsed();
-                live.push_back(h);
-                if live.len() >= RING {
-                    deleter.delete(live.pop_front().unwrap()).unwrap();
-                }
-                if round > 0 {
-                    piped.push(p);
-                }
-            }
+                live
+            };
+            let mut live = timed(&mut || writer.put(black_box(&src)).unwrap(), &mut put);
+            deleter.delete_batch(live.make_contiguous()).unwrap();
+            // The same through a pipeline: the next reservation asked for before the copy, the
+            // seal sent without waiting. The object deleted is RING puts old: its seal was
+            // served long before.
+            let mut live = timed(&mut || pipeline.put(black_box(&src)).unwrap(), &mut piped);
             pipeline.flush().unwrap();
-            for h in live.drain(..) {
-                deleter.delete(h).unwrap();
-            }
+            deleter.delete_batch(live.make_contiguous()).unwrap();
         }
         drop(pipeline);
         for v in [&mut memcpy, &mut put, &mut piped] {

@@ -807,26 +807,21 @@ impl Client {
         Ok((check_error(response)?, fds))
     }
 
-    /// One request/reply exchange, queued releases riding along; `read` reads the reply.
-    fn exchange(
-        &self,
-        request: &Request,
-        read: impl FnOnce(&UnixStream, &mut RecvBuf, u32, u32) -> Result<Response, Error>,
-    ) -> Result<Response, Error> {
-        let inner = &*self.inner;
-        if inner.forked() {
+    /// Refuses a connection that is this process's parent's (after a fork) or out of step with
+    /// the daemon (after a socket, framing or decoding error).
+    fn usable(&self) -> Result<(), Error> {
+        if self.inner.forked() {
             return Err(Error::Forked);
         }
-        if inner.broken.load(Ordering::Relaxed) {
+        if self.inner.broken.load(Ordering::Relaxed) {
             return Err(Error::Disconnected { source: None });
         }
-        let mut guard = inner.call.lock().unwrap_or_else(|e| e.into_inner());
-        let state = &mut *guard;
-        // Replies to submitted requests come first on the socket: read them aside.
-        if let Err(e) = self.read_outstanding(state, None) {
-            inner.broken.store(true, Ordering::Relaxed);
-            return Err(e);
-        }
+        Ok(())
+    }
+
+    /// Encodes `request` under the next request id into the call buffer, the queued releases
+    /// in front of it, and returns the id.
+    fn encode_call(inner: &Inner, state: &mut CallState, request: &Request) -> Result<u32, Error> {
         let id = state.next_id;
         state.next_id = state.next_id.wrapping_add(1);
         state.wbuf.clear();
@@ -839,6 +834,25 @@ impl Client {
             encode_releases(&queued, inner.request_limit, &mut releases)?;
             state.wbuf.splice(0..0, releases);
         }
+        Ok(id)
+    }
+
+    /// One request/reply exchange, queued releases riding along; `read` reads the reply.
+    fn exchange(
+        &self,
+        request: &Request,
+        read: impl FnOnce(&UnixStream, &mut RecvBuf, u32, u32) -> Result<Response, Error>,
+    ) -> Result<Response, Error> {
+        let inner = &*self.inner;
+        self.usable()?;
+        let mut guard = inner.call.lock().unwrap_or_else(|e| e.into_inner());
+        let state = &mut *guard;
+        // Replies to submitted requests come first on the socket: read them aside.
+        if let Err(e) = self.read_outstanding(state, None) {
+            inner.broken.store(true, Ordering::Relaxed);
+            return Err(e);
+        }
+        let id = Self::encode_call(inner, state, request)?;
         let result = self
             .send(&state.wbuf)
             .and_then(|()| read(&inner.stream, &mut state.rbuf, id, inner.reply_limit));
@@ -860,12 +874,7 @@ impl Client {
     /// Several may be outstanding, up to [`MAX_OUTSTANDING`].
     pub(crate) fn submit(&self, request: &Request) -> Result<Ticket, Error> {
         let inner = &*self.inner;
-        if inner.forked() {
-            return Err(Error::Forked);
-        }
-        if inner.broken.load(Ordering::Relaxed) {
-            return Err(Error::Disconnected { source: None });
-        }
+        self.usable()?;
         let mut guard = inner.call.lock().unwrap_or_else(|e| e.into_inner());
         let state = &mut *guard;
         if state.outstanding.len() + state.arrived.len() >= MAX_OUTSTANDING {
@@ -874,16 +883,7 @@ impl Client {
                  replies read (pipelines sharing one client)"
             )));
         }
-        let id = state.next_id;
-        state.next_id = state.next_id.wrapping_add(1);
-        state.wbuf.clear();
-        request.encode(id, inner.request_limit, &mut state.wbuf)?;
-        let queued = inner.releases.take();
-        if !queued.is_empty() {
-            let mut releases = Vec::new();
-            encode_releases(&queued, inner.request_limit, &mut releases)?;
-            state.wbuf.splice(0..0, releases);
-        }
+        let id = Self::encode_call(inner, state, request)?;
         if let Err(e) = self.send(&state.wbuf) {
             inner.broken.store(true, Ordering::Relaxed);
             return Err(e);
@@ -901,13 +901,7 @@ impl Client {
         if let Some(i) = state.arrived.iter().position(|(id, _)| *id == ticket.0) {
             return check_error(state.arrived.swap_remove(i).1);
         }
-        // The socket is the parent's after a fork, and out of step once broken.
-        if inner.forked() {
-            return Err(Error::Forked);
-        }
-        if inner.broken.load(Ordering::Relaxed) {
-            return Err(Error::Disconnected { source: None });
-        }
+        self.usable()?;
         match self.read_outstanding(state, Some(ticket.0)) {
             Ok(Some(response)) => check_error(response),
             Ok(None) => Err(Error::Protocol(format!(
@@ -942,12 +936,7 @@ impl Client {
     /// Sends a request that has no reply, with the queued lease releases riding along.
     pub(crate) fn send_one_way(&self, request: &Request) -> Result<(), Error> {
         debug_assert!(!request.expects_reply());
-        if self.inner.forked() {
-            return Err(Error::Forked);
-        }
-        if self.inner.broken.load(Ordering::Relaxed) {
-            return Err(Error::Disconnected { source: None });
-        }
+        self.usable()?;
         let mut buf = Vec::with_capacity(64);
         request.encode(0, self.inner.request_limit, &mut buf)?;
         let queued = self.inner.releases.take();
