@@ -85,6 +85,15 @@ enum Job {
     Failed { work: Work, index: u64 },
 }
 
+impl crate::pipeline::Ordered for Job {
+    /// The task's position in its rank's order: every rank's earliest samples are made first.
+    fn order(&self) -> u64 {
+        match self {
+            Job::Sample { work, .. } | Job::Failed { work, .. } => work.task.seq,
+        }
+    }
+}
+
 /// Marks a task finished when dropped.
 struct Finished<'a>(&'a Shared);
 
@@ -396,7 +405,7 @@ pub fn feed(
             };
             let Some(record) = record else {
                 let index = shared.spec.record_at(work.task.rank, work.task.seq);
-                let _ = job_tx.send(Job::Failed { work, index }).await;
+                job_tx.send(Job::Failed { work, index }, None);
                 continue;
             };
             let (shared, retry) = (shared.clone(), retry_tx.clone());

@@ -1,7 +1,7 @@
 //! The producer pipeline: records in, sealed samples out, every failure a reject.
 //!
 //! ```text
-//! manifest ──▶ fetch tasks (tokio, at most `fetch_concurrency` in flight) ──▶ bounded queue
+//! manifest ──▶ fetch tasks (tokio, at most `fetch_concurrency` in flight) ──▶ ordered queue
 //!          └─▶ rejects                                                          │
 //!                       CPU workers (threads, one store connection each) ◀─────┘
 //!                       probe → plan sizes → tokenize → reserve the object at its final size
@@ -9,8 +9,9 @@
 //! ```
 //!
 //! IO never blocks a CPU worker and CPU work never runs on the IO runtime. The queue between
-//! them is bounded, so a slow CPU side holds fetches back (and memory stays bounded) instead of
-//! piling up images. A sample is written exactly once, straight into its object; a failure after
+//! them hands out the earliest job first (a stream's earliest position, a manifest's earliest
+//! line), and each job in it keeps its fetch's permit until a worker takes it, so a slow CPU side
+//! holds fetches back (and memory stays bounded) instead of piling up images. A sample is written exactly once, straight into its object; a failure after
 //! the object was reserved drops the writer, which aborts it, so nothing half-written is ever
 //! visible.
 
@@ -256,19 +257,134 @@ struct Job {
     images: Vec<Bytes>,
 }
 
-/// A CPU worker's next job from the queue it shares with the other workers; the wait counts as
-/// the worker's idle time. `None` once the queue is closed and empty.
-fn next_job<J>(
-    queue: &std::sync::Mutex<tokio::sync::mpsc::Receiver<J>>,
-    profiler: &Profiler,
-) -> Option<J> {
-    let waited = Instant::now();
-    let job = queue
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .blocking_recv();
-    profiler.cpu_idle(waited.elapsed());
-    job
+impl Ordered for Job {
+    fn order(&self) -> u64 {
+        self.record.line
+    }
+}
+
+/// Where a job stands in its run: the CPU workers take the lowest first.
+pub(crate) trait Ordered {
+    fn order(&self) -> u64;
+}
+
+/// The queue between the IO side and the CPU workers. Fetched jobs wait here and go to the
+/// next free worker lowest order first (a stream's earliest position, a manifest's earliest
+/// line), not in the order their fetches happened to end: a rank's first batch is made first.
+/// Each job keeps its fetch's permit until a worker takes it, so jobs waiting here count against
+/// the fetches in flight and the queue is as bounded as they are.
+pub(crate) struct JobQueue<J> {
+    state: std::sync::Mutex<Waiting<J>>,
+    ready: std::sync::Condvar,
+}
+
+struct Waiting<J> {
+    jobs: std::collections::BinaryHeap<Queued<J>>,
+    /// Senders alive: the queue is closed when none is left.
+    senders: usize,
+    /// Jobs queued so far: equal orders go first in, first out.
+    arrivals: u64,
+}
+
+struct Queued<J> {
+    key: std::cmp::Reverse<(u64, u64)>,
+    queued: Instant,
+    job: J,
+    _permit: Option<tokio::sync::OwnedSemaphorePermit>,
+}
+
+impl<J> PartialEq for Queued<J> {
+    fn eq(&self, other: &Self) -> bool {
+        self.key == other.key
+    }
+}
+impl<J> Eq for Queued<J> {}
+impl<J> PartialOrd for Queued<J> {
+    fn partial_cmp(&self, other: &Self) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(other))
+    }
+}
+impl<J> Ord for Queued<J> {
+    fn cmp(&self, other: &Self) -> std::cmp::Ordering {
+        self.key.cmp(&other.key)
+    }
+}
+
+/// Puts jobs on a [`JobQueue`]; the queue closes when the last sender is dropped.
+pub(crate) struct JobSender<J>(Arc<JobQueue<J>>);
+
+impl<J: Ordered> JobSender<J> {
+    /// Queues `job`, which keeps `permit` (its fetch's) until a worker takes it. Never waits.
+    pub(crate) fn send(&self, job: J, permit: Option<tokio::sync::OwnedSemaphorePermit>) {
+        let mut state = self.0.lock();
+        state.arrivals += 1;
+        let key = std::cmp::Reverse((job.order(), state.arrivals));
+        state.jobs.push(Queued {
+            key,
+            queued: Instant::now(),
+            job,
+            _permit: permit,
+        });
+        drop(state);
+        self.0.ready.notify_one();
+    }
+}
+
+impl<J> Clone for JobSender<J> {
+    fn clone(&self) -> Self {
+        self.0.lock().senders += 1;
+        JobSender(self.0.clone())
+    }
+}
+
+impl<J> Drop for JobSender<J> {
+    fn drop(&mut self) {
+        let mut state = self.0.lock();
+        state.senders -= 1;
+        if state.senders == 0 {
+            drop(state);
+            self.0.ready.notify_all();
+        }
+    }
+}
+
+impl<J> JobQueue<J> {
+    fn new() -> (JobSender<J>, Arc<JobQueue<J>>) {
+        let queue = Arc::new(JobQueue {
+            state: std::sync::Mutex::new(Waiting {
+                jobs: std::collections::BinaryHeap::new(),
+                senders: 1,
+                arrivals: 0,
+            }),
+            ready: std::sync::Condvar::new(),
+        });
+        (JobSender(queue.clone()), queue)
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Waiting<J>> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// A CPU worker's next job, the lowest order waiting; the wait counts as the worker's idle
+    /// time, the job's wait as fetched work waiting for a worker. `None` once every sender is
+    /// gone and no job is left.
+    fn next(&self, profiler: &Profiler) -> Option<J> {
+        let waited = Instant::now();
+        let mut state = self.lock();
+        let job = loop {
+            if let Some(queued) = state.jobs.pop() {
+                profiler.fetch_blocked(queued.queued.elapsed());
+                break Some(queued.job);
+            }
+            if state.senders == 0 {
+                break None;
+            }
+            state = self.ready.wait(state).unwrap_or_else(|e| e.into_inner());
+        };
+        drop(state);
+        profiler.cpu_idle(waited.elapsed());
+        job
+    }
 }
 
 /// The skeleton every producer run is built on, in named stages: [`Skeleton::connect`] (one
@@ -284,10 +400,10 @@ pub(crate) struct Skeleton<J> {
     started: Instant,
     workers: usize,
     fetch_concurrency: usize,
-    /// Where the IO side queues jobs for the CPU workers (bounded: a slow CPU side holds
-    /// fetches back).
-    pub(crate) jobs: tokio::sync::mpsc::Sender<J>,
-    queue: Arc<std::sync::Mutex<tokio::sync::mpsc::Receiver<J>>>,
+    /// Where the IO side queues jobs for the CPU workers (each holding its fetch's permit until
+    /// taken: a slow CPU side holds fetches back).
+    pub(crate) jobs: JobSender<J>,
+    queue: Arc<JobQueue<J>>,
     /// Where samples and rejects go; the run ends when every clone is gone.
     pub(crate) events: std::sync::mpsc::Sender<Event>,
     received: std::sync::mpsc::Receiver<Event>,
@@ -325,7 +441,7 @@ impl<J: Send + 'static> Skeleton<J> {
         })?;
         let profiler = Arc::new(Profiler::default());
         profiler.started(started.elapsed());
-        let (jobs, queue) = tokio::sync::mpsc::channel::<J>(workers * 2);
+        let (jobs, queue) = JobQueue::new();
         let (events, received) = std::sync::mpsc::channel();
         let skeleton = Skeleton {
             profiler,
@@ -333,7 +449,7 @@ impl<J: Send + 'static> Skeleton<J> {
             workers,
             fetch_concurrency: config.fetch_concurrency.max(1),
             jobs,
-            queue: Arc::new(std::sync::Mutex::new(queue)),
+            queue,
             events,
             received,
             threads: Vec::new(),
@@ -368,7 +484,7 @@ impl<J: Send + 'static> Skeleton<J> {
         let (queue, profiler) = (self.queue.clone(), self.profiler.clone());
         self.threads.push(std::thread::spawn(move || {
             let mut scratch = Scratch::default();
-            while let Some(job) = next_job(&queue, &profiler) {
+            while let Some(job) = queue.next(&profiler) {
                 work(&mut state, &mut scratch, job);
             }
         }));
@@ -483,7 +599,7 @@ pub fn run(
             )
             .await;
         }
-        // Every fetch holds a permit until its job is queued: all permits back means done.
+        // Every fetch holds a permit until a worker takes its job: all permits back means done.
         let _ = permits.acquire_many(fetch_concurrency as u32).await;
     })?;
     Ok(skeleton.finish(on_event))
@@ -491,40 +607,24 @@ pub fn run(
 
 /// Waits for one of `permits` (the fetches allowed in flight), then fetches `record`'s images
 /// in a task of its own and queues `job(record, images)` for the CPU workers, or hands the
-/// reject to `rejected`. The permit is held until the job is queued.
-pub(crate) async fn spawn_fetch<J: Send + 'static>(
+/// reject to `rejected`. The permit is held until a worker takes the job.
+pub(crate) async fn spawn_fetch<J: Ordered + Send + 'static>(
     permits: &Arc<tokio::sync::Semaphore>,
     fetcher: &Arc<dyn Fetch>,
     record: Record,
     profiler: &Arc<Profiler>,
-    jobs: &tokio::sync::mpsc::Sender<J>,
+    jobs: &JobSender<J>,
     job: impl FnOnce(Record, Vec<Bytes>) -> J + Send + 'static,
     rejected: impl FnOnce(Reject) + Send + 'static,
 ) {
     let permit = permits.clone().acquire_owned().await.expect("never closed");
     let (fetcher, profiler, jobs) = (fetcher.clone(), profiler.clone(), jobs.clone());
     tokio::spawn(async move {
-        let _permit = permit;
-        if let Err(reject) = fetch_and_queue(&*fetcher, record, &profiler, &jobs, job).await {
-            rejected(reject);
+        match fetch_all(&*fetcher, &record, &profiler).await {
+            Ok(images) => jobs.send(job(record, images), Some(permit)),
+            Err(reject) => rejected(reject),
         }
     });
-}
-
-/// Fetches a record's images and queues the job made of them for the CPU workers, counting the
-/// time a full queue held it as fetch-side waiting. The reject if a fetch failed.
-async fn fetch_and_queue<J>(
-    fetcher: &dyn Fetch,
-    record: Record,
-    profiler: &Profiler,
-    queue: &tokio::sync::mpsc::Sender<J>,
-    job: impl FnOnce(Record, Vec<Bytes>) -> J,
-) -> Result<(), Reject> {
-    let images = fetch_all(fetcher, &record, profiler).await?;
-    let queued = Instant::now();
-    let _ = queue.send(job(record, images)).await;
-    profiler.fetch_blocked(queued.elapsed());
-    Ok(())
 }
 
 pub(crate) async fn fetch_all(
