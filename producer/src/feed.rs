@@ -5,7 +5,7 @@
 //! taker thread ── StreamTake ──▶ tasks (rank, seq) ──▶ IO runtime: record = spec's candidate k,
 //!      ▲                                                 read from the indexed manifest, fetch
 //!      │ (windows slide as consumers return samples)         │
-//!      │                                                     ▼ bounded queue
+//!      │                                                     ▼ ordered queue
 //! daemon ◀── StreamPut (seal + lease + publish) ◀── CPU workers: decode, resize, tokenize, write
 //!                                                     │ a rejected record: try candidate k + 1
 //!                                                     └──────────────────────────▶ IO runtime

@@ -10,8 +10,8 @@
 //!
 //! IO never blocks a CPU worker and CPU work never runs on the IO runtime. The queue between
 //! them hands out the earliest job first (a stream's earliest position, a manifest's earliest
-//! line), and each job in it keeps its fetch's permit until a worker takes it, so a slow CPU side
-//! holds fetches back (and memory stays bounded) instead of piling up images. A sample is written exactly once, straight into its object; a failure after
+//! line), and each job in it keeps its fetch's permit until a worker takes it, so a slow CPU
+//! side holds fetches back (and memory stays bounded) instead of piling up images. A sample is written exactly once, straight into its object; a failure after
 //! the object was reserved drops the writer, which aborts it, so nothing half-written is ever
 //! visible.
 
@@ -282,6 +282,12 @@ struct Waiting<J> {
     jobs: std::collections::BinaryHeap<Queued<J>>,
     /// Senders alive: the queue is closed when none is left.
     senders: usize,
+    /// Workers alive ([`JobQueue::worker`]). When the last one ends (a panic outside a
+    /// sample's own guard, say) the queue drops its jobs, giving their fetches' permits back,
+    /// and every later job, so the IO side ends instead of waiting for room forever.
+    workers: usize,
+    /// No worker is left.
+    orphaned: bool,
     /// Jobs queued so far: equal orders go first in, first out.
     arrivals: u64,
 }
@@ -290,7 +296,9 @@ struct Queued<J> {
     key: std::cmp::Reverse<(u64, u64)>,
     queued: Instant,
     job: J,
-    _permit: Option<tokio::sync::OwnedSemaphorePermit>,
+    /// The fetch's permit (none for a job that fetched nothing: a task whose every candidate
+    /// was rejected).
+    permit: Option<tokio::sync::OwnedSemaphorePermit>,
 }
 
 impl<J> PartialEq for Queued<J> {
@@ -310,6 +318,22 @@ impl<J> Ord for Queued<J> {
     }
 }
 
+/// A worker's registration on a [`JobQueue`]; the last one dropped orphans the queue.
+struct WorkerAlive<J>(Arc<JobQueue<J>>);
+
+impl<J> Drop for WorkerAlive<J> {
+    fn drop(&mut self) {
+        let mut state = self.0.lock();
+        state.workers -= 1;
+        if state.workers == 0 {
+            state.orphaned = true;
+            let jobs = std::mem::take(&mut state.jobs);
+            drop(state);
+            drop(jobs);
+        }
+    }
+}
+
 /// Puts jobs on a [`JobQueue`]; the queue closes when the last sender is dropped.
 pub(crate) struct JobSender<J>(Arc<JobQueue<J>>);
 
@@ -317,13 +341,16 @@ impl<J: Ordered> JobSender<J> {
     /// Queues `job`, which keeps `permit` (its fetch's) until a worker takes it. Never waits.
     pub(crate) fn send(&self, job: J, permit: Option<tokio::sync::OwnedSemaphorePermit>) {
         let mut state = self.0.lock();
+        if state.orphaned {
+            return; // no worker will take it: dropped, its permit with it
+        }
         state.arrivals += 1;
         let key = std::cmp::Reverse((job.order(), state.arrivals));
         state.jobs.push(Queued {
             key,
             queued: Instant::now(),
             job,
-            _permit: permit,
+            permit,
         });
         drop(state);
         self.0.ready.notify_one();
@@ -354,6 +381,8 @@ impl<J> JobQueue<J> {
             state: std::sync::Mutex::new(Waiting {
                 jobs: std::collections::BinaryHeap::new(),
                 senders: 1,
+                workers: 0,
+                orphaned: false,
                 arrivals: 0,
             }),
             ready: std::sync::Condvar::new(),
@@ -365,6 +394,13 @@ impl<J> JobQueue<J> {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
+    /// Registers a worker until the returned guard drops (when its thread ends, by a panic
+    /// too).
+    fn worker(self: &Arc<Self>) -> WorkerAlive<J> {
+        self.lock().workers += 1;
+        WorkerAlive(self.clone())
+    }
+
     /// A CPU worker's next job, the lowest order waiting; the wait counts as the worker's idle
     /// time, the job's wait as fetched work waiting for a worker. `None` once every sender is
     /// gone and no job is left.
@@ -373,7 +409,9 @@ impl<J> JobQueue<J> {
         let mut state = self.lock();
         let job = loop {
             if let Some(queued) = state.jobs.pop() {
-                profiler.fetch_blocked(queued.queued.elapsed());
+                if queued.permit.is_some() {
+                    profiler.fetch_blocked(queued.queued.elapsed());
+                }
                 break Some(queued.job);
             }
             if state.senders == 0 {
@@ -390,7 +428,7 @@ impl<J> JobQueue<J> {
 /// The skeleton every producer run is built on, in named stages: [`Skeleton::connect`] (one
 /// store connection per CPU worker, made in parallel: each maps the store, which is the
 /// producer's cold start), [`Skeleton::cpu`] (worker threads, each with its own state, draining
-/// one bounded queue of jobs), [`Skeleton::io`] (one thread whose tokio runtime fetches and
+/// one ordered queue of jobs), [`Skeleton::io`] (one thread whose tokio runtime fetches and
 /// queues jobs) and [`Skeleton::finish`] (events to the caller's thread until every stage has
 /// ended: no polling). [`run`] (a manifest, once) and [`crate::feed::feed`] (a stream's tasks)
 /// differ only in where jobs come from and what a worker does with a sample.
@@ -482,7 +520,9 @@ impl<J: Send + 'static> Skeleton<J> {
         mut work: impl FnMut(&mut W, &mut Scratch, J) + Send + 'static,
     ) {
         let (queue, profiler) = (self.queue.clone(), self.profiler.clone());
+        let alive = queue.worker();
         self.threads.push(std::thread::spawn(move || {
+            let _alive = alive;
             let mut scratch = Scratch::default();
             while let Some(job) = queue.next(&profiler) {
                 work(&mut state, &mut scratch, job);
@@ -824,4 +864,77 @@ pub fn make_sample_into<B: SampleBuffer>(
         .map_err(|e| reject(record, "write", e.to_string()))?;
     profiler.record(Stage::Write, reserving + started.elapsed());
     Ok((object, size))
+}
+
+#[cfg(test)]
+mod job_queue_tests {
+    use super::*;
+
+    struct At(u64, &'static str);
+
+    impl Ordered for At {
+        fn order(&self) -> u64 {
+            self.0
+        }
+    }
+
+    #[test]
+    fn the_lowest_order_goes_first_and_equals_in_arrival_order() {
+        let (tx, queue) = JobQueue::new();
+        let _worker = queue.worker();
+        for job in [At(5, "e"), At(1, "a1"), At(3, "c"), At(1, "a2"), At(2, "b")] {
+            tx.send(job, None);
+        }
+        drop(tx);
+        let profiler = Profiler::default();
+        let order: Vec<_> = std::iter::from_fn(|| queue.next(&profiler).map(|a| a.1)).collect();
+        assert_eq!(order, ["a1", "a2", "b", "c", "e"]);
+    }
+
+    #[test]
+    fn a_permit_comes_back_when_its_job_is_taken_or_no_worker_is_left() {
+        let permits = Arc::new(tokio::sync::Semaphore::new(2));
+        let (tx, queue) = JobQueue::new();
+        let worker = queue.worker();
+        let profiler = Profiler::default();
+        tx.send(
+            At(1, "a"),
+            Some(permits.clone().try_acquire_owned().unwrap()),
+        );
+        tx.send(
+            At(2, "b"),
+            Some(permits.clone().try_acquire_owned().unwrap()),
+        );
+        assert_eq!(permits.available_permits(), 0);
+        assert_eq!(queue.next(&profiler).unwrap().1, "a");
+        assert_eq!(permits.available_permits(), 1);
+        // The last worker ends: what waits is dropped, and what comes later too.
+        drop(worker);
+        assert_eq!(permits.available_permits(), 2);
+        tx.send(
+            At(3, "c"),
+            Some(permits.clone().try_acquire_owned().unwrap()),
+        );
+        assert_eq!(permits.available_permits(), 2);
+    }
+
+    #[test]
+    fn a_worker_waits_until_a_job_comes_or_the_last_sender_goes() {
+        let (tx, queue) = JobQueue::<At>::new();
+        let _worker = queue.worker();
+        let waiting = {
+            let queue = queue.clone();
+            std::thread::spawn(move || {
+                let profiler = Profiler::default();
+                let first = queue.next(&profiler).map(|a| a.1);
+                let second = queue.next(&profiler).map(|a| a.1);
+                (first, second)
+            })
+        };
+        let other = tx.clone();
+        other.send(At(1, "a"), None);
+        drop(other);
+        drop(tx);
+        assert_eq!(waiting.join().unwrap(), (Some("a"), None));
+    }
 }
