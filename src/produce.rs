@@ -40,11 +40,11 @@ pub struct Args {
     /// confined).
     #[arg(long)]
     allow_absolute_image_paths: bool,
-    /// The largest image file or S3 object read (a size: 67108864, 64MiB); larger ones are rejected before
-    /// (and, if they grow, while) reading. A record's images (at most 128) are fetched and held
-    /// together: images in memory at once are bounded by this times the images of the records in
-    /// flight (--fetch-concurrency) plus three per worker. Only regular files are read: a directory,
-    /// FIFO or device is rejected as such, without opening it.
+    /// The largest image file or S3 object read (a size: 67108864, 64MiB); larger ones are
+    /// rejected before (and, if they grow, while) reading. A record's images (at most 128) are
+    /// fetched and held together: images in memory at once are bounded by this times the images
+    /// of the records in flight (--fetch-concurrency) plus three per worker. Only regular files
+    /// are read: a directory, FIFO or device is rejected as such, without opening it.
     #[arg(long, value_name = "BYTES", default_value = "64MiB", value_parser = feedstore_store::config::parse_bytes)]
     max_image_bytes: u64,
     /// The model's tokenizer.json. Its chat template is read from beside it, as transformers

@@ -11,9 +11,9 @@
 //! IO never blocks a CPU worker and CPU work never runs on the IO runtime. The queue between
 //! them hands out the earliest job first (a stream's earliest position, a manifest's earliest
 //! line), and each job in it keeps its fetch's permit until a worker takes it, so a slow CPU
-//! side holds fetches back (and memory stays bounded) instead of piling up images. A sample is written exactly once, straight into its object; a failure after
-//! the object was reserved drops the writer, which aborts it, so nothing half-written is ever
-//! visible.
+//! side holds fetches back (and memory stays bounded) instead of piling up images. A sample is
+//! written exactly once, straight into its object; a failure after the object was reserved
+//! drops the writer, which aborts it, so nothing half-written is ever visible.
 
 use std::future::Future;
 use std::path::PathBuf;

@@ -3,8 +3,9 @@
 //!
 //! The order matters for both safety and speed:
 //!
-//! 1. [`probe`] reads only the header: format and dimensions. The decompression-bomb guard
-//!    (`max_source_pixels`) refuses an image before a single pixel is decoded.
+//! 1. The header is read first (a JPEG's by libjpeg in [`crate::jpeg`], the others' by
+//!    [`probe`]): format and dimensions. The decompression-bomb guard (`max_source_pixels`)
+//!    refuses an image before a single pixel is decoded.
 //! 2. [`ImageTransform::target_size`] decides the output size from the source's upright
 //!    dimensions (fixed, shorter side, or Qwen-VL's `smart_resize`; the header's may be rotated
 //!    by EXIF orientation). That size fixes the tensor's shape and the number of image tokens, so
@@ -412,7 +413,8 @@ impl ImageTransform {
         encoded: &[u8],
         target: Option<(u32, u32)>,
     ) -> Result<Decoded, ImageError> {
-        let probe = probe(encoded, self.max_source_pixels)?;
+        // A JPEG's header is read by libjpeg itself, which applies the same guard before any
+        // pixel is decoded; `probe` reads the others' (and a CMYK JPEG's, below).
         if reader(encoded)?.format() == Some(image::ImageFormat::Jpeg) {
             let mut wanted = target;
             let decoded = jpeg::decode(encoded, |header| {
@@ -447,7 +449,7 @@ impl ImageTransform {
                 });
             }
         }
-        let rgb = decode_rgb(encoded, probe)?;
+        let rgb = decode_rgb(encoded, probe(encoded, self.max_source_pixels)?)?;
         let target = match target {
             Some(target) => target,
             None => self.target_size(rgb.width(), rgb.height())?,
