@@ -30,11 +30,13 @@ import os
 from typing import Any, Callable, Dict, Iterator, List, Optional
 
 import torch
-from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+from torch.utils.data import DataLoader as TorchDataLoader
+from torch.utils.data import IterableDataset, get_worker_info
 
 import feedstore
+from feedstore.loader import DataLoader
 
-__all__ = ["StreamDataset", "collate", "to_torch", "rank_and_world"]
+__all__ = ["DataLoader", "StreamDataset", "collate", "to_torch", "rank_and_world"]
 
 
 def rank_and_world() -> tuple[int, int]:
@@ -238,14 +240,16 @@ class StreamDataset(IterableDataset):
         """A ``DataLoader`` over this dataset with ``collate`` and ``num_workers`` set, which
         records each batch it hands out (so ``state_dict()`` is exact with workers too)."""
         kwargs.setdefault("collate_fn", collate)
-        loader = DataLoader(self, batch_size=batch_size, num_workers=self.num_workers, **kwargs)
+        loader = TorchDataLoader(
+            self, batch_size=batch_size, num_workers=self.num_workers, **kwargs
+        )
         return _TrackingLoader(self, loader)
 
 
 class _TrackingLoader:
     """Iterates a DataLoader and records every batch as consumed by the trainer."""
 
-    def __init__(self, dataset: StreamDataset, loader: DataLoader) -> None:
+    def __init__(self, dataset: StreamDataset, loader: TorchDataLoader) -> None:
         self.dataset, self.loader = dataset, loader
 
     def __iter__(self) -> Iterator[Dict[str, Any]]:

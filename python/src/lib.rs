@@ -18,6 +18,7 @@ use pyo3::prelude::*;
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     errors::register(m)?;
     m.add_class::<client::Client>()?;
+    m.add_class::<client::Reservation>()?;
     m.add_class::<stream::Stream>()?;
     m.add_class::<stream::Writer>()?;
     m.add_class::<stream::Task>()?;

@@ -450,6 +450,23 @@ impl Sample {
         })
     }
 
+    /// The whole object as a uint8 `Tensor` (for `torch.from_dlpack`; `feedstore.torch`'s
+    /// batches are views into it).
+    fn buffer(&self) -> Tensor {
+        let len = self.held.bytes().len();
+        Tensor {
+            held: self.held.clone(),
+            info: TensorInfo {
+                offset: 0,
+                len,
+                dtype: DType::U8,
+                layout: TensorLayout::Hwc,
+                shape: vec![len],
+            },
+            elem: Elem::U8,
+        }
+    }
+
     /// The token ids as an int32 `Tensor` (for `torch.from_dlpack`: torch before 2.3 has no
     /// uint32, and vocabularies stay far below 2**31, so the bits read the same).
     fn tokens_tensor(&self) -> PyResult<Tensor> {

@@ -57,14 +57,18 @@ class Daemon:
 @pytest.fixture
 def daemon(tmp_path):
     socket = tmp_path / "feedstore.sock"
-    process = subprocess.Popen(
-        [binary("feedstored"), "--socket", socket, "--capacity", "256MiB", "--prefault", "false"],
-        stderr=subprocess.PIPE,
-    )
+    # The daemon's log goes to a file: a pipe nobody reads would fill (a line per connection)
+    # and block the daemon.
+    log = tmp_path / "feedstored.log"
+    with open(log, "wb") as stderr:
+        process = subprocess.Popen(
+            [binary("feedstored"), "--socket", socket, "--capacity", "256MiB", "--prefault", "false"],
+            stderr=stderr,
+        )
     deadline = time.monotonic() + 30
     while not socket.exists():
         if process.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError(f"feedstored did not start: {process.stderr.read().decode()}")
+            raise RuntimeError(f"feedstored did not start: {log.read_text()}")
         time.sleep(0.01)
     yield Daemon(socket, process)
     process.send_signal(signal.SIGTERM)

@@ -1,0 +1,936 @@
+"""``feedstore.torch.DataLoader``: torch's DataLoader with its worker-to-trainer hand-off through
+feedstore's shared memory.
+
+The user's code is unchanged: the same constructor, the same ``dataset[i]`` / ``__iter__`` and
+``collate_fn`` running in worker processes, the same batches in the same order (the sampler and
+the seeds are drawn exactly as torch draws them, and each worker's random state is torch's).
+What changes is the hand-off: a worker writes each batch once into the node's feedstore as one
+object (``feedstore._batch``: the structure pickled, every tensor's bytes copied in place,
+``default_collate``'s stack written straight into the batch) and sends the trainer its handle
+through a pipe; the trainer maps the object and gets tensors over it. No tensor bytes are
+pickled, and there is no ``/dev/shm`` file per tensor.
+
+Beyond torch: ``state_dict()`` / ``load_state_dict()`` resume exactly (the next batch is the one
+an uninterrupted run would have yielded, prefetched ones included), a worker killed mid-batch is
+started again and makes its batches again, and ``on_error="skip"`` drops samples whose
+``__getitem__`` raises, counting them.
+
+Worker processes talk to the trainer over one pipe each (indices in, handles out); the trainer
+waits on every pipe and every worker's process sentinel at once, so a dead worker is seen at
+once, not after a timeout.
+"""
+
+from __future__ import annotations
+
+import collections
+import multiprocessing
+import multiprocessing.connection
+import os
+import random
+import signal
+import sys
+import threading
+import time
+import warnings
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Deque, Dict, List, Optional
+
+import numpy as np
+import torch
+import torch.utils.data
+from torch._utils import ExceptionWrapper
+from torch.utils.data import _utils as torch_utils
+from torch.utils.data.dataloader import _BaseDataLoaderIter, _DatasetKind
+
+import feedstore
+from feedstore import _batch
+
+__all__ = ["DataLoader"]
+
+STATE_VERSION = 1
+# How often a waiting trainer (and an idle worker) look up from their pipes: to check the
+# loader's `timeout`, and (workers) whether the trainer is still there.
+POLL_SECONDS = 1.0
+# A batch whose worker dies this many times in a row is an error, not bad luck.
+MAX_ATTEMPTS = 3
+
+
+def _rng_state() -> tuple:
+    """This process's random state as torch seeds it in a worker (Python, numpy, torch), in
+    plain picklable form (a torch tensor sent over a pipe would go through a /dev/shm file)."""
+    return (random.getstate(), np.random.get_state(), torch.get_rng_state().numpy().tobytes())
+
+
+def _set_rng_state(state: tuple) -> None:
+    python, numpy_state, torch_state = state
+    random.setstate(python)
+    np.random.set_state(numpy_state)
+    torch.set_rng_state(torch.frombuffer(bytearray(torch_state), dtype=torch.uint8))
+
+
+def _seed_like_torch(base_seed: int, worker_id: int) -> int:
+    """Seeds Python, numpy and torch as torch's own worker loop does."""
+    seed = base_seed + worker_id
+    random.seed(seed)
+    torch.manual_seed(seed)
+    np.random.seed(torch_utils.worker._generate_state(base_seed, worker_id))
+    return seed
+
+
+@dataclass
+class _WorkerArgs:
+    worker_id: int
+    num_workers: int
+    dataset: Any
+    iterable: bool
+    auto_collation: bool
+    collate_fn: Any
+    drop_last: bool
+    base_seed: int
+    init_fn: Any
+    socket: Optional[str]
+    on_error: str
+    # Where this worker starts: the random state after its last batch that counts (None: fresh
+    # seeds), and (iterable datasets) how many of its batches to make again and drop.
+    rng: Optional[tuple] = None
+    replay: int = 0
+    # What an iterable dataset's task index looks like (what the replay fetches with).
+    replay_index: Any = None
+
+
+class _Fetcher:
+    """torch's fetchers (map-style and iterable), sample by sample so that a failing sample is
+    named (and can be skipped)."""
+
+    def __init__(self, args: _WorkerArgs) -> None:
+        self.args = args
+        self.collate = (
+            _batch.default_collate if _batch.is_default_collate(args.collate_fn) else args.collate_fn
+        )
+        self.iterator = iter(args.dataset) if args.iterable else None
+        self.ended = False
+        self.skipped = 0
+
+    def _failed(self, index: Any) -> None:
+        """A sample raised: re-raise with where it happened, unless skipping."""
+        if self.args.on_error == "skip":
+            self.skipped += 1
+            return
+        raise _SampleError(
+            ExceptionWrapper(
+                where=f"in feedstore DataLoader worker process {self.args.worker_id} "
+                f"(sample index {index!r})"
+            )
+        )
+
+    def _item(self, index: Any) -> Any:
+        """One sample, or `_MISSING` when it raised and is skipped."""
+        try:
+            return self.args.dataset[index]
+        except Exception:
+            self._failed(index)
+            return _MISSING
+
+    def _next(self) -> Any:
+        """The iterator's next sample, or `_MISSING` when it raised and is skipped."""
+        try:
+            return next(self.iterator)
+        except StopIteration:
+            raise
+        except Exception:
+            self._failed("next(iter(dataset))")
+            return _MISSING
+
+    def fetch(self, index: Any) -> Any:
+        """The batch for `index` (collated), `_MISSING` when every sample was skipped; raises
+        StopIteration at an iterable dataset's end."""
+        args = self.args
+        if args.iterable:
+            if self.ended:
+                raise StopIteration
+            if not args.auto_collation:
+                while True:
+                    item = self._next()
+                    if item is not _MISSING:
+                        return self.collate(item)
+            data: List[Any] = []
+            for _ in index:
+                try:
+                    item = self._next()
+                except StopIteration:
+                    self.ended = True
+                    break
+                if item is not _MISSING:
+                    data.append(item)
+            if self.ended and (not data or (args.drop_last and len(data) < len(index))):
+                raise StopIteration
+        elif args.auto_collation:
+            getitems = getattr(args.dataset, "__getitems__", None)
+            if getitems and args.on_error == "raise":
+                data = getitems(index)
+            else:
+                data = [item for item in map(self._item, index) if item is not _MISSING]
+        else:
+            item = self._item(index)
+            return _MISSING if item is _MISSING else self.collate(item)
+        return self.collate(data) if data else _MISSING
+
+
+class _SampleError(Exception):
+    def __init__(self, wrapper: ExceptionWrapper) -> None:
+        self.wrapper = wrapper
+
+
+_MISSING = object()
+
+
+class _WorkerLoop:
+    """A worker process: indices in, batch handles out, until told to stop or orphaned.
+
+    Ctrl-C is the trainer's to handle (it stops the workers in order, so their batches are
+    given back); a worker whose trainer is gone, or that is sent SIGTERM, deletes what it made
+    and leaves."""
+
+    def __init__(self, conn: multiprocessing.connection.Connection, args: _WorkerArgs) -> None:
+        self.conn, self.args = conn, args
+        self.parent = os.getppid()
+        self.client: Optional[feedstore.Client] = None
+        self.fetcher: Optional[_Fetcher] = None
+        self.init_error: Optional[ExceptionWrapper] = None
+        # Handles of batches sent and not yet given back (deleted at exit, whatever the
+        # trainer managed to read), and how many deletes were asked for and done.
+        self.mine: set = set()
+        self.deleted = 0
+
+    def run(self) -> None:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        # SIGTERM (multiprocessing's exit handler in a trainer that stops on an exception,
+        # a container's stop) ends the worker through `finally`, deleting what it made.
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+        try:
+            self.start()
+            while self.step():
+                pass
+        except (EOFError, BrokenPipeError):
+            pass  # the trainer closed its end
+        finally:
+            for handle in list(self.mine):
+                self.delete(handle)
+
+    def start(self) -> None:
+        args = self.args
+        torch.set_num_threads(1)
+        seed = _seed_like_torch(args.base_seed, args.worker_id)
+        if args.rng is not None:
+            _set_rng_state(args.rng)
+        torch_utils.worker._worker_info = torch_utils.worker.WorkerInfo(
+            id=args.worker_id, num_workers=args.num_workers, seed=seed, dataset=args.dataset
+        )
+        try:
+            self.client = feedstore.Client(
+                args.socket, writer=True, name=f"DataLoader worker {args.worker_id}"
+            )
+            if args.init_fn is not None:
+                args.init_fn(args.worker_id)
+            self.fetcher = _Fetcher(args)
+            for _ in range(args.replay):
+                # An iterable dataset's batches this worker made before: made again, dropped.
+                self.fetcher.fetch(args.replay_index)
+        except Exception:
+            self.init_error = ExceptionWrapper(where=self.where())
+
+    def where(self) -> str:
+        return f"in feedstore DataLoader worker process {self.args.worker_id}"
+
+    def delete(self, handle: str) -> None:
+        self.mine.discard(handle)
+        try:
+            if self.client is not None:
+                self.client.delete(handle)
+        except feedstore.FeedstoreError:
+            pass  # already gone (deleted before a crash, or a daemon restart)
+
+    def step(self) -> bool:
+        """Handles one message from the trainer; False when it is time to leave."""
+        if not self.conn.poll(POLL_SECONDS):
+            return os.getppid() == self.parent  # an orphan leaves
+        message = self.conn.recv()
+        if message is None:
+            return False
+        if message[0] == "delete":
+            self.delete(message[1])
+            self.deleted += 1
+        elif message == "epoch":
+            # Persistent workers, a new epoch: a new iterator, the random state going on.
+            if self.init_error is None:
+                self.fetcher = _Fetcher(self.args)
+        else:
+            self.conn.send(self.make(*message))
+        return True
+
+    def make(self, task: int, index: Any) -> tuple:
+        """The reply for one task: (kind, task, payload, random state, skipped, deleted)."""
+        if self.init_error is not None:
+            return ("error", task, self.init_error, None, 0, self.deleted)
+        fetcher = self.fetcher
+        skipped_before = fetcher.skipped
+        try:
+            batch = fetcher.fetch(index)
+            if batch is _MISSING:
+                kind, payload = "empty", None
+            else:
+                payload = _batch.write(self.client, batch)
+                self.mine.add(payload)
+                kind = "ok"
+        except StopIteration:
+            kind, payload = "stop", None
+        except _SampleError as e:
+            kind, payload = "error", e.wrapper
+        except Exception:
+            kind, payload = "error", ExceptionWrapper(where=self.where())
+        rng = None if self.args.iterable else _rng_state()
+        return (kind, task, payload, rng, fetcher.skipped - skipped_before, self.deleted)
+
+
+def _worker_main(conn: multiprocessing.connection.Connection, args: _WorkerArgs) -> None:
+    _WorkerLoop(conn, args).run()
+
+
+@dataclass
+class _Task:
+    worker: int
+    index: Any
+    # The worker's reply: (kind, task, payload, random state, skipped, deletes done).
+    reply: Optional[tuple] = None
+    # The batch, mapped by the pump as the reply came.
+    batch: Any = None
+    attempts: int = 0
+
+
+@dataclass
+class _Worker:
+    process: Any
+    conn: multiprocessing.connection.Connection
+    # Tasks done (replied) and the random state after the last of them.
+    done: int = 0
+    rng: Optional[tuple] = None
+    # The same, counting only tasks the trainer has taken: what a saved state resumes from.
+    taken: int = 0
+    taken_rng: Optional[tuple] = None
+    active: bool = True
+    # Batch objects this process was asked to delete and has not yet said it did (replies
+    # carry how many it has): sent again to its replacement if it dies.
+    unconfirmed: Deque[str] = field(default_factory=collections.deque)
+    deletes_sent: int = 0
+    deletes_confirmed: int = 0
+
+
+@dataclass
+class _Counters:
+    batches: int = 0
+    worker_restarts: int = 0
+    skipped_samples: int = 0
+    failed_batches: int = 0
+    handoff_seconds: float = 0.0
+
+
+def _generator_state(loader: "DataLoader") -> torch.Tensor:
+    return loader.generator.get_state() if loader.generator is not None else torch.get_rng_state()
+
+
+class _Outbox:
+    """Sends messages to workers from a thread of its own, in order. Waking a sleeping
+    process through a pipe costs the sender 100-400 us on a small VM; a trainer's `next`
+    pays only for waking this thread. A pipe is closed under the same lock as each write, so
+    a message for a dead worker's pipe fails instead of reaching whatever reuses the fd."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._queue: Deque[tuple] = collections.deque()
+        self._lock = threading.Lock()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="feedstore DataLoader outbox", daemon=True)
+        self._thread.start()
+
+    def send(self, conn: multiprocessing.connection.Connection, message: Any) -> None:
+        with self._cond:
+            self._queue.append((conn, message))
+            self._cond.notify()
+
+    def close(self, conn: multiprocessing.connection.Connection) -> None:
+        with self._lock:
+            conn.close()
+
+    def stop(self) -> None:
+        """Sends what is queued, then ends the thread."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        if threading.current_thread() is not self._thread:
+            self._thread.join()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue and not self._stopping:
+                    self._cond.wait()
+                if not self._queue:
+                    return
+                conn, message = self._queue.popleft()
+            with self._lock:
+                try:
+                    conn.send(message)
+                except (OSError, ValueError):
+                    pass  # a dead worker's pipe
+
+
+def _pump(ref: "weakref.ref[_StoreIter]") -> None:
+    """The trainer's receiving thread: takes workers' replies as they come and maps each batch
+    at once (a lease, views of the object), restarts dead workers, and wakes the trainer, so
+    that `next(loader)` finds its batch ready. It holds the iterator only while handling what
+    arrived: an iterator the trainer drops is collected (and its workers stopped)."""
+    while True:
+        iterator = ref()
+        if iterator is None or iterator._shut:
+            return
+        with iterator._cond:
+            waitables = iterator._waitables()
+        del iterator
+        ready = multiprocessing.connection.wait(waitables, timeout=POLL_SECONDS)
+        iterator = ref()
+        if iterator is None or iterator._shut:
+            return
+        with iterator._cond:
+            try:
+                iterator._handle(ready)
+            except BaseException as e:  # noqa: BLE001 (raised in the trainer's thread)
+                iterator._error = e
+                iterator._cond.notify_all()
+                return
+            iterator._cond.notify_all()
+        del iterator
+
+
+class _StoreIter(_BaseDataLoaderIter):
+    """One epoch (or, with persistent workers, every epoch) of a loader with workers.
+
+    Two threads share it under `_cond`: the trainer's (`_next_data`: dispatching indices,
+    taking batches in order) and `_pump` (replies, deaths, mapping batches)."""
+
+    def __init__(self, loader: "DataLoader", resume: Optional[dict]) -> None:
+        self._loader = loader
+        self._shut = False
+        self._rng_at_start = _start_epoch(
+            loader, resume, lambda: super(_StoreIter, self).__init__(loader)
+        )
+        self._iterable = self._dataset_kind == _DatasetKind.Iterable
+        self._client = feedstore.Client(loader.feedstore_socket, name="DataLoader trainer")
+        self._context = loader.multiprocessing_context or multiprocessing.get_context()
+        self._workers: List[Optional[_Worker]] = [None] * self._num_workers
+        self._outbox = _Outbox()
+        self._base_args = dict(
+            num_workers=self._num_workers,
+            dataset=self._dataset,
+            iterable=self._iterable,
+            auto_collation=self._auto_collation,
+            collate_fn=self._collate_fn,
+            drop_last=self._drop_last,
+            base_seed=self._base_seed,
+            init_fn=loader.worker_init_fn,
+            socket=loader.feedstore_socket,
+            on_error=loader.feedstore_on_error,
+            replay_index=[None] * (loader.batch_size or 1) if self._auto_collation else None,
+        )
+        saved = (resume or {}).get("workers")
+        for w in range(self._num_workers):
+            rng = saved["rng"][w] if saved else None
+            taken = saved["tasks"][w] if saved else 0
+            self._start_worker(w, rng=rng, replay=taken if self._iterable else 0)
+            worker = self._workers[w]
+            worker.done = worker.taken = taken
+            worker.rng = worker.taken_rng = rng
+            worker.active = saved["active"][w] if saved else True
+        self._cond = threading.Condition()
+        self._error: Optional[BaseException] = None
+        self._wake_read, self._wake_write = os.pipe()
+        with self._cond:
+            self._begin(resume)
+        self._thread = threading.Thread(
+            target=_pump, args=(weakref.ref(self),), name="feedstore DataLoader", daemon=True
+        )
+        self._thread.start()
+
+    # The epoch's bookkeeping (also run again for each epoch of persistent workers).
+    def _begin(self, resume: Optional[dict]) -> None:
+        tasks = (resume or {}).get("tasks", 0)
+        self._num_yielded = (resume or {}).get("batches", 0)
+        if not self._iterable:
+            for _ in range(tasks):
+                self._next_index()  # batches the trainer already had: their indices, skipped
+        self._tasks: Dict[int, _Task] = {}
+        self._send_idx = self._rcvd_idx = tasks
+        if self._iterable and resume:
+            self._next_worker = resume["next_worker"]
+        else:
+            self._next_worker = tasks % max(1, self._num_workers)
+        self._sampler_done = False
+        for _ in range(self._prefetch_factor * self._num_workers):
+            self._try_put_index()
+
+    def _reset(self, loader, first_iter=False) -> None:
+        """A new epoch on the same (persistent) workers, as torch's `_reset`: a new sampler
+        iterator, no new seeds."""
+        with self._cond:
+            self._rng_at_start = _start_epoch(
+                loader, None, lambda: super(_StoreIter, self)._reset(loader)
+            )
+            for worker in self._workers:
+                if worker is not None:
+                    self._outbox.send(worker.conn, "epoch")
+                    worker.active = True
+                    worker.done = worker.taken = 0
+            self._begin(None)
+
+    def _start_worker(self, w: int, rng: Optional[tuple], replay: int) -> None:
+        args = _WorkerArgs(worker_id=w, rng=rng, replay=replay, **self._base_args)
+        ours, theirs = self._context.Pipe(duplex=True)
+        process = self._context.Process(target=_worker_main, args=(theirs, args), daemon=True)
+        process.start()
+        theirs.close()
+        self._workers[w] = _Worker(process=process, conn=ours)
+
+    def _try_put_index(self) -> None:
+        if self._sampler_done or not any(w.active for w in self._workers if w):
+            return
+        outstanding = sum(1 for t in self._tasks.values() if t.reply is None)
+        if outstanding >= self._prefetch_factor * self._num_workers:
+            return
+        try:
+            index = self._next_index()
+        except StopIteration:
+            self._sampler_done = True
+            return
+        while True:
+            w = self._next_worker
+            self._next_worker = (w + 1) % self._num_workers
+            if self._workers[w] is not None and self._workers[w].active:
+                break
+        self._tasks[self._send_idx] = _Task(worker=w, index=index)
+        self._outbox.send(self._workers[w].conn, (self._send_idx, index))
+        self._send_idx += 1
+
+    def __next__(self) -> Any:
+        if torch.autograd._profiler_enabled():
+            return super().__next__()  # torch's, inside the profiler's record_function
+        # torch's `__next__` without the profiler's scope (some 0.1-0.3 ms a batch when no
+        # profiler runs).
+        data = self._next_data()
+        self._num_yielded += 1
+        expected = self._IterableDataset_len_called
+        if self._iterable and expected is not None and self._num_yielded > expected:
+            warnings.warn(
+                f"Length of IterableDataset {self._dataset} was reported to be {expected} (when "
+                f"accessing len(dataloader)), but {self._num_yielded} samples have been fetched."
+            )
+        return data
+
+    def _next_data(self) -> Any:
+        try:
+            with self._cond:
+                task = self._next_task()
+                batch = None if task is None else self._take(task)
+            if task is None:
+                if not self._persistent_workers:
+                    self._shutdown()
+                raise StopIteration
+            if self._pin_memory:
+                batch = torch_utils.pin_memory.pin_memory(batch, self._pin_memory_device)
+            return batch
+        except StopIteration:
+            raise
+        except BaseException:
+            # An error or Ctrl-C: stop the workers (and give their batches back) before it
+            # propagates; the iterator is done.
+            self._shutdown()
+            raise
+
+    def _next_task(self) -> Optional[_Task]:
+        """The next task with a batch (None at the epoch's end), waiting up to the loader's
+        timeout; a task whose batch had no samples left is skipped."""
+        timeout = self._timeout if self._timeout > 0 else None
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            if self._error is not None:
+                raise self._error
+            while self._rcvd_idx < self._send_idx:
+                task = self._tasks[self._rcvd_idx]
+                if task.reply is not None or self._workers[task.worker].active:
+                    break
+                del self._tasks[self._rcvd_idx]  # its worker's dataset ended before it
+                self._rcvd_idx += 1
+            if self._rcvd_idx >= self._send_idx:
+                return None
+            task = self._tasks[self._rcvd_idx]
+            if task.reply is None:
+                wait = POLL_SECONDS if deadline is None else deadline - time.monotonic()
+                if wait <= 0:
+                    raise RuntimeError(f"DataLoader timed out after {self._timeout} seconds")
+                self._cond.wait(min(wait, POLL_SECONDS))
+                continue
+            del self._tasks[self._rcvd_idx]
+            self._rcvd_idx += 1
+            self._try_put_index()
+            if task.reply[0] in ("ok", "error"):
+                return task
+            self._count(task)  # an iterable worker's end, or a batch of skipped samples
+
+    def _count(self, task: _Task) -> None:
+        """Books a taken task against its worker (what a saved state resumes from)."""
+        kind, _, _, rng, skipped, _ = task.reply
+        worker = self._workers[task.worker]
+        self._loader.feedstore_counters.skipped_samples += skipped
+        if kind == "stop":
+            worker.active = False
+        else:
+            worker.taken += 1
+            worker.taken_rng = rng
+
+    def _take(self, task: _Task) -> Any:
+        """The trainer takes a task's batch, or the worker's error."""
+        self._count(task)
+        counters = self._loader.feedstore_counters
+        if task.reply[0] == "error":
+            counters.failed_batches += 1
+            payload = task.reply[2]
+            if isinstance(payload, ExceptionWrapper):
+                payload.reraise()
+            raise payload
+        counters.batches += 1
+        batch, task.batch = task.batch, None
+        return batch
+
+    # The pump thread's side (under `_cond`).
+    def _waitables(self) -> list:
+        live = [w for w in self._workers if w is not None]
+        return [self._wake_read, *(w.conn for w in live), *(w.process.sentinel for w in live)]
+
+    def _handle(self, ready: list) -> None:
+        if self._wake_read in ready:
+            os.read(self._wake_read, 4096)
+        dead = set()
+        for w, worker in enumerate(self._workers):
+            if worker is None:
+                continue
+            if worker.conn in ready:
+                try:
+                    while worker.conn.poll(0):
+                        self._accept(w, worker.conn.recv())
+                except (EOFError, OSError):
+                    dead.add(w)
+            if worker.process.sentinel in ready:
+                dead.add(w)
+        for w in sorted(dead):
+            self._restart(w)
+
+    def _accept(self, w: int, reply: tuple) -> None:
+        kind, task_id, payload, deleted = reply[0], reply[1], reply[2], reply[-1]
+        worker = self._workers[w]
+        while worker.deletes_confirmed < deleted and worker.unconfirmed:
+            worker.unconfirmed.popleft()
+            worker.deletes_confirmed += 1
+        task = self._tasks.get(task_id)
+        if task is None or task.worker != w or task.reply is not None:
+            if kind == "ok":
+                self._give_back(w, payload)  # a stale reply; nobody will read it
+            return
+        if kind == "ok":
+            # Mapped now, while the trainer computes: its `next` finds views ready.
+            started = time.perf_counter()
+            try:
+                sample = self._client.get(payload)
+                task.batch = _batch.read(sample)
+            except Exception as e:  # noqa: BLE001 (raised when the trainer takes it)
+                reply = ("error", task_id, e, *reply[3:])
+            # Trainers map the store read-only and cannot delete: the worker that made the
+            # batch deletes it, and the store frees it once the batch's tensors are gone.
+            self._give_back(w, payload)
+            self._loader.feedstore_counters.handoff_seconds += time.perf_counter() - started
+        task.reply = reply
+        if kind != "stop":
+            worker.done += 1
+            worker.rng = reply[3]
+
+    def _give_back(self, w: int, handle: str) -> None:
+        """Asks worker `w` to delete a batch object it made."""
+        worker = self._workers[w]
+        worker.unconfirmed.append(handle)
+        worker.deletes_sent += 1
+        # (To a dead worker, lost: its replacement is sent what it had not confirmed.)
+        self._outbox.send(worker.conn, ("delete", handle))
+
+    def _restart(self, w: int) -> None:
+        """A worker died (kill -9, a crash in native code): start it again from its last reply
+        and send it its outstanding tasks again."""
+        worker = self._workers[w]
+        # Replies it managed to send before dying still count.
+        try:
+            while worker.conn.poll(0):
+                self._accept(w, worker.conn.recv())
+        except (EOFError, OSError):
+            pass
+        worker.process.join(timeout=POLL_SECONDS)
+        code = worker.process.exitcode
+        self._outbox.close(worker.conn)
+        pending = sorted(i for i, t in self._tasks.items() if t.worker == w and t.reply is None)
+        if pending:
+            first = self._tasks[pending[0]]
+            first.attempts += 1
+            if first.attempts >= MAX_ATTEMPTS:
+                raise RuntimeError(
+                    f"DataLoader worker {w} (pid {worker.process.pid}) exited unexpectedly "
+                    f"(exit code {code}) {first.attempts} times making batch {pending[0]} "
+                    f"(indices {first.index!r})"
+                )
+        self._loader.feedstore_counters.worker_restarts += 1
+        self._start_worker(w, rng=worker.rng, replay=worker.done if self._iterable else 0)
+        new = self._workers[w]
+        new.done, new.rng, new.taken, new.taken_rng, new.active = (
+            worker.done, worker.rng, worker.taken, worker.taken_rng, worker.active
+        )
+        for handle in worker.unconfirmed:
+            self._give_back(w, handle)
+        for i in pending:
+            self._outbox.send(new.conn, (i, self._tasks[i].index))
+
+    def feedstore_state(self) -> dict:
+        """Where this epoch stands, for `DataLoader.state_dict`."""
+        with self._cond:
+            finished = self._rcvd_idx >= self._send_idx and (
+                self._sampler_done or not any(w.active for w in self._workers if w)
+            )
+            head = self._tasks.get(self._rcvd_idx)
+            workers = list(self._workers)
+            return {
+                "tasks": self._rcvd_idx,
+                "batches": self._num_yielded,
+                "next_worker": head.worker if head else self._next_worker,
+                "finished": finished,
+                "rng": self._rng_at_start,
+                "workers": {
+                    "rng": [w.taken_rng if w else None for w in workers],
+                    "tasks": [w.taken if w else 0 for w in workers],
+                    "active": [w.active if w else False for w in workers],
+                },
+            }
+
+    def _shutdown(self) -> None:
+        """Stops the pump and the workers; batches not taken are given back."""
+        if self._shut:
+            return
+        self._shut = True
+        os.write(self._wake_write, b"x")
+        if threading.current_thread() is not self._thread:
+            self._thread.join()
+        for task in self._tasks.values():
+            task.batch = None
+            if task.reply is not None and task.reply[0] == "ok":
+                self._give_back(task.worker, task.reply[2])
+        self._tasks.clear()
+        for worker in self._workers:
+            if worker is not None:
+                self._outbox.send(worker.conn, None)
+        self._outbox.stop()
+        for worker in self._workers:
+            if worker is None:
+                continue
+            worker.process.join(timeout=5)
+            if worker.process.is_alive():
+                worker.process.kill()
+                worker.process.join()
+            worker.conn.close()
+        os.close(self._wake_read)
+        os.close(self._wake_write)
+
+    def __del__(self) -> None:
+        if getattr(self, "_thread", None) is not None:
+            try:
+                self._shutdown()
+            except Exception:
+                pass  # interpreter shutdown: the workers notice the trainer is gone
+
+
+def _start_epoch(loader: "DataLoader", resume: Optional[dict], start) -> Optional[torch.Tensor]:
+    """Runs `start` (which draws the sampler's and the workers' seeds) and returns the random
+    state it drew from. Resuming mid-epoch, it draws from the saved state instead; the global
+    random state, when that is what it drew from, is put back afterwards (the trainer's own
+    use of it is the trainer's to restore)."""
+    if resume is None or resume.get("rng") is None:
+        before = _generator_state(loader)
+        start()
+        return before
+    if loader.generator is not None:
+        loader.generator.set_state(resume["rng"])
+        start()
+        return resume["rng"]
+    current = torch.get_rng_state()
+    torch.set_rng_state(resume["rng"])
+    try:
+        start()
+    finally:
+        torch.set_rng_state(current)
+    return resume["rng"]
+
+
+class _InProcessIter(torch.utils.data.dataloader._SingleProcessDataLoaderIter):
+    """`num_workers=0`: torch's own in-process loading (there is nothing to hand over), with
+    the state this loader saves and resumes."""
+
+    def __init__(self, loader: "DataLoader", resume: Optional[dict]) -> None:
+        self._rng_at_start = _start_epoch(
+            loader, resume, lambda: super(_InProcessIter, self).__init__(loader)
+        )
+        tasks = (resume or {}).get("tasks", 0)
+        if self._dataset_kind == _DatasetKind.Iterable and tasks:
+            # The batches the trainer had, made again and dropped; their random draws come
+            # from (and go back to) the trainer's own random state, which is the trainer's.
+            state = _rng_state()
+            try:
+                for _ in range(tasks):
+                    self._dataset_fetcher.fetch(self._next_index())
+            finally:
+                _set_rng_state(state)
+        else:
+            for _ in range(tasks):
+                self._next_index()
+        self._num_yielded = (resume or {}).get("batches", 0)
+        self._tasks_taken = tasks
+        self._finished = False
+
+    def _next_data(self) -> Any:
+        try:
+            batch = super()._next_data()
+        except StopIteration:
+            self._finished = True
+            raise
+        self._tasks_taken += 1
+        return batch
+
+    def feedstore_state(self) -> dict:
+        return {
+            "tasks": self._tasks_taken,
+            "batches": self._num_yielded,
+            "finished": self._finished,
+            "rng": self._rng_at_start,
+        }
+
+
+class DataLoader(torch.utils.data.DataLoader):
+    """``torch.utils.data.DataLoader`` with worker batches handed over through feedstore.
+
+    Takes torch's arguments (and passes any others on to torch), plus:
+
+    - ``socket``: the node's feedstored (default: ``$FEEDSTORE_SOCKET``, else this user's,
+      else the system daemon's). Needed only with ``num_workers > 0``.
+    - ``on_error``: ``"raise"`` (torch's behaviour: the worker's exception is raised in the
+      trainer, with the sample's index and the worker's traceback) or ``"skip"`` (the sample is
+      left out of its batch and counted in ``feedstore_counters.skipped_samples``; a batch with
+      no samples left is skipped).
+
+    Batches are torch's, element for element. Their tensors are views of one read-only
+    shared-memory object: reading is free, writing in place faults (``.clone()`` first, or move
+    them to the GPU, which copies anyway). The object goes back to the store when the last of a
+    batch's tensors is gone.
+    """
+
+    def __init__(
+        self,
+        dataset: Any,
+        batch_size: Optional[int] = 1,
+        shuffle: Optional[bool] = None,
+        sampler: Any = None,
+        batch_sampler: Any = None,
+        num_workers: int = 0,
+        collate_fn: Any = None,
+        pin_memory: bool = False,
+        drop_last: bool = False,
+        timeout: float = 0,
+        worker_init_fn: Any = None,
+        multiprocessing_context: Any = None,
+        generator: Optional[torch.Generator] = None,
+        *,
+        socket: Optional[str] = None,
+        on_error: str = "raise",
+        **kwargs: Any,
+    ) -> None:
+        if on_error not in ("raise", "skip"):
+            raise ValueError(f"on_error={on_error!r}: expected 'raise' or 'skip'")
+        self.feedstore_socket = socket
+        self.feedstore_on_error = on_error
+        self.feedstore_counters = _Counters()
+        self._feedstore_resume: Optional[dict] = None
+        self._feedstore_current: Any = None
+        super().__init__(
+            dataset,
+            batch_size=batch_size,
+            shuffle=shuffle,
+            sampler=sampler,
+            batch_sampler=batch_sampler,
+            num_workers=num_workers,
+            collate_fn=collate_fn,
+            pin_memory=pin_memory,
+            drop_last=drop_last,
+            timeout=timeout,
+            worker_init_fn=worker_init_fn,
+            multiprocessing_context=multiprocessing_context,
+            generator=generator,
+            **kwargs,
+        )
+
+    def _feedstore_take_resume(self) -> Optional[dict]:
+        resume, self._feedstore_resume = self._feedstore_resume, None
+        if resume is not None and resume.get("finished"):
+            # Saved at an epoch's end: the next epoch starts afresh from the random state the
+            # saved one left (a generator's; the global one is the trainer's to restore).
+            if self.generator is not None and resume.get("rng_after") is not None:
+                self.generator.set_state(resume["rng_after"])
+            return None
+        return resume
+
+    def __iter__(self) -> Any:
+        resume = self._feedstore_take_resume()
+        if self.num_workers == 0:
+            iterator = _InProcessIter(self, resume)
+        elif self.persistent_workers and self._feedstore_current is not None and resume is None:
+            iterator = self._feedstore_current
+            iterator._reset(self)
+        else:
+            if self._feedstore_current is not None and hasattr(self._feedstore_current, "_shutdown"):
+                self._feedstore_current._shutdown()
+            iterator = _StoreIter(self, resume)
+        self._feedstore_current = iterator
+        self._feedstore_rng_after = _generator_state(self) if self.generator is not None else None
+        return iterator
+
+    def state_dict(self) -> dict:
+        """Where the current epoch stands: `load_state_dict` on a new loader (same dataset,
+        sampler, batch size and workers) makes its next batch the one this loader would
+        yield next. Save it with the trainer's checkpoint."""
+        state: dict = {"version": STATE_VERSION, "num_workers": self.num_workers}
+        if self._feedstore_current is None:
+            state.update(tasks=0, batches=0, finished=False, rng=None)
+            return state
+        state.update(self._feedstore_current.feedstore_state())
+        state["rng_after"] = self._feedstore_rng_after
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        """Makes the next iteration resume where `state` (from `state_dict`) stood."""
+        if state.get("version") != STATE_VERSION:
+            raise ValueError(f"not a feedstore DataLoader state (version {state.get('version')})")
+        if state["num_workers"] != self.num_workers:
+            raise ValueError(
+                f"the state was saved with num_workers={state['num_workers']}, this loader has "
+                f"{self.num_workers}: batches would come from other workers' random states"
+            )
+        self._feedstore_resume = state

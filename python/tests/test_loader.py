@@ -1,0 +1,327 @@
+"""feedstore.torch.DataLoader against torch's own DataLoader: the same batches (map-style and
+iterable datasets, 0/2/4 workers, random transforms, DistributedSampler), every type through
+shared memory, exact resume, a worker killed with SIGKILL, exceptions, Ctrl-C.
+
+Every loader here has real worker processes writing into a real feedstored."""
+
+import collections
+import os
+import pathlib
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="the torch adapter needs torch (python3-torch)")
+import torch.utils.data as tud  # noqa: E402
+
+import feedstore  # noqa: E402
+from feedstore.torch import DataLoader  # noqa: E402
+
+Pair = collections.namedtuple("Pair", "left right")
+
+
+class Augmented(tud.Dataset):
+    """A map-style dataset whose samples draw from Python's, numpy's and torch's random state
+    (a random augmentation), so equal batches mean equal seeds in each worker."""
+
+    def __init__(self, n=37):
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        jitter = torch.rand(()) + random.random() + float(np.random.rand())
+        return {
+            "image": torch.full((3, 8, 8), float(i)) + jitter,
+            "label": i,
+            "name": f"sample-{i}",
+            "ids": np.arange(i, i + 4, dtype=np.int32),
+        }
+
+
+class Shards(tud.IterableDataset):
+    """An iterable dataset sharded per worker as torch documents, with shards of different
+    lengths (workers end at different times) and random draws."""
+
+    def __init__(self, n=23):
+        self.n = n
+
+    def __iter__(self):
+        info = tud.get_worker_info()
+        w, workers = (info.id, info.num_workers) if info else (0, 1)
+        for i in range(w, self.n + 5 * w, workers):
+            yield torch.tensor([i, int(torch.randint(0, 1000, ()))])
+
+
+def seeded():
+    torch.manual_seed(5)
+    random.seed(5)
+    np.random.seed(5)
+
+
+def same(a, b):
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, np.ndarray):
+        return isinstance(b, np.ndarray) and a.dtype == b.dtype and np.array_equal(a, b)
+    if isinstance(a, dict):
+        return type(a) is type(b) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return (
+            type(a) is type(b) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+        )
+    return type(a) is type(b) and a == b
+
+
+def assert_same_batches(ours, theirs):
+    assert len(ours) == len(theirs)
+    for i, (a, b) in enumerate(zip(ours, theirs)):
+        assert same(a, b), f"batch {i} differs: {a} != {b}"
+
+
+def both(dataset, daemon, **kwargs):
+    """The batches of torch's DataLoader and of ours, from the same seeds."""
+    seeded()
+    theirs = list(tud.DataLoader(dataset, generator=torch.Generator().manual_seed(7), **kwargs))
+    seeded()
+    loader = DataLoader(
+        dataset, socket=daemon.socket, generator=torch.Generator().manual_seed(7), **kwargs
+    )
+    ours = list(loader)
+    return ours, theirs, loader
+
+
+def store_empty(daemon):
+    daemon.wait_for(
+        "every batch object to be deleted",
+        lambda s: s["objects_sealed"] + s["objects_writing"] + s["objects_delete_pending"] == 0,
+    )
+
+
+@pytest.mark.parametrize("workers", [0, 2, 4])
+def test_map_style_batches_equal_torchs(daemon, workers):
+    ours, theirs, loader = both(Augmented(), daemon, batch_size=4, shuffle=True, num_workers=workers)
+    assert_same_batches(ours, theirs)
+    if workers:
+        assert loader.feedstore_counters.batches == len(theirs)
+    del ours
+    store_empty(daemon)
+
+
+@pytest.mark.parametrize("workers", [0, 2, 4])
+def test_iterable_batches_equal_torchs(daemon, workers):
+    ours, theirs, _ = both(Shards(), daemon, batch_size=3, num_workers=workers)
+    assert_same_batches(ours, theirs)
+    ours, theirs, _ = both(Shards(), daemon, batch_size=3, num_workers=workers, drop_last=True)
+    assert_same_batches(ours, theirs)
+
+
+def test_distributed_sampler_ranks_get_torchs_batches(daemon):
+    dataset = Augmented(30)
+    for rank in range(2):
+        sampler = tud.DistributedSampler(dataset, num_replicas=2, rank=rank, seed=3)
+        sampler.set_epoch(4)
+        ours, theirs, _ = both(dataset, daemon, batch_size=4, sampler=sampler, num_workers=2)
+        assert_same_batches(ours, theirs)
+
+
+def test_every_type_round_trips_through_shared_memory(daemon):
+    def collate(items):
+        n = len(items)
+        return {
+            "float32": torch.arange(n * 6, dtype=torch.float32).reshape(n, 2, 3),
+            "transposed": torch.arange(12.0).reshape(3, 4).t(),
+            "bfloat16": torch.ones(n, 2, dtype=torch.bfloat16),
+            "int64": torch.tensor([i for i in items]),
+            "bool": torch.tensor([i % 2 == 0 for i in items]),
+            "complex": torch.tensor([1 + 2j]),
+            "scalar": torch.tensor(7),
+            "empty": torch.zeros(0, 3),
+            "numpy": np.arange(n * 3, dtype=np.float16).reshape(n, 3),
+            "numpy_strings": np.array(["ab", "c"]),
+            "numpy_scalar": np.float64(2.5),
+            "text": [f"item {i}" for i in items],
+            "bytes": b"\x00\xff",
+            "number": 3,
+            "float": 0.25,
+            "none": None,
+            "nested": (torch.ones(2), Pair(torch.zeros(1, dtype=torch.int8), "right")),
+        }
+
+    expected = [collate(list(range(i, i + 2))) for i in (0, 2, 4)]
+    loader = DataLoader(range(6), batch_size=2, num_workers=2, collate_fn=collate, socket=daemon.socket)
+    batches = list(loader)
+    assert_same_batches(batches, expected)
+    batch = batches[0]
+    assert not batch["numpy"].flags.writeable  # store memory is read-only, and says so
+    # The tensors are views of one store object, leased until the last of them is gone.
+    assert daemon.stats()["leases"] == 3
+    tensor = batch["float32"]
+    del batches, batch
+    import gc
+
+    gc.collect()
+    feedstore.Client(daemon.socket).flush()
+    assert float(tensor[-1, -1, -1]) == 11.0
+    del tensor
+    gc.collect()
+    daemon.wait_for("the batches' leases to come back", lambda s: s["leases"] == 0)
+    store_empty(daemon)
+
+
+def test_default_collate_writes_the_stacked_batch_once_into_one_object(daemon):
+    dataset = [torch.full((64, 64), float(i)) for i in range(8)]
+    loader = DataLoader(dataset, batch_size=8, num_workers=2, socket=daemon.socket)
+    (batch,) = list(loader)
+    assert torch.equal(batch, torch.stack(dataset))
+    stats = daemon.stats()
+    assert stats["objects_sealed"] + stats["objects_delete_pending"] == 1
+    assert stats["leases"] == 1
+    assert stats["used_bytes"] >= batch.numel() * 4
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("kind", ["map", "iterable"])
+def test_state_dict_resumes_exactly_mid_epoch(daemon, workers, kind):
+    dataset = Augmented() if kind == "map" else Shards()
+    options = dict(batch_size=3, num_workers=workers, socket=daemon.socket)
+    if kind == "map":
+        options["shuffle"] = True
+
+    def make():
+        return DataLoader(dataset, generator=torch.Generator().manual_seed(11), **options)
+
+    seeded()
+    whole = list(make())
+    seeded()
+    loader = make()
+    iterator = iter(loader)
+    head = [next(iterator) for _ in range(5)]  # workers have prefetched beyond these
+    state = loader.state_dict()
+    del iterator
+    resumed = make()
+    resumed.load_state_dict(state)
+    assert_same_batches(head + list(resumed), whole)
+    # Saved at the epoch's end: the next epoch is the next one, not an empty one.
+    state = resumed.state_dict()
+    assert state["finished"]
+    again = make()
+    again.load_state_dict(state)
+    assert len(list(again)) == len(whole)
+
+
+def test_load_state_dict_refuses_another_worker_count(daemon):
+    loader = DataLoader(range(8), batch_size=2, num_workers=2, socket=daemon.socket)
+    other = DataLoader(range(8), batch_size=2, num_workers=0)
+    with pytest.raises(ValueError, match="num_workers=2"):
+        other.load_state_dict(loader.state_dict())
+
+
+class DiesOnce(tud.Dataset):
+    """Sample 13's first worker is killed with SIGKILL while making it (a crash, the OOM
+    killer); the marker file makes the restarted worker go on."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+        self.inner = Augmented()
+
+    def __len__(self):
+        return len(self.inner)
+
+    def __getitem__(self, i):
+        if i == 13 and not os.path.exists(self.marker):
+            pathlib.Path(self.marker).write_text(str(os.getpid()))
+            os.kill(os.getpid(), signal.SIGKILL)
+        return self.inner[i]
+
+
+def test_a_worker_killed_with_sigkill_is_restarted_and_its_batches_made_again(daemon, tmp_path):
+    marker = tmp_path / "killed"
+    seeded()
+    theirs = list(
+        tud.DataLoader(Augmented(), batch_size=4, shuffle=True, num_workers=2,
+                       generator=torch.Generator().manual_seed(7))
+    )
+    seeded()
+    loader = DataLoader(
+        DiesOnce(marker), batch_size=4, shuffle=True, num_workers=2, socket=daemon.socket,
+        generator=torch.Generator().manual_seed(7),
+    )
+    ours = list(loader)
+    assert marker.exists()  # a worker really died
+    assert loader.feedstore_counters.worker_restarts == 1
+    # Exactly torch's batches: the restarted worker starts from its last batch's random state.
+    assert_same_batches(ours, theirs)
+    del ours
+    store_empty(daemon)
+
+
+class Faulty(tud.Dataset):
+    def __len__(self):
+        return 12
+
+    def __getitem__(self, i):
+        if i in (5, 6):
+            raise ValueError(f"sample {i} is corrupt")
+        return torch.tensor([i])
+
+
+def test_an_exception_in_getitem_is_raised_with_its_index_and_traceback(daemon):
+    loader = DataLoader(Faulty(), batch_size=4, num_workers=2, socket=daemon.socket)
+    iterator = iter(loader)
+    assert torch.equal(next(iterator), torch.tensor([[0], [1], [2], [3]]))
+    with pytest.raises(ValueError) as raised:
+        next(iterator)
+    message = str(raised.value)
+    assert "sample index 5" in message
+    assert "sample 5 is corrupt" in message and "Traceback" in message
+    assert "__getitem__" in message
+    store_empty(daemon)
+
+
+def test_on_error_skip_leaves_bad_samples_out_and_counts_them(daemon):
+    loader = DataLoader(Faulty(), batch_size=4, num_workers=2, socket=daemon.socket, on_error="skip")
+    batches = [b.flatten().tolist() for b in loader]
+    assert batches == [[0, 1, 2, 3], [4, 7], [8, 9, 10, 11]]
+    assert loader.feedstore_counters.skipped_samples == 2
+
+
+def test_ctrl_c_stops_the_workers_and_gives_their_batches_back(daemon, tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(
+        textwrap.dedent(
+            f"""
+            import sys, time, torch
+            from feedstore.torch import DataLoader
+
+            class Slow(torch.utils.data.Dataset):
+                def __len__(self):
+                    return 10_000
+                def __getitem__(self, i):
+                    time.sleep(0.01)
+                    return torch.zeros(256, 1024)
+
+            loader = DataLoader(Slow(), batch_size=4, num_workers=2, socket={daemon.socket!r})
+            for i, batch in enumerate(loader):
+                if i == 3:
+                    print("training", flush=True)
+            """
+        )
+    )
+    env = dict(os.environ)
+    process = subprocess.Popen(
+        [sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
+        start_new_session=True,
+    )
+    assert process.stdout.readline() == b"training\n"
+    os.killpg(process.pid, signal.SIGINT)  # as a terminal's Ctrl-C: the whole group
+    _, stderr = process.communicate(timeout=60)
+    assert process.returncode != 0 and b"KeyboardInterrupt" in stderr
+    daemon.wait_for("every worker to disconnect", lambda s: s["clients"] <= 1)
+    store_empty(daemon)
