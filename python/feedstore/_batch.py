@@ -134,12 +134,17 @@ class _Pickler(pickle.Pickler):
 
 def write(client: "feedstore.Client", batch: Any) -> str:
     """Writes `batch` as one object and returns its handle."""
+    return fill(client.reserve, batch).seal()
+
+
+def fill(reserve: Callable[[int], "feedstore.Reservation"], batch: Any) -> "feedstore.Reservation":
+    """Writes `batch` into a reservation of the size it needs (from `reserve`), unsealed."""
     out = io.BytesIO()
     pickler = _Pickler(out)
     pickler.dump(batch)
     skeleton = out.getbuffer()
     data_start = _align(HEADER.size + len(skeleton))
-    reservation = client.reserve(data_start + pickler.data_len)
+    reservation = reserve(data_start + pickler.data_len)
     reservation.write(0, HEADER.pack(MAGIC, len(skeleton)))
     reservation.write(HEADER.size, skeleton)
     for offset, parts in pickler.leaves:
@@ -148,7 +153,7 @@ def write(client: "feedstore.Client", batch: Any) -> str:
             if part.nbytes:
                 reservation.write(at, part)
             at += part.nbytes
-    return reservation.seal()
+    return reservation
 
 
 _TORCH_DTYPES = {
@@ -178,6 +183,11 @@ class _Unpickler(pickle.Unpickler):
         if self.base is None:
             self.base = torch.from_dlpack(self.sample.buffer())
         return self.base[at : at + nbytes].view(_TORCH_DTYPES[dtype]).view(shape)
+
+
+def is_batch(sample: "feedstore.Sample") -> bool:
+    """Whether `sample` holds an object made by `write` / `fill`."""
+    return sample.nbytes >= HEADER.size and sample.data[: len(MAGIC)].tobytes() == MAGIC
 
 
 def read(sample: "feedstore.Sample") -> Any:

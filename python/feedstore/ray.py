@@ -60,6 +60,72 @@ NAMESPACE = "feedstore"
 PLACEMENTS = ("spread", "colocated", "relay")
 
 
+def write_stream(
+    dataset: "ray.data.Dataset",
+    name: str,
+    *,
+    world: int = 1,
+    records: Optional[int] = None,
+    batch_size: Optional[int] = None,
+    socket: Optional[str] = None,
+    depth: int = 64,
+    timeout: float = 600.0,
+) -> int:
+    """Feeds a Ray Data pipeline into a stream; returns the stream's record count.
+
+    Item *i* of the pipeline (a row, or with ``batch_size`` a batch of that many rows as a dict
+    of numpy arrays) becomes record *i*, written once into the node's shared memory as the
+    structure it is. Trainer rank *r* of ``world`` reads records *r*, *r + world*, ... with
+    ``feedstore.torch.StreamDataset(name, records, rank=r, world=world, shuffle="none")`` (or
+    ``feedstore.Stream``), each as that structure with its arrays over shared memory: no copy
+    into the trainer, no pickle of array bytes. The pipeline's order is kept
+    (``preserve_order``), so the records are the same on every run; a record the ranks cannot
+    share evenly (the tail) is not written.
+
+    Runs where it is called (the driver, or a Ray task on the node whose daemon it fills:
+    ``socket`` defaults as for every client). ``records`` defaults to ``dataset.count()`` (which
+    may run the pipeline once more) divided into batches. Waits while every reader's window
+    (``depth``) is full; raises ``feedstore.Timeout`` when readers take nothing for
+    ``timeout`` seconds.
+    """
+    from feedstore import _batch
+
+    if batch_size is not None and batch_size < 1:
+        raise feedstore.InvalidArgument(f"batch_size={batch_size}: at least 1")
+    dataset.context.execution_options.preserve_order = True
+    if records is None:
+        rows = dataset.count()
+        records = rows if batch_size is None else -(-rows // batch_size)
+    if batch_size is None:
+        items = dataset.iter_rows()
+    else:
+        items = dataset.iter_batches(batch_size=batch_size, batch_format="numpy")
+    needed = records // world * world
+    writer = feedstore.Writer(
+        name, records, world, shuffle="none", epochs=1, socket=socket, depth=depth
+    )
+    due: Dict[int, "feedstore.Task"] = {}
+    for record, item in enumerate(items):
+        if record >= needed:
+            break
+        waited_since = time.monotonic()
+        while record not in due:
+            tasks = writer.take(max=256, wait=1.0)
+            if tasks is None:
+                raise feedstore.InvalidArgument(
+                    f"stream {name!r} needs no more records (closed, or another writer fed it)"
+                )
+            for task in tasks:
+                due[task.record] = task
+            if not tasks and time.monotonic() - waited_since > timeout:
+                raise feedstore.Timeout(
+                    f"stream {name!r}: no reader took a record for {timeout:.0f} s (record "
+                    f"{record} is due; every window of {depth} is full)"
+                )
+        writer.publish(due.pop(record), _batch.fill(writer.reserve, item))
+    return records
+
+
 def _binary(name: str, bin_dir: Optional[str]) -> str:
     for d in [bin_dir, os.environ.get("FEEDSTORE_BIN_DIR")]:
         if d and os.path.exists(os.path.join(d, name)):

@@ -34,6 +34,7 @@ from torch.utils.data import DataLoader as TorchDataLoader
 from torch.utils.data import IterableDataset, get_worker_info
 
 import feedstore
+from feedstore import _batch
 from feedstore.loader import DataLoader
 
 __all__ = ["DataLoader", "StreamDataset", "collate", "to_torch", "rank_and_world"]
@@ -47,12 +48,18 @@ def rank_and_world() -> tuple[int, int]:
     return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def to_torch(sample: feedstore.Sample) -> Dict[str, Any]:
+def to_torch(sample: feedstore.Sample) -> Any:
     """A sample as a dict of torch tensors over shared memory (no copy):
 
     ``pixel_values``: list of image tensors; ``input_ids`` and ``labels``: int32;
     ``image_grid_thw``: int64 (n_images, 3); plus ``id``, ``seq`` and ``record``.
+
+    An object written from a Python structure (``feedstore.ray.write_stream``, a
+    ``feedstore.torch.DataLoader`` batch) comes back as that structure, its tensors and arrays
+    views of shared memory.
     """
+    if not sample.is_sample and _batch.is_batch(sample):
+        return _batch.read(sample)
     images = [torch.from_dlpack(sample.image(i)) for i in range(sample.image_count)]
     return {
         "pixel_values": images,
@@ -202,10 +209,12 @@ class StreamDataset(IterableDataset):
         stream_rank = self._stream_rank()
         with self.open(stream_rank) as stream:
             for sample in stream:
+                seq, is_sample = sample.seq, sample.is_sample
                 item = to_torch(sample)
-                item["rank"] = stream_rank
+                if is_sample:
+                    item["rank"] = stream_rank
                 del sample  # the tensors keep it leased for as long as they live
-                self._consumed[stream_rank] = item["seq"] + 1
+                self._consumed[stream_rank] = seq + 1
                 yield self.transform(item) if self.transform else item
 
     def observe(self, batch: Dict[str, Any]) -> None:

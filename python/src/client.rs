@@ -58,15 +58,7 @@ impl Client {
     /// Reserves a writable object of `nbytes` bytes (waiting for space up to the create
     /// timeout), for writing in pieces with `Reservation.write` and publishing with `seal`.
     fn reserve(&self, py: Python<'_>, nbytes: u64) -> PyResult<Reservation> {
-        if nbytes == 0 {
-            return Err(InvalidArgument::new_err(
-                "an object needs at least one byte",
-            ));
-        }
-        let object = py.detach(|| self.inner.create(nbytes)).py_err()?;
-        Ok(Reservation {
-            object: Mutex::new(Some(object)),
-        })
+        Reservation::reserve(py, &self.inner, nbytes)
     }
 
     /// The object with this handle, leased until the returned `Sample` and every array made
@@ -111,6 +103,27 @@ pub struct Reservation {
 }
 
 impl Reservation {
+    /// A reservation of `nbytes` from `client`.
+    pub fn reserve(py: Python<'_>, client: &RustClient, nbytes: u64) -> PyResult<Reservation> {
+        if nbytes == 0 {
+            return Err(InvalidArgument::new_err(
+                "an object needs at least one byte",
+            ));
+        }
+        let object = py.detach(|| client.create(nbytes)).py_err()?;
+        Ok(Reservation {
+            object: Mutex::new(Some(object)),
+        })
+    }
+
+    /// The unsealed object, taken out (the reservation is spent).
+    pub fn take(&self) -> PyResult<ObjectWriter> {
+        let object = self.object.lock().unwrap_or_else(|e| e.into_inner()).take();
+        object.ok_or_else(|| {
+            InvalidArgument::new_err("this reservation was already sealed or given back")
+        })
+    }
+
     fn with<T>(&self, f: impl FnOnce(&mut ObjectWriter) -> PyResult<T>) -> PyResult<T> {
         let mut object = self.object.lock().unwrap_or_else(|e| e.into_inner());
         match object.as_mut() {
@@ -172,10 +185,7 @@ impl Reservation {
 
     /// Publishes the object and returns its handle, as text. Readers see every byte written.
     fn seal(&self, py: Python<'_>) -> PyResult<String> {
-        let object = self.object.lock().unwrap_or_else(|e| e.into_inner()).take();
-        let object = object.ok_or_else(|| {
-            InvalidArgument::new_err("this reservation was already sealed or given back")
-        })?;
+        let object = self.take()?;
         let handle = py.detach(|| object.seal()).py_err()?;
         Ok(handle.to_string())
     }

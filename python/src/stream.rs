@@ -12,6 +12,7 @@ use numpy::{PyUntypedArray, PyUntypedArrayMethods};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 
+use crate::client::Reservation;
 use crate::errors::{Disconnected, FeedstoreError, IntoPy, InvalidArgument, Timeout, to_py};
 use crate::sample::{Sample, stack_images};
 
@@ -579,6 +580,19 @@ impl Writer {
     /// memory and published to the task's rank.
     fn put(&self, py: Python<'_>, task: &Task, item: &Bound<'_, PyAny>) -> PyResult<()> {
         let object = write_item(&self.client, item)?;
+        self.deliver(py, task, Made::Written(object))
+    }
+
+    /// Reserves an object of `nbytes` on this writer's connection, to fill with
+    /// `Reservation.write` and publish with `publish` (`feedstore.ray.write_stream` writes any
+    /// Python structure this way).
+    fn reserve(&self, py: Python<'_>, nbytes: u64) -> PyResult<Reservation> {
+        Reservation::reserve(py, &self.client, nbytes)
+    }
+
+    /// Publishes a filled reservation (from this writer's `reserve`) as the sample for `task`.
+    fn publish(&self, py: Python<'_>, task: &Task, reservation: &Reservation) -> PyResult<()> {
+        let object = reservation.take()?;
         self.deliver(py, task, Made::Written(object))
     }
 

@@ -325,3 +325,66 @@ def test_ctrl_c_stops_the_workers_and_gives_their_batches_back(daemon, tmp_path)
     assert process.returncode != 0 and b"KeyboardInterrupt" in stderr
     daemon.wait_for("every worker to disconnect", lambda s: s["clients"] <= 1)
     store_empty(daemon)
+
+
+def test_a_hugging_face_dataset_with_set_transform_gives_torchs_batches(daemon):
+    datasets = pytest.importorskip("datasets", reason="Hugging Face datasets (in Ray's venv)")
+    table = datasets.Dataset.from_dict(
+        {"text": [f"caption {i}" for i in range(30)], "pixels": [[i, i + 1, i + 2] for i in range(30)]}
+    )
+
+    def transform(batch):
+        return {
+            "pixels": [torch.tensor(p, dtype=torch.float32) / 255 + torch.rand(()) for p in batch["pixels"]],
+            "text": [t.upper() for t in batch["text"]],
+        }
+
+    table.set_transform(transform)
+    ours, theirs, _ = both(table, daemon, batch_size=4, shuffle=True, num_workers=2)
+    assert_same_batches(ours, theirs)
+    assert ours[0]["pixels"].shape == (4, 3) and ours[0]["text"][0].startswith("CAPTION")
+
+
+DISTRIBUTED_RANK = """
+import sys, torch, torch.distributed as dist, torch.utils.data as tud
+sys.path.insert(0, {tests!r})
+from test_loader import Augmented, same, seeded
+from feedstore.torch import DataLoader
+
+dist.init_process_group("gloo", init_method="file://{rendezvous}", rank=int(sys.argv[1]), world_size=2)
+dataset = Augmented(30)
+seen = []
+for loader_type, extra in ((tud.DataLoader, {{}}), (DataLoader, {{"socket": {socket!r}}})):
+    sampler = tud.DistributedSampler(dataset, seed=3)  # rank and world from torch.distributed
+    sampler.set_epoch(1)
+    seeded()
+    seen.append(list(loader_type(dataset, batch_size=4, sampler=sampler, num_workers=2,
+                                 generator=torch.Generator().manual_seed(7), **extra)))
+assert len(seen[0]) == len(seen[1]) and all(same(a, b) for a, b in zip(*seen))
+print(sorted(int(l) for batch in seen[1] for l in batch["label"]))
+dist.destroy_process_group()
+"""
+
+
+def test_distributed_sampler_with_ranks_from_torch_distributed(daemon, tmp_path):
+    """Two real ranks joined by torch.distributed (gloo): each rank's batches equal torch's,
+    and together they cover the data set."""
+    script = tmp_path / "rank.py"
+    script.write_text(
+        DISTRIBUTED_RANK.format(
+            tests=str(pathlib.Path(__file__).parent),
+            rendezvous=tmp_path / "rendezvous",
+            socket=daemon.socket,
+        )
+    )
+    ranks = [
+        subprocess.Popen([sys.executable, str(script), str(rank)], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, env=dict(os.environ))
+        for rank in range(2)
+    ]
+    labels = []
+    for rank in ranks:
+        out, err = rank.communicate(timeout=300)
+        assert rank.returncode == 0, err.decode()[-3000:]
+        labels += eval(out.decode().strip().splitlines()[-1])
+    assert sorted(labels) == list(range(30))

@@ -1,0 +1,39 @@
+"""feedstore.ray.write_stream: a Ray Data pipeline's batches into a stream, read by trainer
+ranks with StreamDataset, through a real local Ray instance and a real feedstored."""
+
+import numpy as np
+import pytest
+
+ray = pytest.importorskip("ray")
+torch = pytest.importorskip("torch", reason="the torch adapter needs torch (python3-torch)")
+
+import feedstore.ray as fray  # noqa: E402
+from feedstore.torch import StreamDataset  # noqa: E402
+
+
+@pytest.fixture
+def local_ray():
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
+             object_store_memory=100 * 1024 * 1024)
+    yield
+    ray.shutdown()
+
+
+def test_a_ray_data_pipeline_lands_in_a_stream_read_in_place(daemon, local_ray):
+    pipeline = ray.data.range(42).map(
+        lambda row: {"id": row["id"], "pixels": np.full((3, 4), row["id"], dtype=np.float32)}
+    )
+    records = fray.write_stream(pipeline, "raydata", world=2, batch_size=4, socket=daemon.socket)
+    assert records == 11  # 42 rows in batches of 4; the ranks share 10 of them
+    for rank in range(2):
+        dataset = StreamDataset("raydata", records, rank=rank, world=2, shuffle="none",
+                                socket=daemon.socket, wait=60)
+        batches = list(dataset)
+        assert len(batches) == 5
+        for k, batch in enumerate(batches):
+            record = rank + 2 * k
+            ids = list(range(4 * record, 4 * record + 4))
+            assert batch["id"].tolist() == ids
+            assert batch["pixels"].shape == (4, 3, 4) and batch["pixels"].dtype == np.float32
+            assert not batch["pixels"].flags.writeable  # a view of the store's memory
+            assert (batch["pixels"][:, 0, 0] == np.array(ids, dtype=np.float32)).all()
