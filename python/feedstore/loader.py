@@ -22,6 +22,7 @@ once, not after a timeout.
 
 from __future__ import annotations
 
+import atexit
 import collections
 import multiprocessing
 import multiprocessing.connection
@@ -52,8 +53,11 @@ STATE_VERSION = 1
 # How often a waiting trainer (and an idle worker) look up from their pipes: to check the
 # loader's `timeout`, and (workers) whether the trainer is still there.
 POLL_SECONDS = 1.0
-# A batch whose worker dies this many times in a row is an error, not bad luck.
+# A worker that dies this many times in a row (or a batch evicted this many times before the
+# trainer maps it) is an error, not bad luck.
 MAX_ATTEMPTS = 3
+# How long stopping waits for busy workers to finish their batch, before SIGTERM.
+SHUTDOWN_SECONDS = 2.0
 
 
 def _rng_state() -> tuple:
@@ -103,11 +107,11 @@ class _Fetcher:
     """torch's fetchers (map-style and iterable), sample by sample so that a failing sample is
     named (and can be skipped)."""
 
-    def __init__(self, args: _WorkerArgs) -> None:
+    def __init__(self, args: _WorkerArgs, into_store: bool = True) -> None:
         self.args = args
-        self.collate = (
-            _batch.default_collate if _batch.is_default_collate(args.collate_fn) else args.collate_fn
-        )
+        # Batches written into the store stack `default_collate`'s tensors there, once.
+        deferred = into_store and _batch.is_default_collate(args.collate_fn)
+        self.collate = _batch.default_collate if deferred else args.collate_fn
         self.iterator = iter(args.dataset) if args.iterable else None
         self.ended = False
         self.skipped = 0
@@ -222,8 +226,6 @@ class _WorkerLoop:
         args = self.args
         torch.set_num_threads(1)
         seed = _seed_like_torch(args.base_seed, args.worker_id)
-        if args.rng is not None:
-            _set_rng_state(args.rng)
         torch_utils.worker._worker_info = torch_utils.worker.WorkerInfo(
             id=args.worker_id, num_workers=args.num_workers, seed=seed, dataset=args.dataset
         )
@@ -233,6 +235,10 @@ class _WorkerLoop:
             )
             if args.init_fn is not None:
                 args.init_fn(args.worker_id)
+            if args.rng is not None:
+                # After `worker_init_fn`, which often reseeds: the state saved after the last
+                # batch already includes what it did.
+                _set_rng_state(args.rng)
             self.fetcher = _Fetcher(args)
             for _ in range(args.replay):
                 # An iterable dataset's batches this worker made before: made again, dropped.
@@ -253,8 +259,8 @@ class _WorkerLoop:
 
     def step(self) -> bool:
         """Handles one message from the trainer; False when it is time to leave."""
-        if not self.conn.poll(POLL_SECONDS):
-            return os.getppid() == self.parent  # an orphan leaves
+        if not self.conn.poll(POLL_SECONDS) or os.getppid() != self.parent:
+            return os.getppid() == self.parent  # an orphan leaves, idle or not
         message = self.conn.recv()
         if message is None:
             return False
@@ -319,6 +325,8 @@ class _Worker:
     taken: int = 0
     taken_rng: Optional[tuple] = None
     active: bool = True
+    # Deaths since its last reply: a worker that keeps dying is an error, not bad luck.
+    deaths: int = 0
     # Batch objects this process was asked to delete and has not yet said it did (replies
     # carry how many it has): sent again to its replacement if it dies.
     unconfirmed: Deque[str] = field(default_factory=collections.deque)
@@ -385,11 +393,29 @@ class _Outbox:
                     pass  # a dead worker's pipe
 
 
+# Live iterators with workers, stopped in order at interpreter exit: before multiprocessing's
+# own exit handler (registered earlier, so run later) terminates their workers.
+_LIVE: "weakref.WeakSet[_StoreIter]" = weakref.WeakSet()
+_EXITING = False
+
+
+@atexit.register
+def _stop_all() -> None:
+    global _EXITING
+    _EXITING = True
+    for iterator in list(_LIVE):
+        try:
+            iterator._shutdown()
+        except Exception:  # noqa: BLE001 (best effort at exit)
+            pass
+
+
 def _pump(ref: "weakref.ref[_StoreIter]") -> None:
     """The trainer's receiving thread: takes workers' replies as they come and maps each batch
-    at once (a lease, views of the object), restarts dead workers, and wakes the trainer, so
-    that `next(loader)` finds its batch ready. It holds the iterator only while handling what
-    arrived: an iterator the trainer drops is collected (and its workers stopped)."""
+    at once (a lease, views of the object, pinned if asked), restarts dead workers, and wakes
+    the trainer, so that `next(loader)` finds its batch ready. It holds the iterator only while
+    handling what arrived, so an iterator the trainer drops is collected (and its workers
+    stopped)."""
     while True:
         iterator = ref()
         if iterator is None or iterator._shut:
@@ -412,23 +438,89 @@ def _pump(ref: "weakref.ref[_StoreIter]") -> None:
         del iterator
 
 
-class _StoreIter(_BaseDataLoaderIter):
+class _Epoch:
+    """How an epoch's random draws start: from the loader's generator (or torch's global state)
+    as it stands, or, on a resume, from the state saved at that epoch's start.
+
+    torch draws the workers' base seed when an iterator is made (not again for persistent
+    workers' later epochs) and the sampler's permutation at its first index (lazily). A
+    resumed epoch makes the same draws from the saved state: the base seed (or, for a later
+    epoch of persistent workers, the saved one) and then the first index at once, before the
+    global state, when that is what it drew from, is put back (the trainer's own use of it is
+    the trainer's to restore)."""
+
+    @staticmethod
+    def begin(loader: "DataLoader", it: Any, resume: Optional[dict], init) -> None:
+        if resume is None or resume.get("rng") is None:
+            it._rng_at_start = _generator_state(loader)
+            it._draws_base_seed = True
+            init()
+            return
+        saved_rng = resume["rng"]
+        it._rng_at_start = saved_rng
+        it._draws_base_seed = resume.get("draws_base_seed", True)
+        current = torch.get_rng_state()
+        try:
+            if it._draws_base_seed:
+                _Epoch._set(loader, saved_rng)
+                init()
+            else:
+                init()  # its base seed draw is not this epoch's: the saved seed replaces it
+                it._base_seed = resume["base_seed"]
+                _Epoch._set(loader, saved_rng)
+            it._prime()
+        finally:
+            if loader.generator is None:
+                torch.set_rng_state(current)
+
+    @staticmethod
+    def _set(loader: "DataLoader", state: torch.Tensor) -> None:
+        if loader.generator is not None:
+            loader.generator.set_state(state)
+        else:
+            torch.set_rng_state(state)
+
+
+class _Primed:
+    """The sampler's first index taken ahead (so its random draw happens where it must)."""
+
+    def _prime(self) -> None:
+        try:
+            self._primed = [next(self._sampler_iter)]
+        except StopIteration:
+            self._primed = []
+            self._sampler_iter = iter(())
+
+    def _next_index(self) -> Any:
+        primed = getattr(self, "_primed", None)
+        if primed:
+            return primed.pop()
+        return next(self._sampler_iter)
+
+
+class _StoreIter(_Primed, _BaseDataLoaderIter):
     """One epoch (or, with persistent workers, every epoch) of a loader with workers.
 
     Two threads share it under `_cond`: the trainer's (`_next_data`: dispatching indices,
-    taking batches in order) and `_pump` (replies, deaths, mapping batches)."""
+    taking batches in order) and `_pump` (replies, deaths, mapping batches). Task ids count up
+    across the epochs of persistent workers, so a late reply from an earlier epoch is known as
+    such."""
 
     def __init__(self, loader: "DataLoader", resume: Optional[dict]) -> None:
         self._loader = loader
         self._shut = False
-        self._rng_at_start = _start_epoch(
-            loader, resume, lambda: super(_StoreIter, self).__init__(loader)
-        )
-        self._iterable = self._dataset_kind == _DatasetKind.Iterable
-        self._client = feedstore.Client(loader.feedstore_socket, name="DataLoader trainer")
-        self._context = loader.multiprocessing_context or multiprocessing.get_context()
-        self._workers: List[Optional[_Worker]] = [None] * self._num_workers
+        self._thread: Optional[threading.Thread] = None
+        self._tasks: Dict[int, _Task] = {}
+        self._send_idx = self._rcvd_idx = self._epoch_start = 0
+        self._cond = threading.Condition()
+        self._error: Optional[BaseException] = None
+        self._wake_read, self._wake_write = os.pipe()
         self._outbox = _Outbox()
+        self._workers: List[Optional[_Worker]] = []
+        _Epoch.begin(loader, self, resume, lambda: _BaseDataLoaderIter.__init__(self, loader))
+        self._iterable = self._dataset_kind == _DatasetKind.Iterable
+        self._context = loader.multiprocessing_context or multiprocessing.get_context()
+        self._workers = [None] * self._num_workers
         self._base_args = dict(
             num_workers=self._num_workers,
             dataset=self._dataset,
@@ -442,24 +534,28 @@ class _StoreIter(_BaseDataLoaderIter):
             on_error=loader.feedstore_on_error,
             replay_index=[None] * (loader.batch_size or 1) if self._auto_collation else None,
         )
-        saved = (resume or {}).get("workers")
-        for w in range(self._num_workers):
-            rng = saved["rng"][w] if saved else None
-            taken = saved["tasks"][w] if saved else 0
-            self._start_worker(w, rng=rng, replay=taken if self._iterable else 0)
-            worker = self._workers[w]
-            worker.done = worker.taken = taken
-            worker.rng = worker.taken_rng = rng
-            worker.active = saved["active"][w] if saved else True
-        self._cond = threading.Condition()
-        self._error: Optional[BaseException] = None
-        self._wake_read, self._wake_write = os.pipe()
-        with self._cond:
-            self._begin(resume)
+        try:
+            saved = (resume or {}).get("workers")
+            for w in range(self._num_workers):
+                rng = saved["rng"][w] if saved else None
+                taken = saved["tasks"][w] if saved else 0
+                self._start_worker(w, rng=rng, replay=taken if self._iterable else 0)
+                worker = self._workers[w]
+                worker.done = worker.taken = taken
+                worker.rng = worker.taken_rng = rng
+                worker.active = saved["active"][w] if saved else True
+            # Connected after the workers are forked, so they do not hold its socket open.
+            self._client = feedstore.Client(loader.feedstore_socket, name="DataLoader trainer")
+            with self._cond:
+                self._begin(resume)
+        except BaseException:
+            self._shutdown()
+            raise
         self._thread = threading.Thread(
             target=_pump, args=(weakref.ref(self),), name="feedstore DataLoader", daemon=True
         )
         self._thread.start()
+        _LIVE.add(self)
 
     # The epoch's bookkeeping (also run again for each epoch of persistent workers).
     def _begin(self, resume: Optional[dict]) -> None:
@@ -468,8 +564,9 @@ class _StoreIter(_BaseDataLoaderIter):
         if not self._iterable:
             for _ in range(tasks):
                 self._next_index()  # batches the trainer already had: their indices, skipped
-        self._tasks: Dict[int, _Task] = {}
-        self._send_idx = self._rcvd_idx = tasks
+        self._tasks = {}
+        self._epoch_start = self._send_idx
+        self._send_idx = self._rcvd_idx = self._epoch_start + tasks
         if self._iterable and resume:
             self._next_worker = resume["next_worker"]
         else:
@@ -480,11 +577,12 @@ class _StoreIter(_BaseDataLoaderIter):
 
     def _reset(self, loader, first_iter=False) -> None:
         """A new epoch on the same (persistent) workers, as torch's `_reset`: a new sampler
-        iterator, no new seeds."""
+        iterator, no new seeds. Tasks of the last epoch still out are dropped as they come."""
         with self._cond:
-            self._rng_at_start = _start_epoch(
-                loader, None, lambda: super(_StoreIter, self)._reset(loader)
-            )
+            self._rng_at_start = _generator_state(loader)
+            self._draws_base_seed = False
+            _BaseDataLoaderIter._reset(self, loader)
+            self._primed = None
             for worker in self._workers:
                 if worker is not None:
                     self._outbox.send(worker.conn, "epoch")
@@ -536,28 +634,32 @@ class _StoreIter(_BaseDataLoaderIter):
         return data
 
     def _next_data(self) -> Any:
+        if self._shut:
+            raise StopIteration
         try:
             with self._cond:
                 task = self._next_task()
-                batch = None if task is None else self._take(task)
-            if task is None:
-                if not self._persistent_workers:
-                    self._shutdown()
-                raise StopIteration
-            if self._pin_memory:
-                batch = torch_utils.pin_memory.pin_memory(batch, self._pin_memory_device)
-            return batch
-        except StopIteration:
-            raise
+                if task is not None:
+                    batch, error = self._take(task)
         except BaseException:
-            # An error or Ctrl-C: stop the workers (and give their batches back) before it
-            # propagates; the iterator is done.
+            # Ctrl-C, a timeout, a worker that keeps dying: stop the workers (and give their
+            # batches back) before it propagates; the iterator is done.
             self._shutdown()
             raise
+        if task is None:
+            if not self._persistent_workers:
+                self._shutdown()
+            raise StopIteration
+        if error is not None:
+            # One batch's error (as torch: the iterator goes on with the next batch).
+            if isinstance(error, ExceptionWrapper):
+                error.reraise()
+            raise error
+        return batch
 
     def _next_task(self) -> Optional[_Task]:
-        """The next task with a batch (None at the epoch's end), waiting up to the loader's
-        timeout; a task whose batch had no samples left is skipped."""
+        """The next task with a batch or an error (None at the epoch's end), waiting up to the
+        loader's timeout; tasks with nothing to yield are booked and passed over."""
         timeout = self._timeout if self._timeout > 0 else None
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
@@ -596,19 +698,16 @@ class _StoreIter(_BaseDataLoaderIter):
             worker.taken += 1
             worker.taken_rng = rng
 
-    def _take(self, task: _Task) -> Any:
-        """The trainer takes a task's batch, or the worker's error."""
+    def _take(self, task: _Task) -> tuple:
+        """(batch, None), or (None, the error) for a task whose batch failed."""
         self._count(task)
         counters = self._loader.feedstore_counters
         if task.reply[0] == "error":
             counters.failed_batches += 1
-            payload = task.reply[2]
-            if isinstance(payload, ExceptionWrapper):
-                payload.reraise()
-            raise payload
+            return None, task.reply[2]
         counters.batches += 1
         batch, task.batch = task.batch, None
-        return batch
+        return batch, None
 
     # The pump thread's side (under `_cond`).
     def _waitables(self) -> list:
@@ -618,6 +717,8 @@ class _StoreIter(_BaseDataLoaderIter):
     def _handle(self, ready: list) -> None:
         if self._wake_read in ready:
             os.read(self._wake_read, 4096)
+        if _EXITING:
+            return  # multiprocessing's exit handler is ending the workers: no restarts
         dead = set()
         for w, worker in enumerate(self._workers):
             if worker is None:
@@ -634,22 +735,39 @@ class _StoreIter(_BaseDataLoaderIter):
             self._restart(w)
 
     def _accept(self, w: int, reply: tuple) -> None:
-        kind, task_id, payload, deleted = reply[0], reply[1], reply[2], reply[-1]
+        kind, task_id, payload, rng, deleted = reply[0], reply[1], reply[2], reply[3], reply[-1]
         worker = self._workers[w]
+        worker.deaths = 0
         while worker.deletes_confirmed < deleted and worker.unconfirmed:
             worker.unconfirmed.popleft()
             worker.deletes_confirmed += 1
+        if kind != "stop" and rng is not None:
+            worker.rng = rng  # the worker's state after this batch, wanted or not
         task = self._tasks.get(task_id)
         if task is None or task.worker != w or task.reply is not None:
             if kind == "ok":
-                self._give_back(w, payload)  # a stale reply; nobody will read it
+                self._give_back(w, payload)  # a stale reply (an earlier epoch); nobody reads it
             return
         if kind == "ok":
             # Mapped now, while the trainer computes: its `next` finds views ready.
             started = time.perf_counter()
             try:
-                sample = self._client.get(payload)
-                task.batch = _batch.read(sample)
+                task.batch = _batch.read(self._client.get(payload))
+                if self._pin_memory:
+                    task.batch = torch_utils.pin_memory.pin_memory(
+                        task.batch, self._pin_memory_device
+                    )
+            except feedstore.NotFound:
+                # Evicted between its seal and this lease (a store under pressure): made again.
+                task.attempts += 1
+                if task.attempts < MAX_ATTEMPTS:
+                    self._outbox.send(worker.conn, (task_id, task.index))
+                    return
+                reply = ("error", task_id, feedstore.NotFound(
+                    f"batch {task_id - self._epoch_start} was evicted from the store "
+                    f"{task.attempts} times before the trainer could map it: the store is too "
+                    "small for the batches in flight (prefetch_factor x num_workers)"
+                ), *reply[3:])
             except Exception as e:  # noqa: BLE001 (raised when the trainer takes it)
                 reply = ("error", task_id, e, *reply[3:])
             # Trainers map the store read-only and cannot delete: the worker that made the
@@ -659,7 +777,6 @@ class _StoreIter(_BaseDataLoaderIter):
         task.reply = reply
         if kind != "stop":
             worker.done += 1
-            worker.rng = reply[3]
 
     def _give_back(self, w: int, handle: str) -> None:
         """Asks worker `w` to delete a batch object it made."""
@@ -671,7 +788,9 @@ class _StoreIter(_BaseDataLoaderIter):
 
     def _restart(self, w: int) -> None:
         """A worker died (kill -9, a crash in native code): start it again from its last reply
-        and send it its outstanding tasks again."""
+        and send it its outstanding tasks again. It is forked from this (the pump) thread, as
+        torch forks from the trainer's: a dataset that holds locks of other threads across a
+        fork would need the "forkserver" or "spawn" multiprocessing_context."""
         worker = self._workers[w]
         # Replies it managed to send before dying still count.
         try:
@@ -683,20 +802,19 @@ class _StoreIter(_BaseDataLoaderIter):
         code = worker.process.exitcode
         self._outbox.close(worker.conn)
         pending = sorted(i for i, t in self._tasks.items() if t.worker == w and t.reply is None)
-        if pending:
-            first = self._tasks[pending[0]]
-            first.attempts += 1
-            if first.attempts >= MAX_ATTEMPTS:
-                raise RuntimeError(
-                    f"DataLoader worker {w} (pid {worker.process.pid}) exited unexpectedly "
-                    f"(exit code {code}) {first.attempts} times making batch {pending[0]} "
-                    f"(indices {first.index!r})"
-                )
+        worker.deaths += 1
+        if worker.deaths >= MAX_ATTEMPTS:
+            where = f" making batch {pending[0] - self._epoch_start} (indices " \
+                f"{self._tasks[pending[0]].index!r})" if pending else ""
+            raise RuntimeError(
+                f"DataLoader worker {w} (pid {worker.process.pid}) exited unexpectedly "
+                f"(exit code {code}) {worker.deaths} times in a row{where}"
+            )
         self._loader.feedstore_counters.worker_restarts += 1
         self._start_worker(w, rng=worker.rng, replay=worker.done if self._iterable else 0)
         new = self._workers[w]
-        new.done, new.rng, new.taken, new.taken_rng, new.active = (
-            worker.done, worker.rng, worker.taken, worker.taken_rng, worker.active
+        new.done, new.rng, new.taken, new.taken_rng, new.active, new.deaths = (
+            worker.done, worker.rng, worker.taken, worker.taken_rng, worker.active, worker.deaths
         )
         for handle in worker.unconfirmed:
             self._give_back(w, handle)
@@ -712,11 +830,13 @@ class _StoreIter(_BaseDataLoaderIter):
             head = self._tasks.get(self._rcvd_idx)
             workers = list(self._workers)
             return {
-                "tasks": self._rcvd_idx,
+                "tasks": self._rcvd_idx - self._epoch_start,
                 "batches": self._num_yielded,
                 "next_worker": head.worker if head else self._next_worker,
                 "finished": finished,
                 "rng": self._rng_at_start,
+                "draws_base_seed": self._draws_base_seed,
+                "base_seed": self._base_seed,
                 "workers": {
                     "rng": [w.taken_rng if w else None for w in workers],
                     "tasks": [w.taken if w else 0 for w in workers],
@@ -725,71 +845,74 @@ class _StoreIter(_BaseDataLoaderIter):
             }
 
     def _shutdown(self) -> None:
-        """Stops the pump and the workers; batches not taken are given back."""
+        """Stops the pump and the workers; batches not taken are given back. Workers get one
+        deadline together; one still busy then is sent SIGTERM (it deletes what it made and
+        leaves), and SIGKILL only if that does not end it."""
         if self._shut:
             return
+        if getattr(self, "_base_seed", None) is not None and hasattr(self, "_sampler_done"):
+            self._loader._feedstore_remember(self.feedstore_state())
         self._shut = True
         os.write(self._wake_write, b"x")
-        if threading.current_thread() is not self._thread:
+        if self._thread is not None and threading.current_thread() is not self._thread:
             self._thread.join()
         for task in self._tasks.values():
             task.batch = None
             if task.reply is not None and task.reply[0] == "ok":
                 self._give_back(task.worker, task.reply[2])
         self._tasks.clear()
-        for worker in self._workers:
-            if worker is not None:
-                self._outbox.send(worker.conn, None)
+        live = [w for w in self._workers if w is not None]
+        for worker in live:
+            self._outbox.send(worker.conn, None)
         self._outbox.stop()
-        for worker in self._workers:
-            if worker is None:
-                continue
-            worker.process.join(timeout=5)
+        deadline = time.monotonic() + SHUTDOWN_SECONDS
+        for worker in live:
+            worker.process.join(timeout=max(0.0, deadline - time.monotonic()))
+        for worker in live:
+            if worker.process.is_alive():
+                worker.process.terminate()
+                worker.process.join(timeout=SHUTDOWN_SECONDS)
             if worker.process.is_alive():
                 worker.process.kill()
                 worker.process.join()
             worker.conn.close()
         os.close(self._wake_read)
         os.close(self._wake_write)
+        _LIVE.discard(self)
 
     def __del__(self) -> None:
-        if getattr(self, "_thread", None) is not None:
-            try:
-                self._shutdown()
-            except Exception:
-                pass  # interpreter shutdown: the workers notice the trainer is gone
+        if getattr(self, "_shut", True):
+            return
+        try:
+            self._shutdown()
+        except Exception:  # noqa: BLE001
+            pass  # interpreter shutdown: the workers notice the trainer is gone
 
 
-def _start_epoch(loader: "DataLoader", resume: Optional[dict], start) -> Optional[torch.Tensor]:
-    """Runs `start` (which draws the sampler's and the workers' seeds) and returns the random
-    state it drew from. Resuming mid-epoch, it draws from the saved state instead; the global
-    random state, when that is what it drew from, is put back afterwards (the trainer's own
-    use of it is the trainer's to restore)."""
-    if resume is None or resume.get("rng") is None:
-        before = _generator_state(loader)
-        start()
-        return before
-    if loader.generator is not None:
-        loader.generator.set_state(resume["rng"])
-        start()
-        return resume["rng"]
-    current = torch.get_rng_state()
-    torch.set_rng_state(resume["rng"])
-    try:
-        start()
-    finally:
-        torch.set_rng_state(current)
-    return resume["rng"]
-
-
-class _InProcessIter(torch.utils.data.dataloader._SingleProcessDataLoaderIter):
+class _InProcessIter(_Primed, torch.utils.data.dataloader._SingleProcessDataLoaderIter):
     """`num_workers=0`: torch's own in-process loading (there is nothing to hand over), with
-    the state this loader saves and resumes."""
+    the state this loader saves and resumes, and `on_error="skip"`."""
 
     def __init__(self, loader: "DataLoader", resume: Optional[dict]) -> None:
-        self._rng_at_start = _start_epoch(
-            loader, resume, lambda: super(_InProcessIter, self).__init__(loader)
+        self._loader = loader
+        _Epoch.begin(
+            loader,
+            self,
+            resume,
+            lambda: torch.utils.data.dataloader._SingleProcessDataLoaderIter.__init__(self, loader),
         )
+        self._skipper = None
+        if loader.feedstore_on_error == "skip":
+            self._skipper = _Fetcher(
+                _WorkerArgs(
+                    worker_id=0, num_workers=0, dataset=self._dataset,
+                    iterable=self._dataset_kind == _DatasetKind.Iterable,
+                    auto_collation=self._auto_collation, collate_fn=self._collate_fn,
+                    drop_last=self._drop_last, base_seed=self._base_seed, init_fn=None,
+                    socket=None, on_error="skip",
+                ),
+                into_store=False,
+            )
         tasks = (resume or {}).get("tasks", 0)
         if self._dataset_kind == _DatasetKind.Iterable and tasks:
             # The batches the trainer had, made again and dropped; their random draws come
@@ -797,7 +920,7 @@ class _InProcessIter(torch.utils.data.dataloader._SingleProcessDataLoaderIter):
             state = _rng_state()
             try:
                 for _ in range(tasks):
-                    self._dataset_fetcher.fetch(self._next_index())
+                    self._fetch(self._next_index())
             finally:
                 _set_rng_state(state)
         else:
@@ -805,23 +928,41 @@ class _InProcessIter(torch.utils.data.dataloader._SingleProcessDataLoaderIter):
                 self._next_index()
         self._num_yielded = (resume or {}).get("batches", 0)
         self._tasks_taken = tasks
-        self._finished = False
+        self._ended = False
 
-    def _next_data(self) -> Any:
-        try:
-            batch = super()._next_data()
-        except StopIteration:
-            self._finished = True
-            raise
-        self._tasks_taken += 1
+    def _fetch(self, index: Any) -> Any:
+        if self._skipper is None:
+            return self._dataset_fetcher.fetch(index)
+        batch = self._skipper.fetch(index)
+        self._loader.feedstore_counters.skipped_samples += self._skipper.skipped
+        self._skipper.skipped = 0
         return batch
 
+    def _next_data(self) -> Any:
+        while True:
+            try:
+                batch = self._fetch(self._next_index())
+            except StopIteration:
+                self._ended = True
+                raise
+            self._tasks_taken += 1
+            if batch is _MISSING:
+                continue  # every sample of the batch was skipped
+            if self._pin_memory:
+                batch = torch_utils.pin_memory.pin_memory(batch, self._pin_memory_device)
+            return batch
+
     def feedstore_state(self) -> dict:
+        finished = self._ended
+        if not finished and self._dataset_kind != _DatasetKind.Iterable:
+            finished = self._tasks_taken >= len(self._index_sampler)
         return {
             "tasks": self._tasks_taken,
             "batches": self._num_yielded,
-            "finished": self._finished,
+            "finished": finished,
             "rng": self._rng_at_start,
+            "draws_base_seed": True,
+            "base_seed": self._base_seed,
         }
 
 
@@ -869,7 +1010,10 @@ class DataLoader(torch.utils.data.DataLoader):
         self.feedstore_on_error = on_error
         self.feedstore_counters = _Counters()
         self._feedstore_resume: Optional[dict] = None
+        # The latest iterator: held strongly only for persistent workers (as torch does), so
+        # that an iterator the trainer drops stops its workers; what it last stood at is kept.
         self._feedstore_current: Any = None
+        self._feedstore_last: Optional[dict] = None
         super().__init__(
             dataset,
             batch_size=batch_size,
@@ -897,19 +1041,32 @@ class DataLoader(torch.utils.data.DataLoader):
             return None
         return resume
 
+    def _feedstore_iterator(self) -> Any:
+        current = self._feedstore_current
+        return current() if isinstance(current, weakref.ref) else current
+
+    def _feedstore_remember(self, state: dict) -> None:
+        self._feedstore_last = state
+
     def __iter__(self) -> Any:
         resume = self._feedstore_take_resume()
+        current = self._feedstore_iterator()
         if self.num_workers == 0:
             iterator = _InProcessIter(self, resume)
-        elif self.persistent_workers and self._feedstore_current is not None and resume is None:
-            iterator = self._feedstore_current
+        elif (
+            self.persistent_workers
+            and resume is None
+            and isinstance(current, _StoreIter)
+            and not current._shut
+        ):
+            iterator = current
             iterator._reset(self)
         else:
-            if self._feedstore_current is not None and hasattr(self._feedstore_current, "_shutdown"):
-                self._feedstore_current._shutdown()
             iterator = _StoreIter(self, resume)
-        self._feedstore_current = iterator
-        self._feedstore_rng_after = _generator_state(self) if self.generator is not None else None
+        # (Without workers there is nothing to stop: the iterator is kept.)
+        keep = self.persistent_workers or self.num_workers == 0
+        self._feedstore_current = iterator if keep else weakref.ref(iterator)
+        self._feedstore_last = None
         return iterator
 
     def state_dict(self) -> dict:
@@ -917,11 +1074,16 @@ class DataLoader(torch.utils.data.DataLoader):
         sampler, batch size and workers) makes its next batch the one this loader would
         yield next. Save it with the trainer's checkpoint."""
         state: dict = {"version": STATE_VERSION, "num_workers": self.num_workers}
-        if self._feedstore_current is None:
+        current = self._feedstore_iterator()
+        if current is not None and not getattr(current, "_shut", False):
+            state.update(current.feedstore_state())
+        elif self._feedstore_last is not None:
+            state.update(self._feedstore_last)
+        else:
             state.update(tasks=0, batches=0, finished=False, rng=None)
             return state
-        state.update(self._feedstore_current.feedstore_state())
-        state["rng_after"] = self._feedstore_rng_after
+        # Where a finished epoch left the loader's generator: the next epoch starts there.
+        state["rng_after"] = self.generator.get_state() if self.generator is not None else None
         return state
 
     def load_state_dict(self, state: dict) -> None:

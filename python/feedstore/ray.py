@@ -105,6 +105,7 @@ def write_stream(
         name, records, world, shuffle="none", epochs=1, socket=socket, depth=depth
     )
     due: Dict[int, "feedstore.Task"] = {}
+    written = 0
     for record, item in enumerate(items):
         if record >= needed:
             break
@@ -123,6 +124,13 @@ def write_stream(
                     f"{record} is due; every window of {depth} is full)"
                 )
         writer.publish(due.pop(record), _batch.fill(writer.reserve, item))
+        written += 1
+    if written < needed:
+        writer.close()  # its readers see the end instead of waiting for records never made
+        raise feedstore.InvalidArgument(
+            f"the pipeline gave {written} items, the stream {name!r} needs {needed} "
+            f"({records} records for {world} ranks): pass the right `records`"
+        )
     return records
 
 

@@ -149,33 +149,38 @@ impl Reservation {
             ));
         }
         let len = buffer.len_bytes();
-        self.with(|object| {
-            let size = object.len();
-            let Some(dst) = offset
-                .checked_add(len)
-                .filter(|&end| end <= size)
-                .map(|end| &mut object.as_mut_slice()[offset..end])
-            else {
-                return Err(InvalidArgument::new_err(format!(
-                    "{len} bytes at offset {offset} do not fit an object of {size} bytes"
-                )));
-            };
-            let src = buffer.buf_ptr() as usize;
-            let mut copy = move || {
+        let src = buffer.buf_ptr() as usize;
+        let copy = || {
+            // The lock is taken where the copy runs: a large copy runs without the GIL, and a
+            // thread holding the lock never waits for the GIL (another thread waiting for the
+            // lock with the GIL would otherwise deadlock with it).
+            self.with(|object| {
+                let size = object.len();
+                let Some(dst) = offset
+                    .checked_add(len)
+                    .filter(|&end| end <= size)
+                    .map(|end| &mut object.as_mut_slice()[offset..end])
+                else {
+                    return Err(InvalidArgument::new_err(format!(
+                        "{len} bytes at offset {offset} do not fit an object of {size} bytes"
+                    )));
+                };
                 // SAFETY: `buffer` is a C-contiguous export of `len` bytes, kept alive (and its
-                // memory with it) until `buffer` drops after this call; `dst` is `len` bytes of
-                // this reservation, writable by this connection alone, and no Python buffer
-                // views it, so the two cannot overlap.
+                // memory with it, unresizable) until `buffer` drops after this call; `dst` is
+                // `len` bytes of this reservation, writable by this connection alone, and no
+                // Python buffer views it, so the two cannot overlap.
                 let src = unsafe { std::slice::from_raw_parts(src as *const u8, len) };
                 dst.copy_from_slice(src);
-            };
-            if len >= DETACHED_COPY_BYTES {
-                py.detach(copy);
-            } else {
-                copy();
-            }
-            Ok(())
-        })
+                Ok(())
+            })
+        };
+        let result = if len >= DETACHED_COPY_BYTES {
+            py.detach(copy)
+        } else {
+            copy()
+        };
+        drop(buffer);
+        result
     }
 
     /// The object's size in bytes.

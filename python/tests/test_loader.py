@@ -282,11 +282,19 @@ def test_an_exception_in_getitem_is_raised_with_its_index_and_traceback(daemon):
     assert "sample index 5" in message
     assert "sample 5 is corrupt" in message and "Traceback" in message
     assert "__getitem__" in message
+    # As with torch, the iterator goes on with the next batch.
+    assert torch.equal(next(iterator), torch.tensor([[8], [9], [10], [11]]))
+    with pytest.raises(StopIteration):
+        next(iterator)
+    del iterator
     store_empty(daemon)
 
 
-def test_on_error_skip_leaves_bad_samples_out_and_counts_them(daemon):
-    loader = DataLoader(Faulty(), batch_size=4, num_workers=2, socket=daemon.socket, on_error="skip")
+@pytest.mark.parametrize("workers", [0, 2])
+def test_on_error_skip_leaves_bad_samples_out_and_counts_them(daemon, workers):
+    loader = DataLoader(
+        Faulty(), batch_size=4, num_workers=workers, socket=daemon.socket, on_error="skip"
+    )
     batches = [b.flatten().tolist() for b in loader]
     assert batches == [[0, 1, 2, 3], [4, 7], [8, 9, 10, 11]]
     assert loader.feedstore_counters.skipped_samples == 2
@@ -388,3 +396,122 @@ def test_distributed_sampler_with_ranks_from_torch_distributed(daemon, tmp_path)
         assert rank.returncode == 0, err.decode()[-3000:]
         labels += eval(out.decode().strip().splitlines()[-1])
     assert sorted(labels) == list(range(30))
+
+
+def test_persistent_workers_after_a_break_and_an_error_give_torchs_next_epochs(daemon):
+    """A `break` leaves batches in flight and an error ends nothing: the next epochs are still
+    torch's (late replies of an earlier epoch are dropped, not taken for this one's)."""
+
+    def epochs(loader_type, **extra):
+        seeded()
+        loader = loader_type(Augmented(24), batch_size=2, shuffle=True, num_workers=2,
+                             persistent_workers=True, generator=torch.Generator().manual_seed(7),
+                             **extra)
+        for batch in loader:
+            break
+        return [[b["label"].tolist() for b in loader] for _ in range(2)]
+
+    assert epochs(DataLoader, socket=daemon.socket) == epochs(tud.DataLoader)
+
+
+def test_two_iterators_of_one_loader_run_side_by_side_as_torchs(daemon):
+    def pairs(loader_type, **extra):
+        seeded()
+        loader = loader_type(Augmented(20), batch_size=4, shuffle=True, num_workers=2,
+                             generator=torch.Generator().manual_seed(7), **extra)
+        return [(a["label"].tolist(), b["label"].tolist()) for a, b in zip(loader, loader)]
+
+    assert pairs(DataLoader, socket=daemon.socket) == pairs(tud.DataLoader)
+
+
+def test_an_iterator_dropped_after_a_break_stops_its_workers_and_gives_its_batches_back(daemon):
+    loader = DataLoader(Augmented(40), batch_size=4, num_workers=2, socket=daemon.socket)
+    for batch in loader:
+        break
+    del batch
+    daemon.wait_for("the workers and the trainer's connection to go", lambda s: s["clients"] <= 1)
+    store_empty(daemon)
+    assert loader.state_dict()["batches"] == 1  # what it stood at is kept
+
+
+class Reseeding(tud.Dataset):
+    """Draws from numpy's global state, which a common worker_init_fn reseeds."""
+
+    def __len__(self):
+        return 24
+
+    def __getitem__(self, i):
+        return torch.tensor([i, int(np.random.randint(0, 1 << 30))])
+
+
+def reseed(worker_id):
+    np.random.seed(torch.initial_seed() % 2**32)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_resume_is_exact_from_the_global_random_state_and_with_a_reseeding_init_fn(daemon, workers):
+    def make():
+        return DataLoader(Reseeding(), batch_size=2, shuffle=True, num_workers=workers,
+                          worker_init_fn=reseed if workers else None, socket=daemon.socket)
+
+    seeded()
+    whole = list(make())
+    seeded()
+    loader = make()
+    iterator = iter(loader)
+    head = [next(iterator) for _ in range(4)]
+    state = loader.state_dict()
+    del iterator
+    torch.manual_seed(1234)  # the trainer's own draws since: not the loader's business
+    resumed = make()
+    resumed.load_state_dict(state)
+    assert_same_batches(head + list(resumed), whole)
+
+
+def test_reservation_writes_from_two_threads_do_not_deadlock(daemon):
+    import threading
+
+    client = feedstore.Client(daemon.socket, writer=True)
+    reservation = client.reserve(64 << 20)
+    big = np.ones(64 << 20, dtype=np.uint8)
+    done = []
+
+    def write():
+        for _ in range(5):
+            reservation.write(0, big)  # a large copy, without the GIL
+        done.append(True)
+
+    thread = threading.Thread(target=write)
+    thread.start()
+    for _ in range(200):
+        assert len(reservation) == 64 << 20
+    thread.join(timeout=60)
+    assert done and not thread.is_alive()
+    handle = reservation.seal()
+    assert feedstore.Client(daemon.socket).get(handle).data[-1] == 1
+
+
+def test_a_trainer_exiting_with_a_live_iterator_stops_its_workers_without_restarting_them(
+    daemon, tmp_path
+):
+    script = tmp_path / "exit.py"
+    script.write_text(
+        textwrap.dedent(
+            f"""
+            import torch
+            from feedstore.torch import DataLoader
+
+            loader = DataLoader([torch.zeros(1024, 1024)] * 64, batch_size=4, num_workers=2,
+                                persistent_workers=True, socket={daemon.socket!r})
+            iterator = iter(loader)
+            next(iterator)
+            print("exiting", flush=True)
+            """
+        )
+    )
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, timeout=120)
+    assert done.returncode == 0, done.stderr.decode()[-3000:]
+    daemon.wait_for("every worker to disconnect", lambda s: s["clients"] <= 1)
+    store_empty(daemon)
+    log = (tmp_path / "feedstored.log").read_text()
+    assert log.count('role=Writer name="DataLoader worker') == 2  # none started again

@@ -7,6 +7,7 @@ import pytest
 ray = pytest.importorskip("ray")
 torch = pytest.importorskip("torch", reason="the torch adapter needs torch (python3-torch)")
 
+import feedstore  # noqa: E402
 import feedstore.ray as fray  # noqa: E402
 from feedstore.torch import StreamDataset  # noqa: E402
 
@@ -37,3 +38,8 @@ def test_a_ray_data_pipeline_lands_in_a_stream_read_in_place(daemon, local_ray):
             assert batch["pixels"].shape == (4, 3, 4) and batch["pixels"].dtype == np.float32
             assert not batch["pixels"].flags.writeable  # a view of the store's memory
             assert (batch["pixels"][:, 0, 0] == np.array(ids, dtype=np.float32)).all()
+
+
+def test_write_stream_says_so_when_the_pipeline_is_shorter_than_the_stream(daemon, local_ray):
+    with pytest.raises(feedstore.InvalidArgument, match="gave 6 items"):
+        fray.write_stream(ray.data.range(6), "short", world=2, records=10, socket=daemon.socket)

@@ -1,0 +1,239 @@
+"""A training loop fed by `torch.utils.data.DataLoader` and by `feedstore.torch.DataLoader`, side
+by side in one run: the same Python dataset, the same CPUs, the same step.
+
+The dataset is the demo's (256 records: real photos and easy-VQA images of 256-2048 px, and
+their conversations): each sample is decoded with Pillow, resized to 448x448 (bicubic),
+normalised with CLIP's mean and std into a float32 CHW tensor, and its conversation tokenized
+with the Qwen3 tokenizer (Hugging Face `tokenizers`) into 64 ids. Each rank is its own trainer
+process with its own loader (`DistributedSampler`), taking `--steps` batches of 16 and
+"computing" for `--step-ms` after each (a sleep: a GPU step the CPU waits out).
+
+Per cell (loader x workers per rank x local ranks): the wait-time ratio (time in `next` over
+the run), samples/s of all ranks together, the time to the first batch, and the peak PSS of the
+whole process tree (trainers, workers and, for feedstore, the daemon, whose shared memory PSS
+splits among the processes that map it).
+
+Usage (release binaries built; `feedstore demo` run once, which writes the data set to
+~/.cache/feedstore/demo; `pip install tokenizers`):
+
+    cargo build --release --bins -p feedstore && pip install ./python tokenizers
+    python benches/loader_train.py [--steps 30] [--step-ms 250]
+"""
+
+import argparse
+import gzip
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+MEAN = (0.48145466, 0.4578275, 0.40821073)
+STD = (0.26862954, 0.26130258, 0.27577711)
+SIDE, TOKENS, BATCH = 448, 64, 16
+
+
+class Sft:
+    """The demo's records as a map-style dataset: Pillow decode + resize + normalise, and the
+    conversation tokenized."""
+
+    def __init__(self, root, tokenizer_json):
+        self.root = pathlib.Path(root)
+        self.records = [json.loads(line) for line in open(self.root / "data.jsonl")]
+        self.tokenizer_json = tokenizer_json
+        self.tokenizer = None
+
+    def __len__(self):
+        return len(self.records)
+
+    def __getitem__(self, i):
+        import numpy as np
+        import torch
+        from PIL import Image
+        from tokenizers import Tokenizer
+
+        if self.tokenizer is None:
+            self.tokenizer = Tokenizer.from_str(self.tokenizer_json)
+        record = self.records[i]
+        with Image.open(self.root / record["image"]) as image:
+            rgb = image.convert("RGB").resize((SIDE, SIDE), Image.BICUBIC)
+        pixels = np.asarray(rgb, dtype=np.float32) / 255.0
+        pixels = (pixels - np.array(MEAN, dtype=np.float32)) / np.array(STD, dtype=np.float32)
+        text = "\n".join(turn["value"] for turn in record["conversations"])
+        ids = self.tokenizer.encode(text).ids[:TOKENS]
+        ids += [0] * (TOKENS - len(ids))
+        return {
+            "pixel_values": torch.from_numpy(pixels.transpose(2, 0, 1).copy()),
+            "input_ids": torch.tensor(ids, dtype=torch.int64),
+            "id": record["id"],
+        }
+
+
+def trainer(args):
+    """One rank: iterate its loader for `steps` batches; print its figures as JSON."""
+    import torch
+    import torch.utils.data as tud
+
+    tokenizer = gzip.decompress(
+        (REPO / "producer/tests/data/qwen3-tokenizer.json.gz").read_bytes()
+    ).decode()
+    dataset = Sft(args.data, tokenizer)
+    sampler = tud.DistributedSampler(dataset, num_replicas=args.ranks, rank=args.rank, seed=0)
+    options = dict(batch_size=BATCH, sampler=sampler, num_workers=args.workers, drop_last=True)
+    if args.loader == "feedstore":
+        from feedstore.torch import DataLoader
+
+        loader = DataLoader(dataset, socket=args.socket, **options)
+    else:
+        loader = tud.DataLoader(dataset, **options)
+    waited, steps, epoch = 0.0, 0, 0
+    start = time.perf_counter()
+    first = None
+    while steps < args.steps:
+        sampler.set_epoch(epoch)
+        iterator = iter(loader)
+        while steps < args.steps:
+            before = time.perf_counter()
+            try:
+                batch = next(iterator)
+            except StopIteration:
+                break
+            got = time.perf_counter()
+            if first is None:
+                first = got - start
+            else:
+                waited += got - before  # the first batch is reported on its own
+            assert batch["pixel_values"].shape == (BATCH, 3, SIDE, SIDE)
+            del batch
+            time.sleep(args.step_ms / 1000)
+            steps += 1
+        epoch += 1
+        del iterator
+    elapsed = time.perf_counter() - start - first
+    print(json.dumps({"first": first, "waited": waited, "elapsed": elapsed, "steps": steps}))
+
+
+def tree(root):
+    """The pids of `root` and all its descendants."""
+    children = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except OSError:
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    pids, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        pids.append(pid)
+        todo += children.get(pid, [])
+    return pids
+
+
+def pss_kib(pids):
+    total = 0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/smaps_rollup") as f:
+                for line in f:
+                    if line.startswith("Pss:"):
+                        total += int(line.split()[1])
+        except OSError:
+            pass
+    return total
+
+
+def cell(args, loader, workers, ranks):
+    """Runs one cell: `ranks` trainer processes; returns their figures and the peak PSS."""
+    tmp = tempfile.mkdtemp()
+    socket = os.path.join(tmp, "bench.sock")
+    daemon = None
+    if loader == "feedstore":
+        # Sized as the README says: room for each rank's prefetched batches (2 per worker) and
+        # the two it holds (the one in use, the one being taken), plus slack.
+        batch_mib = BATCH * 3 * SIDE * SIDE * 4 / 2**20 + 1
+        capacity = int(ranks * (2 * workers + 2) * batch_mib) + 64
+        daemon = subprocess.Popen(
+            [REPO / "target/release/feedstored", "--socket", socket, "--capacity",
+             f"{capacity}MiB", "--prefault", "false"],
+            stderr=subprocess.DEVNULL,
+        )
+        while not os.path.exists(socket):
+            time.sleep(0.01)
+    peak, done = 0, threading.Event()
+
+    def watch():
+        nonlocal peak
+        while not done.is_set():
+            peak = max(peak, pss_kib(tree(os.getpid())) - own)
+            time.sleep(0.05)
+
+    own = pss_kib([os.getpid()])
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    procs = [
+        subprocess.Popen(
+            [sys.executable, __file__, "--trainer", "--loader", loader, "--workers", str(workers),
+             "--ranks", str(ranks), "--rank", str(rank), "--socket", socket, "--data", args.data,
+             "--steps", str(args.steps), "--step-ms", str(args.step_ms)],
+            stdout=subprocess.PIPE,
+        )
+        for rank in range(ranks)
+    ]
+    results = []
+    for proc in procs:
+        out, _ = proc.communicate(timeout=1800)
+        if proc.returncode != 0:
+            raise SystemExit(f"a {loader} trainer failed ({proc.returncode})")
+        results.append(json.loads(out.decode().strip().splitlines()[-1]))
+    done.set()
+    watcher.join()
+    if daemon is not None:
+        daemon.send_signal(signal.SIGTERM)
+        daemon.wait()
+    waited = sum(r["waited"] for r in results)
+    elapsed = sum(r["elapsed"] for r in results)
+    samples_per_s = sum(r["steps"] * BATCH / r["elapsed"] for r in results)
+    first = max(r["first"] for r in results)
+    return waited / elapsed, samples_per_s, first, peak / 1024
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--step-ms", type=float, default=250)
+    parser.add_argument("--data", default=str(pathlib.Path.home() / ".cache/feedstore/demo"))
+    parser.add_argument("--workers", type=int, nargs="*", default=[2, 4])
+    parser.add_argument("--ranks", type=int, nargs="*", default=[1, 2])
+    # One trainer rank (run by the cells).
+    parser.add_argument("--trainer", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--loader", help=argparse.SUPPRESS)
+    parser.add_argument("--rank", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--socket", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.trainer:
+        args.workers, args.ranks = args.workers[0], args.ranks[0]
+        return trainer(args)
+    if not (pathlib.Path(args.data) / "data.jsonl").exists():
+        raise SystemExit(f"no data set at {args.data}: run `feedstore demo` once")
+    print(f"{args.steps} steps of {BATCH} per rank, step {args.step_ms:.0f} ms, "
+          f"{SIDE}x{SIDE} float32 images + {TOKENS} tokens")
+    print(f"{'workers':>7} {'ranks':>5} {'loader':<10} {'wait':>7} {'samples/s':>10} "
+          f"{'first s':>8} {'peak PSS MiB':>13}")
+    for workers in args.workers:
+        for ranks in args.ranks:
+            for loader in ("torch", "feedstore"):
+                wait, rate, first, peak = cell(args, loader, workers, ranks)
+                print(f"{workers:>7} {ranks:>5} {loader:<10} {wait:>7.1%} {rate:>10.1f} "
+                      f"{first:>8.2f} {peak:>13.0f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
