@@ -178,13 +178,18 @@ pub struct Location {
     pub len: u64,
 }
 
-/// An error and its causes on one line (`a: b: c`): how every binary and binding reports one.
+/// An error and its causes on one line (`a: b: c`; a cause the line already holds is not
+/// repeated): how every binary and binding reports one.
 pub fn error_chain(err: &dyn std::error::Error) -> String {
     let mut line = err.to_string();
     let mut source = err.source();
     while let Some(s) = source {
-        line.push_str(": ");
-        line.push_str(&s.to_string());
+        let cause = s.to_string();
+        // A message that already says its cause (`...: {source}`) does not repeat it.
+        if !line.contains(&cause) {
+            line.push_str(": ");
+            line.push_str(&cause);
+        }
         source = s.source();
     }
     line

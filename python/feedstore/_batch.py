@@ -11,9 +11,10 @@ offset of the data region, written once by `Reservation.write` (a memcpy, withou
 large ones). `default_collate`'s stacking is deferred (`Stacked`) so each sample's tensor is
 copied straight into its slot of the batch tensor: the batch is written once, in place.
 
-Reading maps the object once (`Sample.buffer()` through DLPack) and makes every tensor a view
-of it, so the batch's tensors hold the object's lease: it goes back to the store when the last
-of them is gone. Tensors are read-only memory (numpy arrays say so; torch tensors cannot).
+Reading makes every tensor a view of its bytes in the object (`Sample.buffer(offset, length)`
+through DLPack: a storage per tensor), so the batch's tensors hold the object's lease: it goes
+back to the store when the last of them is gone. Tensors are read-only memory (numpy arrays say
+so; torch tensors cannot).
 """
 
 from __future__ import annotations
@@ -132,9 +133,10 @@ class _Pickler(pickle.Pickler):
         return reference
 
 
-def write(client: "feedstore.Client", batch: Any) -> str:
-    """Writes `batch` as one object and returns its handle."""
-    return fill(client.reserve, batch).seal()
+def write(client: "feedstore.Client", batch: Any, pin: bool = False) -> str:
+    """Writes `batch` as one object and returns its handle (`pin`: never evicted, only
+    deleted)."""
+    return fill(lambda nbytes: client.reserve(nbytes, pin=pin), batch).seal()
 
 
 def fill(reserve: Callable[[int], "feedstore.Reservation"], batch: Any) -> "feedstore.Reservation":
@@ -171,7 +173,6 @@ class _Unpickler(pickle.Unpickler):
         self.sample = sample
         self.raw = raw
         self.data_start = _align(HEADER.size + skeleton_len)
-        self.base: Optional[torch.Tensor] = None
 
     def persistent_load(self, reference: Any) -> Any:
         kind, dtype, shape, offset, nbytes = reference
@@ -180,9 +181,10 @@ class _Unpickler(pickle.Unpickler):
             raise feedstore.Corrupt(f"a tensor at {offset}+{nbytes} lies outside the batch object")
         if kind == "numpy":
             return self.raw[at : at + nbytes].view(np.dtype(dtype)).reshape(shape)
-        if self.base is None:
-            self.base = torch.from_dlpack(self.sample.buffer())
-        return self.base[at : at + nbytes].view(_TORCH_DTYPES[dtype]).view(shape)
+        # A storage of its own per tensor (each holding the lease): `torch.save` of a batch or
+        # of one tensor sees only that tensor's bytes.
+        flat = torch.from_dlpack(self.sample.buffer(at, nbytes))
+        return flat.view(_TORCH_DTYPES[dtype]).view(shape)
 
 
 def is_batch(sample: "feedstore.Sample") -> bool:

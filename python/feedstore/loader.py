@@ -53,8 +53,7 @@ STATE_VERSION = 1
 # How often a waiting trainer (and an idle worker) look up from their pipes: to check the
 # loader's `timeout`, and (workers) whether the trainer is still there.
 POLL_SECONDS = 1.0
-# A worker that dies this many times in a row (or a batch evicted this many times before the
-# trainer maps it) is an error, not bad luck.
+# A worker that dies this many times in a row is an error, not bad luck.
 MAX_ATTEMPTS = 3
 # How long stopping waits for busy workers to finish their batch, before SIGTERM.
 SHUTDOWN_SECONDS = 2.0
@@ -275,6 +274,25 @@ class _WorkerLoop:
             self.conn.send(self.make(*message))
         return True
 
+    def write(self, batch: Any) -> str:
+        """The batch as one object, pinned: the store never evicts a batch the trainer has not
+        mapped yet (it waits for room instead), and the trainer has it deleted."""
+        def reserve(nbytes: int) -> "feedstore.Reservation":
+            reservation = self.client.reserve(nbytes, pin=True)
+            # Announced before it is sealed: if this process is killed between the seal and
+            # the reply, the trainer has the pinned object deleted all the same.
+            self.conn.send(("reserved", reservation.handle))
+            return reservation
+
+        try:
+            return _batch.fill(reserve, batch).seal()
+        except feedstore.Full as e:
+            raise feedstore.Full(
+                f"{e}. The store needs room for prefetch_factor x num_workers batches and the "
+                "ones the trainer holds (any tensor kept from a batch keeps all of it): start "
+                "feedstored with a larger --capacity, or lower prefetch_factor or num_workers"
+            ) from None
+
     def make(self, task: int, index: Any) -> tuple:
         """The reply for one task: (kind, task, payload, random state, skipped, deleted)."""
         if self.init_error is not None:
@@ -286,7 +304,7 @@ class _WorkerLoop:
             if batch is _MISSING:
                 kind, payload = "empty", None
             else:
-                payload = _batch.write(self.client, batch)
+                payload = self.write(batch)
                 self.mine.add(payload)
                 kind = "ok"
         except StopIteration:
@@ -311,7 +329,6 @@ class _Task:
     reply: Optional[tuple] = None
     # The batch, mapped by the pump as the reply came.
     batch: Any = None
-    attempts: int = 0
 
 
 @dataclass
@@ -332,6 +349,8 @@ class _Worker:
     unconfirmed: Deque[str] = field(default_factory=collections.deque)
     deletes_sent: int = 0
     deletes_confirmed: int = 0
+    # Batch objects it reserved and has not replied with yet.
+    reserved: set = field(default_factory=set)
 
 
 @dataclass
@@ -735,8 +754,13 @@ class _StoreIter(_Primed, _BaseDataLoaderIter):
             self._restart(w)
 
     def _accept(self, w: int, reply: tuple) -> None:
-        kind, task_id, payload, rng, deleted = reply[0], reply[1], reply[2], reply[3], reply[-1]
         worker = self._workers[w]
+        if reply[0] == "reserved":
+            worker.reserved.add(reply[1])
+            return
+        kind, task_id, payload, rng, deleted = reply[0], reply[1], reply[2], reply[3], reply[-1]
+        if kind == "ok":
+            worker.reserved.discard(payload)
         worker.deaths = 0
         while worker.deletes_confirmed < deleted and worker.unconfirmed:
             worker.unconfirmed.popleft()
@@ -757,17 +781,6 @@ class _StoreIter(_Primed, _BaseDataLoaderIter):
                     task.batch = torch_utils.pin_memory.pin_memory(
                         task.batch, self._pin_memory_device
                     )
-            except feedstore.NotFound:
-                # Evicted between its seal and this lease (a store under pressure): made again.
-                task.attempts += 1
-                if task.attempts < MAX_ATTEMPTS:
-                    self._outbox.send(worker.conn, (task_id, task.index))
-                    return
-                reply = ("error", task_id, feedstore.NotFound(
-                    f"batch {task_id - self._epoch_start} was evicted from the store "
-                    f"{task.attempts} times before the trainer could map it: the store is too "
-                    "small for the batches in flight (prefetch_factor x num_workers)"
-                ), *reply[3:])
             except Exception as e:  # noqa: BLE001 (raised when the trainer takes it)
                 reply = ("error", task_id, e, *reply[3:])
             # Trainers map the store read-only and cannot delete: the worker that made the
@@ -806,9 +819,11 @@ class _StoreIter(_Primed, _BaseDataLoaderIter):
         if worker.deaths >= MAX_ATTEMPTS:
             where = f" making batch {pending[0] - self._epoch_start} (indices " \
                 f"{self._tasks[pending[0]].index!r})" if pending else ""
+            how = f"killed by {signal.Signals(-code).name}" if code and code < 0 else \
+                f"exit code {code}"
             raise RuntimeError(
                 f"DataLoader worker {w} (pid {worker.process.pid}) exited unexpectedly "
-                f"(exit code {code}) {worker.deaths} times in a row{where}"
+                f"({how}) {worker.deaths} times in a row{where}"
             )
         self._loader.feedstore_counters.worker_restarts += 1
         self._start_worker(w, rng=worker.rng, replay=worker.done if self._iterable else 0)
@@ -816,7 +831,9 @@ class _StoreIter(_Primed, _BaseDataLoaderIter):
         new.done, new.rng, new.taken, new.taken_rng, new.active, new.deaths = (
             worker.done, worker.rng, worker.taken, worker.taken_rng, worker.active, worker.deaths
         )
-        for handle in worker.unconfirmed:
+        # Deletes it had not confirmed, and a batch it reserved (pinned) and may have sealed
+        # without replying (one not sealed went with its connection: the delete finds none).
+        for handle in [*worker.unconfirmed, *worker.reserved]:
             self._give_back(w, handle)
         for i in pending:
             self._outbox.send(new.conn, (i, self._tasks[i].index))

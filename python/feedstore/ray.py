@@ -60,6 +60,35 @@ NAMESPACE = "feedstore"
 PLACEMENTS = ("spread", "colocated", "relay")
 
 
+class StreamWrite:
+    """A `write_stream` running in a thread of this process: `records` is the stream's record
+    count (what readers pass), `wait()` returns once every record is written or raises what
+    stopped it."""
+
+    def __init__(self, records: int, run) -> None:
+        import threading
+
+        self.records = records
+        self._error: Optional[BaseException] = None
+
+        def body() -> None:
+            try:
+                run()
+            except BaseException as e:  # noqa: BLE001 (re-raised by wait)
+                self._error = e
+
+        self._thread = threading.Thread(target=body, name="feedstore write_stream", daemon=True)
+        self._thread.start()
+
+    def wait(self, timeout: Optional[float] = None) -> int:
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            raise feedstore.Timeout(f"the stream is still being written after {timeout} s")
+        if self._error is not None:
+            raise self._error
+        return self.records
+
+
 def write_stream(
     dataset: "ray.data.Dataset",
     name: str,
@@ -70,8 +99,9 @@ def write_stream(
     socket: Optional[str] = None,
     depth: int = 64,
     timeout: float = 600.0,
-) -> int:
-    """Feeds a Ray Data pipeline into a stream; returns the stream's record count.
+    block: bool = True,
+) -> Union[int, StreamWrite]:
+    """Feeds a Ray Data pipeline into a stream.
 
     Item *i* of the pipeline (a row, or with ``batch_size`` a batch of that many rows as a dict
     of numpy arrays) becomes record *i*, written once into the node's shared memory as the
@@ -82,11 +112,15 @@ def write_stream(
     (``preserve_order``), so the records are the same on every run; a record the ranks cannot
     share evenly (the tail) is not written.
 
+    Writing waits while every reader's window (``depth`` records per rank) is full, so readers
+    must read while it writes: ``block=False`` writes from a thread of this process and returns
+    a ``StreamWrite`` at once (its ``records`` for the readers, ``wait()`` for the end);
+    ``block=True`` returns the record count when done (readers in other processes). Raises
+    ``feedstore.Timeout`` when readers take nothing for ``timeout`` seconds.
+
     Runs where it is called (the driver, or a Ray task on the node whose daemon it fills:
     ``socket`` defaults as for every client). ``records`` defaults to ``dataset.count()`` (which
-    may run the pipeline once more) divided into batches. Waits while every reader's window
-    (``depth``) is full; raises ``feedstore.Timeout`` when readers take nothing for
-    ``timeout`` seconds.
+    may run the pipeline once more) divided into batches.
     """
     from feedstore import _batch
 
@@ -96,41 +130,50 @@ def write_stream(
     if records is None:
         rows = dataset.count()
         records = rows if batch_size is None else -(-rows // batch_size)
-    if batch_size is None:
-        items = dataset.iter_rows()
-    else:
-        items = dataset.iter_batches(batch_size=batch_size, batch_format="numpy")
     needed = records // world * world
     writer = feedstore.Writer(
         name, records, world, shuffle="none", epochs=1, socket=socket, depth=depth
     )
-    due: Dict[int, "feedstore.Task"] = {}
-    written = 0
-    for record, item in enumerate(items):
-        if record >= needed:
-            break
-        waited_since = time.monotonic()
-        while record not in due:
-            tasks = writer.take(max=256, wait=1.0)
-            if tasks is None:
-                raise feedstore.InvalidArgument(
-                    f"stream {name!r} needs no more records (closed, or another writer fed it)"
-                )
-            for task in tasks:
-                due[task.record] = task
-            if not tasks and time.monotonic() - waited_since > timeout:
-                raise feedstore.Timeout(
-                    f"stream {name!r}: no reader took a record for {timeout:.0f} s (record "
-                    f"{record} is due; every window of {depth} is full)"
-                )
-        writer.publish(due.pop(record), _batch.fill(writer.reserve, item))
-        written += 1
-    if written < needed:
-        writer.close()  # its readers see the end instead of waiting for records never made
-        raise feedstore.InvalidArgument(
-            f"the pipeline gave {written} items, the stream {name!r} needs {needed} "
-            f"({records} records for {world} ranks): pass the right `records`"
-        )
+
+    def run() -> None:
+        if batch_size is None:
+            items = dataset.iter_rows()
+        else:
+            items = dataset.iter_batches(batch_size=batch_size, batch_format="numpy")
+        due: Dict[int, "feedstore.Task"] = {}
+        written = 0
+        for record, item in enumerate(items):
+            if record >= needed:
+                break
+            waited_since = time.monotonic()
+            while record not in due:
+                tasks = writer.take(max=256, wait=1.0)
+                if tasks is None:
+                    raise feedstore.InvalidArgument(
+                        f"stream {name!r} needs no more records: an earlier writer fed it to "
+                        f"its end, or it was closed (`feedstore stream close {name}` ends it, "
+                        "so that it can be fed again)"
+                    )
+                for task in tasks:
+                    due[task.record] = task
+                if not tasks and time.monotonic() - waited_since > timeout:
+                    raise feedstore.Timeout(
+                        f"stream {name!r}: no reader took a record for {timeout:.0f} s (record "
+                        f"{record} is due; every window of {depth} is full: are readers "
+                        "reading while it writes? see block=False)"
+                    )
+            writer.publish(due.pop(record), _batch.fill(writer.reserve, item))
+            written += 1
+        if written < needed:
+            writer.close()  # its readers see the end instead of waiting for records never made
+            raise feedstore.InvalidArgument(
+                f"the pipeline gave {written} items, the stream {name!r} needs {needed} "
+                f"({records} records for {world} ranks): pass the right `records`"
+            )
+
+    if not block:
+        return StreamWrite(records, run)
+    run()
     return records
 
 

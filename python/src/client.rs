@@ -2,7 +2,9 @@
 
 use std::sync::Mutex;
 
-use feedstore_consumer::{Client as RustClient, ConnectOptions, Handle, ObjectWriter, Role};
+use feedstore_consumer::{
+    Client as RustClient, ConnectOptions, CreateOptions, Handle, ObjectWriter, Role,
+};
 use pyo3::buffer::PyBuffer;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
@@ -57,8 +59,10 @@ impl Client {
 
     /// Reserves a writable object of `nbytes` bytes (waiting for space up to the create
     /// timeout), for writing in pieces with `Reservation.write` and publishing with `seal`.
-    fn reserve(&self, py: Python<'_>, nbytes: u64) -> PyResult<Reservation> {
-        Reservation::reserve(py, &self.inner, nbytes)
+    /// `pin=True`: the sealed object is never evicted, only deleted.
+    #[pyo3(signature = (nbytes, *, pin=false))]
+    fn reserve(&self, py: Python<'_>, nbytes: u64, pin: bool) -> PyResult<Reservation> {
+        Reservation::reserve(py, &self.inner, nbytes, pin)
     }
 
     /// The object with this handle, leased until the returned `Sample` and every array made
@@ -103,14 +107,24 @@ pub struct Reservation {
 }
 
 impl Reservation {
-    /// A reservation of `nbytes` from `client`.
-    pub fn reserve(py: Python<'_>, client: &RustClient, nbytes: u64) -> PyResult<Reservation> {
+    /// A reservation of `nbytes` from `client`; `pin`: never evicted once sealed (only
+    /// deleted).
+    pub fn reserve(
+        py: Python<'_>,
+        client: &RustClient,
+        nbytes: u64,
+        pin: bool,
+    ) -> PyResult<Reservation> {
         if nbytes == 0 {
             return Err(InvalidArgument::new_err(
                 "an object needs at least one byte",
             ));
         }
-        let object = py.detach(|| client.create(nbytes)).py_err()?;
+        let options = CreateOptions {
+            pin,
+            ..CreateOptions::default()
+        };
+        let object = py.detach(|| client.create_with(nbytes, options)).py_err()?;
         Ok(Reservation {
             object: Mutex::new(Some(object)),
         })
@@ -181,6 +195,12 @@ impl Reservation {
         };
         drop(buffer);
         result
+    }
+
+    /// The handle the object will have once sealed, as text (nobody can get it before).
+    #[getter]
+    fn handle(&self) -> PyResult<String> {
+        self.with(|object| Ok(object.handle().to_string()))
     }
 
     /// The object's size in bytes.

@@ -180,7 +180,10 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
 pub fn to_py(e: Error) -> PyErr {
     let text = message(&e);
     match e {
-        Error::Connect { .. } => ConnectError::new_err(text),
+        // The hint names the CLI's flag; Python callers pass `socket=`.
+        Error::Connect { .. } => {
+            ConnectError::new_err(text.replace("pass --socket", "pass socket="))
+        }
         Error::Disconnected { .. } | Error::ShuttingDown => Disconnected::new_err(text),
         Error::NotFound { .. } | Error::Stale { .. } | Error::WrongNode { .. } => {
             NotFound::new_err(text)

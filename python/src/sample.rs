@@ -450,21 +450,30 @@ impl Sample {
         })
     }
 
-    /// The whole object as a uint8 `Tensor` (for `torch.from_dlpack`; `feedstore.torch`'s
-    /// batches are views into it).
-    fn buffer(&self) -> Tensor {
-        let len = self.held.bytes().len();
-        Tensor {
+    /// `length` bytes of the object from `offset` (default: all of it) as a uint8 `Tensor`
+    /// (for `torch.from_dlpack`, which shares the memory; `feedstore.torch`'s batches make
+    /// each tensor from one). Read-only memory on a reader's connection; on a writer's, the
+    /// mapping is writable but the object is sealed: do not write to it.
+    #[pyo3(signature = (offset=0, length=None))]
+    fn buffer(&self, offset: usize, length: Option<usize>) -> PyResult<Tensor> {
+        let size = self.held.bytes().len();
+        let len = length.unwrap_or(size.saturating_sub(offset));
+        if offset.checked_add(len).is_none_or(|end| end > size) {
+            return Err(InvalidArgument::new_err(format!(
+                "{len} bytes at offset {offset} lie outside an object of {size} bytes"
+            )));
+        }
+        Ok(Tensor {
             held: self.held.clone(),
             info: TensorInfo {
-                offset: 0,
+                offset,
                 len,
                 dtype: DType::U8,
                 layout: TensorLayout::Hwc,
                 shape: vec![len],
             },
             elem: Elem::U8,
-        }
+        })
     }
 
     /// The token ids as an int32 `Tensor` (for `torch.from_dlpack`: torch before 2.3 has no

@@ -587,7 +587,7 @@ impl Writer {
     /// `Reservation.write` and publish with `publish` (`feedstore.ray.write_stream` writes any
     /// Python structure this way).
     fn reserve(&self, py: Python<'_>, nbytes: u64) -> PyResult<Reservation> {
-        Reservation::reserve(py, &self.client, nbytes)
+        Reservation::reserve(py, &self.client, nbytes, false)
     }
 
     /// Publishes a filled reservation (from this writer's `reserve`) as the sample for `task`.

@@ -515,3 +515,21 @@ def test_a_trainer_exiting_with_a_live_iterator_stops_its_workers_without_restar
     store_empty(daemon)
     log = (tmp_path / "feedstored.log").read_text()
     assert log.count('role=Writer name="DataLoader worker') == 2  # none started again
+
+
+def test_a_store_smaller_than_the_batches_in_flight_makes_workers_wait_not_lose_batches(daemon):
+    """8 batches of 32 MiB in flight against a 256 MiB store: workers wait for room (batch
+    objects are pinned, never evicted before the trainer maps them) and every batch comes."""
+    samples = [torch.full((2 << 20,), float(i)) for i in range(48)]  # 8 MiB each
+    loader = DataLoader(samples, batch_size=4, num_workers=2, prefetch_factor=4,
+                        socket=daemon.socket)
+    firsts = []
+    for batch in loader:
+        firsts.append(float(batch[0, 0]))
+        if len(firsts) == 1:
+            # Workers fill the store while the trainer holds its first batch.
+            daemon.wait_for("a worker to wait for room", lambda s: s["creates_waited"] > 0)
+    assert firsts == [float(i) for i in range(0, 48, 4)]
+    assert daemon.stats()["evictions"] == 0
+    del batch
+    store_empty(daemon)

@@ -43,3 +43,20 @@ def test_a_ray_data_pipeline_lands_in_a_stream_read_in_place(daemon, local_ray):
 def test_write_stream_says_so_when_the_pipeline_is_shorter_than_the_stream(daemon, local_ray):
     with pytest.raises(feedstore.InvalidArgument, match="gave 6 items"):
         fray.write_stream(ray.data.range(6), "short", world=2, records=10, socket=daemon.socket)
+
+
+def test_write_stream_in_the_background_while_ranks_read_more_than_their_windows(daemon, local_ray):
+    """300 records against windows of 8: the writer must wait for readers, who read as it
+    writes (block=False)."""
+    writing = fray.write_stream(ray.data.range(300), "background", world=2, depth=8,
+                                socket=daemon.socket, block=False)
+    assert writing.records == 300
+    ranks = [StreamDataset("background", writing.records, rank=r, world=2, shuffle="none",
+                           socket=daemon.socket, wait=60) for r in range(2)]
+    iterators = [iter(d) for d in ranks]
+    seen = [[], []]
+    for _ in range(150):
+        for r in range(2):
+            seen[r].append(int(next(iterators[r])["id"]))
+    assert writing.wait(timeout=60) == 300
+    assert seen == [list(range(0, 300, 2)), list(range(1, 300, 2))]
