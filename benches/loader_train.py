@@ -21,6 +21,7 @@ Usage (release binaries built; `feedstore demo` run once, which writes the data 
 """
 
 import argparse
+import warnings
 import gzip
 import json
 import os
@@ -76,6 +77,8 @@ class Sft:
 
 def trainer(args):
     """One rank: iterate its loader for `steps` batches; print its figures as JSON."""
+    # torch's advice against more workers than cores: this bench runs 2 and 4 on purpose.
+    warnings.filterwarnings("ignore", message="This DataLoader will create")
     import torch
     import torch.utils.data as tud
 
