@@ -215,8 +215,8 @@ def run_dataloader(args, records, endpoint, tokenizer, step_time, workers):
 def run_ray(args, records, endpoint, tokenizer, step_time):
     import ray
 
-    ray.init(num_cpus=args.workers, include_dashboard=False, log_to_driver=False,
-             object_store_memory=512 << 20)
+    ray.init(address="local", num_cpus=args.workers, include_dashboard=False,
+             log_to_driver=False, object_store_memory=512 << 20)
     try:
         @ray.remote
         class Fetcher:

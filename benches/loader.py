@@ -16,18 +16,13 @@ Usage (release binaries built; the feedstore package importable; torch installed
 """
 
 import argparse
-import os
-import pathlib
-import signal
 import statistics
-import subprocess
-import tempfile
 import time
 
 import torch
 import torch.utils.data
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+from daemon import feedstored
 
 
 class Samples(torch.utils.data.Dataset):
@@ -97,24 +92,13 @@ def main():
     floats = args.sample_mib * (1 << 20) // 4
     dataset = Samples((args.batches + 2) * args.batch, floats)
     options = dict(batch_size=args.batch, num_workers=args.workers)
-    tmp = tempfile.mkdtemp()
-    socket = os.path.join(tmp, "bench.sock")
-    daemon = subprocess.Popen(
-        [REPO / "target" / "release" / "feedstored", "--socket", socket, "--capacity", "2GiB"],
-        stderr=subprocess.DEVNULL,
-    )
-    while not os.path.exists(socket):
-        time.sleep(0.01)
-    try:
+    with feedstored("2GiB") as socket:
         rows = []
         for name, loader in (
             ("torch.utils.data.DataLoader", torch.utils.data.DataLoader(dataset, **options)),
             ("feedstore.torch.DataLoader", DataLoader(dataset, socket=socket, **options)),
         ):
             rows.append((name, *run(loader, args.batches, args.step, args.busy)))
-    finally:
-        daemon.send_signal(signal.SIGTERM)
-        daemon.wait()
 
     mib = args.batch * args.sample_mib
     print(f"hand-off of a {mib} MiB batch ({args.batch} x {args.sample_mib} MiB float32), "

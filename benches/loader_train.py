@@ -26,14 +26,14 @@ import gzip
 import json
 import os
 import pathlib
-import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+from daemon import feedstored
+
+REPO = pathlib.Path(__file__).resolve().parents[1]  # the repository (its test data)
 MEAN = (0.48145466, 0.4578275, 0.40821073)
 STD = (0.26862954, 0.26130258, 0.27577711)
 SIDE, TOKENS, BATCH = 448, 64, 16
@@ -155,21 +155,17 @@ def pss_kib(pids):
 
 def cell(args, loader, workers, ranks):
     """Runs one cell: `ranks` trainer processes; returns their figures and the peak PSS."""
-    tmp = tempfile.mkdtemp()
-    socket = os.path.join(tmp, "bench.sock")
-    daemon = None
-    if loader == "feedstore":
-        # Sized as the README says: room for each rank's prefetched batches (2 per worker) and
-        # the two it holds (the one in use, the one being taken), plus slack.
-        batch_mib = BATCH * 3 * SIDE * SIDE * 4 / 2**20 + 1
-        capacity = int(ranks * (2 * workers + 2) * batch_mib) + 64
-        daemon = subprocess.Popen(
-            [REPO / "target/release/feedstored", "--socket", socket, "--capacity",
-             f"{capacity}MiB", "--prefault", "false"],
-            stderr=subprocess.DEVNULL,
-        )
-        while not os.path.exists(socket):
-            time.sleep(0.01)
+    if loader != "feedstore":
+        return ranks_run(args, loader, workers, ranks, socket="")
+    # Sized as the README says: room for each rank's prefetched batches (2 per worker) and the
+    # two it holds (the one in use, the one being taken), plus slack.
+    batch_mib = BATCH * 3 * SIDE * SIDE * 4 / 2**20 + 1
+    capacity = int(ranks * (2 * workers + 2) * batch_mib) + 64
+    with feedstored(f"{capacity}MiB", "--prefault", "false") as socket:
+        return ranks_run(args, loader, workers, ranks, socket)
+
+
+def ranks_run(args, loader, workers, ranks, socket):
     peak, done = 0, threading.Event()
 
     def watch():
@@ -191,16 +187,15 @@ def cell(args, loader, workers, ranks):
         for rank in range(ranks)
     ]
     results = []
-    for proc in procs:
-        out, _ = proc.communicate(timeout=1800)
-        if proc.returncode != 0:
-            raise SystemExit(f"a {loader} trainer failed ({proc.returncode})")
-        results.append(json.loads(out.decode().strip().splitlines()[-1]))
-    done.set()
-    watcher.join()
-    if daemon is not None:
-        daemon.send_signal(signal.SIGTERM)
-        daemon.wait()
+    try:
+        for proc in procs:
+            out, _ = proc.communicate(timeout=1800)
+            if proc.returncode != 0:
+                raise SystemExit(f"a {loader} trainer failed ({proc.returncode})")
+            results.append(json.loads(out.decode().strip().splitlines()[-1]))
+    finally:
+        done.set()
+        watcher.join()
     waited = sum(r["waited"] for r in results)
     elapsed = sum(r["elapsed"] for r in results)
     samples_per_s = sum(r["steps"] * BATCH / r["elapsed"] for r in results)

@@ -14,17 +14,12 @@ Prints one table of per-sample times and each baseline's ratio to feedstore.
 """
 
 import argparse
-import os
-import pathlib
-import signal
 import statistics
-import subprocess
-import tempfile
 import time
 
 import numpy as np
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+from daemon import feedstored
 SIDE = 2048  # 2048 x 2048 uint8 = 4 MiB
 
 
@@ -42,15 +37,7 @@ def per_call(fn, n):
 def bench_feedstore(images, gets):
     import feedstore
 
-    tmp = tempfile.mkdtemp()
-    socket = os.path.join(tmp, "bench.sock")
-    daemon = subprocess.Popen(
-        [REPO / "target" / "release" / "feedstored", "--socket", socket, "--capacity", "1GiB"],
-        stderr=subprocess.DEVNULL,
-    )
-    while not os.path.exists(socket):
-        time.sleep(0.01)
-    try:
+    with feedstored("1GiB") as socket:
         writer = feedstore.Client(socket, writer=True)
         start = time.perf_counter()
         handles = [writer.put(image) for image in images]
@@ -82,15 +69,12 @@ def bench_feedstore(images, gets):
         times.sort()
         stream_median, stream_p99 = statistics.median(times), times[int(len(times) * 0.99)]
         return median, p99, put_us, stream_median, stream_p99
-    finally:
-        daemon.send_signal(signal.SIGTERM)
-        daemon.wait()
 
 
 def bench_ray(images, gets):
     import ray
 
-    ray.init(num_cpus=2, object_store_memory=1 << 30, include_dashboard=False,
+    ray.init(address="local", num_cpus=2, object_store_memory=1 << 30, include_dashboard=False,
              log_to_driver=False)
     try:
         start = time.perf_counter()
