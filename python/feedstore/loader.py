@@ -241,7 +241,12 @@ class _WorkerLoop:
             self.fetcher = _Fetcher(args)
             for _ in range(args.replay):
                 # An iterable dataset's batches this worker made before: made again, dropped.
-                self.fetcher.fetch(args.replay_index)
+                try:
+                    self.fetcher.fetch(args.replay_index)
+                except StopIteration:
+                    break
+                except Exception:  # noqa: BLE001 (it failed so the first time, and said so)
+                    pass
         except Exception:
             self.init_error = ExceptionWrapper(where=self.where())
 
@@ -267,9 +272,11 @@ class _WorkerLoop:
             self.delete(message[1])
             self.deleted += 1
         elif message == "epoch":
-            # Persistent workers, a new epoch: a new iterator, the random state going on.
+            # Persistent workers, a new epoch: a new iterator, the random state going on (and
+            # said, so that a state saved early in the epoch resumes from it).
             if self.init_error is None:
                 self.fetcher = _Fetcher(self.args)
+            self.conn.send(("epoch", None if self.args.iterable else _rng_state()))
         else:
             self.conn.send(self.make(*message))
         return True
@@ -351,6 +358,8 @@ class _Worker:
     deletes_confirmed: int = 0
     # Batch objects it reserved and has not replied with yet.
     reserved: set = field(default_factory=set)
+    # Whether it has started the current epoch (persistent workers).
+    in_epoch: bool = True
 
 
 @dataclass
@@ -362,8 +371,10 @@ class _Counters:
     handoff_seconds: float = 0.0
 
 
-def _generator_state(loader: "DataLoader") -> torch.Tensor:
-    return loader.generator.get_state() if loader.generator is not None else torch.get_rng_state()
+def _generator_state(loader: "DataLoader") -> Any:
+    """What the sampler draws from: the loader's generator, else the global random states
+    (torch's, and Python's and numpy's, which custom samplers use)."""
+    return loader.generator.get_state() if loader.generator is not None else _rng_state()
 
 
 class _Outbox:
@@ -416,6 +427,8 @@ class _Outbox:
 # own exit handler (registered earlier, so run later) terminates their workers.
 _LIVE: "weakref.WeakSet[_StoreIter]" = weakref.WeakSet()
 _EXITING = False
+# Held while an iterator is marked stopped (the trainer, `__del__` and the exit hook may race).
+_SHUTTING = threading.Lock()
 
 
 @atexit.register
@@ -441,8 +454,11 @@ def _pump(ref: "weakref.ref[_StoreIter]") -> None:
             return
         with iterator._cond:
             waitables = iterator._waitables()
-        del iterator
-        ready = multiprocessing.connection.wait(waitables, timeout=POLL_SECONDS)
+        del iterator  # (perhaps the last reference: then it is stopped here, its pipes closed)
+        try:
+            ready = multiprocessing.connection.wait(waitables, timeout=POLL_SECONDS)
+        except (OSError, ValueError):
+            ready = []  # closed under it: the iterator is stopped (checked next)
         iterator = ref()
         if iterator is None or iterator._shut:
             return
@@ -478,7 +494,7 @@ class _Epoch:
         saved_rng = resume["rng"]
         it._rng_at_start = saved_rng
         it._draws_base_seed = resume.get("draws_base_seed", True)
-        current = torch.get_rng_state()
+        current = _rng_state()
         try:
             if it._draws_base_seed:
                 _Epoch._set(loader, saved_rng)
@@ -490,14 +506,14 @@ class _Epoch:
             it._prime()
         finally:
             if loader.generator is None:
-                torch.set_rng_state(current)
+                _set_rng_state(current)
 
     @staticmethod
-    def _set(loader: "DataLoader", state: torch.Tensor) -> None:
+    def _set(loader: "DataLoader", state: Any) -> None:
         if loader.generator is not None:
             loader.generator.set_state(state)
         else:
-            torch.set_rng_state(state)
+            _set_rng_state(state)
 
 
 class _Primed:
@@ -527,6 +543,7 @@ class _StoreIter(_Primed, _BaseDataLoaderIter):
 
     def __init__(self, loader: "DataLoader", resume: Optional[dict]) -> None:
         self._loader = loader
+        self._generation = loader._feedstore_generation
         self._shut = False
         self._thread: Optional[threading.Thread] = None
         self._tasks: Dict[int, _Task] = {}
@@ -606,6 +623,15 @@ class _StoreIter(_Primed, _BaseDataLoaderIter):
                 if worker is not None:
                     self._outbox.send(worker.conn, "epoch")
                     worker.active = True
+                    worker.in_epoch = False
+            # As torch waits for its workers' acknowledgements: their tasks of the last epoch
+            # come first, and the random state each then has is where this epoch starts.
+            while not all(w.in_epoch for w in self._workers if w):
+                if self._error is not None:
+                    raise self._error
+                self._cond.wait(POLL_SECONDS)
+            for worker in self._workers:
+                if worker is not None:
                     worker.done = worker.taken = 0
             self._begin(None)
 
@@ -758,9 +784,14 @@ class _StoreIter(_Primed, _BaseDataLoaderIter):
         if reply[0] == "reserved":
             worker.reserved.add(reply[1])
             return
+        if reply[0] == "epoch":
+            if reply[1] is not None:
+                worker.rng = worker.taken_rng = reply[1]
+            worker.in_epoch = True
+            return
         kind, task_id, payload, rng, deleted = reply[0], reply[1], reply[2], reply[3], reply[-1]
-        if kind == "ok":
-            worker.reserved.discard(payload)
+        # One reservation at a time: a reply ends it (sealed and sent, or given back).
+        worker.reserved.clear()
         worker.deaths = 0
         while worker.deletes_confirmed < deleted and worker.unconfirmed:
             worker.unconfirmed.popleft()
@@ -831,6 +862,9 @@ class _StoreIter(_Primed, _BaseDataLoaderIter):
         new.done, new.rng, new.taken, new.taken_rng, new.active, new.deaths = (
             worker.done, worker.rng, worker.taken, worker.taken_rng, worker.active, worker.deaths
         )
+        # (A fresh process starts the epoch with a fresh iterator: it has nothing to say.)
+        if not worker.in_epoch and worker.rng is not None:
+            new.taken_rng = worker.rng
         # Deletes it had not confirmed, and a batch it reserved (pinned) and may have sealed
         # without replying (one not sealed went with its connection: the delete finds none).
         for handle in [*worker.unconfirmed, *worker.reserved]:
@@ -862,21 +896,21 @@ class _StoreIter(_Primed, _BaseDataLoaderIter):
             }
 
     def _shutdown(self) -> None:
-        """Stops the pump and the workers; batches not taken are given back. Workers get one
-        deadline together; one still busy then is sent SIGTERM (it deletes what it made and
-        leaves), and SIGKILL only if that does not end it."""
-        if self._shut:
-            return
-        if getattr(self, "_base_seed", None) is not None and hasattr(self, "_sampler_done"):
+        """Stops the pump and the workers. Workers get one deadline together; one still busy
+        then is sent SIGTERM (it deletes what it made and leaves), and SIGKILL only if that does
+        not end it. What a worker that did not end on its own could not delete (batches it was
+        asked to delete, one it had reserved) is deleted here."""
+        with _SHUTTING:
+            if getattr(self, "_shut", True):
+                return
+            self._shut = True
+        if hasattr(self, "_sampler_done") and self._generation == self._loader._feedstore_generation:
             self._loader._feedstore_remember(self.feedstore_state())
-        self._shut = True
         os.write(self._wake_write, b"x")
         if self._thread is not None and threading.current_thread() is not self._thread:
             self._thread.join()
         for task in self._tasks.values():
-            task.batch = None
-            if task.reply is not None and task.reply[0] == "ok":
-                self._give_back(task.worker, task.reply[2])
+            task.batch = None  # (batches replied were given back when mapped)
         self._tasks.clear()
         live = [w for w in self._workers if w is not None]
         for worker in live:
@@ -885,17 +919,38 @@ class _StoreIter(_Primed, _BaseDataLoaderIter):
         deadline = time.monotonic() + SHUTDOWN_SECONDS
         for worker in live:
             worker.process.join(timeout=max(0.0, deadline - time.monotonic()))
+        leftovers = []
         for worker in live:
-            if worker.process.is_alive():
+            forced = worker.process.is_alive()
+            if forced:
                 worker.process.terminate()
                 worker.process.join(timeout=SHUTDOWN_SECONDS)
             if worker.process.is_alive():
                 worker.process.kill()
                 worker.process.join()
+            if forced or worker.process.exitcode != 0:
+                leftovers += [*worker.unconfirmed, *worker.reserved]
             worker.conn.close()
+        if leftovers:
+            self._delete(leftovers)
         os.close(self._wake_read)
         os.close(self._wake_write)
         _LIVE.discard(self)
+
+    def _delete(self, handles: List[str]) -> None:
+        """Deletes batch objects whose workers are gone, through a writer connection of its
+        own (the trainer's maps the store read-only). Already deleted ones are skipped."""
+        try:
+            client = feedstore.Client(
+                self._loader.feedstore_socket, writer=True, name="DataLoader cleanup"
+            )
+        except feedstore.FeedstoreError:
+            return  # the daemon is gone, and its objects with it
+        for handle in handles:
+            try:
+                client.delete(handle)
+            except feedstore.FeedstoreError:
+                pass
 
     def __del__(self) -> None:
         if getattr(self, "_shut", True):
@@ -918,6 +973,12 @@ class _InProcessIter(_Primed, torch.utils.data.dataloader._SingleProcessDataLoad
             resume,
             lambda: torch.utils.data.dataloader._SingleProcessDataLoaderIter.__init__(self, loader),
         )
+        if resume is None or resume.get("rng") is None:
+            # torch's in-process iterator draws the permutation at the first `next`, not at
+            # `iter`: the state to save is the one just before it (and the base seed, drawn
+            # at `iter`, is saved as it is).
+            self._rng_at_start = None
+            self._draws_base_seed = False
         self._skipper = None
         if loader.feedstore_on_error == "skip":
             self._skipper = _Fetcher(
@@ -937,7 +998,12 @@ class _InProcessIter(_Primed, torch.utils.data.dataloader._SingleProcessDataLoad
             state = _rng_state()
             try:
                 for _ in range(tasks):
-                    self._fetch(self._next_index())
+                    try:
+                        self._fetch(self._next_index())
+                    except StopIteration:
+                        break
+                    except Exception:  # noqa: BLE001 (it failed so the first time, and said so)
+                        pass
             finally:
                 _set_rng_state(state)
         else:
@@ -946,6 +1012,11 @@ class _InProcessIter(_Primed, torch.utils.data.dataloader._SingleProcessDataLoad
         self._num_yielded = (resume or {}).get("batches", 0)
         self._tasks_taken = tasks
         self._ended = False
+
+    def _next_index(self) -> Any:
+        if self._rng_at_start is None:
+            self._rng_at_start = _generator_state(self._loader)
+        return super()._next_index()
 
     def _fetch(self, index: Any) -> Any:
         if self._skipper is None:
@@ -961,6 +1032,9 @@ class _InProcessIter(_Primed, torch.utils.data.dataloader._SingleProcessDataLoad
                 batch = self._fetch(self._next_index())
             except StopIteration:
                 self._ended = True
+                raise
+            except Exception:
+                self._tasks_taken += 1  # a failed batch is behind the trainer too
                 raise
             self._tasks_taken += 1
             if batch is _MISSING:
@@ -978,7 +1052,7 @@ class _InProcessIter(_Primed, torch.utils.data.dataloader._SingleProcessDataLoad
             "batches": self._num_yielded,
             "finished": finished,
             "rng": self._rng_at_start,
-            "draws_base_seed": True,
+            "draws_base_seed": self._draws_base_seed,
             "base_seed": self._base_seed,
         }
 
@@ -1031,6 +1105,7 @@ class DataLoader(torch.utils.data.DataLoader):
         # that an iterator the trainer drops stops its workers; what it last stood at is kept.
         self._feedstore_current: Any = None
         self._feedstore_last: Optional[dict] = None
+        self._feedstore_generation = 0
         super().__init__(
             dataset,
             batch_size=batch_size,
@@ -1068,18 +1143,21 @@ class DataLoader(torch.utils.data.DataLoader):
     def __iter__(self) -> Any:
         resume = self._feedstore_take_resume()
         current = self._feedstore_iterator()
-        if self.num_workers == 0:
-            iterator = _InProcessIter(self, resume)
-        elif (
+        reuse = (
             self.persistent_workers
             and resume is None
             and isinstance(current, _StoreIter)
             and not current._shut
-        ):
+        )
+        if reuse:
             iterator = current
             iterator._reset(self)
         else:
-            iterator = _StoreIter(self, resume)
+            self._feedstore_generation += 1  # a new iterator: the state to keep is its
+            if self.num_workers == 0:
+                iterator = _InProcessIter(self, resume)
+            else:
+                iterator = _StoreIter(self, resume)
         # (Without workers there is nothing to stop: the iterator is kept.)
         keep = self.persistent_workers or self.num_workers == 0
         self._feedstore_current = iterator if keep else weakref.ref(iterator)

@@ -136,6 +136,13 @@ def write_stream(
     )
 
     def run() -> None:
+        try:
+            write()
+        except BaseException:
+            writer.close()  # its readers see the end, not a wait for records never made
+            raise
+
+    def write() -> None:
         if batch_size is None:
             items = dataset.iter_rows()
         else:
@@ -165,7 +172,6 @@ def write_stream(
             writer.publish(due.pop(record), _batch.fill(writer.reserve, item))
             written += 1
         if written < needed:
-            writer.close()  # its readers see the end instead of waiting for records never made
             raise feedstore.InvalidArgument(
                 f"the pipeline gave {written} items, the stream {name!r} needs {needed} "
                 f"({records} records for {world} ranks): pass the right `records`"

@@ -533,3 +533,98 @@ def test_a_store_smaller_than_the_batches_in_flight_makes_workers_wait_not_lose_
     assert daemon.stats()["evictions"] == 0
     del batch
     store_empty(daemon)
+
+
+class Flaky(tud.IterableDataset):
+    """An iterable dataset whose iterator raises at one item and goes on after it."""
+
+    def __iter__(self):
+        info = tud.get_worker_info()
+        w, workers = (info.id, info.num_workers) if info else (0, 1)
+        return FlakyIterator(list(range(w, 30, workers)))
+
+
+class FlakyIterator:
+    def __init__(self, items):
+        self.items = items
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if not self.items:
+            raise StopIteration
+        item = self.items.pop(0)
+        if item == 6:
+            raise ValueError("item 6 is corrupt")
+        return torch.tensor([item, int(torch.randint(0, 1000, ()))])
+
+
+def outcomes(iterator, limit=None):
+    """Batches as lists, errors as "error", until the end (or `limit` outcomes)."""
+    seen = []
+    while limit is None or len(seen) < limit:
+        try:
+            seen.append(next(iterator).tolist())
+        except StopIteration:
+            break
+        except ValueError:
+            seen.append("error")
+    return seen
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_an_iterable_dataset_resumes_exactly_after_a_failed_batch(daemon, workers):
+    def make():
+        return DataLoader(Flaky(), batch_size=2, num_workers=workers, socket=daemon.socket)
+
+    seeded()
+    whole = outcomes(iter(make()))
+    assert "error" in whole
+    seeded()
+    loader = make()
+    iterator = iter(loader)
+    head = outcomes(iterator, limit=whole.index("error") + 2)
+    state = loader.state_dict()
+    del iterator
+    resumed = make()
+    resumed.load_state_dict(state)
+    assert head + outcomes(iter(resumed)) == whole
+
+
+def test_persistent_workers_resume_exactly_early_in_a_later_epoch(daemon):
+    def make():
+        return DataLoader(Augmented(24), batch_size=2, shuffle=True, num_workers=2,
+                          persistent_workers=True, generator=torch.Generator().manual_seed(7),
+                          socket=daemon.socket)
+
+    def labels(batches):
+        return [b["label"].tolist() + b["image"][:, 0, 0, 0].tolist() for b in batches]
+
+    seeded()
+    loader = make()
+    for _ in loader:
+        break  # epoch 1 left early: its tasks still out draw random numbers in the workers
+    iterator = iter(loader)
+    head = [next(iterator)]
+    state = loader.state_dict()
+    rest = list(iterator)
+    resumed = make()
+    resumed.load_state_dict(state)
+    assert labels(list(resumed)) == labels(rest)
+    assert len(head) + len(rest) == 12
+
+
+def test_stopping_with_workers_stuck_waiting_for_room_leaves_no_batch_behind(daemon):
+    """The trainer keeps 6 batches of 32 MiB in a 256 MiB store: workers block waiting for room
+    (and cannot run the deletes they are sent). Dropping everything stops them by signal, and
+    the trainer deletes what they could not."""
+    samples = [torch.full((2 << 20,), float(i)) for i in range(64)]  # 8 MiB each
+    loader = DataLoader(samples, batch_size=4, num_workers=2, socket=daemon.socket)
+    iterator = iter(loader)
+    kept = [next(iterator) for _ in range(6)]
+    daemon.wait_for("a worker to wait for room", lambda s: s["creates_waited"] > 0)
+    del kept, iterator
+    daemon.wait_for("the workers and the trainer's connection to go", lambda s: s["clients"] <= 1)
+    store_empty(daemon)
+    assert daemon.stats()["objects_pinned"] == 0
