@@ -354,7 +354,6 @@ class _Worker:
     # Batch objects this process was asked to delete and has not yet said it did (replies
     # carry how many it has): sent again to its replacement if it dies.
     unconfirmed: Deque[str] = field(default_factory=collections.deque)
-    deletes_sent: int = 0
     deletes_confirmed: int = 0
     # Batch objects it reserved and has not replied with yet.
     reserved: set = field(default_factory=set)
@@ -450,8 +449,8 @@ def _pump(ref: "weakref.ref[_StoreIter]") -> None:
     stopped)."""
     while True:
         iterator = ref()
-        if iterator is None or iterator._shut:
-            return
+        if iterator is None or iterator._shut or _EXITING:
+            return  # (at exit, `_stop_all` stops it; nothing more to pump meanwhile)
         with iterator._cond:
             waitables = iterator._waitables()
         del iterator  # (perhaps the last reference: then it is stopped here, its pipes closed)
@@ -826,7 +825,6 @@ class _StoreIter(_Primed, _BaseDataLoaderIter):
         """Asks worker `w` to delete a batch object it made."""
         worker = self._workers[w]
         worker.unconfirmed.append(handle)
-        worker.deletes_sent += 1
         # (To a dead worker, lost: its replacement is sent what it had not confirmed.)
         self._outbox.send(worker.conn, ("delete", handle))
 
@@ -1077,20 +1075,7 @@ class DataLoader(torch.utils.data.DataLoader):
 
     def __init__(
         self,
-        dataset: Any,
-        batch_size: Optional[int] = 1,
-        shuffle: Optional[bool] = None,
-        sampler: Any = None,
-        batch_sampler: Any = None,
-        num_workers: int = 0,
-        collate_fn: Any = None,
-        pin_memory: bool = False,
-        drop_last: bool = False,
-        timeout: float = 0,
-        worker_init_fn: Any = None,
-        multiprocessing_context: Any = None,
-        generator: Optional[torch.Generator] = None,
-        *,
+        *args: Any,
         socket: Optional[str] = None,
         on_error: str = "raise",
         **kwargs: Any,
@@ -1106,22 +1091,8 @@ class DataLoader(torch.utils.data.DataLoader):
         self._feedstore_current: Any = None
         self._feedstore_last: Optional[dict] = None
         self._feedstore_generation = 0
-        super().__init__(
-            dataset,
-            batch_size=batch_size,
-            shuffle=shuffle,
-            sampler=sampler,
-            batch_sampler=batch_sampler,
-            num_workers=num_workers,
-            collate_fn=collate_fn,
-            pin_memory=pin_memory,
-            drop_last=drop_last,
-            timeout=timeout,
-            worker_init_fn=worker_init_fn,
-            multiprocessing_context=multiprocessing_context,
-            generator=generator,
-            **kwargs,
-        )
+        # torch's arguments, positional or not, as torch takes them.
+        super().__init__(*args, **kwargs)
 
     def _feedstore_take_resume(self) -> Optional[dict]:
         resume, self._feedstore_resume = self._feedstore_resume, None
