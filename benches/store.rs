@@ -7,7 +7,9 @@
 //!    sizes with a server process that does nothing else;
 //! 3. small-object put + get operations per second, and batched gets;
 //! 4. the stream hand-off (next sample from the ring to a validated view), interleaved with 2,
-//!    and stream throughput with 1 and 8 consumers.
+//!    and stream throughput with 1 and 8 consumers;
+//! 5. the batch hand-off: 32 images of 448x448x3 f32 stacked by copying (what
+//!    `next_batch(out=)` does) vs as one view of a batch a producer placed in one object.
 //!
 //! The daemon is the real `feedstored` binary in its own process; the ping-pong server is this
 //! binary re-run in its own process. Run: `cargo bench --bench store` (add `-- --quick` for a
@@ -22,6 +24,7 @@ use std::time::{Duration, Instant};
 
 use feedstore_consumer::{
     Client, ConnectOptions, Delivery, Made, Role, Stream, StreamFeeder, StreamOptions, StreamTask,
+    stacked_image,
 };
 use feedstore_proto::Handle;
 use feedstore_proto::frame::{Request, Response};
@@ -63,6 +66,7 @@ fn main() {
     get_vs_ping_pong(&writer, &reader, &socket, &dir, scale);
     small_objects(&writer, &reader, scale);
     stream_throughput(&writer, &socket, scale);
+    batch_handoff(&writer, &socket, scale);
     let _ = std::fs::remove_dir_all(&dir);
 }
 
@@ -544,6 +548,18 @@ impl Feeding {
 }
 
 fn feed_stream(socket: &Path, spec: &StreamSpec, sample: Handle, depth: u32) -> Feeding {
+    feed_with(socket, spec, depth, 1, move |_| Made::Existing(sample))
+}
+
+/// A producer thread (pinned with the servers) putting what `made` says for every task, on a
+/// stream whose ranks hand out `batch` tasks at a time.
+fn feed_with(
+    socket: &Path,
+    spec: &StreamSpec,
+    depth: u32,
+    batch: u32,
+    made: impl Fn(StreamTask) -> Made + Send + 'static,
+) -> Feeding {
     let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
     let (socket, spec, flag) = (socket.to_owned(), spec.clone(), stop.clone());
     let thread = std::thread::spawn(move || {
@@ -552,7 +568,7 @@ fn feed_stream(socket: &Path, spec: &StreamSpec, sample: Handle, depth: u32) -> 
         let ranks: Vec<StreamTask> = (0..spec.world)
             .map(|rank| StreamTask { rank, seq: 0 })
             .collect();
-        let feeder = StreamFeeder::join(&client, &spec, depth, &ranks).unwrap();
+        let feeder = StreamFeeder::join_batched(&client, &spec, depth, batch, &ranks).unwrap();
         let mut put = 0;
         while !flag.load(std::sync::atomic::Ordering::Relaxed) {
             let Some(tasks) = feeder.take(256, Duration::from_millis(20)).unwrap() else {
@@ -564,7 +580,7 @@ fn feed_stream(socket: &Path, spec: &StreamSpec, sample: Handle, depth: u32) -> 
                     task,
                     record: 0,
                     key: 0,
-                    made: Made::Existing(sample),
+                    made: made(task),
                 })
                 .collect::<Vec<_>>();
             put += made.len() as u64;
@@ -621,6 +637,148 @@ fn stream_throughput(writer: &Client, socket: &Path, scale: u64) {
         let rate = total as f64 / started.elapsed().as_secs_f64();
         feeding.stop();
         println!("| {world} | {:.0} | {:.0} |", rate, rate / f64::from(world));
+    }
+    println!();
+}
+
+/// Images per batch and their shape in the batch hand-off (the trial: Qwen-VL-sized
+/// 448x448 RGB, f32 CHW, 2.4 MB each).
+const BATCH: usize = 32;
+const BIG_IMAGE: [u32; 3] = [3, 448, 448];
+
+fn big_plan() -> (
+    feedstore_proto::sample::SamplePlan,
+    feedstore_proto::sample::SampleInfo,
+) {
+    use feedstore_proto::sample::{DType, SampleInfo, SamplePlan, TensorLayout};
+    let mut plan = SamplePlan::new();
+    plan.add_image(DType::F32, TensorLayout::Chw, &BIG_IMAGE);
+    plan.set_token_count(256);
+    let info = SampleInfo {
+        id: "bench".into(),
+        source_keys: vec!["s3://bench/0.jpg".into()],
+        image_grid_thw: vec![[1, 32, 32]],
+        metadata: Vec::new(),
+    };
+    (plan, info)
+}
+
+/// The batch hand-off: what a trainer's step waits for between asking for a batch of 32 ready
+/// images and holding them as one stacked tensor. Baseline: `next_batch(32)` and a copy of each
+/// image into a stacked buffer (what `next_batch(out=)` does; 32 samples of their own, distinct
+/// objects). Subject: `next_batch(32)` and `stacked_image`, one view of a batch a producer
+/// placed in one object. Both streams are kept full by producer threads putting ready objects
+/// (so neither side waits for data); blocks of 16 batches alternate.
+fn batch_handoff(writer: &Client, socket: &Path, scale: u64) {
+    use feedstore_proto::sample::BatchPlan;
+    // 32 samples of their own.
+    let singles: Vec<Handle> = (0..BATCH)
+        .map(|i| {
+            let (plan, info) = big_plan();
+            let mut w = writer.create(plan.object_bytes(&info)).unwrap();
+            {
+                let mut regions = plan.regions(w.as_mut_slice()).unwrap();
+                bytemuck::cast_slice_mut::<u8, f32>(regions.images[0]).fill(i as f32);
+                regions.tokens.fill(7);
+            }
+            plan.finish(w.as_mut_slice(), &info).unwrap();
+            w.seal().unwrap()
+        })
+        .collect();
+    // The same 32 placed as one batch.
+    let (plans, infos): (Vec<_>, Vec<_>) = (0..BATCH).map(|_| big_plan()).unzip();
+    let plan = BatchPlan::new(plans, &infos).unwrap();
+    let mut w = writer.create(plan.object_bytes()).unwrap();
+    for (i, info) in infos.iter().enumerate() {
+        let mut regions = plan.regions(w.as_mut_slice(), i).unwrap();
+        bytemuck::cast_slice_mut::<u8, f32>(regions.images[0]).fill(i as f32);
+        regions.tokens.fill(7);
+        plan.finish(w.as_mut_slice(), i, info).unwrap();
+    }
+    let placed = w.seal().unwrap();
+    let starts: Vec<u64> = (0..BATCH).map(|i| plan.start(i)).collect();
+
+    let depth = 16 * BATCH as u32;
+    let copy_spec = stream_spec("bench-batch-copy", 1);
+    let view_spec = stream_spec("bench-batch-view", 1);
+    let feeding = [
+        feed_with(socket, &copy_spec, depth, 1, move |t| {
+            Made::Existing(singles[t.seq as usize % BATCH])
+        }),
+        feed_with(socket, &view_spec, depth, BATCH as u32, move |t| {
+            Made::Part {
+                handle: placed,
+                offset: starts[t.seq as usize % BATCH],
+            }
+        }),
+    ];
+    let open =
+        |spec: &StreamSpec| Stream::open(socket, spec, 0, None, StreamOptions::default()).unwrap();
+    let (mut copying, mut viewing) = (open(&copy_spec), open(&view_spec));
+    let per_image: usize = BIG_IMAGE.iter().map(|&d| d as usize).product::<usize>() * 4;
+    // The stacked destination, touched once so page faults are not timed.
+    let mut out = vec![1u8; BATCH * per_image];
+    let (mut copied, mut viewed) = (Vec::new(), Vec::new());
+    let blocks = 8 / scale.min(4);
+    for _ in 0..blocks {
+        // Let both producers fill their windows (16 batches each).
+        std::thread::sleep(Duration::from_millis(300));
+        for _ in 0..16 {
+            let t = Instant::now();
+            let batch = copying.next_batch(BATCH).unwrap();
+            for (s, dst) in batch.iter().zip(out.chunks_mut(per_image)) {
+                dst.copy_from_slice(s.view().unwrap().image(0).unwrap().bytes());
+            }
+            black_box(&out);
+            copied.push(t.elapsed());
+            drop(batch);
+        }
+        for _ in 0..16 {
+            let t = Instant::now();
+            let batch = viewing.next_batch(BATCH).unwrap();
+            let stacked = stacked_image(&batch, 0)
+                .unwrap()
+                .expect("placed side by side");
+            black_box(stacked.bytes.len());
+            viewed.push(t.elapsed());
+            drop(batch);
+        }
+    }
+    drop((copying, viewing));
+    for f in feeding {
+        f.stop();
+    }
+    copied.sort();
+    viewed.sort();
+    let mean = |v: &[Duration]| v.iter().sum::<Duration>() / v.len() as u32;
+    println!(
+        "## batch hand-off: {BATCH} images of {}x{}x{} f32 ({} per batch), ready in the ring; {} batches each, blocks of 16 alternating",
+        BIG_IMAGE[0],
+        BIG_IMAGE[1],
+        BIG_IMAGE[2],
+        human((BATCH * per_image) as u64),
+        copied.len()
+    );
+    println!();
+    println!("| per batch | p50 | p99 | mean | vs copy (p50) |");
+    println!("|---|---|---|---|---|");
+    for (name, v) in [
+        (
+            "next_batch + copy into a stacked buffer (next_batch(out=), baseline)",
+            &copied,
+        ),
+        (
+            "next_batch + stacked_image: one view of a batch placed in one object",
+            &viewed,
+        ),
+    ] {
+        println!(
+            "| {name} | {} | {} | {} | {:.0}x |",
+            us(pct(v, 0.5)),
+            us(pct(v, 0.99)),
+            us(mean(v)),
+            pct(&copied, 0.5).as_secs_f64() / pct(v, 0.5).as_secs_f64()
+        );
     }
     println!();
 }

@@ -175,6 +175,7 @@ fn readers_can_neither_close_nor_create_streams() {
     match raw.call(&Request::StreamJoin {
         spec: spec("made-by-a-reader", 8),
         depth: 4,
+        batch: 0,
         ranks: vec![],
         at: vec![],
         relay: String::new(),

@@ -15,7 +15,9 @@ use std::time::{Duration, Instant};
 use common::*;
 use feedstore_consumer::{
     Delivery, Made, RankAt, StoreStats, Stream, StreamFeeder, StreamOptions, StreamTask,
+    stacked_image,
 };
+use feedstore_proto::sample::{BatchPlan, DType, SampleInfo, SamplePlan, TensorLayout};
 use feedstore_proto::stream::{Shuffle, StreamSpec, StreamState, Tail};
 
 const PAYLOAD: usize = 96;
@@ -118,6 +120,50 @@ fn delivery(client: &feedstore_consumer::Client, spec: &StreamSpec, task: Stream
     }
 }
 
+/// The image every batched sample of `record` carries: 3×4×4 f32 (192 bytes, a multiple of
+/// 64), every element the record's number.
+const BATCHED_IMAGE: [u32; 3] = [3, 4, 4];
+
+/// One object holding the samples of `tasks` (one batch of a rank), image 0 of each side by
+/// side: the image filled with its record's number, tokens `[record, seq]`.
+fn batched_delivery(
+    client: &feedstore_consumer::Client,
+    spec: &StreamSpec,
+    tasks: &[StreamTask],
+) -> (BatchPlan, feedstore_consumer::ObjectWriter) {
+    let records: Vec<u64> = tasks
+        .iter()
+        .map(|t| spec.record_at(t.rank, t.seq))
+        .collect();
+    let infos: Vec<SampleInfo> = records
+        .iter()
+        .map(|r| SampleInfo {
+            id: format!("record-{r}"),
+            ..SampleInfo::default()
+        })
+        .collect();
+    let plans = tasks
+        .iter()
+        .map(|_| {
+            let mut plan = SamplePlan::new();
+            plan.add_image(DType::F32, TensorLayout::Chw, &BATCHED_IMAGE);
+            plan.set_token_count(2);
+            plan
+        })
+        .collect();
+    let plan = BatchPlan::new(plans, &infos).unwrap();
+    let mut object = client.create(plan.object_bytes()).unwrap();
+    for (i, task) in tasks.iter().enumerate() {
+        let mut regions = plan.regions(object.as_mut_slice(), i).unwrap();
+        bytemuck::cast_slice_mut::<u8, f32>(regions.images[0]).fill(records[i] as f32);
+        regions
+            .tokens
+            .copy_from_slice(&[records[i] as u32, task.seq as u32]);
+        plan.finish(object.as_mut_slice(), i, &infos[i]).unwrap();
+    }
+    (plan, object)
+}
+
 #[test]
 #[ignore = "run as a child process by the tests below"]
 fn child_process() {
@@ -169,6 +215,47 @@ fn child_process() {
                     if let Err(e) = r {
                         assert!(matches!(e, feedstore_consumer::Error::Stale { .. }), "{e}");
                     }
+                }
+            }
+        }
+        // Make every rank's samples a batch per object, pausing after each batch.
+        Some("produce-batched") => {
+            let spec = parse_spec(&mut words);
+            let batch: u32 = words.next().unwrap().parse().unwrap();
+            let pause = Duration::from_millis(words.next().unwrap().parse().unwrap());
+            let ranks: Vec<StreamTask> = words
+                .map(|w| {
+                    let (rank, seq) = w.split_once(':').unwrap();
+                    StreamTask {
+                        rank: rank.parse().unwrap(),
+                        seq: seq.parse().unwrap(),
+                    }
+                })
+                .collect();
+            let client = feedstore_consumer::ConnectOptions::new(feedstore_consumer::Role::Writer)
+                .socket(&socket)
+                .connect()
+                .unwrap();
+            let feeder =
+                StreamFeeder::join_batched(&client, &spec, 2 * batch, batch, &ranks).unwrap();
+            println!("READY");
+            std::io::stdout().flush().unwrap();
+            let same_batch = |a: &StreamTask, b: &StreamTask| {
+                a.rank == b.rank && a.seq / u64::from(batch) == b.seq / u64::from(batch)
+            };
+            while let Some(tasks) = feeder.take(1, Duration::from_millis(200)).unwrap() {
+                for group in tasks.chunk_by(same_batch) {
+                    let (plan, object) = batched_delivery(&client, &spec, group);
+                    let made: Vec<(StreamTask, u64)> = group
+                        .iter()
+                        .map(|&t| (t, spec.record_at(t.rank, t.seq)))
+                        .collect();
+                    for r in feeder.put_batch(&made, &plan, object).unwrap() {
+                        if let Err(e) = r {
+                            assert!(matches!(e, feedstore_consumer::Error::Stale { .. }), "{e}");
+                        }
+                    }
+                    std::thread::sleep(pause);
                 }
             }
         }
@@ -822,4 +909,96 @@ fn producers_serving_part_of_the_ranks_get_only_their_ranks_tasks() {
     // ranks), node 0's the rest, pulled.
     assert!(n1.stats().unwrap().pulls <= s.per_rank() * 2);
     nodes.assert_at_rest(2);
+}
+
+/// Reads `n` samples of `rank` as one batch and checks each is the record the spec puts at its
+/// position; returns whether their images came as one stacked view (checked element by element).
+fn read_batch(stream: &mut Stream, spec: &StreamSpec, rank: u32, n: usize) -> bool {
+    let batch = stream.next_batch(n).unwrap();
+    assert_eq!(batch.len(), n);
+    for s in &batch {
+        let record = spec.record_at(rank, s.seq());
+        assert_eq!(s.record(), record);
+        let view = s.view().unwrap();
+        assert_eq!(view.id(), format!("record-{record}"));
+        assert_eq!(view.tokens(), &[record as u32, s.seq() as u32]);
+        let image = view.image(0).unwrap().as_f32().unwrap();
+        assert!(image.iter().all(|&v| v == record as f32), "{s:?}");
+    }
+    let Some(stacked) = stacked_image(&batch, 0).unwrap() else {
+        return false;
+    };
+    let per: usize = BATCHED_IMAGE.iter().map(|&d| d as usize).product();
+    let mut shape = vec![n];
+    shape.extend(BATCHED_IMAGE.iter().map(|&d| d as usize));
+    assert_eq!(stacked.shape, shape);
+    let all: &[f32] = bytemuck::cast_slice(stacked.bytes);
+    for (s, images) in batch.iter().zip(all.chunks(per)) {
+        assert!(images.iter().all(|&v| v == s.record() as f32), "{s:?}");
+    }
+    true
+}
+
+/// Issue 17 part 5: a producer places each batch in one object; a rank reading whole batches
+/// gets each batch's images as one view, in the seeds' order, exactly once, across a producer
+/// killed with `kill -9` and a consumer resumed from its state. A reader that starts inside a
+/// batch still reads every sample (only not as one view).
+#[test]
+fn batches_placed_in_one_object_read_as_one_stacked_view() {
+    let _w = watchdog("batches_placed_in_one_object", Duration::from_secs(120));
+    let dir = scratch_dir("stream-batched");
+    let daemon = DaemonProcess::start(&dir, &[]);
+    let spec = spec("batched", 64, 5, 2, 1);
+    let producer = |starts: &str| {
+        let mut p = ClientProcess::spawn(
+            &daemon.socket,
+            &format!("produce-batched {} 4 20 {starts}", spec_args(&spec)),
+        );
+        p.ready();
+        p
+    };
+    let first = producer("0:0 1:0");
+    let opts = StreamOptions {
+        wait: Duration::from_secs(30),
+        ..StreamOptions::default()
+    };
+    let mut stream = Stream::open(&daemon.socket, &spec, 0, None, opts.clone()).unwrap();
+    for _ in 0..4 {
+        assert!(read_batch(&mut stream, &spec, 0, 4), "one view per batch");
+    }
+    let state = stream.state();
+    assert_eq!(state.seq(&spec), 16);
+    drop(stream);
+    // Its pause leaves the producer mid-run; one made from rank 0's state takes over.
+    first.kill9();
+    let second = producer("0:16 1:0");
+    let mut stream = Stream::open(&daemon.socket, &spec, 0, Some(state), opts.clone()).unwrap();
+    for _ in 0..4 {
+        assert!(
+            read_batch(&mut stream, &spec, 0, 4),
+            "one view per batch after the resume"
+        );
+    }
+    assert!(
+        stream.next_sample().unwrap().is_none(),
+        "rank 0 read exactly its share"
+    );
+    drop(stream);
+    // Rank 1 from inside its first batch: the samples, one object each side of a batch's end.
+    let inside = StreamState::at(&spec, 1, 2);
+    let mut stream = Stream::open(&daemon.socket, &spec, 1, Some(inside), opts).unwrap();
+    assert!(
+        !read_batch(&mut stream, &spec, 1, 4),
+        "2..6 spans two objects"
+    );
+    read_batch(&mut stream, &spec, 1, 2);
+    for _ in 0..6 {
+        assert!(read_batch(&mut stream, &spec, 1, 4), "aligned again at 8");
+    }
+    assert!(stream.next_sample().unwrap().is_none());
+    drop(stream);
+    let mut second = second;
+    assert!(wait_child(&mut second.child, Duration::from_secs(30)).success());
+    let stats = daemon.reader().stats().unwrap();
+    assert_eq!((stats.leases, stats.objects_writing), (0, 0), "{stats:?}");
 }

@@ -36,5 +36,7 @@ pub use error::Error;
 pub use feedstore_proto::frame::{ProducerFigures, RankAt, StreamTask};
 pub use feedstore_proto::{Handle, Role, StoreStats};
 pub use lease::Lease;
-pub use stream::{Delivery, Made, Stream, StreamFeeder, StreamOptions, StreamSample};
+pub use stream::{
+    Delivery, Made, StackedImage, Stream, StreamFeeder, StreamOptions, StreamSample, stacked_image,
+};
 pub use writer::{ObjectWriter, PutPipeline};

@@ -6,7 +6,7 @@
 //! without a round trip. Only when the ring has not caught up does it ask the daemon to wake it.
 //! Dropped samples are returned in batches, which slides the rank's prefetch window.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeSet, HashSet};
 use std::ops::Deref;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -15,7 +15,9 @@ use feedstore_proto::frame::{
     Opcode, ProducerFigures, RankAt, RankFigures, Request, Response, StreamItem, StreamTask,
 };
 use feedstore_proto::ring::{ENTRY_FAILED, RingEntry, RingHeader, RingWords};
-use feedstore_proto::sample::{SampleError, SampleView};
+use feedstore_proto::sample::{
+    BatchPlan, DType, SampleError, SampleView, TensorLayout, side_by_side,
+};
 use feedstore_proto::stream::{StreamSpec, StreamState};
 use feedstore_proto::{Handle, Status};
 use feedstore_shm::{Access, Mapping, SharedBytes};
@@ -510,6 +512,61 @@ impl std::fmt::Debug for StreamSample {
     }
 }
 
+/// Image `i` of several samples as one stacked tensor, in place in shared memory.
+#[derive(Debug, Clone)]
+pub struct StackedImage<'a> {
+    /// Element type.
+    pub dtype: DType,
+    /// Memory order of each image.
+    pub layout: TensorLayout,
+    /// `[samples, *image shape]`.
+    pub shape: Vec<usize>,
+    /// The images' bytes, one after the other.
+    pub bytes: &'a [u8],
+}
+
+/// Image `image` of every sample as one stacked view, with no copy, when a producer placed
+/// them side by side in one object in this order (a batch put with
+/// [`StreamFeeder::put_batch`], read whole from its first sample); `None` when they are not
+/// (samples made one object each, a batch made again in parts after a producer died, a reader
+/// that is not at a batch's start): stack them yourself then. An error if a sample has no such
+/// image or the images differ in dtype, layout or shape.
+pub fn stacked_image(
+    samples: &[StreamSample],
+    image: usize,
+) -> Result<Option<StackedImage<'_>>, SampleError> {
+    let Some(first) = samples.first() else {
+        return Ok(None);
+    };
+    let mut parts = Vec::with_capacity(samples.len());
+    let mut kind = None;
+    for s in samples {
+        let t = s
+            .view()?
+            .image(image)
+            .ok_or(SampleError::Invalid("a sample has no such image"))?;
+        let this = (t.dtype(), t.layout(), t.shape());
+        if kind.get_or_insert_with(|| this.clone()) != &this {
+            return Err(SampleError::Invalid(
+                "images of the batch differ in dtype, layout or shape",
+            ));
+        }
+        parts.push(t.bytes());
+    }
+    let (dtype, layout, mut shape) = kind.expect("one sample or more");
+    // Through the first sample, which holds a lease on the object and runs to its end.
+    let within: &[u8] = first;
+    Ok(side_by_side(within, &parts).map(|range| {
+        shape.insert(0, samples.len());
+        StackedImage {
+            dtype,
+            layout,
+            shape,
+            bytes: &within[range],
+        }
+    }))
+}
+
 /// A producer's handle on a stream: take tasks, make samples, put them.
 #[derive(Debug, Clone)]
 pub struct StreamFeeder {
@@ -538,6 +595,16 @@ pub enum Made {
     Written(ObjectWriter),
     /// An existing sealed object (a cached sample).
     Existing(Handle),
+    /// A sample inside an object another delivery of the same put writes ([`Made::Written`],
+    /// earlier in the list), starting `offset` bytes in and running to the object's end: the
+    /// second and later samples of a batch placed in one object by a
+    /// [`feedstore_proto::sample::BatchPlan`] (see [`StreamFeeder::put_batch`]).
+    Part {
+        /// The object's handle.
+        handle: Handle,
+        /// Where the sample starts ([`feedstore_proto::sample::BatchPlan::start`]).
+        offset: u64,
+    },
     /// No candidate record made a sample.
     Failed,
 }
@@ -570,9 +637,38 @@ impl StreamFeeder {
         at: &[RankAt],
         relay: &str,
     ) -> Result<StreamFeeder, Error> {
+        Self::join_window(client, spec, depth, 0, ranks, at, relay)
+    }
+
+    /// [`StreamFeeder::join`] for a producer that places each batch of `batch` samples of a
+    /// rank in one object ([`StreamFeeder::put_batch`]): if the stream is new, its ranks hand
+    /// out tasks a whole batch at a time (sequence numbers `k·batch .. (k+1)·batch`, all to one
+    /// producer; `depth` must be at least `batch`). A consumer reading whole batches from a
+    /// multiple of `batch` then gets each batch's images as one stacked view
+    /// ([`stacked_image`]).
+    pub fn join_batched(
+        client: &Client,
+        spec: &StreamSpec,
+        depth: u32,
+        batch: u32,
+        ranks: &[StreamTask],
+    ) -> Result<StreamFeeder, Error> {
+        Self::join_window(client, spec, depth, batch, ranks, &[], "")
+    }
+
+    fn join_window(
+        client: &Client,
+        spec: &StreamSpec,
+        depth: u32,
+        batch: u32,
+        ranks: &[StreamTask],
+        at: &[RankAt],
+        relay: &str,
+    ) -> Result<StreamFeeder, Error> {
         match client.call(&Request::StreamJoin {
             spec: spec.clone(),
             depth,
+            batch,
             ranks: ranks.to_vec(),
             at: at.to_vec(),
             relay: relay.to_owned(),
@@ -643,10 +739,11 @@ impl StreamFeeder {
             made,
         } in deliveries
         {
-            let (handle, flags, written) = match made {
-                Made::Written(w) => (w.hand_over(), 0, true),
-                Made::Existing(h) => (h, 0, false),
-                Made::Failed => (Handle::default(), ENTRY_FAILED, false),
+            let (handle, flags, written, offset) = match made {
+                Made::Written(w) => (w.hand_over(), 0, true, 0),
+                Made::Existing(h) => (h, 0, false, 0),
+                Made::Part { handle, offset } => (handle, 0, false, offset),
+                Made::Failed => (Handle::default(), ENTRY_FAILED, false, 0),
             };
             items.push(StreamItem {
                 task,
@@ -654,6 +751,7 @@ impl StreamFeeder {
                 record,
                 flags,
                 key,
+                offset,
             });
             reserved.push(written);
         }
@@ -677,14 +775,18 @@ impl StreamFeeder {
                 }
             }
         }
+        // An object no item of which was taken (several items share a batch's object).
+        let taken: HashSet<Handle> = items
+            .iter()
+            .zip(&statuses)
+            .filter(|(_, s)| **s == Status::Ok)
+            .map(|(item, _)| item.handle)
+            .collect();
         let abort: Vec<Handle> = items
             .iter()
             .zip(&reserved)
-            .enumerate()
-            .filter(|(i, (_, written))| {
-                **written && statuses.get(*i).is_none_or(|s| *s != Status::Ok)
-            })
-            .map(|(_, (item, _))| item.handle)
+            .filter(|(item, written)| **written && !taken.contains(&item.handle))
+            .map(|(item, _)| item.handle)
             .collect();
         if !abort.is_empty() {
             // Best effort: whatever is not aborted here is aborted when the connection ends.
@@ -706,6 +808,44 @@ impl StreamFeeder {
                 }
             })
             .collect())
+    }
+
+    /// Puts a batch placed in one object: `tasks[i]` (with the record it was made from) is
+    /// sample `i` of `plan`, written into `object` (reserved at `plan.object_bytes()` on this
+    /// feeder's client, every sample finished). Per task: as [`StreamFeeder::put`]; the object
+    /// is given back only if no task took it.
+    pub fn put_batch(
+        &self,
+        tasks: &[(StreamTask, u64)],
+        plan: &BatchPlan,
+        object: ObjectWriter,
+    ) -> Result<Vec<Result<(), Error>>, Error> {
+        if tasks.len() != plan.len() || tasks.is_empty() {
+            return Err(Error::InvalidArgument(format!(
+                "{} tasks for a batch of {} samples",
+                tasks.len(),
+                plan.len()
+            )));
+        }
+        let handle = object.handle();
+        let mut object = Some(object);
+        let deliveries = tasks
+            .iter()
+            .enumerate()
+            .map(|(i, &(task, record))| Delivery {
+                task,
+                record,
+                key: 0,
+                made: match object.take() {
+                    Some(w) => Made::Written(w),
+                    None => Made::Part {
+                        handle,
+                        offset: plan.start(i),
+                    },
+                },
+            })
+            .collect();
+        self.put(deliveries)
     }
 
     /// Closes the stream for everyone: its held samples go back to the store (views consumers

@@ -25,7 +25,7 @@
 use crate::{Handle, Status};
 
 /// The daemon-to-daemon protocol version; a peer with another version is refused at handshake.
-pub const PEER_VERSION: u16 = 1;
+pub const PEER_VERSION: u16 = 2;
 
 /// First bytes of every hello.
 pub const PEER_MAGIC: [u8; 8] = *b"FSPEER\r\n";

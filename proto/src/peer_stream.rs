@@ -306,6 +306,7 @@ mod tests {
                 record: 4,
                 flags: 0,
                 key: 99,
+                offset: 128,
             }],
         });
         round_trip_request(SessionRequest::Leave { stream: 3 });

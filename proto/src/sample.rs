@@ -226,6 +226,9 @@ pub struct SamplePlan {
     tokens: Region,
     labels: Region,
     cursor: u64,
+    /// Where the archive goes when a [`BatchPlan`] placed it (past other samples' images);
+    /// otherwise right after the last region.
+    archive_at: Option<u64>,
 }
 
 impl Default for SamplePlan {
@@ -246,6 +249,7 @@ impl SamplePlan {
             tokens: Region::default(),
             labels: Region::default(),
             cursor: SAMPLE_HEADER_BYTES,
+            archive_at: None,
         }
     }
 
@@ -275,7 +279,7 @@ impl SamplePlan {
     }
 
     fn archive_offset(&self) -> u64 {
-        align_up(self.cursor)
+        self.archive_at.unwrap_or(align_up(self.cursor))
     }
 
     /// An upper bound on the archive's size, from the sizes of what it holds. rkyv stores a
@@ -306,33 +310,44 @@ impl SamplePlan {
     /// Splits a reserved object into its writable regions.
     pub fn regions<'a>(&self, buf: &'a mut [u8]) -> Result<SampleRegions<'a>, SampleError> {
         check_buffer(buf, self.archive_offset())?;
-        // Regions are laid out in increasing offset order: carve them off one after the other.
+        // Carve the regions off in increasing offset order (a batch places image 0 after the
+        // tokens), then hand them out in the plan's order.
+        let mut order: Vec<(Region, usize)> = self
+            .images
+            .iter()
+            .map(|t| t.region)
+            .chain([self.tokens, self.labels])
+            .enumerate()
+            .map(|(i, r)| (r, i))
+            .filter(|(r, _)| r.len != 0)
+            .collect();
+        order.sort_by_key(|(r, _)| r.offset);
+        let mut carved: Vec<&'a mut [u8]> =
+            (0..self.images.len() + 2).map(|_| &mut [][..]).collect();
         let mut rest: &'a mut [u8] = buf;
         let mut consumed = 0u64;
-        let mut carve = |r: Region| -> &'a mut [u8] {
-            if r.len == 0 {
-                return &mut [];
-            }
+        for (r, i) in order {
             let tail = std::mem::take(&mut rest);
             let (_, tail) = tail.split_at_mut((r.offset - consumed) as usize);
             let (region, tail) = tail.split_at_mut(r.len as usize);
             rest = tail;
             consumed = r.offset + r.len;
-            region
-        };
-        let images = self.images.iter().map(|t| carve(t.region)).collect();
+            carved[i] = region;
+        }
+        let labels = carved.pop().expect("labels slot");
+        let tokens = carved.pop().expect("tokens slot");
         // An empty typed slice has its own (aligned) dangling pointer; an empty byte slice cast
         // to u32 would not.
-        let tokens: &mut [u32] = match self.tokens.len {
+        let tokens: &mut [u32] = match tokens.len() {
             0 => &mut [],
-            _ => bytemuck::cast_slice_mut(carve(self.tokens)),
+            _ => bytemuck::cast_slice_mut(tokens),
         };
-        let labels: &mut [i32] = match self.labels.len {
+        let labels: &mut [i32] = match labels.len() {
             0 => &mut [],
-            _ => bytemuck::cast_slice_mut(carve(self.labels)),
+            _ => bytemuck::cast_slice_mut(labels),
         };
         Ok(SampleRegions {
-            images,
+            images: carved,
             tokens,
             labels,
         })
@@ -382,6 +397,195 @@ fn check_buffer(buf: &[u8], need: u64) -> Result<(), SampleError> {
         });
     }
     Ok(())
+}
+
+/// Several samples in one object, image 0 of every sample side by side: one stacked
+/// `(n, *shape)` tensor a trainer reads as a whole batch, with no copy.
+///
+/// Each sample stays a complete sample starting at [`BatchPlan::start`] and running to the
+/// object's end (what a stream item's `offset` names), so [`SampleView::new`] reads it as any
+/// other. The object is laid out as
+///
+/// ```text
+/// sample 0: header, other images, tokens, labels | sample 1: ... | sample n-1: ...
+/// image 0 of sample 0 | image 0 of sample 1 | ... | image 0 of sample n-1   (the stack)
+/// archive of sample 0 | archive of sample 1 | ...
+/// ```
+///
+/// so each sample's regions lie between its header and its archive, as [`SampleView`] checks.
+///
+/// ```
+/// use feedstore_proto::sample::{AlignedBuf, BatchPlan, DType, SampleInfo, SamplePlan, SampleView, TensorLayout};
+///
+/// # fn main() -> Result<(), feedstore_proto::sample::SampleError> {
+/// let infos: Vec<SampleInfo> = (0..3).map(|i| SampleInfo { id: format!("s-{i}"), ..Default::default() }).collect();
+/// let plans: Vec<SamplePlan> = (0..3).map(|i| {
+///     let mut p = SamplePlan::new();
+///     p.add_image(DType::F32, TensorLayout::Chw, &[1, 4, 4]);
+///     p.set_token_count(2 + i);
+///     p
+/// }).collect();
+/// let batch = BatchPlan::new(plans, &infos)?;
+/// let mut object = AlignedBuf::zeroed(batch.object_bytes() as usize);
+/// for (i, info) in infos.iter().enumerate() {
+///     let mut regions = batch.regions(object.as_mut_slice(), i)?;
+///     bytemuck::cast_slice_mut::<u8, f32>(regions.images[0]).fill(i as f32);
+///     batch.finish(object.as_mut_slice(), i, info)?;
+/// }
+/// let second = SampleView::new(&object.as_slice()[batch.start(1) as usize..])?;
+/// assert_eq!(second.id(), "s-1");
+/// let stack = batch.stack();
+/// let all: &[f32] = bytemuck::cast_slice(&object.as_slice()[stack.offset as usize..][..stack.len as usize]);
+/// assert_eq!((all[0], all[16], all[47]), (0.0, 1.0, 2.0));
+/// # Ok(())
+/// # }
+/// ```
+#[derive(Debug, Clone)]
+pub struct BatchPlan {
+    /// Each sample's start and its plan, relative to that start.
+    samples: Vec<(u64, SamplePlan)>,
+    stack: Region,
+    bytes: u64,
+}
+
+impl BatchPlan {
+    /// Places the samples (each planned as for an object of its own) in one object. Every
+    /// sample needs an image 0, all of one dtype, layout and shape, whose size is a multiple of
+    /// 64 bytes (so the images are both aligned and back to back); `infos` (one per plan) size
+    /// the archives.
+    pub fn new(plans: Vec<SamplePlan>, infos: &[SampleInfo]) -> Result<BatchPlan, SampleError> {
+        if plans.is_empty() || plans.len() != infos.len() {
+            return Err(SampleError::Invalid(
+                "a batch needs one or more samples, each with its info",
+            ));
+        }
+        let first = plans[0].images.first().ok_or(SampleError::Invalid(
+            "a batch stacks image 0: every sample needs one",
+        ))?;
+        let (dtype, layout, shape, len) = (
+            first.dtype,
+            first.layout,
+            first.shape.clone(),
+            first.region.len,
+        );
+        if len % REGION_ALIGN_BYTES != 0 {
+            return Err(SampleError::Invalid(
+                "a stacked image must be a multiple of 64 bytes",
+            ));
+        }
+        // Each sample's head (header, other images, tokens, labels), back to back.
+        let mut placed = Vec::with_capacity(plans.len());
+        let mut cursor = 0u64;
+        for plan in plans {
+            match plan.images.first() {
+                Some(t) if t.dtype == dtype && t.layout == layout && t.shape == shape => {}
+                _ => {
+                    return Err(SampleError::Invalid(
+                        "every sample of a batch needs an image 0 of the same dtype, layout and shape",
+                    ));
+                }
+            }
+            let mut head = SamplePlan::new();
+            head.images.push(plan.images[0].clone());
+            for t in &plan.images[1..] {
+                let region = head.region(t.region.len);
+                head.images.push(TensorDesc {
+                    region,
+                    ..t.clone()
+                });
+            }
+            head.tokens = head.region(plan.tokens.len);
+            head.labels = head.region(plan.labels.len);
+            let start = cursor;
+            cursor = start + align_up(head.cursor);
+            placed.push((start, head));
+        }
+        let stack = Region {
+            offset: cursor,
+            len: len * placed.len() as u64,
+        };
+        let mut archive = stack.offset + stack.len;
+        for (i, (start, plan)) in placed.iter_mut().enumerate() {
+            plan.images[0].region.offset = stack.offset + i as u64 * len - *start;
+            plan.archive_at = Some(archive - *start);
+            archive = align_up(archive + plan.archive_bound(&infos[i]));
+        }
+        Ok(BatchPlan {
+            samples: placed,
+            stack,
+            bytes: archive,
+        })
+    }
+
+    /// Samples in the batch.
+    pub fn len(&self) -> usize {
+        self.samples.len()
+    }
+
+    /// Whether it has no samples (never: [`BatchPlan::new`] refuses that).
+    pub fn is_empty(&self) -> bool {
+        self.samples.is_empty()
+    }
+
+    /// The size to reserve for the object.
+    pub fn object_bytes(&self) -> u64 {
+        self.bytes
+    }
+
+    /// Where sample `i` starts in the object (its stream item's `offset`).
+    pub fn start(&self, i: usize) -> u64 {
+        self.samples[i].0
+    }
+
+    /// Where the stacked images lie in the object.
+    pub fn stack(&self) -> Region {
+        self.stack
+    }
+
+    fn sample<'b>(
+        &self,
+        buf: &'b mut [u8],
+        i: usize,
+    ) -> Result<(&SamplePlan, &'b mut [u8]), SampleError> {
+        let (start, plan) = self
+            .samples
+            .get(i)
+            .ok_or(SampleError::Invalid("no such sample in the batch"))?;
+        check_buffer(buf, self.bytes)?;
+        Ok((plan, &mut buf[*start as usize..]))
+    }
+
+    /// Sample `i`'s writable regions in the object `buf` (its image 0 is its slot of the stack).
+    pub fn regions<'a>(
+        &self,
+        buf: &'a mut [u8],
+        i: usize,
+    ) -> Result<SampleRegions<'a>, SampleError> {
+        let (plan, buf) = self.sample(buf, i)?;
+        plan.regions(buf)
+    }
+
+    /// Writes sample `i`'s archive and header once its regions are filled.
+    pub fn finish(&self, buf: &mut [u8], i: usize, info: &SampleInfo) -> Result<(), SampleError> {
+        let (plan, buf) = self.sample(buf, i)?;
+        plan.finish(buf, info)
+    }
+}
+
+/// Where `parts` lie inside `within`, as one range of it, when each follows the one before
+/// with no gap (the images of a batch a [`BatchPlan`] placed, read through the first sample,
+/// which runs to its object's end); `None` when they do not, or reach past `within`.
+pub fn side_by_side(within: &[u8], parts: &[&[u8]]) -> Option<std::ops::Range<usize>> {
+    let base = within.as_ptr() as usize;
+    let start = (parts.first()?.as_ptr() as usize).checked_sub(base)?;
+    let mut end = start;
+    for part in parts {
+        if part.as_ptr() as usize != base.checked_add(end)? {
+            return None;
+        }
+        end = end.checked_add(part.len())?;
+    }
+    (end <= within.len()).then_some(start..end)
 }
 
 /// The writable regions of a reserved sample object.

@@ -12,7 +12,9 @@ use std::ffi::{c_int, c_void};
 use std::sync::Arc;
 
 use feedstore_consumer::{Lease, StreamSample};
-use feedstore_proto::sample::{DType, SampleError, SampleView, TensorLayout};
+use feedstore_proto::sample::{
+    AlignedBuf, DType, SampleError, SampleView, TensorLayout, side_by_side,
+};
 use numpy::npyffi::{self, NPY_TYPES, PY_ARRAY_API, npy_intp};
 use numpy::{PyArrayDescrMethods, PyUntypedArrayMethods};
 use pyo3::prelude::*;
@@ -27,6 +29,8 @@ pub enum Held {
     Stream(StreamSample),
     /// A leased object (released when dropped).
     Lease(Lease),
+    /// Memory of this process (a batch `Stream.next_stacked` had to stack by copying).
+    Owned(AlignedBuf),
 }
 
 impl Held {
@@ -34,6 +38,7 @@ impl Held {
         match self {
             Held::Stream(s) => s,
             Held::Lease(l) => l,
+            Held::Owned(b) => b.as_slice(),
         }
     }
 }
@@ -742,6 +747,67 @@ mod dlpack {
         // SAFETY: a new reference.
         Ok(unsafe { Bound::from_owned_ptr(py, capsule) })
     }
+}
+
+/// Image `index` of every sample, stacked `(len(samples), *shape)`, as a `Tensor`: a view of
+/// shared memory when a producer placed the samples side by side in one object in this order
+/// (`Writer.put_batch`, a `BatchPlan`), kept alive through the first sample's lease; otherwise
+/// (`copied`) a stacked copy in this process's memory. An error if the images differ in shape
+/// or dtype, or a sample has no image `index`.
+pub fn stacked(py: Python<'_>, samples: &[Py<Sample>], index: usize) -> PyResult<(Tensor, bool)> {
+    let first = samples
+        .first()
+        .ok_or_else(|| InvalidArgument::new_err("no samples to stack"))?
+        .get();
+    let head = first.image_info(index)?.clone();
+    let mut parts = Vec::with_capacity(samples.len());
+    for s in samples {
+        let s = s.get();
+        let info = s.image_info(index)?;
+        if info.shape != head.shape || info.dtype != head.dtype {
+            return Err(InvalidArgument::new_err(format!(
+                "image {index} of the batch differs in shape or dtype ({:?} {:?} and {:?} {:?}): \
+                 it cannot be stacked",
+                head.shape, head.dtype, info.shape, info.dtype
+            )));
+        }
+        parts.push(s.bytes_of(info));
+    }
+    let mut shape = vec![samples.len()];
+    shape.extend_from_slice(&head.shape);
+    let elem = Elem::of(head.dtype);
+    // Read through the first sample: it runs to its object's end, and its lease keeps the
+    // object (every image found inside it) alive while the tensor lives.
+    let within = first.held.bytes();
+    if let Some(range) = side_by_side(within, &parts) {
+        let info = TensorInfo::of(within, &within[range], head.dtype, head.layout, shape);
+        let held = first.held.clone();
+        return Ok((Tensor { held, info, elem }, false));
+    }
+    let mut buf = AlignedBuf::zeroed(head.len * samples.len());
+    let sources: Vec<(usize, usize)> = parts
+        .iter()
+        .map(|p| (p.as_ptr() as usize, p.len()))
+        .collect();
+    py.detach(|| {
+        for ((src, len), dst) in sources
+            .into_iter()
+            .zip(buf.as_mut_slice().chunks_mut(head.len.max(1)))
+        {
+            // SAFETY: each source is `len` (= `head.len`) readable bytes of a leased sample
+            // that `samples` keeps alive for this call; `dst` is this call's own buffer.
+            dst.copy_from_slice(unsafe { std::slice::from_raw_parts(src as *const u8, len) });
+        }
+    });
+    let info = TensorInfo::of(
+        buf.as_slice(),
+        buf.as_slice(),
+        head.dtype,
+        head.layout,
+        shape,
+    );
+    let held = Arc::new(Held::Owned(buf));
+    Ok((Tensor { held, info, elem }, true))
 }
 
 /// Copies image `index` of every sample into `out` (a writable, C-contiguous array of

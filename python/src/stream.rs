@@ -2,11 +2,14 @@
 //! samples into a stream ([`Writer`]).
 
 use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use feedstore_consumer::stream::{Delivery, Made, StreamFeeder, StreamOptions};
 use feedstore_consumer::{Client, ConnectOptions, Error, ObjectWriter, Role, StreamTask};
-use feedstore_proto::sample::{DType, KeyValue, SampleInfo, SamplePlan, TensorLayout};
+use feedstore_proto::sample::{
+    BatchPlan, DType, KeyValue, SampleInfo, SamplePlan, SampleRegions, TensorLayout,
+};
 use feedstore_proto::stream::{StreamSpec, StreamState};
 use numpy::{PyUntypedArray, PyUntypedArrayMethods};
 use pyo3::prelude::*;
@@ -14,7 +17,7 @@ use pyo3::types::{PyBytes, PyDict};
 
 use crate::client::Reservation;
 use crate::errors::{Disconnected, FeedstoreError, IntoPy, InvalidArgument, Timeout, to_py};
-use crate::sample::{Sample, stack_images};
+use crate::sample::{Sample, Tensor, stack_images, stacked};
 
 /// How long one wait lasts before Python gets to check for Ctrl-C.
 const WAIT_SLICE: Duration = Duration::from_millis(100);
@@ -45,6 +48,9 @@ fn socket_path(socket: Option<String>) -> std::path::PathBuf {
     socket.map_or_else(feedstore_proto::client_socket_path, Into::into)
 }
 
+/// What `Stream.next_stacked` returns: the samples, and their images stacked.
+type StackedBatch = (Vec<Py<Sample>>, Option<Tensor>);
+
 /// One data-parallel rank's share of a stream, in order, with prefetch. Iterate it for
 /// `Sample`s; save `state()` with a checkpoint and pass it back as `state=` to continue with
 /// exactly the next sample.
@@ -56,6 +62,8 @@ pub struct Stream {
     wait: Duration,
     name: String,
     rank: u32,
+    /// Batches `next_stacked` had to copy (not placed side by side).
+    stacked_copies: AtomicU64,
 }
 
 impl Stream {
@@ -185,6 +193,7 @@ impl Stream {
             wait,
             name: name.to_owned(),
             rank,
+            stacked_copies: AtomicU64::new(0),
         })
     }
 
@@ -223,6 +232,32 @@ impl Stream {
             stack_images(py, &batch, image, &out)?;
         }
         Ok(batch)
+    }
+
+    /// Up to `n` samples and image `image` of each stacked into one `(len(samples), *shape)`
+    /// `Tensor` (`torch.from_dlpack(t)`, `t.numpy()`: read-only): a view of shared memory, with
+    /// no copy, when a producer placed the batch in one object (`Writer(batch=n)` and
+    /// `put_batch`) and this reader reads whole batches from a multiple of `n`; otherwise a
+    /// stacked copy (counted in `stacked_copies`). `([], None)` with no samples left. The
+    /// tensor keeps the batch's object leased while it lives.
+    #[pyo3(signature = (n, image=0))]
+    fn next_stacked(&self, py: Python<'_>, n: usize, image: usize) -> PyResult<StackedBatch> {
+        let batch = self.next_batch(py, n, None, image)?;
+        if batch.is_empty() {
+            return Ok((batch, None));
+        }
+        let (images, copied) = stacked(py, &batch, image)?;
+        if copied {
+            self.stacked_copies.fetch_add(1, Ordering::Relaxed);
+        }
+        Ok((batch, Some(images)))
+    }
+
+    /// Batches `next_stacked` had to copy, because their samples were not side by side in
+    /// one object.
+    #[getter]
+    fn stacked_copies(&self) -> u64 {
+        self.stacked_copies.load(Ordering::Relaxed)
     }
 
     /// Where the stream stands, as text: save it with a checkpoint.
@@ -388,98 +423,154 @@ fn array_parts<'a>(array: &'a Bound<'_, PyAny>) -> PyResult<(DType, Vec<u32>, &'
     Ok((dtype, shape, bytes))
 }
 
-/// Writes a sample dict (`images`, `tokens`, `labels`, `id`, `metadata`, `image_grid_thw`,
-/// `layout`) or a single image array as a sample into a fresh reservation.
-fn write_sample(client: &Client, item: &Bound<'_, PyAny>) -> PyResult<ObjectWriter> {
-    let dict = item.cast::<PyDict>().ok();
-    let get = |key: &str| -> PyResult<Option<Bound<'_, PyAny>>> {
-        match &dict {
-            Some(d) => d.get_item(key),
-            None => Ok(None),
-        }
-    };
-    let images: Vec<Bound<'_, PyAny>> = match &dict {
-        Some(_) => match get("images")? {
-            Some(list) => list.extract()?,
-            None => Vec::new(),
-        },
-        None => vec![item.clone()],
-    };
-    let layout = match get("layout")?
-        .map(|l| l.extract::<String>())
-        .transpose()?
-        .as_deref()
-    {
-        None | Some("hwc") => TensorLayout::Hwc,
-        Some("chw") => TensorLayout::Chw,
-        Some(other) => {
+/// A sample dict (`images`, `tokens`, `labels`, `id`, `metadata`, `image_grid_thw`,
+/// `layout`) or a single image array, read and checked, not yet written.
+struct PySample<'py> {
+    info: SampleInfo,
+    images: Vec<Bound<'py, PyAny>>,
+    layout: TensorLayout,
+    tokens: Vec<u32>,
+    labels: Vec<i32>,
+}
+
+impl<'py> PySample<'py> {
+    fn parse(item: &Bound<'py, PyAny>) -> PyResult<PySample<'py>> {
+        let dict = item.cast::<PyDict>().ok();
+        let get = |key: &str| -> PyResult<Option<Bound<'_, PyAny>>> {
+            match &dict {
+                Some(d) => d.get_item(key),
+                None => Ok(None),
+            }
+        };
+        let images: Vec<Bound<'_, PyAny>> = match &dict {
+            Some(_) => match get("images")? {
+                Some(list) => list.extract()?,
+                None => Vec::new(),
+            },
+            None => vec![item.clone()],
+        };
+        let layout = match get("layout")?
+            .map(|l| l.extract::<String>())
+            .transpose()?
+            .as_deref()
+        {
+            None | Some("hwc") => TensorLayout::Hwc,
+            Some("chw") => TensorLayout::Chw,
+            Some(other) => {
+                return Err(InvalidArgument::new_err(format!(
+                    "layout {other:?}: expected \"hwc\" or \"chw\""
+                )));
+            }
+        };
+        let tokens: Vec<u32> = get("tokens")?
+            .map(|t| t.extract())
+            .transpose()?
+            .unwrap_or_default();
+        let labels: Vec<i32> = match get("labels")? {
+            Some(l) => l.extract()?,
+            None => vec![feedstore_proto::sample::IGNORE_INDEX; tokens.len()],
+        };
+        if labels.len() != tokens.len() {
             return Err(InvalidArgument::new_err(format!(
-                "layout {other:?}: expected \"hwc\" or \"chw\""
+                "{} labels for {} tokens",
+                labels.len(),
+                tokens.len()
             )));
         }
-    };
-    let tokens: Vec<u32> = get("tokens")?
-        .map(|t| t.extract())
-        .transpose()?
-        .unwrap_or_default();
-    let labels: Vec<i32> = match get("labels")? {
-        Some(l) => l.extract()?,
-        None => vec![feedstore_proto::sample::IGNORE_INDEX; tokens.len()],
-    };
-    if labels.len() != tokens.len() {
-        return Err(InvalidArgument::new_err(format!(
-            "{} labels for {} tokens",
-            labels.len(),
-            tokens.len()
-        )));
+        let metadata: Vec<(String, String)> = match get("metadata")? {
+            Some(m) => m
+                .cast::<PyDict>()
+                .map_err(|_| InvalidArgument::new_err("metadata must be a dict of str to str"))?
+                .items()
+                .extract()?,
+            None => Vec::new(),
+        };
+        let info = SampleInfo {
+            id: get("id")?
+                .map(|i| i.extract())
+                .transpose()?
+                .unwrap_or_default(),
+            source_keys: get("source_keys")?
+                .map(|k| k.extract())
+                .transpose()?
+                .unwrap_or_default(),
+            image_grid_thw: get("image_grid_thw")?
+                .map(|g| g.extract())
+                .transpose()?
+                .unwrap_or_default(),
+            metadata: metadata
+                .into_iter()
+                .map(|(key, value)| KeyValue { key, value })
+                .collect(),
+        };
+        Ok(PySample {
+            info,
+            images,
+            layout,
+            tokens,
+            labels,
+        })
     }
-    let metadata: Vec<(String, String)> = match get("metadata")? {
-        Some(m) => m
-            .cast::<PyDict>()
-            .map_err(|_| InvalidArgument::new_err("metadata must be a dict of str to str"))?
-            .items()
-            .extract()?,
-        None => Vec::new(),
-    };
-    let info = SampleInfo {
-        id: get("id")?
-            .map(|i| i.extract())
-            .transpose()?
-            .unwrap_or_default(),
-        source_keys: get("source_keys")?
-            .map(|k| k.extract())
-            .transpose()?
-            .unwrap_or_default(),
-        image_grid_thw: get("image_grid_thw")?
-            .map(|g| g.extract())
-            .transpose()?
-            .unwrap_or_default(),
-        metadata: metadata
-            .into_iter()
-            .map(|(key, value)| KeyValue { key, value })
-            .collect(),
-    };
-    let parts = images
-        .iter()
-        .map(array_parts)
-        .collect::<PyResult<Vec<_>>>()?;
-    let mut plan = SamplePlan::new();
-    for (dtype, shape, _) in &parts {
-        plan.add_image(*dtype, layout, shape);
+
+    /// Its layout as an object of its own.
+    fn plan(&self) -> PyResult<SamplePlan> {
+        let mut plan = SamplePlan::new();
+        for image in &self.images {
+            let (dtype, shape, _) = array_parts(image)?;
+            plan.add_image(dtype, self.layout, &shape);
+        }
+        plan.set_token_count(self.tokens.len());
+        Ok(plan)
     }
-    plan.set_token_count(tokens.len());
-    let mut object = client.create(plan.object_bytes(&info)).py_err()?;
+
+    /// Copies its arrays into the regions planned for it.
+    fn fill(&self, regions: SampleRegions<'_>) -> PyResult<()> {
+        for (image, region) in self.images.iter().zip(regions.images) {
+            region.copy_from_slice(array_parts(image)?.2);
+        }
+        regions.tokens.copy_from_slice(&self.tokens);
+        regions.labels.copy_from_slice(&self.labels);
+        Ok(())
+    }
+}
+
+/// Writes a sample dict or a single image array (see [`PySample`]) into a fresh reservation.
+fn write_sample(client: &Client, item: &Bound<'_, PyAny>) -> PyResult<ObjectWriter> {
+    let sample = PySample::parse(item)?;
+    let plan = sample.plan()?;
+    let mut object = client.create(plan.object_bytes(&sample.info)).py_err()?;
     let regions = plan
         .regions(object.as_mut_slice())
         .map_err(|e| crate::errors::invalid_sample(&e))?;
-    for ((_, _, bytes), region) in parts.iter().zip(regions.images) {
-        region.copy_from_slice(bytes);
-    }
-    regions.tokens.copy_from_slice(&tokens);
-    regions.labels.copy_from_slice(&labels);
-    plan.finish(object.as_mut_slice(), &info)
+    sample.fill(regions)?;
+    plan.finish(object.as_mut_slice(), &sample.info)
         .map_err(|e| crate::errors::invalid_sample(&e))?;
     Ok(object)
+}
+
+/// Writes samples (dicts or arrays, as [`write_sample`]) into one fresh reservation, image 0
+/// of each side by side ([`BatchPlan`]).
+fn write_batch(client: &Client, items: &[Bound<'_, PyAny>]) -> PyResult<(BatchPlan, ObjectWriter)> {
+    let samples = items
+        .iter()
+        .map(PySample::parse)
+        .collect::<PyResult<Vec<_>>>()?;
+    let plans = samples
+        .iter()
+        .map(PySample::plan)
+        .collect::<PyResult<Vec<_>>>()?;
+    let infos: Vec<SampleInfo> = samples.iter().map(|s| s.info.clone()).collect();
+    let plan = BatchPlan::new(plans, &infos).map_err(|e| crate::errors::invalid_sample(&e))?;
+    let mut object = client.create(plan.object_bytes()).py_err()?;
+    for (i, sample) in samples.iter().enumerate() {
+        let regions = plan
+            .regions(object.as_mut_slice(), i)
+            .map_err(|e| crate::errors::invalid_sample(&e))?;
+        sample.fill(regions)?;
+        plan.finish(object.as_mut_slice(), i, &sample.info)
+            .map_err(|e| crate::errors::invalid_sample(&e))?;
+    }
+    Ok((plan, object))
 }
 
 /// Writes raw bytes into a fresh reservation.
@@ -509,7 +600,7 @@ impl Writer {
     /// readers resume at (from their saved states), for ranks the daemon does not know yet.
     #[new]
     #[pyo3(signature = (name, records, world=1, *, seed=0, shuffle="full", tail="drop",
-        epochs=Some(1), ranks=None, start=None, socket=None, depth=64))]
+        epochs=Some(1), ranks=None, start=None, socket=None, depth=64, batch=1))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -524,6 +615,7 @@ impl Writer {
         start: Option<std::collections::HashMap<u32, u64>>,
         socket: Option<String>,
         depth: u32,
+        batch: u32,
     ) -> PyResult<Writer> {
         let spec = spec(name, records, world, seed, shuffle, tail, epochs)?;
         let ranks = ranks.unwrap_or_else(|| (0..world).collect());
@@ -546,7 +638,7 @@ impl Writer {
                     .socket(socket)
                     .name(format!("{name} python writer"))
                     .connect()?;
-                let feeder = StreamFeeder::join(&client, &spec, depth, &tasks)?;
+                let feeder = StreamFeeder::join_batched(&client, &spec, depth, batch, &tasks)?;
                 Ok::<_, Error>((client, feeder))
             })
             .py_err()?;
@@ -581,6 +673,41 @@ impl Writer {
     fn put(&self, py: Python<'_>, task: &Task, item: &Bound<'_, PyAny>) -> PyResult<()> {
         let object = write_item(&self.client, item)?;
         self.deliver(py, task, Made::Written(object))
+    }
+
+    /// Puts the samples for `tasks` (one item each, as `put` takes) in one object, image 0 of
+    /// each side by side, so a reader's `Stream.next_stacked` hands the batch's images out as
+    /// one array with no copy. For a writer made with `batch=n`, whose `take` hands out whole
+    /// batches: put each batch's tasks together. Every image 0 must have one shape and dtype,
+    /// of a multiple of 64 bytes. Raises for the first task the stream did not take.
+    fn put_batch(
+        &self,
+        py: Python<'_>,
+        tasks: Vec<PyRef<'_, Task>>,
+        items: Vec<Bound<'_, PyAny>>,
+    ) -> PyResult<()> {
+        if tasks.len() != items.len() {
+            return Err(InvalidArgument::new_err(format!(
+                "{} tasks and {} items: one item per task",
+                tasks.len(),
+                items.len()
+            )));
+        }
+        let (plan, object) = write_batch(&self.client, &items)?;
+        let tasks: Vec<(StreamTask, u64)> = tasks
+            .iter()
+            .map(|t| {
+                let task = StreamTask {
+                    rank: t.rank,
+                    seq: t.seq,
+                };
+                (task, t.record)
+            })
+            .collect();
+        let results = py
+            .detach(|| self.feeder.put_batch(&tasks, &plan, object))
+            .py_err()?;
+        results.into_iter().try_for_each(|r| r.map_err(to_py))
     }
 
     /// Reserves an object of `nbytes` on this writer's connection, to fill with

@@ -88,6 +88,61 @@ def test_stream_samples_go_back_when_their_arrays_are_dropped(daemon):
     daemon.wait_for("the samples to go back", lambda s: s["leases"] == 0)
 
 
+def test_a_batch_placed_in_one_object_reads_as_one_array(daemon):
+    records, batch = 16, 4
+    writer = feedstore.Writer(
+        "stacked", records, shuffle="none", socket=daemon.socket, depth=16, batch=batch
+    )
+    put = 0
+    while put < records:
+        tasks = writer.take(max=1, wait=5.0)
+        assert tasks and len(tasks) % batch == 0, "whole batches, past max"
+        for i in range(0, len(tasks), batch):
+            group = tasks[i : i + batch]
+            assert [t.seq for t in group] == list(range(group[0].seq, group[0].seq + batch))
+            # 3x8x8 f32: 768 bytes, a multiple of 64, as stacking in place needs.
+            items = [
+                {"images": [np.full((3, 8, 8), t.record, np.float32)], "tokens": [t.record], "layout": "chw"}
+                for t in group
+            ]
+            writer.put_batch(group, items)
+            put += len(group)
+    with feedstore.Stream("stacked", records, shuffle="none", socket=daemon.socket, wait=30) as s:
+        samples, stacked = s.next_stacked(batch)
+        assert stacked.shape == (4, 3, 8, 8) and stacked.dtype == "float32"
+        images = stacked.numpy()
+        assert not images.flags.writeable
+        assert [int(i[0, 0, 0]) for i in images] == [0, 1, 2, 3]
+        assert [int(x.tokens[0]) for x in samples] == [0, 1, 2, 3]
+        # One view of the store's memory: the samples' own images lie inside it.
+        assert np.shares_memory(images, samples[3].images[0])
+        assert mapping_of(stacked.data_ptr)[0].startswith("r--")
+        # The tensor alone keeps the batch's object.
+        del samples, images
+        gc.collect()
+        s.flush()
+        assert int(stacked.numpy()[3, 2, 7, 7]) == 3
+        del stacked
+        # Reading from inside a batch: 6..9 lies in two objects, so that one is a copy.
+        firsts = lambda t: [int(i[0, 0, 0]) for i in t.numpy()]
+        _, head = s.next_stacked(2)
+        _, across = s.next_stacked(4)
+        _, tail = s.next_stacked(2)
+        assert (firsts(head), firsts(across), firsts(tail)) == ([4, 5], [6, 7, 8, 9], [10, 11])
+        assert s.stacked_copies == 1
+        assert not across.numpy().flags.writeable
+        assert not np.shares_memory(across.numpy(), tail.numpy())
+        _, last = s.next_stacked(4)
+        assert firsts(last) == [12, 13, 14, 15] and s.stacked_copies == 1
+        assert s.next_stacked(4) == ([], None)
+    # What the tensors still hold goes back with them.
+    assert daemon.stats()["leases"] >= 3
+    del head, across, tail, last, _
+    gc.collect()
+    writer.close()  # and the stream's own
+    daemon.wait_for("every lease to go back", lambda st: st["leases"] == 0)
+
+
 def test_writer_publishes_dicts_arrays_and_bytes(daemon):
     records = 3
     writer = feedstore.Writer("written", records, shuffle="none", socket=daemon.socket)

@@ -44,7 +44,7 @@ use crate::cluster::Cluster;
 use crate::config::Limits;
 use crate::objects::{ClientInfo, ConnId, Objects};
 use crate::peer::Peer;
-use crate::streams::{Placement, StreamError, Streams};
+use crate::streams::{Placement, StreamError, Streams, Window};
 
 /// Who may connect, and in which role, decided from the peer's credentials.
 #[derive(Debug, Clone)]
@@ -698,6 +698,7 @@ impl Connection {
             Request::StreamJoin {
                 spec,
                 depth,
+                batch,
                 ranks,
                 at,
                 relay,
@@ -706,8 +707,10 @@ impl Connection {
                     Ok(placement) => placement,
                     Err(e) => return self.reply(op, request_id, &stream_error(e)).await,
                 };
-                let joined =
-                    shared.with_streams(|s, o| s.join(o, id, &spec, depth, &ranks, &placement));
+                let joined = shared.with_streams(|s, o| {
+                    let window = Window { depth, batch };
+                    s.join(o, id, &spec, window, &ranks, &placement)
+                });
                 if let (Ok((stream, feeders)), Some(cluster)) = (&joined, &shared.cluster) {
                     for &node in feeders {
                         tokio::spawn(crate::cluster::feed_remote(

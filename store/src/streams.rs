@@ -256,6 +256,16 @@ impl Consumer {
     }
 }
 
+/// The part of an object from `offset` to its end, where a sample of a batch starts: a
+/// multiple of 64 (what a sample's alignment needs) inside the object. `None` otherwise.
+fn within(l: Location, offset: u64) -> Option<Location> {
+    (offset % 64 == 0 && offset < l.len.max(1)).then(|| Location {
+        segment: l.segment,
+        offset: l.offset + offset,
+        len: l.len - offset,
+    })
+}
+
 /// One rank's window.
 #[derive(Debug)]
 struct Rank {
@@ -319,6 +329,45 @@ impl Rank {
         Some(seq)
     }
 
+    /// The next batch of this (own) rank's tasks: sequence numbers of one batch
+    /// `k·batch .. (k+1)·batch` (clipped to the stream's end), all to `conn`, once the window
+    /// holds the whole of it. Tasks to make again come first, the missing ones of their batch
+    /// together.
+    fn next_batch(
+        &mut self,
+        conn: ConnId,
+        window_end: u64,
+        end: Option<u64>,
+        batch: u64,
+    ) -> Vec<u64> {
+        let group: Vec<u64> = if let Some(&first) = self.redo.first() {
+            let batch_end = (first / batch + 1) * batch;
+            let seqs: Vec<u64> = self
+                .redo
+                .range(first..batch_end.min(window_end))
+                .copied()
+                .collect();
+            for s in &seqs {
+                self.redo.remove(s);
+            }
+            seqs
+        } else {
+            // A rank resumed mid-batch starts with the rest of that batch.
+            let batch_end = (self.next / batch + 1) * batch;
+            let group_end = end.map_or(batch_end, |e| batch_end.min(e));
+            if self.next >= group_end || group_end > window_end {
+                return Vec::new();
+            }
+            let seqs = (self.next..group_end).collect();
+            self.next = group_end;
+            seqs
+        };
+        for &s in &group {
+            self.assigned.insert(s, conn);
+        }
+        group
+    }
+
     /// Whether the rank needs nothing more: every sample made, and its consumer read past the
     /// last (or returned them all). Until then a consumer resuming from an earlier state may
     /// rewind the rank and need samples made again.
@@ -373,6 +422,23 @@ pub struct Placement {
     pub relay: Option<u32>,
 }
 
+/// A new stream's window per rank: how many samples ahead producers may make, and how many
+/// tasks they take at a time.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Window {
+    /// Samples made ahead of the consumer (the prefetch depth).
+    pub depth: u32,
+    /// Above 1: this node's ranks hand out tasks a whole batch at a time (sequence numbers
+    /// `k·batch .. (k+1)·batch` to one producer), so the producer can place them in one object.
+    pub batch: u32,
+}
+
+impl From<u32> for Window {
+    fn from(depth: u32) -> Window {
+        Window { depth, batch: 1 }
+    }
+}
+
 /// Whether a node's feeder for a stream should go on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Demand {
@@ -391,6 +457,8 @@ pub enum Demand {
 struct Stream {
     spec: StreamSpec,
     depth: u32,
+    /// Tasks of this node's ranks go out this many at a time (see [`Window::batch`]).
+    batch: u32,
     /// The stream's own connection in [`Objects`]: its leases keep put samples alive.
     leases: ConnId,
     /// The uid of the writer that created it: its writers (and root) may close it.
@@ -572,10 +640,11 @@ impl Streams {
         objects: &mut Objects,
         conn: ConnId,
         spec: &StreamSpec,
-        depth: u32,
+        window: impl Into<Window>,
         ranks: &[StreamTask],
         placement: &Placement,
     ) -> Result<(u32, Vec<u32>), StreamError> {
+        let window = window.into();
         let owners = &placement.owners;
         let info = objects
             .client(conn)
@@ -638,7 +707,7 @@ impl Streams {
         }
         let id = match existing {
             Some(id) => id,
-            None => self.create(objects, spec, depth, uid)?,
+            None => self.create(objects, spec, window, uid)?,
         };
         if !session {
             self.stream(id)?.relay = placement.relay;
@@ -694,9 +763,20 @@ impl Streams {
         &mut self,
         objects: &mut Objects,
         spec: &StreamSpec,
-        depth: u32,
+        window: Window,
         owner_uid: u32,
     ) -> Result<u32, StreamError> {
+        let depth = window.depth.clamp(1, MAX_DEPTH);
+        let batch = window.batch.max(1);
+        if batch > depth {
+            return Err(fail(
+                Status::InvalidArgument,
+                format!(
+                    "a batch of {batch} samples needs a prefetch depth of at least {batch} \
+                     (the window holds whole batches); the depth is {depth}"
+                ),
+            ));
+        }
         if self.streams.len() >= self.max_streams {
             return Err(self.limit(format!(
                 "{} streams are open, the most this daemon allows (--max-streams); close some \
@@ -715,7 +795,6 @@ impl Streams {
             name: format!("stream {}", spec.name),
             internal: true,
         });
-        let depth = depth.clamp(1, MAX_DEPTH);
         self.by_name.insert((owner_uid, spec.name.clone()), id);
         let now = Instant::now();
         self.streams.insert(
@@ -723,6 +802,7 @@ impl Streams {
             Stream {
                 spec: spec.clone(),
                 depth,
+                batch,
                 leases,
                 owner_uid,
                 ranks: BTreeMap::new(),
@@ -738,7 +818,7 @@ impl Streams {
                 samples_returned: 0,
             },
         );
-        tracing::info!(stream = ?spec.name, id, depth, records = spec.records, world = spec.world, owner_uid, "stream created");
+        tracing::info!(stream = ?spec.name, id, depth, batch, records = spec.records, world = spec.world, owner_uid, "stream created");
         Ok(id)
     }
 
@@ -939,12 +1019,19 @@ impl Streams {
             while tasks.len() < max as usize && progress {
                 progress = false;
                 for &rank in &group {
-                    if tasks.len() == max as usize {
+                    if tasks.len() >= max as usize {
                         break;
                     }
                     let window_end = stream.window_end(&stream.ranks[&rank]);
+                    let end = stream.end();
                     let r = stream.ranks.get_mut(&rank).expect("listed");
-                    if let Some(seq) = r.next_task(conn, window_end) {
+                    if stream.batch > 1 && r.owner.is_none() {
+                        // A whole batch, even past `max`: a batch split between producers
+                        // could not share an object.
+                        let seqs = r.next_batch(conn, window_end, end, u64::from(stream.batch));
+                        progress |= !seqs.is_empty();
+                        tasks.extend(seqs.into_iter().map(|seq| StreamTask { rank, seq }));
+                    } else if let Some(seq) = r.next_task(conn, window_end) {
                         tasks.push(StreamTask { rank, seq });
                         progress = true;
                     }
@@ -1006,6 +1093,13 @@ impl Streams {
                     Ok(()) | Err(Status::InvalidState) => objects.get(leases, item.handle),
                     Err(e) => Err(e),
                 }
+                .and_then(|l| match within(l, item.offset) {
+                    Some(l) => Ok(l),
+                    None => {
+                        let _ = objects.release(leases, item.handle);
+                        Err(Status::InvalidArgument)
+                    }
+                })
             };
             r.assigned.remove(&seq);
             let location = match location {
@@ -1748,6 +1842,7 @@ mod tests {
             record: task.seq,
             flags: 0,
             key: u128::from(task.seq) + 1,
+            offset: 0,
         }
     }
 
@@ -2053,6 +2148,112 @@ mod tests {
         let mut stats = o.stats();
         s.add_stats(&mut stats);
         assert_eq!((stats.streams, stats.streams_expired), (0, 1));
+    }
+
+    #[test]
+    fn a_batched_stream_hands_out_whole_batches_that_share_an_object() {
+        let (mut o, mut s, p, _) = setup();
+        let tasks = |rank, seqs: std::ops::Range<u64>| -> Vec<StreamTask> {
+            seqs.map(|seq| StreamTask { rank, seq }).collect()
+        };
+        let narrow = Window { depth: 3, batch: 4 };
+        let err = s
+            .join(
+                &mut o,
+                p,
+                &spec(2),
+                narrow,
+                &starts(&[0]),
+                &Placement::default(),
+            )
+            .unwrap_err();
+        assert_eq!(err.status, Status::InvalidArgument);
+        assert!(
+            err.message.contains("a batch of 4 samples"),
+            "{}",
+            err.message
+        );
+        let window = Window { depth: 8, batch: 4 };
+        let id = s
+            .join(
+                &mut o,
+                p,
+                &spec(2),
+                window,
+                &starts(&[0, 1]),
+                &Placement::default(),
+            )
+            .map(|(id, _)| id)
+            .unwrap();
+        assert_eq!(
+            s.take(p, id, 1, None).unwrap(),
+            tasks(0, 0..4),
+            "a whole batch past max"
+        );
+        let rest = s.take(p, id, 100, None).unwrap();
+        let want: Vec<StreamTask> = [tasks(1, 0..4), tasks(0, 4..8), tasks(1, 4..8)].concat();
+        assert_eq!(rest, want);
+        assert!(s.take(p, id, 100, None).unwrap().is_empty(), "windows full");
+
+        // Rank 0's first batch in one object of four 64-byte samples; a fifth offset past its
+        // end is refused, and only that task is made again.
+        let object = o.create(p, 256, false).unwrap().handle;
+        let items: Vec<StreamItem> = tasks(0, 0..4)
+            .into_iter()
+            .zip([0, 64, 128, 256])
+            .map(|(task, offset)| StreamItem {
+                task,
+                handle: object,
+                record: task.seq,
+                flags: 0,
+                key: 0,
+                offset,
+            })
+            .collect();
+        assert_eq!(
+            s.put(&mut o, p, id, &items, true).unwrap(),
+            vec![Status::Ok, Status::Ok, Status::Ok, Status::InvalidArgument]
+        );
+        assert_eq!(o.stats().objects_sealed, 1);
+        assert_eq!(
+            o.stats().leases,
+            3,
+            "the stream leases the object once per sample"
+        );
+        let stream = &s.streams[&id];
+        let entries = &stream.ranks[&0].ready;
+        let at = |seq: u64| entries[&seq].location;
+        assert_eq!(
+            (at(1).offset - at(0).offset, at(0).len - at(1).len),
+            (64, 64)
+        );
+        assert_eq!(
+            at(2).offset + at(2).len,
+            at(0).offset + 256,
+            "each runs to the end"
+        );
+
+        // A producer dies with batches out: a new one gets the missing ones a batch at a time.
+        s.disconnect(p);
+        let p2 = client(&mut o, Role::Writer, 1000);
+        s.join(
+            &mut o,
+            p2,
+            &spec(2),
+            window,
+            &starts(&[0]),
+            &Placement::default(),
+        )
+        .unwrap();
+        let again = s.take(p2, id, 100, None).unwrap();
+        let want = [
+            tasks(1, 0..4),
+            tasks(0, 3..4),
+            tasks(1, 4..8),
+            tasks(0, 4..8),
+        ]
+        .concat();
+        assert_eq!(again, want);
     }
 
     #[test]

@@ -49,8 +49,10 @@ pub const MAGIC: u16 = 0xFD5E;
 /// (`StreamJoin` `at` and `relay`). Version 5: `InUse`, a rank that already has a consumer.
 /// Version 6: consumers report their figures with their returns; stream lists carry them.
 /// Version 7: producers report their stage figures; stream lists carry their sum; statistics
-/// count consumers waiting for a stream to be created.
-pub const VERSION: u16 = 7;
+/// count consumers waiting for a stream to be created. Version 8: a put item names where its
+/// sample starts inside its object (several samples of one batch share an object); a join
+/// names the stream's batch size.
+pub const VERSION: u16 = 8;
 /// Size of the frame header.
 pub const HEADER_BYTES: usize = 16;
 /// Default maximum payload a side accepts (room for a batch of ~65k handles).
@@ -396,6 +398,11 @@ pub enum Request {
         spec: StreamSpec,
         /// Prefetch depth per rank, if the stream is new.
         depth: u32,
+        /// Batch size per rank, if the stream is new: above 1, tasks of this node's ranks are
+        /// handed out a whole batch at a time (sequence numbers `k·batch .. (k+1)·batch`, all
+        /// to one producer), so a producer can place a batch's samples in one object. 0 or 1:
+        /// one task at a time.
+        batch: u32,
         /// Ranks served, each with the sequence number it starts at if the daemon does not
         /// know it yet (from the consumers' checkpointed states; 0 for a fresh run).
         ranks: Vec<StreamTask>,
@@ -599,12 +606,14 @@ impl Request {
                 Request::StreamJoin {
                     spec,
                     depth,
+                    batch,
                     ranks,
                     at,
                     relay,
                 } => {
                     spec.encode(w);
                     w.u32(*depth);
+                    w.u32(*batch);
                     w.list(ranks);
                     w.list(at);
                     w.string(relay);
@@ -696,6 +705,7 @@ impl Request {
             Opcode::StreamJoin => Request::StreamJoin {
                 spec: StreamSpec::decode(&mut r)?,
                 depth: r.u32()?,
+                batch: r.u32()?,
                 ranks: r.list()?,
                 at: r.list()?,
                 relay: r.string()?,

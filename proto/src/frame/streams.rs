@@ -110,11 +110,15 @@ pub struct StreamItem {
     pub flags: u32,
     /// The sample's decode-once cache key; 0 for none.
     pub key: u128,
+    /// Where the sample starts inside its object, a multiple of 64 below the object's length;
+    /// it runs to the object's end. 0 for a sample that is a whole object. Several samples of
+    /// one batch share an object this way (see `feedstore_proto::sample::BatchPlan`).
+    pub offset: u64,
 }
 
 impl StreamItem {
     /// Bytes on the wire.
-    pub const WIRE_BYTES: usize = StreamTask::WIRE_BYTES + Handle::WIRE_BYTES + 8 + 4 + 16;
+    pub const WIRE_BYTES: usize = StreamTask::WIRE_BYTES + Handle::WIRE_BYTES + 8 + 4 + 16 + 8;
 }
 
 impl Wire for StreamItem {
@@ -125,6 +129,7 @@ impl Wire for StreamItem {
         w.u64(self.record);
         w.u32(self.flags);
         w.u128(self.key);
+        w.u64(self.offset);
     }
     fn decode(r: &mut Reader<'_>) -> Result<Self, DecodeError> {
         Ok(StreamItem {
@@ -133,6 +138,7 @@ impl Wire for StreamItem {
             record: r.u64()?,
             flags: r.u32()?,
             key: r.u128()?,
+            offset: r.u64()?,
         })
     }
 }

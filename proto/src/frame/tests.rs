@@ -93,15 +93,22 @@ fn task() -> impl Strategy<Value = StreamTask> {
 }
 
 fn item() -> impl Strategy<Value = StreamItem> {
-    (task(), handle(), any::<u64>(), any::<u32>(), any::<u128>()).prop_map(
-        |(task, handle, record, flags, key)| StreamItem {
+    (
+        task(),
+        handle(),
+        any::<u64>(),
+        any::<u32>(),
+        any::<u128>(),
+        any::<u64>(),
+    )
+        .prop_map(|(task, handle, record, flags, key, offset)| StreamItem {
             task,
             handle,
             record,
             flags,
             key,
-        },
-    )
+            offset,
+        })
 }
 
 fn figures() -> impl Strategy<Value = RankFigures> {
@@ -187,21 +194,24 @@ fn request() -> impl Strategy<Value = Request> {
         Just(Request::Stats),
         (
             spec(),
-            any::<u32>(),
+            (any::<u32>(), any::<u32>()),
             prop::collection::vec(task(), 0..20),
             prop::collection::vec((any::<u32>(), "[a-z0-9.:]{0,24}"), 0..4),
             "[a-z0-9.:]{0,24}"
         )
-            .prop_map(|(spec, depth, ranks, at, relay)| Request::StreamJoin {
-                relay,
-                spec,
-                depth,
-                ranks,
-                at: at
-                    .into_iter()
-                    .map(|(rank, addr)| RankAt { rank, addr })
-                    .collect()
-            }),
+            .prop_map(
+                |(spec, (depth, batch), ranks, at, relay)| Request::StreamJoin {
+                    relay,
+                    spec,
+                    depth,
+                    batch,
+                    ranks,
+                    at: at
+                        .into_iter()
+                        .map(|(rank, addr)| RankAt { rank, addr })
+                        .collect()
+                }
+            ),
         (spec(), any::<u32>(), any::<u64>(), any::<u32>()).prop_map(
             |(spec, rank, seq, timeout_ms)| Request::StreamAttach {
                 spec,
