@@ -290,6 +290,7 @@ fn main() {
             relay: String::new(),
             ranks: vec![StreamTask { rank: 0, seq: 0 }],
             cache,
+            batch: 0,
         };
         let summary = feed(
             &config,

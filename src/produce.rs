@@ -188,6 +188,12 @@ struct StreamArgs {
     /// Samples made ahead of each rank (its ring's size).
     #[arg(long, value_name = "N", default_value_t = 64, requires = "stream")]
     prefetch: u32,
+    /// Place each batch of N samples of a rank in one object, image 0 of each side by side, so
+    /// a trainer reading whole batches (`Stream.next_stacked(N)`) gets their images as one
+    /// view with no copy. Needs one image shape for every sample (--image-size WxH) and
+    /// --prefetch of at least N; the decode-once cache then serves only samples not placed.
+    #[arg(long, value_name = "N", requires = "stream")]
+    batch: Option<u32>,
     /// Resume: a file of the consumers' saved states (one `Stream::state()` text per line);
     /// their ranks start where those states say, the others at the beginning.
     #[arg(long, value_name = "FILE", requires = "stream")]
@@ -252,6 +258,7 @@ impl StreamArgs {
             depth: self.prefetch.max(1),
             ranks: tasks,
             cache: !self.no_cache,
+            batch: self.batch.unwrap_or(0),
         })
     }
 }

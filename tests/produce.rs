@@ -1202,6 +1202,123 @@ fn produce_feeds_a_stream_that_ranks_read_in_order() {
     );
 }
 
+/// `feedstore produce --batch 4`: each batch of a rank's samples shares one object, image 0 of
+/// each side by side, so a rank reading whole batches gets one stacked view per batch; a batch
+/// with a text-only record cannot share one and is put one object each (said once), and a
+/// rejected record's stand-in takes its place as before.
+#[test]
+fn produce_places_each_batch_in_one_object() {
+    use feedstore_consumer::{Stream, StreamOptions, stacked_image};
+    use feedstore_proto::stream::{Shuffle, StreamSpec, Tail};
+
+    let _w = watchdog(
+        "produce_places_each_batch_in_one_object",
+        Duration::from_secs(180),
+    );
+    let dir = scratch_dir("produce-batch");
+    let daemon = DaemonProcess::start(&dir, &["--capacity", "256MiB"]);
+    let tokenizer = tokenizer_file(&dir);
+    let turns = serde_json::json!([
+        {"from": "human", "value": "<image>\nwhat is this?"}, {"from": "gpt", "value": "a photo"}]);
+    let photos = ["grace_hopper.jpg", "rocket.jpg", "chelsea.png"];
+    let mut lines: Vec<String> = (0..14)
+        .map(|i| {
+            llava(
+                &format!("img{i}"),
+                &format!("{DATA}/photos/{}", photos[i % 3]),
+                &turns,
+            )
+        })
+        .collect();
+    lines.push(serde_json::json!({"id": "txt0", "text": "plain text"}).to_string());
+    lines.push(llava("gone", "/no/such/file.jpg", &turns));
+    let manifest = dir.join("train.jsonl");
+    std::fs::write(&manifest, lines.join("\n")).unwrap();
+    let producer = produce_command(&daemon.socket, &manifest, &tokenizer)
+        .args([
+            "--image-size",
+            "64x64",
+            "--workers",
+            "2",
+            "--image-root",
+            DATA,
+        ])
+        .args([
+            "--stream", "batched", "--world", "2", "--seed", "3", "--epochs", "1",
+        ])
+        .args(["--prefetch", "8", "--batch", "4", "--max-reject-rate", "1"])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let spec = StreamSpec {
+        name: "batched".into(),
+        records: 16,
+        seed: 3,
+        world: 2,
+        shuffle: Shuffle::Full,
+        tail: Tail::Drop,
+        epochs: Some(1),
+    };
+    let id = |record: u64| -> String {
+        let v: serde_json::Value = serde_json::from_str(&lines[record as usize]).unwrap();
+        v["id"].as_str().unwrap().to_owned()
+    };
+    let (mut stacked, mut apart) = (0, 0);
+    for rank in 0..2 {
+        let mut stream =
+            Stream::open(&daemon.socket, &spec, rank, None, StreamOptions::default()).unwrap();
+        for _ in 0..2 {
+            let batch = stream.next_batch(4).unwrap();
+            assert_eq!(batch.len(), 4);
+            let mut ids = Vec::new();
+            for s in &batch {
+                let expected = spec
+                    .candidates(rank, s.seq())
+                    .find(|&r| id(r) != "gone")
+                    .unwrap();
+                assert_eq!(s.record(), expected);
+                ids.push(s.view().unwrap().id().to_owned());
+                assert_eq!(ids.last().unwrap(), &id(expected));
+            }
+            match stacked_image(&batch, 0) {
+                Ok(Some(view)) => {
+                    stacked += 1;
+                    assert_eq!(&view.shape[..2], &[4, 3]);
+                    let per = view.bytes.len() / 4;
+                    for (s, image) in batch.iter().zip(view.bytes.chunks(per)) {
+                        assert_eq!(s.view().unwrap().image(0).unwrap().bytes(), image);
+                    }
+                }
+                // The text-only record has no image 0: its batch was put one object each.
+                Err(_) | Ok(None) => {
+                    apart += 1;
+                    assert!(ids.contains(&"txt0".to_string()), "{ids:?}");
+                }
+            }
+        }
+        assert!(stream.next_sample().unwrap().is_none());
+    }
+    assert_eq!((stacked, apart), (3, 1));
+    let out = producer.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert_eq!(
+        stderr
+            .matches("--batch: a batch's samples were put one object each")
+            .count(),
+        1,
+        "{stderr}"
+    );
+    // Each sample put once, by the connection that reserved it (no task made twice, nothing
+    // left reserved): three batch objects and the fourth batch's four samples; the samples
+    // copied into a batch went back to the store.
+    let stats = daemon.reader().stats().unwrap();
+    assert_eq!((stats.leases, stats.objects_writing), (0, 0), "{stats:?}");
+    assert_eq!(stats.aborted_on_disconnect, 0, "{stats:?}");
+    assert_eq!(stats.objects_sealed, 3 + 4, "{stats:?}");
+}
+
 #[test]
 fn produce_resumes_a_stream_from_saved_states() {
     use feedstore_consumer::{Stream, StreamOptions};

@@ -637,7 +637,7 @@ impl StreamFeeder {
         at: &[RankAt],
         relay: &str,
     ) -> Result<StreamFeeder, Error> {
-        Self::join_window(client, spec, depth, 0, ranks, at, relay)
+        Self::join_batched_at(client, spec, depth, 0, ranks, at, relay)
     }
 
     /// [`StreamFeeder::join`] for a producer that places each batch of `batch` samples of a
@@ -653,10 +653,12 @@ impl StreamFeeder {
         batch: u32,
         ranks: &[StreamTask],
     ) -> Result<StreamFeeder, Error> {
-        Self::join_window(client, spec, depth, batch, ranks, &[], "")
+        Self::join_batched_at(client, spec, depth, batch, ranks, &[], "")
     }
 
-    fn join_window(
+    /// [`StreamFeeder::join_batched`] and [`StreamFeeder::join_at`] together (batches are
+    /// handed out whole for this node's ranks only).
+    pub fn join_batched_at(
         client: &Client,
         spec: &StreamSpec,
         depth: u32,

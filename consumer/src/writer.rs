@@ -68,6 +68,15 @@ impl ObjectWriter {
         .expect("writers map segments read-write, and the range was checked")
     }
 
+    /// The object's bytes as written so far (to read back what was written, e.g. to copy a
+    /// finished sample elsewhere).
+    pub fn as_slice(&self) -> &[u8] {
+        // SAFETY: the range is this connection's unsealed reservation: no other client writes
+        // it, and `&self` rules out this writer's `&mut` view while this one lives.
+        unsafe { self.mapping.bytes(self.location.offset, self.location.len) }
+            .expect("the range was checked when the object was reserved")
+    }
+
     /// Publishes the object: immutable and visible to every client from now on.
     pub fn seal(mut self) -> Result<Handle, Error> {
         self.done = true;

@@ -11,18 +11,24 @@
 //!                                                     └──────────────────────────▶ IO runtime
 //! ```
 //!
+//! With `batch` (`feedstore produce --batch N`) the daemon hands out a rank's tasks a whole
+//! batch at a time; the CPU workers make the samples as before, and the worker that makes a
+//! batch's last sample copies the batch's samples into one object, image 0 of each side by side
+//! ([`BatchPlan`]), and puts them together: the trainer reads the batch's images as one view.
+//!
 //! The daemon decides which sequence numbers are made next (the ranks furthest behind first);
 //! the spec decides which record each one is. A record that fails anywhere is replaced by the next
 //! candidate of the same rank's share, the same way on every run, so each rank still gets its
 //! full count and a resume reproduces the same samples.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use feedstore_consumer::{Delivery, Made, RankAt, StreamFeeder, StreamTask};
+use feedstore_consumer::{Client, Delivery, Made, ObjectWriter, RankAt, StreamFeeder, StreamTask};
+use feedstore_proto::sample::{BatchPlan, SampleView};
 use feedstore_proto::stream::{StreamSpec, sample_key};
 
 use crate::chat::ChatTokenizer;
@@ -55,6 +61,9 @@ pub struct FeedConfig {
     pub relay: String,
     /// Reuse samples still in the store (the decode-once cache) instead of making them again.
     pub cache: bool,
+    /// Above 1: place each batch of this many samples of a rank in one object, if the stream is
+    /// new (its depth must be at least this). The cache then serves only samples not placed.
+    pub batch: u32,
 }
 
 /// A task and which of its candidate records is being tried.
@@ -111,6 +120,53 @@ struct InFlight {
     idle_since: Option<Instant>,
 }
 
+/// A made sample (or a task no candidate could make) waiting for the rest of its batch.
+struct Piece {
+    work: Work,
+    index: u64,
+    made: Made,
+    produced: Option<Produced>,
+    key: u128,
+    /// The feeder of the worker that made it: only the connection that reserved an object
+    /// puts it.
+    feeder: StreamFeeder,
+}
+
+/// A batch being made: how many of its tasks this producer took, and the samples made so far.
+type Gathered = (usize, Vec<Piece>);
+
+/// Samples of each batch being made (`--batch`), by (rank, batch number).
+struct Gathering {
+    batch: u64,
+    open: Mutex<HashMap<(u32, u64), Gathered>>,
+    /// Said once: batches whose samples cannot share an object.
+    warned: AtomicBool,
+}
+
+impl Gathering {
+    fn key(&self, task: StreamTask) -> (u32, u64) {
+        (task.rank, task.seq / self.batch)
+    }
+
+    /// The taker took `task`: its batch waits for one more sample.
+    fn expect(&self, task: StreamTask) {
+        let mut open = self.open.lock().unwrap_or_else(|e| e.into_inner());
+        open.entry(self.key(task)).or_default().0 += 1;
+    }
+
+    /// Adds a made sample; the whole batch once this was the last one this producer took.
+    fn add(&self, piece: Piece) -> Option<Vec<Piece>> {
+        let mut open = self.open.lock().unwrap_or_else(|e| e.into_inner());
+        let key = self.key(piece.work.task);
+        let (want, pieces) = open.entry(key).or_default();
+        pieces.push(piece);
+        if pieces.len() < *want {
+            return None;
+        }
+        open.remove(&key).map(|(_, pieces)| pieces)
+    }
+}
+
 /// What the threads share.
 struct Shared {
     spec: StreamSpec,
@@ -129,6 +185,8 @@ struct Shared {
     events: Mutex<std::sync::mpsc::Sender<Event>>,
     /// What every sample's cache key starts with: the transform and the tokenizer.
     key_base: Vec<u8>,
+    /// Batches being made, when samples are placed a batch per object.
+    gathering: Option<Gathering>,
 }
 
 impl Shared {
@@ -251,10 +309,11 @@ pub fn feed(
     let (mut skeleton, mut clients) =
         Skeleton::<Job>::connect(config, 1, |i| format!("feeder-{name}-{i}"))?;
     let taker_client = clients.pop().expect("workers + 1 clients");
-    let taker = StreamFeeder::join_at(
+    let taker = StreamFeeder::join_batched_at(
         &taker_client,
         &feed.spec,
         feed.depth,
+        feed.batch,
         &feed.ranks,
         &feed.at,
         &feed.relay,
@@ -289,6 +348,11 @@ pub fn feed(
             tokenizer.identity()
         )
         .into_bytes(),
+        gathering: (feed.batch > 1).then(|| Gathering {
+            batch: u64::from(feed.batch),
+            open: Mutex::new(HashMap::new()),
+            warned: AtomicBool::new(false),
+        }),
     });
     // A task, with its candidate's record when the taker already read it (for its cache key).
     let (work_tx, mut work_rx) = tokio::sync::mpsc::unbounded_channel::<(Work, Option<Record>)>();
@@ -329,37 +393,23 @@ pub fn feed(
             // The task is done however the put ends (a panic included): the taker gets room
             // and the IO side its end.
             let _finished = Finished(&shared);
-            let put_started = Instant::now();
-            let sample = matches!(made, Made::Written(_));
-            let result = feeder.put(vec![Delivery {
-                task: work.task,
-                record: index,
-                key,
+            let piece = Piece {
+                work,
+                index,
                 made,
-            }]);
-            // Part of the sample's write (which counted it); a failed task is no sample.
-            if sample {
-                profiler.add_busy(Stage::Write, put_started.elapsed());
-            }
-            let result = result.and_then(|mut r| {
-                r.pop().ok_or_else(|| {
-                    feedstore_consumer::Error::Protocol("a put answered without a result".into())
-                })
-            });
-            match result {
-                Ok(Ok(())) => {
-                    if let Some(p) = produced {
-                        shared.send(Event::Produced(p));
-                    }
-                }
-                // A resume moved the window past this task: someone else's now.
-                Ok(Err(e)) => tracing::debug!(?work, error = %e, "stream did not take a sample"),
-                // Closed while this sample was being made: nobody needs it.
-                Err(feedstore_consumer::Error::Ended) => {
-                    tracing::debug!(?work, "the stream closed before the sample was put")
-                }
-                Err(e) => tracing::warn!(?work, error = %e, "putting a sample failed"),
-            }
+                produced,
+                key,
+                feeder: feeder.clone(),
+            };
+            let pieces = match &shared.gathering {
+                // The rest of its batch is still being made: the last one's worker puts it.
+                Some(gathering) => match gathering.add(piece) {
+                    Some(pieces) => pieces,
+                    None => return,
+                },
+                None => vec![piece],
+            };
+            put_pieces(&shared, client, feeder, &profiler, pieces);
         });
     }
 
@@ -461,7 +511,10 @@ pub fn feed(
                 }
                 match took {
                     Ok(Some(tasks)) => {
-                        let tasks = if cache {
+                        if let Some(gathering) = &shared.gathering {
+                            tasks.iter().for_each(|&t| gathering.expect(t));
+                        }
+                        let tasks = if cache && shared.gathering.is_none() {
                             serve_from_cache(&shared, &taker, &profiler, tasks)
                         } else {
                             tasks.into_iter().map(|t| (t, None)).collect()
@@ -496,6 +549,140 @@ pub fn feed(
         return Err(ProducerError::Stream(e));
     }
     Ok(summary)
+}
+
+/// Puts made samples (a whole batch when placing batches), reports each sample taken, and
+/// logs the rest. A batch placed in one object (on `client`) goes in one put on `feeder`;
+/// samples in objects of their own each through the feeder of the worker that reserved it.
+fn put_pieces(
+    shared: &Shared,
+    client: &Client,
+    feeder: &StreamFeeder,
+    profiler: &Profiler,
+    mut pieces: Vec<Piece>,
+) {
+    if shared.gathering.is_some() {
+        pieces.sort_by_key(|p| p.work.task.seq);
+        if place_batch(shared, client, &mut pieces) {
+            return deliver(shared, feeder, profiler, pieces);
+        }
+    }
+    for piece in pieces {
+        let feeder = piece.feeder.clone();
+        deliver(shared, &feeder, profiler, vec![piece]);
+    }
+}
+
+/// One put of `pieces` on `feeder`.
+fn deliver(shared: &Shared, feeder: &StreamFeeder, profiler: &Profiler, pieces: Vec<Piece>) {
+    let put_started = Instant::now();
+    let samples = pieces
+        .iter()
+        .filter(|p| !matches!(p.made, Made::Failed))
+        .count();
+    let mut produced = Vec::with_capacity(pieces.len());
+    let deliveries = pieces
+        .into_iter()
+        .map(|p| {
+            produced.push((p.work, p.produced));
+            Delivery {
+                task: p.work.task,
+                record: p.index,
+                key: p.key,
+                made: p.made,
+            }
+        })
+        .collect();
+    let result = feeder.put(deliveries);
+    // Part of the samples' write (which counted them); a failed task is no sample.
+    if samples > 0 {
+        profiler.add_busy(Stage::Write, put_started.elapsed());
+    }
+    match result {
+        Ok(results) => {
+            for (r, (work, produced)) in results.into_iter().zip(produced) {
+                match r {
+                    Ok(()) => {
+                        if let Some(p) = produced {
+                            shared.send(Event::Produced(p));
+                        }
+                    }
+                    // A resume moved the window past this task: someone else's now.
+                    Err(e) => tracing::debug!(?work, error = %e, "stream did not take a sample"),
+                }
+            }
+        }
+        // Closed while these samples were being made: nobody needs them.
+        Err(feedstore_consumer::Error::Ended) => {
+            tracing::debug!("the stream closed before the samples were put")
+        }
+        Err(e) => tracing::warn!(error = %e, "putting samples failed"),
+    }
+}
+
+/// Copies a batch's made samples into one object, image 0 of each side by side, and makes the
+/// pieces deliver that object instead of their own (given back when dropped). Leaves them as
+/// they are, and says false, if they cannot share one (images of different shapes, no image,
+/// no room).
+fn place_batch(shared: &Shared, client: &Client, pieces: &mut [Piece]) -> bool {
+    let written: Vec<usize> = (0..pieces.len())
+        .filter(|&i| matches!(pieces[i].made, Made::Written(_)))
+        .collect();
+    if written.len() < 2 {
+        return false;
+    }
+    let placed = {
+        let views: Result<Vec<SampleView<'_>>, _> = written
+            .iter()
+            .map(|&i| match &pieces[i].made {
+                Made::Written(w) => SampleView::new(w.as_slice()),
+                _ => unreachable!("only written pieces"),
+            })
+            .collect();
+        views.map_err(|e| e.to_string()).and_then(|views| {
+            let (plans, infos): (Vec<_>, Vec<_>) = views.iter().map(SampleView::plan).unzip();
+            let plan = BatchPlan::new(plans, &infos).map_err(|e| e.to_string())?;
+            let mut object = client
+                .create(plan.object_bytes())
+                .map_err(|e| e.to_string())?;
+            for (i, view) in views.iter().enumerate() {
+                plan.copy_from(object.as_mut_slice(), i, view)
+                    .map_err(|e| e.to_string())?;
+            }
+            Ok::<(BatchPlan, ObjectWriter), String>((plan, object))
+        })
+    };
+    let (plan, object) = match placed {
+        Ok(placed) => placed,
+        Err(why) => {
+            let warned = shared.gathering.as_ref().map(|g| &g.warned);
+            if warned.is_some_and(|w| !w.swap(true, Ordering::Relaxed)) {
+                tracing::warn!(
+                    "--batch: a batch's samples were put one object each ({why}); they share \
+                     one when every sample has an image 0 of one shape (--image-size WxH)"
+                );
+            }
+            return false;
+        }
+    };
+    let handle = object.handle();
+    let mut object = Some(object);
+    for (i, &p) in written.iter().enumerate() {
+        let piece = &mut pieces[p];
+        piece.made = match object.take() {
+            Some(object) => Made::Written(object),
+            None => Made::Part {
+                handle,
+                offset: plan.start(i),
+            },
+        };
+        // Not its own object any more: the cache cannot name a sample inside another.
+        piece.key = 0;
+        if let Some(p) = &mut piece.produced {
+            p.handle = handle;
+        }
+    }
+    true
 }
 
 /// Puts every task whose sample the store still holds (by cache key) and returns the others,

@@ -565,6 +565,36 @@ impl BatchPlan {
         plan.regions(buf)
     }
 
+    /// Writes sample `i` as a copy of `view`, which must be the sample this plan was made
+    /// for (`BatchPlan::new` from its [`SampleView::plan`]).
+    pub fn copy_from(
+        &self,
+        buf: &mut [u8],
+        i: usize,
+        view: &SampleView<'_>,
+    ) -> Result<(), SampleError> {
+        let (_, info) = view.plan();
+        let regions = self.regions(buf, i)?;
+        if regions.images.len() != view.image_count() || regions.tokens.len() != view.tokens().len()
+        {
+            return Err(SampleError::Invalid(
+                "the sample is not the one the batch was planned for",
+            ));
+        }
+        for (k, dst) in regions.images.into_iter().enumerate() {
+            let src = view.image(k).expect("counted").bytes();
+            if src.len() != dst.len() {
+                return Err(SampleError::Invalid(
+                    "the sample is not the one the batch was planned for",
+                ));
+            }
+            dst.copy_from_slice(src);
+        }
+        regions.tokens.copy_from_slice(view.tokens());
+        regions.labels.copy_from_slice(view.labels());
+        self.finish(buf, i, &info)
+    }
+
     /// Writes sample `i`'s archive and header once its regions are filled.
     pub fn finish(&self, buf: &mut [u8], i: usize, info: &SampleInfo) -> Result<(), SampleError> {
         let (plan, buf) = self.sample(buf, i)?;
@@ -703,6 +733,35 @@ impl<'a> SampleView<'a> {
             return &self.bytes[..0];
         }
         &self.bytes[offset..offset + len]
+    }
+
+    /// The plan and info that write this sample again (to move it into a [`BatchPlan`]).
+    pub fn plan(&self) -> (SamplePlan, SampleInfo) {
+        let mut plan = SamplePlan::new();
+        for i in 0..self.image_count() {
+            let t = self.image(i).expect("counted");
+            let shape: Vec<u32> = t.shape().iter().map(|&d| d as u32).collect();
+            plan.add_image(t.dtype(), t.layout(), &shape);
+        }
+        plan.set_token_count(self.tokens().len());
+        let info = SampleInfo {
+            id: self.id().to_owned(),
+            source_keys: self.source_keys().map(str::to_owned).collect(),
+            image_grid_thw: self
+                .meta
+                .image_grid_thw
+                .iter()
+                .map(|g| g.map(|d| d.to_native()))
+                .collect(),
+            metadata: self
+                .metadata_entries()
+                .map(|(key, value)| KeyValue {
+                    key: key.to_owned(),
+                    value: value.to_owned(),
+                })
+                .collect(),
+        };
+        (plan, info)
     }
 
     /// The record's id.
@@ -876,6 +935,82 @@ mod tests {
         fill(&mut regions);
         plan.finish(object.as_mut_slice(), info).unwrap();
         object
+    }
+
+    /// Samples made one object each, copied into a batch: every sample reads back the same
+    /// (a second image and metadata included), image 0 of each side by side; images of
+    /// another shape cannot be batched.
+    #[test]
+    fn samples_copied_into_a_batch_read_back_the_same() {
+        let singles: Vec<AlignedBuf> = (0..3u8)
+            .map(|i| {
+                let mut plan = SamplePlan::new();
+                plan.add_image(DType::U8, TensorLayout::Hwc, &[4, 4, 4]);
+                plan.add_image(DType::F32, TensorLayout::Chw, &[1, 1, i as u32 + 1]);
+                plan.set_token_count(usize::from(i) + 1);
+                let info = SampleInfo {
+                    id: format!("s{i}"),
+                    source_keys: vec![format!("k{i}")],
+                    image_grid_thw: vec![[1, 2, 2], [1, 1, 1]],
+                    metadata: vec![KeyValue {
+                        key: "line".into(),
+                        value: i.to_string(),
+                    }],
+                };
+                build(&plan, &info, |r| {
+                    r.images[0].fill(i);
+                    r.images[1].fill(i + 100);
+                    r.tokens.fill(u32::from(i));
+                    r.labels.fill(-i32::from(i));
+                })
+            })
+            .collect();
+        let views: Vec<SampleView<'_>> = singles
+            .iter()
+            .map(|b| SampleView::new(b.as_slice()).unwrap())
+            .collect();
+        let (plans, infos): (Vec<_>, Vec<_>) = views.iter().map(SampleView::plan).unzip();
+        let batch = BatchPlan::new(plans, &infos).unwrap();
+        let mut object = AlignedBuf::zeroed(batch.object_bytes() as usize);
+        for (i, view) in views.iter().enumerate() {
+            batch.copy_from(object.as_mut_slice(), i, view).unwrap();
+        }
+        for (i, single) in views.iter().enumerate() {
+            let copy = SampleView::new(&object.as_slice()[batch.start(i) as usize..]).unwrap();
+            assert_eq!(copy.plan().1, single.plan().1);
+            assert_eq!(
+                (copy.tokens(), copy.labels()),
+                (single.tokens(), single.labels())
+            );
+            for k in 0..2 {
+                assert_eq!(
+                    copy.image(k).unwrap().bytes(),
+                    single.image(k).unwrap().bytes()
+                );
+                assert_eq!(
+                    copy.image(k).unwrap().shape(),
+                    single.image(k).unwrap().shape()
+                );
+            }
+        }
+        let stack = batch.stack();
+        let stacked = &object.as_slice()[stack.offset as usize..][..stack.len as usize];
+        assert_eq!(stacked.len(), 3 * 64);
+        assert!(
+            stacked
+                .chunks(64)
+                .enumerate()
+                .all(|(i, c)| c.iter().all(|&b| usize::from(b) == i))
+        );
+        // One image 0 of another shape: no stack.
+        let mut other = SamplePlan::new();
+        other.add_image(DType::U8, TensorLayout::Hwc, &[8, 4, 4]);
+        let (mut plans, _): (Vec<_>, Vec<_>) = views.iter().map(SampleView::plan).unzip();
+        plans[1] = other;
+        assert!(matches!(
+            BatchPlan::new(plans, &infos),
+            Err(SampleError::Invalid(_))
+        ));
     }
 
     /// Uses every accessor of a view that passed validation: none may panic.

@@ -237,6 +237,7 @@ fn run_feedstore(
         // Every sample is made, as the other loaders make theirs: the decode-once cache would
         // serve repeats for free (measured in BENCHMARKS.md) and is left out of the comparison.
         cache: false,
+        batch: 0,
     };
     let producer = {
         let (mut config, tokenizer, manifest) = (

@@ -395,6 +395,7 @@ fn run_once(
                 },
                 ranks: (0..world).map(|rank| StreamTask { rank, seq: 0 }).collect(),
                 cache: false,
+                batch: 0,
             };
             let (tokenizer, manifest, source) = (
                 setup.tokenizer.clone(),
