@@ -563,7 +563,11 @@ fn put_pieces(
 ) {
     if shared.gathering.is_some() {
         pieces.sort_by_key(|p| p.work.task.seq);
-        if place_batch(shared, client, &mut pieces) {
+        let started = Instant::now();
+        let placed = place_batch(shared, client, &mut pieces);
+        // The copy is part of the samples' write.
+        profiler.add_busy(Stage::Write, started.elapsed());
+        if placed {
             return deliver(shared, feeder, profiler, pieces);
         }
     }

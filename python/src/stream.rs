@@ -598,6 +598,8 @@ impl Writer {
     /// Joins the stream as a producer for `ranks` (default: all), creating it if new. The spec
     /// arguments must match the readers'. `start` maps ranks to the sequence number their
     /// readers resume at (from their saved states), for ranks the daemon does not know yet.
+    /// `depth` and `batch` apply if the stream is new: samples made ahead of each reader, and
+    /// (above 1) tasks handed out a batch at a time for `put_batch` (`depth` at least `batch`).
     #[new]
     #[pyo3(signature = (name, records, world=1, *, seed=0, shuffle="full", tail="drop",
         epochs=Some(1), ranks=None, start=None, socket=None, depth=64, batch=1))]
@@ -646,7 +648,9 @@ impl Writer {
     }
 
     /// Up to `max` tasks, waiting up to `wait` seconds while every reader's window is full
-    /// (an empty list then). None once the stream needs nothing more.
+    /// (an empty list then). None once the stream needs nothing more. A stream made with
+    /// `batch=n` hands out whole batches (a rank's `k*n .. k*n+n-1`, consecutive in the list;
+    /// the rest of one after a resume inside it), even past `max`.
     #[pyo3(signature = (max=16, wait=1.0))]
     fn take(&self, py: Python<'_>, max: u32, wait: f64) -> PyResult<Option<Vec<Task>>> {
         let wait = Duration::try_from_secs_f64(wait).map_err(|_| {
