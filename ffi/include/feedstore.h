@@ -291,6 +291,23 @@ enum FsStatus fs_sample_image_count(const struct FsSample *sample, size_t *count
  */
 enum FsStatus fs_sample_image(const struct FsSample *sample, size_t index, struct FsTensor *out);
 
+/**
+ * Image `index` of `n` samples as one stacked tensor `[n, *shape]`, in place in shared memory
+ * (read-only), with no copy, when a producer placed them side by side in one object in this
+ * order (a stream whose producer places batches, read a whole batch at a time from a multiple
+ * of its size). Then `out->data` points into the first sample's object and stays valid while
+ * `samples[0]` lives. Otherwise `FS_STATUS_OK` with `out->data` NULL and `out->bytes` 0: read
+ * each sample's image with `fs_sample_image`. `FS_STATUS_ERR_INVALID` if a sample has no such
+ * image, the images differ in dtype, layout or shape, or an image has more than 3 dimensions.
+ *
+ * # Safety
+ * `samples` points to `n` pointers from `fs_stream_next`, not yet freed; `out` is writable.
+ */
+enum FsStatus fs_stacked_image(const struct FsSample *const *samples,
+                               size_t n,
+                               size_t index,
+                               struct FsTensor *out);
+
 #ifdef __cplusplus
 }  // extern "C"
 #endif  // __cplusplus

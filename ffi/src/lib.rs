@@ -27,7 +27,7 @@ mod error;
 use std::ffi::{CStr, c_char, c_void};
 
 use feedstore_consumer::{Stream, StreamOptions, StreamSample};
-use feedstore_proto::sample::{DType, SampleView, TensorLayout};
+use feedstore_proto::sample::{DType, SampleView, TensorLayout, side_by_side};
 use feedstore_proto::stream::{Shuffle, StreamSpec, StreamState, Tail};
 
 use crate::error::{FfiError, guard};
@@ -460,16 +460,8 @@ pub unsafe extern "C" fn fs_sample_image(
         let tensor = FsTensor {
             data: bytes.as_ptr().cast::<c_void>(),
             bytes: bytes.len(),
-            dtype: match image.dtype() {
-                DType::U8 => 0,
-                DType::F16 => 1,
-                DType::BF16 => 2,
-                DType::F32 => 3,
-            },
-            layout: match image.layout() {
-                TensorLayout::Hwc => 0,
-                TensorLayout::Chw => 1,
-            },
+            dtype: dtype_code(image.dtype()),
+            layout: layout_code(image.layout()),
             ndim: dims.len(),
             shape,
         };
@@ -479,6 +471,106 @@ pub unsafe extern "C" fn fs_sample_image(
     };
     // SAFETY: forwarded contract.
     unsafe { with_view(sample, read) }
+}
+
+/// Image `index` of `n` samples as one stacked tensor `[n, *shape]`, in place in shared memory
+/// (read-only), with no copy, when a producer placed them side by side in one object in this
+/// order (a stream whose producer places batches, read a whole batch at a time from a multiple
+/// of its size). Then `out->data` points into the first sample's object and stays valid while
+/// `samples[0]` lives. Otherwise `FS_STATUS_OK` with `out->data` NULL and `out->bytes` 0: read
+/// each sample's image with `fs_sample_image`. `FS_STATUS_ERR_INVALID` if a sample has no such
+/// image, the images differ in dtype, layout or shape, or an image has more than 3 dimensions.
+///
+/// # Safety
+/// `samples` points to `n` pointers from `fs_stream_next`, not yet freed; `out` is writable.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn fs_stacked_image(
+    samples: *const *const FsSample,
+    n: usize,
+    index: usize,
+    out: *mut FsTensor,
+) -> FsStatus {
+    guard(|| {
+        if samples.is_null() || out.is_null() || n == 0 {
+            return Err(FfiError::invalid(
+                "samples and out must not be null; n at least 1",
+            ));
+        }
+        // SAFETY: `n` readable pointers per the contract.
+        let samples = unsafe { std::slice::from_raw_parts(samples, n) };
+        let samples = samples
+            .iter()
+            // SAFETY: null or live per the contract.
+            .map(|&s| unsafe { s.as_ref() }.ok_or_else(|| FfiError::invalid("a sample is null")))
+            .collect::<Result<Vec<&FsSample>, _>>()?;
+        let views = samples
+            .iter()
+            .map(|s| s.inner.view())
+            .collect::<Result<Vec<_>, _>>()?;
+        let mut parts = Vec::with_capacity(n);
+        let mut kind = None;
+        for view in &views {
+            let image = view.image(index).ok_or_else(|| {
+                FfiError::invalid(format!("image {index} of {}", view.image_count()))
+            })?;
+            let this = (image.dtype(), image.layout(), image.shape());
+            if kind.get_or_insert_with(|| this.clone()) != &this {
+                return Err(FfiError::invalid(
+                    "images of the batch differ in dtype, layout or shape",
+                ));
+            }
+            parts.push(image.bytes());
+        }
+        let (dtype, layout, dims) = kind.expect("n >= 1");
+        if dims.len() > 3 {
+            return Err(FfiError::invalid("more than 3 dimensions"));
+        }
+        // Read through the first sample: it runs to its object's end, and its lease keeps the
+        // whole object (every image found inside it) valid until it is freed.
+        let within: &[u8] = &samples[0].inner;
+        let tensor = match side_by_side(within, &parts) {
+            Some(range) => {
+                let mut shape = [0usize; 4];
+                shape[0] = n;
+                shape[1..=dims.len()].copy_from_slice(&dims);
+                FsTensor {
+                    data: within[range.clone()].as_ptr().cast::<c_void>(),
+                    bytes: range.len(),
+                    dtype: dtype_code(dtype),
+                    layout: layout_code(layout),
+                    ndim: dims.len() + 1,
+                    shape,
+                }
+            }
+            None => FsTensor {
+                data: std::ptr::null(),
+                bytes: 0,
+                dtype: dtype_code(dtype),
+                layout: layout_code(layout),
+                ndim: 0,
+                shape: [0; 4],
+            },
+        };
+        // SAFETY: writable per the contract.
+        unsafe { *out = tensor };
+        Ok(FsStatus::Ok)
+    })
+}
+
+fn dtype_code(dtype: DType) -> u32 {
+    match dtype {
+        DType::U8 => 0,
+        DType::F16 => 1,
+        DType::BF16 => 2,
+        DType::F32 => 3,
+    }
+}
+
+fn layout_code(layout: TensorLayout) -> u32 {
+    match layout {
+        TensorLayout::Hwc => 0,
+        TensorLayout::Chw => 1,
+    }
 }
 
 /// Writes a pointer and a length to the caller's out-parameters.

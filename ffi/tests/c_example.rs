@@ -1,7 +1,8 @@
 //! C programs compiled with gcc against the static library and run against a real daemon while
 //! a producer feeds their stream: the example (`examples/read_stream.c`) prints what each sample
 //! holds, checked line by line against the stream's spec; `tests/c/held_view.c` keeps a sample
-//! across a reopen of its stream and a refill of the store.
+//! across a reopen of its stream and a refill of the store; `tests/c/stacked.c` reads batches a
+//! producer placed in one object as one stacked tensor each.
 
 use std::io::{BufRead, BufReader, Write};
 use std::path::{Path, PathBuf};
@@ -9,7 +10,7 @@ use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use feedstore_consumer::{ConnectOptions, Delivery, Made, Role, StreamFeeder, StreamTask};
-use feedstore_proto::sample::{DType, SampleInfo, SamplePlan, TensorLayout};
+use feedstore_proto::sample::{BatchPlan, DType, SampleInfo, SamplePlan, TensorLayout};
 use feedstore_proto::stream::{Shuffle, StreamSpec, StreamState, Tail};
 
 /// Compiles `source` (relative to this crate) against the static library, into `dir`.
@@ -226,5 +227,105 @@ fn a_held_c_sample_outlives_a_reopen_and_a_refill() {
         .close()
         .unwrap();
     producer.join().unwrap();
+    daemon.stop();
+}
+
+/// A producer for rank 0 placing each batch of `batch` samples in one object: image 0 of each
+/// is 4x4x4 u8 (64 bytes) filled with the record's number.
+fn produce_batched(socket: &Path, spec: &StreamSpec, batch: u32) -> std::thread::JoinHandle<()> {
+    let (socket, spec) = (socket.to_owned(), spec.clone());
+    std::thread::spawn(move || {
+        let client = ConnectOptions::new(Role::Writer)
+            .socket(&socket)
+            .connect()
+            .unwrap();
+        let start = [StreamTask { rank: 0, seq: 0 }];
+        let feeder = StreamFeeder::join_batched(&client, &spec, 2 * batch, batch, &start).unwrap();
+        while let Ok(Some(tasks)) = feeder.take(1, Duration::from_millis(100)) {
+            for group in tasks.chunk_by(|a, b| a.seq / u64::from(batch) == b.seq / u64::from(batch))
+            {
+                let records: Vec<u64> = group.iter().map(|t| spec.record_at(0, t.seq)).collect();
+                let infos: Vec<SampleInfo> = records
+                    .iter()
+                    .map(|r| SampleInfo {
+                        id: format!("rec-{r}"),
+                        ..SampleInfo::default()
+                    })
+                    .collect();
+                let plans = group
+                    .iter()
+                    .map(|_| {
+                        let mut plan = SamplePlan::new();
+                        plan.add_image(DType::U8, TensorLayout::Chw, &[4, 4, 4]);
+                        plan
+                    })
+                    .collect();
+                let plan = BatchPlan::new(plans, &infos).unwrap();
+                let mut w = client.create(plan.object_bytes()).unwrap();
+                for (i, info) in infos.iter().enumerate() {
+                    let mut regions = plan.regions(w.as_mut_slice(), i).unwrap();
+                    regions.images[0].fill(records[i] as u8);
+                    plan.finish(w.as_mut_slice(), i, info).unwrap();
+                }
+                let made: Vec<(StreamTask, u64)> =
+                    group.iter().copied().zip(records.iter().copied()).collect();
+                if feeder.put_batch(&made, &plan, w).is_err() {
+                    return;
+                }
+            }
+        }
+    })
+}
+
+/// Issue 17 part 5 from C: `fs_stacked_image` hands out each placed batch as one tensor; a
+/// reader that starts inside a batch gets no view for the batches it reads across (and reads
+/// each sample's image instead).
+#[test]
+fn c_reads_a_placed_batch_as_one_tensor() {
+    let dir = scratch("stacked");
+    let binary = compile("tests/c/stacked.c", &dir);
+    let socket = dir.join("feedstored.sock");
+    let daemon = daemon(&socket);
+    let spec = |name: &str| StreamSpec {
+        name: name.into(),
+        records: 16,
+        seed: 0,
+        world: 1,
+        shuffle: Shuffle::None,
+        tail: Tail::Drop,
+        epochs: Some(1),
+    };
+    let run = |name: &str, skip: &str| {
+        let producer = produce_batched(&socket, &spec(name), 4);
+        let out = Command::new(&binary)
+            .arg(&socket)
+            .args([name, "16", "4", skip])
+            .output()
+            .unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+        assert!(
+            out.status.success(),
+            "{}\n{stdout}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        producer.join().unwrap();
+        stdout
+    };
+    assert_eq!(
+        run("aligned", "0"),
+        "batch seq=0 view=1 shape=4x4x4x4 first=0,1,2,3\n\
+         batch seq=4 view=1 shape=4x4x4x4 first=4,5,6,7\n\
+         batch seq=8 view=1 shape=4x4x4x4 first=8,9,10,11\n\
+         batch seq=12 view=1 shape=4x4x4x4 first=12,13,14,15\n\
+         end\n"
+    );
+    assert_eq!(
+        run("inside", "2"),
+        "batch seq=2 view=0 shape= first=2,3,4,5\n\
+         batch seq=6 view=0 shape= first=6,7,8,9\n\
+         batch seq=10 view=0 shape= first=10,11,12,13\n\
+         batch seq=14 view=1 shape=2x4x4x4 first=14,15\n\
+         end\n"
+    );
     daemon.stop();
 }
