@@ -190,8 +190,9 @@ struct StreamArgs {
     prefetch: u32,
     /// Place each batch of N samples of a rank in one object, image 0 of each side by side, so
     /// a trainer reading whole batches (`Stream.next_stacked(N)`) gets their images as one
-    /// view with no copy. Needs one image shape for every sample (--image-size WxH) and
-    /// --prefetch of at least N; the decode-once cache then serves only samples not placed.
+    /// view with no copy. Needs one image shape for every sample (--image-size WxH) whose
+    /// bytes are a multiple of 64, and --prefetch of at least N (2N lets the next batch be
+    /// made while a trainer holds one); at most 1024. The decode-once cache is not used.
     #[arg(long, value_name = "N", requires = "stream")]
     batch: Option<u32>,
     /// Resume: a file of the consumers' saved states (one `Stream::state()` text per line);

@@ -1001,4 +1001,28 @@ fn batches_placed_in_one_object_read_as_one_stacked_view() {
     assert!(wait_child(&mut second.child, Duration::from_secs(30)).success());
     let stats = daemon.reader().stats().unwrap();
     assert_eq!((stats.leases, stats.objects_writing), (0, 0), "{stats:?}");
+    // A put may not publish an object whose writer is still live (it could change the bytes
+    // readers see): refused before anything is sent, and the writer's object is untouched.
+    let writer = daemon.writer();
+    let feeder = StreamFeeder::join_batched(&writer, &spec, 8, 4, &[]).unwrap();
+    let mut live = writer.create(4096).unwrap();
+    let task = StreamTask { rank: 0, seq: 0 };
+    for made in [
+        Made::Part {
+            handle: live.handle(),
+            offset: 64,
+        },
+        Made::Existing(live.handle()),
+    ] {
+        let delivery = Delivery {
+            task,
+            record: 0,
+            key: 0,
+            made,
+        };
+        let err = feeder.put(vec![delivery]).unwrap_err();
+        assert!(err.to_string().contains("still being written"), "{err}");
+    }
+    live.as_mut_slice()[0] = 1;
+    assert_eq!(writer.stats().unwrap().objects_writing, 1);
 }

@@ -192,6 +192,9 @@ pub(crate) struct Inner {
     create_timeout: Duration,
     broken: AtomicBool,
     releases: Arc<ReleaseQueue>,
+    /// The handles of this client's live `ObjectWriter`s: a stream put may not name one
+    /// (sealing it would publish bytes its writer can still change).
+    pub(crate) writers: Mutex<std::collections::HashSet<feedstore_proto::Handle>>,
 }
 
 /// Builds the segments' page tables on a thread of its own (holding each mapping only a step at
@@ -486,6 +489,7 @@ impl Client {
                 create_timeout: opts.create_timeout,
                 broken: AtomicBool::new(false),
                 releases: releases.clone(),
+                writers: Mutex::new(std::collections::HashSet::new()),
             }),
         };
         if !opts.release_delay.is_zero() {

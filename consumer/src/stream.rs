@@ -643,7 +643,8 @@ impl StreamFeeder {
     /// [`StreamFeeder::join`] for a producer that places each batch of `batch` samples of a
     /// rank in one object ([`StreamFeeder::put_batch`]): if the stream is new, its ranks hand
     /// out tasks a whole batch at a time (sequence numbers `k·batch .. (k+1)·batch`, all to one
-    /// producer; `depth` must be at least `batch`). A consumer reading whole batches from a
+    /// producer; `batch` at most 1024, `depth` at least `batch`, and twice it lets the next
+    /// batch be made while a trainer holds one). A stream that exists keeps its batch size. A consumer reading whole batches from a
     /// multiple of `batch` then gets each batch's images as one stacked view
     /// ([`stacked_image`]).
     pub fn join_batched(
@@ -732,6 +733,35 @@ impl StreamFeeder {
     /// whole (the stream closed, the daemon gone) aborts every reservation not yet put; with
     /// more items than fit one frame, the earlier chunks may have been put.
     pub fn put(&self, deliveries: Vec<Delivery>) -> Result<Vec<Result<(), Error>>, Error> {
+        // A sample may name an object by handle only once its writer is done with it: the put
+        // seals this client's reservations, and a live `ObjectWriter` could still change bytes
+        // readers then see. Its own `Made::Written` in this put hands the writer over.
+        let handing_over: HashSet<Handle> = deliveries
+            .iter()
+            .filter_map(|d| match &d.made {
+                Made::Written(w) => Some(w.handle()),
+                _ => None,
+            })
+            .collect();
+        {
+            let live = self
+                .client
+                .inner
+                .writers
+                .lock()
+                .unwrap_or_else(|e| e.into_inner());
+            for d in &deliveries {
+                if let Made::Existing(h) | Made::Part { handle: h, .. } = &d.made
+                    && live.contains(h)
+                    && !handing_over.contains(h)
+                {
+                    return Err(Error::InvalidArgument(format!(
+                        "object {h} is still being written by an ObjectWriter of this client: \
+                         put it as Made::Written (or seal it) first"
+                    )));
+                }
+            }
+        }
         let mut items = Vec::with_capacity(deliveries.len());
         let mut reserved = Vec::with_capacity(deliveries.len());
         for Delivery {

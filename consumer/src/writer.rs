@@ -32,6 +32,12 @@ impl ObjectWriter {
         mapping: Arc<Mapping>,
         location: Location,
     ) -> Self {
+        client
+            .inner
+            .writers
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(handle);
         ObjectWriter {
             client,
             handle,
@@ -143,6 +149,12 @@ impl std::fmt::Debug for ObjectWriter {
 
 impl Drop for ObjectWriter {
     fn drop(&mut self) {
+        self.client
+            .inner
+            .writers
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&self.handle);
         if !self.done {
             let handle = self.handle;
             if let Err(e) = self

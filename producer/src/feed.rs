@@ -62,7 +62,7 @@ pub struct FeedConfig {
     /// Reuse samples still in the store (the decode-once cache) instead of making them again.
     pub cache: bool,
     /// Above 1: place each batch of this many samples of a rank in one object, if the stream is
-    /// new (its depth must be at least this). The cache then serves only samples not placed.
+    /// new (its depth must be at least this). The decode-once cache is then not looked up.
     pub batch: u32,
 }
 
@@ -663,7 +663,8 @@ fn place_batch(shared: &Shared, client: &Client, pieces: &mut [Piece]) -> bool {
             if warned.is_some_and(|w| !w.swap(true, Ordering::Relaxed)) {
                 tracing::warn!(
                     "--batch: a batch's samples were put one object each ({why}); they share \
-                     one when every sample has an image 0 of one shape (--image-size WxH)"
+                     one when every sample has an image 0 of one shape (--image-size WxH) \
+                     whose bytes are a multiple of 64"
                 );
             }
             return false;

@@ -442,8 +442,8 @@ fn check_buffer(buf: &[u8], need: u64) -> Result<(), SampleError> {
 /// ```
 #[derive(Debug, Clone)]
 pub struct BatchPlan {
-    /// Each sample's start and its plan, relative to that start.
-    samples: Vec<(u64, SamplePlan)>,
+    /// Each sample's start, its plan (relative to that start) and the archive room it has.
+    samples: Vec<(u64, SamplePlan, u64)>,
     stack: Region,
     bytes: u64,
 }
@@ -505,13 +505,16 @@ impl BatchPlan {
             len: len * placed.len() as u64,
         };
         let mut archive = stack.offset + stack.len;
-        for (i, (start, plan)) in placed.iter_mut().enumerate() {
-            plan.images[0].region.offset = stack.offset + i as u64 * len - *start;
-            plan.archive_at = Some(archive - *start);
-            archive = align_up(archive + plan.archive_bound(&infos[i]));
+        let mut samples = Vec::with_capacity(placed.len());
+        for (i, (start, mut plan)) in placed.into_iter().enumerate() {
+            plan.images[0].region.offset = stack.offset + i as u64 * len - start;
+            plan.archive_at = Some(archive - start);
+            let room = align_up(plan.archive_bound(&infos[i]));
+            archive += room;
+            samples.push((start, plan, room));
         }
         Ok(BatchPlan {
-            samples: placed,
+            samples,
             stack,
             bytes: archive,
         })
@@ -547,7 +550,7 @@ impl BatchPlan {
         buf: &'b mut [u8],
         i: usize,
     ) -> Result<(&SamplePlan, &'b mut [u8]), SampleError> {
-        let (start, plan) = self
+        let (start, plan, _) = self
             .samples
             .get(i)
             .ok_or(SampleError::Invalid("no such sample in the batch"))?;
@@ -597,7 +600,15 @@ impl BatchPlan {
 
     /// Writes sample `i`'s archive and header once its regions are filled.
     pub fn finish(&self, buf: &mut [u8], i: usize, info: &SampleInfo) -> Result<(), SampleError> {
+        let room = self.samples.get(i).map_or(0, |s| s.2);
         let (plan, buf) = self.sample(buf, i)?;
+        // The archive's room was sized by the info the batch was planned with: a larger one
+        // would run into the next sample's.
+        if plan.archive_bound(info) > room {
+            return Err(SampleError::Invalid(
+                "the info is larger than the one the batch was planned with",
+            ));
+        }
         plan.finish(buf, info)
     }
 }

@@ -764,11 +764,11 @@ pub fn stacked(py: Python<'_>, samples: &[Py<Sample>], index: usize) -> PyResult
     for s in samples {
         let s = s.get();
         let info = s.image_info(index)?;
-        if info.shape != head.shape || info.dtype != head.dtype {
+        if info.shape != head.shape || info.dtype != head.dtype || info.layout != head.layout {
             return Err(InvalidArgument::new_err(format!(
-                "image {index} of the batch differs in shape or dtype ({:?} {:?} and {:?} {:?}): \
-                 it cannot be stacked",
-                head.shape, head.dtype, info.shape, info.dtype
+                "image {index} of the batch differs in shape, dtype or layout ({:?} {:?} {:?} \
+                 and {:?} {:?} {:?}): it cannot be stacked",
+                head.shape, head.dtype, head.layout, info.shape, info.dtype, info.layout
             )));
         }
         parts.push(s.bytes_of(info));

@@ -239,14 +239,24 @@ impl Stream {
     /// no copy, when a producer placed the batch in one object (`Writer(batch=n)` and
     /// `put_batch`) and this reader reads whole batches from a multiple of `n`; otherwise a
     /// stacked copy (counted in `stacked_copies`). `([], None)` with no samples left. The
-    /// tensor keeps the batch's object leased while it lives.
+    /// tensor keeps the batch's object leased while it lives. If the images cannot be stacked
+    /// (a sample without image `image`, images of different shapes, dtypes or layouts), raises
+    /// `InvalidArgument` whose `samples` attribute holds the samples taken.
     #[pyo3(signature = (n, image=0))]
     fn next_stacked(&self, py: Python<'_>, n: usize, image: usize) -> PyResult<StackedBatch> {
         let batch = self.next_batch(py, n, None, image)?;
         if batch.is_empty() {
             return Ok((batch, None));
         }
-        let (images, copied) = stacked(py, &batch, image)?;
+        let (images, copied) = match stacked(py, &batch, image) {
+            Ok(stacked) => stacked,
+            // The samples are this reader's now (its position is past them): hand them over
+            // with the error, so nothing is lost.
+            Err(e) => {
+                e.value(py).setattr("samples", batch)?;
+                return Err(e);
+            }
+        };
         if copied {
             self.stacked_copies.fetch_add(1, Ordering::Relaxed);
         }
@@ -599,7 +609,8 @@ impl Writer {
     /// arguments must match the readers'. `start` maps ranks to the sequence number their
     /// readers resume at (from their saved states), for ranks the daemon does not know yet.
     /// `depth` and `batch` apply if the stream is new: samples made ahead of each reader, and
-    /// (above 1) tasks handed out a batch at a time for `put_batch` (`depth` at least `batch`).
+    /// (above 1, at most 1024) tasks handed out a batch at a time for `put_batch` (`depth` at
+    /// least `batch`; twice it lets the next batch be made while a reader holds one).
     #[new]
     #[pyo3(signature = (name, records, world=1, *, seed=0, shuffle="full", tail="drop",
         epochs=Some(1), ranks=None, start=None, socket=None, depth=64, batch=1))]

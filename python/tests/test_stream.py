@@ -143,6 +143,19 @@ def test_a_batch_placed_in_one_object_reads_as_one_array(daemon):
     daemon.wait_for("every lease to go back", lambda st: st["leases"] == 0)
 
 
+def test_next_stacked_hands_over_what_it_cannot_stack(daemon):
+    writer = feedstore.Writer("uneven", 2, shuffle="none", socket=daemon.socket)
+    for task in writer.take(max=2, wait=5.0):
+        writer.put(task, np.zeros((4 + task.seq, 4, 4), np.uint8))
+    with feedstore.Stream("uneven", 2, shuffle="none", socket=daemon.socket, wait=30) as s:
+        with pytest.raises(feedstore.InvalidArgument) as e:
+            s.next_stacked(2)
+        assert "cannot be stacked" in str(e.value)
+        # The samples were taken: they come with the error, not lost.
+        assert [x.seq for x in e.value.samples] == [0, 1]
+        assert e.value.samples[1].images[0].shape == (5, 4, 4)
+
+
 def test_writer_publishes_dicts_arrays_and_bytes(daemon):
     records = 3
     writer = feedstore.Writer("written", records, shuffle="none", socket=daemon.socket)

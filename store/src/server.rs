@@ -44,7 +44,7 @@ use crate::cluster::Cluster;
 use crate::config::Limits;
 use crate::objects::{ClientInfo, ConnId, Objects};
 use crate::peer::Peer;
-use crate::streams::{Placement, StreamError, Streams, Window};
+use crate::streams::{MAX_BATCH, Placement, StreamError, Streams, Window};
 
 /// Who may connect, and in which role, decided from the peer's credentials.
 #[derive(Debug, Clone)]
@@ -775,8 +775,10 @@ impl Connection {
                 max,
                 timeout_ms,
             } => {
-                // No more tasks than the client's limit lets the reply carry.
+                // No more tasks than the client's limit lets the reply carry, a batched stream's
+                // last whole batch included (up to `MAX_BATCH - 1` past `max`).
                 let fits = (self.peer_limit as usize - 4) / StreamTask::WIRE_BYTES;
+                let fits = fits.saturating_sub(MAX_BATCH as usize - 1).max(1);
                 let max = max.clamp(1, fits as u32);
                 self.wait_until(id, timeout_ms, |expired| {
                     match shared.with_streams(|s, _| s.take(id, stream, max, None)) {

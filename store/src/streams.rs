@@ -42,6 +42,10 @@ use crate::objects::{ClientInfo, ConnId, Objects};
 
 /// Largest prefetch depth per rank.
 pub const MAX_DEPTH: u32 = 1 << 16;
+/// The largest batch a stream hands out whole: a take may return up to `MAX_BATCH - 1` tasks
+/// past what it was asked for, which must still fit the smallest frame and a peer session's
+/// task list.
+pub const MAX_BATCH: u32 = 1024;
 /// Most ranks the daemon keeps, over all streams.
 pub const MAX_RANKS: usize = 1 << 16;
 /// Most rings one connection may receive over its life (a consumer attaches once; each ring
@@ -330,9 +334,10 @@ impl Rank {
     }
 
     /// The next batch of this (own) rank's tasks: sequence numbers of one batch
-    /// `k·batch .. (k+1)·batch` (clipped to the stream's end), all to `conn`, once the window
-    /// holds the whole of it. Tasks to make again come first, the missing ones of their batch
-    /// together.
+    /// `k·batch .. (k+1)·batch` (clipped to the stream's `end`), all to `conn`. Tasks to make
+    /// again come first, with every other task of their batch not yet handed out; a batch
+    /// with tasks never handed out goes out once the window holds the whole of it (a rank
+    /// resumed inside a batch starts with the rest of that batch).
     fn next_batch(
         &mut self,
         conn: ConnId,
@@ -340,28 +345,30 @@ impl Rank {
         end: Option<u64>,
         batch: u64,
     ) -> Vec<u64> {
-        let group: Vec<u64> = if let Some(&first) = self.redo.first() {
-            let batch_end = (first / batch + 1) * batch;
-            let seqs: Vec<u64> = self
-                .redo
-                .range(first..batch_end.min(window_end))
-                .copied()
-                .collect();
-            for s in &seqs {
-                self.redo.remove(s);
-            }
-            seqs
-        } else {
-            // A rank resumed mid-batch starts with the rest of that batch.
-            let batch_end = (self.next / batch + 1) * batch;
-            let group_end = end.map_or(batch_end, |e| batch_end.min(e));
-            if self.next >= group_end || group_end > window_end {
-                return Vec::new();
-            }
-            let seqs = (self.next..group_end).collect();
-            self.next = group_end;
-            seqs
+        let end = end.unwrap_or(u64::MAX);
+        let start = match self.redo.first() {
+            Some(&s) if s < end.min(window_end) => s,
+            _ => self.next,
         };
+        let batch_start = start - start % batch;
+        let batch_end = batch_start.saturating_add(batch).min(end);
+        let fresh_start = self.next.max(batch_start);
+        let fresh = fresh_start..batch_end.max(fresh_start);
+        if !fresh.is_empty() && fresh.end > window_end {
+            return Vec::new();
+        }
+        let mut group: Vec<u64> = self
+            .redo
+            .range(batch_start..batch_end.min(window_end).max(batch_start))
+            .copied()
+            .collect();
+        for s in &group {
+            self.redo.remove(s);
+        }
+        if !fresh.is_empty() {
+            self.next = fresh.end;
+            group.extend(fresh);
+        }
         for &s in &group {
             self.assigned.insert(s, conn);
         }
@@ -768,6 +775,12 @@ impl Streams {
     ) -> Result<u32, StreamError> {
         let depth = window.depth.clamp(1, MAX_DEPTH);
         let batch = window.batch.max(1);
+        if batch > MAX_BATCH {
+            return Err(fail(
+                Status::InvalidArgument,
+                format!("a batch of {batch} samples: at most {MAX_BATCH}"),
+            ));
+        }
         if batch > depth {
             return Err(fail(
                 Status::InvalidArgument,
@@ -1120,7 +1133,8 @@ impl Streams {
                     continue;
                 };
                 remote.outbox.push(*item);
-                if item.key != 0 && made {
+                // The cache names whole objects: a sample inside another object is not cached.
+                if item.key != 0 && item.offset == 0 && made {
                     cached.push(((stream.owner_uid, item.key), item.handle));
                 }
                 stream.samples_put += 1;
@@ -1142,7 +1156,7 @@ impl Streams {
                 c.publish(objects, leases, &entry);
             }
             r.ready.insert(seq, entry);
-            if item.key != 0 && entry.flags & ENTRY_FAILED == 0 {
+            if item.key != 0 && item.offset == 0 && entry.flags & ENTRY_FAILED == 0 {
                 cached.push(((stream.owner_uid, item.key), entry.handle));
             }
             stream.samples_put += 1;
@@ -2173,6 +2187,21 @@ mod tests {
             "{}",
             err.message
         );
+        let huge = Window {
+            depth: MAX_DEPTH,
+            batch: MAX_BATCH + 1,
+        };
+        let err = s
+            .join(
+                &mut o,
+                p,
+                &spec(2),
+                huge,
+                &starts(&[0]),
+                &Placement::default(),
+            )
+            .unwrap_err();
+        assert_eq!(err.status, Status::InvalidArgument, "{}", err.message);
         let window = Window { depth: 8, batch: 4 };
         let id = s
             .join(

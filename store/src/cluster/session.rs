@@ -684,7 +684,8 @@ async fn answer(
                 Ok(c) => c,
                 Err(reply) => return reply,
             };
-            let max = max.clamp(1, MAX_SESSION_ITEMS);
+            // A batched stream's last whole batch may go up to `MAX_BATCH - 1` past `max`.
+            let max = max.clamp(1, MAX_SESSION_ITEMS - (crate::streams::MAX_BATCH - 1));
             let deadline =
                 Instant::now() + Duration::from_millis(u64::from(timeout_ms.min(MAX_TAKE_WAIT_MS)));
             let mut events = shared.stream_events();
