@@ -190,9 +190,10 @@ struct StreamArgs {
     prefetch: u32,
     /// Place each batch of N samples of a rank in one object, image 0 of each side by side, so
     /// a trainer reading whole batches (`Stream.next_stacked(N)`) gets their images as one
-    /// view with no copy. Needs one image shape for every sample (--image-size WxH) whose
-    /// bytes are a multiple of 64, and --prefetch of at least N (2N lets the next batch be
-    /// made while a trainer holds one); at most 1024. The decode-once cache is not used.
+    /// view with no copy. Needs --image-size WxH (one shape for every image) whose bytes are a
+    /// multiple of 64, and --prefetch of at least N (2N lets the next batch be made while a
+    /// trainer holds one); at most 1024. The decode-once cache is not used. A batch holding a
+    /// record without an image is put one sample per object (its reader gets a copy).
     #[arg(long, value_name = "N", requires = "stream")]
     batch: Option<u32>,
     /// Resume: a file of the consumers' saved states (one `Stream::state()` text per line);
@@ -376,6 +377,32 @@ pub fn run_produce(args: Args) -> anyhow::Result<()> {
     config
         .validate()
         .map_err(|e| anyhow::anyhow!("{e} (--image-size, --patch-size, --merge-size, --min-pixels, --max-pixels, --max-source-pixels)"))?;
+    if let Some(batch) = args.stream.batch.filter(|&b| b > 1) {
+        // Refused before any work: with images of several shapes, or of a size that cannot
+        // lie side by side aligned, no batch would be one view.
+        let ResizeMode::Fixed { width, height } = config.transform.resize else {
+            bail!(
+                "--batch {batch}: a batch's images lie side by side only if they have one shape: \
+                 use --image-size WxH (not {:?})",
+                args.image_size
+            );
+        };
+        let elements: u64 = config
+            .transform
+            .shape(width, height)
+            .iter()
+            .map(|&d| u64::from(d))
+            .product();
+        let bytes = elements * config.transform.dtype.size_bytes();
+        if bytes % 64 != 0 {
+            bail!(
+                "--batch {batch}: a {width}x{height} image is {bytes} bytes at --dtype {}, not a \
+                 multiple of 64, so a batch's images cannot lie side by side aligned: pick \
+                 another --image-size or --dtype",
+                args.dtype
+            );
+        }
+    }
     let image_root = match &args.image_root {
         Some(root) => root.clone(),
         None => std::path::absolute(&args.manifest)

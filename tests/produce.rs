@@ -1036,6 +1036,23 @@ fn produce_from_s3_behind_a_faulty_network() {
     );
 }
 
+/// A one-question conversation about an image.
+fn what_is_this() -> serde_json::Value {
+    serde_json::json!([
+        {"from": "human", "value": "<image>\nwhat is this?"}, {"from": "gpt", "value": "a photo"}])
+}
+
+/// `n` LLaVA records `img0`, `img1`, ... over three of the test photos in turn.
+fn photo_records(n: usize) -> Vec<String> {
+    let photos = ["grace_hopper.jpg", "rocket.jpg", "chelsea.png"];
+    (0..n)
+        .map(|i| {
+            let image = format!("{DATA}/photos/{}", photos[i % 3]);
+            llava(&format!("img{i}"), &image, &what_is_this())
+        })
+        .collect()
+}
+
 #[test]
 fn produce_feeds_a_stream_that_ranks_read_in_order() {
     use feedstore_consumer::{Stream, StreamOptions};
@@ -1048,22 +1065,11 @@ fn produce_feeds_a_stream_that_ranks_read_in_order() {
     let dir = scratch_dir("produce-stream");
     let daemon = DaemonProcess::start(&dir, &["--capacity", "256MiB"]);
     let tokenizer = tokenizer_file(&dir);
-    let turns = serde_json::json!([
-        {"from": "human", "value": "<image>\nwhat is this?"}, {"from": "gpt", "value": "a photo"}]);
-    let photos = ["grace_hopper.jpg", "rocket.jpg", "chelsea.png"];
     // 12 records: 9 images, 2 text, and 1 that is rejected (a missing file), whose positions get
     // the next record of the same rank's share instead.
-    let mut lines: Vec<String> = (0..9)
-        .map(|i| {
-            llava(
-                &format!("img{i}"),
-                &format!("{DATA}/photos/{}", photos[i % 3]),
-                &turns,
-            )
-        })
-        .collect();
+    let mut lines = photo_records(9);
     lines.push(serde_json::json!({"id": "txt0", "text": "plain text one"}).to_string());
-    lines.push(llava("gone", "/no/such/file.jpg", &turns));
+    lines.push(llava("gone", "/no/such/file.jpg", &what_is_this()));
     lines.push(serde_json::json!({"id": "txt1", "text": "plain text two"}).to_string());
     let manifest = dir.join("train.jsonl");
     std::fs::write(&manifest, lines.join("\n")).unwrap();
@@ -1218,22 +1224,28 @@ fn produce_places_each_batch_in_one_object() {
     let dir = scratch_dir("produce-batch");
     let daemon = DaemonProcess::start(&dir, &["--capacity", "256MiB"]);
     let tokenizer = tokenizer_file(&dir);
-    let turns = serde_json::json!([
-        {"from": "human", "value": "<image>\nwhat is this?"}, {"from": "gpt", "value": "a photo"}]);
-    let photos = ["grace_hopper.jpg", "rocket.jpg", "chelsea.png"];
-    let mut lines: Vec<String> = (0..14)
-        .map(|i| {
-            llava(
-                &format!("img{i}"),
-                &format!("{DATA}/photos/{}", photos[i % 3]),
-                &turns,
-            )
-        })
-        .collect();
+    let mut lines = photo_records(14);
     lines.push(serde_json::json!({"id": "txt0", "text": "plain text"}).to_string());
-    lines.push(llava("gone", "/no/such/file.jpg", &turns));
+    lines.push(llava("gone", "/no/such/file.jpg", &what_is_this()));
     let manifest = dir.join("train.jsonl");
     std::fs::write(&manifest, lines.join("\n")).unwrap();
+    // Sizes whose images could not lie side by side are refused before any work.
+    for (size, dtype, says) in [
+        ("qwen", "f32", "use --image-size WxH"),
+        (
+            "30x30",
+            "u8",
+            "2700 bytes at --dtype u8, not a multiple of 64",
+        ),
+    ] {
+        let out = produce_command(&daemon.socket, &manifest, &tokenizer)
+            .args(["--image-size", size, "--dtype", dtype, "--image-root", DATA])
+            .args(["--stream", "refused", "--batch", "4", "--prefetch", "8"])
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success() && stderr.contains(says), "{stderr}");
+    }
     let producer = produce_command(&daemon.socket, &manifest, &tokenizer)
         .args([
             "--image-size",

@@ -101,6 +101,9 @@ pub struct Stream {
     first_sample: Option<Duration>,
     /// The daemon knows this rank read past its last sample.
     told_end: bool,
+    /// An error met after `next_batch` had taken some samples: those went to the caller, this
+    /// comes with the next call.
+    pending: Option<Error>,
     /// The first `next_sample` call: the trainer's loop runs from here.
     started: Option<Instant>,
     /// Time spent waiting for samples not yet in the ring.
@@ -224,6 +227,7 @@ impl Stream {
             opened,
             first_sample: None,
             told_end: false,
+            pending: None,
             started: None,
             waited: Duration::ZERO,
             taken: 0,
@@ -328,13 +332,23 @@ impl Stream {
         Ok(Some(StreamSample { entry, bytes }))
     }
 
-    /// Up to `n` samples (fewer only at the end of the stream).
+    /// Up to `n` samples: fewer at the end of the stream, or before an error (a failed sample,
+    /// a timeout): the samples already taken are returned, and the next call returns the
+    /// error, so none is lost.
     pub fn next_batch(&mut self, n: usize) -> Result<Vec<StreamSample>, Error> {
-        let mut batch = Vec::with_capacity(n);
+        if let Some(e) = self.pending.take() {
+            return Err(e);
+        }
+        let mut batch = Vec::with_capacity(n.min(1024));
         while batch.len() < n {
-            match self.next_sample()? {
-                Some(sample) => batch.push(sample),
-                None => break,
+            match self.next_sample() {
+                Ok(Some(sample)) => batch.push(sample),
+                Ok(None) => break,
+                Err(e) if !batch.is_empty() => {
+                    self.pending = Some(e);
+                    break;
+                }
+                Err(e) => return Err(e),
             }
         }
         Ok(batch)

@@ -12,6 +12,7 @@ use feedstore_proto::sample::{
 };
 use feedstore_proto::stream::{StreamSpec, StreamState};
 use numpy::{PyUntypedArray, PyUntypedArrayMethods};
+use pyo3::exceptions::PyKeyboardInterrupt;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 
@@ -64,6 +65,9 @@ pub struct Stream {
     rank: u32,
     /// Batches `next_stacked` had to copy (not placed side by side).
     stacked_copies: AtomicU64,
+    /// An error met after `next_batch` had taken some samples: those went to the caller, this
+    /// is raised by the next call.
+    pending: Mutex<Option<PyErr>>,
 }
 
 impl Stream {
@@ -194,6 +198,7 @@ impl Stream {
             name: name.to_owned(),
             rank,
             stacked_copies: AtomicU64::new(0),
+            pending: Mutex::new(None),
         })
     }
 
@@ -205,7 +210,9 @@ impl Stream {
         self.next_sample(py)
     }
 
-    /// Up to `n` samples (fewer only at the end). With `out`, a writable C-contiguous array of
+    /// Up to `n` samples: fewer at the end, or before an error (a failed sample, a timeout),
+    /// which the next call raises (the samples taken are never lost). With `out`, a writable
+    /// C-contiguous array of
     /// shape `(n, *image_shape)`, image `image` of each sample is also copied into `out[i]`
     /// (without the GIL), for a model that wants one stacked batch tensor.
     #[pyo3(signature = (n, out=None, image=0))]
@@ -216,11 +223,26 @@ impl Stream {
         out: Option<Bound<'_, PyAny>>,
         image: usize,
     ) -> PyResult<Vec<Py<Sample>>> {
-        let mut batch = Vec::with_capacity(n);
+        if let Some(e) = self
+            .pending
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take()
+        {
+            return Err(e);
+        }
+        let mut batch = Vec::with_capacity(n.min(1024));
         while batch.len() < n {
-            match self.next_sample(py)? {
-                Some(sample) => batch.push(Py::new(py, sample)?),
-                None => break,
+            match self.next_sample(py) {
+                Ok(Some(sample)) => batch.push(Py::new(py, sample)?),
+                Ok(None) => break,
+                // The samples taken are the caller's (the stream is past them): they come back
+                // now, the error with the next call. Ctrl-C stops at once.
+                Err(e) if !batch.is_empty() && !e.is_instance_of::<PyKeyboardInterrupt>(py) => {
+                    *self.pending.lock().unwrap_or_else(|e| e.into_inner()) = Some(e);
+                    break;
+                }
+                Err(e) => return Err(e),
             }
         }
         if let Some(out) = out {

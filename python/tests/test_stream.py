@@ -156,6 +156,22 @@ def test_next_stacked_hands_over_what_it_cannot_stack(daemon):
         assert e.value.samples[1].images[0].shape == (5, 4, 4)
 
 
+def test_a_failed_sample_ends_a_batch_early_and_loses_nothing(daemon):
+    writer = feedstore.Writer("holed", 8, shuffle="none", socket=daemon.socket)
+    for task in writer.take(max=8, wait=5.0):
+        if task.seq == 3:
+            writer.fail(task)
+        else:
+            writer.put(task, np.full((4, 4, 4), task.seq, np.uint8))
+    with feedstore.Stream("holed", 8, shuffle="none", socket=daemon.socket, wait=30) as s:
+        assert [x.seq for x in s.next_batch(8)] == [0, 1, 2]
+        with pytest.raises(feedstore.SampleFailed):
+            s.next_batch(8)
+        samples, images = s.next_stacked(8)
+        assert [x.seq for x in samples] == [4, 5, 6, 7]
+        assert [int(i[0, 0, 0]) for i in images.numpy()] == [4, 5, 6, 7]
+
+
 def test_writer_publishes_dicts_arrays_and_bytes(daemon):
     records = 3
     writer = feedstore.Writer("written", records, shuffle="none", socket=daemon.socket)
