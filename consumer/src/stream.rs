@@ -545,16 +545,17 @@ pub struct StackedImage<'a> {
 /// (samples made one object each, a batch made again in parts after a producer died, a reader
 /// that is not at a batch's start): stack them yourself then. An error if a sample has no such
 /// image or the images differ in dtype, layout or shape.
-pub fn stacked_image(
-    samples: &[StreamSample],
+pub fn stacked_image<'a>(
+    samples: impl IntoIterator<Item = &'a StreamSample>,
     image: usize,
-) -> Result<Option<StackedImage<'_>>, SampleError> {
-    let Some(first) = samples.first() else {
+) -> Result<Option<StackedImage<'a>>, SampleError> {
+    let mut samples = samples.into_iter();
+    let Some(first) = samples.next() else {
         return Ok(None);
     };
-    let mut parts = Vec::with_capacity(samples.len());
+    let mut parts = Vec::new();
     let mut kind = None;
-    for s in samples {
+    for s in std::iter::once(first).chain(samples) {
         let t = s
             .view()?
             .image(image)
@@ -569,9 +570,9 @@ pub fn stacked_image(
     }
     let (dtype, layout, mut shape) = kind.expect("one sample or more");
     // Through the first sample, which holds a lease on the object and runs to its end.
-    let within: &[u8] = first;
+    let within: &'a [u8] = first;
     Ok(side_by_side(within, &parts).map(|range| {
-        shape.insert(0, samples.len());
+        shape.insert(0, parts.len());
         StackedImage {
             dtype,
             layout,

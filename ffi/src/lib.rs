@@ -26,8 +26,8 @@ mod error;
 
 use std::ffi::{CStr, c_char, c_void};
 
-use feedstore_consumer::{Stream, StreamOptions, StreamSample};
-use feedstore_proto::sample::{DType, SampleView, TensorLayout, side_by_side};
+use feedstore_consumer::{Stream, StreamOptions, StreamSample, stacked_image};
+use feedstore_proto::sample::{DType, SampleError, SampleView, TensorLayout};
 use feedstore_proto::stream::{Shuffle, StreamSpec, StreamState, Tail};
 
 use crate::error::{FfiError, guard};
@@ -505,50 +505,36 @@ pub unsafe extern "C" fn fs_stacked_image(
             // SAFETY: null or live per the contract.
             .map(|&s| unsafe { s.as_ref() }.ok_or_else(|| FfiError::invalid("a sample is null")))
             .collect::<Result<Vec<&FsSample>, _>>()?;
-        let views = samples
-            .iter()
-            .map(|s| s.inner.view())
-            .collect::<Result<Vec<_>, _>>()?;
-        let mut parts = Vec::with_capacity(n);
-        let mut kind = None;
-        for view in &views {
-            let image = view.image(index).ok_or_else(|| {
-                FfiError::invalid(format!("image {index} of {}", view.image_count()))
+        // The samples' own checks: a missing image or images that differ is the caller's
+        // mistake; a sample failing validation is a bad sample.
+        let stacked =
+            stacked_image(samples.iter().map(|s| &s.inner), index).map_err(|e| match e {
+                SampleError::Invalid(why) => FfiError::invalid(why),
+                e => e.into(),
             })?;
-            let this = (image.dtype(), image.layout(), image.shape());
-            if kind.get_or_insert_with(|| this.clone()) != &this {
-                return Err(FfiError::invalid(
-                    "images of the batch differ in dtype, layout or shape",
-                ));
+        let tensor = match stacked {
+            Some(stacked) if stacked.shape.len() > 4 => {
+                return Err(FfiError::invalid("more than 3 dimensions"));
             }
-            parts.push(image.bytes());
-        }
-        let (dtype, layout, dims) = kind.expect("n >= 1");
-        if dims.len() > 3 {
-            return Err(FfiError::invalid("more than 3 dimensions"));
-        }
-        // Read through the first sample: it runs to its object's end, and its lease keeps the
-        // whole object (every image found inside it) valid until it is freed.
-        let within: &[u8] = &samples[0].inner;
-        let tensor = match side_by_side(within, &parts) {
-            Some(range) => {
+            // Points into the first sample's object, whose lease that sample holds until it is
+            // freed.
+            Some(stacked) => {
                 let mut shape = [0usize; 4];
-                shape[0] = n;
-                shape[1..=dims.len()].copy_from_slice(&dims);
+                shape[..stacked.shape.len()].copy_from_slice(&stacked.shape);
                 FsTensor {
-                    data: within[range.clone()].as_ptr().cast::<c_void>(),
-                    bytes: range.len(),
-                    dtype: dtype_code(dtype),
-                    layout: layout_code(layout),
-                    ndim: dims.len() + 1,
+                    data: stacked.bytes.as_ptr().cast::<c_void>(),
+                    bytes: stacked.bytes.len(),
+                    dtype: dtype_code(stacked.dtype),
+                    layout: layout_code(stacked.layout),
+                    ndim: stacked.shape.len(),
                     shape,
                 }
             }
             None => FsTensor {
                 data: std::ptr::null(),
                 bytes: 0,
-                dtype: dtype_code(dtype),
-                layout: layout_code(layout),
+                dtype: 0,
+                layout: 0,
                 ndim: 0,
                 shape: [0; 4],
             },

@@ -649,8 +649,8 @@ fn place_batch(shared: &Shared, client: &Client, pieces: &mut [Piece]) -> bool {
             let mut object = client
                 .create(plan.object_bytes())
                 .map_err(|e| e.to_string())?;
-            for (i, view) in views.iter().enumerate() {
-                plan.copy_from(object.as_mut_slice(), i, view)
+            for (i, (view, info)) in views.iter().zip(&infos).enumerate() {
+                plan.copy_from(object.as_mut_slice(), i, view, info)
                     .map_err(|e| e.to_string())?;
             }
             Ok::<(BatchPlan, ObjectWriter), String>((plan, object))

@@ -569,14 +569,14 @@ impl BatchPlan {
     }
 
     /// Writes sample `i` as a copy of `view`, which must be the sample this plan was made
-    /// for (`BatchPlan::new` from its [`SampleView::plan`]).
+    /// for, with its `info` (`BatchPlan::new` from its [`SampleView::plan`]).
     pub fn copy_from(
         &self,
         buf: &mut [u8],
         i: usize,
         view: &SampleView<'_>,
+        info: &SampleInfo,
     ) -> Result<(), SampleError> {
-        let (_, info) = view.plan();
         let regions = self.regions(buf, i)?;
         if regions.images.len() != view.image_count() || regions.tokens.len() != view.tokens().len()
         {
@@ -595,7 +595,7 @@ impl BatchPlan {
         }
         regions.tokens.copy_from_slice(view.tokens());
         regions.labels.copy_from_slice(view.labels());
-        self.finish(buf, i, &info)
+        self.finish(buf, i, info)
     }
 
     /// Writes sample `i`'s archive and header once its regions are filled.
@@ -984,7 +984,9 @@ mod tests {
         let batch = BatchPlan::new(plans, &infos).unwrap();
         let mut object = AlignedBuf::zeroed(batch.object_bytes() as usize);
         for (i, view) in views.iter().enumerate() {
-            batch.copy_from(object.as_mut_slice(), i, view).unwrap();
+            batch
+                .copy_from(object.as_mut_slice(), i, view, &infos[i])
+                .unwrap();
         }
         for (i, single) in views.iter().enumerate() {
             let copy = SampleView::new(&object.as_slice()[batch.start(i) as usize..]).unwrap();

@@ -785,20 +785,13 @@ pub fn stacked(py: Python<'_>, samples: &[Py<Sample>], index: usize) -> PyResult
         return Ok((Tensor { held, info, elem }, false));
     }
     let mut buf = AlignedBuf::zeroed(head.len * samples.len());
-    let sources: Vec<(usize, usize)> = parts
+    let sources = parts
         .iter()
         .map(|p| (p.as_ptr() as usize, p.len()))
         .collect();
-    py.detach(|| {
-        for ((src, len), dst) in sources
-            .into_iter()
-            .zip(buf.as_mut_slice().chunks_mut(head.len.max(1)))
-        {
-            // SAFETY: each source is `len` (= `head.len`) readable bytes of a leased sample
-            // that `samples` keeps alive for this call; `dst` is this call's own buffer.
-            dst.copy_from_slice(unsafe { std::slice::from_raw_parts(src as *const u8, len) });
-        }
-    });
+    // SAFETY: each source is a leased sample's image that `samples` keeps alive for this call;
+    // `buf` (this call's own) holds their total, `head.len` each (equal shapes and dtypes).
+    unsafe { gather(py, sources, buf.as_mut_slice().as_mut_ptr() as usize) };
     let info = TensorInfo::of(
         buf.as_slice(),
         buf.as_slice(),
@@ -808,6 +801,22 @@ pub fn stacked(py: Python<'_>, samples: &[Py<Sample>], index: usize) -> PyResult
     );
     let held = Arc::new(Held::Owned(buf));
     Ok((Tensor { held, info, elem }, true))
+}
+
+/// Copies each source (address, length) back to back into `dst`, without the GIL.
+///
+/// # Safety
+/// Each source is that many readable bytes, alive and unchanged through the call; `dst` is
+/// their total of writable bytes, overlapping none of them.
+unsafe fn gather(py: Python<'_>, sources: Vec<(usize, usize)>, dst: usize) {
+    py.detach(|| {
+        let mut at = dst;
+        for (src, len) in sources {
+            // SAFETY: per this function's contract.
+            unsafe { std::ptr::copy_nonoverlapping(src as *const u8, at as *mut u8, len) };
+            at += len;
+        }
+    });
 }
 
 /// Copies image `index` of every sample into `out` (a writable, C-contiguous array of
@@ -870,16 +879,10 @@ pub fn stack_images(
             (s.bytes_of(info).as_ptr() as usize, info.len)
         })
         .collect();
-    py.detach(|| {
-        for (i, (src, len)) in sources.into_iter().enumerate() {
-            debug_assert_eq!(len, per);
-            // SAFETY: `out` holds `samples.len() * per` writable bytes (shape and dtype checked,
-            // C-contiguous); each source is `per` bytes of a leased sample that `samples` keeps
-            // alive; the store's mapping and a numpy buffer never overlap.
-            unsafe {
-                std::ptr::copy_nonoverlapping(src as *const u8, (data + i * per) as *mut u8, per)
-            };
-        }
-    });
+    debug_assert!(sources.iter().all(|&(_, len)| len == per));
+    // SAFETY: `out` holds `samples.len() * per` writable bytes (shape and dtype checked,
+    // C-contiguous); each source is `per` bytes of a leased sample that `samples` keeps alive;
+    // the store's mapping and a numpy buffer never overlap.
+    unsafe { gather(py, sources, data) };
     Ok(())
 }
