@@ -148,8 +148,10 @@ fn render(client: &Client, socket: &str, previous: &mut Previous) -> anyhow::Res
             "rank", "wait now", "wait all", "samples/s", "taken", "ready", "first sample"
         )?;
         let mut waits = Vec::new();
+        let mut reported = false;
         for r in &t.ranks_attached {
             let f = r.figures;
+            reported |= f.elapsed_us > 0;
             let now = match previous.ranks.get(&(t.id, r.rank)) {
                 // Nothing new since the last view (a trainer reports as it takes samples, not
                 // on a clock): the last window stands.
@@ -182,7 +184,16 @@ fn render(client: &Client, socket: &str, previous: &mut Previous) -> anyhow::Res
                 t.consumers as usize - t.ranks_attached.len()
             )?;
         }
-        writeln!(v, "  verdict: {}", verdict(t, &waits, producers.as_ref()))?;
+        if reported {
+            writeln!(v, "  verdict: {}", verdict(t, &waits, producers.as_ref()))?;
+        } else {
+            // A rank's figures start with its first take (or its first wait): before that there
+            // is nothing to judge, and 0% would read as "compute-bound".
+            writeln!(
+                v,
+                "  verdict: none yet: no rank has taken or waited for a sample since it attached"
+            )?;
+        }
     }
     *previous = seen;
     Ok(v)

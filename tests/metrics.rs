@@ -534,12 +534,17 @@ fn feedstore_top_shows_a_running_stream_in_a_terminal() {
     let screen = loop {
         let captured = tmux(&["capture-pane", "-p", "-t", "top"]);
         let screen = String::from_utf8_lossy(&captured.stdout).into_owned();
-        if screen.contains("data-bound") || screen.contains("compute-bound") {
+        // The first views may say "none yet" (the trainer has not taken a sample) or, while
+        // the ring still holds what was made before the trainer started, "compute-bound":
+        // the test waits for the verdict the steady state gives.
+        if screen.contains("verdict: data-bound") {
             break screen;
         }
         if Instant::now() > deadline {
             let _ = tmux(&["kill-server"]);
-            panic!("no view within 30 s:\n{screen}");
+            panic!(
+                "no data-bound verdict within 30 s (the producer is 5x slower than the trainer):\n{screen}"
+            );
         }
         std::thread::sleep(Duration::from_millis(300));
     };
@@ -552,8 +557,6 @@ fn feedstore_top_shows_a_running_stream_in_a_terminal() {
         screen.contains("wait now") && screen.contains("samples/s"),
         "{screen}"
     );
-    // The producer makes a sample every 10 ms, the trainer needs 2 ms: it waits for data.
-    assert!(screen.contains("verdict: data-bound"), "{screen}");
     std::fs::write(dir.join("top-screen.txt"), &screen).unwrap();
 }
 
