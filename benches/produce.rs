@@ -168,6 +168,7 @@ fn main() {
         println!();
     }
     decoders(&paths, &data, rounds);
+    stages(&data, rounds);
     let _ = std::fs::remove_dir_all(&dir);
     tokenize(quick);
 }
@@ -236,6 +237,68 @@ fn decoders(paths: &[std::path::PathBuf], data: &[Vec<u8>], rounds: usize) {
     for ((side, z), ((_, f), (_, s))) in zune.iter().zip(full.iter().zip(&scaled)) {
         println!("| {side} px | {z:.2} | {f:.2} | {s:.2} |");
     }
+    println!();
+}
+
+/// Where one image's time goes, at Qwen2.5-VL's default cap (1280 tokens): the decode, the
+/// resize alone (u8 HWC output, which the resize writes straight into the destination), and
+/// the resize with the pass that normalises, converts to f32 and lays out CHW, against the
+/// floor of that pass: writing its output (`memset` of the same bytes into the same buffer).
+fn stages(data: &[Vec<u8>], rounds: usize) {
+    use feedstore_proto::sample::{DType, TensorLayout};
+    let f32_chw = ImageTransform::qwen_vl();
+    let u8_hwc = ImageTransform {
+        dtype: DType::U8,
+        layout: TensorLayout::Hwc,
+        ..f32_chw.clone()
+    };
+    let mut scratch = Scratch::default();
+    let (mut dst, mut out) = (Vec::new(), Vec::<u8>::new());
+    let mut ms = [0f64; 4];
+    for round in 0..=rounds {
+        for bytes in data {
+            let t = Instant::now();
+            let decoded = f32_chw.decode(bytes).unwrap();
+            let decode = t.elapsed();
+            let (w, h) = decoded.target;
+            let pixels = (w * h) as usize;
+            dst.resize(pixels * 3, 0);
+            let t = Instant::now();
+            u8_hwc
+                .resize_into(&decoded.rgb, decoded.target, &mut dst, &mut scratch)
+                .unwrap();
+            let resize = t.elapsed();
+            out.resize(pixels * 12, 0);
+            let t = Instant::now();
+            f32_chw
+                .resize_into(&decoded.rgb, decoded.target, &mut out, &mut scratch)
+                .unwrap();
+            let both = t.elapsed();
+            black_box((&dst, &out));
+            let t = Instant::now();
+            out.fill(black_box(1));
+            let floor = t.elapsed();
+            black_box(&out);
+            if round > 0 {
+                for (sum, d) in ms.iter_mut().zip([decode, resize, both, floor]) {
+                    *sum += d.as_secs_f64() * 1e3;
+                }
+            }
+        }
+    }
+    let [decode, resize, both, floor] = ms.map(|m| m / (rounds * data.len()) as f64);
+    println!(
+        "## where one image's time goes, one core, at most 1280 image tokens (ms per image, mean)"
+    );
+    println!();
+    println!(
+        "| decode (libjpeg-turbo at the DCT scale) | resize (u8 HWC, written in place) | resize + normalise to f32 CHW | the normalise pass | writing its output (memset floor) |"
+    );
+    println!("|---|---|---|---|---|");
+    println!(
+        "| {decode:.2} | {resize:.2} | {both:.2} | {:.2} | {floor:.2} |",
+        both - resize
+    );
     println!();
 }
 

@@ -41,11 +41,12 @@ pub struct ConnectOptions {
     pub role: Role,
     /// A label for the daemon's logs and stats.
     pub name: String,
-    /// Build page tables for the whole store right after connecting, on a thread of its own
-    /// (`MADV_POPULATE_*`, 16 MiB at a time), so gets and puts seldom pay a page fault. The
-    /// connection is usable at once: a page touched before the thread reaches it is faulted in
-    /// as usual. Connections of one process share one mapping of the store (and build its page
-    /// tables once).
+    /// A writer builds the page tables of each object it reserves before handing it out
+    /// ([`Mapping::populate_write`]: the pages this process has not written before, once), so
+    /// the copy into it runs at memory speed instead of taking a fault per page. Nothing is
+    /// built ahead of use: connecting maps the store without page tables (a store of many GiB
+    /// costs a new process nothing until it writes), and readers fault pages in as they read
+    /// them. Connections of one process share one mapping of the store.
     pub populate: bool,
     /// How long a create waits for space before failing with [`Error::Full`].
     pub create_timeout: Duration,
@@ -97,7 +98,7 @@ impl ConnectOptions {
         self
     }
 
-    /// Sets whether to pre-build page tables.
+    /// Sets whether a writer builds an object's page tables when it reserves it.
     pub fn populate(mut self, populate: bool) -> Self {
         self.populate = populate;
         self
@@ -192,28 +193,11 @@ pub(crate) struct Inner {
     create_timeout: Duration,
     broken: AtomicBool,
     releases: Arc<ReleaseQueue>,
+    /// Whether writers build an object's page tables when they reserve it.
+    pub(crate) populate: bool,
     /// The handles of this client's live `ObjectWriter`s: a stream put may not name one
     /// (sealing it would publish bytes its writer can still change).
     pub(crate) writers: Mutex<std::collections::HashSet<feedstore_proto::Handle>>,
-}
-
-/// Builds the segments' page tables on a thread of its own (holding each mapping only a step at
-/// a time: a client dropped meanwhile frees its memory, and the thread ends).
-fn prefault_in_background(segments: Vec<std::sync::Weak<Mapping>>) {
-    let spawned = std::thread::Builder::new()
-        .name("feedstore-prefault".into())
-        .spawn(move || {
-            for segment in &segments {
-                if let Err(e) = Mapping::prefault(segment) {
-                    // Pages fault in on first touch instead.
-                    tracing::debug!(error = %e, "prefaulting the store's mapping failed");
-                    return;
-                }
-            }
-        });
-    if let Err(e) = spawned {
-        tracing::debug!(error = %e, "no thread to prefault the store's mapping");
-    }
 }
 
 /// Releases of dropped leases not yet sent.
@@ -449,18 +433,15 @@ impl Client {
             Role::Writer => Access::ReadWrite,
         };
         let mut segments = Vec::with_capacity(infos.len());
-        let mut unbuilt = Vec::new();
         for (i, (info, fd)) in infos.iter().zip(fds).enumerate() {
             check_segment_id(info, i)?;
             // Another connection of this process may map the same store already: shared.
-            let mapping = Mapping::shared(fd, info.size_bytes, access, (node_id, epoch, i as u32))?;
-            if opts.populate && mapping.claim_prefault() {
-                unbuilt.push(Arc::downgrade(&mapping));
-            }
-            segments.push(mapping);
-        }
-        if !unbuilt.is_empty() {
-            prefault_in_background(unbuilt);
+            segments.push(Mapping::shared(
+                fd,
+                info.size_bytes,
+                access,
+                (node_id, epoch, i as u32),
+            )?);
         }
         tracing::debug!(node_id, epoch, segments = segments.len(), role = ?opts.role, "connected");
         let releases = Arc::new(ReleaseQueue {
@@ -484,6 +465,7 @@ impl Client {
                 node_id,
                 epoch,
                 role: opts.role,
+                populate: opts.populate,
                 request_limit,
                 reply_limit: opts.max_frame_bytes,
                 create_timeout: opts.create_timeout,
@@ -569,6 +551,7 @@ impl Client {
     pub(crate) fn writer(&self, created: Created) -> Result<ObjectWriter, Error> {
         match self.mapping(created.location) {
             Ok(mapping) => Ok(ObjectWriter::new(
+                self.inner.populate,
                 self.clone(),
                 created.handle,
                 mapping.clone(),

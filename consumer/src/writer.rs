@@ -27,11 +27,15 @@ pub struct ObjectWriter {
 
 impl ObjectWriter {
     pub(crate) fn new(
+        populate: bool,
         client: Client,
         handle: Handle,
         mapping: Arc<Mapping>,
         location: Location,
     ) -> Self {
+        if populate {
+            mapping.populate_write(location.offset, location.len);
+        }
         client
             .inner
             .writers

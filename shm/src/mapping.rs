@@ -59,8 +59,13 @@ fn mapped_list() -> std::sync::MutexGuard<'static, Vec<(MappingKey, Weak<Mapping
 pub struct Mapping {
     map: MmapRaw,
     access: Access,
-    /// Whether a client has claimed building its page tables ([`Mapping::claim_prefault`]).
-    prefault_claimed: AtomicBool,
+    /// Of a read-write mapping, one bit per page: set once [`Mapping::populate_write`] built
+    /// that page's writable page-table entry in this process (empty for a read-only mapping).
+    populated: Box<[AtomicU64]>,
+    /// `log2` of the page size.
+    page_shift: u32,
+    /// The kernel has no `MADV_POPULATE_WRITE` (before Linux 5.14): pages fault in on touch.
+    no_populate: AtomicBool,
 }
 
 impl Mapping {
@@ -91,10 +96,24 @@ impl Mapping {
         .map_err(map_err)?;
         // Best effort: only effective where shmem THP is `advise` or stronger.
         let _ = map.advise(Advice::HugePage);
+        // SAFETY: sysconf has no preconditions.
+        let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+        let page = u64::try_from(page)
+            .ok()
+            .filter(|p| p.is_power_of_two())
+            .unwrap_or(4096);
+        let words = match access {
+            Access::ReadOnly => 0,
+            Access::ReadWrite => len.div_ceil(page).div_ceil(64) as usize,
+        };
+        // A mapping made with MAP_POPULATE has every page-table entry already.
+        let fill = if populate { u64::MAX } else { 0 };
         Ok(Mapping {
             map,
             access,
-            prefault_claimed: AtomicBool::new(populate),
+            populated: (0..words).map(|_| AtomicU64::new(fill)).collect(),
+            page_shift: page.trailing_zeros(),
+            no_populate: AtomicBool::new(false),
         })
     }
 
@@ -159,55 +178,72 @@ impl Mapping {
         Ok(mapping)
     }
 
-    /// Whether this call is the first to claim the mapping's prefault (so it is built once, by
-    /// whichever connection first asks for it).
-    pub fn claim_prefault(&self) -> bool {
-        !self.prefault_claimed.swap(true, Ordering::AcqRel)
-    }
-
-    /// Builds the page tables of the mapping `weak` names, 16 MiB at a time, until done or until
-    /// the mapping is gone (it is held only during each step, so a client dropped meanwhile
-    /// frees its memory). Uses `MADV_POPULATE_READ` for a read-only mapping and
-    /// `MADV_POPULATE_WRITE` for a writable one (Linux 5.14 or later; older kernels: one read
-    /// per page). Contents are untouched and other threads may use the mapping meanwhile, so a
-    /// client runs this on a thread of its own, off its first request's path; the process's
-    /// memory-map lock is held per step, so its own `mmap` calls wait at most one step.
-    pub fn prefault(weak: &Weak<Mapping>) -> std::io::Result<()> {
-        const STEP: usize = 16 << 20;
-        let mut offset = 0;
-        let mut touch_pages = false;
-        while let Some(mapping) = weak.upgrade() {
-            let len = mapping.map.len();
-            if offset >= len {
-                break;
-            }
-            let step = STEP.min(len - offset);
-            if !touch_pages {
-                let advice = match mapping.access {
-                    Access::ReadOnly => Advice::PopulateRead,
-                    Access::ReadWrite => Advice::PopulateWrite,
-                };
-                match mapping.map.advise_range(advice, offset, step) {
-                    Ok(()) => {}
-                    Err(e) if e.raw_os_error() == Some(libc::EINVAL) => touch_pages = true,
-                    Err(e) => return Err(e),
-                }
-            }
-            if touch_pages {
-                let page = 4096;
-                let base = mapping.map.as_ptr();
-                for at in (offset..offset + step).step_by(page) {
-                    // `at` lies inside the live mapping (held by `mapping`): in bounds.
-                    let ptr = base.wrapping_add(at).cast::<std::sync::atomic::AtomicU8>();
-                    // SAFETY: `ptr` points into the live mapping, and the byte is read
-                    // atomically, as bytes other processes may write are.
-                    let byte = unsafe { &*ptr };
-                    std::hint::black_box(byte.load(Ordering::Relaxed));
-                }
-            }
-            offset += step;
+    /// Builds the writable page-table entries of the pages under `offset..offset + len` that
+    /// this process has not built yet (`MADV_POPULATE_WRITE`), so a copy into a freshly reserved
+    /// object runs at memory speed instead of taking a fault per page (each costs about a
+    /// microsecond on shared memory; one call for a run of pages costs a fraction of that). Only
+    /// the pages a writer is about to fill are done, when it reserves them: nothing is built
+    /// ahead of use, so connecting costs no page tables, a process that writes a little of a
+    /// large store maps a little of it, and the first sample is not delayed behind the page
+    /// tables of a whole store. A page is done once per process (a bit per page remembers it).
+    ///
+    /// Contents are untouched. A no-op on a read-only mapping (readers fault pages in on first
+    /// touch, which the kernel does 64 KiB at a time), a range outside the mapping, or a kernel
+    /// without `MADV_POPULATE_WRITE` (before 5.14: pages fault in on touch, as before).
+    pub fn populate_write(&self, offset: u64, len: u64) {
+        let end = offset.saturating_add(len).min(self.map.len() as u64);
+        if self.populated.is_empty() || offset >= end || self.no_populate.load(Ordering::Relaxed) {
+            return;
         }
-        Ok(())
+        let shift = self.page_shift;
+        let (first, last) = (offset >> shift, (end - 1) >> shift);
+        let bit = |page: u64| {
+            let word = &self.populated[(page / 64) as usize];
+            (word, 1u64 << (page % 64))
+        };
+        let mut page = first;
+        while page <= last {
+            // Skip what is built, a word at a time where it can.
+            let (word, mask) = bit(page);
+            let built = word.load(Ordering::Relaxed);
+            if page % 64 == 0 && built == u64::MAX {
+                page += 64;
+                continue;
+            }
+            if built & mask != 0 {
+                page += 1;
+                continue;
+            }
+            // A run of pages not built yet: one call.
+            let start = page;
+            while page <= last && {
+                let (word, mask) = bit(page);
+                word.load(Ordering::Relaxed) & mask == 0
+            } {
+                page += 1;
+            }
+            let (at, run) = (
+                (start << shift) as usize,
+                ((page - start) << shift) as usize,
+            );
+            match self.map.advise_range(Advice::PopulateWrite, at, run) {
+                Ok(()) => {
+                    for p in start..page {
+                        let (word, mask) = bit(p);
+                        word.fetch_or(mask, Ordering::Relaxed);
+                    }
+                }
+                Err(e) => {
+                    // EINVAL: the kernel predates MADV_POPULATE_WRITE. Anything else (memory
+                    // pressure): the copy faults the pages in as it goes.
+                    if e.raw_os_error() == Some(libc::EINVAL) {
+                        self.no_populate.store(true, Ordering::Relaxed);
+                    }
+                    tracing::debug!(error = %e, "building page tables ahead of a write failed");
+                    return;
+                }
+            }
+        }
     }
 
     /// Length in bytes.
@@ -464,26 +500,81 @@ mod tests {
         let ro_of_rw = share(rw(), Access::ReadOnly, id);
         assert!(!Arc::ptr_eq(&ro, &ro_of_rw));
 
-        // Page tables are built once, and leave the contents alone.
-        assert!(first.claim_prefault() && !first.claim_prefault());
-        // SAFETY: this test is the only user of the range.
-        unsafe { first.bytes_mut(64, 4).unwrap() }.copy_from_slice(b"kept");
-        Mapping::prefault(&Arc::downgrade(&first)).unwrap();
-        Mapping::prefault(&Arc::downgrade(&ro)).unwrap();
-        // SAFETY: no writer touches the range any more.
-        assert_eq!(unsafe { ro.bytes(64, 4).unwrap() }, b"kept");
-        let gone = Arc::downgrade(&restarted);
-        drop(restarted);
-        Mapping::prefault(&gone).unwrap();
-
         let weak = Arc::downgrade(&first);
         drop(first);
         assert!(weak.upgrade().is_none(), "the list holds no mapping alive");
-        let fresh = share(rw(), Access::ReadWrite, id);
-        assert!(
-            fresh.claim_prefault(),
-            "a new mapping, its page tables not built"
-        );
+    }
+
+    /// Resident pages of this process's mapping that contains `ptr`, in KiB (`Rss` in
+    /// `/proc/self/smaps`: for a shared mapping, the pages its page tables map).
+    fn rss_kib(ptr: *const u8) -> u64 {
+        let smaps = std::fs::read_to_string("/proc/self/smaps").unwrap();
+        let mut inside = false;
+        for line in smaps.lines() {
+            let first = line.split_whitespace().next().unwrap_or("");
+            if let Some((lo, hi)) = first.split_once('-')
+                && let (Ok(lo), Ok(hi)) =
+                    (usize::from_str_radix(lo, 16), usize::from_str_radix(hi, 16))
+            {
+                inside = (lo..hi).contains(&(ptr as usize));
+            } else if inside && let Some(kib) = line.strip_prefix("Rss:") {
+                return kib.trim().trim_end_matches("kB").trim().parse().unwrap();
+            }
+        }
+        panic!("{ptr:?} is not mapped");
+    }
+
+    /// A writer's page tables are built for the pages it is about to fill and no others, once;
+    /// the contents stay; a read-only mapping builds none; a mapping made with MAP_POPULATE
+    /// has them all.
+    #[test]
+    fn page_tables_are_built_for_what_is_written_only() {
+        let seg = segment();
+        let rw = Mapping::shared(
+            seg.fd().try_clone_to_owned().unwrap(),
+            seg.size_bytes(),
+            Access::ReadWrite,
+            (9, 1, 0),
+        )
+        .unwrap();
+        let base = rw.map.as_ptr();
+        assert_eq!(rss_kib(base), 0, "mapping builds no page tables");
+        // SAFETY: this test is the only user of the range.
+        unsafe { rw.bytes_mut(64, 4).unwrap() }.copy_from_slice(b"kept");
+        assert_eq!(rss_kib(base), 4, "a write faults its page in");
+        // Bytes 8292..18292: pages 2, 3 and 4.
+        rw.populate_write(8192 + 100, 10_000);
+        assert_eq!(rss_kib(base), 16);
+        rw.populate_write(8192, 12_288);
+        rw.populate_write(0, 0);
+        rw.populate_write(seg.size_bytes(), 4096);
+        assert_eq!(rss_kib(base), 16, "built once; nothing outside the range");
+        // Pages 0 (faulted in, not yet recorded) to 7: the runs between built pages.
+        rw.populate_write(0, 8 * 4096);
+        assert_eq!(rss_kib(base), 32);
+        assert!(!rw.no_populate.load(Ordering::Relaxed));
+        let ro = Mapping::new(
+            seg.reopen_readonly().unwrap(),
+            seg.size_bytes(),
+            Access::ReadOnly,
+            false,
+        )
+        .unwrap();
+        ro.populate_write(0, seg.size_bytes());
+        assert_eq!(rss_kib(ro.map.as_ptr()), 0, "a reader builds none ahead");
+        // SAFETY: no writer touches the range any more.
+        assert_eq!(unsafe { ro.bytes(64, 4).unwrap() }, b"kept");
+        let populated = Mapping::new(
+            seg.fd().try_clone_to_owned().unwrap(),
+            seg.size_bytes(),
+            Access::ReadWrite,
+            true,
+        )
+        .unwrap();
+        let all = seg.size_bytes() / 1024;
+        assert_eq!(rss_kib(populated.map.as_ptr()), all);
+        populated.populate_write(0, seg.size_bytes());
+        assert_eq!(rss_kib(populated.map.as_ptr()), all);
     }
 
     #[test]
