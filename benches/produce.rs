@@ -253,7 +253,8 @@ fn stages(data: &[Vec<u8>], rounds: usize) {
         ..f32_chw.clone()
     };
     let mut scratch = Scratch::default();
-    let (mut dst, mut out) = (Vec::new(), Vec::<u8>::new());
+    // The f32 output as bytes, 4-aligned as the store's regions are.
+    let (mut dst, mut out_f32) = (Vec::new(), Vec::<f32>::new());
     let mut ms = [0f64; 4];
     for round in 0..=rounds {
         for bytes in data {
@@ -268,10 +269,11 @@ fn stages(data: &[Vec<u8>], rounds: usize) {
                 .resize_into(&decoded.rgb, decoded.target, &mut dst, &mut scratch)
                 .unwrap();
             let resize = t.elapsed();
-            out.resize(pixels * 12, 0);
+            out_f32.resize(pixels * 3, 0.0);
+            let out: &mut [u8] = bytemuck::cast_slice_mut(&mut out_f32);
             let t = Instant::now();
             f32_chw
-                .resize_into(&decoded.rgb, decoded.target, &mut out, &mut scratch)
+                .resize_into(&decoded.rgb, decoded.target, out, &mut scratch)
                 .unwrap();
             let both = t.elapsed();
             black_box((&dst, &out));
@@ -311,7 +313,8 @@ fn feedstore_rates<const N: usize>(
     rounds: usize,
 ) -> [f64; N] {
     let mut scratch = Scratch::default();
-    let mut dst = Vec::new();
+    // f32 elements, so the bytes are aligned as the store's regions are.
+    let mut dst = Vec::<f32>::new();
     let mut seconds = [0f64; N];
     for round in 0..=rounds {
         for (t, transform) in transforms.iter().enumerate() {
@@ -319,9 +322,14 @@ fn feedstore_rates<const N: usize>(
             for bytes in data {
                 let decoded = transform.decode(bytes).unwrap();
                 let (w, h) = decoded.target;
-                dst.resize((w * h * 3 * 4) as usize, 0u8);
+                dst.resize((w * h * 3) as usize, 0.0);
                 transform
-                    .resize_into(&decoded.rgb, decoded.target, &mut dst, &mut scratch)
+                    .resize_into(
+                        &decoded.rgb,
+                        decoded.target,
+                        bytemuck::cast_slice_mut(&mut dst),
+                        &mut scratch,
+                    )
                     .unwrap();
                 black_box(&dst);
             }

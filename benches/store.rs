@@ -9,11 +9,14 @@
 //! 4. the stream hand-off (next sample from the ring to a validated view), interleaved with 2,
 //!    and stream throughput with 1 and 8 consumers;
 //! 5. the batch hand-off: 32 images of 448x448x3 f32 stacked by copying (what
-//!    `next_batch(out=)` does) vs as one view of a batch a producer placed in one object.
+//!    `next_batch(out=)` does) vs as one view of a batch a producer placed in one object;
+//! 6. first touch: copying into (and reading from) a fresh mapping of allocated shared memory,
+//!    page faults against page tables built first (`Mapping::populate_write`, what a writer
+//!    does when it reserves an object) and against a mapping whose page tables exist.
 //!
 //! The daemon is the real `feedstored` binary in its own process; the ping-pong server is this
 //! binary re-run in its own process. Run: `cargo bench --bench store` (add `-- --quick` for a
-//! short run).
+//! short run, `-- --first-touch` for table 6 alone).
 
 use std::hint::black_box;
 use std::io::{Read, Write};
@@ -42,6 +45,11 @@ fn main() {
     }
     let quick = args.iter().any(|a| a == "--quick");
     let scale = if quick { 10 } else { 1 };
+    if args.iter().any(|a| a == "--first-touch") {
+        // That table alone (it needs no daemon).
+        first_touch(quick);
+        return;
+    }
 
     let dir = std::env::temp_dir().join(format!("feedstore-bench-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
@@ -67,7 +75,79 @@ fn main() {
     small_objects(&writer, &reader, scale);
     stream_throughput(&writer, &socket, scale);
     batch_handoff(&writer, &socket, scale);
+    first_touch(quick);
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// What the first write or read of each page of a process's mapping costs: a segment allocated
+/// as the daemon allocates its own (`fallocate`), mapped afresh for each way, 4 MiB at a time
+/// (a sample), seconds per GiB. Rounds alternate the ways; each gets a mapping of its own.
+fn first_touch(quick: bool) {
+    use feedstore_shm::{Access, HugePages, Mapping, Segment, SegmentOptions};
+    const CHUNK: u64 = 4 << 20;
+    let size: u64 = if quick { 256 << 20 } else { 1 << 30 };
+    let seg = Segment::create(&SegmentOptions {
+        name: "bench-first-touch".into(),
+        size_bytes: size,
+        huge_pages: HugePages::Off,
+        prefault: true,
+    })
+    .unwrap();
+    let map = |access| {
+        let fd = match access {
+            Access::ReadWrite => seg.fd().try_clone_to_owned().unwrap(),
+            Access::ReadOnly => seg.reopen_readonly().unwrap(),
+        };
+        Mapping::new(fd, size, access, false).unwrap()
+    };
+    let src = vec![7u8; CHUNK as usize];
+    let rounds = if quick { 1 } else { 3 };
+    let mut secs = [0f64; 5];
+    let write = |m: &Mapping, at: u64| {
+        // SAFETY: this bench is the only user of the segment.
+        unsafe { m.bytes_mut(at, CHUNK) }
+            .unwrap()
+            .copy_from_slice(&src);
+    };
+    let read = |m: &Mapping, at: u64| {
+        // SAFETY: this bench is the only user of the segment.
+        let bytes = unsafe { m.bytes(at, CHUNK) }.unwrap();
+        black_box(bytes.iter().step_by(64).fold(0u8, |a, &b| a ^ b));
+    };
+    let pass = |m: &Mapping, each: &dyn Fn(&Mapping, u64)| {
+        let t = Instant::now();
+        for at in (0..size).step_by(CHUNK as usize) {
+            each(m, at);
+        }
+        t.elapsed().as_secs_f64()
+    };
+    for _ in 0..rounds {
+        secs[0] += pass(&map(Access::ReadWrite), &write);
+        let built = map(Access::ReadWrite);
+        secs[1] += pass(&built, &|m, at| {
+            m.populate_write(at, CHUNK);
+            write(m, at);
+        });
+        secs[2] += pass(&built, &write);
+        let ro = map(Access::ReadOnly);
+        secs[3] += pass(&ro, &read);
+        secs[4] += pass(&ro, &read);
+    }
+    let per_gib = secs.map(|s| s / rounds as f64 / (size as f64 / f64::from(1u32 << 30)));
+    println!(
+        "## first touch of shared memory: seconds per GiB, 4 MiB at a time ({} MiB segment, {rounds} round(s))",
+        size >> 20
+    );
+    println!();
+    println!(
+        "| write: copy into a fresh mapping (a fault per page) | write: `populate_write`, then copy | write: copy, page tables built | read: a fresh mapping (a fault per 64 KiB) | read: page tables built |"
+    );
+    println!("|---|---|---|---|---|");
+    println!(
+        "| {:.3} s | {:.3} s | {:.3} s | {:.3} s | {:.3} s |",
+        per_gib[0], per_gib[1], per_gib[2], per_gib[3], per_gib[4]
+    );
+    println!();
 }
 
 fn connect(socket: &Path, role: Role) -> Client {

@@ -119,7 +119,7 @@ impl SocketArg {
     }
 
     /// A connection for a tool that reads the daemon's lists and statistics, never an object's
-    /// bytes: it builds no page tables of the store.
+    /// bytes (nor writes any: it builds no page tables of the store).
     fn inspect(
         &self,
         role: feedstore_proto::Role,

@@ -148,10 +148,8 @@ fn render(client: &Client, socket: &str, previous: &mut Previous) -> anyhow::Res
             "rank", "wait now", "wait all", "samples/s", "taken", "ready", "first sample"
         )?;
         let mut waits = Vec::new();
-        let mut reported = false;
         for r in &t.ranks_attached {
             let f = r.figures;
-            reported |= f.elapsed_us > 0;
             let now = match previous.ranks.get(&(t.id, r.rank)) {
                 // Nothing new since the last view (a trainer reports as it takes samples, not
                 // on a clock): the last window stands.
@@ -160,7 +158,11 @@ fn render(client: &Client, socket: &str, previous: &mut Previous) -> anyhow::Res
                 None => window(None, f),
             };
             seen.ranks.insert((t.id, r.rank), (f, now));
-            waits.push(now.wait);
+            // A rank with no figures yet (it has neither reported nor been seen waiting) says
+            // nothing about the stream.
+            if f.elapsed_us > 0 {
+                waits.push(now.wait);
+            }
             writeln!(
                 v,
                 "  {:>6} {:>9.1}% {:>9.1}% {:>10} {:>9} {:>8} {:>12}",
@@ -184,15 +186,16 @@ fn render(client: &Client, socket: &str, previous: &mut Previous) -> anyhow::Res
                 t.consumers as usize - t.ranks_attached.len()
             )?;
         }
-        if reported {
-            writeln!(v, "  verdict: {}", verdict(t, &waits, producers.as_ref()))?;
-        } else {
-            // A rank's figures start with its first take (or its first wait): before that there
-            // is nothing to judge, and 0% would read as "compute-bound".
+        if waits.is_empty() {
+            // A rank's figures start with its first report (with its returns, every 64 samples
+            // or when it waits) or the daemon seeing it wait: before that there is nothing to
+            // judge, and 0% would read as "compute-bound".
             writeln!(
                 v,
-                "  verdict: none yet: no rank has taken or waited for a sample since it attached"
+                "  verdict: none yet: no rank has reported its figures or been seen waiting"
             )?;
+        } else {
+            writeln!(v, "  verdict: {}", verdict(t, &waits, producers.as_ref()))?;
         }
     }
     *previous = seen;

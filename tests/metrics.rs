@@ -448,7 +448,7 @@ fn a_starving_rank_shows_as_waiting_before_it_reports() {
     }
     // A producer joins (the stream exists) and makes nothing.
     let writer = connect(&daemon.socket, feedstore_consumer::Role::Writer);
-    let _feeder = StreamFeeder::join(&writer, &spec, 4, &[StreamTask { rank: 0, seq: 0 }]).unwrap();
+    let feeder = StreamFeeder::join(&writer, &spec, 4, &[StreamTask { rank: 0, seq: 0 }]).unwrap();
     let mut stream = opening.join().unwrap();
     assert_eq!(reader.stats().unwrap().attaches_waiting, 0);
     let waited = stream.next_sample_within(Duration::from_millis(1500));
@@ -469,6 +469,36 @@ fn a_starving_rank_shows_as_waiting_before_it_reports() {
         .unwrap()
             > 0.0
     );
+
+    // A producer makes the samples: the wait ends with the first, and the trainer computes a
+    // long step without reporting. The daemon counts that time as the trainer's own (its run
+    // time grows, its wait does not), not as more waiting until the next report.
+    drop(feeder);
+    let producer = spawn_producer(
+        daemon.socket.clone(),
+        spec.clone(),
+        |_| Duration::ZERO,
+        Default::default(),
+    );
+    let first = stream.next_sample().unwrap().expect("a sample");
+    let counters = || {
+        let (_, scrape) = get(port, "/metrics");
+        let counter = |name: &str| sample(&scrape, &format!("{name}{labels}")).unwrap();
+        (
+            counter("feedstore_rank_wait_seconds_total"),
+            counter("feedstore_rank_run_seconds_total"),
+        )
+    };
+    let (waited, ran) = counters();
+    std::thread::sleep(Duration::from_millis(700));
+    let (waited_after, ran_after) = counters();
+    assert!(
+        ran_after - ran >= 0.6 && waited_after - waited < 0.1,
+        "a 0.7 s step: run {ran:.3} -> {ran_after:.3} s, wait {waited:.3} -> {waited_after:.3} s"
+    );
+    drop(first);
+    while stream.next_sample().unwrap().is_some() {}
+    producer.join().unwrap();
 }
 
 /// `feedstore top` in a real terminal (tmux on a server of its own): while a trainer reads a

@@ -260,15 +260,29 @@ fn a_stalled_producer_says_why_and_ctrl_c_prints_its_profile() {
     let tokenizer = tokenizer_file(&dir);
     let manifest = text_manifest(&dir, 8);
     let (out, err) = (dir.join("stdout"), dir.join("stderr"));
-    let mut producer = KillOnDrop(
-        produce_command(&daemon.socket, &manifest, &tokenizer)
-            .args(["--workers", "1", "--stream", "stalled", "--epochs", "0"])
-            .args(["--prefetch", "2"])
-            .stdout(std::fs::File::create(&out).unwrap())
-            .stderr(std::fs::File::create(&err).unwrap())
-            .spawn()
-            .unwrap(),
-    );
+    let mut command = produce_command(&daemon.socket, &manifest, &tokenizer);
+    command
+        .args(["--workers", "1", "--stream", "stalled", "--epochs", "0"])
+        .args(["--prefetch", "2"])
+        .stdout(std::fs::File::create(&out).unwrap())
+        .stderr(std::fs::File::create(&err).unwrap());
+    // As from a terminal: a test run started in the background (`cmd &` in a script) inherits
+    // SIGINT ignored, which the producer keeps (as `nohup` asks).
+    let default_sigint = || {
+        // SAFETY: SIG_DFL replaces no handler that could be running; sigaction is
+        // async-signal-safe, as what runs between fork and exec must be.
+        unsafe {
+            nix::sys::signal::signal(
+                nix::sys::signal::Signal::SIGINT,
+                nix::sys::signal::SigHandler::SigDfl,
+            )
+        }
+        .map(drop)
+        .map_err(std::io::Error::from)
+    };
+    // SAFETY: the closure only calls sigaction (async-signal-safe), and allocates nothing.
+    unsafe { std::os::unix::process::CommandExt::pre_exec(&mut command, default_sigint) };
+    let mut producer = KillOnDrop(command.spawn().unwrap());
     // Two samples fill the only rank's window; then nothing happens, and the lines go on.
     let deadline = std::time::Instant::now() + Duration::from_secs(60);
     loop {

@@ -86,6 +86,14 @@ impl Lease {
     pub fn as_bytes(&self) -> &[u8] {
         self
     }
+
+    /// Builds this process's page tables of the object now, so the first read of it takes no
+    /// page faults (a page fault every 64 KiB of a store's pages this process has not read
+    /// before, about 0.05 s per GiB): for a thread that takes objects ahead of the thread that
+    /// reads them. The cost is the faults', moved to this thread.
+    pub fn prefault(&self) {
+        self.bytes.prefault();
+    }
 }
 
 impl Deref for Lease {

@@ -268,7 +268,7 @@ impl PutPipeline {
         match self.client.submit(&abort) {
             Ok(ticket) => self.unconfirmed.push_back((ticket, None)),
             // Given back in a round trip, then (or by the daemon when the connection closes).
-            Err(_) => drop(self.client.writer(created)),
+            Err(_) => drop(self.client.writer_with(created, false)),
         }
         None
     }

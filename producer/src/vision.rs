@@ -509,65 +509,69 @@ impl ImageTransform {
             }
             &scratch.rgb
         };
-        self.normalize(resized, th as usize, tw as usize, dst);
+        self.normalize(resized, dst);
         Ok(())
     }
 
     /// One pass over the resized RGB pixels: per-channel lookup table (256 entries: every `u8`
-    /// value's normalised output), layout transpose, dtype conversion, written into `dst`.
-    fn normalize(&self, rgb: &[u8], h: usize, w: usize, dst: &mut [u8]) {
-        let plane = h * w;
-        let index = |i: usize, c: usize| match self.layout {
-            TensorLayout::Hwc => i * 3 + c,
-            TensorLayout::Chw => c * plane + i,
-        };
+    /// value's normalised output, already in the output dtype), layout transpose, written into
+    /// `dst`, each output element once.
+    fn normalize(&self, rgb: &[u8], dst: &mut [u8]) {
         let lut: [[f32; 256]; 3] = std::array::from_fn(|c| {
             std::array::from_fn(|v| (v as f32 / 255.0 - self.mean[c]) / self.std[c])
         });
+        let layout = self.layout;
         match self.dtype {
             DType::U8 => {
-                for (i, px) in rgb.chunks_exact(3).enumerate() {
-                    for c in 0..3 {
-                        dst[index(i, c)] = px[c];
-                    }
-                }
+                let identity = std::array::from_fn(|_| std::array::from_fn(|v| v as u8));
+                write_converted(rgb, &identity, dst, layout);
             }
-            DType::F32 => write_converted(
-                rgb,
-                &lut,
-                bytemuck::cast_slice_mut::<u8, f32>(dst),
-                index,
-                |v| v,
-            ),
+            DType::F32 => {
+                write_converted(rgb, &lut, bytemuck::cast_slice_mut::<u8, f32>(dst), layout)
+            }
             DType::F16 => write_converted(
                 rgb,
-                &lut,
+                &lut.map(|c| c.map(half::f16::from_f32)),
                 bytemuck::cast_slice_mut::<u8, half::f16>(dst),
-                index,
-                half::f16::from_f32,
+                layout,
             ),
             DType::BF16 => write_converted(
                 rgb,
-                &lut,
+                &lut.map(|c| c.map(half::bf16::from_f32)),
                 bytemuck::cast_slice_mut::<u8, half::bf16>(dst),
-                index,
-                half::bf16::from_f32,
+                layout,
             ),
         }
     }
 }
 
+/// Writes `table[c][value]` for every channel value of the interleaved `rgb` pixels into `dst`
+/// in `layout`: HWC keeps the interleave, CHW writes three planes, each a sequential stream
+/// (the planes are split up front, so the loop has no index arithmetic or bounds checks).
 fn write_converted<T: Copy>(
     rgb: &[u8],
-    lut: &[[f32; 256]; 3],
+    table: &[[T; 256]; 3],
     dst: &mut [T],
-    index: impl Fn(usize, usize) -> usize,
-    convert: impl Fn(f32) -> T,
+    layout: TensorLayout,
 ) {
-    let table: [[T; 256]; 3] = std::array::from_fn(|c| std::array::from_fn(|v| convert(lut[c][v])));
-    for (i, px) in rgb.chunks_exact(3).enumerate() {
-        for c in 0..3 {
-            dst[index(i, c)] = table[c][px[c] as usize];
+    let [t0, t1, t2] = table;
+    match layout {
+        TensorLayout::Hwc => {
+            for (out, px) in dst.chunks_exact_mut(3).zip(rgb.chunks_exact(3)) {
+                out[0] = t0[usize::from(px[0])];
+                out[1] = t1[usize::from(px[1])];
+                out[2] = t2[usize::from(px[2])];
+            }
+        }
+        TensorLayout::Chw => {
+            let plane = rgb.len() / 3;
+            let (r, rest) = dst.split_at_mut(plane);
+            let (g, b) = rest.split_at_mut(plane);
+            for (((px, r), g), b) in rgb.chunks_exact(3).zip(r).zip(g).zip(b) {
+                *r = t0[usize::from(px[0])];
+                *g = t1[usize::from(px[1])];
+                *b = t2[usize::from(px[2])];
+            }
         }
     }
 }

@@ -806,7 +806,8 @@ class _StoreIter(_Primed, _BaseDataLoaderIter):
             # Mapped now, while the trainer computes: its `next` finds views ready.
             started = time.perf_counter()
             try:
-                task.batch = _batch.read(self._client.get(payload))
+                # Its page tables too: the trainer's first read is then the memory traffic.
+                task.batch = _batch.read(self._client.get(payload, prefault=True))
                 if self._pin_memory:
                     task.batch = torch_utils.pin_memory.pin_memory(
                         task.batch, self._pin_memory_device

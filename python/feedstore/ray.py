@@ -237,7 +237,7 @@ class _Daemon:
                 raise RuntimeError(f"feedstored did not start on {self.ip}: {self.log_tail()}")
             if os.path.exists(self.sock):
                 try:
-                    # Kept for `stats`: each new client maps (and pre-faults) the whole store.
+                    # Kept for `stats` (one connection, not one per call).
                     self.client = feedstore.Client(self.sock, name="feedstore.ray daemon actor")
                     self.client.stats()
                     break

@@ -66,11 +66,20 @@ impl Client {
     }
 
     /// The object with this handle, leased until the returned `Sample` and every array made
-    /// from it are gone.
-    fn get(&self, py: Python<'_>, handle: &str) -> PyResult<Sample> {
+    /// from it are gone. `prefault=True` also builds this process's page tables of it now, so
+    /// the first read of it takes no page faults (for a thread that takes objects ahead of the
+    /// one that reads them; the cost is the faults', on this call).
+    #[pyo3(signature = (handle, *, prefault = false))]
+    fn get(&self, py: Python<'_>, handle: &str, prefault: bool) -> PyResult<Sample> {
         let handle = self::handle(handle)?;
-        py.detach(|| self.inner.get(handle).map(Sample::from_lease))
-            .py_err()
+        py.detach(|| {
+            let lease = self.inner.get(handle)?;
+            if prefault {
+                lease.prefault();
+            }
+            Ok(Sample::from_lease(lease))
+        })
+        .py_err()
     }
 
     /// Deletes an object (once its leases are returned).

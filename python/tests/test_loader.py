@@ -305,8 +305,12 @@ def test_ctrl_c_stops_the_workers_and_gives_their_batches_back(daemon, tmp_path)
     script.write_text(
         textwrap.dedent(
             f"""
-            import sys, time, torch
+            import signal, sys, time, torch
             from feedstore.torch import DataLoader
+
+            # Ctrl-C raises, as in a terminal (a test run started in the background inherits
+            # SIGINT ignored, and Python then leaves it ignored).
+            signal.signal(signal.SIGINT, signal.default_int_handler)
 
             class Slow(torch.utils.data.Dataset):
                 def __len__(self):

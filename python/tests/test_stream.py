@@ -298,7 +298,9 @@ def test_ctrl_c_interrupts_a_wait(daemon, made):
             "-c",
             textwrap.dedent(
                 """
-                import sys, feedstore
+                import signal, sys, feedstore
+                # Ctrl-C raises, as in a terminal (not ignored, as a background run inherits it).
+                signal.signal(signal.SIGINT, signal.default_int_handler)
                 print("waiting", flush=True)
                 stream = feedstore.Stream("nobody-feeds-this", 10, socket=sys.argv[1], wait=600)
                 next(stream)

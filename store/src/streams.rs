@@ -171,10 +171,8 @@ struct Consumer {
     /// ring (whether or not a `StreamWait` is there to see it: a client waiting in slices may
     /// find it in the ring without asking again).
     waiting_for: Option<u64>,
-    /// Waits the daemon saw end since the last report (the next report includes them), and when
-    /// the last of them ended.
+    /// Waits the daemon saw end since the last report (the next report includes them).
     waited_unreported: Duration,
-    last_wait_end: Option<Instant>,
     /// When the daemon first saw it wait, for a consumer that has not reported yet.
     first_wait: Option<Instant>,
     /// The highest (waited, elapsed) microseconds shown so far: what is shown never goes back
@@ -185,10 +183,14 @@ struct Consumer {
 
 impl Consumer {
     /// Its figures as of now: the last report, plus what the daemon has seen since (waits that
-    /// ended, a wait under way, and the time up to the last of them), never less than what was
-    /// shown before. Time the trainer spends on its own work after its last report counts once
-    /// it reports again (or waits): an idle consumer's ratio stays as it last was.
-    fn figures_now(&self, now: Instant) -> RankFigures {
+    /// ended, a wait under way) and the time up to now, never less than what was shown before.
+    /// Time since its last report that the daemon did not see it wait counts as the trainer's
+    /// own work (a long step between reports reads as computing, not as still waiting); its
+    /// next report corrects the estimate with what the consumer measured (a wait the daemon
+    /// could not see, such as one inside the consumer, raises the waited time then). A rank
+    /// that has read its whole share (`finished`) has stopped its clock: its figures stay as
+    /// its last report and the waits seen since left them.
+    fn figures_now(&self, now: Instant, finished: bool) -> RankFigures {
         let micros = |d: Duration| d.as_micros().min(u128::from(u64::MAX)) as u64;
         let mut f = self.figures;
         let under_way = self
@@ -197,14 +199,13 @@ impl Consumer {
         f.waited_us = f
             .waited_us
             .saturating_add(micros(self.waited_unreported + under_way));
-        let seen_until = if self.waiting_since.is_some() {
-            Some(now)
+        let until = if finished && self.waiting_since.is_none() {
+            // Up to what the daemon saw last: no run time past the end of the reading.
+            self.reported_at.unwrap_or(now)
         } else {
-            self.last_wait_end
+            now
         };
-        let seen_since = |from: Instant| {
-            seen_until.map_or(0, |until| micros(until.saturating_duration_since(from)))
-        };
+        let seen_since = |from: Instant| micros(until.saturating_duration_since(from));
         f.elapsed_us = match (self.reported_at, self.first_wait) {
             (Some(at), _) => f.elapsed_us.saturating_add(seen_since(at)),
             (None, Some(first)) => seen_since(first),
@@ -233,7 +234,6 @@ impl Consumer {
     fn wait_ended(&mut self, now: Instant) {
         if let Some(since) = self.waiting_since.take() {
             self.waited_unreported += now - since;
-            self.last_wait_end = Some(now);
         }
         self.waiting_for = None;
     }
@@ -967,7 +967,6 @@ impl Streams {
             waiting_since: None,
             waiting_for: None,
             waited_unreported: Duration::ZERO,
-            last_wait_end: None,
             first_wait: None,
             shown: std::cell::Cell::new((0, 0)),
         };
@@ -1505,7 +1504,6 @@ impl Streams {
             let now = Instant::now();
             c.reported_at = Some(now);
             c.waited_unreported = Duration::ZERO;
-            c.last_wait_end = None;
             if let Some(since) = &mut c.waiting_since {
                 *since = now;
             }
@@ -1787,7 +1785,7 @@ impl Streams {
                         rank,
                         released: r.released,
                         ready: r.ready.len() as u32,
-                        figures: c.figures_now(now),
+                        figures: c.figures_now(now, r.finished),
                     })
                 })
                 .take(ranks)
