@@ -126,10 +126,12 @@ pub struct Setup {
 }
 
 /// A trainer's loop: `steps` times, wait for a batch of `batch` samples (`next_batch` returns
-/// how many it got), then compute for `step_time`. Returns each step's (wait, compute).
+/// how many it got), then compute for `step_time`. Returns each step's (wait, compute). Its
+/// progress lines name `rank` when there is one (several trainers print side by side).
 pub fn train(
     setup: &Setup,
     started: Instant,
+    rank: Option<u32>,
     mut next_batch: impl FnMut() -> anyhow::Result<usize>,
 ) -> anyhow::Result<(Steps, u64, f64)> {
     let mut steps = Vec::with_capacity(setup.steps);
@@ -140,8 +142,9 @@ pub fn train(
         if shown.elapsed() >= Duration::from_secs(3) {
             shown = Instant::now();
             let waited: f64 = steps.iter().map(|s: &(f64, f64)| s.0).sum();
+            let who = rank.map_or(String::new(), |r| format!("rank {r}: "));
             eprintln!(
-                "  step {step}/{}, {waited:.1} s spent waiting so far",
+                "  {who}step {step}/{}, {waited:.1} s spent waiting so far",
                 setup.steps
             );
         }
@@ -224,7 +227,7 @@ pub fn serial(setup: &Setup) -> anyhow::Result<RungResult> {
     let mut scratch = Scratch::default();
     let mut next = 0u64;
     let mut batch = Vec::with_capacity(setup.batch);
-    let trained = train(setup, started, || {
+    let trained = train(setup, started, None, || {
         batch.clear();
         for _ in 0..setup.batch {
             let t = Instant::now();
@@ -298,7 +301,7 @@ pub fn concurrent(setup: &Setup) -> anyhow::Result<RungResult> {
     let source = (setup.source)();
     let profiler = Profiler::default();
     let mut next = 0u64;
-    let trained = train(setup, started, || {
+    let trained = train(setup, started, None, || {
         let batch = make_batch(setup, &rt, &*source, &profiler, next)?;
         next += setup.batch as u64;
         Ok(batch.len())
@@ -382,7 +385,7 @@ fn prefetch_rank(
         Ok(())
     });
     let mut received = Vec::with_capacity(setup.batch);
-    let result = train(setup, started, || {
+    let result = train(setup, started, None, || {
         received.clear();
         for _ in 0..setup.batch {
             let mut len = [0u8; 8];

@@ -270,16 +270,17 @@ fn run_feedstore(
                     .with_context(|| format!("rank {rank} opening the stream"))?;
                 let mut delivered = Vec::new();
                 let mut held = Vec::new();
-                let (steps, samples, first) = ladder::train(&setup, started, || {
-                    // The step is over: its batch goes back, which makes room in the window.
-                    held.clear();
-                    held = stream.next_batch(setup.batch)?;
-                    for sample in &held {
-                        sample.view().context("a sample the trainer cannot read")?;
-                        delivered.push(sample.record());
-                    }
-                    Ok(held.len())
-                })?;
+                let (steps, samples, first) =
+                    ladder::train(&setup, started, (ranks > 1).then_some(rank), || {
+                        // The step is over: its batch goes back, which makes room in the window.
+                        held.clear();
+                        held = stream.next_batch(setup.batch)?;
+                        for sample in &held {
+                            sample.view().context("a sample the trainer cannot read")?;
+                            delivered.push(sample.record());
+                        }
+                        Ok(held.len())
+                    })?;
                 Ok((steps, samples, first, delivered))
             })
         })
