@@ -80,8 +80,9 @@ fn main() {
 }
 
 /// What the first write or read of each page of a process's mapping costs: a segment allocated
-/// as the daemon allocates its own (`fallocate`), mapped afresh for each way, 4 MiB at a time
-/// (a sample), seconds per GiB. Rounds alternate the ways; each gets a mapping of its own.
+/// as the daemon allocates its own (`fallocate`), 4 MiB at a time (a sample), seconds per GiB.
+/// Each round maps it afresh three times: written with faults; written with `populate_write`
+/// first, then written again (page tables built); read with faults, then read again.
 fn first_touch(quick: bool) {
     use feedstore_shm::{Access, HugePages, Mapping, Segment, SegmentOptions};
     const CHUNK: u64 = 4 << 20;

@@ -1,8 +1,8 @@
 //! `feedstore top`: the seed's figure, live. Refreshes a view of every stream and attached rank:
-//! the wait-time ratio between the reports seen at the last two views (and since the rank's
-//! first request),
-//! samples/s, the lag between ranks, the producers' stage profile over the interval, and a verdict
-//! on where the time goes.
+//! the wait-time ratio over the interval between the last two views (and since the rank's first
+//! request), samples/s between the last two views that saw the rank's count of samples move, the
+//! lag between ranks, the producers' stage profile over the interval, and a verdict on where the
+//! time goes.
 
 use std::collections::HashMap;
 use std::io::{IsTerminal, Write};
@@ -71,7 +71,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
 #[derive(Debug, Default)]
 struct Previous {
     /// Each rank's figures and its window, by stream and rank.
-    ranks: HashMap<(u32, u32), (RankFigures, Window)>,
+    ranks: HashMap<(u32, u32), Window>,
     /// Each stream's producer figures and what grew over the last interval that saw a report.
     producers: HashMap<u32, (ProducerFigures, ProducerFigures)>,
 }
@@ -150,14 +150,8 @@ fn render(client: &Client, socket: &str, previous: &mut Previous) -> anyhow::Res
         let mut waits = Vec::new();
         for r in &t.ranks_attached {
             let f = r.figures;
-            let now = match previous.ranks.get(&(t.id, r.rank)) {
-                // Nothing new since the last view (a trainer reports as it takes samples, not
-                // on a clock): the last window stands.
-                Some((before, window)) if *before == f => *window,
-                Some((before, _)) => window(Some(*before), f),
-                None => window(None, f),
-            };
-            seen.ranks.insert((t.id, r.rank), (f, now));
+            let now = window(previous.ranks.get(&(t.id, r.rank)), f);
+            seen.ranks.insert((t.id, r.rank), now);
             // A rank with no figures yet (it has neither reported nor been seen waiting) says
             // nothing about the stream.
             if f.elapsed_us > 0 {
@@ -205,24 +199,47 @@ fn render(client: &Client, socket: &str, previous: &mut Previous) -> anyhow::Res
 /// A rank's figures over the last interval.
 #[derive(Debug, Clone, Copy)]
 struct Window {
+    /// The figures this view read.
+    figures: RankFigures,
     /// Share of the interval spent waiting (since the first request on the first view).
     wait: f64,
-    /// Samples per second over the interval; `None` on the first view.
+    /// The figures at the last view that saw the count of samples move, the rate's start.
+    moved: RankFigures,
+    /// Samples per second between the last two views that saw the count move (a consumer
+    /// reports its count with its returns, every 64 samples or when it waits, while the
+    /// daemon's estimate of its time runs on); `None` until two have.
     rate: Option<f64>,
 }
 
-fn window(before: Option<RankFigures>, now: RankFigures) -> Window {
+fn window(before: Option<&Window>, now: RankFigures) -> Window {
     match before {
         // A consumer that reopened restarts its figures: take them from zero.
-        Some(b) if now.elapsed_us > b.elapsed_us && now.taken >= b.taken => {
-            let elapsed = (now.elapsed_us - b.elapsed_us) as f64;
+        Some(b) if now.elapsed_us >= b.figures.elapsed_us && now.taken >= b.figures.taken => {
+            let elapsed = now.elapsed_us - b.figures.elapsed_us;
+            let wait = if elapsed == 0 {
+                // Nothing new since the last view: the last window stands.
+                b.wait
+            } else {
+                (now.waited_us.saturating_sub(b.figures.waited_us) as f64 / elapsed as f64).min(1.0)
+            };
+            let (moved, rate) =
+                if now.taken == b.moved.taken || now.elapsed_us <= b.moved.elapsed_us {
+                    (b.moved, b.rate)
+                } else {
+                    let seconds = (now.elapsed_us - b.moved.elapsed_us) as f64 / 1e6;
+                    (now, Some((now.taken - b.moved.taken) as f64 / seconds))
+                };
             Window {
-                wait: (now.waited_us.saturating_sub(b.waited_us) as f64 / elapsed).min(1.0),
-                rate: Some((now.taken - b.taken) as f64 / (elapsed / 1e6)),
+                figures: now,
+                wait,
+                moved,
+                rate,
             }
         }
         _ => Window {
+            figures: now,
             wait: now.wait_ratio(),
+            moved: now,
             rate: None,
         },
     }
@@ -275,17 +292,33 @@ mod tests {
 
     #[test]
     fn the_window_is_the_interval_and_a_reopened_consumer_starts_over() {
-        let w = window(
-            Some(figures(1_000_000, 10, 4_000_000)),
-            figures(1_500_000, 30, 5_000_000),
-        );
+        let first = window(None, figures(1_000_000, 10, 4_000_000));
+        assert!((first.wait - 0.25).abs() < 1e-9);
+        assert_eq!(first.rate, None);
+        let w = window(Some(&first), figures(1_500_000, 30, 5_000_000));
         assert!((w.wait - 0.5).abs() < 1e-9);
         assert_eq!(w.rate, Some(20.0));
-        let w = window(
-            Some(figures(1_000_000, 10, 4_000_000)),
-            figures(100_000, 2, 1_000_000),
-        );
-        assert!((w.wait - 0.1).abs() < 1e-9);
-        assert_eq!(w.rate, None);
+        let reopened = window(Some(&w), figures(100_000, 2, 1_000_000));
+        assert!((reopened.wait - 0.1).abs() < 1e-9);
+        assert_eq!(reopened.rate, None);
+    }
+
+    /// Between reports the daemon's estimate of a rank's time runs on while its count stands
+    /// still: the rate spans the views that saw the count move, and a view with nothing new
+    /// keeps the last window.
+    #[test]
+    fn the_rate_spans_the_views_that_saw_the_count_move() {
+        let a = window(None, figures(0, 0, 1_000_000));
+        let b = window(Some(&a), figures(0, 64, 2_000_000));
+        assert_eq!(b.rate, Some(64.0));
+        // Computing on, no report: no waiting, the count and the rate stand.
+        let c = window(Some(&b), figures(0, 64, 4_000_000));
+        assert_eq!((c.wait, c.rate), (0.0, Some(64.0)));
+        let d = window(Some(&c), figures(0, 64, 4_000_000));
+        assert_eq!((d.wait, d.rate), (0.0, Some(64.0)));
+        // The next report: 64 more over the 4 s since the count last moved.
+        let e = window(Some(&d), figures(500_000, 128, 6_000_000));
+        assert_eq!(e.rate, Some(16.0));
+        assert!((e.wait - 0.25).abs() < 1e-9);
     }
 }

@@ -470,9 +470,9 @@ fn a_starving_rank_shows_as_waiting_before_it_reports() {
             > 0.0
     );
 
-    // A producer makes the samples: the wait ends with the first, and the trainer computes a
-    // long step without reporting. The daemon counts that time as the trainer's own (its run
-    // time grows, its wait does not), not as more waiting until the next report.
+    // A producer makes the samples: the wait ends with the first, the trainer returns it (and
+    // reports), then computes a long step. The daemon counts that time as the trainer's own
+    // (its run time grows, its wait does not), not as more waiting until the next report.
     drop(feeder);
     let producer = spawn_producer(
         daemon.socket.clone(),
@@ -480,7 +480,9 @@ fn a_starving_rank_shows_as_waiting_before_it_reports() {
         |_| Duration::ZERO,
         Default::default(),
     );
-    let first = stream.next_sample().unwrap().expect("a sample");
+    drop(stream.next_sample().unwrap().expect("a sample"));
+    // The report with its return: from here the daemon's estimate runs on from a report.
+    stream.flush_returns();
     let counters = || {
         let (_, scrape) = get(port, "/metrics");
         let counter = |name: &str| sample(&scrape, &format!("{name}{labels}")).unwrap();
@@ -496,7 +498,6 @@ fn a_starving_rank_shows_as_waiting_before_it_reports() {
         ran_after - ran >= 0.6 && waited_after - waited < 0.1,
         "a 0.7 s step: run {ran:.3} -> {ran_after:.3} s, wait {waited:.3} -> {waited_after:.3} s"
     );
-    drop(first);
     while stream.next_sample().unwrap().is_some() {}
     producer.join().unwrap();
 }

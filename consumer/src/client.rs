@@ -45,7 +45,8 @@ pub struct ConnectOptions {
     /// ([`Mapping::populate_write`]: the pages this process has not written before, once), so
     /// its copy runs at memory speed instead of faulting page by page. Nothing is built ahead
     /// of use: connecting maps the store without page tables, and readers fault pages in as
-    /// they first read them (64 KiB a fault; about 0.07 s per GiB, once per process). Building
+    /// they first read them (64 KiB a fault; about 0.05 s per GiB more than a read of mapped
+    /// pages, once per process; [`crate::Lease::prefault`] moves that to another thread). Building
     /// a whole store's page tables at connect (0.3 s of CPU per GiB writable, 0.07 s
     /// read-only, on a thread of its own) held the cores the first samples needed: `feedstore
     /// demo`'s first batch came at 0.4-1.0 s instead of 0.1 s. Connections of one process share

@@ -106,6 +106,8 @@ pub struct Stream {
     pending: Option<Error>,
     /// The first `next_sample` call: the trainer's loop runs from here.
     started: Option<Instant>,
+    /// When it found the end of its share (or of the stream): the loop's clock stops there.
+    ended: Option<Instant>,
     /// Time spent waiting for samples not yet in the ring.
     waited: Duration,
     /// Samples taken, and how many the daemon was last told of.
@@ -229,6 +231,7 @@ impl Stream {
             told_end: false,
             pending: None,
             started: None,
+            ended: None,
             waited: Duration::ZERO,
             taken: 0,
             reported: 0,
@@ -243,13 +246,20 @@ impl Stream {
 
     /// What this consumer measured of its own reading, as it reports it to the daemon: time
     /// spent waiting for samples not yet in the ring, samples taken, and time since its first
-    /// `next_sample` call (the rest of that time is the trainer's own work).
+    /// `next_sample` call (the rest of that time is the trainer's own work), up to the call
+    /// that found the end of its share, if one has.
     pub fn figures(&self) -> RankFigures {
         let micros = |d: Duration| d.as_micros().min(u128::from(u64::MAX)) as u64;
         RankFigures {
             waited_us: micros(self.waited),
             taken: self.taken,
-            elapsed_us: self.started.map_or(0, |s| micros(s.elapsed())),
+            elapsed_us: self.started.map_or(0, |s| {
+                micros(
+                    self.ended
+                        .unwrap_or_else(Instant::now)
+                        .saturating_duration_since(s),
+                )
+            }),
             first_sample_us: self.first_sample.map_or(0, |d| micros(d).max(1)),
         }
     }
@@ -277,6 +287,8 @@ impl Stream {
     pub fn next_sample_within(&mut self, wait: Duration) -> Result<Option<StreamSample>, Error> {
         self.started.get_or_insert_with(Instant::now);
         if self.end.is_some_and(|end| self.next >= end) {
+            // The reading is over: its clock stops (the report below says so).
+            self.ended.get_or_insert_with(Instant::now);
             self.return_samples(true);
             if !self.told_end {
                 // Tell the daemon this rank has read its share, even if some samples are still
@@ -302,7 +314,10 @@ impl Stream {
                 self.waited += began.elapsed();
                 match waited? {
                     Some(entry) => entry,
-                    None => return Ok(None),
+                    None => {
+                        self.ended.get_or_insert_with(Instant::now);
+                        return Ok(None);
+                    }
                 }
             }
         };

@@ -2,7 +2,8 @@
 //! Prometheus text format (0.0.4), encoded by `prometheus-client`.
 //!
 //! Each scrape takes one snapshot under the daemon's locks (the store's counters, every stream,
-//! every attached rank's figures as its consumer last reported them, plus a wait under way since)
+//! every attached rank's figures as its consumer last reported them, plus the waits seen since
+//! and, unless it has read its whole share, the time since as run time)
 //! and encodes it on a blocking thread, off the runtime that serves clients; nothing is kept
 //! between scrapes. Names follow Prometheus conventions: a `feedstore_` prefix, base units
 //! (`_bytes`, `_seconds`), `_total` on counters. Per stream the labels are `stream` and `uid`;
@@ -297,7 +298,7 @@ pub fn encode(stats: &StoreStats, streams: &[StreamInfo]) -> String {
     );
     registry.register(
         "rank_run_seconds",
-        "Time since the rank's consumer first asked for a sample, as it reports it: waiting plus the trainer's own work",
+        "Time since the rank's consumer first asked for a sample, as it reports it plus the time since (up to the end of its share): waiting plus the trainer's own work",
         run,
     );
     registry.register(

@@ -188,8 +188,8 @@ impl Consumer {
     /// own work (a long step between reports reads as computing, not as still waiting); its
     /// next report corrects the estimate with what the consumer measured (a wait the daemon
     /// could not see, such as one inside the consumer, raises the waited time then). A rank
-    /// that has read its whole share (`finished`) has stopped its clock: its figures stay as
-    /// its last report and the waits seen since left them.
+    /// that has read its whole share (`finished`) has stopped its clock (its consumer's too:
+    /// its reports after the end say the same time): no run time counts past its last report.
     fn figures_now(&self, now: Instant, finished: bool) -> RankFigures {
         let micros = |d: Duration| d.as_micros().min(u128::from(u64::MAX)) as u64;
         let mut f = self.figures;
