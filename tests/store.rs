@@ -220,40 +220,18 @@ fn mapping_perms(ptr: *const u8) -> String {
     panic!("{ptr:?} is not mapped");
 }
 
-/// This process's resident pages of the mapping that contains `ptr`, in KiB (`Rss` in
-/// `/proc/self/smaps`: for a shared mapping, the pages its page tables map).
-fn rss_kib(ptr: *const u8) -> u64 {
-    let smaps = std::fs::read_to_string("/proc/self/smaps").unwrap();
-    let mut inside = false;
-    for line in smaps.lines() {
-        let first = line.split_whitespace().next().unwrap_or("");
-        if let Some((lo, hi)) = first.split_once('-')
-            && let (Ok(lo), Ok(hi)) = (usize::from_str_radix(lo, 16), usize::from_str_radix(hi, 16))
-        {
-            inside = (lo..hi).contains(&(ptr as usize));
-        } else if inside && let Some(kib) = line.strip_prefix("Rss:") {
-            return kib.trim().trim_end_matches("kB").trim().parse().unwrap();
-        }
-    }
-    panic!("{ptr:?} is not mapped");
-}
-
 /// Connecting maps the store without building its page tables (building a whole store's is
 /// what delayed the first sample: 0.3 s of CPU per GiB); a writer builds those of the object it
 /// reserves, before the copy, once; a reader maps what it reads, not the object or the store.
 #[test]
 fn page_tables_are_built_for_what_is_used_only() {
     let _w = watchdog("page_tables_are_built_for_what_is_used_only", LIMIT);
-    // Page-sized figures: transparent huge pages for shared memory would map 2 MiB at a time.
-    let thp = std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/shmem_enabled")
-        .unwrap_or_else(|_| "[never]".into());
-    if !(thp.contains("[never]") || thp.contains("[deny]")) {
-        eprintln!(
-            "skipped: shared-memory transparent huge pages are on ({})",
-            thp.trim()
-        );
+    // Page-sized figures: transparent huge pages for shared memory could map 2 MiB at a time.
+    if let Some(on) = feedstore_shm::shmem_thp_mode().filter(|m| !matches!(*m, "never" | "deny")) {
+        eprintln!("skipped: shared-memory transparent huge pages are {on}");
         return;
     }
+    let rss_kib = |ptr| feedstore_shm::resident_kib(ptr).unwrap().expect("mapped");
     let dir = scratch_dir("page-tables");
     let daemon = DaemonProcess::start(&dir, &["--huge-pages", "off"]);
     let (writer, reader) = (daemon.writer(), daemon.reader());

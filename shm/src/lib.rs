@@ -39,9 +39,11 @@
 //! ```
 
 mod mapping;
+mod proc;
 mod segment;
 
 pub use mapping::{Access, Mapping, SharedBytes};
+pub use proc::{resident_kib, shmem_thp_mode};
 pub use segment::{HugePageInfo, HugePages, Segment, SegmentOptions};
 
 use std::io;

@@ -570,40 +570,17 @@ mod tests {
         assert!(weak.upgrade().is_none(), "the list holds no mapping alive");
     }
 
-    /// Resident pages of this process's mapping that contains `ptr`, in KiB (`Rss` in
-    /// `/proc/self/smaps`: for a shared mapping, the pages its page tables map).
-    fn rss_kib(ptr: *const u8) -> u64 {
-        let smaps = std::fs::read_to_string("/proc/self/smaps").unwrap();
-        let mut inside = false;
-        for line in smaps.lines() {
-            let first = line.split_whitespace().next().unwrap_or("");
-            if let Some((lo, hi)) = first.split_once('-')
-                && let (Ok(lo), Ok(hi)) =
-                    (usize::from_str_radix(lo, 16), usize::from_str_radix(hi, 16))
-            {
-                inside = (lo..hi).contains(&(ptr as usize));
-            } else if inside && let Some(kib) = line.strip_prefix("Rss:") {
-                return kib.trim().trim_end_matches("kB").trim().parse().unwrap();
-            }
-        }
-        panic!("{ptr:?} is not mapped");
-    }
-
     /// A writer's page tables are built for the pages it is about to fill and no others, once;
     /// the contents stay; a read-only mapping builds none; a mapping made with MAP_POPULATE has
     /// them all.
     #[test]
     fn page_tables_are_built_for_what_is_written_only() {
         // Page-sized figures: transparent huge pages for shared memory could map more at once.
-        let thp = std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/shmem_enabled")
-            .unwrap_or_else(|_| "[never]".into());
-        if !(thp.contains("[never]") || thp.contains("[deny]")) {
-            eprintln!(
-                "skipped: shared-memory transparent huge pages are on ({})",
-                thp.trim()
-            );
+        if let Some(on) = crate::shmem_thp_mode().filter(|m| !matches!(*m, "never" | "deny")) {
+            eprintln!("skipped: shared-memory transparent huge pages are {on}");
             return;
         }
+        let rss_kib = |ptr| crate::resident_kib(ptr).unwrap().expect("mapped");
         // SAFETY: sysconf has no preconditions.
         let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) } as u64;
         let kib = page / 1024;

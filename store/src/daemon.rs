@@ -668,12 +668,7 @@ fn fit_connections_to_descriptors(mut limits: crate::config::Limits) -> crate::c
 }
 
 fn log_thp_state() {
-    let thp = std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/shmem_enabled")
-        .unwrap_or_default();
-    let active = thp
-        .split_whitespace()
-        .find(|w| w.starts_with('['))
-        .unwrap_or("[unknown]");
+    let active = feedstore_shm::shmem_thp_mode().unwrap_or("unknown");
     tracing::info!(
         shmem_thp = active,
         "segments use 4 KiB pages; reserve huge pages (/proc/sys/vm/nr_hugepages) for faster first writes"
