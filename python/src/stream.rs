@@ -214,7 +214,9 @@ impl Stream {
     /// which the next call raises (the samples taken are never lost). With `out`, a writable
     /// C-contiguous array of
     /// shape `(n, *image_shape)`, image `image` of each sample is also copied into `out[i]`
-    /// (without the GIL), for a model that wants one stacked batch tensor.
+    /// (without the GIL), for a model that wants one stacked batch tensor; if they cannot be
+    /// (`out` of another shape or dtype, images that differ), the error's `samples` attribute
+    /// holds the samples taken.
     #[pyo3(signature = (n, out=None, image=0))]
     fn next_batch(
         &self,
@@ -251,7 +253,11 @@ impl Stream {
             } else {
                 out
             };
-            stack_images(py, &batch, image, &out)?;
+            if let Err(e) = stack_images(py, &batch, image, &out) {
+                // The samples are this reader's now: they come with the error, not lost.
+                e.value(py).setattr("samples", batch)?;
+                return Err(e);
+            }
         }
         Ok(batch)
     }

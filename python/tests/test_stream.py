@@ -210,8 +210,10 @@ def test_next_batch_stacks_into_preallocated_output(daemon, tmp_path):
     producer = produce(daemon, tmp_path, "batches", 10, "--shuffle", "none")
     out = np.zeros((4, 64, 64, 3), dtype=np.uint8)
     with feedstore.Stream("batches", 10, shuffle="none", socket=daemon.socket, wait=120) as s:
-        with pytest.raises(feedstore.InvalidArgument, match="this batch needs"):
-            s.next_batch(1, out=np.zeros((1, 3), dtype=np.uint8))  # the sample is still read
+        with pytest.raises(feedstore.InvalidArgument, match="this batch needs") as e:
+            s.next_batch(1, out=np.zeros((1, 3), dtype=np.uint8))
+        # The sample was read: it comes with the error, not lost.
+        assert [x.seq for x in e.value.samples] == [0]
         sizes = []
         while batch := s.next_batch(4, out=out):
             for i, sample in enumerate(batch):

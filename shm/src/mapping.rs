@@ -252,25 +252,32 @@ impl Mapping {
             // The mapping's last page may be partial (segments are sized in 4 KiB pages).
             let at = (start << shift) as usize;
             let run = (((page - start) << shift) as usize).min(self.map.len() - at);
-            match self.map.advise_range(Advice::PopulateWrite, at, run) {
-                Ok(()) => {
-                    for p in start..page {
-                        let (word, mask) = bit(p);
-                        word.fetch_or(mask, Ordering::Relaxed);
-                    }
+            if !self.populate(Advice::PopulateWrite, at, run) {
+                return;
+            }
+            for p in start..page {
+                let (word, mask) = bit(p);
+                word.fetch_or(mask, Ordering::Relaxed);
+            }
+        }
+    }
+
+    /// `MADV_POPULATE_READ` or `_WRITE` over `len` bytes at `at`: whether it was done. Refused
+    /// for good (a kernel before 5.14, a seccomp filter): no later call asks again. Anything
+    /// else (memory pressure, a page the kernel could not fault): the access faults the pages
+    /// in as it goes.
+    fn populate(&self, advice: Advice, at: usize, len: usize) -> bool {
+        match self.map.advise_range(advice, at, len) {
+            Ok(()) => true,
+            Err(e) => {
+                if matches!(
+                    e.raw_os_error(),
+                    Some(libc::EINVAL | libc::EPERM | libc::ENOSYS)
+                ) {
+                    self.no_populate.store(true, Ordering::Relaxed);
                 }
-                Err(e) => {
-                    // Refused for good: stop asking. Anything else (memory pressure, a page
-                    // the kernel could not fault): the copy faults the pages in as it goes.
-                    if matches!(
-                        e.raw_os_error(),
-                        Some(libc::EINVAL | libc::EPERM | libc::ENOSYS)
-                    ) {
-                        self.no_populate.store(true, Ordering::Relaxed);
-                    }
-                    tracing::debug!(error = %e, "building page tables ahead of a write failed");
-                    return;
-                }
+                tracing::debug!(error = %e, ?advice, "building page tables ahead of use failed");
+                false
             }
         }
     }
@@ -289,19 +296,11 @@ impl Mapping {
             return;
         }
         // memmap2 aligns the start down to a page; the kernel rounds the length up.
-        if let Err(e) = self.map.advise_range(
+        self.populate(
             Advice::PopulateRead,
             offset as usize,
             (end - offset) as usize,
-        ) {
-            if matches!(
-                e.raw_os_error(),
-                Some(libc::EINVAL | libc::EPERM | libc::ENOSYS)
-            ) {
-                self.no_populate.store(true, Ordering::Relaxed);
-            }
-            tracing::debug!(error = %e, "building page tables ahead of a read failed");
-        }
+        );
     }
 
     /// Length in bytes.
