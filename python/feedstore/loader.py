@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import atexit
 import collections
+import ctypes
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -45,7 +46,7 @@ from torch.utils.data import _utils as torch_utils
 from torch.utils.data.dataloader import _BaseDataLoaderIter, _DatasetKind
 
 import feedstore
-from feedstore import _batch
+from feedstore import _batch, _pool
 
 __all__ = ["DataLoader"]
 
@@ -195,10 +196,16 @@ class _WorkerLoop:
     given back); a worker whose trainer is gone, or that is sent SIGTERM, deletes what it made
     and leaves."""
 
-    def __init__(self, conn: multiprocessing.connection.Connection, args: _WorkerArgs) -> None:
+    def __init__(
+        self,
+        conn: multiprocessing.connection.Connection,
+        args: _WorkerArgs,
+        client: Optional["feedstore.Client"] = None,
+    ) -> None:
         self.conn, self.args = conn, args
         self.parent = os.getppid()
-        self.client: Optional[feedstore.Client] = None
+        # A pool's sessions share their process's connection to the store.
+        self.client = client
         self.fetcher: Optional[_Fetcher] = None
         self.init_error: Optional[ExceptionWrapper] = None
         # Handles of batches sent and not yet given back (deleted at exit, whatever the
@@ -218,8 +225,12 @@ class _WorkerLoop:
         except (EOFError, BrokenPipeError):
             pass  # the trainer closed its end
         finally:
-            for handle in list(self.mine):
-                self.delete(handle)
+            self.finish()
+
+    def finish(self) -> None:
+        """Deletes every batch it made that was not given back (whatever the trainer read)."""
+        for handle in list(self.mine):
+            self.delete(handle)
 
     def start(self) -> None:
         args = self.args
@@ -229,9 +240,10 @@ class _WorkerLoop:
             id=args.worker_id, num_workers=args.num_workers, seed=seed, dataset=args.dataset
         )
         try:
-            self.client = feedstore.Client(
-                args.socket, writer=True, name=f"DataLoader worker {args.worker_id}"
-            )
+            if self.client is None:
+                self.client = feedstore.Client(
+                    args.socket, writer=True, name=f"DataLoader worker {args.worker_id}"
+                )
             if args.init_fn is not None:
                 args.init_fn(args.worker_id)
             if args.rng is not None:
@@ -265,7 +277,10 @@ class _WorkerLoop:
         """Handles one message from the trainer; False when it is time to leave."""
         if not self.conn.poll(POLL_SECONDS) or os.getppid() != self.parent:
             return os.getppid() == self.parent  # an orphan leaves, idle or not
-        message = self.conn.recv()
+        return self.handle(self.conn.recv())
+
+    def handle(self, message: Any) -> bool:
+        """Does what one message asks; False when it is time to leave."""
         if message is None:
             return False
         if message[0] == "delete":
@@ -279,6 +294,7 @@ class _WorkerLoop:
             self.conn.send(("epoch", None if self.args.iterable else _rng_state()))
         else:
             self.conn.send(self.make(*message))
+            _trim()  # (the batch's samples are gone by now)
         return True
 
     def write(self, batch: Any) -> str:
@@ -324,8 +340,130 @@ class _WorkerLoop:
         return (kind, task, payload, rng, fetcher.skipped - skipped_before, self.deleted)
 
 
+def _libc_trim():
+    try:
+        return ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return None  # not glibc
+
+
+_MALLOC_TRIM = _libc_trim()
+
+
+def _trim() -> None:
+    """Gives the heap's free pages back to the system after a batch. A sample's decode buffers
+    (a 2048 px image is 12 MiB) come from the heap once glibc has raised its mmap threshold,
+    and a worker's heap otherwise keeps the peak of every batch it made."""
+    if _MALLOC_TRIM is not None:
+        _MALLOC_TRIM(0)
+
+
 def _worker_main(conn: multiprocessing.connection.Connection, args: _WorkerArgs) -> None:
     _WorkerLoop(conn, args).run()
+
+
+@dataclass
+class _Shared:
+    """What every session of a node's pool runs (the pool's key is their digest)."""
+
+    dataset: Any
+    collate_fn: Any
+    init_fn: Any
+    socket: Optional[str]
+
+
+class _PoolSlot:
+    """A process of a node's worker pool (``pool="node"``; see ``feedstore._pool``): worker
+    `slot` of every trainer with the pool's key is a session here, a `_WorkerLoop` of its own
+    (its random state, its worker info, the batches it made). Sessions take turns, one message
+    each; the process's random state and worker info are those of the session at hand, so each
+    trainer's batches are the ones its own worker would make."""
+
+    def __init__(self, slot: int, shared: _Shared) -> None:
+        self.slot, self.shared = slot, shared
+        self.client: Optional[feedstore.Client] = None
+        self.current: Optional[_PoolSession] = None
+
+    def open(self, conn: multiprocessing.connection.Connection, fds: list) -> "_PoolSession":
+        return _PoolSession(self, conn, fds)
+
+    def switch(self, session: "_PoolSession") -> None:
+        if self.current is session:
+            return
+        if self.current is not None:
+            self.current.saved = (_rng_state(), torch_utils.worker._worker_info)
+        self.current = session
+        # What the session's code prints goes to its own trainer's stdout and stderr.
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+        os.dup2(session.fds[0], 1)
+        os.dup2(session.fds[1], 2)
+        if session.saved is not None:
+            _set_rng_state(session.saved[0])
+            torch_utils.worker._worker_info = session.saved[1]
+
+    def serve(self, path: str) -> None:
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+        torch.set_num_threads(1)
+        try:
+            _pool.serve(_pool.listen(path), self.open)
+        finally:
+            _pool.leave(path.removesuffix(".sock"))
+
+
+class _PoolSession:
+    """One trainer's worker in a pool's process: a hello (that worker's arguments), then the
+    messages a worker of its own would get; the batches it made and were not given back are
+    deleted when the trainer leaves or is gone."""
+
+    def __init__(
+        self, slot: _PoolSlot, conn: multiprocessing.connection.Connection, fds: list
+    ) -> None:
+        self.slot, self.conn, self.fds = slot, conn, fds
+        self.loop: Optional[_WorkerLoop] = None
+        self.saved: Optional[tuple] = None
+
+    def handle(self, message: Any) -> bool:
+        slot = self.slot
+        slot.switch(self)
+        if self.loop is None:
+            if not (isinstance(message, tuple) and message[0] == "hello"):
+                return False
+            shared = slot.shared
+            if slot.client is None:
+                try:
+                    slot.client = feedstore.Client(
+                        shared.socket, writer=True, name=f"DataLoader pool worker {slot.slot}"
+                    )
+                except feedstore.FeedstoreError:
+                    pass  # the session's start tries again, and says why in its replies
+            args = _WorkerArgs(
+                **message[1],
+                dataset=shared.dataset,
+                collate_fn=shared.collate_fn,
+                init_fn=shared.init_fn,
+                socket=shared.socket,
+            )
+            self.loop = _WorkerLoop(self.conn, args, slot.client)
+            self.loop.start()
+            slot.client = slot.client or self.loop.client
+            self.conn.send(("hello", os.getpid()))
+            return True
+        if message is None:
+            # The trainer stops: what it was not given back goes, and it hears that it did.
+            self.loop.finish()
+            self.conn.send(("bye",))
+            return False
+        return self.loop.handle(message)
+
+    def close(self) -> None:
+        if self.loop is not None:
+            self.slot.switch(self)
+            self.loop.finish()
+        if self.slot.current is self:
+            self.slot.current = None
+        for fd in self.fds:
+            os.close(fd)
 
 
 @dataclass
@@ -359,6 +497,8 @@ class _Worker:
     reserved: set = field(default_factory=set)
     # Whether it has started the current epoch (persistent workers).
     in_epoch: bool = True
+    # A pool's process (`process` is None): its pid, as its hello said.
+    pid: Optional[int] = None
 
 
 @dataclass
@@ -569,12 +709,29 @@ class _StoreIter(_Primed, _BaseDataLoaderIter):
             on_error=loader.feedstore_on_error,
             replay_index=[None] * (loader.batch_size or 1) if self._auto_collation else None,
         )
+        # A node's pool: its key is what its processes run (and which feedstore runs it).
+        self._pool_key: Optional[str] = None
+        if loader.feedstore_pool == "node":
+            self._pool_key = _pool.digest(
+                self._dataset,
+                self._collate_fn,
+                loader.worker_init_fn,
+                loader.feedstore_socket,
+                os.environ.get("FEEDSTORE_SOCKET"),
+                feedstore.__version__,
+                sys.executable,
+            )
         try:
             saved = (resume or {}).get("workers")
+            if self._pool_key is not None:
+                self._join_pool(
+                    {w: saved["rng"][w] if saved else None for w in range(self._num_workers)}
+                )
             for w in range(self._num_workers):
                 rng = saved["rng"][w] if saved else None
                 taken = saved["tasks"][w] if saved else 0
-                self._start_worker(w, rng=rng, replay=taken if self._iterable else 0)
+                if self._pool_key is None:
+                    self._start_worker(w, rng=rng, replay=taken if self._iterable else 0)
                 worker = self._workers[w]
                 worker.done = worker.taken = taken
                 worker.rng = worker.taken_rng = rng
@@ -635,12 +792,67 @@ class _StoreIter(_Primed, _BaseDataLoaderIter):
             self._begin(None)
 
     def _start_worker(self, w: int, rng: Optional[tuple], replay: int) -> None:
+        if self._pool_key is not None:
+            self._join_pool({w: rng})
+            return
         args = _WorkerArgs(worker_id=w, rng=rng, replay=replay, **self._base_args)
         ours, theirs = self._context.Pipe(duplex=True)
         process = self._context.Process(target=_worker_main, args=(theirs, args), daemon=True)
         process.start()
         theirs.close()
         self._workers[w] = _Worker(process=process, conn=ours)
+
+    def _join_pool(self, rngs: Dict[int, Optional[tuple]]) -> None:
+        """Workers `rngs` (id: random state to start from) as sessions in the same slots of
+        the node's pool, whose processes are started (forked from here, as torch forks its
+        workers) where none serves the slot. Each session is open once its process said hello;
+        a process that closes the connection before (it was leaving: its linger ran out) is
+        connected to again, or started again."""
+        shared = _Shared(
+            dataset=self._dataset,
+            collate_fn=self._collate_fn,
+            init_fn=self._loader.worker_init_fn,
+            socket=self._loader.feedstore_socket,
+        )
+        own = {k: v for k, v in self._base_args.items() if not hasattr(shared, k)}
+
+        def starter(w: int):
+            def start(lock_fd: int, path: str) -> None:
+                _pool.detach(lock_fd, lambda: _PoolSlot(w, shared).serve(path))
+
+            return start
+
+        pending = dict(rngs)
+        for _ in range(_pool.MAX_STARTS + 1):
+            conns = {w: _pool.connect(self._pool_key, w, starter(w)) for w in pending}
+            for w, conn in list(conns.items()):
+                try:
+                    conn.send(("hello", dict(own, worker_id=w, rng=pending[w], replay=0)))
+                except OSError:
+                    conn.close()
+                    del conns[w]
+            for w, conn in conns.items():
+                try:
+                    # (The process may be making a batch for another trainer first.)
+                    if self._timeout > 0 and not conn.poll(self._timeout):
+                        conn.close()
+                        raise RuntimeError(
+                            f"DataLoader timed out after {self._timeout} seconds waiting for "
+                            f"worker {w}'s process in the node's pool"
+                        )
+                    kind, pid = conn.recv()
+                except (EOFError, OSError):
+                    conn.close()
+                    continue
+                assert kind == "hello", kind
+                self._workers[w] = _Worker(process=None, conn=conn, pid=pid)
+                del pending[w]
+            if not pending:
+                return
+        raise RuntimeError(
+            f"DataLoader workers {sorted(pending)} in the node's pool: their processes keep "
+            "closing the connection before taking the session"
+        )
 
     def _try_put_index(self) -> None:
         if self._sampler_done or not any(w.active for w in self._workers if w):
@@ -756,7 +968,8 @@ class _StoreIter(_Primed, _BaseDataLoaderIter):
     # The pump thread's side (under `_cond`).
     def _waitables(self) -> list:
         live = [w for w in self._workers if w is not None]
-        return [self._wake_read, *(w.conn for w in live), *(w.process.sentinel for w in live)]
+        sentinels = [w.process.sentinel for w in live if w.process is not None]
+        return [self._wake_read, *(w.conn for w in live), *sentinels]
 
     def _handle(self, ready: list) -> None:
         if self._wake_read in ready:
@@ -773,7 +986,7 @@ class _StoreIter(_Primed, _BaseDataLoaderIter):
                         self._accept(w, worker.conn.recv())
                 except (EOFError, OSError):
                     dead.add(w)
-            if worker.process.sentinel in ready:
+            if worker.process is not None and worker.process.sentinel in ready:
                 dead.add(w)
         for w in sorted(dead):
             self._restart(w)
@@ -841,20 +1054,22 @@ class _StoreIter(_Primed, _BaseDataLoaderIter):
                 self._accept(w, worker.conn.recv())
         except (EOFError, OSError):
             pass
-        worker.process.join(timeout=POLL_SECONDS)
-        code = worker.process.exitcode
+        if worker.process is not None:
+            worker.process.join(timeout=POLL_SECONDS)
+            code = worker.process.exitcode
+            how = f"killed by {signal.Signals(-code).name}" if code and code < 0 else \
+                f"exit code {code}"
+            what = f"DataLoader worker {w} (pid {worker.process.pid}) exited unexpectedly"
+        else:
+            how = "its process closed the connection"
+            what = f"DataLoader worker {w} in the node's pool (pid {worker.pid}) is gone"
         self._outbox.close(worker.conn)
         pending = sorted(i for i, t in self._tasks.items() if t.worker == w and t.reply is None)
         worker.deaths += 1
         if worker.deaths >= MAX_ATTEMPTS:
             where = f" making batch {pending[0] - self._epoch_start} (indices " \
                 f"{self._tasks[pending[0]].index!r})" if pending else ""
-            how = f"killed by {signal.Signals(-code).name}" if code and code < 0 else \
-                f"exit code {code}"
-            raise RuntimeError(
-                f"DataLoader worker {w} (pid {worker.process.pid}) exited unexpectedly "
-                f"({how}) {worker.deaths} times in a row{where}"
-            )
+            raise RuntimeError(f"{what} ({how}) {worker.deaths} times in a row{where}")
         self._loader.feedstore_counters.worker_restarts += 1
         self._start_worker(w, rng=worker.rng, replay=worker.done if self._iterable else 0)
         new = self._workers[w]
@@ -916,10 +1131,19 @@ class _StoreIter(_Primed, _BaseDataLoaderIter):
             self._outbox.send(worker.conn, None)
         self._outbox.stop()
         deadline = time.monotonic() + SHUTDOWN_SECONDS
-        for worker in live:
-            worker.process.join(timeout=max(0.0, deadline - time.monotonic()))
         leftovers = []
         for worker in live:
+            if worker.process is None:
+                # A pool's session: it deletes what it made and says so; a process that died
+                # (or is busy past the deadline) leaves its pinned batches to this side.
+                if not self._said_bye(worker.conn, deadline):
+                    leftovers += [*worker.unconfirmed, *worker.reserved]
+                continue
+            worker.process.join(timeout=max(0.0, deadline - time.monotonic()))
+        for worker in live:
+            if worker.process is None:
+                worker.conn.close()
+                continue
             forced = worker.process.is_alive()
             if forced:
                 worker.process.terminate()
@@ -935,6 +1159,17 @@ class _StoreIter(_Primed, _BaseDataLoaderIter):
         os.close(self._wake_read)
         os.close(self._wake_write)
         _LIVE.discard(self)
+
+    @staticmethod
+    def _said_bye(conn: multiprocessing.connection.Connection, deadline: float) -> bool:
+        """Whether a pool's session, told to stop, said it had (replies before it dropped)."""
+        try:
+            while conn.poll(max(0.0, deadline - time.monotonic())):
+                if conn.recv() == ("bye",):
+                    return True
+        except (EOFError, OSError):
+            pass
+        return False
 
     def _delete(self, handles: List[str]) -> None:
         """Deletes batch objects whose workers are gone, through a writer connection of its
@@ -1067,6 +1302,15 @@ class DataLoader(torch.utils.data.DataLoader):
       trainer, with the sample's index and the worker's traceback) or ``"skip"`` (the sample is
       left out of its batch and counted in ``feedstore_counters.skipped_samples``; a batch with
       no samples left is skipped).
+    - ``pool``: ``"rank"`` (each trainer its own ``num_workers`` processes, as torch) or
+      ``"node"`` (one pool per node: worker ``w`` of every trainer on this node that loads the
+      same dataset, ``collate_fn`` and ``worker_init_fn`` is one process, so local ranks and the
+      jobs of a sweep share ``num_workers`` processes instead of each starting its own; each
+      trainer's batches are still exactly torch's for its own sampler and seeds). Map-style
+      datasets, fork start method; the dataset, ``collate_fn`` and ``worker_init_fn`` must
+      pickle (their pickle is the pool's key), and ``worker_init_fn`` runs once per trainer's
+      worker in the shared process. A pool's process leaves ``FEEDSTORE_POOL_LINGER_SECONDS``
+      (default 10) after its last trainer.
 
     Batches are torch's, element for element. Their tensors are views of one read-only
     shared-memory object: reading is free, writing in place faults (``.clone()`` first, or move
@@ -1079,12 +1323,16 @@ class DataLoader(torch.utils.data.DataLoader):
         *args: Any,
         socket: Optional[str] = None,
         on_error: str = "raise",
+        pool: str = "rank",
         **kwargs: Any,
     ) -> None:
         if on_error not in ("raise", "skip"):
             raise ValueError(f"on_error={on_error!r}: expected 'raise' or 'skip'")
+        if pool not in ("rank", "node"):
+            raise ValueError(f"pool={pool!r}: expected 'rank' or 'node'")
         self.feedstore_socket = socket
         self.feedstore_on_error = on_error
+        self.feedstore_pool = pool
         self.feedstore_counters = _Counters()
         self._feedstore_resume: Optional[dict] = None
         # The latest iterator: held strongly only for persistent workers (as torch does), so
@@ -1094,6 +1342,19 @@ class DataLoader(torch.utils.data.DataLoader):
         self._feedstore_generation = 0
         # torch's arguments, positional or not, as torch takes them.
         super().__init__(*args, **kwargs)
+        if pool == "node" and self.num_workers > 0:
+            if self._dataset_kind == _DatasetKind.Iterable:
+                raise ValueError(
+                    "pool='node' shares workers of map-style datasets only: an iterable "
+                    "dataset's workers each hold their own place in its stream"
+                )
+            context = self.multiprocessing_context or multiprocessing.get_context()
+            if context.get_start_method() != "fork":
+                raise ValueError(
+                    "pool='node' forks the pool's processes from the trainer (they get its "
+                    f"dataset as forked workers do); multiprocessing_context is "
+                    f"{context.get_start_method()!r}"
+                )
 
     def _feedstore_take_resume(self) -> Optional[dict]:
         resume, self._feedstore_resume = self._feedstore_resume, None

@@ -1,0 +1,304 @@
+"""One worker pool per node: worker processes that several trainer processes share.
+
+``feedstore.torch.DataLoader(..., pool="node")`` keys a pool by what its workers run (the
+digest of the pickled dataset, ``collate_fn``, ``worker_init_fn`` and the store's socket). Slot
+``w`` of a pool is one process: worker ``w`` of every trainer with that key (the local ranks of a
+job, the jobs of a sweep over the same data) is a session in it, so N ranks with ``num_workers``
+workers each run ``num_workers`` worker processes, not N times as many.
+
+What is here is the plumbing, with no torch in it:
+
+- The pool's files live in a directory only this user can use (``$XDG_RUNTIME_DIR`` or
+  ``/tmp``, ``feedstore-pools-<uid>``, mode 0700, checked before each use). Both ends check the
+  other's uid on the socket (``SO_PEERCRED``): a session carries pickles, so a peer of another
+  uid is refused whatever the file modes.
+- A slot's process holds an exclusive ``flock`` on ``<key>-<slot>.lock`` for as long as it
+  lives, and the kernel drops it when the process dies however it dies. A trainer that cannot
+  connect takes the lock; if it gets it, no process serves the slot and it starts one (forked
+  from itself, so the process has the trainer's dataset as torch's forked workers do); if not,
+  one is starting and it connects again. Two trainers never start the same slot twice.
+- The process is detached (forked twice, its own session) so that it outlives the trainer that
+  started it, and every file descriptor it inherited is pointed at /dev/null: the trainer's
+  connections to the store (and anything else it had open) end when the trainer ends, not when
+  the pool does. Each trainer sends its stdout and stderr with its connection (``SCM_RIGHTS``):
+  what the dataset's code prints in a session goes to that trainer's output, and an idle pool
+  holds no trainer's pipes open (a parent reading a trainer's output to its end is not kept
+  waiting). It leaves once no session has been open for ``FEEDSTORE_POOL_LINGER_SECONDS``
+  (default 10); the last one out removes its socket and lock files.
+- A slot's process makes one trainer's batch at a time, its messages in turn; a trainer that
+  joins waits for the batch in hand to finish.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import os
+import pickle
+import signal
+import socket
+import stat
+import struct
+import sys
+import time
+from multiprocessing.connection import Connection, wait
+from typing import Callable, Optional
+
+# How long a slot's process stays after its last session ends (unless
+# $FEEDSTORE_POOL_LINGER_SECONDS says otherwise): the next epoch of a loader without persistent
+# workers, or a job of a sweep started a little later, finds it warm.
+LINGER_SECONDS = 10.0
+# How long a trainer tries to reach a slot's process (starting it when none holds the slot).
+CONNECT_SECONDS = 60.0
+# A slot whose process dies this many times before accepting a connection is an error.
+MAX_STARTS = 3
+POLL_SECONDS = 1.0
+# How long a peer that connected has to send its stdout and stderr.
+ACCEPT_SECONDS = 10.0
+_CREDS = struct.Struct("3i")  # struct ucred: pid, uid, gid
+
+
+def pool_dir() -> str:
+    """This user's directory for pool sockets and locks, made if missing; refused if it is
+    anything but a directory of this uid that no one else can enter."""
+    base = os.environ.get("XDG_RUNTIME_DIR") or "/tmp"
+    path = os.path.join(base, f"feedstore-pools-{os.getuid()}")
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    info = os.lstat(path)
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o077:
+        raise PermissionError(
+            f"{path} must be a directory of uid {os.getuid()} with mode 0700 (it holds this "
+            "user's worker pools): remove it, or point XDG_RUNTIME_DIR elsewhere"
+        )
+    return path
+
+
+def digest(*parts: object) -> str:
+    """The pool key: what the workers run, pickled and hashed. Objects that do not pickle
+    (lambdas, open files) cannot be shared by key."""
+    try:
+        data = pickle.dumps(parts, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception as e:  # noqa: BLE001 (pickle raises many kinds)
+        raise TypeError(
+            "pool='node' shares worker processes between trainers that run the same code on "
+            "the same data, known by the pickle of the dataset, collate_fn and worker_init_fn; "
+            f"one of them does not pickle ({type(e).__name__}: {e}). Use pool='rank' (each "
+            "trainer its own workers), or make them picklable (no lambdas or open files)"
+        ) from e
+    return hashlib.sha256(data).hexdigest()[:32]
+
+
+def peer_uid(sock: socket.socket) -> int:
+    _, uid, _ = _CREDS.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CREDS.size))
+    return uid
+
+
+def _paths(key: str, slot: int) -> tuple:
+    base = os.path.join(pool_dir(), f"{key}-{slot}")
+    return base + ".sock", base + ".lock"
+
+
+def _try_connect(path: str) -> Optional[Connection]:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.connect(path)
+    except (FileNotFoundError, ConnectionRefusedError):
+        sock.close()
+        return None
+    if peer_uid(sock) != os.getuid():
+        sock.close()
+        raise PermissionError(f"{path} is served by another uid: refusing to send it work")
+    try:
+        # This process's stdout and stderr: what the session's code prints goes where this
+        # process's own output goes (and not to the process that started the pool).
+        socket.send_fds(sock, [b"o"], [1, 2])
+    except OSError:
+        sock.close()
+        return None  # it was leaving: connect again
+    return Connection(sock.detach())
+
+
+def connect(key: str, slot: int, start: Callable[[int, str], None]) -> Connection:
+    """A connection to slot `slot` of pool `key`. When no process holds the slot, `start(lock_fd,
+    socket_path)` is called to start one (it must fork a process that keeps `lock_fd` and
+    serves `socket_path`; this process closes its own copy of the fd afterwards)."""
+    sock_path, lock_path = _paths(key, slot)
+    deadline = time.monotonic() + CONNECT_SECONDS
+    starts = 0
+    while True:
+        conn = _try_connect(sock_path)
+        if conn is not None:
+            return conn
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            # A process leaving removes its lock file before its lock goes: a lock taken on a
+            # file no longer at the path locks nothing anyone else will look at.
+            current = os.fstat(fd).st_ino == os.stat(lock_path).st_ino
+        except (BlockingIOError, FileNotFoundError):
+            pass  # its process is alive and not listening yet, or just left
+        else:
+            if current and starts >= MAX_STARTS:
+                raise RuntimeError(
+                    f"worker pool slot {slot} ({sock_path}): its process died {starts} times "
+                    "before taking a connection"
+                )
+            if current:
+                starts += 1
+                start(fd, sock_path)
+        finally:
+            os.close(fd)
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"worker pool slot {slot}: no process at {sock_path} after "
+                               f"{CONNECT_SECONDS:.0f} s")
+        time.sleep(0.01)
+
+
+def detach(lock_fd: int, main: Callable[[], None]) -> None:
+    """Runs `main` in a detached grandchild of this process that keeps `lock_fd` (its slot's
+    lock) and nothing else this process had open; returns once the child in between is
+    reaped. The grandchild ends with `os._exit`: nothing of this process's (its exit hooks,
+    its objects' finalizers) runs there."""
+    pid = os.fork()
+    if pid:
+        os.waitpid(pid, 0)
+        return
+    code = 1
+    try:
+        os.setsid()
+        if os.fork():
+            os._exit(0)
+        _release_inherited(keep={lock_fd})
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        main()
+        code = 0
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 0
+    except BaseException:  # noqa: BLE001 (nothing above it to raise to)
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        os._exit(code)
+
+
+def _release_inherited(keep: set) -> None:
+    """Points every inherited descriptor but `keep` (stdin, stdout and stderr too) at
+    /dev/null. Closing them would free their numbers for reuse while objects of the parent's
+    (a client's socket, a file) still name them; /dev/null keeps the numbers taken and lets
+    the connections go."""
+    null = os.open(os.devnull, os.O_RDWR)
+    for name in os.listdir("/proc/self/fd"):
+        fd = int(name)
+        if fd in keep or fd == null:
+            continue
+        try:
+            os.dup2(null, fd, inheritable=False)
+        except OSError:
+            pass  # (the listing's own descriptor, closed by now)
+    os.close(null)
+
+
+def leave(key_path: str) -> None:
+    """Removes a slot's socket and lock files; called by its process, holding the lock, as it
+    leaves (nobody can be binding the socket meanwhile, and a trainer that opened the lock file
+    before it went sees that it is not the one at the path)."""
+    for suffix in (".sock", ".lock"):
+        try:
+            os.unlink(key_path + suffix)
+        except FileNotFoundError:
+            pass
+
+
+def listen(path: str) -> socket.socket:
+    """The slot's socket, bound afresh (a dead process's socket file is removed: the lock says
+    no process serves it)."""
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.bind(path)
+    os.chmod(path, 0o600)
+    sock.listen(64)
+    return sock
+
+
+def accept(listener: socket.socket) -> Optional[tuple]:
+    """The next session's connection and its trainer's stdout and stderr; None for a peer of
+    another uid (closed unread) or one that did not send them."""
+    sock, _ = listener.accept()
+    if peer_uid(sock) != os.getuid():
+        sock.close()
+        return None
+    fds: list = []
+    try:
+        sock.settimeout(ACCEPT_SECONDS)
+        _, fds, _, _ = socket.recv_fds(sock, 1, 2)
+        sock.settimeout(None)
+    except OSError:
+        pass
+    if len(fds) != 2:
+        for fd in fds:
+            os.close(fd)
+        sock.close()
+        return None
+    return Connection(sock.detach()), fds
+
+
+def quiet() -> None:
+    """Points stdout and stderr at /dev/null (after writing out what is buffered)."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    null = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, 1)
+    os.dup2(null, 2)
+    os.close(null)
+
+
+def linger_seconds() -> float:
+    return float(os.environ.get("FEEDSTORE_POOL_LINGER_SECONDS", LINGER_SECONDS))
+
+
+def serve(listener: socket.socket, open_session) -> None:
+    """The slot process's loop: accepts sessions, gives each message to its session
+    (`open_session(conn, fds)` returns an object with `handle(message) -> bool` and `close()`;
+    `fds` are its trainer's stdout and stderr, the session's to close), one message per ready
+    session in turn, and returns once no session has been open for `linger_seconds()`. While
+    none is, its stdout and stderr are /dev/null: it holds no trainer's pipes open."""
+    linger = linger_seconds()
+    sessions: dict = {}
+    idle_since = time.monotonic()
+    try:
+        while sessions or time.monotonic() - idle_since < linger:
+            ready = wait([listener, *sessions], timeout=POLL_SECONDS)
+            for item in ready:
+                if item is listener:
+                    accepted = accept(listener)
+                    if accepted is not None:
+                        conn, fds = accepted
+                        sessions[conn] = open_session(conn, fds)
+                    continue
+                session = sessions[item]
+                try:
+                    message = item.recv()
+                    more = session.handle(message)
+                except (EOFError, OSError):
+                    more = False
+                if not more:
+                    del sessions[item]
+                    session.close()
+                    item.close()
+                    if not sessions:
+                        idle_since = time.monotonic()
+                        quiet()
+    finally:
+        for conn, session in sessions.items():
+            session.close()
+            conn.close()
