@@ -8,10 +8,14 @@ with the Qwen3 tokenizer (Hugging Face `tokenizers`) into 64 ids. Each rank is i
 process with its own loader (`DistributedSampler`), taking `--steps` batches of 16 and
 "computing" for `--step-ms` after each (a sleep: a GPU step the CPU waits out).
 
+Three loaders: torch's; feedstore's with `pool="rank"` (each rank its own `num_workers`
+processes, as torch); feedstore's with `pool="node"` (worker `w` of every rank is one process of
+the node's pool, so the ranks share `num_workers` processes).
+
 Per cell (loader x workers per rank x local ranks): the wait-time ratio (time in `next` over
 the run), samples/s of all ranks together, the time to the first batch, and the peak PSS of the
-whole process tree (trainers, workers and, for feedstore, the daemon, whose shared memory PSS
-splits among the processes that map it).
+whole process tree (trainers, workers, for feedstore the daemon, whose shared memory PSS splits
+among the processes that map it, and the node pool's processes, which are detached from it).
 
 Usage (release binaries built; `feedstore demo` run once, which writes the data set to
 ~/.cache/feedstore/demo; `pip install tokenizers`):
@@ -26,8 +30,10 @@ import gzip
 import json
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
@@ -87,11 +93,13 @@ def trainer(args):
     ).decode()
     dataset = Sft(args.data, tokenizer)
     sampler = tud.DistributedSampler(dataset, num_replicas=args.ranks, rank=args.rank, seed=0)
-    options = dict(batch_size=BATCH, sampler=sampler, num_workers=args.workers, drop_last=True)
-    if args.loader == "feedstore":
+    options = dict(batch_size=BATCH, sampler=sampler, num_workers=args.workers, drop_last=True,
+                   persistent_workers=args.persistent_workers)
+    if args.loader.startswith("feedstore"):
         from feedstore.torch import DataLoader
 
-        loader = DataLoader(dataset, socket=args.socket, **options)
+        pool = "node" if args.loader == "feedstore-node" else "rank"
+        loader = DataLoader(dataset, socket=args.socket, pool=pool, **options)
     else:
         loader = tud.DataLoader(dataset, **options)
     waited, steps, epoch = 0.0, 0, 0
@@ -140,6 +148,22 @@ def tree(root):
     return pids
 
 
+def pool_pids(run_dir):
+    """The processes of the node's worker pools under `run_dir` (detached: not in the tree),
+    known by the slot lock each holds open."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            fds = os.listdir(f"/proc/{entry}/fd")
+            if any(os.readlink(f"/proc/{entry}/fd/{fd}").startswith(run_dir) for fd in fds):
+                pids.append(int(entry))
+        except OSError:
+            continue
+    return pids
+
+
 def pss_kib(pids):
     total = 0
     for pid in pids:
@@ -155,7 +179,7 @@ def pss_kib(pids):
 
 def cell(args, loader, workers, ranks):
     """Runs one cell: `ranks` trainer processes; returns their figures and the peak PSS."""
-    if loader != "feedstore":
+    if loader == "torch":
         return ranks_run(args, loader, workers, ranks, socket="")
     # Sized as the README says: room for each rank's prefetched batches (2 per worker) and the
     # two it holds (the one in use, the one being taken), plus slack.
@@ -167,11 +191,15 @@ def cell(args, loader, workers, ranks):
 
 def ranks_run(args, loader, workers, ranks, socket):
     peak, done = 0, threading.Event()
+    # The cell's own pool directory (its pools are counted, then gone before the next cell).
+    run_dir = tempfile.mkdtemp(prefix="fsb")
+    env = dict(os.environ, XDG_RUNTIME_DIR=run_dir, FEEDSTORE_POOL_LINGER_SECONDS="1")
 
     def watch():
         nonlocal peak
         while not done.is_set():
-            peak = max(peak, pss_kib(tree(os.getpid())) - own)
+            pids = set(tree(os.getpid())) | set(pool_pids(run_dir))
+            peak = max(peak, pss_kib(pids) - own)
             time.sleep(0.05)
 
     own = pss_kib([os.getpid()])
@@ -181,8 +209,10 @@ def ranks_run(args, loader, workers, ranks, socket):
         subprocess.Popen(
             [sys.executable, __file__, "--trainer", "--loader", loader, "--workers", str(workers),
              "--ranks", str(ranks), "--rank", str(rank), "--socket", socket, "--data", args.data,
-             "--steps", str(args.steps), "--step-ms", str(args.step_ms)],
+             "--steps", str(args.steps), "--step-ms", str(args.step_ms),
+             *(["--persistent-workers"] if args.persistent_workers else [])],
             stdout=subprocess.PIPE,
+            env=env,
         )
         for rank in range(ranks)
     ]
@@ -196,6 +226,9 @@ def ranks_run(args, loader, workers, ranks, socket):
     finally:
         done.set()
         watcher.join()
+        while pool_pids(run_dir):
+            time.sleep(0.1)  # (pools leave a second after their last trainer)
+        shutil.rmtree(run_dir, ignore_errors=True)
     waited = sum(r["waited"] for r in results)
     elapsed = sum(r["elapsed"] for r in results)
     samples_per_s = sum(r["steps"] * BATCH / r["elapsed"] for r in results)
@@ -210,6 +243,11 @@ def main():
     parser.add_argument("--data", default=str(pathlib.Path.home() / ".cache/feedstore/demo"))
     parser.add_argument("--workers", type=int, nargs="*", default=[2, 4])
     parser.add_argument("--ranks", type=int, nargs="*", default=[1, 2])
+    parser.add_argument("--loaders", nargs="*", default=["torch", "feedstore", "feedstore-node"],
+                        help="feedstore: pool='rank' (workers per rank, as torch); "
+                        "feedstore-node: pool='node' (one pool shared by the ranks)")
+    parser.add_argument("--persistent-workers", action="store_true",
+                        help="every loader keeps its workers from epoch to epoch")
     # One trainer rank (run by the cells).
     parser.add_argument("--trainer", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--loader", help=argparse.SUPPRESS)
@@ -223,13 +261,13 @@ def main():
         raise SystemExit(f"no data set at {args.data}: run `feedstore demo` once")
     print(f"{args.steps} steps of {BATCH} per rank, step {args.step_ms:.0f} ms, "
           f"{SIDE}x{SIDE} float32 images + {TOKENS} tokens")
-    print(f"{'workers':>7} {'ranks':>5} {'loader':<10} {'wait':>7} {'samples/s':>10} "
+    print(f"{'workers':>7} {'ranks':>5} {'loader':<14} {'wait':>7} {'samples/s':>10} "
           f"{'first s':>8} {'peak PSS MiB':>13}")
     for workers in args.workers:
         for ranks in args.ranks:
-            for loader in ("torch", "feedstore"):
+            for loader in args.loaders:
                 wait, rate, first, peak = cell(args, loader, workers, ranks)
-                print(f"{workers:>7} {ranks:>5} {loader:<10} {wait:>7.1%} {rate:>10.1f} "
+                print(f"{workers:>7} {ranks:>5} {loader:<14} {wait:>7.1%} {rate:>10.1f} "
                       f"{first:>8.2f} {peak:>13.0f}", flush=True)
 
 
