@@ -1,7 +1,7 @@
 """One worker pool per node: worker processes that several trainer processes share.
 
-``feedstore.torch.DataLoader(..., pool="node")`` keys a pool by what its workers run (the
-digest of the pickled dataset, ``collate_fn``, ``worker_init_fn`` and the store's socket). Slot
+``feedstore.torch.DataLoader(..., pool="node")`` keys a pool by what its workers run (see
+``digest``, and the loader's ``_feedstore_pool_key``). Slot
 ``w`` of a pool is one process: worker ``w`` of every trainer with that key (the local ranks of a
 job, the jobs of a sweep over the same data) is a session in it, so N ranks with ``num_workers``
 workers each run ``num_workers`` worker processes, not N times as many.
@@ -31,6 +31,7 @@ What is here is the plumbing, with no torch in it:
 
 from __future__ import annotations
 
+import ctypes
 import fcntl
 import hashlib
 import os
@@ -41,6 +42,7 @@ import stat
 import struct
 import sys
 import time
+import traceback
 from multiprocessing.connection import Connection, wait
 from typing import Callable, Optional
 
@@ -54,14 +56,21 @@ CONNECT_SECONDS = 60.0
 MAX_STARTS = 3
 POLL_SECONDS = 1.0
 # How long a peer that connected has to send its stdout and stderr.
-ACCEPT_SECONDS = 10.0
+ACCEPT_SECONDS = 2.0
+# Sessions one slot's process takes at once (trainers beyond it are refused, and retry).
+MAX_SESSIONS = 256
+# How long a trainer waits for a slot's process to take its session (it may be making a batch
+# for another trainer first), unless the loader's `timeout` says otherwise.
+HELLO_SECONDS = 120.0
 _CREDS = struct.Struct("3i")  # struct ucred: pid, uid, gid
 
 
 def pool_dir() -> str:
     """This user's directory for pool sockets and locks, made if missing; refused if it is
     anything but a directory of this uid that no one else can enter."""
-    base = os.environ.get("XDG_RUNTIME_DIR") or "/tmp"
+    base = os.environ.get("XDG_RUNTIME_DIR") or ""
+    if not os.path.isdir(base):
+        base = "/tmp"
     path = os.path.join(base, f"feedstore-pools-{os.getuid()}")
     try:
         os.mkdir(path, 0o700)
@@ -76,11 +85,41 @@ def pool_dir() -> str:
     return path
 
 
-def digest(*parts: object) -> str:
-    """The pool key: what the workers run, pickled and hashed. Objects that do not pickle
-    (lambdas, open files) cannot be shared by key."""
+class _Hasher:
+    """A file that hashes what is written to it (the pickle is never held whole)."""
+
+    def __init__(self) -> None:
+        self.sha = hashlib.sha256()
+
+    def write(self, data: bytes) -> None:
+        self.sha.update(data)
+
+
+def _code_files(objects: tuple) -> list:
+    """The source files of the modules that define `objects` (their functions, their classes,
+    the main script when they come from it): a class or function pickles by name, so two jobs
+    running different code under the same names must not share a pool."""
+    names = set()
+    for obj in objects:
+        for owner in (obj, type(obj)):
+            module = getattr(owner, "__module__", None)
+            if isinstance(module, str):
+                names.add(module)
+    files = []
+    for name in sorted(names):
+        path = getattr(sys.modules.get(name), "__file__", None)
+        if path and os.path.isfile(path):
+            files.append(path)
+    return files
+
+
+def digest(code: tuple, *parts: object) -> str:
+    """The pool key: what the workers run (`code`: the dataset, collate_fn and
+    worker_init_fn), pickled and hashed, with the source files their code comes from, and
+    `parts`. Objects that do not pickle (lambdas, open files) cannot be shared by key."""
+    hasher = _Hasher()
     try:
-        data = pickle.dumps(parts, protocol=pickle.HIGHEST_PROTOCOL)
+        pickle.Pickler(hasher, protocol=pickle.HIGHEST_PROTOCOL).dump((code, parts))
     except Exception as e:  # noqa: BLE001 (pickle raises many kinds)
         raise TypeError(
             "pool='node' shares worker processes between trainers that run the same code on "
@@ -88,7 +127,11 @@ def digest(*parts: object) -> str:
             f"one of them does not pickle ({type(e).__name__}: {e}). Use pool='rank' (each "
             "trainer its own workers), or make them picklable (no lambdas or open files)"
         ) from e
-    return hashlib.sha256(data).hexdigest()[:32]
+    for path in _code_files(code):
+        hasher.write(path.encode())
+        with open(path, "rb") as f:
+            hasher.write(f.read())
+    return hasher.sha.hexdigest()[:32]
 
 
 def peer_uid(sock: socket.socket) -> int:
@@ -101,6 +144,18 @@ def _paths(key: str, slot: int) -> tuple:
     return base + ".sock", base + ".lock"
 
 
+def _own_output() -> list:
+    """This process's stdout and stderr, each /dev/null where it has none."""
+    fds = []
+    for fd in (1, 2):
+        try:
+            os.fstat(fd)
+            fds.append(os.dup(fd))
+        except OSError:
+            fds.append(os.open(os.devnull, os.O_WRONLY))
+    return fds
+
+
 def _try_connect(path: str) -> Optional[Connection]:
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
@@ -111,13 +166,17 @@ def _try_connect(path: str) -> Optional[Connection]:
     if peer_uid(sock) != os.getuid():
         sock.close()
         raise PermissionError(f"{path} is served by another uid: refusing to send it work")
+    fds = _own_output()
     try:
         # This process's stdout and stderr: what the session's code prints goes where this
         # process's own output goes (and not to the process that started the pool).
-        socket.send_fds(sock, [b"o"], [1, 2])
+        socket.send_fds(sock, [b"o"], fds)
     except OSError:
         sock.close()
         return None  # it was leaving: connect again
+    finally:
+        for fd in fds:
+            os.close(fd)
     return Connection(sock.detach())
 
 
@@ -157,11 +216,21 @@ def connect(key: str, slot: int, start: Callable[[int, str], None]) -> Connectio
         time.sleep(0.01)
 
 
+class Leave(BaseException):
+    """Raised in a slot's process by SIGTERM: it deletes what its sessions made and leaves
+    (a BaseException, so that a session's `except Exception` does not take it)."""
+
+
+def _leave_on_sigterm(*_: object) -> None:
+    raise Leave
+
+
 def detach(lock_fd: int, main: Callable[[], None]) -> None:
-    """Runs `main` in a detached grandchild of this process that keeps `lock_fd` (its slot's
-    lock) and nothing else this process had open; returns once the child in between is
-    reaped. The grandchild ends with `os._exit`: nothing of this process's (its exit hooks,
-    its objects' finalizers) runs there."""
+    """Runs `main` in a detached grandchild of this process (its own session) that keeps
+    `lock_fd` (its slot's lock) and nothing else this process had open; returns once the child
+    in between is reaped. The grandchild ends with `os._exit`: nothing of this process's (its
+    exit hooks, its objects' finalizers) runs there. It stays in this process's cgroup and
+    keeps its CPU affinity and environment."""
     pid = os.fork()
     if pid:
         os.waitpid(pid, 0)
@@ -172,17 +241,34 @@ def detach(lock_fd: int, main: Callable[[], None]) -> None:
         if os.fork():
             os._exit(0)
         _release_inherited(keep={lock_fd})
+        _name_process(b"feedstore-pool")
+        # Python's streams afresh: another thread of the trainer may have held a stream's
+        # buffer lock at the fork, which nothing here would ever release.
+        _fresh_streams()
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGPIPE, signal.SIG_IGN)  # a trainer's closed pipe: an error
+        signal.signal(signal.SIGTERM, _leave_on_sigterm)
         main()
         code = 0
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else 0
+    except Leave:
+        code = 0
     except BaseException:  # noqa: BLE001 (nothing above it to raise to)
-        import traceback
-
         traceback.print_exc()
     finally:
         os._exit(code)
+
+
+def _name_process(name: bytes) -> None:
+    """What `ps -o comm` and `top` show (the command line stays the starting trainer's)."""
+    try:
+        ctypes.CDLL(None).prctl(15, name, 0, 0, 0)  # PR_SET_NAME
+    except (OSError, AttributeError):
+        pass
+
+
+def _fresh_streams() -> None:
+    sys.stdout = open(1, "w", closefd=False, buffering=1)  # noqa: SIM115
+    sys.stderr = open(2, "w", closefd=False, buffering=1)  # noqa: SIM115
 
 
 def _release_inherited(keep: set) -> None:
@@ -202,20 +288,62 @@ def _release_inherited(keep: set) -> None:
     os.close(null)
 
 
-def leave(key_path: str) -> None:
-    """Removes a slot's socket and lock files; called by its process, holding the lock, as it
-    leaves (nobody can be binding the socket meanwhile, and a trainer that opened the lock file
-    before it went sees that it is not the one at the path)."""
-    for suffix in (".sock", ".lock"):
+def output_to(fds: Optional[list]) -> None:
+    """Points stdout and stderr at `fds` (a session's trainer's), or at /dev/null, after
+    writing out what is buffered for the previous ones. Output that cannot be written there
+    (that trainer's pipe has no reader any more) is dropped, not kept for the next one."""
+    for stream in (sys.stdout, sys.stderr):
         try:
-            os.unlink(key_path + suffix)
-        except FileNotFoundError:
-            pass
+            stream.flush()
+        except (OSError, ValueError):
+            _fresh_streams()  # (a failed flush keeps its buffer: dropped with the object)
+            break
+    null = os.open(os.devnull, os.O_WRONLY) if fds is None else None
+    os.dup2(null if fds is None else fds[0], 1)
+    os.dup2(null if fds is None else fds[1], 2)
+    if null is not None:
+        os.close(null)
 
 
-def listen(path: str) -> socket.socket:
+def linger_seconds() -> float:
+    """$FEEDSTORE_POOL_LINGER_SECONDS, or the default; checked by the trainer before it starts
+    a process (whose own errors nobody would see)."""
+    value = os.environ.get("FEEDSTORE_POOL_LINGER_SECONDS", "")
+    try:
+        linger = float(value) if value else LINGER_SECONDS
+    except ValueError:
+        linger = -1.0
+    if not 0 <= linger < float("inf"):
+        raise ValueError(
+            f"FEEDSTORE_POOL_LINGER_SECONDS={value!r}: expected the seconds a pool's process "
+            "stays after its last trainer (0 or more)"
+        )
+    return linger
+
+
+def run_slot(lock_fd: int, path: str, open_session) -> None:
+    """A slot process's life: binds `path`, serves, and as it leaves removes its socket and
+    lock files, each only if it is still the file this process made (the directory may have
+    been removed and made again, with another process's files in it)."""
+    listener, sock_ino = _listen(path)
+    try:
+        serve(listener, open_session)
+    finally:
+        for file, ino in ((path, sock_ino), (_lock_path(path), os.fstat(lock_fd).st_ino)):
+            try:
+                if os.stat(file).st_ino == ino:
+                    os.unlink(file)
+            except FileNotFoundError:
+                pass
+
+
+def _lock_path(sock_path: str) -> str:
+    return sock_path.removesuffix(".sock") + ".lock"
+
+
+def _listen(path: str) -> tuple:
     """The slot's socket, bound afresh (a dead process's socket file is removed: the lock says
-    no process serves it)."""
+    no process serves it), and the inode of its file."""
     try:
         os.unlink(path)
     except FileNotFoundError:
@@ -224,13 +352,17 @@ def listen(path: str) -> socket.socket:
     sock.bind(path)
     os.chmod(path, 0o600)
     sock.listen(64)
-    return sock
+    return sock, os.stat(path).st_ino
 
 
-def accept(listener: socket.socket) -> Optional[tuple]:
+def _accept(listener: socket.socket) -> Optional[tuple]:
     """The next session's connection and its trainer's stdout and stderr; None for a peer of
-    another uid (closed unread) or one that did not send them."""
-    sock, _ = listener.accept()
+    another uid (closed unread), one that did not send them in time, or a failed accept
+    (out of descriptors: the peer sees its connection closed and tries again)."""
+    try:
+        sock, _ = listener.accept()
+    except OSError:
+        return None
     if peer_uid(sock) != os.getuid():
         sock.close()
         return None
@@ -249,56 +381,59 @@ def accept(listener: socket.socket) -> Optional[tuple]:
     return Connection(sock.detach()), fds
 
 
-def quiet() -> None:
-    """Points stdout and stderr at /dev/null (after writing out what is buffered)."""
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):
-            pass
-    null = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(null, 1)
-    os.dup2(null, 2)
-    os.close(null)
-
-
-def linger_seconds() -> float:
-    return float(os.environ.get("FEEDSTORE_POOL_LINGER_SECONDS", LINGER_SECONDS))
-
-
 def serve(listener: socket.socket, open_session) -> None:
-    """The slot process's loop: accepts sessions, gives each message to its session
-    (`open_session(conn, fds)` returns an object with `handle(message) -> bool` and `close()`;
-    `fds` are its trainer's stdout and stderr, the session's to close), one message per ready
-    session in turn, and returns once no session has been open for `linger_seconds()`. While
-    none is, its stdout and stderr are /dev/null: it holds no trainer's pipes open."""
+    """The slot process's loop: accepts sessions (at most `MAX_SESSIONS`), gives each message
+    to its session (`open_session(conn, fds)` returns an object with `handle(message) -> bool`
+    and `close()`; `fds` are its trainer's stdout and stderr, the session's to close), one
+    message per ready session in turn, and returns once no session has been open for
+    `linger_seconds()`. A session that fails (a message that does not unpickle, an error
+    outside what a worker reports, its trainer gone) is closed alone; its traceback goes to
+    its trainer's stderr."""
     linger = linger_seconds()
     sessions: dict = {}
     idle_since = time.monotonic()
+    # Until its first session, it waits for the trainer that started it at least as long as
+    # that trainer tries to connect.
+    first = max(linger, CONNECT_SECONDS)
+
+    def end(conn: Connection) -> None:
+        nonlocal idle_since
+        session = sessions.pop(conn)
+        try:
+            session.close()
+        except Exception:  # noqa: BLE001 (a session's failure is its own)
+            traceback.print_exc()
+        conn.close()
+        if not sessions:
+            idle_since = time.monotonic()
+            output_to(None)
+
     try:
-        while sessions or time.monotonic() - idle_since < linger:
+        while sessions or time.monotonic() - idle_since < first:
             ready = wait([listener, *sessions], timeout=POLL_SECONDS)
             for item in ready:
                 if item is listener:
-                    accepted = accept(listener)
-                    if accepted is not None:
-                        conn, fds = accepted
-                        sessions[conn] = open_session(conn, fds)
+                    accepted = _accept(listener)
+                    if accepted is None:
+                        continue
+                    conn, fds = accepted
+                    if len(sessions) >= MAX_SESSIONS:
+                        for fd in fds:
+                            os.close(fd)
+                        conn.close()
+                        continue
+                    sessions[conn] = open_session(conn, fds)
+                    first = linger
                     continue
-                session = sessions[item]
                 try:
-                    message = item.recv()
-                    more = session.handle(message)
+                    more = sessions[item].handle(item.recv())
                 except (EOFError, OSError):
                     more = False
+                except (Exception, SystemExit):  # noqa: BLE001 (this session's alone)
+                    traceback.print_exc()
+                    more = False
                 if not more:
-                    del sessions[item]
-                    session.close()
-                    item.close()
-                    if not sessions:
-                        idle_since = time.monotonic()
-                        quiet()
+                    end(item)
     finally:
-        for conn, session in sessions.items():
-            session.close()
-            conn.close()
+        for conn in list(sessions):
+            end(conn)

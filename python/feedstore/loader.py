@@ -394,21 +394,14 @@ class _PoolSlot:
             self.current.saved = (_rng_state(), torch_utils.worker._worker_info)
         self.current = session
         # What the session's code prints goes to its own trainer's stdout and stderr.
-        for stream in (sys.stdout, sys.stderr):
-            stream.flush()
-        os.dup2(session.fds[0], 1)
-        os.dup2(session.fds[1], 2)
+        _pool.output_to(session.fds)
         if session.saved is not None:
             _set_rng_state(session.saved[0])
             torch_utils.worker._worker_info = session.saved[1]
 
-    def serve(self, path: str) -> None:
-        signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    def serve(self, lock_fd: int, path: str) -> None:
         torch.set_num_threads(1)
-        try:
-            _pool.serve(_pool.listen(path), self.open)
-        finally:
-            _pool.leave(path.removesuffix(".sock"))
+        _pool.run_slot(lock_fd, path, self.open)
 
 
 class _PoolSession:
@@ -430,6 +423,11 @@ class _PoolSession:
             if not (isinstance(message, tuple) and message[0] == "hello"):
                 return False
             shared = slot.shared
+            if slot.client is not None:
+                try:
+                    slot.client.stats()  # (the daemon may have restarted while it lingered)
+                except feedstore.FeedstoreError:
+                    slot.client = None  # sessions still on it see their errors
             if slot.client is None:
                 try:
                     slot.client = feedstore.Client(
@@ -458,10 +456,11 @@ class _PoolSession:
 
     def close(self) -> None:
         if self.loop is not None:
-            self.slot.switch(self)
             self.loop.finish()
         if self.slot.current is self:
+            # Its trainer's pipes are let go now, whoever else is still served.
             self.slot.current = None
+            _pool.output_to(None)
         for fd in self.fds:
             os.close(fd)
 
@@ -709,19 +708,10 @@ class _StoreIter(_Primed, _BaseDataLoaderIter):
             on_error=loader.feedstore_on_error,
             replay_index=[None] * (loader.batch_size or 1) if self._auto_collation else None,
         )
-        # A node's pool: its key is what its processes run (and which feedstore runs it).
         self._pool_key: Optional[str] = None
-        if loader.feedstore_pool == "node":
-            self._pool_key = _pool.digest(
-                self._dataset,
-                self._collate_fn,
-                loader.worker_init_fn,
-                loader.feedstore_socket,
-                os.environ.get("FEEDSTORE_SOCKET"),
-                feedstore.__version__,
-                sys.executable,
-            )
         try:
+            if loader.feedstore_pool == "node":
+                self._pool_key = loader._feedstore_pool_key()
             saved = (resume or {}).get("workers")
             if self._pool_key is not None:
                 self._join_pool(
@@ -818,7 +808,7 @@ class _StoreIter(_Primed, _BaseDataLoaderIter):
 
         def starter(w: int):
             def start(lock_fd: int, path: str) -> None:
-                _pool.detach(lock_fd, lambda: _PoolSlot(w, shared).serve(path))
+                _pool.detach(lock_fd, lambda: _PoolSlot(w, shared).serve(lock_fd, path))
 
             return start
 
@@ -834,11 +824,13 @@ class _StoreIter(_Primed, _BaseDataLoaderIter):
             for w, conn in conns.items():
                 try:
                     # (The process may be making a batch for another trainer first.)
-                    if self._timeout > 0 and not conn.poll(self._timeout):
+                    wait = self._timeout if self._timeout > 0 else _pool.HELLO_SECONDS
+                    if not conn.poll(wait):
                         conn.close()
                         raise RuntimeError(
-                            f"DataLoader timed out after {self._timeout} seconds waiting for "
-                            f"worker {w}'s process in the node's pool"
+                            f"DataLoader timed out after {wait:.0f} seconds waiting for worker "
+                            f"{w}'s process in the node's pool to take it (pid unknown; a "
+                            "batch of another trainer's taking that long, or a hung dataset)"
                         )
                     kind, pid = conn.recv()
                 except (EOFError, OSError):
@@ -1136,8 +1128,9 @@ class _StoreIter(_Primed, _BaseDataLoaderIter):
             if worker.process is None:
                 # A pool's session: it deletes what it made and says so; a process that died
                 # (or is busy past the deadline) leaves its pinned batches to this side.
-                if not self._said_bye(worker.conn, deadline):
-                    leftovers += [*worker.unconfirmed, *worker.reserved]
+                bye, made = self._said_bye(worker.conn, deadline)
+                if not bye:
+                    leftovers += [*worker.unconfirmed, *worker.reserved, *made]
                 continue
             worker.process.join(timeout=max(0.0, deadline - time.monotonic()))
         for worker in live:
@@ -1161,15 +1154,20 @@ class _StoreIter(_Primed, _BaseDataLoaderIter):
         _LIVE.discard(self)
 
     @staticmethod
-    def _said_bye(conn: multiprocessing.connection.Connection, deadline: float) -> bool:
-        """Whether a pool's session, told to stop, said it had (replies before it dropped)."""
+    def _said_bye(conn: multiprocessing.connection.Connection, deadline: float) -> tuple:
+        """Whether a pool's session, told to stop, said it had, and the batches its last
+        replies named (reserved or made: to delete, if it did not say so)."""
+        made = []
         try:
             while conn.poll(max(0.0, deadline - time.monotonic())):
-                if conn.recv() == ("bye",):
-                    return True
+                reply = conn.recv()
+                if reply == ("bye",):
+                    return True, made
+                if reply[0] == "reserved" or (reply[0] == "ok" and isinstance(reply[2], str)):
+                    made.append(reply[1] if reply[0] == "reserved" else reply[2])
         except (EOFError, OSError):
             pass
-        return False
+        return False, made
 
     def _delete(self, handles: List[str]) -> None:
         """Deletes batch objects whose workers are gone, through a writer connection of its
@@ -1303,13 +1301,16 @@ class DataLoader(torch.utils.data.DataLoader):
       left out of its batch and counted in ``feedstore_counters.skipped_samples``; a batch with
       no samples left is skipped).
     - ``pool``: ``"rank"`` (each trainer its own ``num_workers`` processes, as torch) or
-      ``"node"`` (one pool per node: worker ``w`` of every trainer on this node that loads the
-      same dataset, ``collate_fn`` and ``worker_init_fn`` is one process, so local ranks and the
-      jobs of a sweep share ``num_workers`` processes instead of each starting its own; each
-      trainer's batches are still exactly torch's for its own sampler and seeds). Map-style
-      datasets, fork start method; the dataset, ``collate_fn`` and ``worker_init_fn`` must
-      pickle (their pickle is the pool's key), and ``worker_init_fn`` runs once per trainer's
-      worker in the shared process. A pool's process leaves ``FEEDSTORE_POOL_LINGER_SECONDS``
+      ``"node"`` (one pool per node: worker ``w`` of every trainer on this node with the same
+      key is one process, so local ranks and the jobs of a sweep share ``num_workers``
+      processes). The key: the pickle of the dataset, ``collate_fn`` and ``worker_init_fn``,
+      the source files of the modules defining them, ``sys.argv``, the daemon's socket. Each
+      trainer's worker is a session with its own random states and worker info, so its
+      batches are torch's when samples depend on their index and those random states; the
+      dataset object, module globals, and the environment, cgroup, CPU affinity and memory the
+      process inherited from the trainer that started it are shared. Map-style datasets, fork
+      start method; ``worker_init_fn`` runs once per trainer's worker in the shared process; a
+      process makes one batch at a time and leaves ``FEEDSTORE_POOL_LINGER_SECONDS``
       (default 10) after its last trainer.
 
     Batches are torch's, element for element. Their tensors are views of one read-only
@@ -1333,6 +1334,7 @@ class DataLoader(torch.utils.data.DataLoader):
         self.feedstore_socket = socket
         self.feedstore_on_error = on_error
         self.feedstore_pool = pool
+        self._feedstore_key: Optional[str] = None
         self.feedstore_counters = _Counters()
         self._feedstore_resume: Optional[dict] = None
         # The latest iterator: held strongly only for persistent workers (as torch does), so
@@ -1352,9 +1354,28 @@ class DataLoader(torch.utils.data.DataLoader):
             if context.get_start_method() != "fork":
                 raise ValueError(
                     "pool='node' forks the pool's processes from the trainer (they get its "
-                    f"dataset as forked workers do); multiprocessing_context is "
-                    f"{context.get_start_method()!r}"
+                    f"dataset as forked workers do); the start method is "
+                    f"{context.get_start_method()!r}: pass multiprocessing_context='fork'"
                 )
+
+    def _feedstore_pool_key(self) -> str:
+        """The node pool's key: what its processes run (and which daemon, feedstore and Python
+        they run with). Hashed once per loader: a dataset holding its data in memory is
+        pickled (into the hash, not into memory) in full."""
+        _pool.linger_seconds()  # (a bad value is the trainer's error, not a silent process's)
+        if self._feedstore_key is None:
+            self._feedstore_key = _pool.digest(
+                (self.dataset, self.collate_fn, self.worker_init_fn),
+                # The script and its arguments: jobs of a sweep that configure their data
+                # through arguments (read into globals the pool's processes would not see)
+                # do not share a pool unless their arguments are the same.
+                sys.argv,
+                self.feedstore_socket,
+                os.environ.get("FEEDSTORE_SOCKET"),
+                feedstore.__version__,
+                sys.executable,
+            )
+        return self._feedstore_key
 
     def _feedstore_take_resume(self) -> Optional[dict]:
         resume, self._feedstore_resume = self._feedstore_resume, None

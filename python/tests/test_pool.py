@@ -10,6 +10,7 @@ feedstored, shared by loaders in this process and in other real processes."""
 import fcntl
 import os
 import pathlib
+import random
 import shutil
 import signal
 import socket
@@ -19,6 +20,7 @@ import tempfile
 import textwrap
 import time
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch", reason="the torch adapter needs torch (python3-torch)")
@@ -31,7 +33,7 @@ from test_loader import (  # noqa: E402
     DiesOnce,
     Shards,
     assert_same_batches,
-    seeded,
+    same,
     store_empty,
 )
 
@@ -69,16 +71,26 @@ def held(lock):
         os.close(fd)
 
 
-def torchs(dataset, **kwargs):
-    seeded()
-    return list(tud.DataLoader(dataset, generator=torch.Generator().manual_seed(7), **kwargs))
+def seeded(seed=5):
+    torch.manual_seed(seed)
+    random.seed(seed)
+    np.random.seed(seed)
 
 
-def pooled(dataset, daemon, **kwargs):
+def torchs(dataset, seed=7, **kwargs):
+    seeded(seed)
+    return list(tud.DataLoader(dataset, generator=torch.Generator().manual_seed(seed), **kwargs))
+
+
+def pooled(dataset, daemon, seed=7, **kwargs):
     return DataLoader(
-        dataset, socket=daemon.socket, pool="node", generator=torch.Generator().manual_seed(7),
-        **kwargs,
+        dataset, socket=daemon.socket, pool="node",
+        generator=torch.Generator().manual_seed(seed), **kwargs,
     )
+
+
+def same_batch(a, b):
+    return same(a, b)
 
 
 def pids(iterator):
@@ -87,22 +99,28 @@ def pids(iterator):
 
 
 def test_two_loaders_share_one_pool_and_each_gets_torchs_batches(daemon, pools):
-    """Two trainers' loaders over the same data, side by side: one process per slot serves
-    both, each trainer's random augmentations come from its own workers' seeds."""
-    theirs = torchs(Augmented(), batch_size=4, shuffle=True, num_workers=2)
-    first, second = (pooled(Augmented(), daemon, batch_size=4, shuffle=True, num_workers=2)
-                     for _ in range(2))
-    seeded()
-    a = iter(first)
-    seeded()
-    b = iter(second)
-    ours = [next(a), next(b)]
+    """Two trainers' loaders over the same data, side by side, with seeds of their own: one
+    process per slot serves both, and each trainer's random augmentations come from its own
+    workers' seeds (a session's random state never leaks into the other's)."""
+    theirs = [torchs(Augmented(), batch_size=4, shuffle=True, num_workers=2, seed=seed)
+              for seed in (7, 8)]
+    iterators = []
+    for seed in (7, 8):
+        loader = pooled(Augmented(), daemon, batch_size=4, shuffle=True, num_workers=2,
+                        seed=seed)
+        seeded(seed)
+        iterators.append(iter(loader))
+    a, b = iterators
     assert pids(a) == pids(b) and len(set(pids(a))) == 2
     assert os.getpid() not in pids(a)
-    ours_a, ours_b = [ours[0], *a], [ours[1], *b]
-    assert_same_batches(ours_a, theirs)
-    assert_same_batches(ours_b, theirs)
-    del ours, ours_a, ours_b
+    ours = [[], []]
+    for pair in zip(a, b):  # alternating: the sessions take turns in each process
+        for mine, batch in zip(ours, pair):
+            mine.append(batch)
+    for mine, expected in zip(ours, theirs):
+        assert_same_batches(mine, expected)
+    assert not any(map(same_batch, ours[0], ours[1]))  # the seeds did differ
+    del ours, pair, batch, mine, iterators, a, b
     store_empty(daemon)
 
 
@@ -115,13 +133,15 @@ def test_a_pool_process_killed_with_sigkill_is_started_again_for_both_loaders(
                for _ in range(2)]
     iterators = []
     for loader in loaders:
-        seeded()
+        seeded(7)
         iterators.append(iter(loader))
     ours = [[], []]
     for pair in zip(*iterators):
         for mine, batch in zip(ours, pair):
             mine.append(batch)
     assert marker.exists()  # a pool process really died
+    killed = int((tmp_path / "killed").read_text())
+    assert killed not in pids(iterators[0]) + pids(iterators[1])  # replaced, for both
     # (A loader whose session in it had not started yet is simply connected again.)
     assert [l.feedstore_counters.worker_restarts for l in loaders] in ([1, 1], [1, 0], [0, 1])
     for mine in ours:
@@ -146,10 +166,11 @@ time.sleep(600)  # killed here, holding a batch, with more made for it in the po
 
 
 def test_a_trainer_killed_with_sigkill_leaves_nothing_in_the_store_and_the_pool_serves_on(
-    daemon, pools, tmp_path
+    daemon, pools, tmp_path, monkeypatch
 ):
     script = tmp_path / "rank.py"
     script.write_text(RANK.format(tests=str(TESTS), socket=daemon.socket))
+    monkeypatch.setattr(sys, "argv", [str(script)])  # (the key has the script and arguments)
     rank = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, env=dict(os.environ))
     try:
@@ -158,7 +179,7 @@ def test_a_trainer_killed_with_sigkill_leaves_nothing_in_the_store_and_the_pool_
         their_pids = eval(line)
         theirs = torchs(Augmented(), batch_size=4, shuffle=True, num_workers=2)
         loader = pooled(Augmented(), daemon, batch_size=4, shuffle=True, num_workers=2)
-        seeded()
+        seeded(7)
         iterator = iter(loader)
         ours = [next(iterator)]
         assert pids(iterator) == their_pids  # the other process's pool
@@ -191,6 +212,11 @@ def test_what_a_pool_cannot_share_is_refused_with_a_reason(daemon, pools):
         pooled(Shards(), daemon, batch_size=4, num_workers=2)
     with pytest.raises(ValueError, match="expected 'rank' or 'node'"):
         DataLoader(Augmented(), pool="cluster")
+    for linger in ("abc", "-1"):
+        os.environ["FEEDSTORE_POOL_LINGER_SECONDS"] = linger
+        with pytest.raises(ValueError, match="FEEDSTORE_POOL_LINGER_SECONDS"):
+            iter(pooled(Augmented(), daemon, batch_size=4, num_workers=2))
+    assert not list(pools.glob("*"))  # nothing was started
 
 
 NOBODY = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, "-c"]
@@ -224,8 +250,15 @@ def test_another_uid_can_neither_reach_a_pool_nor_plant_one(daemon, pools, tmp_p
             print("closed unread")
         """
     )
-    # Through the file system: the pool's directory is its uid's alone.
-    done = subprocess.run(NOBODY + [attack], capture_output=True, timeout=60)
+    # Through the file system: the pool's directory is its uid's alone (everything above it
+    # open to all, the socket itself too).
+    pools.parent.chmod(0o755)
+    path.chmod(0o777)
+    try:
+        done = subprocess.run(NOBODY + [attack], capture_output=True, timeout=60)
+    finally:
+        pools.parent.chmod(0o700)
+        path.chmod(0o600)
     assert done.stdout.decode().strip() == "refused by the file system", done.stderr.decode()
     # With the modes opened (an admin's mistake), the pool still checks who connects.
     for opened in (pools.parent, pools):
@@ -281,21 +314,90 @@ print("pool", pid)
 
 def test_what_the_dataset_prints_goes_to_the_trainer_it_works_for(daemon, pools, tmp_path,
                                                                   monkeypatch):
-    """Two trainers one after the other on one lingering pool process: each trainer's output
-    has what the dataset printed for it, and ends when the trainer does (the pool does not hold
-    the first trainer's pipe open while it lingers)."""
+    """Two trainers one after the other on one lingering pool process, while a third (this
+    process, persistent workers) keeps a session open in it: each trainer's output has what
+    the dataset printed for it, and ends when the trainer does (the pool holds no finished
+    trainer's pipe open, whoever else it serves)."""
     monkeypatch.setenv("FEEDSTORE_POOL_LINGER_SECONDS", "300")
     script = tmp_path / "chatty.py"
     script.write_text(CHATTY.format(tests=str(TESTS), socket=daemon.socket))
+    monkeypatch.setattr(sys, "argv", [str(script)])  # (the key has the script and arguments)
     outputs = []
-    for _ in range(2):
-        done = subprocess.run([sys.executable, str(script)], capture_output=True, timeout=200)
-        assert done.returncode == 0, done.stderr.decode()[-3000:]
-        outputs.append(done.stdout.decode().splitlines())
-        # The pipe ended while the pool lives on.
-        assert any(map(held, pools.glob("*.lock")))
-    pids = {lines[-1] for lines in outputs}
-    assert len(pids) == 1  # one process served both
-    for lines in outputs:
-        assert sorted(lines[:-1]) == [f"made {i}" for i in range(6)]
-    os.kill(int(pids.pop().split()[1]), signal.SIGTERM)
+    pool_pids = set()
+    staying = None
+    try:
+        for _ in range(2):
+            # (subprocess.run reads each trainer's output to its end: a pool holding the pipe
+            # would stall it until its timeout.)
+            done = subprocess.run([sys.executable, str(script)], capture_output=True, timeout=200)
+            assert done.returncode == 0, done.stderr.decode()[-3000:]
+            outputs.append(done.stdout.decode().splitlines())
+            pool_pids.add(int(outputs[-1][-1].split()[1]))
+            if len(outputs) == 1:
+                # A session of this process's, open (and idle) from now on in the same process.
+                staying = iter(DataLoader(Chatty(), batch_size=2, num_workers=1, pool="node",
+                                          socket=daemon.socket, persistent_workers=True))
+                next(staying)
+                assert pids(staying) == sorted(pool_pids)
+        assert len(pool_pids) == 1  # one process served all
+        for lines in outputs:
+            assert sorted(lines[:-1]) == [f"made {i}" for i in range(6)]
+        assert any(map(held, pools.glob("*.lock")))  # it lingers
+    finally:
+        if staying is not None:
+            staying._shutdown()  # (before the pool goes: it would be started again)
+        for pid in pool_pids:
+            os.kill(pid, signal.SIGTERM)
+
+
+def test_a_malformed_session_is_closed_alone(daemon, pools):
+    """A session whose hello is not a worker's (a bug, another version) ends that session
+    only: the process serves on, for the trainers it had."""
+    iterator = iter(pooled(Augmented(), daemon, batch_size=4, num_workers=2))
+    first = next(iterator)
+    served_by = pids(iterator)
+    for hello in (("hello", {"no such argument": 1}), "not a tuple", ("hello",)):
+        (path,) = pools.glob("*-0.sock")
+        conn = _pool._try_connect(str(path))
+        conn.send(hello)
+        with pytest.raises(EOFError):
+            conn.recv()  # closed, no reply
+        conn.close()
+    assert 1 + len(list(iterator)) == 10
+    assert pids(iterator) == served_by
+    del first, iterator
+    store_empty(daemon)
+
+
+def test_a_pool_lingering_across_a_daemon_restart_connects_to_the_new_daemon(
+    daemon, pools, tmp_path, monkeypatch
+):
+    from conftest import binary
+
+    monkeypatch.setenv("FEEDSTORE_POOL_LINGER_SECONDS", "60")
+    theirs = torchs(Augmented(), batch_size=4, num_workers=2)
+    seeded(7)
+    iterator = iter(pooled(Augmented(), daemon, batch_size=4, num_workers=2))
+    served_by = pids(iterator)
+    try:
+        assert_same_batches(list(iterator), theirs)
+        # The pool lingers, connected to a daemon that now goes and comes back.
+        daemon.process.send_signal(signal.SIGTERM)
+        daemon.process.wait(timeout=30)
+        with open(tmp_path / "feedstored-2.log", "wb") as log:
+            daemon.process = subprocess.Popen(
+                [binary("feedstored"), "--socket", daemon.socket, "--capacity", "256MiB",
+                 "--prefault", "false"], stderr=log,
+            )
+        deadline = time.monotonic() + 60
+        while not os.path.exists(daemon.socket):
+            assert time.monotonic() < deadline, "feedstored did not come back"
+            time.sleep(0.01)
+        seeded(7)
+        iterator = iter(pooled(Augmented(), daemon, batch_size=4, num_workers=2))
+        assert pids(iterator) == served_by  # the same processes, on the new daemon
+        assert_same_batches(list(iterator), theirs)
+    finally:
+        del iterator
+        for pid in served_by:
+            os.kill(pid, signal.SIGTERM)
