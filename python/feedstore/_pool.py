@@ -33,9 +33,11 @@ from __future__ import annotations
 
 import ctypes
 import fcntl
+import gc
 import hashlib
 import os
 import pickle
+import select
 import signal
 import socket
 import stat
@@ -43,6 +45,7 @@ import struct
 import sys
 import time
 import traceback
+import types
 from multiprocessing.connection import Connection, wait
 from typing import Callable, Optional
 
@@ -51,7 +54,7 @@ from typing import Callable, Optional
 # workers, or a job of a sweep started a little later, finds it warm.
 LINGER_SECONDS = 10.0
 # How long a trainer tries to reach a slot's process (starting it when none holds the slot).
-CONNECT_SECONDS = 60.0
+CONNECT_SECONDS = 30.0
 # A slot whose process dies this many times before accepting a connection is an error.
 MAX_STARTS = 3
 POLL_SECONDS = 1.0
@@ -61,7 +64,7 @@ ACCEPT_SECONDS = 2.0
 MAX_SESSIONS = 256
 # How long a trainer waits for a slot's process to take its session (it may be making a batch
 # for another trainer first), unless the loader's `timeout` says otherwise.
-HELLO_SECONDS = 120.0
+HELLO_SECONDS = 60.0
 _CREDS = struct.Struct("3i")  # struct ucred: pid, uid, gid
 
 
@@ -95,31 +98,50 @@ class _Hasher:
         self.sha.update(data)
 
 
-def _code_files(objects: tuple) -> list:
-    """The source files of the modules that define `objects` (their functions, their classes,
-    the main script when they come from it): a class or function pickles by name, so two jobs
-    running different code under the same names must not share a pool."""
-    names = set()
-    for obj in objects:
-        for owner in (obj, type(obj)):
-            module = getattr(owner, "__module__", None)
-            if isinstance(module, str):
-                names.add(module)
+class _KeyPickler(pickle.Pickler):
+    """Pickles what a pool runs into a hash that is the same in every process that has the
+    same objects: `identity(obj)` may stand in for an object whose pickle is not (torch's
+    names a tensor's storage by its address); and it notes the module of every class and
+    function it meets (a class pickles by its name: its code is hashed from its source)."""
+
+    def __init__(self, file: _Hasher, identity: Callable[[object], Optional[str]]) -> None:
+        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+        self.identity = identity
+        self.modules: set = set()
+
+    def reducer_override(self, obj: object):  # noqa: ANN201 (pickle's protocol)
+        owner = obj if isinstance(obj, (type, types.FunctionType, types.BuiltinFunctionType)) \
+            else type(obj)
+        module = getattr(owner, "__module__", None)
+        if isinstance(module, str):
+            self.modules.add(module)
+        if not isinstance(obj, type):
+            name = self.identity(obj)
+            if name is not None:
+                return (str, (name,))
+        return NotImplemented
+
+
+def _code_files(modules: set) -> list:
     files = []
-    for name in sorted(names):
+    for name in sorted(modules):
         path = getattr(sys.modules.get(name), "__file__", None)
         if path and os.path.isfile(path):
             files.append(path)
     return files
 
 
-def digest(code: tuple, *parts: object) -> str:
+def digest(code: tuple, *parts: object, identity=lambda obj: None) -> str:
     """The pool key: what the workers run (`code`: the dataset, collate_fn and
-    worker_init_fn), pickled and hashed, with the source files their code comes from, and
-    `parts`. Objects that do not pickle (lambdas, open files) cannot be shared by key."""
+    worker_init_fn) and `parts`, pickled into a hash (never held whole), with the source files
+    of the modules of every class and function in them. Objects that do not pickle (lambdas,
+    open files) cannot be shared by key. A set pickles in its iteration order, which for
+    strings differs from process to process (PYTHONHASHSEED): such trainers get pools of
+    their own."""
     hasher = _Hasher()
+    pickler = _KeyPickler(hasher, identity)
     try:
-        pickle.Pickler(hasher, protocol=pickle.HIGHEST_PROTOCOL).dump((code, parts))
+        pickler.dump((code, parts))
     except Exception as e:  # noqa: BLE001 (pickle raises many kinds)
         raise TypeError(
             "pool='node' shares worker processes between trainers that run the same code on "
@@ -127,11 +149,28 @@ def digest(code: tuple, *parts: object) -> str:
             f"one of them does not pickle ({type(e).__name__}: {e}). Use pool='rank' (each "
             "trainer its own workers), or make them picklable (no lambdas or open files)"
         ) from e
-    for path in _code_files(code):
+    for path in _code_files(pickler.modules):
         hasher.write(path.encode())
         with open(path, "rb") as f:
             hasher.write(f.read())
     return hasher.sha.hexdigest()[:32]
+
+
+def launcher_free(argv: list) -> list:
+    """`argv` without the `--local_rank N` that some launchers (DeepSpeed's, torch's legacy
+    `torch.distributed.launch`) give each rank: the ranks of one job share a pool."""
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+            continue
+        if arg in ("--local_rank", "--local-rank"):
+            skip = True
+            continue
+        if arg.startswith(("--local_rank=", "--local-rank=")):
+            continue
+        out.append(arg)
+    return out
 
 
 def peer_uid(sock: socket.socket) -> int:
@@ -141,7 +180,16 @@ def peer_uid(sock: socket.socket) -> int:
 
 def _paths(key: str, slot: int) -> tuple:
     base = os.path.join(pool_dir(), f"{key}-{slot}")
+    if len(os.fsencode(base + ".sock")) > 107:
+        raise ValueError(
+            f"{base}.sock is longer than a Unix socket's path may be (107 bytes): point "
+            "XDG_RUNTIME_DIR at a shorter directory"
+        )
     return base + ".sock", base + ".lock"
+
+
+def _same_file(a: os.stat_result, b: os.stat_result) -> bool:
+    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
 
 
 def _own_output() -> list:
@@ -159,8 +207,10 @@ def _own_output() -> list:
 def _try_connect(path: str) -> Optional[Connection]:
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
+        sock.settimeout(POLL_SECONDS)  # (a backlog full of abandoned connections blocks)
         sock.connect(path)
-    except (FileNotFoundError, ConnectionRefusedError):
+        sock.settimeout(None)
+    except (FileNotFoundError, ConnectionRefusedError, TimeoutError):
         sock.close()
         return None
     if peer_uid(sock) != os.getuid():
@@ -191,12 +241,12 @@ def connect(key: str, slot: int, start: Callable[[int, str], None]) -> Connectio
         conn = _try_connect(sock_path)
         if conn is not None:
             return conn
-        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        fd = _above_stdio(os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600))
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             # A process leaving removes its lock file before its lock goes: a lock taken on a
             # file no longer at the path locks nothing anyone else will look at.
-            current = os.fstat(fd).st_ino == os.stat(lock_path).st_ino
+            current = _same_file(os.fstat(fd), os.stat(lock_path))
         except (BlockingIOError, FileNotFoundError):
             pass  # its process is alive and not listening yet, or just left
         else:
@@ -225,15 +275,33 @@ def _leave_on_sigterm(*_: object) -> None:
     raise Leave
 
 
+def _above_stdio(fd: int) -> int:
+    """`fd` moved to 3 or above (a process started with stdout closed would otherwise get
+    the lock on 1, which the slot's output switching points elsewhere)."""
+    if fd > 2:
+        return fd
+    moved = fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 3)
+    os.close(fd)
+    return moved
+
+
 def detach(lock_fd: int, main: Callable[[], None]) -> None:
     """Runs `main` in a detached grandchild of this process (its own session) that keeps
     `lock_fd` (its slot's lock) and nothing else this process had open; returns once the child
     in between is reaped. The grandchild ends with `os._exit`: nothing of this process's (its
     exit hooks, its objects' finalizers) runs there. It stays in this process's cgroup and
     keeps its CPU affinity and environment."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()  # (or the child would write it again, to someone else)
+        except (OSError, ValueError, AttributeError):
+            pass
     pid = os.fork()
     if pid:
-        os.waitpid(pid, 0)
+        try:
+            os.waitpid(pid, 0)
+        except ChildProcessError:
+            pass  # (SIGCHLD ignored: the kernel reaped it)
         return
     code = 1
     try:
@@ -241,6 +309,10 @@ def detach(lock_fd: int, main: Callable[[], None]) -> None:
         if os.fork():
             os._exit(0)
         _release_inherited(keep={lock_fd})
+        # Everything inherited from the trainer out of the collector's sight: its collections
+        # would otherwise write to every object's header, copying the trainer's whole heap
+        # into this process page by page.
+        gc.freeze()
         _name_process(b"feedstore-pool")
         # Python's streams afresh: another thread of the trainer may have held a stream's
         # buffer lock at the fork, which nothing here would ever release.
@@ -267,8 +339,15 @@ def _name_process(name: bytes) -> None:
 
 
 def _fresh_streams() -> None:
-    sys.stdout = open(1, "w", closefd=False, buffering=1)  # noqa: SIM115
-    sys.stderr = open(2, "w", closefd=False, buffering=1)  # noqa: SIM115
+    """New `sys.stdout` and `sys.stderr` over fds 1 and 2, encoded as the old ones were.
+    (Objects that kept the old ones, a logging handler made before the fork, write through
+    them to whichever trainer fds 1 and 2 point at then.)"""
+    for name, fd in (("stdout", 1), ("stderr", 2)):
+        old = getattr(sys, name)
+        encoding = getattr(old, "encoding", None) or "utf-8"
+        errors = getattr(old, "errors", None) or "backslashreplace"
+        setattr(sys, name, open(fd, "w", closefd=False, buffering=1, encoding=encoding,
+                                errors=errors))
 
 
 def _release_inherited(keep: set) -> None:
@@ -325,13 +404,13 @@ def run_slot(lock_fd: int, path: str, open_session) -> None:
     """A slot process's life: binds `path`, serves, and as it leaves removes its socket and
     lock files, each only if it is still the file this process made (the directory may have
     been removed and made again, with another process's files in it)."""
-    listener, sock_ino = _listen(path)
+    listener, sock_stat = _listen(path)
     try:
         serve(listener, open_session)
     finally:
-        for file, ino in ((path, sock_ino), (_lock_path(path), os.fstat(lock_fd).st_ino)):
+        for file, made in ((path, sock_stat), (_lock_path(path), os.fstat(lock_fd))):
             try:
-                if os.stat(file).st_ino == ino:
+                if _same_file(os.stat(file), made):
                     os.unlink(file)
             except FileNotFoundError:
                 pass
@@ -352,16 +431,17 @@ def _listen(path: str) -> tuple:
     sock.bind(path)
     os.chmod(path, 0o600)
     sock.listen(64)
-    return sock, os.stat(path).st_ino
+    return sock, os.stat(path)
 
 
 def _accept(listener: socket.socket) -> Optional[tuple]:
     """The next session's connection and its trainer's stdout and stderr; None for a peer of
-    another uid (closed unread), one that did not send them in time, or a failed accept
-    (out of descriptors: the peer sees its connection closed and tries again)."""
+    another uid (closed unread), one that did not send them in time, or a failed accept (out
+    of descriptors: the connection stays queued, and is tried again a little later)."""
     try:
         sock, _ = listener.accept()
     except OSError:
+        time.sleep(0.1)
         return None
     if peer_uid(sock) != os.getuid():
         sock.close()
@@ -378,17 +458,35 @@ def _accept(listener: socket.socket) -> Optional[tuple]:
             os.close(fd)
         sock.close()
         return None
+    for fd in fds:
+        os.set_inheritable(fd, False)
     return Connection(sock.detach()), fds
 
 
+def _report() -> None:
+    """The exception being handled, on stderr (that of the session at hand), if it can be."""
+    try:
+        traceback.print_exc()
+    except Exception:  # noqa: BLE001 (its trainer's stderr is gone or cannot take it)
+        pass
+
+
+def trainer_gone(conn: Connection) -> bool:
+    """Whether the trainer at the other end of `conn` has closed it (died), whatever it sent
+    before: its queued tasks are not worth making."""
+    poller = select.poll()
+    poller.register(conn.fileno(), select.POLLHUP | select.POLLRDHUP)
+    return any(events & (select.POLLHUP | select.POLLRDHUP) for _, events in poller.poll(0))
+
+
 def serve(listener: socket.socket, open_session) -> None:
-    """The slot process's loop: accepts sessions (at most `MAX_SESSIONS`), gives each message
-    to its session (`open_session(conn, fds)` returns an object with `handle(message) -> bool`
-    and `close()`; `fds` are its trainer's stdout and stderr, the session's to close), one
-    message per ready session in turn, and returns once no session has been open for
-    `linger_seconds()`. A session that fails (a message that does not unpickle, an error
-    outside what a worker reports, its trainer gone) is closed alone; its traceback goes to
-    its trainer's stderr."""
+    """The slot process's loop: accepts sessions (at most `MAX_SESSIONS`), lets each ready
+    session take its next message in turn (`open_session(conn, fds)` returns an object with
+    `step() -> bool`, which reads and handles one message with the process switched to that
+    session, and `close()`; `fds` are its trainer's stdout and stderr, the session's to
+    close), and returns once no session has been open for `linger_seconds()`. A session whose
+    step fails (a message that does not unpickle, an error outside what a worker reports,
+    `SystemExit`) is closed alone, its traceback on its own trainer's stderr."""
     linger = linger_seconds()
     sessions: dict = {}
     idle_since = time.monotonic()
@@ -402,7 +500,7 @@ def serve(listener: socket.socket, open_session) -> None:
         try:
             session.close()
         except Exception:  # noqa: BLE001 (a session's failure is its own)
-            traceback.print_exc()
+            _report()
         conn.close()
         if not sessions:
             idle_since = time.monotonic()
@@ -426,14 +524,14 @@ def serve(listener: socket.socket, open_session) -> None:
                     first = linger
                     continue
                 try:
-                    more = sessions[item].handle(item.recv())
-                except (EOFError, OSError):
-                    more = False
+                    more = sessions[item].step()
                 except (Exception, SystemExit):  # noqa: BLE001 (this session's alone)
-                    traceback.print_exc()
+                    _report()
                     more = False
                 if not more:
                     end(item)
     finally:
+        # What the sessions made is deleted whatever comes: a second SIGTERM waits.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         for conn in list(sessions):
             end(conn)

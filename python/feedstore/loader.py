@@ -25,6 +25,7 @@ from __future__ import annotations
 import atexit
 import collections
 import ctypes
+import hashlib
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -358,6 +359,18 @@ def _trim() -> None:
         _MALLOC_TRIM(0)
 
 
+def _tensor_identity(obj: Any) -> Optional[str]:
+    """A tensor as the pool key sees it: dtype, shape and bytes (torch's own pickle names its
+    storage by address, which differs from process to process)."""
+    if not isinstance(obj, torch.Tensor) or obj.layout != torch.strided or obj.is_quantized:
+        return None
+    try:
+        raw = obj.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
+    except (RuntimeError, TypeError):
+        return None  # (pickled as torch does: a pool of this process's own)
+    return f"torch.Tensor {obj.dtype} {tuple(obj.shape)} {hashlib.sha256(raw).hexdigest()}"
+
+
 def _worker_main(conn: multiprocessing.connection.Connection, args: _WorkerArgs) -> None:
     _WorkerLoop(conn, args).run()
 
@@ -416,9 +429,20 @@ class _PoolSession:
         self.loop: Optional[_WorkerLoop] = None
         self.saved: Optional[tuple] = None
 
+    def step(self) -> bool:
+        """Reads and handles its next message, the process switched to this session (so
+        what it prints, tracebacks included, goes to its trainer); False when it ends."""
+        self.slot.switch(self)
+        try:
+            message = self.conn.recv()
+        except (EOFError, OSError):
+            return False  # its trainer is gone
+        if _pool.trainer_gone(self.conn):
+            return False  # (and its queued tasks with it: nobody would take their batches)
+        return self.handle(message)
+
     def handle(self, message: Any) -> bool:
         slot = self.slot
-        slot.switch(self)
         if self.loop is None:
             if not (isinstance(message, tuple) and message[0] == "hello"):
                 return False
@@ -455,14 +479,17 @@ class _PoolSession:
         return self.loop.handle(message)
 
     def close(self) -> None:
-        if self.loop is not None:
-            self.loop.finish()
-        if self.slot.current is self:
-            # Its trainer's pipes are let go now, whoever else is still served.
-            self.slot.current = None
-            _pool.output_to(None)
-        for fd in self.fds:
-            os.close(fd)
+        try:
+            if self.loop is not None:
+                self.loop.finish()
+        finally:
+            if self.slot.current is self:
+                # Its trainer's pipes are let go now, whoever else is still served.
+                self.slot.current = None
+                _pool.output_to(None)
+            for fd in self.fds:
+                os.close(fd)
+            self.fds = []
 
 
 @dataclass
@@ -814,31 +841,37 @@ class _StoreIter(_Primed, _BaseDataLoaderIter):
 
         pending = dict(rngs)
         for _ in range(_pool.MAX_STARTS + 1):
-            conns = {w: _pool.connect(self._pool_key, w, starter(w)) for w in pending}
-            for w, conn in list(conns.items()):
-                try:
-                    conn.send(("hello", dict(own, worker_id=w, rng=pending[w], replay=0)))
-                except OSError:
-                    conn.close()
-                    del conns[w]
-            for w, conn in conns.items():
-                try:
-                    # (The process may be making a batch for another trainer first.)
-                    wait = self._timeout if self._timeout > 0 else _pool.HELLO_SECONDS
-                    if not conn.poll(wait):
+            conns: Dict[int, multiprocessing.connection.Connection] = {}
+            try:
+                for w in pending:
+                    conns[w] = _pool.connect(self._pool_key, w, starter(w))
+                for w, conn in list(conns.items()):
+                    try:
+                        conn.send(("hello", dict(own, worker_id=w, rng=pending[w], replay=0)))
+                    except OSError:
                         conn.close()
-                        raise RuntimeError(
-                            f"DataLoader timed out after {wait:.0f} seconds waiting for worker "
-                            f"{w}'s process in the node's pool to take it (pid unknown; a "
-                            "batch of another trainer's taking that long, or a hung dataset)"
-                        )
-                    kind, pid = conn.recv()
-                except (EOFError, OSError):
-                    conn.close()
-                    continue
-                assert kind == "hello", kind
-                self._workers[w] = _Worker(process=None, conn=conn, pid=pid)
-                del pending[w]
+                        del conns[w]
+                for w, conn in list(conns.items()):
+                    try:
+                        # (The process may be making a batch for another trainer first.)
+                        wait = self._timeout if self._timeout > 0 else _pool.HELLO_SECONDS
+                        if not conn.poll(wait):
+                            raise RuntimeError(
+                                f"DataLoader timed out after {wait:.0f} seconds waiting for "
+                                f"worker {w}'s process in the node's pool to take it (a batch "
+                                "of another trainer's taking that long, or a hung dataset)"
+                            )
+                        kind, pid = conn.recv()
+                    except (EOFError, OSError):
+                        conn.close()
+                        del conns[w]
+                        continue
+                    assert kind == "hello", kind
+                    self._workers[w] = _Worker(process=None, conn=conn, pid=pid)
+                    del conns[w], pending[w]
+            finally:
+                for conn in conns.values():
+                    conn.close()  # (not taken: an error on the way)
             if not pending:
                 return
         raise RuntimeError(
@@ -1334,7 +1367,6 @@ class DataLoader(torch.utils.data.DataLoader):
         self.feedstore_socket = socket
         self.feedstore_on_error = on_error
         self.feedstore_pool = pool
-        self._feedstore_key: Optional[str] = None
         self.feedstore_counters = _Counters()
         self._feedstore_resume: Optional[dict] = None
         # The latest iterator: held strongly only for persistent workers (as torch does), so
@@ -1360,22 +1392,22 @@ class DataLoader(torch.utils.data.DataLoader):
 
     def _feedstore_pool_key(self) -> str:
         """The node pool's key: what its processes run (and which daemon, feedstore and Python
-        they run with). Hashed once per loader: a dataset holding its data in memory is
-        pickled (into the hash, not into memory) in full."""
+        they run with). Hashed for each iterator, as torch forks its workers for each: a
+        dataset changed between epochs gets a pool of its own, and a dataset holding its data
+        in memory is pickled (into the hash, not into memory) each time."""
         _pool.linger_seconds()  # (a bad value is the trainer's error, not a silent process's)
-        if self._feedstore_key is None:
-            self._feedstore_key = _pool.digest(
-                (self.dataset, self.collate_fn, self.worker_init_fn),
-                # The script and its arguments: jobs of a sweep that configure their data
-                # through arguments (read into globals the pool's processes would not see)
-                # do not share a pool unless their arguments are the same.
-                sys.argv,
-                self.feedstore_socket,
-                os.environ.get("FEEDSTORE_SOCKET"),
-                feedstore.__version__,
-                sys.executable,
-            )
-        return self._feedstore_key
+        return _pool.digest(
+            (self.dataset, self.collate_fn, self.worker_init_fn),
+            # The script and its arguments: jobs of a sweep that configure their data through
+            # arguments (read into globals the pool's processes would not see) do not share a
+            # pool unless their arguments are the same.
+            _pool.launcher_free(sys.argv),
+            self.feedstore_socket,
+            os.environ.get("FEEDSTORE_SOCKET"),
+            feedstore.__version__,
+            sys.executable,
+            identity=_tensor_identity,
+        )
 
     def _feedstore_take_resume(self) -> Optional[dict]:
         resume, self._feedstore_resume = self._feedstore_resume, None

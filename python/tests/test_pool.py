@@ -401,3 +401,47 @@ def test_a_pool_lingering_across_a_daemon_restart_connects_to_the_new_daemon(
         del iterator
         for pid in served_by:
             os.kill(pid, signal.SIGTERM)
+
+
+TENSORS = """
+import sys, torch, torch.utils.data as tud
+sys.path.insert(0, {tests!r})
+from feedstore.torch import DataLoader
+
+dataset = tud.TensorDataset(torch.arange(40.0).reshape(20, 2), torch.arange(20))
+iterator = iter(DataLoader(dataset, batch_size=4, num_workers=2, pool="node",
+                           socket={socket!r}))
+print(sorted(w.pid for w in iterator._workers), flush=True)
+assert sum(len(b[0]) for b in iterator) == 20
+"""
+
+
+def test_ranks_over_tensors_share_a_pool_and_a_changed_dataset_gets_its_own(
+    daemon, pools, tmp_path, monkeypatch
+):
+    """torch pickles a tensor's storage under its address: the key must not (every rank
+    would start its own pool). A launcher's `--local_rank` is not part of the key; a dataset
+    changed between epochs is."""
+    monkeypatch.setenv("FEEDSTORE_POOL_LINGER_SECONDS", "60")
+    script = tmp_path / "tensors.py"
+    script.write_text(TENSORS.format(tests=str(TESTS), socket=daemon.socket))
+    served = set()
+    try:
+        for rank in range(2):
+            done = subprocess.run(
+                [sys.executable, str(script), f"--local_rank={rank}", "--lr", "3"],
+                capture_output=True, timeout=200,
+            )
+            assert done.returncode == 0, done.stderr.decode()[-3000:]
+            served.add(done.stdout.decode().splitlines()[0])
+        assert len(served) == 1  # the second rank joined the first's pool
+        assert _pool.launcher_free(["x", "--local-rank", "1", "--lr", "3"]) == ["x", "--lr", "3"]
+
+        dataset = Augmented(37)
+        loader = pooled(dataset, daemon, batch_size=4, num_workers=2)
+        before = loader._feedstore_pool_key()
+        dataset.n = 36
+        assert loader._feedstore_pool_key() != before
+    finally:
+        for pid in eval(served.pop()) if served else []:
+            os.kill(pid, signal.SIGTERM)
