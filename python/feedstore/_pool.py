@@ -156,23 +156,6 @@ def digest(code: tuple, *parts: object, identity=lambda obj: None) -> str:
     return hasher.sha.hexdigest()[:32]
 
 
-def launcher_free(argv: list) -> list:
-    """`argv` without the `--local_rank N` that some launchers (DeepSpeed's, torch's legacy
-    `torch.distributed.launch`) give each rank: the ranks of one job share a pool."""
-    out, skip = [], False
-    for arg in argv:
-        if skip:
-            skip = False
-            continue
-        if arg in ("--local_rank", "--local-rank"):
-            skip = True
-            continue
-        if arg.startswith(("--local_rank=", "--local-rank=")):
-            continue
-        out.append(arg)
-    return out
-
-
 def peer_uid(sock: socket.socket) -> int:
     _, uid, _ = _CREDS.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CREDS.size))
     return uid

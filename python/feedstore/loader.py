@@ -1337,9 +1337,11 @@ class DataLoader(torch.utils.data.DataLoader):
       ``"node"`` (one pool per node: worker ``w`` of every trainer on this node with the same
       key is one process, so local ranks and the jobs of a sweep share ``num_workers``
       processes). The key: the pickle of the dataset, ``collate_fn`` and ``worker_init_fn``,
-      the source files of the modules defining them, ``sys.argv``, the daemon's socket. Each
-      trainer's worker is a session with its own random states and worker info, so its
-      batches are torch's when samples depend on their index and those random states; the
+      the source files of the modules of their classes and functions, the daemon's socket
+      (configure data through the dataset's attributes: module globals are the starting
+      trainer's). Each trainer's worker is a session with its own random states and worker
+      info, so its batches are torch's when samples depend on their index and those random
+      states; the
       dataset object, module globals, and the environment, cgroup, CPU affinity and memory the
       process inherited from the trainer that started it are shared. Map-style datasets, fork
       start method; ``worker_init_fn`` runs once per trainer's worker in the shared process; a
@@ -1398,10 +1400,6 @@ class DataLoader(torch.utils.data.DataLoader):
         _pool.linger_seconds()  # (a bad value is the trainer's error, not a silent process's)
         return _pool.digest(
             (self.dataset, self.collate_fn, self.worker_init_fn),
-            # The script and its arguments: jobs of a sweep that configure their data through
-            # arguments (read into globals the pool's processes would not see) do not share a
-            # pool unless their arguments are the same.
-            _pool.launcher_free(sys.argv),
             self.feedstore_socket,
             os.environ.get("FEEDSTORE_SOCKET"),
             feedstore.__version__,
