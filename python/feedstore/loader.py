@@ -439,7 +439,10 @@ class _PoolSession:
             return False  # its trainer is gone
         if _pool.trainer_gone(self.conn):
             return False  # (and its queued tasks with it: nobody would take their batches)
-        return self.handle(message)
+        try:
+            return self.handle(message)
+        except (BrokenPipeError, ConnectionResetError):
+            return False  # its trainer went while it was answered: nothing to report to it
 
     def handle(self, message: Any) -> bool:
         slot = self.slot

@@ -70,9 +70,11 @@ def daemon(tmp_path):
         if process.poll() is not None or time.monotonic() > deadline:
             raise RuntimeError(f"feedstored did not start: {log.read_text()}")
         time.sleep(0.01)
-    yield Daemon(socket, process)
-    process.send_signal(signal.SIGTERM)
-    process.wait(timeout=30)
+    daemon = Daemon(socket, process)
+    yield daemon
+    # (The daemon a test started again in its place, if it did.)
+    daemon.process.send_signal(signal.SIGTERM)
+    daemon.process.wait(timeout=30)
 
 
 def manifest(path: pathlib.Path, records: int) -> pathlib.Path:
