@@ -744,9 +744,11 @@ class _StoreIter(_Primed, _BaseDataLoaderIter):
                 self._pool_key = loader._feedstore_pool_key()
             saved = (resume or {}).get("workers")
             if self._pool_key is not None:
-                self._join_pool(
+                joined = self._join_pool(
                     {w: saved["rng"][w] if saved else None for w in range(self._num_workers)}
                 )
+                for w, worker in joined.items():
+                    self._workers[w] = worker
             for w in range(self._num_workers):
                 rng = saved["rng"][w] if saved else None
                 taken = saved["tasks"][w] if saved else 0
@@ -813,7 +815,7 @@ class _StoreIter(_Primed, _BaseDataLoaderIter):
 
     def _start_worker(self, w: int, rng: Optional[tuple], replay: int) -> None:
         if self._pool_key is not None:
-            self._join_pool({w: rng})
+            self._workers[w] = self._join_pool({w: rng})[w]
             return
         args = _WorkerArgs(worker_id=w, rng=rng, replay=replay, **self._base_args)
         ours, theirs = self._context.Pipe(duplex=True)
@@ -822,12 +824,13 @@ class _StoreIter(_Primed, _BaseDataLoaderIter):
         theirs.close()
         self._workers[w] = _Worker(process=process, conn=ours)
 
-    def _join_pool(self, rngs: Dict[int, Optional[tuple]]) -> None:
+    def _join_pool(self, rngs: Dict[int, Optional[tuple]]) -> Dict[int, _Worker]:
         """Workers `rngs` (id: random state to start from) as sessions in the same slots of
         the node's pool, whose processes are started (forked from here, as torch forks its
         workers) where none serves the slot. Each session is open once its process said hello;
         a process that closes the connection before (it was leaving: its linger ran out) is
-        connected to again, or started again."""
+        connected to again, or started again. Touches none of the iterator's state."""
+        joined: Dict[int, _Worker] = {}
         shared = _Shared(
             dataset=self._dataset,
             collate_fn=self._collate_fn,
@@ -870,13 +873,19 @@ class _StoreIter(_Primed, _BaseDataLoaderIter):
                         del conns[w]
                         continue
                     assert kind == "hello", kind
-                    self._workers[w] = _Worker(process=None, conn=conn, pid=pid)
+                    joined[w] = _Worker(process=None, conn=conn, pid=pid)
                     del conns[w], pending[w]
+            except BaseException:
+                for worker in joined.values():
+                    worker.conn.close()
+                raise
             finally:
                 for conn in conns.values():
                     conn.close()  # (not taken: an error on the way)
             if not pending:
-                return
+                return joined
+        for worker in joined.values():
+            worker.conn.close()
         raise RuntimeError(
             f"DataLoader workers {sorted(pending)} in the node's pool: their processes keep "
             "closing the connection before taking the session"
@@ -1099,8 +1108,27 @@ class _StoreIter(_Primed, _BaseDataLoaderIter):
                 f"{self._tasks[pending[0]].index!r})" if pending else ""
             raise RuntimeError(f"{what} ({how}) {worker.deaths} times in a row{where}")
         self._loader.feedstore_counters.worker_restarts += 1
-        self._start_worker(w, rng=worker.rng, replay=worker.done if self._iterable else 0)
-        new = self._workers[w]
+        if worker.process is None:
+            # Joining the pool can take a while (a slot's process started, or finishing
+            # another trainer's batch first): the trainer's thread is not kept out of the
+            # iterator meanwhile. What it sends this worker in between goes to the closed
+            # connection and is sent again below (its tasks are pending then).
+            rng = worker.rng
+            self._cond.release()
+            try:
+                new = self._join_pool({w: rng})[w]
+            finally:
+                self._cond.acquire()
+            if self._shut:
+                new.conn.close()  # (the trainer stopped meanwhile: the session ends)
+                return
+            self._workers[w] = new
+            pending = sorted(
+                i for i, t in self._tasks.items() if t.worker == w and t.reply is None
+            )
+        else:
+            self._start_worker(w, rng=worker.rng, replay=worker.done if self._iterable else 0)
+            new = self._workers[w]
         new.done, new.rng, new.taken, new.taken_rng, new.active, new.deaths = (
             worker.done, worker.rng, worker.taken, worker.taken_rng, worker.active, worker.deaths
         )
