@@ -213,14 +213,23 @@ def _try_connect(path: str) -> Optional[Connection]:
     return Connection(sock.detach())
 
 
-def connect(key: str, slot: int, start: Callable[[int, str], None]) -> Connection:
+class Stopped(Exception):
+    """The caller's `stop()` said to give up (its loader is stopping)."""
+
+
+def connect(
+    key: str, slot: int, start: Callable[[int, str], None], stop: Callable[[], bool] = bool
+) -> Connection:
     """A connection to slot `slot` of pool `key`. When no process holds the slot, `start(lock_fd,
     socket_path)` is called to start one (it must fork a process that keeps `lock_fd` and
-    serves `socket_path`; this process closes its own copy of the fd afterwards)."""
+    serves `socket_path`; this process closes its own copy of the fd afterwards). Raises
+    `Stopped` as soon as `stop()` is true."""
     sock_path, lock_path = _paths(key, slot)
     deadline = time.monotonic() + CONNECT_SECONDS
     starts = 0
     while True:
+        if stop():
+            raise Stopped
         conn = _try_connect(sock_path)
         if conn is not None:
             return conn

@@ -37,7 +37,7 @@ import time
 import warnings
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Deque, Dict, List, Optional
+from typing import Any, Callable, Deque, Dict, List, Optional
 
 import numpy as np
 import torch
@@ -824,12 +824,15 @@ class _StoreIter(_Primed, _BaseDataLoaderIter):
         theirs.close()
         self._workers[w] = _Worker(process=process, conn=ours)
 
-    def _join_pool(self, rngs: Dict[int, Optional[tuple]]) -> Dict[int, _Worker]:
+    def _join_pool(
+        self, rngs: Dict[int, Optional[tuple]], stop: Callable[[], bool] = bool
+    ) -> Dict[int, _Worker]:
         """Workers `rngs` (id: random state to start from) as sessions in the same slots of
         the node's pool, whose processes are started (forked from here, as torch forks its
         workers) where none serves the slot. Each session is open once its process said hello;
         a process that closes the connection before (it was leaving: its linger ran out) is
-        connected to again, or started again. Touches none of the iterator's state."""
+        connected to again, or started again. Touches none of the iterator's state; raises
+        `_pool.Stopped` as soon as `stop()` is true."""
         joined: Dict[int, _Worker] = {}
         shared = _Shared(
             dataset=self._dataset,
@@ -850,7 +853,7 @@ class _StoreIter(_Primed, _BaseDataLoaderIter):
             conns: Dict[int, multiprocessing.connection.Connection] = {}
             try:
                 for w in pending:
-                    conns[w] = _pool.connect(self._pool_key, w, starter(w))
+                    conns[w] = _pool.connect(self._pool_key, w, starter(w), stop)
                 for w, conn in list(conns.items()):
                     try:
                         conn.send(("hello", dict(own, worker_id=w, rng=pending[w], replay=0)))
@@ -861,7 +864,12 @@ class _StoreIter(_Primed, _BaseDataLoaderIter):
                     try:
                         # (The process may be making a batch for another trainer first.)
                         wait = self._timeout if self._timeout > 0 else _pool.HELLO_SECONDS
-                        if not conn.poll(wait):
+                        deadline = time.monotonic() + wait
+                        while not conn.poll(min(POLL_SECONDS, deadline - time.monotonic())):
+                            if stop():
+                                raise _pool.Stopped
+                            if time.monotonic() < deadline:
+                                continue
                             raise RuntimeError(
                                 f"DataLoader timed out after {wait:.0f} seconds waiting for "
                                 f"worker {w}'s process in the node's pool to take it (a batch "
@@ -1026,6 +1034,8 @@ class _StoreIter(_Primed, _BaseDataLoaderIter):
             if worker.process is not None and worker.process.sentinel in ready:
                 dead.add(w)
         for w in sorted(dead):
+            if self._shut:
+                break  # (stopping: nothing is started again)
             self._restart(w)
 
     def _accept(self, w: int, reply: tuple) -> None:
@@ -1107,19 +1117,23 @@ class _StoreIter(_Primed, _BaseDataLoaderIter):
             where = f" making batch {pending[0] - self._epoch_start} (indices " \
                 f"{self._tasks[pending[0]].index!r})" if pending else ""
             raise RuntimeError(f"{what} ({how}) {worker.deaths} times in a row{where}")
-        self._loader.feedstore_counters.worker_restarts += 1
         if worker.process is None:
             # Joining the pool can take a while (a slot's process started, or finishing
             # another trainer's batch first): the trainer's thread is not kept out of the
-            # iterator meanwhile. What it sends this worker in between goes to the closed
-            # connection and is sent again below (its tasks are pending then).
+            # iterator meanwhile (it takes the batches already mapped; stopping ends the join
+            # within a poll). What it sends this worker in between goes to the closed
+            # connection and is sent again below (its tasks are pending then). The pump holds
+            # the lock once here (`_pump` -> `_handle`), so one release lets the trainer in.
             rng = worker.rng
+            stopping = lambda: self._shut or _EXITING  # noqa: E731
             self._cond.release()
             try:
-                new = self._join_pool({w: rng})[w]
+                new = self._join_pool({w: rng}, stop=stopping)[w]
+            except _pool.Stopped:
+                return  # (the old worker's batches are deleted by the shutdown)
             finally:
                 self._cond.acquire()
-            if self._shut:
+            if stopping():
                 new.conn.close()  # (the trainer stopped meanwhile: the session ends)
                 return
             self._workers[w] = new
@@ -1129,6 +1143,7 @@ class _StoreIter(_Primed, _BaseDataLoaderIter):
         else:
             self._start_worker(w, rng=worker.rng, replay=worker.done if self._iterable else 0)
             new = self._workers[w]
+        self._loader.feedstore_counters.worker_restarts += 1
         new.done, new.rng, new.taken, new.taken_rng, new.active, new.deaths = (
             worker.done, worker.rng, worker.taken, worker.taken_rng, worker.active, worker.deaths
         )
