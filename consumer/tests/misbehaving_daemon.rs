@@ -15,8 +15,11 @@ fn fake_daemon(name: &str, answer: fn(u32, &mut UnixStream)) -> PathBuf {
         std::env::temp_dir().join(format!("feedstore-fake-{}-{name}.sock", std::process::id()));
     let _ = std::fs::remove_file(&path);
     let listener = UnixListener::bind(&path).unwrap();
+    let file = path.clone();
     std::thread::spawn(move || {
         let (mut s, _) = listener.accept().unwrap();
+        // Its one connection is made: the socket's file is left behind in /tmp otherwise.
+        let _ = std::fs::remove_file(&file);
         let mut buf = Vec::new();
         let mut chunk = [0u8; 4096];
         loop {
