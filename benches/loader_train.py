@@ -31,6 +31,7 @@ import json
 import os
 import pathlib
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -226,8 +227,11 @@ def ranks_run(args, loader, workers, ranks, socket):
     finally:
         done.set()
         watcher.join()
-        while pool_pids(run_dir):
+        deadline = time.monotonic() + 60
+        while pool_pids(run_dir) and time.monotonic() < deadline:
             time.sleep(0.1)  # (pools leave a second after their last trainer)
+        for pid in pool_pids(run_dir):
+            os.kill(pid, signal.SIGTERM)  # (one that did not: not left to the next cell)
         shutil.rmtree(run_dir, ignore_errors=True)
     waited = sum(r["waited"] for r in results)
     elapsed = sum(r["elapsed"] for r in results)

@@ -59,10 +59,10 @@ class Shards(tud.IterableDataset):
             yield torch.tensor([i, int(torch.randint(0, 1000, ()))])
 
 
-def seeded():
-    torch.manual_seed(5)
-    random.seed(5)
-    np.random.seed(5)
+def seeded(seed=5):
+    torch.manual_seed(seed)
+    random.seed(seed)
+    np.random.seed(seed)
 
 
 def same(a, b):

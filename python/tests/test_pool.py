@@ -10,17 +10,14 @@ feedstored, shared by loaders in this process and in other real processes."""
 import fcntl
 import os
 import pathlib
-import random
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import textwrap
 import time
 
-import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch", reason="the torch adapter needs torch (python3-torch)")
@@ -34,6 +31,7 @@ from test_loader import (  # noqa: E402
     Shards,
     assert_same_batches,
     same,
+    seeded,
     store_empty,
 )
 
@@ -71,12 +69,6 @@ def held(lock):
         os.close(fd)
 
 
-def seeded(seed=5):
-    torch.manual_seed(seed)
-    random.seed(seed)
-    np.random.seed(seed)
-
-
 def torchs(dataset, seed=7, **kwargs):
     seeded(seed)
     return list(tud.DataLoader(dataset, generator=torch.Generator().manual_seed(seed), **kwargs))
@@ -87,10 +79,6 @@ def pooled(dataset, daemon, seed=7, **kwargs):
         dataset, socket=daemon.socket, pool="node",
         generator=torch.Generator().manual_seed(seed), **kwargs,
     )
-
-
-def same_batch(a, b):
-    return same(a, b)
 
 
 def pids(iterator):
@@ -119,7 +107,7 @@ def test_two_loaders_share_one_pool_and_each_gets_torchs_batches(daemon, pools):
             mine.append(batch)
     for mine, expected in zip(ours, theirs):
         assert_same_batches(mine, expected)
-    assert not any(map(same_batch, ours[0], ours[1]))  # the seeds did differ
+    assert not any(map(same, ours[0], ours[1]))  # the seeds did differ
     del ours, pair, batch, mine, iterators, a, b
     store_empty(daemon)
 
