@@ -13,7 +13,7 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use common::*;
-use feedstore_consumer::{ConnectOptions, Error, Role, StreamFeeder};
+use feedstore_consumer::{ConnectOptions, Error, Role, Status, StreamFeeder};
 use feedstore_proto::frame::{Request, Response};
 use feedstore_proto::stream::{Shuffle, StreamSpec, Tail};
 
@@ -151,6 +151,28 @@ fn child_process() {
                 if got > 0 {
                     break;
                 }
+            }
+        }
+        // Files its own object, and the victim's, under the key the victim filed its sample
+        // at, and under a key the victim has not used yet; says what each step got.
+        Some("cache-plant") => {
+            let key: u128 = words.next().unwrap().parse().unwrap();
+            let victims: feedstore_consumer::Handle = words.next().unwrap().parse().unwrap();
+            let filed = match feedstore_consumer::Client::connect_writer() {
+                Ok(c) => {
+                    let forged = c.put(&pattern(9, 4096)).unwrap();
+                    let statuses = c
+                        .cache_insert(&[(key, forged), (key + 1, forged), (key + 2, victims)])
+                        .unwrap();
+                    let mine = c.cache_lookup(&[key]).unwrap()[0] == Some(forged);
+                    format!("{statuses:?} finds its own: {mine}")
+                }
+                Err(e) => format!("err {e}"),
+            };
+            let reader = feedstore_consumer::Client::connect_reader().unwrap();
+            match reader.cache_insert(&[(key, victims)]) {
+                Ok(s) => say(format!("{filed}; as a reader: {s:?}")),
+                Err(e) => say(format!("{filed}; as a reader: err {e}")),
             }
         }
         other => panic!("unknown child task {other:?}"),
@@ -361,6 +383,44 @@ fn socket_group_members_connect_through_supplementary_groups() {
     assert!(
         outsider.starts_with("err cannot connect"),
         "not a member: {outsider}"
+    );
+}
+
+/// The decode-once cache is per uid: another uid allowed as a writer files what it likes in
+/// its own part, and a trainer of this uid never finds it (a planted sample would be read as
+/// this user's data); a reader files nothing.
+#[test]
+fn another_uid_cannot_plant_samples_in_a_users_cache() {
+    let _w = watchdog("another_uid_cannot_plant_samples_in_a_users_cache", LIMIT);
+    if skip_unless_root("another_uid_cannot_plant_samples_in_a_users_cache") {
+        return;
+    }
+    let dir = open_dir("cache-plant");
+    let daemon = DaemonProcess::start(&dir, &["--allow-uid", "65534"]);
+    let victim = daemon.writer();
+    let sample = victim.put(&pattern(7, 4096)).unwrap();
+    let key = 0x5eed_u128 << 64;
+    assert_eq!(
+        victim.cache_insert(&[(key, sample)]).unwrap(),
+        vec![Status::Ok]
+    );
+    let mut cmd = child_command(&daemon.socket, &format!("cache-plant {key} {sample}"));
+    run_as(&mut cmd, NOBODY, NOGROUP, &[]);
+    let said = child_says(&mut cmd);
+    assert_eq!(
+        said,
+        "[Ok, Ok, Ok] finds its own: true; as a reader: err permission denied: only writers \
+         file samples in the cache",
+        "the attacker's own part only"
+    );
+    assert_eq!(
+        victim.cache_lookup(&[key, key + 1, key + 2]).unwrap(),
+        vec![Some(sample), None, None],
+        "the victim finds its own sample, and nothing the attacker filed"
+    );
+    assert_eq!(
+        &*daemon.reader().get(sample).unwrap(),
+        &pattern(7, 4096)[..]
     );
 }
 

@@ -11,7 +11,8 @@ use std::sync::{Arc, Condvar, Mutex, Once, Weak};
 use std::time::Duration;
 
 use feedstore_proto::frame::{
-    self, CREATE_PIN, Created, Frame, HEADER_BYTES, Opcode, Request, Response, max_batch_items,
+    self, CREATE_PIN, CacheEntry, Created, Frame, HEADER_BYTES, Opcode, Request, Response,
+    max_batch_items,
 };
 use feedstore_proto::{Handle, Location, Role, SegmentInfo, Status, StoreStats};
 use feedstore_shm::{Access, Mapping};
@@ -674,6 +675,40 @@ impl Client {
     pub fn delete_batch(&self, handles: &[Handle]) -> Result<Vec<Result<(), Error>>, Error> {
         self.each(Opcode::Delete, handles, |handles| Request::Delete {
             handles,
+        })
+    }
+
+    /// Looks samples up in the daemon's decode-once cache: per key, the handle of the object
+    /// filed under it by a client of this uid (a producer's put, [`Client::cache_insert`]) if
+    /// the store still holds it. A hit is only a handle: the object can still be evicted before
+    /// it is leased ([`Client::get`] then fails with `NotFound`).
+    pub fn cache_lookup(&self, keys: &[u128]) -> Result<Vec<Option<Handle>>, Error> {
+        self.batched(Opcode::CacheLookup, keys, |keys| {
+            match self.call(&Request::CacheLookup {
+                keys: keys.to_vec(),
+            })? {
+                Response::Cached(found) if found.len() == keys.len() => Ok(found),
+                other => Err(unexpected(other)),
+            }
+        })
+    }
+
+    /// Files sealed objects in the daemon's decode-once cache, each under its sample key (not
+    /// 0), for [`Client::cache_lookup`] by this uid's clients (writers only). An entry lasts as
+    /// long as its object, which stays evictable unless pinned. Per entry the daemon's status:
+    /// `Ok`; `InUse` (the key already names another live object, which stays: delete this
+    /// one); `NotFound` (the handle names no sealed object); `LimitReached` (the cache's bound
+    /// on entries); `InvalidArgument` (the key 0).
+    pub fn cache_insert(&self, entries: &[(u128, Handle)]) -> Result<Vec<Status>, Error> {
+        self.batched(Opcode::CacheInsert, entries, |chunk| {
+            let entries = chunk
+                .iter()
+                .map(|&(key, handle)| CacheEntry { key, handle })
+                .collect();
+            match self.call(&Request::CacheInsert { entries })? {
+                Response::Done(s) if s.len() == chunk.len() => Ok(s),
+                other => Err(unexpected(other)),
+            }
         })
     }
 

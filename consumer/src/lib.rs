@@ -34,7 +34,7 @@ mod writer;
 pub use client::{Client, ConnectOptions, CreateOptions};
 pub use error::Error;
 pub use feedstore_proto::frame::{ProducerFigures, RankAt, StreamTask};
-pub use feedstore_proto::{Handle, Role, StoreStats};
+pub use feedstore_proto::{Handle, Role, Status, StoreStats};
 pub use lease::Lease;
 pub use stream::{
     Delivery, Made, StackedImage, Stream, StreamFeeder, StreamOptions, StreamSample, stacked_image,

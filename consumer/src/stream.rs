@@ -748,14 +748,7 @@ impl StreamFeeder {
     /// Looks samples up in the daemon's decode-once cache: per key, the handle of the sample if
     /// the store still holds it (put it as [`Made::Existing`]).
     pub fn lookup(&self, keys: &[u128]) -> Result<Vec<Option<Handle>>, Error> {
-        self.client.batched(Opcode::CacheLookup, keys, |keys| {
-            match self.client.call(&Request::CacheLookup {
-                keys: keys.to_vec(),
-            })? {
-                Response::Cached(found) if found.len() == keys.len() => Ok(found),
-                other => Err(Error::Protocol(format!("unexpected reply {other:?}"))),
-            }
-        })
+        self.client.cache_lookup(keys)
     }
 
     /// Puts samples, one per task. Per item: `Ok`, or why the stream did not take it (a

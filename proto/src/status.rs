@@ -50,8 +50,8 @@ pub enum Status {
     Unreachable = 17,
     /// A pulled object's checksum did not match its bytes: nothing was sealed.
     Corrupt = 18,
-    /// The stream rank already has a consumer (one per rank): another process reads it, or a
-    /// dead one's connection is not closed yet.
+    /// Taken already: the stream rank has a consumer (one per rank: another process reads it,
+    /// or a dead one's connection is not closed yet), or the cache key names another sample.
     InUse = 19,
 }
 
@@ -106,7 +106,7 @@ impl Status {
             Status::LimitReached => "a configured limit was reached",
             Status::Unreachable => "the owning node could not be reached",
             Status::Corrupt => "pulled bytes failed their checksum",
-            Status::InUse => "the stream rank already has a consumer",
+            Status::InUse => "already taken (a stream rank's consumer, a cache key's sample)",
         }
     }
 }

@@ -1,9 +1,10 @@
 //! A plain client: put objects, get them by handle, read the store's statistics.
 
 use std::sync::Mutex;
+use std::time::Duration;
 
 use feedstore_consumer::{
-    Client as RustClient, ConnectOptions, CreateOptions, Handle, ObjectWriter, Role,
+    Client as RustClient, ConnectOptions, CreateOptions, Handle, ObjectWriter, Role, Status,
 };
 use pyo3::buffer::PyBuffer;
 use pyo3::prelude::*;
@@ -57,12 +58,51 @@ impl Client {
         Ok(handle.to_string())
     }
 
-    /// Reserves a writable object of `nbytes` bytes (waiting for space up to the create
-    /// timeout), for writing in pieces with `Reservation.write` and publishing with `seal`.
-    /// `pin=True`: the sealed object is never evicted, only deleted.
-    #[pyo3(signature = (nbytes, *, pin=false))]
-    fn reserve(&self, py: Python<'_>, nbytes: u64, pin: bool) -> PyResult<Reservation> {
-        Reservation::reserve(py, &self.inner, nbytes, pin)
+    /// Reserves a writable object of `nbytes` bytes (waiting for space up to `timeout`
+    /// seconds, by default the connection's create timeout; 0: `Full` at once), for writing in
+    /// pieces with `Reservation.write` and publishing with `seal`. `pin=True`: the sealed object
+    /// is never evicted, only deleted.
+    #[pyo3(signature = (nbytes, *, pin=false, timeout=None))]
+    fn reserve(
+        &self,
+        py: Python<'_>,
+        nbytes: u64,
+        pin: bool,
+        timeout: Option<f64>,
+    ) -> PyResult<Reservation> {
+        let timeout = timeout
+            .map(|t| {
+                Duration::try_from_secs_f64(t).map_err(|_| {
+                    InvalidArgument::new_err(format!("timeout={t}: expected seconds >= 0"))
+                })
+            })
+            .transpose()?;
+        Reservation::reserve(py, &self.inner, nbytes, CreateOptions { timeout, pin })
+    }
+
+    /// Looks keys (ints below 2**128, not 0) up in the daemon's decode-once cache: per key, the
+    /// handle of the object this uid filed under it (`cache_insert`, or a producer's put), or
+    /// None. A handle found can still be evicted before `get` (which then raises `NotFound`).
+    fn cache_lookup(&self, py: Python<'_>, keys: Vec<u128>) -> PyResult<Vec<Option<String>>> {
+        let found = py.detach(|| self.inner.cache_lookup(&keys)).py_err()?;
+        Ok(found
+            .into_iter()
+            .map(|h| h.map(|h| h.to_string()))
+            .collect())
+    }
+
+    /// Files sealed objects in the daemon's decode-once cache: `entries` are (key, handle)
+    /// pairs, keys ints below 2**128 and not 0. Per entry, whether it was filed (not: the
+    /// object is gone, the key already names another live object, or the cache holds as many
+    /// entries as it may). An entry lasts as long as its object; an object not pinned stays
+    /// evictable. Writers only.
+    fn cache_insert(&self, py: Python<'_>, entries: Vec<(u128, String)>) -> PyResult<Vec<bool>> {
+        let entries = entries
+            .iter()
+            .map(|(key, text)| Ok((*key, handle(text)?)))
+            .collect::<PyResult<Vec<_>>>()?;
+        let filed = py.detach(|| self.inner.cache_insert(&entries)).py_err()?;
+        Ok(filed.iter().map(|&s| s == Status::Ok).collect())
     }
 
     /// The object with this handle, leased until the returned `Sample` and every array made
@@ -122,17 +162,13 @@ impl Reservation {
         py: Python<'_>,
         client: &RustClient,
         nbytes: u64,
-        pin: bool,
+        options: CreateOptions,
     ) -> PyResult<Reservation> {
         if nbytes == 0 {
             return Err(InvalidArgument::new_err(
                 "an object needs at least one byte",
             ));
         }
-        let options = CreateOptions {
-            pin,
-            ..CreateOptions::default()
-        };
         let object = py.detach(|| client.create_with(nbytes, options)).py_err()?;
         Ok(Reservation {
             object: Mutex::new(Some(object)),

@@ -6,7 +6,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use feedstore_consumer::stream::{Delivery, Made, StreamFeeder, StreamOptions};
-use feedstore_consumer::{Client, ConnectOptions, Error, ObjectWriter, Role, StreamTask};
+use feedstore_consumer::{
+    Client, ConnectOptions, CreateOptions, Error, ObjectWriter, Role, StreamTask,
+};
 use feedstore_proto::sample::{
     BatchPlan, DType, KeyValue, SampleInfo, SamplePlan, SampleRegions, TensorLayout,
 };
@@ -757,7 +759,7 @@ impl Writer {
     /// `Reservation.write` and publish with `publish` (`feedstore.ray.write_stream` writes any
     /// Python structure this way).
     fn reserve(&self, py: Python<'_>, nbytes: u64) -> PyResult<Reservation> {
-        Reservation::reserve(py, &self.client, nbytes, false)
+        Reservation::reserve(py, &self.client, nbytes, CreateOptions::default())
     }
 
     /// Publishes a filled reservation (from this writer's `reserve`) as the sample for `task`.

@@ -689,6 +689,16 @@ impl Connection {
             Request::CacheLookup { keys } => {
                 Response::Cached(shared.with_streams(|s, o| s.lookup(o, id, &keys)))
             }
+            Request::CacheInsert { entries } => {
+                if self.role != Role::Writer {
+                    error(
+                        Status::PermissionDenied,
+                        "only writers file samples in the cache".into(),
+                    )
+                } else {
+                    Response::Done(shared.with_streams(|s, o| s.insert(o, id, &entries)))
+                }
+            }
             Request::StreamList { after } => {
                 // The page's fixed part: the list's count and the `more` byte.
                 let budget = self.peer_limit as usize - 5;

@@ -30,7 +30,7 @@ use std::os::fd::OwnedFd;
 use std::time::{Duration, Instant};
 
 use feedstore_proto::frame::{
-    ProducerFigures, RankFigures, RankInfo, StreamInfo, StreamItem, StreamTask,
+    CacheEntry, ProducerFigures, RankFigures, RankInfo, StreamInfo, StreamItem, StreamTask,
 };
 use feedstore_proto::ring::{ENTRY_FAILED, RingEntry, RingHeader, ring_bytes};
 use feedstore_proto::stream::StreamSpec;
@@ -1197,11 +1197,57 @@ impl Streams {
             .collect()
     }
 
+    /// Files sealed objects under sample keys for `conn`'s uid (a loader's worker sharing
+    /// what it made): per entry `Ok`; `InUse` when the key already names another sealed object
+    /// (two workers made the sample at once: the first one filed stays, the other's maker
+    /// deletes its copy); `NotFound` for a handle that names no sealed object; `InvalidArgument`
+    /// for the key 0 ("no key"); `LimitReached` at the bound. An entry goes with its object.
+    pub fn insert(
+        &mut self,
+        objects: &Objects,
+        conn: ConnId,
+        entries: &[CacheEntry],
+    ) -> Vec<Status> {
+        let Some(uid) = objects.client(conn).map(|c| c.uid) else {
+            return vec![Status::NotFound; entries.len()];
+        };
+        let bound = Self::cache_bound(objects);
+        if self.cache.len() + entries.len() > bound {
+            self.cache.retain(|_, h| objects.is_sealed(*h));
+        }
+        entries
+            .iter()
+            .map(|e| {
+                if e.key == 0 {
+                    return Status::InvalidArgument;
+                }
+                if !objects.is_sealed(e.handle) {
+                    return Status::NotFound;
+                }
+                match self.cache.get(&(uid, e.key)) {
+                    Some(&h) if h == e.handle => return Status::Ok,
+                    Some(&h) if objects.is_sealed(h) => return Status::InUse,
+                    _ => {}
+                }
+                if self.cache.len() >= bound && !self.cache.contains_key(&(uid, e.key)) {
+                    // Many keys naming the same few objects: the map stays bounded.
+                    return Status::LimitReached;
+                }
+                self.cache.insert((uid, e.key), e.handle);
+                Status::Ok
+            })
+            .collect()
+    }
+
+    /// How many entries the cache keeps: twice the store's sealed objects, plus 1024.
+    fn cache_bound(objects: &Objects) -> usize {
+        2 * objects.stats().objects_sealed as usize + 1024
+    }
+
     /// Drops entries whose objects are gone once the map is much larger than the store's
     /// object count, so it stays bounded by what the store holds.
     fn sweep_cache(&mut self, objects: &Objects) {
-        let sealed = objects.stats().objects_sealed as usize;
-        if self.cache.len() > 2 * sealed + 1024 {
+        if self.cache.len() > Self::cache_bound(objects) {
             self.cache.retain(|_, h| objects.is_sealed(*h));
         }
     }
@@ -2415,6 +2461,58 @@ mod tests {
         assert_eq!(
             (stats.cache_lookups, stats.cache_hits, stats.cache_entries),
             (6, 3, 1)
+        );
+    }
+
+    /// A loader's worker files what it made; lookups of its uid find it while it is stored,
+    /// other uids never do, and many keys on a few objects stay within the bound.
+    #[test]
+    fn filed_samples_are_found_by_their_uid_alone_and_bounded() {
+        let (mut o, mut s, p, _) = setup();
+        let sealed = o.create(p, 64, false).unwrap().handle;
+        o.seal(p, sealed).unwrap();
+        let writing = o.create(p, 64, false).unwrap().handle;
+        let entry = |key, handle| CacheEntry { key, handle };
+        assert_eq!(
+            s.insert(
+                &o,
+                p,
+                &[entry(7, sealed), entry(8, writing), entry(0, sealed)]
+            ),
+            vec![Status::Ok, Status::NotFound, Status::InvalidArgument],
+            "only sealed objects, never the key 0"
+        );
+        assert_eq!(s.lookup(&o, p, &[7, 8]), vec![Some(sealed), None]);
+        let twin = o.create(p, 64, false).unwrap().handle;
+        o.seal(p, twin).unwrap();
+        assert_eq!(
+            s.insert(&o, p, &[entry(7, twin), entry(7, sealed)]),
+            vec![Status::InUse, Status::Ok],
+            "the first object filed under a key stays while it lives"
+        );
+        o.delete(p, twin).unwrap();
+        let stranger = client(&mut o, Role::Writer, 2000);
+        assert_eq!(
+            s.lookup(&o, stranger, &[7]),
+            vec![None],
+            "another uid's entry"
+        );
+        let flood: Vec<_> = (100..3000).map(|k| entry(k, sealed)).collect();
+        let statuses = s.insert(&o, p, &flood);
+        let bound = 2 + 1024; // one sealed object
+        assert_eq!(
+            statuses.iter().filter(|&&st| st == Status::Ok).count(),
+            bound - 1,
+            "the entry already there counts"
+        );
+        assert!(statuses.ends_with(&[Status::LimitReached]));
+        assert_eq!(s.cache.len(), bound);
+        o.delete(p, sealed).unwrap();
+        assert_eq!(s.insert(&o, p, &[entry(7, sealed)]), vec![Status::NotFound]);
+        assert_eq!(
+            s.cache.len(),
+            0,
+            "entries of objects gone are dropped at the bound"
         );
     }
 

@@ -30,7 +30,7 @@ mod session;
 mod stats;
 mod streams;
 
-pub use objects::Created;
+pub use objects::{CacheEntry, Created};
 pub use streams::{
     PRODUCER_STAGES, ProducerFigures, RankAt, RankFigures, RankInfo, StreamInfo, StreamItem,
     StreamTask,
@@ -51,8 +51,9 @@ pub const MAGIC: u16 = 0xFD5E;
 /// Version 7: producers report their stage figures; stream lists carry their sum; statistics
 /// count consumers waiting for a stream to be created. Version 8: a put item names where its
 /// sample starts inside its object (several samples of one batch share an object); a join
-/// names the stream's batch size.
-pub const VERSION: u16 = 8;
+/// names the stream's batch size. Version 9: `CacheInsert`, writers file sealed objects in the
+/// decode-once cache (a loader's workers share the samples they make).
+pub const VERSION: u16 = 9;
 /// Size of the frame header.
 pub const HEADER_BYTES: usize = 16;
 /// Default maximum payload a side accepts (room for a batch of ~65k handles).
@@ -111,13 +112,15 @@ pub enum Opcode {
     StreamDetach = 18,
     /// [`Request::ProducerReport`]
     ProducerReport = 19,
+    /// [`Request::CacheInsert`]
+    CacheInsert = 20,
     /// [`Response::Error`] (reply only).
     Error = 0x7FFF,
 }
 
 impl Opcode {
     /// Every opcode, for tests and fuzzers that must cover them all.
-    pub const ALL: [Opcode; 20] = [
+    pub const ALL: [Opcode; 21] = [
         Opcode::Hello,
         Opcode::Create,
         Opcode::Seal,
@@ -137,6 +140,7 @@ impl Opcode {
         Opcode::StreamList,
         Opcode::StreamDetach,
         Opcode::ProducerReport,
+        Opcode::CacheInsert,
         Opcode::Error,
     ];
 
@@ -154,6 +158,7 @@ impl Opcode {
             Opcode::Get => (4, Handle::WIRE_BYTES, objects::GOT_BYTES),
             Opcode::Release => (4, Handle::WIRE_BYTES, 0),
             Opcode::CacheLookup => (4, 16, objects::CACHED_BYTES),
+            Opcode::CacheInsert => (4, CacheEntry::WIRE_BYTES, 2),
             // stream, count | an item | a status
             Opcode::StreamPut => (8, StreamItem::WIRE_BYTES, 2),
             _ => return None,
@@ -502,6 +507,15 @@ pub enum Request {
         /// What the producer measured so far.
         figures: ProducerFigures,
     },
+    /// Files sealed objects in the decode-once cache under sample keys, for [`Request::CacheLookup`]
+    /// by clients of the same uid (a loader's worker that made a sample files it for the others).
+    /// Per entry `Ok`; `InUse` when the key already names another sealed object (which stays);
+    /// `NotFound` when the handle names no sealed object; `LimitReached` at the cache's bound.
+    /// An entry lasts as long as its object, which stays evictable unless pinned.
+    CacheInsert {
+        /// The keys and the objects holding their samples.
+        entries: Vec<CacheEntry>,
+    },
 }
 
 impl Request {
@@ -527,6 +541,7 @@ impl Request {
             Request::StreamList { .. } => Opcode::StreamList,
             Request::StreamDetach { .. } => Opcode::StreamDetach,
             Request::ProducerReport { .. } => Opcode::ProducerReport,
+            Request::CacheInsert { .. } => Opcode::CacheInsert,
         }
     }
 
@@ -551,6 +566,7 @@ impl Request {
             | Request::Delete { handles } => handles.len(),
             Request::StreamPut { items, .. } => items.len(),
             Request::CacheLookup { keys } => keys.len(),
+            Request::CacheInsert { entries } => entries.len(),
             _ => 0,
         }
     }
@@ -670,6 +686,7 @@ impl Request {
                     w.u32(*stream);
                     figures.encode(w);
                 }
+                Request::CacheInsert { entries } => w.list(entries),
             },
         )
     }
@@ -754,6 +771,7 @@ impl Request {
                 stream: r.u32()?,
                 figures: ProducerFigures::decode(&mut r)?,
             },
+            Opcode::CacheInsert => Request::CacheInsert { entries: r.list()? },
             Opcode::Error => unreachable!("filtered above"),
         };
         r.finish()?;
@@ -894,7 +912,8 @@ impl Response {
             | Opcode::StreamPut
             | Opcode::StreamWait
             | Opcode::StreamClose
-            | Opcode::StreamDetach => Response::Done(r.list()?),
+            | Opcode::StreamDetach
+            | Opcode::CacheInsert => Response::Done(r.list()?),
             Opcode::Stats => Response::Stats(Box::new(StoreStats::decode(&mut r)?)),
             Opcode::Error => Response::Error {
                 status: Status::decode(&mut r)?,

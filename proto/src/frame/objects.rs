@@ -21,6 +21,35 @@ impl Created {
     pub const WIRE_BYTES: usize = Handle::WIRE_BYTES + 2 + LOCATION_BYTES;
 }
 
+/// A decode-once cache entry ([`super::Request::CacheInsert`]): a sample key and the sealed
+/// object holding that sample.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CacheEntry {
+    /// The sample's key (never 0: 0 means "no key").
+    pub key: u128,
+    /// The object.
+    pub handle: Handle,
+}
+
+impl CacheEntry {
+    /// Bytes of one entry: key, handle.
+    pub const WIRE_BYTES: usize = 16 + Handle::WIRE_BYTES;
+}
+
+impl Wire for CacheEntry {
+    const MIN_BYTES: usize = CacheEntry::WIRE_BYTES;
+    fn encode(&self, w: &mut Writer<'_>) {
+        w.u128(self.key);
+        self.handle.encode(w);
+    }
+    fn decode(r: &mut Reader<'_>) -> Result<Self, DecodeError> {
+        Ok(CacheEntry {
+            key: r.u128()?,
+            handle: Handle::decode(r)?,
+        })
+    }
+}
+
 /// Bytes of a location: segment, offset, length.
 const LOCATION_BYTES: usize = 4 + 8 + 8;
 /// Bytes of one get result: status, location.

@@ -252,6 +252,11 @@ fn request() -> impl Strategy<Value = Request> {
             .prop_map(|(stream, rank, next)| Request::StreamDetach { stream, rank, next }),
         (any::<u32>(), producer_figures())
             .prop_map(|(stream, figures)| Request::ProducerReport { stream, figures }),
+        prop::collection::vec(
+            (any::<u128>(), handle()).prop_map(|(key, handle)| CacheEntry { key, handle }),
+            0..20
+        )
+        .prop_map(|entries| Request::CacheInsert { entries }),
     ]
 }
 
@@ -275,6 +280,7 @@ fn response() -> impl Strategy<Value = (Opcode, Response)> {
         Just(Opcode::StreamWait),
         Just(Opcode::StreamClose),
         Just(Opcode::StreamDetach),
+        Just(Opcode::CacheInsert),
     ];
     prop_oneof![
         (
