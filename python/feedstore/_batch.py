@@ -166,13 +166,22 @@ _TORCH_DTYPES = {
 
 
 class _Unpickler(pickle.Unpickler):
-    """Loads a batch's skeleton, making each tensor reference a view of the object."""
+    """Loads a batch's skeleton, making each tensor reference a view of the object (or, as
+    asked, a copy)."""
 
-    def __init__(self, sample: "feedstore.Sample", raw: np.ndarray, skeleton_len: int) -> None:
+    def __init__(
+        self,
+        sample: "feedstore.Sample",
+        raw: np.ndarray,
+        skeleton_len: int,
+        copy_numpy: bool,
+        copy_torch: bool,
+    ) -> None:
         super().__init__(io.BytesIO(raw[HEADER.size : HEADER.size + skeleton_len].tobytes()))
         self.sample = sample
         self.raw = raw
         self.data_start = _align(HEADER.size + skeleton_len)
+        self.copy_numpy, self.copy_torch = copy_numpy, copy_torch
 
     def persistent_load(self, reference: Any) -> Any:
         kind, dtype, shape, offset, nbytes = reference
@@ -180,11 +189,13 @@ class _Unpickler(pickle.Unpickler):
         if offset < 0 or nbytes < 0 or at + nbytes > len(self.raw):
             raise feedstore.Corrupt(f"a tensor at {offset}+{nbytes} lies outside the batch object")
         if kind == "numpy":
-            return self.raw[at : at + nbytes].view(np.dtype(dtype)).reshape(shape)
+            array = self.raw[at : at + nbytes].view(np.dtype(dtype)).reshape(shape)
+            return array.copy() if self.copy_numpy else array
         # A storage of its own per tensor (each holding the lease): `torch.save` of a batch or
         # of one tensor sees only that tensor's bytes.
         flat = torch.from_dlpack(self.sample.buffer(at, nbytes))
-        return flat.view(_TORCH_DTYPES[dtype]).view(shape)
+        tensor = flat.view(_TORCH_DTYPES[dtype]).view(shape)
+        return tensor.clone() if self.copy_torch else tensor
 
 
 def is_batch(sample: "feedstore.Sample") -> bool:
@@ -192,15 +203,16 @@ def is_batch(sample: "feedstore.Sample") -> bool:
     return sample.nbytes >= HEADER.size and sample.data[: len(MAGIC)].tobytes() == MAGIC
 
 
-def read(sample: "feedstore.Sample") -> Any:
-    """The batch in `sample` (an object made by `write`), its tensors views of the object."""
+def read(sample: "feedstore.Sample", copy_numpy: bool = False, copy_torch: bool = False) -> Any:
+    """The batch in `sample` (an object made by `write`), its tensors views of the object
+    (`copy_numpy`, `copy_torch`: writable copies instead)."""
     raw = sample.data
     if len(raw) < HEADER.size:
         raise feedstore.Corrupt(f"a batch object of {len(raw)} bytes has no header")
     magic, skeleton_len = HEADER.unpack(raw[: HEADER.size].tobytes())
     if magic != MAGIC or HEADER.size + skeleton_len > len(raw):
         raise feedstore.Corrupt("the object is not a feedstore batch")
-    return _Unpickler(sample, raw, skeleton_len).load()
+    return _Unpickler(sample, raw, skeleton_len, copy_numpy, copy_torch).load()
 
 
 def is_default_collate(fn: Optional[Callable]) -> bool:

@@ -475,7 +475,8 @@ def serve(listener: socket.socket, open_session) -> None:
     """The slot process's loop: accepts sessions (at most `MAX_SESSIONS`), lets each ready
     session take its next message in turn (`open_session(conn, fds)` returns an object with
     `step() -> bool`, which reads and handles one message with the process switched to that
-    session, and `close()`; `fds` are its trainer's stdout and stderr, the session's to
+    session, `pending() -> bool`, whether it has messages read ahead (it is ready whatever its
+    socket says), and `close()`; `fds` are its trainer's stdout and stderr, the session's to
     close), and returns once no session has been open for `linger_seconds()`. A session whose
     step fails (a message that does not unpickle, an error outside what a worker reports,
     `SystemExit`) is closed alone, its traceback on its own trainer's stderr."""
@@ -500,8 +501,9 @@ def serve(listener: socket.socket, open_session) -> None:
 
     try:
         while sessions or time.monotonic() - idle_since < first:
-            ready = wait([listener, *sessions], timeout=POLL_SECONDS)
-            for item in ready:
+            ahead = [conn for conn, session in sessions.items() if session.pending()]
+            ready = wait([listener, *sessions], timeout=0 if ahead else POLL_SECONDS)
+            for item in dict.fromkeys([*ready, *ahead]):
                 if item is listener:
                     accepted = _accept(listener)
                     if accepted is None:

@@ -47,7 +47,7 @@ from torch.utils.data import _utils as torch_utils
 from torch.utils.data.dataloader import _BaseDataLoaderIter, _DatasetKind
 
 import feedstore
-from feedstore import _batch, _pool
+from feedstore import _batch, _cache, _pool
 
 __all__ = ["DataLoader"]
 
@@ -102,13 +102,20 @@ class _WorkerArgs:
     replay: int = 0
     # What an iterable dataset's task index looks like (what the replay fetches with).
     replay_index: Any = None
+    # The decode-once cache's namespace (`sample_cache=True`), else None.
+    cache: Optional[bytes] = None
 
 
 class _Fetcher:
     """torch's fetchers (map-style and iterable), sample by sample so that a failing sample is
     named (and can be skipped)."""
 
-    def __init__(self, args: _WorkerArgs, into_store: bool = True) -> None:
+    def __init__(
+        self,
+        args: _WorkerArgs,
+        into_store: bool = True,
+        client: Optional["feedstore.Client"] = None,
+    ) -> None:
         self.args = args
         # Batches written into the store stack `default_collate`'s tensors there, once.
         deferred = into_store and _batch.is_default_collate(args.collate_fn)
@@ -116,6 +123,12 @@ class _Fetcher:
         self.iterator = iter(args.dataset) if args.iterable else None
         self.ended = False
         self.skipped = 0
+        # (feedstore's `default_collate` only reads a sample's tensors: those found in the
+        # cache are handed to it as views; a user's collate_fn gets copies.)
+        self.cache = None
+        if args.cache is not None and client is not None and not args.iterable:
+            self.cache = _cache.SampleCache(client, args.cache, deferred, _rng_state)
+        self.counts = _cache.Counts()
 
     def _failed(self, index: Any) -> None:
         """A sample raised: re-raise with where it happened, unless skipping."""
@@ -147,10 +160,23 @@ class _Fetcher:
             self._failed("next(iter(dataset))")
             return _MISSING
 
+    def _samples(self, indices: Any) -> List[Any]:
+        """The samples of `indices` (`_MISSING` where skipped), through the cache."""
+        samples, counts = self.cache.samples(indices, self._item, _MISSING)
+        self.counts.add(counts)
+        return samples
+
     def fetch(self, index: Any) -> Any:
         """The batch for `index` (collated), `_MISSING` when every sample was skipped; raises
         StopIteration at an iterable dataset's end."""
         args = self.args
+        if self.cache is not None:
+            # (Sample by sample, `__getitems__` or not: each is looked up on its own.)
+            if args.auto_collation:
+                data = [item for item in self._samples(index) if item is not _MISSING]
+                return self.collate(data) if data else _MISSING
+            item = self._samples([index])[0]
+            return _MISSING if item is _MISSING else self.collate(item)
         if args.iterable:
             if self.ended:
                 raise StopIteration
@@ -213,6 +239,8 @@ class _WorkerLoop:
         # trainer managed to read), and how many deletes were asked for and done.
         self.mine: set = set()
         self.deleted = 0
+        # Messages read ahead of their turn (to see a stop queued behind tasks).
+        self.pending: Deque[Any] = collections.deque()
 
     def run(self) -> None:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -251,7 +279,7 @@ class _WorkerLoop:
                 # After `worker_init_fn`, which often reseeds: the state saved after the last
                 # batch already includes what it did.
                 _set_rng_state(args.rng)
-            self.fetcher = _Fetcher(args)
+            self.fetcher = _Fetcher(args, client=self.client)
             for _ in range(args.replay):
                 # An iterable dataset's batches this worker made before: made again, dropped.
                 try:
@@ -276,9 +304,27 @@ class _WorkerLoop:
 
     def step(self) -> bool:
         """Handles one message from the trainer; False when it is time to leave."""
-        if not self.conn.poll(POLL_SECONDS) or os.getppid() != self.parent:
+        if not self.pending and (
+            not self.conn.poll(POLL_SECONDS) or os.getppid() != self.parent
+        ):
             return os.getppid() == self.parent  # an orphan leaves, idle or not
-        return self.handle(self.conn.recv())
+        return self.handle(self.recv())
+
+    def recv(self) -> Any:
+        """The trainer's next message (read ahead, or from the pipe)."""
+        return self.pending.popleft() if self.pending else self.conn.recv()
+
+    def stop_queued(self) -> bool:
+        """Whether the trainer said stop (or left) behind the message at hand: the messages
+        waiting in the pipe are read ahead to see. Its tasks then go unmade, as torch's
+        workers skip theirs once told they are done: stopping waits for the batch being made
+        at most, not for the prefetched ones queued behind it."""
+        try:
+            while self.conn.poll(0):
+                self.pending.append(self.conn.recv())
+        except (EOFError, OSError):
+            return True
+        return any(message is None for message in self.pending)
 
     def handle(self, message: Any) -> bool:
         """Does what one message asks; False when it is time to leave."""
@@ -291,9 +337,9 @@ class _WorkerLoop:
             # Persistent workers, a new epoch: a new iterator, the random state going on (and
             # said, so that a state saved early in the epoch resumes from it).
             if self.init_error is None:
-                self.fetcher = _Fetcher(self.args)
+                self.fetcher = _Fetcher(self.args, client=self.client)
             self.conn.send(("epoch", None if self.args.iterable else _rng_state()))
-        else:
+        elif not self.stop_queued():
             self.conn.send(self.make(*message))
             _trim()  # (the batch's samples are gone by now)
         return True
@@ -318,11 +364,13 @@ class _WorkerLoop:
             ) from None
 
     def make(self, task: int, index: Any) -> tuple:
-        """The reply for one task: (kind, task, payload, random state, skipped, deleted)."""
+        """The reply for one task: (kind, task, payload, random state, skipped, cache counts,
+        deleted)."""
         if self.init_error is not None:
-            return ("error", task, self.init_error, None, 0, self.deleted)
+            return ("error", task, self.init_error, None, 0, None, self.deleted)
         fetcher = self.fetcher
         skipped_before = fetcher.skipped
+        fetcher.counts = _cache.Counts()
         try:
             batch = fetcher.fetch(index)
             if batch is _MISSING:
@@ -338,7 +386,8 @@ class _WorkerLoop:
         except Exception:
             kind, payload = "error", ExceptionWrapper(where=self.where())
         rng = None if self.args.iterable else _rng_state()
-        return (kind, task, payload, rng, fetcher.skipped - skipped_before, self.deleted)
+        skipped = fetcher.skipped - skipped_before
+        return (kind, task, payload, rng, skipped, fetcher.counts, self.deleted)
 
 
 def _libc_trim():
@@ -434,7 +483,7 @@ class _PoolSession:
         what it prints, tracebacks included, goes to its trainer); False when it ends."""
         self.slot.switch(self)
         try:
-            message = self.conn.recv()
+            message = self.loop.recv() if self.loop is not None else self.conn.recv()
         except (EOFError, OSError):
             return False  # its trainer is gone
         if _pool.trainer_gone(self.conn):
@@ -480,6 +529,10 @@ class _PoolSession:
             self.conn.send(("bye",))
             return False
         return self.loop.handle(message)
+
+    def pending(self) -> bool:
+        """Whether it has messages read ahead, to handle before its socket is read again."""
+        return self.loop is not None and bool(self.loop.pending)
 
     def close(self) -> None:
         try:
@@ -537,6 +590,13 @@ class _Counters:
     skipped_samples: int = 0
     failed_batches: int = 0
     handoff_seconds: float = 0.0
+    # The decode-once cache (`sample_cache=True`): samples mapped from it instead of made,
+    # made and filed, made and not filed because making them moved a random state, and made
+    # and not filed (no room without waiting, does not pickle, filed by another worker first).
+    cache_hits: int = 0
+    cache_filed: int = 0
+    cache_random: int = 0
+    cache_unfiled: int = 0
 
 
 def _generator_state(loader: "DataLoader") -> Any:
@@ -742,6 +802,9 @@ class _StoreIter(_Primed, _BaseDataLoaderIter):
         try:
             if loader.feedstore_pool == "node":
                 self._pool_key = loader._feedstore_pool_key()
+            if loader.feedstore_sample_cache:
+                key = self._pool_key or loader._feedstore_pool_key()
+                self._base_args["cache"] = bytes.fromhex(key)
             saved = (resume or {}).get("workers")
             if self._pool_key is not None:
                 joined = self._join_pool(
@@ -990,9 +1053,15 @@ class _StoreIter(_Primed, _BaseDataLoaderIter):
 
     def _count(self, task: _Task) -> None:
         """Books a taken task against its worker (what a saved state resumes from)."""
-        kind, _, _, rng, skipped, _ = task.reply
+        kind, _, _, rng, skipped, cache, _ = task.reply
         worker = self._workers[task.worker]
-        self._loader.feedstore_counters.skipped_samples += skipped
+        counters = self._loader.feedstore_counters
+        counters.skipped_samples += skipped
+        if cache is not None:
+            counters.cache_hits += cache.hits
+            counters.cache_filed += cache.filed
+            counters.cache_random += cache.random
+            counters.cache_unfiled += cache.unfiled
         if kind == "stop":
             worker.active = False
         else:
@@ -1392,6 +1461,15 @@ class DataLoader(torch.utils.data.DataLoader):
       start method; ``worker_init_fn`` runs once per trainer's worker in the shared process; a
       process makes one batch at a time and leaves ``FEEDSTORE_POOL_LINGER_SECONDS``
       (default 10) after its last trainer.
+    - ``sample_cache``: ``True`` shares each sample made among the workers of the node (the
+      decode-once cache): a worker files ``dataset[i]`` in the store, and any worker of this
+      user with the same key (as ``pool``'s: this loader's other epochs, the other local ranks,
+      other jobs over the same data) maps it instead of making it again. Only for datasets whose
+      ``dataset[i]`` depends on ``i`` alone: a sample whose making moved Python's, numpy's or
+      torch's global random state (a random augmentation) is never filed
+      (``feedstore_counters.cache_random``), nor one that does not pickle. Filed samples fill
+      the store's free room and are evicted, least recently used first, when batches need it:
+      size ``--capacity`` for both. Map-style datasets with workers.
 
     Batches are torch's, element for element. Their tensors are views of one read-only
     shared-memory object: reading is free, writing in place faults (``.clone()`` first, or move
@@ -1405,6 +1483,7 @@ class DataLoader(torch.utils.data.DataLoader):
         socket: Optional[str] = None,
         on_error: str = "raise",
         pool: str = "rank",
+        sample_cache: bool = False,
         **kwargs: Any,
     ) -> None:
         if on_error not in ("raise", "skip"):
@@ -1414,6 +1493,7 @@ class DataLoader(torch.utils.data.DataLoader):
         self.feedstore_socket = socket
         self.feedstore_on_error = on_error
         self.feedstore_pool = pool
+        self.feedstore_sample_cache = bool(sample_cache)
         self.feedstore_counters = _Counters()
         self._feedstore_resume: Optional[dict] = None
         # The latest iterator: held strongly only for persistent workers (as torch does), so
@@ -1423,6 +1503,11 @@ class DataLoader(torch.utils.data.DataLoader):
         self._feedstore_generation = 0
         # torch's arguments, positional or not, as torch takes them.
         super().__init__(*args, **kwargs)
+        if sample_cache and (self.num_workers == 0 or self._dataset_kind == _DatasetKind.Iterable):
+            raise ValueError(
+                "sample_cache=True needs workers (num_workers > 0) and a map-style dataset: "
+                "samples are filed by their index, by the workers that make them"
+            )
         if pool == "node" and self.num_workers > 0:
             if self._dataset_kind == _DatasetKind.Iterable:
                 raise ValueError(

@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 import numpy as np
 import pytest
@@ -337,6 +338,26 @@ def test_ctrl_c_stops_the_workers_and_gives_their_batches_back(daemon, tmp_path)
     assert process.returncode != 0 and b"KeyboardInterrupt" in stderr
     daemon.wait_for("every worker to disconnect", lambda s: s["clients"] <= 1)
     store_empty(daemon)
+
+
+class Gated(tud.Dataset):
+    """Index 0 at once; every other index once the gate file exists. Each index made is
+    appended to a log file (one line per making, from any process)."""
+
+    def __init__(self, gate, log):
+        self.gate, self.log = str(gate), str(log)
+
+    def __len__(self):
+        return 64
+
+    def __getitem__(self, i):
+        deadline = time.monotonic() + 60
+        while i and not os.path.exists(self.gate) and time.monotonic() < deadline:
+            time.sleep(0.005)
+        fd = os.open(self.log, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+        os.write(fd, f"{i}\n".encode())
+        os.close(fd)
+        return torch.tensor([i])
 
 
 def test_a_hugging_face_dataset_with_set_transform_gives_torchs_batches(daemon):

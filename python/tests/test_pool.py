@@ -28,6 +28,7 @@ from feedstore.torch import DataLoader  # noqa: E402
 from test_loader import (  # noqa: E402
     Augmented,
     DiesOnce,
+    Gated,
     Shards,
     assert_same_batches,
     same,
@@ -430,3 +431,27 @@ def test_ranks_over_tensors_share_a_pool_and_a_changed_dataset_gets_its_own(
     finally:
         for pid in eval(served.pop()) if served else []:
             os.kill(pid, signal.SIGTERM)
+
+
+@pytest.mark.parametrize("pool", ["rank", "node"])
+def test_stopping_leaves_the_prefetched_batches_unmade(daemon, pools, tmp_path, pool):
+    gate, log = tmp_path / "gate", tmp_path / "made"
+    loader = DataLoader(
+        Gated(gate, log), batch_size=1, num_workers=1, prefetch_factor=4, pool=pool,
+        socket=daemon.socket,
+    )
+    iterator = iter(loader)
+    assert next(iterator).tolist() == [[0]]  # the worker is now making 1, with 2-4 queued
+    stop = iterator._outbox.stop
+
+    def stop_then_open():
+        stop()  # (the stop is in the worker's pipe now, behind the queued tasks)
+        gate.touch()
+
+    iterator._outbox.stop = stop_then_open
+    iterator._shutdown()
+    made = sorted(int(line) for line in log.read_text().split())
+    assert made == [0, 1], "the batch being made is finished; the queued ones are not made"
+    if pool == "rank":
+        assert iterator._workers[0].process.exitcode == 0, "it left on its own"
+    store_empty(daemon)
