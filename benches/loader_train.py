@@ -10,10 +10,13 @@ process with its own loader (`DistributedSampler`), taking `--steps` batches of 
 
 Three loaders: torch's; feedstore's with `pool="rank"` (each rank its own `num_workers`
 processes, as torch); feedstore's with `pool="node"` (worker `w` of every rank is one process of
-the node's pool, so the ranks share `num_workers` processes).
+the node's pool, so the ranks share `num_workers` processes). A fourth on request
+(`--loaders ... feedstore-cache`): `pool="node"` with `sample_cache=True` (the decode-once
+cache: each sample decoded once on the node, later epochs and the other ranks map it), its
+daemon given room for the whole decoded data set besides the batches.
 
-Per cell (loader x workers per rank x local ranks): the wait-time ratio (time in `next` over
-the run), samples/s of all ranks together, the time to the first batch, and the peak PSS of the
+Per cell (loader x workers per rank x local ranks): the wait-time ratio (time in `next`, and in
+starting and stopping each epoch's iterator, over the run; the first batch apart), samples/s of all ranks together, the time to the first batch, and the peak PSS of the
 whole process tree (trainers, workers, for feedstore the daemon, whose shared memory PSS splits
 among the processes that map it, and the node pool's processes, which are detached from it).
 
@@ -99,16 +102,21 @@ def trainer(args):
     if args.loader.startswith("feedstore"):
         from feedstore.torch import DataLoader
 
-        pool = "node" if args.loader == "feedstore-node" else "rank"
-        loader = DataLoader(dataset, socket=args.socket, pool=pool, **options)
+        pool = "rank" if args.loader == "feedstore" else "node"
+        loader = DataLoader(dataset, socket=args.socket, pool=pool,
+                            sample_cache=args.loader == "feedstore-cache", **options)
     else:
         loader = tud.DataLoader(dataset, **options)
-    waited, steps, epoch = 0.0, 0, 0
+    waited, steps, epoch, starts, stops = 0.0, 0, 0, 0.0, 0.0
     start = time.perf_counter()
     first = None
     while steps < args.steps:
         sampler.set_epoch(epoch)
+        before = time.perf_counter()
         iterator = iter(loader)
+        if first is not None:
+            waited += time.perf_counter() - before  # an epoch's start is waited for too
+            starts += time.perf_counter() - before
         while steps < args.steps:
             before = time.perf_counter()
             try:
@@ -125,9 +133,13 @@ def trainer(args):
             time.sleep(args.step_ms / 1000)
             steps += 1
         epoch += 1
-        del iterator
+        before = time.perf_counter()
+        del iterator  # (stopping the workers: waited for too)
+        waited += time.perf_counter() - before
+        stops += time.perf_counter() - before
     elapsed = time.perf_counter() - start - first
-    print(json.dumps({"first": first, "waited": waited, "elapsed": elapsed, "steps": steps}))
+    print(json.dumps({"first": first, "waited": waited, "elapsed": elapsed, "steps": steps,
+                      "starts": starts, "stops": stops, "epochs": epoch}))
 
 
 def tree(root):
@@ -186,6 +198,8 @@ def cell(args, loader, workers, ranks):
     # two it holds (the one in use, the one being taken), plus slack.
     batch_mib = BATCH * 3 * SIDE * SIDE * 4 / 2**20 + 1
     capacity = int(ranks * (2 * workers + 2) * batch_mib) + 64
+    if loader == "feedstore-cache":
+        capacity += int(256 * (batch_mib - 1) / BATCH) + 64  # every decoded sample
     with feedstored(f"{capacity}MiB", "--prefault", "false") as socket:
         return ranks_run(args, loader, workers, ranks, socket)
 
@@ -224,6 +238,8 @@ def ranks_run(args, loader, workers, ranks, socket):
             if proc.returncode != 0:
                 raise SystemExit(f"a {loader} trainer failed ({proc.returncode})")
             results.append(json.loads(out.decode().strip().splitlines()[-1]))
+            if os.environ.get("FEEDSTORE_BENCH_VERBOSE"):
+                print(f"  rank {len(results) - 1}: {results[-1]}", flush=True)
     finally:
         done.set()
         watcher.join()
@@ -249,7 +265,8 @@ def main():
     parser.add_argument("--ranks", type=int, nargs="*", default=[1, 2])
     parser.add_argument("--loaders", nargs="*", default=["torch", "feedstore", "feedstore-node"],
                         help="feedstore: pool='rank' (workers per rank, as torch); "
-                        "feedstore-node: pool='node' (one pool shared by the ranks)")
+                        "feedstore-node: pool='node' (one pool shared by the ranks); "
+                        "feedstore-cache: pool='node', sample_cache=True")
     parser.add_argument("--persistent-workers", action="store_true",
                         help="every loader keeps its workers from epoch to epoch")
     # One trainer rank (run by the cells).
@@ -265,13 +282,13 @@ def main():
         raise SystemExit(f"no data set at {args.data}: run `feedstore demo` once")
     print(f"{args.steps} steps of {BATCH} per rank, step {args.step_ms:.0f} ms, "
           f"{SIDE}x{SIDE} float32 images + {TOKENS} tokens")
-    print(f"{'workers':>7} {'ranks':>5} {'loader':<14} {'wait':>7} {'samples/s':>10} "
+    print(f"{'workers':>7} {'ranks':>5} {'loader':<15} {'wait':>7} {'samples/s':>10} "
           f"{'first s':>8} {'peak PSS MiB':>13}")
     for workers in args.workers:
         for ranks in args.ranks:
             for loader in args.loaders:
                 wait, rate, first, peak = cell(args, loader, workers, ranks)
-                print(f"{workers:>7} {ranks:>5} {loader:<14} {wait:>7.1%} {rate:>10.1f} "
+                print(f"{workers:>7} {ranks:>5} {loader:<15} {wait:>7.1%} {rate:>10.1f} "
                       f"{first:>8.2f} {peak:>13.0f}", flush=True)
 
 
