@@ -386,9 +386,11 @@ fn socket_group_members_connect_through_supplementary_groups() {
     );
 }
 
-/// The decode-once cache is per uid: another uid allowed as a writer files what it likes in
-/// its own part, and a trainer of this uid never finds it (a planted sample would be read as
-/// this user's data); a reader files nothing.
+/// The decode-once cache is per uid: another uid allowed as a writer files its own objects in
+/// its own part (one key each), never this user's objects, and a trainer of this uid never
+/// finds what it filed (a planted sample would be read as this user's data); a reader files
+/// nothing. (What keeps an allowed writer from changing the bytes of this user's sealed
+/// objects is the daemon's trust in its writers, not the cache.)
 #[test]
 fn another_uid_cannot_plant_samples_in_a_users_cache() {
     let _w = watchdog("another_uid_cannot_plant_samples_in_a_users_cache", LIMIT);
@@ -409,8 +411,8 @@ fn another_uid_cannot_plant_samples_in_a_users_cache() {
     let said = child_says(&mut cmd);
     assert_eq!(
         said,
-        "[Ok, Ok, Ok] finds its own: true; as a reader: err permission denied: only writers \
-         file samples in the cache",
+        "[Ok, InUse, NotOwner] finds its own: true; as a reader: err permission denied: only \
+         writers file samples in the cache",
         "the attacker's own part only"
     );
     assert_eq!(

@@ -14,7 +14,7 @@
 //! it.
 //!
 //! Layers, bottom up: [`alloc`] (free space in a segment), [`objects`] (object lifecycle, leases,
-//! eviction), [`streams`] (ordered delivery to trainer ranks), [`peer`] (who is connecting),
+//! eviction), [`cache`] (the decode-once cache), [`streams`] (ordered delivery to trainer ranks), [`peer`] (who is connecting),
 //! [`server`] (the socket protocol), [`cluster`] (pulling other nodes' objects over TCP),
 //! [`daemon`] (start, serve, stop), [`cli`] (the binary's flags).
 //!
@@ -36,6 +36,7 @@
 //! ```
 
 pub mod alloc;
+pub mod cache;
 pub mod cli;
 pub mod cluster;
 pub mod config;

@@ -42,6 +42,8 @@ struct Object {
     lru_tick: Option<u64>,
     /// For a sealed copy of another node's object, that object's handle.
     origin: Option<Handle>,
+    /// The uid of the client that created it.
+    creator: u32,
 }
 
 impl Object {
@@ -235,6 +237,7 @@ impl Objects {
         if !self.segments.iter().any(|s| s.capacity() >= need) {
             return Err(Status::TooLarge);
         }
+        let creator = self.conns.get(&conn).map_or(0, |c| c.info.uid);
         let (segment, block) = loop {
             let found = self
                 .segments
@@ -267,6 +270,7 @@ impl Objects {
             delete_pending: false,
             lru_tick: None,
             origin: None,
+            creator,
         });
         let handle = self.handle(slot);
         self.conns
@@ -488,6 +492,19 @@ impl Objects {
     }
 
     /// Finds the live slot a handle names, or says why not.
+    /// The uid that created the live, sealed object `handle` names (None: no such object).
+    pub fn creator(&self, handle: Handle) -> Option<u32> {
+        let slot = self.resolve(handle).ok()?;
+        let obj = self.slots[slot as usize].object.as_ref()?;
+        (obj.state == State::Sealed && !obj.delete_pending).then_some(obj.creator)
+    }
+
+    /// How many object slots the store has had at once at most: a bound on its live objects
+    /// that costs nothing to read.
+    pub fn slot_count(&self) -> usize {
+        self.slots.len()
+    }
+
     /// Whether `handle` names a live, sealed object not waiting for deletion.
     pub fn is_sealed(&self, handle: Handle) -> bool {
         self.resolve(handle).is_ok_and(|slot| {
@@ -591,7 +608,10 @@ impl Objects {
             self.copies.remove(&origin);
         }
         self.segments[obj.segment as usize].free(obj.block);
-        self.free_slots.push_back(slot);
+        // A slot whose generation would wrap is retired: a handle never names two objects.
+        if self.slots[slot as usize].generation != u32::MAX {
+            self.free_slots.push_back(slot);
+        }
         self.space_epoch += 1;
     }
 }
@@ -697,6 +717,28 @@ mod tests {
         o.release(r, h).unwrap();
         assert_eq!(o.stats().used_bytes, 0);
         assert_eq!(o.release(r, h), Err(Status::NotFound));
+    }
+
+    /// A slot whose generation would wrap is never reused: a handle kept since (a cache
+    /// entry, a forged one) names nothing rather than a later object.
+    #[test]
+    fn a_slot_is_retired_before_its_generation_wraps() {
+        let (mut o, w, r) = store(1 << 20);
+        let first = put(&mut o, w, 64);
+        o.delete(w, first).unwrap();
+        o.slots[first.slot as usize].generation = u32::MAX - 1;
+        let last = put(&mut o, w, 64);
+        assert_eq!((last.slot, last.generation), (first.slot, u32::MAX));
+        o.delete(w, last).unwrap();
+        let next = put(&mut o, w, 64);
+        assert_ne!(next.slot, last.slot, "a fresh slot");
+        assert_eq!(o.slot_count(), 2);
+        assert_eq!(o.get(r, last), Err(Status::NotFound));
+        let wrapped = Handle {
+            generation: 0,
+            ..last
+        };
+        assert!(o.get(r, wrapped).is_err());
     }
 
     #[test]

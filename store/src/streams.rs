@@ -37,6 +37,7 @@ use feedstore_proto::stream::StreamSpec;
 use feedstore_proto::{Handle, Location, Role, Status};
 use feedstore_shm::{Access, HugePages, Mapping, Segment, SegmentOptions, ShmError};
 
+use crate::cache::SampleCache;
 use crate::config::{Limits, format_bytes};
 use crate::objects::{ClientInfo, ConnId, Objects};
 
@@ -548,14 +549,8 @@ pub struct Streams {
     /// Consumers whose stream was closed under them: the entries they may still read from
     /// their ring keep their leases until they detach or disconnect.
     orphans: HashMap<(ConnId, u32, u32), Published>,
-    /// Decode-once cache: (uid, sample key) to the object holding that sample. Keys come from
-    /// producers, so each uid has its own: no user can place bytes under a key another user's
-    /// producer will look up. The objects are ordinary store objects, so eviction (LRU over
-    /// samples no stream or consumer holds) is the store's; an entry whose object is gone is
-    /// dropped when looked up or swept.
-    cache: HashMap<(u32, u128), Handle>,
-    cache_lookups: u64,
-    cache_hits: u64,
+    /// The decode-once cache, which streams' producers fill as they put.
+    cache: SampleCache,
     /// Bumped by every change a waiter may wait for.
     version: u64,
     /// Shared memory in rings.
@@ -582,9 +577,7 @@ impl Streams {
             rings_attached: 0,
             max_rings: limits.max_rings,
             orphans: HashMap::new(),
-            cache: HashMap::new(),
-            cache_lookups: 0,
-            cache_hits: 0,
+            cache: SampleCache::default(),
             version: 0,
             ring_bytes: 0,
             max_streams: limits.max_streams,
@@ -1165,90 +1158,38 @@ impl Streams {
             statuses.push(Status::Ok);
         }
         stream.last_used = Instant::now();
-        self.cache.extend(cached);
-        self.sweep_cache(objects);
+        for ((uid, key), handle) in cached {
+            self.cache.file(objects, uid, key, handle);
+        }
         self.changed();
         Ok(statuses)
     }
 
-    /// Looks samples up by key, among those `conn`'s uid put: the handle of each one still in
-    /// the store.
+    /// Looks samples up by key, among those `conn`'s uid filed: the handle of each one still
+    /// in the store.
     pub fn lookup(
         &mut self,
         objects: &Objects,
         conn: ConnId,
         keys: &[u128],
     ) -> Vec<Option<Handle>> {
-        let Some(uid) = objects.client(conn).map(|c| c.uid) else {
-            return vec![None; keys.len()];
-        };
-        self.cache_lookups += keys.len() as u64;
-        keys.iter()
-            .map(|&key| {
-                let handle = *self.cache.get(&(uid, key))?;
-                if objects.is_sealed(handle) {
-                    self.cache_hits += 1;
-                    Some(handle)
-                } else {
-                    self.cache.remove(&(uid, key));
-                    None
-                }
-            })
-            .collect()
+        match objects.client(conn).map(|c| c.uid) {
+            Some(uid) => self.cache.lookup(objects, uid, keys),
+            None => vec![None; keys.len()],
+        }
     }
 
-    /// Files sealed objects under sample keys for `conn`'s uid (a loader's worker sharing
-    /// what it made): per entry `Ok`; `InUse` when the key already names another sealed object
-    /// (two workers made the sample at once: the first one filed stays, the other's maker
-    /// deletes its copy); `NotFound` for a handle that names no sealed object; `InvalidArgument`
-    /// for the key 0 ("no key"); `LimitReached` at the bound. An entry goes with its object.
+    /// Files objects `conn`'s uid made under sample keys (a loader's worker sharing what it
+    /// made): per entry, see [`SampleCache::insert`].
     pub fn insert(
         &mut self,
         objects: &Objects,
         conn: ConnId,
         entries: &[CacheEntry],
     ) -> Vec<Status> {
-        let Some(uid) = objects.client(conn).map(|c| c.uid) else {
-            return vec![Status::NotFound; entries.len()];
-        };
-        let bound = Self::cache_bound(objects);
-        if self.cache.len() + entries.len() > bound {
-            self.cache.retain(|_, h| objects.is_sealed(*h));
-        }
-        entries
-            .iter()
-            .map(|e| {
-                if e.key == 0 {
-                    return Status::InvalidArgument;
-                }
-                if !objects.is_sealed(e.handle) {
-                    return Status::NotFound;
-                }
-                match self.cache.get(&(uid, e.key)) {
-                    Some(&h) if h == e.handle => return Status::Ok,
-                    Some(&h) if objects.is_sealed(h) => return Status::InUse,
-                    _ => {}
-                }
-                if self.cache.len() >= bound && !self.cache.contains_key(&(uid, e.key)) {
-                    // Many keys naming the same few objects: the map stays bounded.
-                    return Status::LimitReached;
-                }
-                self.cache.insert((uid, e.key), e.handle);
-                Status::Ok
-            })
-            .collect()
-    }
-
-    /// How many entries the cache keeps: twice the store's sealed objects, plus 1024.
-    fn cache_bound(objects: &Objects) -> usize {
-        2 * objects.stats().objects_sealed as usize + 1024
-    }
-
-    /// Drops entries whose objects are gone once the map is much larger than the store's
-    /// object count, so it stays bounded by what the store holds.
-    fn sweep_cache(&mut self, objects: &Objects) {
-        if self.cache.len() > Self::cache_bound(objects) {
-            self.cache.retain(|_, h| objects.is_sealed(*h));
+        match objects.client(conn).map(|c| c.uid) {
+            Some(uid) => self.cache.insert(objects, uid, entries),
+            None => vec![Status::NotFound; entries.len()],
         }
     }
 
@@ -1443,7 +1384,7 @@ impl Streams {
             && self
                 .streams
                 .get(&id)
-                .is_some_and(|s| self.cache.get(&(s.owner_uid, key)) == Some(&handle))
+                .is_some_and(|s| self.cache.get(s.owner_uid, key) == Some(handle))
     }
 
     /// Marks `conn` as another node's stream session (see [`Streams::demand`]).
@@ -1491,9 +1432,7 @@ impl Streams {
     /// Adds the streams' and the cache's counters to the store's.
     pub fn add_stats(&self, stats: &mut feedstore_proto::StoreStats) {
         stats.streams = self.streams.len() as u64;
-        stats.cache_lookups = self.cache_lookups;
-        stats.cache_hits = self.cache_hits;
-        stats.cache_entries = self.cache.len() as u64;
+        self.cache.add_stats(stats);
         stats.ring_bytes = self.ring_bytes;
         stats.limits_hit += self.limits_hit;
         stats.streams_expired = self.expired;
@@ -2461,58 +2400,6 @@ mod tests {
         assert_eq!(
             (stats.cache_lookups, stats.cache_hits, stats.cache_entries),
             (6, 3, 1)
-        );
-    }
-
-    /// A loader's worker files what it made; lookups of its uid find it while it is stored,
-    /// other uids never do, and many keys on a few objects stay within the bound.
-    #[test]
-    fn filed_samples_are_found_by_their_uid_alone_and_bounded() {
-        let (mut o, mut s, p, _) = setup();
-        let sealed = o.create(p, 64, false).unwrap().handle;
-        o.seal(p, sealed).unwrap();
-        let writing = o.create(p, 64, false).unwrap().handle;
-        let entry = |key, handle| CacheEntry { key, handle };
-        assert_eq!(
-            s.insert(
-                &o,
-                p,
-                &[entry(7, sealed), entry(8, writing), entry(0, sealed)]
-            ),
-            vec![Status::Ok, Status::NotFound, Status::InvalidArgument],
-            "only sealed objects, never the key 0"
-        );
-        assert_eq!(s.lookup(&o, p, &[7, 8]), vec![Some(sealed), None]);
-        let twin = o.create(p, 64, false).unwrap().handle;
-        o.seal(p, twin).unwrap();
-        assert_eq!(
-            s.insert(&o, p, &[entry(7, twin), entry(7, sealed)]),
-            vec![Status::InUse, Status::Ok],
-            "the first object filed under a key stays while it lives"
-        );
-        o.delete(p, twin).unwrap();
-        let stranger = client(&mut o, Role::Writer, 2000);
-        assert_eq!(
-            s.lookup(&o, stranger, &[7]),
-            vec![None],
-            "another uid's entry"
-        );
-        let flood: Vec<_> = (100..3000).map(|k| entry(k, sealed)).collect();
-        let statuses = s.insert(&o, p, &flood);
-        let bound = 2 + 1024; // one sealed object
-        assert_eq!(
-            statuses.iter().filter(|&&st| st == Status::Ok).count(),
-            bound - 1,
-            "the entry already there counts"
-        );
-        assert!(statuses.ends_with(&[Status::LimitReached]));
-        assert_eq!(s.cache.len(), bound);
-        o.delete(p, sealed).unwrap();
-        assert_eq!(s.insert(&o, p, &[entry(7, sealed)]), vec![Status::NotFound]);
-        assert_eq!(
-            s.cache.len(),
-            0,
-            "entries of objects gone are dropped at the bound"
         );
     }
 
