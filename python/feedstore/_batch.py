@@ -13,8 +13,10 @@ copied straight into its slot of the batch tensor: the batch is written once, in
 
 Reading makes every tensor a view of its bytes in the object (`Sample.buffer(offset, length)`
 through DLPack: a storage per tensor), so the batch's tensors hold the object's lease: it goes
-back to the store when the last of them is gone. Tensors are read-only memory (numpy arrays say
-so; torch tensors cannot).
+back to the store when the last of them is gone. In a trainer (a reader) they are read-only
+memory (numpy arrays say so; torch tensors cannot); in a worker (a writer, mapping the store
+read-write) a write would change the object for every reader, so workers read views only
+(`_cache`) or ask for copies.
 """
 
 from __future__ import annotations

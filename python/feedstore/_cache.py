@@ -8,9 +8,11 @@ feedstore and Python). Any worker of this uid on the node that needs the same sa
 epoch, any rank, any job with the same key, maps it instead of making it again.
 
 Only samples that are a function of their index may be shared. The user says so by asking for
-the cache; a sample whose making moved Python's, numpy's or torch's global random state (a
-random augmentation) is never filed, and counted. Skipping a sample found in the cache leaves
-those random states as making it would have, so the batches stay torch's.
+the cache; a sample whose making changed Python's, numpy's or torch's global random state (a
+random augmentation drawing from them) is never filed, and counted. Skipping a sample found in
+the cache then leaves those random states as making it would have, so the batches stay torch's.
+What this cannot see: draws from a generator of the dataset's own, or under `fork_rng` (the
+state put back after), or changes the net draw hides.
 """
 
 from __future__ import annotations
@@ -139,7 +141,7 @@ class SampleCache:
             if not _batch.is_batch(sample):
                 return _GONE
             return _batch.read(sample, copy_numpy=True, copy_torch=not self.views)
-        except (feedstore.FeedstoreError, pickle.UnpicklingError):
+        except Exception:  # noqa: BLE001 (gone, or it no longer unpickles: a class changed)
             return _GONE
 
     def _write(self, item: Any) -> Optional[str]:

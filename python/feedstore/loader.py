@@ -304,10 +304,10 @@ class _WorkerLoop:
 
     def step(self) -> bool:
         """Handles one message from the trainer; False when it is time to leave."""
-        if not self.pending and (
-            not self.conn.poll(POLL_SECONDS) or os.getppid() != self.parent
-        ):
-            return os.getppid() == self.parent  # an orphan leaves, idle or not
+        if os.getppid() != self.parent:
+            return False  # an orphan leaves, idle or not
+        if not self.pending and not self.conn.poll(POLL_SECONDS):
+            return True
         return self.handle(self.recv())
 
     def recv(self) -> Any:
@@ -324,7 +324,8 @@ class _WorkerLoop:
                 self.pending.append(self.conn.recv())
         except (EOFError, OSError):
             return True
-        return any(message is None for message in self.pending)
+        orphan = os.getppid() != self.parent  # (a pool session's is its process's: constant)
+        return orphan or any(message is None for message in self.pending)
 
     def handle(self, message: Any) -> bool:
         """Does what one message asks; False when it is time to leave."""
@@ -803,7 +804,15 @@ class _StoreIter(_Primed, _BaseDataLoaderIter):
             if loader.feedstore_pool == "node":
                 self._pool_key = loader._feedstore_pool_key()
             if loader.feedstore_sample_cache:
-                key = self._pool_key or loader._feedstore_pool_key()
+                try:
+                    key = self._pool_key or loader._feedstore_pool_key()
+                except TypeError as e:
+                    raise TypeError(
+                        "sample_cache=True files samples under a key made from the pickle of "
+                        "the dataset, collate_fn and worker_init_fn, and one of them does not "
+                        f"pickle ({e.__cause__!r}): make them picklable (no lambdas or open "
+                        "files), or leave the cache off"
+                    ) from e.__cause__
                 self._base_args["cache"] = bytes.fromhex(key)
             saved = (resume or {}).get("workers")
             if self._pool_key is not None:
@@ -1469,7 +1478,9 @@ class DataLoader(torch.utils.data.DataLoader):
       torch's global random state (a random augmentation) is never filed
       (``feedstore_counters.cache_random``), nor one that does not pickle. Filed samples fill
       the store's free room and are evicted, least recently used first, when batches need it:
-      size ``--capacity`` for both. Map-style datasets with workers.
+      size ``--capacity`` for both. Map-style datasets with workers. The key sees what the
+      dataset object holds, not settings it reads from module globals or the environment: a
+      later job gets the samples an earlier one filed under the same key.
 
     Batches are torch's, element for element. Their tensors are views of one read-only
     shared-memory object: reading is free, writing in place faults (``.clone()`` first, or move
@@ -1486,6 +1497,8 @@ class DataLoader(torch.utils.data.DataLoader):
         sample_cache: bool = False,
         **kwargs: Any,
     ) -> None:
+        if not isinstance(sample_cache, bool):
+            raise TypeError(f"sample_cache={sample_cache!r}: expected True or False")
         if on_error not in ("raise", "skip"):
             raise ValueError(f"on_error={on_error!r}: expected 'raise' or 'skip'")
         if pool not in ("rank", "node"):
@@ -1493,7 +1506,7 @@ class DataLoader(torch.utils.data.DataLoader):
         self.feedstore_socket = socket
         self.feedstore_on_error = on_error
         self.feedstore_pool = pool
-        self.feedstore_sample_cache = bool(sample_cache)
+        self.feedstore_sample_cache = sample_cache
         self.feedstore_counters = _Counters()
         self._feedstore_resume: Optional[dict] = None
         # The latest iterator: held strongly only for persistent workers (as torch does), so

@@ -341,8 +341,8 @@ def test_ctrl_c_stops_the_workers_and_gives_their_batches_back(daemon, tmp_path)
 
 
 class Gated(tud.Dataset):
-    """Index 0 at once; every other index once the gate file exists. Each index made is
-    appended to a log file (one line per making, from any process)."""
+    """Index 0 at once; every other index once the gate file exists. Each index started and
+    made is appended to a log file (`start i`, then `i`; from any process)."""
 
     def __init__(self, gate, log):
         self.gate, self.log = str(gate), str(log)
@@ -350,13 +350,17 @@ class Gated(tud.Dataset):
     def __len__(self):
         return 64
 
+    def note(self, line):
+        fd = os.open(self.log, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+        os.write(fd, f"{line}\n".encode())
+        os.close(fd)
+
     def __getitem__(self, i):
+        self.note(f"start {i}")
         deadline = time.monotonic() + 60
         while i and not os.path.exists(self.gate) and time.monotonic() < deadline:
             time.sleep(0.005)
-        fd = os.open(self.log, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
-        os.write(fd, f"{i}\n".encode())
-        os.close(fd)
+        self.note(i)
         return torch.tensor([i])
 
 

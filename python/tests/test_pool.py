@@ -441,7 +441,12 @@ def test_stopping_leaves_the_prefetched_batches_unmade(daemon, pools, tmp_path, 
         socket=daemon.socket,
     )
     iterator = iter(loader)
-    assert next(iterator).tolist() == [[0]]  # the worker is now making 1, with 2-4 queued
+    assert next(iterator).tolist() == [[0]]
+    deadline = time.monotonic() + 60  # (a bound on a hang, not a timing assertion)
+    while "start 1" not in log.read_text():
+        assert time.monotonic() < deadline, "the worker never started index 1"
+        time.sleep(0.005)
+    # The worker is making 1 (waiting at the gate), with 2-4 queued behind it.
     stop = iterator._outbox.stop
 
     def stop_then_open():
@@ -450,7 +455,7 @@ def test_stopping_leaves_the_prefetched_batches_unmade(daemon, pools, tmp_path, 
 
     iterator._outbox.stop = stop_then_open
     iterator._shutdown()
-    made = sorted(int(line) for line in log.read_text().split())
+    made = sorted(int(line) for line in log.read_text().splitlines() if line.isdigit())
     assert made == [0, 1], "the batch being made is finished; the queued ones are not made"
     if pool == "rank":
         assert iterator._workers[0].process.exitcode == 0, "it left on its own"
