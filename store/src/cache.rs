@@ -5,11 +5,12 @@
 //! objects are ordinary store objects, so eviction (LRU over samples nobody holds) is the
 //! store's; an entry whose object is gone is dropped when looked up or swept.
 //!
-//! Bounded: an object is filed under one key at most, and a client files only objects its own
-//! uid created ([`SampleCache::insert`]), so the entries of live objects never outnumber the
-//! store's objects. The map keeps at most twice the store's slots (a free bound on its live
-//! objects) plus 1024 entries; past that, entries of objects gone are swept, which frees at
-//! least half of it: a sweep costs O(1) per entry filed.
+//! Bounded: an object is filed under one key at most (a handle filed by one uid is never moved
+//! by another), and a client files only objects its own uid created ([`SampleCache::insert`]),
+//! so the entries of live objects never outnumber the live handles: the store's objects, and
+//! the origin handles of its pulled copies, twice its slots at most. The map keeps at most four
+//! times the store's slots (a free bound) plus 1024 entries; past that, entries of objects gone
+//! are swept, which frees at least half of it: a sweep costs O(1) per entry filed.
 
 use std::collections::HashMap;
 
@@ -31,8 +32,17 @@ pub struct SampleCache {
 
 impl SampleCache {
     /// Files `handle` under `key` for `uid`, replacing what the key named (a stream's put: the
-    /// sample its producer made last) and the key the object was filed under before.
+    /// sample its producer made last) and the key the object was filed under before by this
+    /// uid. An object another uid filed stays where it is (a stream's put may name any sealed
+    /// object; it cannot take another user's entry away).
     pub fn file(&mut self, objects: &Objects, uid: u32, key: u128, handle: Handle) {
+        if self
+            .by_handle
+            .get(&handle)
+            .is_some_and(|&(filer, _)| filer != uid)
+        {
+            return;
+        }
         if let Some(old) = self.by_key.insert((uid, key), handle)
             && old != handle
         {
@@ -76,9 +86,7 @@ impl SampleCache {
     /// the object is filed under another key; `LimitReached` at the bound.
     pub fn insert(&mut self, objects: &Objects, uid: u32, entries: &[CacheEntry]) -> Vec<Status> {
         let bound = Self::bound(objects);
-        if self.by_key.len() + entries.len() > bound {
-            self.retain_live(objects);
-        }
+        let mut swept = false;
         entries
             .iter()
             .map(|&CacheEntry { key, handle }| {
@@ -97,6 +105,11 @@ impl SampleCache {
                 }
                 if self.get(uid, key).is_some_and(|h| objects.is_sealed(h)) {
                     return Status::InUse;
+                }
+                if self.by_key.len() >= bound && !swept {
+                    // Once a request at most: what it frees (half at least) lasts a while.
+                    self.retain_live(objects);
+                    swept = true;
                 }
                 if self.by_key.len() >= bound {
                     return Status::LimitReached;
@@ -120,7 +133,7 @@ impl SampleCache {
     }
 
     fn bound(objects: &Objects) -> usize {
-        2 * objects.slot_count() + 1024
+        4 * objects.slot_count() + 1024
     }
 
     /// Adds the cache's counters to the store's.
@@ -211,6 +224,10 @@ mod tests {
             vec![Status::InUse, Status::InUse, Status::Ok],
             "the first object filed under a key stays while it lives; one key per object"
         );
+        // A stream's put may name any sealed object: another uid's put leaves this entry be.
+        c.file(&o, 2000, 70, sample);
+        assert_eq!(c.lookup(&o, 1000, &[7]), vec![Some(sample)]);
+        assert_eq!(c.lookup(&o, 2000, &[70]), vec![None]);
         o.delete(me, sample).unwrap();
         assert_eq!(
             c.insert(&o, 1000, &[entry(7, twin)]),
@@ -233,12 +250,12 @@ mod tests {
         assert_eq!(statuses[0], Status::Ok);
         assert!(statuses[1..].iter().all(|&s| s == Status::InUse));
         assert_eq!(c.entries(), 1);
-        // Objects filed and gone leave entries until the bound (twice the slots, plus 1024).
+        // Objects filed and gone leave entries until the bound (four times the slots, plus 1024).
         for key in 10_000..12_000u128 {
             let h = sealed(&mut o, me);
             assert_eq!(c.insert(&o, 1000, &[entry(key, h)]), vec![Status::Ok]);
             o.delete(me, h).unwrap();
-            assert!(c.entries() <= 2 * o.slot_count() + 1024);
+            assert!(c.entries() <= 4 * o.slot_count() + 1024);
         }
         assert!(c.entries() < 2000, "swept: {} entries", c.entries());
         assert_eq!(c.lookup(&o, 1000, &[1]), vec![Some(one)]);

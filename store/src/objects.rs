@@ -237,7 +237,7 @@ impl Objects {
         if !self.segments.iter().any(|s| s.capacity() >= need) {
             return Err(Status::TooLarge);
         }
-        let creator = self.conns.get(&conn).map_or(0, |c| c.info.uid);
+        let creator = self.conns[&conn].info.uid; // (a writer: checked above)
         let (segment, block) = loop {
             let found = self
                 .segments
@@ -491,7 +491,6 @@ impl Objects {
         }
     }
 
-    /// Finds the live slot a handle names, or says why not.
     /// The uid that created the live, sealed object `handle` names (None: no such object).
     pub fn creator(&self, handle: Handle) -> Option<u32> {
         let slot = self.resolve(handle).ok()?;
@@ -515,6 +514,7 @@ impl Objects {
         })
     }
 
+    /// Finds the live slot a handle names, or says why not.
     fn resolve(&self, handle: Handle) -> Result<u32, Status> {
         if handle.node_id != self.node_id {
             // Another node's object: its local copy, if one has been pulled.
