@@ -92,6 +92,11 @@ pub struct Args {
     /// Image fetches in flight at most.
     #[arg(long, value_name = "N", default_value_t = 32)]
     fetch_concurrency: usize,
+    /// Decode every pixel of a JPEG before resizing, in every loader (as `feedstore produce
+    /// --full-jpeg-decode`) [default: decode at the largest DCT scale that keeps the image at
+    /// least the output size]. To measure what decoding at the size needed gains.
+    #[arg(long)]
+    full_jpeg_decode: bool,
     /// Samples prepared ahead of each trainer, beyond the batch it is computing on (prefetching
     /// loaders).
     #[arg(long, value_name = "N", default_value_t = 32)]
@@ -420,6 +425,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     };
     config.transform.dtype = DType::BF16;
     config.transform.layout = TensorLayout::Chw;
+    config.transform.jpeg_draft = !args.full_jpeg_decode;
     let source = sources(s3.clone(), args.seed)(low, high);
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     println!(
