@@ -155,17 +155,9 @@ mod tests {
     use feedstore_proto::Role;
 
     use super::*;
-    use crate::objects::{ClientInfo, ConnId};
+    use crate::objects::ConnId;
 
-    fn client(o: &mut Objects, role: Role, uid: u32) -> ConnId {
-        o.connect(ClientInfo {
-            role,
-            uid,
-            pid: 1,
-            name: String::new(),
-            internal: false,
-        })
-    }
+    use crate::objects::test_client as client;
 
     fn sealed(o: &mut Objects, conn: ConnId) -> Handle {
         let h = o.create(conn, 64, false).unwrap().handle;

@@ -616,6 +616,18 @@ impl Objects {
     }
 }
 
+/// A plain client of `uid` for other modules' tests.
+#[cfg(test)]
+pub(crate) fn test_client(o: &mut Objects, role: Role, uid: u32) -> ConnId {
+    o.connect(ClientInfo {
+        role,
+        uid,
+        pid: 1,
+        name: String::new(),
+        internal: false,
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

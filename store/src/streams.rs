@@ -1803,15 +1803,7 @@ mod tests {
         }
     }
 
-    fn client(o: &mut Objects, role: Role, uid: u32) -> ConnId {
-        o.connect(ClientInfo {
-            role,
-            uid,
-            pid: 1,
-            name: String::new(),
-            internal: false,
-        })
-    }
+    use crate::objects::test_client as client;
 
     fn setup() -> (Objects, Streams, ConnId, ConnId) {
         setup_with(&Limits::default())
