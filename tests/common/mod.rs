@@ -17,6 +17,11 @@ use feedstore_consumer::{Client, ConnectOptions, Role, StoreStats};
 /// A fresh directory for one test.
 pub fn scratch_dir(test: &str) -> PathBuf {
     static N: AtomicU32 = AtomicU32::new(0);
+    static CLEAN_AT_EXIT: std::sync::Once = std::sync::Once::new();
+    CLEAN_AT_EXIT.call_once(|| {
+        // SAFETY: registers a plain function that lives for the whole process.
+        unsafe { libc::atexit(remove_scratch_dirs) };
+    });
     let dir = std::env::temp_dir().join(format!(
         "feedstore-test-{}-{}-{}",
         std::process::id(),
@@ -26,6 +31,24 @@ pub fn scratch_dir(test: &str) -> PathBuf {
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
     dir
+}
+
+/// At exit, removes the scratch directories this process made (their daemons are gone by
+/// then: each is killed when its test ends), unless `FEEDSTORE_KEEP_TEST_DIRS` is set (to read
+/// a failed test's logs).
+extern "C" fn remove_scratch_dirs() {
+    if std::env::var_os("FEEDSTORE_KEEP_TEST_DIRS").is_some() {
+        return;
+    }
+    let prefix = format!("feedstore-test-{}-", std::process::id());
+    let Ok(entries) = std::fs::read_dir(std::env::temp_dir()) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        if entry.file_name().to_string_lossy().starts_with(&prefix) {
+            let _ = std::fs::remove_dir_all(entry.path());
+        }
+    }
 }
 
 /// A `feedstored` child process, killed on drop.
