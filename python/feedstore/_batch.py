@@ -24,6 +24,7 @@ from __future__ import annotations
 import io
 import pickle
 import struct
+import warnings
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -77,7 +78,23 @@ def _collate_map() -> dict:
 
     table = dict(torch_collate.default_collate_fn_map)
     table[torch.Tensor] = stack_tensors
+    for kind, rule in list(table.items()):
+        if rule is torch_collate.collate_numpy_array_fn:
+            table[kind] = _numpy_arrays(rule)
     return table
+
+
+def _numpy_arrays(rule: Callable) -> Callable:
+    """torch's rule for numpy arrays (each made a tensor over the same memory, then stacked),
+    quiet about read-only arrays: a sample from the decode-once cache is a view of its object,
+    which the stacking only reads, so it is not copied to be made writable first."""
+
+    def collate_numpy_arrays(batch: Sequence[Any], *, collate_fn_map=None) -> Any:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+            return rule(batch, collate_fn_map=collate_fn_map)
+
+    return collate_numpy_arrays
 
 
 def default_collate(batch: List[Any]) -> Any:

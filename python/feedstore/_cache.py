@@ -67,8 +67,7 @@ def same_random_state(a: tuple, b: tuple) -> bool:
 
 class SampleCache:
     """One worker's use of the cache. `views`: samples found are handed to the collate as
-    views of their objects (torch tensors; numpy arrays are copied, as torch would warn that
-    they are read-only), for feedstore's own `default_collate`, which only reads them; else
+    views of their objects, for feedstore's own `default_collate`, which only reads them; else
     every tensor and array is a copy the user's `collate_fn` may change."""
 
     def __init__(
@@ -140,7 +139,7 @@ class SampleCache:
             sample = self.client.get(handle)
             if not _batch.is_batch(sample):
                 return _GONE
-            return _batch.read(sample, copy_numpy=True, copy_torch=not self.views)
+            return _batch.read(sample, copy_numpy=not self.views, copy_torch=not self.views)
         except Exception:  # noqa: BLE001 (gone, or it no longer unpickles: a class changed)
             return _GONE
 

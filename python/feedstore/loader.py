@@ -1466,10 +1466,10 @@ class DataLoader(torch.utils.data.DataLoader):
       trainer's). Each trainer's worker is a session with its own random states and worker
       info, so its batches are torch's when samples depend on their index and those random
       states; the dataset object, module globals, and the environment, cgroup, CPU affinity
-      and memory the process inherited from the trainer that started it are shared. Map-style datasets, fork
-      start method; ``worker_init_fn`` runs once per trainer's worker in the shared process; a
-      process makes one batch at a time and leaves ``FEEDSTORE_POOL_LINGER_SECONDS``
-      (default 10) after its last trainer.
+      and memory the process inherited from the trainer that started it are shared.
+      Map-style datasets, fork start method; ``worker_init_fn`` runs once per trainer's worker
+      in the shared process; a process makes one batch at a time and leaves
+      ``FEEDSTORE_POOL_LINGER_SECONDS`` (default 10) after its last trainer.
     - ``sample_cache``: ``True`` shares each sample made among the workers of the node (the
       decode-once cache): a worker files ``dataset[i]`` in the store, and any worker of this
       user with the same key (as ``pool``'s: this loader's other epochs, the other local ranks,

@@ -9,6 +9,7 @@ filed in a real feedstored and mapped from it by other real processes; each maki
 counted by the dataset itself, in a file the processes append to."""
 
 import os
+import warnings
 
 import numpy as np
 import pytest
@@ -105,6 +106,28 @@ def only_filed_samples(daemon, n):
     )
     assert (stats["cache_entries"], stats["objects_pinned"], stats["leases"]) == (n, 0, 0)
     return stats
+
+
+def test_read_only_arrays_are_stacked_from_their_memory_without_a_warning(daemon):
+    # What a worker's collate gets from the cache: read-only views of a filed sample's object.
+    from feedstore import _batch
+
+    client = feedstore.Client(daemon.socket, writer=True)
+    handles = [_batch.write(client, {"ids": np.arange(i, i + 4)}) for i in range(3)]
+    samples = [_batch.read(client.get(h)) for h in handles]
+    assert not samples[0]["ids"].flags.writeable
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # (torch warns on each read-only array it is given)
+        batch = _batch.default_collate(samples)
+    stacked = batch["ids"]
+    assert type(stacked) is _batch.Stacked, "stacking deferred to the batch's write"
+    for part, sample in zip(stacked.parts, samples):
+        assert part.data_ptr() == sample["ids"].__array_interface__["data"][0], "not copied"
+    expected = tud.default_collate([{"ids": np.arange(i, i + 4)} for i in range(3)])
+    assert torch.equal(torch.stack(stacked.parts), expected["ids"])
+    del batch, stacked, samples
+    for h in handles:
+        client.delete(h)
 
 
 def test_samples_drawing_random_numbers_are_never_shared_and_batches_stay_torchs(
