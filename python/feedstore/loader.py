@@ -655,6 +655,8 @@ class _Outbox:
 # Live iterators with workers, stopped in order at interpreter exit: before multiprocessing's
 # own exit handler (registered earlier, so run later) terminates their workers.
 _LIVE: "weakref.WeakSet[_StoreIter]" = weakref.WeakSet()
+# Whether a torch profiler records (asked at each `next`; bound once, as a lookup costs too).
+_profiler_enabled = torch.autograd._profiler_enabled
 _EXITING = False
 # Held while an iterator is marked stopped (the trainer, `__del__` and the exit hook may race).
 _SHUTTING = threading.Lock()
@@ -696,6 +698,7 @@ def _pump(ref: "weakref.ref[_StoreIter]") -> None:
                 iterator._handle(ready)
             except BaseException as e:  # noqa: BLE001 (raised in the trainer's thread)
                 iterator._error = e
+                iterator._pump_draws = False  # (`next` takes the slow path, which raises it)
                 iterator._cond.notify_all()
                 return
             iterator._cond.notify_all()
@@ -762,6 +765,31 @@ class _Primed:
         return next(self._sampler_iter)
 
 
+def _draws_alone(sampler: Any) -> bool:
+    """Whether, once its first index is drawn, the sampler's later indices touch no random
+    state but their own: torch's samplers (exactly those types), which draw their whole order
+    at the first index, or from a generator of their own made then. Such a sampler's next
+    indices can be drawn on the receiving thread, off the trainer's `next`, with the same order
+    and no draw moved past the trainer's own use of a random state. Any other sampler is drawn
+    in the trainer's `next`, where torch draws it."""
+    samplers = torch.utils.data.sampler
+    if type(sampler) is samplers.BatchSampler:
+        sampler = sampler.sampler
+    if type(sampler) is samplers.RandomSampler:
+        # Its own generator drawn from again past the first pass, or every 32 indices with
+        # replacement: the user's, perhaps shared with the trainer's code.
+        return sampler.generator is None or (
+            not sampler.replacement and sampler.num_samples <= len(sampler.data_source)
+        )
+    return type(sampler) in (
+        samplers.SequentialSampler,
+        samplers.SubsetRandomSampler,
+        samplers.WeightedRandomSampler,
+        torch.utils.data.distributed.DistributedSampler,
+        torch.utils.data.dataloader._InfiniteConstantSampler,
+    )
+
+
 class _StoreIter(_Primed, _BaseDataLoaderIter):
     """One epoch (or, with persistent workers, every epoch) of a loader with workers.
 
@@ -777,9 +805,15 @@ class _StoreIter(_Primed, _BaseDataLoaderIter):
         self._thread: Optional[threading.Thread] = None
         self._tasks: Dict[int, _Task] = {}
         self._send_idx = self._rcvd_idx = self._epoch_start = 0
-        self._cond = threading.Condition()
+        self._lock = threading.RLock()
+        self._cond = threading.Condition(self._lock)
+        self._taken: List[_Task] = []  # taken by `next`'s fast path, not booked yet
         self._error: Optional[BaseException] = None
         self._wake_read, self._wake_write = os.pipe()
+        os.set_blocking(self._wake_write, False)  # (full: a wake is pending anyway)
+        # Whether the pump draws the sampler's next indices (see `_draws_alone`); off while an
+        # epoch's bookkeeping is set up.
+        self._pump_draws = False
         self._outbox = _Outbox()
         self._workers: List[Optional[_Worker]] = []
         _Epoch.begin(loader, self, resume, lambda: _BaseDataLoaderIter.__init__(self, loader))
@@ -860,11 +894,16 @@ class _StoreIter(_Primed, _BaseDataLoaderIter):
         self._sampler_done = False
         for _ in range(self._prefetch_factor * self._num_workers):
             self._try_put_index()
+        # An iterable dataset's workers end at times of their own, and which of them is still
+        # active decides where each later task goes: those are dispatched where torch does.
+        self._pump_draws = not self._iterable and _draws_alone(self._index_sampler)
 
     def _reset(self, loader, first_iter=False) -> None:
         """A new epoch on the same (persistent) workers, as torch's `_reset`: a new sampler
         iterator, no new seeds. Tasks of the last epoch still out are dropped as they come."""
         with self._cond:
+            self._pump_draws = False  # (until `_begin` has set the new epoch up)
+            self._book()
             self._rng_at_start = _generator_state(loader)
             self._draws_base_seed = False
             _BaseDataLoaderIter._reset(self, loader)
@@ -992,10 +1031,33 @@ class _StoreIter(_Primed, _BaseDataLoaderIter):
         self._send_idx += 1
 
     def __next__(self) -> Any:
-        if torch.autograd._profiler_enabled():
+        if _profiler_enabled():
             return super().__next__()  # torch's, inside the profiler's record_function
         # torch's `__next__` without the profiler's scope (some 0.1-0.3 ms a batch when no
-        # profiler runs).
+        # profiler runs), first its fast path: the next batch mapped, a pump that draws the
+        # next index. What is left of `next` then is Python run with caches cold after the
+        # trainer's step (0.01-0.03 ms a line), so it does the least it can: the batch is
+        # booked against its worker (`_book`) by the pump, which it wakes anyway.
+        try:
+            with self._lock:
+                # (`_pump_draws` is off once stopped or failed; a batch is set with its "ok"
+                # reply, both under the lock.)
+                task = self._tasks.get(self._rcvd_idx)
+                if self._pump_draws and task is not None and task.batch is not None:
+                    del self._tasks[self._rcvd_idx]
+                    self._rcvd_idx += 1
+                    self._taken.append(task)
+                    if not self._sampler_done:
+                        try:
+                            os.write(self._wake_write, b"d")  # (`_replace_taken`, inlined)
+                        except BlockingIOError:
+                            pass  # (a wake is pending)
+                    self._num_yielded += 1  # (map-style: no length to check)
+                    batch, task.batch = task.batch, None
+                    return batch
+        except BaseException:
+            self._shutdown()  # (Ctrl-C: as `_next_data`)
+            raise
         data = self._next_data()
         self._num_yielded += 1
         expected = self._IterableDataset_len_called
@@ -1033,6 +1095,7 @@ class _StoreIter(_Primed, _BaseDataLoaderIter):
     def _next_task(self) -> Optional[_Task]:
         """The next task with a batch or an error (None at the epoch's end), waiting up to the
         loader's timeout; tasks with nothing to yield are booked and passed over."""
+        self._book()
         timeout = self._timeout if self._timeout > 0 else None
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
@@ -1045,6 +1108,10 @@ class _StoreIter(_Primed, _BaseDataLoaderIter):
                 del self._tasks[self._rcvd_idx]  # its worker's dataset ended before it
                 self._rcvd_idx += 1
             if self._rcvd_idx >= self._send_idx:
+                if self._pump_draws and not self._sampler_done:
+                    self._try_put_index()  # (taken before the pump drew the next)
+                    if self._rcvd_idx < self._send_idx:
+                        continue
                 return None
             task = self._tasks[self._rcvd_idx]
             if task.reply is None:
@@ -1055,16 +1122,38 @@ class _StoreIter(_Primed, _BaseDataLoaderIter):
                 continue
             del self._tasks[self._rcvd_idx]
             self._rcvd_idx += 1
-            self._try_put_index()
+            self._replace_taken()
             if task.reply[0] in ("ok", "error"):
                 return task
             self._count(task)  # an iterable worker's end, or a batch of skipped samples
+
+    def _replace_taken(self) -> None:
+        """A task was taken: its place in the window goes to the sampler's next index, drawn
+        and sent here or, where the sampler allows (`_draws_alone`), by the pump, which the
+        trainer only wakes (the draw and the dispatch were half of what `next` cost)."""
+        if not self._pump_draws:
+            self._try_put_index()
+        elif not self._sampler_done:
+            try:
+                os.write(self._wake_write, b"d")
+            except BlockingIOError:
+                pass  # (a wake is pending)
+
+    def _fill(self) -> None:
+        """The pump's side of `_replace_taken`: indices drawn and sent until the window (taken
+        tasks aside) is full again, as the trainer's dispatch would have left it."""
+        limit = self._prefetch_factor * self._num_workers
+        while len(self._tasks) < limit:
+            sent = self._send_idx
+            self._try_put_index()
+            if self._send_idx == sent:
+                return
 
     def _count(self, task: _Task) -> None:
         """Books a taken task against its worker (what a saved state resumes from)."""
         kind, _, _, rng, skipped, cache, _ = task.reply
         worker = self._workers[task.worker]
-        counters = self._loader.feedstore_counters
+        counters = self._loader._feedstore_counts
         counters.skipped_samples += skipped
         if cache is not None:
             counters.cache_hits += cache.hits
@@ -1079,14 +1168,26 @@ class _StoreIter(_Primed, _BaseDataLoaderIter):
 
     def _take(self, task: _Task) -> tuple:
         """(batch, None), or (None, the error) for a task whose batch failed."""
+        self._book()
         self._count(task)
-        counters = self._loader.feedstore_counters
+        counters = self._loader._feedstore_counts
         if task.reply[0] == "error":
             counters.failed_batches += 1
             return None, task.reply[2]
         counters.batches += 1
         batch, task.batch = task.batch, None
         return batch, None
+
+    def _book(self) -> None:
+        """Books the batches `next` took on its fast path (in order, before anything later)."""
+        taken, self._taken = self._taken, []
+        for task in taken:
+            self._count(task)
+            self._loader._feedstore_counts.batches += 1
+
+    def _book_taken(self) -> None:
+        with self._cond:
+            self._book()
 
     # The pump thread's side (under `_cond`).
     def _waitables(self) -> list:
@@ -1095,6 +1196,7 @@ class _StoreIter(_Primed, _BaseDataLoaderIter):
         return [self._wake_read, *(w.conn for w in live), *sentinels]
 
     def _handle(self, ready: list) -> None:
+        self._book()
         if self._wake_read in ready:
             os.read(self._wake_read, 4096)
         if _EXITING:
@@ -1115,6 +1217,8 @@ class _StoreIter(_Primed, _BaseDataLoaderIter):
             if self._shut:
                 break  # (stopping: nothing is started again)
             self._restart(w)
+        if self._pump_draws and not self._shut:
+            self._fill()
 
     def _accept(self, w: int, reply: tuple) -> None:
         worker = self._workers[w]
@@ -1152,10 +1256,11 @@ class _StoreIter(_Primed, _BaseDataLoaderIter):
                     )
             except Exception as e:  # noqa: BLE001 (raised when the trainer takes it)
                 reply = ("error", task_id, e, *reply[3:])
+                task.batch = None
             # Trainers map the store read-only and cannot delete: the worker that made the
             # batch deletes it, and the store frees it once the batch's tensors are gone.
             self._give_back(w, payload)
-            self._loader.feedstore_counters.handoff_seconds += time.perf_counter() - started
+            self._loader._feedstore_counts.handoff_seconds += time.perf_counter() - started
         task.reply = reply
         if kind != "stop":
             worker.done += 1
@@ -1221,7 +1326,7 @@ class _StoreIter(_Primed, _BaseDataLoaderIter):
         else:
             self._start_worker(w, rng=worker.rng, replay=worker.done if self._iterable else 0)
             new = self._workers[w]
-        self._loader.feedstore_counters.worker_restarts += 1
+        self._loader._feedstore_counts.worker_restarts += 1
         new.done, new.rng, new.taken, new.taken_rng, new.active, new.deaths = (
             worker.done, worker.rng, worker.taken, worker.taken_rng, worker.active, worker.deaths
         )
@@ -1238,6 +1343,7 @@ class _StoreIter(_Primed, _BaseDataLoaderIter):
     def feedstore_state(self) -> dict:
         """Where this epoch stands, for `DataLoader.state_dict`."""
         with self._cond:
+            self._book()
             finished = self._rcvd_idx >= self._send_idx and (
                 self._sampler_done or not any(w.active for w in self._workers if w)
             )
@@ -1267,9 +1373,13 @@ class _StoreIter(_Primed, _BaseDataLoaderIter):
             if getattr(self, "_shut", True):
                 return
             self._shut = True
+            self._pump_draws = False  # (`next`'s fast path is closed)
         if hasattr(self, "_sampler_done") and self._generation == self._loader._feedstore_generation:
             self._loader._feedstore_remember(self.feedstore_state())
-        os.write(self._wake_write, b"x")
+        try:
+            os.write(self._wake_write, b"x")
+        except BlockingIOError:
+            pass  # (a wake is pending)
         if self._thread is not None and threading.current_thread() is not self._thread:
             self._thread.join()
         for task in self._tasks.values():
@@ -1411,7 +1521,7 @@ class _InProcessIter(_Primed, torch.utils.data.dataloader._SingleProcessDataLoad
         if self._skipper is None:
             return self._dataset_fetcher.fetch(index)
         batch = self._skipper.fetch(index)
-        self._loader.feedstore_counters.skipped_samples += self._skipper.skipped
+        self._loader._feedstore_counts.skipped_samples += self._skipper.skipped
         self._skipper.skipped = 0
         return batch
 
@@ -1507,7 +1617,7 @@ class DataLoader(torch.utils.data.DataLoader):
         self.feedstore_on_error = on_error
         self.feedstore_pool = pool
         self.feedstore_sample_cache = sample_cache
-        self.feedstore_counters = _Counters()
+        self._feedstore_counts = _Counters()
         self._feedstore_resume: Optional[dict] = None
         # The latest iterator: held strongly only for persistent workers (as torch does), so
         # that an iterator the trainer drops stops its workers; what it last stood at is kept.
@@ -1559,6 +1669,14 @@ class DataLoader(torch.utils.data.DataLoader):
                 self.generator.set_state(resume["rng_after"])
             return None
         return resume
+
+    @property
+    def feedstore_counters(self) -> _Counters:
+        """The loader's counters, summed over its life (see the class's note)."""
+        book = getattr(self._feedstore_iterator(), "_book_taken", None)
+        if book is not None:
+            book()  # (batches `next` took and the pump has not booked yet)
+        return self._feedstore_counts
 
     def _feedstore_iterator(self) -> Any:
         current = self._feedstore_current

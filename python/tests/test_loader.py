@@ -132,6 +132,62 @@ def test_distributed_sampler_ranks_get_torchs_batches(daemon):
         assert_same_batches(ours, theirs)
 
 
+def test_only_torchs_own_samplers_are_drawn_off_the_trainers_thread():
+    from feedstore.loader import _draws_alone
+
+    data = list(range(10))
+    g = torch.Generator().manual_seed(1)
+
+    class Mine(tud.RandomSampler):
+        pass
+
+    class Drawing(tud.Sampler):
+        def __init__(self):
+            super().__init__(None)
+
+        def __iter__(self):
+            return (random.randrange(10) for _ in range(10))
+
+    alone = [
+        tud.SequentialSampler(data),
+        tud.RandomSampler(data),
+        tud.RandomSampler(data, generator=g),  # one permutation, drawn at the first index
+        tud.RandomSampler(data, replacement=True),  # a generator of its own after that
+        tud.SubsetRandomSampler([1, 2, 3], generator=g),
+        tud.WeightedRandomSampler([1.0] * 10, 5, generator=g),
+        tud.DistributedSampler(data, num_replicas=2, rank=0),
+        tud.BatchSampler(tud.RandomSampler(data), 4, drop_last=False),
+    ]
+    not_alone = [
+        tud.RandomSampler(data, replacement=True, generator=g),  # the user's, every 32
+        tud.RandomSampler(data, num_samples=25, generator=g),  # again at each pass
+        Mine(data),
+        Drawing(),
+        [3, 1, 2],
+        tud.BatchSampler(Drawing(), 4, drop_last=False),
+        type("MyBatches", (tud.BatchSampler,), {})(tud.SequentialSampler(data), 4, False),
+    ]
+    assert [_draws_alone(s) for s in alone] == [True] * len(alone)
+    assert [_draws_alone(s) for s in not_alone] == [False] * len(not_alone)
+
+
+def test_a_sampler_sharing_the_trainers_generator_draws_where_torchs_does(daemon):
+    # The sampler draws 32 indices at a time from `g`, which the trainer draws from too
+    # between batches: the second draw must fall between the same two of the trainer's.
+    dataset = Augmented(40)
+
+    def run(make, **kwargs):
+        g = torch.Generator().manual_seed(11)
+        sampler = tud.RandomSampler(dataset, replacement=True, generator=g)
+        loader = make(dataset, batch_size=2, sampler=sampler, num_workers=2, **kwargs)
+        seeded()
+        return [(b["label"], torch.randint(0, 10**6, (1,), generator=g)) for b in loader]
+
+    theirs = run(tud.DataLoader)
+    ours = run(DataLoader, socket=daemon.socket)
+    assert_same_batches(ours, theirs)
+
+
 def test_every_type_round_trips_through_shared_memory(daemon):
     def collate(items):
         n = len(items)
