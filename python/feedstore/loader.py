@@ -610,20 +610,38 @@ class _Outbox:
     """Sends messages to workers from a thread of its own, in order. Waking a sleeping
     process through a pipe costs the sender 100-400 us on a small VM; a trainer's `next`
     pays only for waking this thread. A pipe is closed under the same lock as each write, so
-    a message for a dead worker's pipe fails instead of reaching whatever reuses the fd."""
+    a message for a dead worker's pipe fails instead of reaching whatever reuses the fd.
+
+    The thread also runs `on_fill` (the iterator's: the window refilled) when `next` asks
+    (`want_fill`). It sleeps on `_kick`, a lock used as a one-slot semaphore: released (from
+    any thread) when there is something to do, taken by the thread before it looks. Releasing
+    a lock keeps the GIL (a pipe's write gives it up for the syscall, and a thread woken just
+    before takes it then, so `next` would wait out that thread's whole turn)."""
 
     def __init__(self) -> None:
-        self._cond = threading.Condition()
         self._queue: Deque[tuple] = collections.deque()
+        self._kick = threading.Lock()
+        self._kick.acquire()  # (released: something to do)
         self._lock = threading.Lock()
         self._stopping = False
+        self.fill_wanted = False
+        self.on_fill: Optional[Callable[[], None]] = None
         self._thread = threading.Thread(target=self._run, name="feedstore DataLoader outbox", daemon=True)
         self._thread.start()
 
+    def kick(self) -> None:
+        try:
+            self._kick.release()
+        except RuntimeError:
+            pass  # (released already: the thread looks once more anyway)
+
     def send(self, conn: multiprocessing.connection.Connection, message: Any) -> None:
-        with self._cond:
-            self._queue.append((conn, message))
-            self._cond.notify()
+        self._queue.append((conn, message))
+        self.kick()
+
+    def want_fill(self) -> None:
+        self.fill_wanted = True
+        self.kick()
 
     def close(self, conn: multiprocessing.connection.Connection) -> None:
         with self._lock:
@@ -631,25 +649,32 @@ class _Outbox:
 
     def stop(self) -> None:
         """Sends what is queued, then ends the thread."""
-        with self._cond:
-            self._stopping = True
-            self._cond.notify()
+        self._stopping = True
+        self.kick()
         if threading.current_thread() is not self._thread:
             self._thread.join()
 
     def _run(self) -> None:
         while True:
-            with self._cond:
-                while not self._queue and not self._stopping:
-                    self._cond.wait()
-                if not self._queue:
-                    return
-                conn, message = self._queue.popleft()
-            with self._lock:
+            self._kick.acquire()
+            # Everything queued before the release that woke it is seen here.
+            while True:
+                if self.fill_wanted and not self._stopping:
+                    self.fill_wanted = False
+                    on_fill = self.on_fill
+                    if on_fill is not None:
+                        on_fill()
                 try:
-                    conn.send(message)
-                except (OSError, ValueError):
-                    pass  # a dead worker's pipe
+                    conn, message = self._queue.popleft()
+                except IndexError:
+                    break
+                with self._lock:
+                    try:
+                        conn.send(message)
+                    except (OSError, ValueError):
+                        pass  # a dead worker's pipe
+            if self._stopping and not self._queue:
+                return
 
 
 # Live iterators with workers, stopped in order at interpreter exit: before multiprocessing's
@@ -657,6 +682,23 @@ class _Outbox:
 _LIVE: "weakref.WeakSet[_StoreIter]" = weakref.WeakSet()
 # Whether a torch profiler records (asked at each `next`; bound once, as a lookup costs too).
 _profiler_enabled = torch.autograd._profiler_enabled
+
+
+def _filler(ref: "weakref.ref[_StoreIter]") -> Callable[[], None]:
+    """The outbox thread's `on_fill` for an iterator it holds weakly."""
+
+    def fill() -> None:
+        iterator = ref()
+        if iterator is None:
+            return
+        with iterator._cond:
+            if iterator._draws_behind and not iterator._shut:
+                iterator._book()
+                iterator._fill()
+
+    return fill
+
+
 _EXITING = False
 # Held while an iterator is marked stopped (the trainer, `__del__` and the exit hook may race).
 _SHUTTING = threading.Lock()
@@ -698,7 +740,7 @@ def _pump(ref: "weakref.ref[_StoreIter]") -> None:
                 iterator._handle(ready)
             except BaseException as e:  # noqa: BLE001 (raised in the trainer's thread)
                 iterator._error = e
-                iterator._pump_draws = False  # (`next` takes the slow path, which raises it)
+                iterator._draws_behind = False  # (`next` takes the slow path, which raises it)
                 iterator._cond.notify_all()
                 return
             iterator._cond.notify_all()
@@ -807,14 +849,16 @@ class _StoreIter(_Primed, _BaseDataLoaderIter):
         self._send_idx = self._rcvd_idx = self._epoch_start = 0
         self._lock = threading.RLock()
         self._cond = threading.Condition(self._lock)
-        self._taken: List[_Task] = []  # taken by `next`'s fast path, not booked yet
+        # Taken by `next`'s fast path, not booked yet (appended without the lock, popped under it).
+        self._taken: Deque[_Task] = collections.deque()
         self._error: Optional[BaseException] = None
         self._wake_read, self._wake_write = os.pipe()
         os.set_blocking(self._wake_write, False)  # (full: a wake is pending anyway)
-        # Whether the pump draws the sampler's next indices (see `_draws_alone`); off while an
-        # epoch's bookkeeping is set up.
-        self._pump_draws = False
+        # Whether the sampler's next indices are drawn behind the trainer's back, by the outbox
+        # thread (see `_draws_alone`); off while an epoch's bookkeeping is set up.
+        self._draws_behind = False
         self._outbox = _Outbox()
+        self._outbox.on_fill = _filler(weakref.ref(self))
         self._workers: List[Optional[_Worker]] = []
         _Epoch.begin(loader, self, resume, lambda: _BaseDataLoaderIter.__init__(self, loader))
         self._iterable = self._dataset_kind == _DatasetKind.Iterable
@@ -896,13 +940,13 @@ class _StoreIter(_Primed, _BaseDataLoaderIter):
             self._try_put_index()
         # An iterable dataset's workers end at times of their own, and which of them is still
         # active decides where each later task goes: those are dispatched where torch does.
-        self._pump_draws = not self._iterable and _draws_alone(self._index_sampler)
+        self._draws_behind = not self._iterable and _draws_alone(self._index_sampler)
 
     def _reset(self, loader, first_iter=False) -> None:
         """A new epoch on the same (persistent) workers, as torch's `_reset`: a new sampler
         iterator, no new seeds. Tasks of the last epoch still out are dropped as they come."""
         with self._cond:
-            self._pump_draws = False  # (until `_begin` has set the new epoch up)
+            self._draws_behind = False  # (until `_begin` has set the new epoch up)
             self._book()
             self._rng_at_start = _generator_state(loader)
             self._draws_base_seed = False
@@ -1013,7 +1057,8 @@ class _StoreIter(_Primed, _BaseDataLoaderIter):
     def _try_put_index(self) -> None:
         if self._sampler_done or not any(w.active for w in self._workers if w):
             return
-        outstanding = sum(1 for t in self._tasks.values() if t.reply is None)
+        # (A snapshot: `next`'s fast path deletes from `_tasks` without the lock.)
+        outstanding = sum(1 for t in list(self._tasks.values()) if t.reply is None)
         if outstanding >= self._prefetch_factor * self._num_workers:
             return
         try:
@@ -1034,27 +1079,32 @@ class _StoreIter(_Primed, _BaseDataLoaderIter):
         if _profiler_enabled():
             return super().__next__()  # torch's, inside the profiler's record_function
         # torch's `__next__` without the profiler's scope (some 0.1-0.3 ms a batch when no
-        # profiler runs), first its fast path: the next batch mapped, a pump that draws the
-        # next index. What is left of `next` then is Python run with caches cold after the
+        # profiler runs), first its fast path: the next batch mapped, a sampler drawn behind
+        # (by the outbox thread). What is left of `next` then is Python run with caches cold after the
         # trainer's step (0.01-0.03 ms a line), so it does the least it can: the batch is
-        # booked against its worker (`_book`) by the pump, which it wakes anyway.
+        # booked against its worker (`_book`) by the outbox thread, which it wakes anyway.
+        #
+        # It takes no lock: each step is one operation on a dict, a deque or an attribute only
+        # this thread writes (`_rcvd_idx`, `_num_yielded`), atomic in CPython; the other
+        # threads read `_tasks` through snapshots (`list(...)`), and the pump sets a task's
+        # batch after its reply. `_draws_behind` is off once the iterator stopped or failed.
         try:
-            with self._lock:
-                # (`_pump_draws` is off once stopped or failed; a batch is set with its "ok"
-                # reply, both under the lock.)
-                task = self._tasks.get(self._rcvd_idx)
-                if self._pump_draws and task is not None and task.batch is not None:
-                    del self._tasks[self._rcvd_idx]
-                    self._rcvd_idx += 1
-                    self._taken.append(task)
-                    if not self._sampler_done:
-                        try:
-                            os.write(self._wake_write, b"d")  # (`_replace_taken`, inlined)
-                        except BlockingIOError:
-                            pass  # (a wake is pending)
-                    self._num_yielded += 1  # (map-style: no length to check)
-                    batch, task.batch = task.batch, None
-                    return batch
+            tasks, index = self._tasks, self._rcvd_idx
+            task = tasks.get(index)
+            batch = None if task is None else task.batch
+            if batch is not None and self._draws_behind:
+                tasks.pop(index, None)  # (None: a shutdown from another thread cleared them)
+                self._rcvd_idx = index + 1
+                self._taken.append(task)
+                outbox = self._outbox  # (`_replace_taken`, inlined: `want_fill`)
+                outbox.fill_wanted = True
+                try:
+                    outbox._kick.release()
+                except RuntimeError:
+                    pass  # (released already)
+                self._num_yielded += 1  # (map-style: no length to check)
+                task.batch = None
+                return batch
         except BaseException:
             self._shutdown()  # (Ctrl-C: as `_next_data`)
             raise
@@ -1108,7 +1158,7 @@ class _StoreIter(_Primed, _BaseDataLoaderIter):
                 del self._tasks[self._rcvd_idx]  # its worker's dataset ended before it
                 self._rcvd_idx += 1
             if self._rcvd_idx >= self._send_idx:
-                if self._pump_draws and not self._sampler_done:
+                if self._draws_behind and not self._sampler_done:
                     self._try_put_index()  # (taken before the pump drew the next)
                     if self._rcvd_idx < self._send_idx:
                         continue
@@ -1129,19 +1179,17 @@ class _StoreIter(_Primed, _BaseDataLoaderIter):
 
     def _replace_taken(self) -> None:
         """A task was taken: its place in the window goes to the sampler's next index, drawn
-        and sent here or, where the sampler allows (`_draws_alone`), by the pump, which the
-        trainer only wakes (the draw and the dispatch were half of what `next` cost)."""
-        if not self._pump_draws:
+        and sent here or, where the sampler allows (`_draws_alone`), by the outbox thread,
+        which the trainer only wakes (the draw and the dispatch were half of what `next` cost)."""
+        if not self._draws_behind:
             self._try_put_index()
         elif not self._sampler_done:
-            try:
-                os.write(self._wake_write, b"d")
-            except BlockingIOError:
-                pass  # (a wake is pending)
+            self._outbox.want_fill()
 
     def _fill(self) -> None:
-        """The pump's side of `_replace_taken`: indices drawn and sent until the window (taken
-        tasks aside) is full again, as the trainer's dispatch would have left it."""
+        """The outbox thread's side of `_replace_taken` (and the pump's, after replies):
+        indices drawn and sent until the window (taken tasks aside) is full again, as the
+        trainer's dispatch would have left it."""
         limit = self._prefetch_factor * self._num_workers
         while len(self._tasks) < limit:
             sent = self._send_idx
@@ -1180,9 +1228,8 @@ class _StoreIter(_Primed, _BaseDataLoaderIter):
 
     def _book(self) -> None:
         """Books the batches `next` took on its fast path (in order, before anything later)."""
-        taken, self._taken = self._taken, []
-        for task in taken:
-            self._count(task)
+        while self._taken:
+            self._count(self._taken.popleft())
             self._loader._feedstore_counts.batches += 1
 
     def _book_taken(self) -> None:
@@ -1217,7 +1264,7 @@ class _StoreIter(_Primed, _BaseDataLoaderIter):
             if self._shut:
                 break  # (stopping: nothing is started again)
             self._restart(w)
-        if self._pump_draws and not self._shut:
+        if self._draws_behind and not self._shut:
             self._fill()
 
     def _accept(self, w: int, reply: tuple) -> None:
@@ -1244,24 +1291,26 @@ class _StoreIter(_Primed, _BaseDataLoaderIter):
             if kind == "ok":
                 self._give_back(w, payload)  # a stale reply (an earlier epoch); nobody reads it
             return
+        batch = None
         if kind == "ok":
             # Mapped now, while the trainer computes: its `next` finds views ready.
             started = time.perf_counter()
             try:
                 # Its page tables too: the trainer's first read is then the memory traffic.
-                task.batch = _batch.read(self._client.get(payload, prefault=True))
+                batch = _batch.read(self._client.get(payload, prefault=True))
                 if self._pin_memory:
-                    task.batch = torch_utils.pin_memory.pin_memory(
-                        task.batch, self._pin_memory_device
-                    )
+                    batch = torch_utils.pin_memory.pin_memory(batch, self._pin_memory_device)
             except Exception as e:  # noqa: BLE001 (raised when the trainer takes it)
                 reply = ("error", task_id, e, *reply[3:])
-                task.batch = None
+                batch = None
             # Trainers map the store read-only and cannot delete: the worker that made the
             # batch deletes it, and the store frees it once the batch's tensors are gone.
             self._give_back(w, payload)
             self._loader._feedstore_counts.handoff_seconds += time.perf_counter() - started
+        # The reply first: `next`'s fast path, which takes the lock no more, takes a task once
+        # its batch is set, and books it by the reply.
         task.reply = reply
+        task.batch = batch
         if kind != "stop":
             worker.done += 1
 
@@ -1294,7 +1343,9 @@ class _StoreIter(_Primed, _BaseDataLoaderIter):
             how = "its process closed the connection"
             what = f"DataLoader worker {w} in the node's pool (pid {worker.pid}) is gone"
         self._outbox.close(worker.conn)
-        pending = sorted(i for i, t in self._tasks.items() if t.worker == w and t.reply is None)
+        pending = sorted(
+            i for i, t in list(self._tasks.items()) if t.worker == w and t.reply is None
+        )
         worker.deaths += 1
         if worker.deaths >= MAX_ATTEMPTS:
             where = f" making batch {pending[0] - self._epoch_start} (indices " \
@@ -1321,7 +1372,7 @@ class _StoreIter(_Primed, _BaseDataLoaderIter):
                 return
             self._workers[w] = new
             pending = sorted(
-                i for i, t in self._tasks.items() if t.worker == w and t.reply is None
+                i for i, t in list(self._tasks.items()) if t.worker == w and t.reply is None
             )
         else:
             self._start_worker(w, rng=worker.rng, replay=worker.done if self._iterable else 0)
@@ -1373,7 +1424,7 @@ class _StoreIter(_Primed, _BaseDataLoaderIter):
             if getattr(self, "_shut", True):
                 return
             self._shut = True
-            self._pump_draws = False  # (`next`'s fast path is closed)
+            self._draws_behind = False  # (`next`'s fast path is closed)
         if hasattr(self, "_sampler_done") and self._generation == self._loader._feedstore_generation:
             self._loader._feedstore_remember(self.feedstore_state())
         try:
@@ -1382,7 +1433,7 @@ class _StoreIter(_Primed, _BaseDataLoaderIter):
             pass  # (a wake is pending)
         if self._thread is not None and threading.current_thread() is not self._thread:
             self._thread.join()
-        for task in self._tasks.values():
+        for task in list(self._tasks.values()):  # (`next`'s fast path may be in flight)
             task.batch = None  # (batches replied were given back when mapped)
         self._tasks.clear()
         live = [w for w in self._workers if w is not None]
@@ -1675,7 +1726,7 @@ class DataLoader(torch.utils.data.DataLoader):
         """The loader's counters, summed over its life (see the class's note)."""
         book = getattr(self._feedstore_iterator(), "_book_taken", None)
         if book is not None:
-            book()  # (batches `next` took and the pump has not booked yet)
+            book()  # (batches `next` took and the outbox thread has not booked yet)
         return self._feedstore_counts
 
     def _feedstore_iterator(self) -> Any:
