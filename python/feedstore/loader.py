@@ -653,6 +653,10 @@ class _Outbox:
         self.kick()
         if threading.current_thread() is not self._thread:
             self._thread.join()
+        else:
+            # The iterator's last reference was dropped in `on_fill`, and its shutdown runs
+            # here: what it queued (the workers' stops) goes now, not after it waited for them.
+            self._send_queued()
 
     def _run(self) -> None:
         while True:
@@ -664,17 +668,25 @@ class _Outbox:
                     on_fill = self.on_fill
                     if on_fill is not None:
                         on_fill()
-                try:
-                    conn, message = self._queue.popleft()
-                except IndexError:
+                if not self._send_queued():
                     break
-                with self._lock:
-                    try:
-                        conn.send(message)
-                    except (OSError, ValueError):
-                        pass  # a dead worker's pipe
             if self._stopping and not self._queue:
                 return
+
+    def _send_queued(self) -> bool:
+        """Sends the queued messages in order; whether there were any."""
+        sent = False
+        while True:
+            try:
+                conn, message = self._queue.popleft()
+            except IndexError:
+                return sent
+            sent = True
+            with self._lock:
+                try:
+                    conn.send(message)
+                except (OSError, ValueError):
+                    pass  # a dead worker's pipe
 
 
 # Live iterators with workers, stopped in order at interpreter exit: before multiprocessing's
@@ -693,8 +705,13 @@ def _filler(ref: "weakref.ref[_StoreIter]") -> Callable[[], None]:
             return
         with iterator._cond:
             if iterator._draws_behind and not iterator._shut:
-                iterator._book()
-                iterator._fill()
+                try:
+                    iterator._book()
+                    iterator._fill()
+                except BaseException as e:  # noqa: BLE001 (a sampler's error: raised in `next`)
+                    iterator._error = e
+                    iterator._draws_behind = False  # (`next` takes the slow path, which raises it)
+                    iterator._cond.notify_all()
 
     return fill
 
@@ -818,10 +835,13 @@ def _draws_alone(sampler: Any) -> bool:
     if type(sampler) is samplers.BatchSampler:
         sampler = sampler.sampler
     if type(sampler) is samplers.RandomSampler:
-        # Its own generator drawn from again past the first pass, or every 32 indices with
-        # replacement: the user's, perhaps shared with the trainer's code.
+        # A generator of the user's (perhaps the trainer's code draws from it too) is drawn
+        # from past the first index: every 32 indices with replacement; without, at each pass
+        # over the data and once more when it runs out (a permutation cut to the remainder,
+        # drawn even when that is empty: with as many samples as the data, the default, that
+        # draw falls inside a later `next`). Only fewer samples than the data draw just once.
         return sampler.generator is None or (
-            not sampler.replacement and sampler.num_samples <= len(sampler.data_source)
+            not sampler.replacement and sampler.num_samples < len(sampler.data_source)
         )
     return type(sampler) in (
         samplers.SequentialSampler,

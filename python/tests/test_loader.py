@@ -151,7 +151,7 @@ def test_only_torchs_own_samplers_are_drawn_off_the_trainers_thread():
     alone = [
         tud.SequentialSampler(data),
         tud.RandomSampler(data),
-        tud.RandomSampler(data, generator=g),  # one permutation, drawn at the first index
+        tud.RandomSampler(data, num_samples=5, generator=g),  # one permutation, at the first index
         tud.RandomSampler(data, replacement=True),  # a generator of its own after that
         tud.SubsetRandomSampler([1, 2, 3], generator=g),
         tud.WeightedRandomSampler([1.0] * 10, 5, generator=g),
@@ -161,6 +161,7 @@ def test_only_torchs_own_samplers_are_drawn_off_the_trainers_thread():
     not_alone = [
         tud.RandomSampler(data, replacement=True, generator=g),  # the user's, every 32
         tud.RandomSampler(data, num_samples=25, generator=g),  # again at each pass
+        tud.RandomSampler(data, generator=g),  # again, for nothing, when it runs out
         Mine(data),
         Drawing(),
         [3, 1, 2],
@@ -171,14 +172,17 @@ def test_only_torchs_own_samplers_are_drawn_off_the_trainers_thread():
     assert [_draws_alone(s) for s in not_alone] == [False] * len(not_alone)
 
 
-def test_a_sampler_sharing_the_trainers_generator_draws_where_torchs_does(daemon):
-    # The sampler draws 32 indices at a time from `g`, which the trainer draws from too
-    # between batches: the second draw must fall between the same two of the trainer's.
+@pytest.mark.parametrize("replacement", [True, False])
+def test_a_sampler_sharing_the_trainers_generator_draws_where_torchs_does(daemon, replacement):
+    # The sampler draws from `g`, which the trainer draws from too between batches: with
+    # replacement 32 indices at a time; without (`shuffle=True, generator=g`), a permutation
+    # at the first index and an empty one when it runs out, 4 batches before the last.
+    # Each later draw must fall between the same two of the trainer's.
     dataset = Augmented(40)
 
     def run(make, **kwargs):
         g = torch.Generator().manual_seed(11)
-        sampler = tud.RandomSampler(dataset, replacement=True, generator=g)
+        sampler = tud.RandomSampler(dataset, replacement=replacement, generator=g)
         loader = make(dataset, batch_size=2, sampler=sampler, num_workers=2, **kwargs)
         seeded()
         return [(b["label"], torch.randint(0, 10**6, (1,), generator=g)) for b in loader]
