@@ -606,6 +606,10 @@ def _generator_state(loader: "DataLoader") -> Any:
     return loader.generator.get_state() if loader.generator is not None else _rng_state()
 
 
+class _TimedOut(RuntimeError):
+    """No batch within the loader's `timeout` (torch's error: a `RuntimeError`)."""
+
+
 class _Outbox:
     """Sends messages to workers from a thread of its own, in order. Waking a sleeping
     process through a pipe costs the sender 100-400 us on a small VM; a trainer's `next`
@@ -1146,9 +1150,11 @@ class _StoreIter(_Primed, _BaseDataLoaderIter):
                 task = self._next_task()
                 if task is not None:
                     batch, error = self._take(task)
+        except _TimedOut:
+            raise  # (as torch's: the iterator stays, and a later `next` waits for the batch again)
         except BaseException:
-            # Ctrl-C, a timeout, a worker that keeps dying: stop the workers (and give their
-            # batches back) before it propagates; the iterator is done.
+            # Ctrl-C, a worker that keeps dying: stop the workers (and give their batches back)
+            # before it propagates; the iterator is done.
             self._shutdown()
             raise
         if task is None:
@@ -1187,7 +1193,7 @@ class _StoreIter(_Primed, _BaseDataLoaderIter):
             if task.reply is None:
                 wait = POLL_SECONDS if deadline is None else deadline - time.monotonic()
                 if wait <= 0:
-                    raise RuntimeError(f"DataLoader timed out after {self._timeout} seconds")
+                    raise _TimedOut(f"DataLoader timed out after {self._timeout} seconds")
                 self._cond.wait(min(wait, POLL_SECONDS))
                 continue
             del self._tasks[self._rcvd_idx]

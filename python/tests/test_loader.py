@@ -400,6 +400,38 @@ def test_ctrl_c_stops_the_workers_and_gives_their_batches_back(daemon, tmp_path)
     store_empty(daemon)
 
 
+class Sleepy(tud.Dataset):
+    """Index 4 takes 3 s; the others none."""
+
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, i):
+        if i == 4:
+            time.sleep(3)
+        return i
+
+
+def test_a_timeout_is_raised_and_the_iterator_goes_on_as_torchs(daemon):
+    def run(make, **kwargs):
+        outcomes = []
+        iterator = iter(make(Sleepy(), batch_size=2, num_workers=2, timeout=0.5, **kwargs))
+        while True:
+            try:
+                outcomes.append(next(iterator).tolist())
+            except StopIteration:
+                return outcomes
+            except RuntimeError as e:
+                assert "DataLoader timed out after 0.5 seconds" in str(e)
+                if outcomes[-1] != "timed out":
+                    outcomes.append("timed out")
+
+    theirs = run(tud.DataLoader)
+    assert theirs == [[0, 1], [2, 3], "timed out", [4, 5], [6, 7]]
+    assert run(DataLoader, socket=daemon.socket) == theirs
+    store_empty(daemon)
+
+
 class Gated(tud.Dataset):
     """Index 0 at once; every other index once the gate file exists. Each index started and
     made is appended to a log file (`start i`, then `i`; from any process)."""
