@@ -628,6 +628,7 @@ class _Outbox:
         self._kick.acquire()  # (released: something to do)
         self._lock = threading.Lock()
         self._stopping = False
+        self._sending = False  # (the thread is inside `_send_queued`)
         self.fill_wanted = False
         self.on_fill: Optional[Callable[[], None]] = None
         self._thread = threading.Thread(target=self._run, name="feedstore DataLoader outbox", daemon=True)
@@ -657,9 +658,11 @@ class _Outbox:
         self.kick()
         if threading.current_thread() is not self._thread:
             self._thread.join()
-        else:
+        elif not self._sending:
             # The iterator's last reference was dropped in `on_fill`, and its shutdown runs
             # here: what it queued (the workers' stops) goes now, not after it waited for them.
+            # (Not from inside a send, where a garbage collection could run it: `_lock` is
+            # held there, and the send under way goes on with the queue once it returns.)
             self._send_queued()
 
     def _run(self) -> None:
@@ -687,10 +690,13 @@ class _Outbox:
                 return sent
             sent = True
             with self._lock:
+                self._sending = True
                 try:
                     conn.send(message)
                 except (OSError, ValueError):
                     pass  # a dead worker's pipe
+                finally:
+                    self._sending = False
 
 
 # Live iterators with workers, stopped in order at interpreter exit: before multiprocessing's
@@ -983,10 +989,18 @@ class _StoreIter(_Primed, _BaseDataLoaderIter):
                     worker.in_epoch = False
             # As torch waits for its workers' acknowledgements: their tasks of the last epoch
             # come first, and the random state each then has is where this epoch starts.
+            # (Within the loader's timeout, as torch's; `__iter__` stops the iterator then.)
+            deadline = time.monotonic() + self._timeout if self._timeout > 0 else None
             while not all(w.in_epoch for w in self._workers if w):
                 if self._error is not None:
                     raise self._error
-                self._cond.wait(POLL_SECONDS)
+                wait = POLL_SECONDS if deadline is None else deadline - time.monotonic()
+                if wait <= 0:
+                    raise RuntimeError(
+                        f"DataLoader timed out after {self._timeout} seconds waiting for its "
+                        "workers to finish the last epoch's batches and start the next"
+                    )
+                self._cond.wait(min(wait, POLL_SECONDS))
             for worker in self._workers:
                 if worker is not None:
                     worker.done = worker.taken = 0
@@ -1050,7 +1064,7 @@ class _StoreIter(_Primed, _BaseDataLoaderIter):
                             if time.monotonic() < deadline:
                                 continue
                             raise RuntimeError(
-                                f"DataLoader timed out after {wait:.0f} seconds waiting for "
+                                f"DataLoader timed out after {wait:g} seconds waiting for "
                                 f"worker {w}'s process in the node's pool to take it (a batch "
                                 "of another trainer's taking that long, or a hung dataset)"
                             )
@@ -1773,7 +1787,11 @@ class DataLoader(torch.utils.data.DataLoader):
         )
         if reuse:
             iterator = current
-            iterator._reset(self)
+            try:
+                iterator._reset(self)
+            except BaseException:
+                iterator._shutdown()  # (a timeout, Ctrl-C, a worker that kept dying)
+                raise
         else:
             self._feedstore_generation += 1  # a new iterator: the state to keep is its
             if self.num_workers == 0:
