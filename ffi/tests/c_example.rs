@@ -164,6 +164,7 @@ fn the_c_example_reads_a_stream() {
     assert_eq!((state.epoch, state.position), (2, 0));
     assert!(stdout.trim_end().ends_with("end"));
     daemon.stop();
+    let _ = std::fs::remove_dir_all(&dir); // (kept when the test fails, to look at)
 }
 
 /// Issue 11 from C: a sample kept while its stream is freed and reopened at a later position,
@@ -228,6 +229,7 @@ fn a_held_c_sample_outlives_a_reopen_and_a_refill() {
         .unwrap();
     producer.join().unwrap();
     daemon.stop();
+    let _ = std::fs::remove_dir_all(&dir); // (kept when the test fails, to look at)
 }
 
 /// A producer for rank 0 placing each batch of `batch` samples in one object: image 0 of each
@@ -328,4 +330,5 @@ fn c_reads_a_placed_batch_as_one_tensor() {
          end\n"
     );
     daemon.stop();
+    let _ = std::fs::remove_dir_all(&dir); // (kept when the test fails, to look at)
 }

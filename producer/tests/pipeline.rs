@@ -255,4 +255,5 @@ fn good_samples_arrive_and_every_bad_record_is_rejected_with_its_reason() {
     }
     drop(reader);
     daemon.stop();
+    let _ = std::fs::remove_dir_all(&dir); // (kept when the test fails, to look at)
 }

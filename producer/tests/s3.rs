@@ -142,6 +142,7 @@ fn fetches_from_s3_and_rejects_missing_objects() {
         rejects[0].reason
     );
     daemon.stop();
+    let _ = std::fs::remove_dir_all(&dir); // (kept when the test fails, to look at)
 }
 
 #[test]
