@@ -1118,9 +1118,10 @@ class _StoreIter(_Primed, _BaseDataLoaderIter):
             return super().__next__()  # torch's, inside the profiler's record_function
         # torch's `__next__` without the profiler's scope (some 0.1-0.3 ms a batch when no
         # profiler runs), first its fast path: the next batch mapped, a sampler drawn behind
-        # (by the outbox thread). What is left of `next` then is Python run with caches cold after the
-        # trainer's step (0.01-0.03 ms a line), so it does the least it can: the batch is
-        # booked against its worker (`_book`) by the outbox thread, which it wakes anyway.
+        # (by the outbox thread). What is left of `next` then is Python run with caches cold
+        # after the trainer's step (0.01-0.03 ms a line), so it does the least it can: the
+        # batch is booked against its worker (`_book`) by the outbox thread, which it wakes
+        # anyway (`want_fill`: the window refilled).
         #
         # It takes no lock: each step is one operation on a dict, a deque or an attribute only
         # this thread writes (`_rcvd_idx`, `_num_yielded`), atomic in CPython; the other
@@ -1134,12 +1135,7 @@ class _StoreIter(_Primed, _BaseDataLoaderIter):
                 tasks.pop(index, None)  # (None: a shutdown from another thread cleared them)
                 self._rcvd_idx = index + 1
                 self._taken.append(task)
-                outbox = self._outbox  # (`_replace_taken`, inlined: `want_fill`)
-                outbox.fill_wanted = True
-                try:
-                    outbox._kick.release()
-                except RuntimeError:
-                    pass  # (released already)
+                self._outbox.want_fill()
                 self._num_yielded += 1  # (map-style: no length to check)
                 task.batch = None
                 return batch
