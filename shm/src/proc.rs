@@ -21,6 +21,22 @@ pub fn resident_kib(ptr: *const u8) -> std::io::Result<Option<u64>> {
     Ok(None)
 }
 
+/// Which of the `pages` pages of `page` bytes from `base` have an entry in this process's page
+/// tables (`/proc/self/pagemap`'s "present" bit, which any uid may read).
+#[cfg(test)]
+pub(crate) fn mapped_pages(base: *const u8, page: u64, pages: std::ops::Range<u64>) -> Vec<u64> {
+    use std::os::unix::fs::FileExt;
+    let pagemap = std::fs::File::open("/proc/self/pagemap").unwrap();
+    pages
+        .filter(|p| {
+            let mut entry = [0u8; 8];
+            let at = (base as u64 + p * page) / page * 8;
+            pagemap.read_exact_at(&mut entry, at).unwrap();
+            u64::from_le_bytes(entry) >> 63 == 1
+        })
+        .collect()
+}
+
 /// The kernel's transparent-huge-page mode for shared memory (`never`, `advise`, `always`,
 /// `within_size`, `deny`, `force`), from `/sys/kernel/mm/transparent_hugepage/shmem_enabled`;
 /// `None` where the kernel has none.
