@@ -205,17 +205,29 @@ fn child_process() {
             let feeder = StreamFeeder::join_at(&client, &spec, 8, &ranks, &at, &relay).unwrap();
             println!("READY");
             std::io::stdout().flush().unwrap();
-            while let Some(tasks) = feeder.take(16, Duration::from_millis(200)).unwrap() {
-                let made = tasks
-                    .into_iter()
-                    .map(|task| delivery(&client, &spec, task))
-                    .collect();
-                for r in feeder.put(made).unwrap() {
+            // As feedstore's producer does: each put sent, its reply read after the next one's
+            // samples are made (so a kill -9 lands between a put and its reply too).
+            let confirm = |put: feedstore_consumer::PendingPut| {
+                for r in put.wait().unwrap() {
                     // A resume can move a window past a task in flight; anything else is a bug.
                     if let Err(e) = r {
                         assert!(matches!(e, feedstore_consumer::Error::Stale { .. }), "{e}");
                     }
                 }
+            };
+            let mut sent = None;
+            while let Some(tasks) = feeder.take(16, Duration::from_millis(200)).unwrap() {
+                let made = tasks
+                    .into_iter()
+                    .map(|task| delivery(&client, &spec, task))
+                    .collect();
+                if let Some(put) = sent.take() {
+                    confirm(put);
+                }
+                sent = Some(feeder.submit_put(made).unwrap());
+            }
+            if let Some(put) = sent {
+                confirm(put);
             }
         }
         // Make every rank's samples a batch per object, pausing after each batch.
@@ -586,6 +598,71 @@ fn stream_misuse_gets_clear_errors() {
         matches!(err, feedstore_consumer::Error::WindowFull { .. }),
         "{err}"
     );
+}
+
+/// Puts sent without reading their replies are served in order: a consumer reads their samples
+/// before the producer reads a reply; the replies say what each put did, and a put the stream
+/// refuses gives its reservation back. Seals sent unread likewise.
+#[test]
+fn puts_and_seals_sent_unread_are_served_and_seen_before_their_replies() {
+    let _w = watchdog(
+        "puts_and_seals_sent_unread_are_served_and_seen_before_their_replies",
+        Duration::from_secs(60),
+    );
+    let dir = scratch_dir("stream-unread-puts");
+    let daemon = DaemonProcess::start(&dir, &[]);
+    let s = spec("unread", 16, 3, 1, 1);
+    let client = daemon.writer();
+    let feeder = StreamFeeder::join(&client, &s, 8, &[StreamTask { rank: 0, seq: 0 }]).unwrap();
+    let tasks = feeder.take(8, Duration::from_millis(100)).unwrap().unwrap();
+    assert_eq!(tasks.len(), 8);
+    // One put per sample, none of their replies read.
+    let sent: Vec<_> = tasks
+        .iter()
+        .map(|&task| {
+            feeder
+                .submit_put(vec![delivery(&client, &s, task)])
+                .unwrap()
+        })
+        .collect();
+    let options = StreamOptions {
+        wait: Duration::from_secs(10),
+        ..StreamOptions::default()
+    };
+    let mut stream = Stream::open(&daemon.socket, &s, 0, None, options).unwrap();
+    for seq in 0..8 {
+        let sample = stream.next_sample().unwrap().unwrap();
+        assert_eq!((sample.seq(), sample.record()), (seq, s.record_at(0, seq)));
+        assert!(*sample == pattern(sample.record(), PAYLOAD)[..]);
+    }
+    for put in sent {
+        assert!(matches!(put.wait().unwrap()[..], [Ok(())]));
+    }
+    // A task nobody handed out: refused, its reservation given back, the connection usable.
+    let before = client.stats().unwrap();
+    let refused = feeder
+        .submit_put(vec![delivery(&client, &s, StreamTask { rank: 0, seq: 12 })])
+        .unwrap();
+    let results = refused.wait().unwrap();
+    assert!(results[0].is_err(), "{results:?}");
+    let after = client.stats().unwrap();
+    assert_eq!(
+        (after.objects_writing, after.used_bytes),
+        (before.objects_writing, before.used_bytes)
+    );
+    // A seal sent unread: its handle is readable by anyone once waited for; dropped unread,
+    // the object is sealed all the same.
+    let mut w = client.create(PAYLOAD as u64).unwrap();
+    w.as_mut_slice().copy_from_slice(&pattern(1, PAYLOAD));
+    let handle = w.seal_later().wait().unwrap();
+    assert!(*daemon.reader().get(handle).unwrap() == pattern(1, PAYLOAD)[..]);
+    let mut w = client.create(PAYLOAD as u64).unwrap();
+    w.as_mut_slice().copy_from_slice(&pattern(2, PAYLOAD));
+    let pending = w.seal_later();
+    let handle = pending.handle();
+    drop(pending);
+    assert!(*daemon.reader().get(handle).unwrap() == pattern(2, PAYLOAD)[..]);
+    assert_eq!(client.stats().unwrap().objects_writing, 0);
 }
 
 /// Nodes in their own network namespaces, each daemon listening on its address and knowing

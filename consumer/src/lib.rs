@@ -37,6 +37,7 @@ pub use feedstore_proto::frame::{ProducerFigures, RankAt, StreamTask};
 pub use feedstore_proto::{Handle, Role, Status, StoreStats};
 pub use lease::Lease;
 pub use stream::{
-    Delivery, Made, StackedImage, Stream, StreamFeeder, StreamOptions, StreamSample, stacked_image,
+    Delivery, Made, PendingPut, StackedImage, Stream, StreamFeeder, StreamOptions, StreamSample,
+    stacked_image,
 };
-pub use writer::{ObjectWriter, PutPipeline};
+pub use writer::{ObjectWriter, PendingSeal, PutPipeline};

@@ -639,6 +639,108 @@ pub enum Made {
     Failed,
 }
 
+/// A stream put sent without waiting for its reply ([`StreamFeeder::submit_put`]).
+///
+/// Dropping it unread waits for the reply as [`PendingPut::wait`] does (aborting what the
+/// stream did not take) and drops the outcome.
+#[must_use = "a put's outcome is only known once waited for"]
+pub struct PendingPut {
+    client: Client,
+    items: Vec<StreamItem>,
+    /// Per item: its object is a reservation of this client (aborted if no item takes it).
+    reserved: Vec<bool>,
+    /// The requests sent, with how many items each carries, in order.
+    sent: Vec<(crate::client::Ticket, usize)>,
+    /// Why a chunk could not be sent (the later chunks were not).
+    failure: Option<Error>,
+    done: bool,
+}
+
+impl PendingPut {
+    /// Waits for the daemon's replies: per item `Ok`, or why the stream did not take it, as
+    /// [`StreamFeeder::put`] returns. Reservations no item took are given back.
+    pub fn wait(mut self) -> Result<Vec<Result<(), Error>>, Error> {
+        self.finish()
+    }
+
+    fn finish(&mut self) -> Result<Vec<Result<(), Error>>, Error> {
+        self.done = true;
+        // Per item sent, the daemon's status (`None` where its chunk failed as a whole). Every
+        // reply is read, so none is left for a later call to set aside, and a chunk served after
+        // a failed one still counts what it took.
+        let mut statuses: Vec<Option<Status>> = Vec::with_capacity(self.items.len());
+        let mut failure = self.failure.take();
+        for (ticket, len) in std::mem::take(&mut self.sent) {
+            match self.client.collect(ticket) {
+                Ok(Response::Done(s)) if s.len() == len => {
+                    statuses.extend(s.into_iter().map(Some));
+                    continue;
+                }
+                Ok(other) => {
+                    failure.get_or_insert(Error::Protocol(format!("unexpected reply {other:?}")));
+                }
+                Err(e) => {
+                    failure.get_or_insert(e);
+                }
+            }
+            statuses.extend(std::iter::repeat_n(None, len));
+        }
+        // An object no item of which was taken (several items share a batch's object).
+        let taken: HashSet<Handle> = self
+            .items
+            .iter()
+            .zip(&statuses)
+            .filter(|(_, s)| **s == Some(Status::Ok))
+            .map(|(item, _)| item.handle)
+            .collect();
+        let abort: Vec<Handle> = self
+            .items
+            .iter()
+            .zip(&self.reserved)
+            .filter(|(item, written)| **written && !taken.contains(&item.handle))
+            .map(|(item, _)| item.handle)
+            .collect();
+        if !abort.is_empty() {
+            // Best effort: whatever is not aborted here is aborted when the connection ends.
+            let _ = self
+                .client
+                .each(Opcode::Abort, &abort, |handles| Request::Abort { handles });
+        }
+        if let Some(e) = failure {
+            return Err(e);
+        }
+        Ok(self
+            .items
+            .iter()
+            .zip(statuses)
+            .map(|(item, s)| match s {
+                Some(Status::Ok) => Ok(()),
+                Some(s) => Err(Error::from_status(s, item.handle, 0, "")),
+                None => unreachable!("a chunk that failed as a whole is the put's failure"),
+            })
+            .collect())
+    }
+}
+
+impl std::fmt::Debug for PendingPut {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PendingPut")
+            .field("items", &self.items.len())
+            .field("requests", &self.sent.len())
+            .finish()
+    }
+}
+
+impl Drop for PendingPut {
+    fn drop(&mut self) {
+        if !self.done
+            && let Err(e) = self.finish()
+        {
+            tracing::debug!(error = %e, "a stream put dropped unread failed");
+        }
+    }
+}
+
 impl StreamFeeder {
     /// Joins a stream to make samples for some ranks on `client` (a writer), creating the
     /// stream if it is new. Each rank the daemon does not know yet starts at the sequence
@@ -754,8 +856,23 @@ impl StreamFeeder {
     /// Puts samples, one per task. Per item: `Ok`, or why the stream did not take it (a
     /// resume moved the window past it, say); reservations not taken are aborted. An error as a
     /// whole (the stream closed, the daemon gone) aborts every reservation not yet put; with
-    /// more items than fit one frame, the earlier chunks may have been put.
+    /// more items than fit one frame, other chunks may have been put.
     pub fn put(&self, deliveries: Vec<Delivery>) -> Result<Vec<Result<(), Error>>, Error> {
+        self.submit_put(deliveries)?.wait()
+    }
+
+    /// [`StreamFeeder::put`] without waiting for the daemon's reply: the put is sent, and
+    /// [`PendingPut::wait`] reads what the daemon made of it. A producer that sends one put,
+    /// makes its next sample and only then reads the reply (which by then has usually arrived,
+    /// read aside by the reservation of that next sample) waits for one round trip per sample
+    /// instead of two.
+    ///
+    /// The daemon serves a connection's requests in order: a put sent here is served (its
+    /// samples sealed and published to their ranks) before any later request of this client,
+    /// and a consumer sees them as soon as it is served, reply read or not. Fails at once only
+    /// for a delivery that names an object a live writer of this client still holds (its
+    /// reservations are aborted as they drop); a failure to send is reported by `wait`.
+    pub fn submit_put(&self, deliveries: Vec<Delivery>) -> Result<PendingPut, Error> {
         // A sample may name an object by handle only once its writer is done with it: the put
         // seals this client's reservations, and a live `ObjectWriter` could still change bytes
         // readers then see. Its own `Made::Written` in this put hands the writer over.
@@ -810,59 +927,31 @@ impl StreamFeeder {
             });
             reserved.push(written);
         }
-        // One call per chunk that fits a frame. A chunk refused as a whole leaves its own and
-        // the later chunks' reservations unput: they are aborted too.
-        let mut statuses = Vec::with_capacity(items.len());
-        let mut failure = None;
-        for chunk in items.chunks(self.client.batch_items(Opcode::StreamPut)) {
-            match self.client.call(&Request::StreamPut {
+        // One request per chunk that fits a frame. A chunk that cannot be sent leaves its own
+        // and the later chunks' reservations unput: `wait` aborts them.
+        let mut pending = PendingPut {
+            client: self.client.clone(),
+            items,
+            reserved,
+            sent: Vec::new(),
+            failure: None,
+            done: false,
+        };
+        let per_chunk = self.client.batch_items(Opcode::StreamPut);
+        for chunk in pending.items.chunks(per_chunk) {
+            let request = Request::StreamPut {
                 stream: self.id,
                 items: chunk.to_vec(),
-            }) {
-                Ok(Response::Done(s)) if s.len() == chunk.len() => statuses.extend(s),
-                Ok(other) => {
-                    failure = Some(Error::Protocol(format!("unexpected reply {other:?}")));
-                    break;
-                }
+            };
+            match self.client.submit(&request) {
+                Ok(ticket) => pending.sent.push((ticket, chunk.len())),
                 Err(e) => {
-                    failure = Some(e);
+                    pending.failure = Some(e);
                     break;
                 }
             }
         }
-        // An object no item of which was taken (several items share a batch's object).
-        let taken: HashSet<Handle> = items
-            .iter()
-            .zip(&statuses)
-            .filter(|(_, s)| **s == Status::Ok)
-            .map(|(item, _)| item.handle)
-            .collect();
-        let abort: Vec<Handle> = items
-            .iter()
-            .zip(&reserved)
-            .filter(|(item, written)| **written && !taken.contains(&item.handle))
-            .map(|(item, _)| item.handle)
-            .collect();
-        if !abort.is_empty() {
-            // Best effort: whatever is not aborted here is aborted when the connection ends.
-            let _ = self
-                .client
-                .each(Opcode::Abort, &abort, |handles| Request::Abort { handles });
-        }
-        if let Some(e) = failure {
-            return Err(e);
-        }
-        Ok(items
-            .iter()
-            .zip(statuses)
-            .map(|(item, s)| {
-                if s == Status::Ok {
-                    Ok(())
-                } else {
-                    Err(Error::from_status(s, item.handle, 0, ""))
-                }
-            })
-            .collect())
+        Ok(pending)
     }
 
     /// Puts a batch placed in one object: `tasks[i]` (with the record it was made from) is

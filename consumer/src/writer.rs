@@ -98,6 +98,30 @@ impl ObjectWriter {
         Ok(handle)
     }
 
+    /// Publishes the object without waiting for the daemon's reply: the seal is sent, and
+    /// [`PendingSeal::wait`] reads whether it took. The daemon serves this connection's
+    /// requests in order, so the object is sealed before any later request of this client is
+    /// served; another connection that looks the handle up before then gets "not sealed",
+    /// never other bytes: hand the handle to others once `wait` returned it. A writer making
+    /// many objects sends a seal, makes its next object (whose reservation reads the seal's
+    /// reply aside) and then waits: one round trip per object instead of two. If the seal
+    /// cannot be sent the object is given back and `wait` says why.
+    pub fn seal_later(mut self) -> PendingSeal {
+        let handle = self.handle;
+        let sent = self.client.submit(&Request::Seal {
+            handles: vec![handle],
+        });
+        // Sent: the daemon owns the outcome. Not sent: dropping the writer gives it back.
+        if sent.is_ok() {
+            self.done = true;
+        }
+        PendingSeal {
+            client: self.client.clone(),
+            handle,
+            sent: Some(sent),
+        }
+    }
+
     /// Seals several writers, in as few round trips as the frame limits allow. On failure the
     /// writers that were not sealed are aborted.
     pub fn seal_batch(
@@ -169,6 +193,72 @@ impl Drop for ObjectWriter {
             {
                 tracing::debug!(%handle, error = %e, "abort of a dropped writer failed");
             }
+        }
+    }
+}
+
+/// A seal sent without waiting for its reply ([`ObjectWriter::seal_later`]). Dropping it
+/// unread waits for the reply (giving the object back if the seal failed) and drops the
+/// outcome.
+#[must_use = "the object is only known sealed once waited for"]
+pub struct PendingSeal {
+    client: Client,
+    handle: Handle,
+    sent: Option<Result<Ticket, Error>>,
+}
+
+impl PendingSeal {
+    /// The object's handle (not to be handed to another connection before `wait` returns it).
+    pub fn handle(&self) -> Handle {
+        self.handle
+    }
+
+    /// Waits for the seal's reply: the handle, now visible to every client, or why the seal
+    /// failed (the object is then given back).
+    pub fn wait(mut self) -> Result<Handle, Error> {
+        self.finish()
+    }
+
+    fn finish(&mut self) -> Result<Handle, Error> {
+        let Some(sent) = self.sent.take() else {
+            return Ok(self.handle);
+        };
+        // Not sent: the writer gave the object back as it dropped.
+        let ticket = sent?;
+        let failure = match self.client.collect(ticket) {
+            Ok(Response::Done(statuses)) if statuses.len() == 1 => (statuses[0] != Status::Ok)
+                .then(|| Error::from_status(statuses[0], self.handle, 0, "")),
+            Ok(other) => Some(Error::Protocol(format!("unexpected reply {other:?}"))),
+            Err(e) => Some(e),
+        };
+        match failure {
+            None => Ok(self.handle),
+            Some(e) => {
+                // Best effort: the daemon also takes it back when the connection closes.
+                let _ = self
+                    .client
+                    .each(Opcode::Abort, &[self.handle], |handles| Request::Abort {
+                        handles,
+                    });
+                Err(e)
+            }
+        }
+    }
+}
+
+impl std::fmt::Debug for PendingSeal {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PendingSeal")
+            .field("handle", &self.handle)
+            .field("waited", &self.sent.is_none())
+            .finish()
+    }
+}
+
+impl Drop for PendingSeal {
+    fn drop(&mut self) {
+        if let Err(e) = self.finish() {
+            tracing::debug!(handle = %self.handle, error = %e, "a seal dropped unread failed");
         }
     }
 }

@@ -27,7 +27,9 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use feedstore_consumer::{Client, Delivery, Made, ObjectWriter, RankAt, StreamFeeder, StreamTask};
+use feedstore_consumer::{
+    Client, Delivery, Made, ObjectWriter, PendingPut, RankAt, StreamFeeder, StreamTask,
+};
 use feedstore_proto::sample::{BatchPlan, SampleView};
 use feedstore_proto::stream::{StreamSpec, sample_key};
 
@@ -38,6 +40,7 @@ use crate::pipeline::{
     spawn_fetch,
 };
 use crate::profile::{Profiler, Stage};
+use crate::vision::Scratch;
 
 /// How often a producer reports its profile to the daemon (and once more at its end).
 const REPORT_EVERY: Duration = Duration::from_secs(1);
@@ -104,11 +107,87 @@ impl crate::pipeline::Ordered for Job {
 }
 
 /// Marks a task finished when dropped.
-struct Finished<'a>(&'a Shared);
+struct Finished(Arc<Shared>);
 
-impl Drop for Finished<'_> {
+impl Drop for Finished {
     fn drop(&mut self) {
         self.0.finished_one();
+    }
+}
+
+/// A CPU worker's connection, with the stream puts it sent and has not read the replies of.
+///
+/// A put is sent without waiting ([`StreamFeeder::submit_put`]); the daemon serves it, and
+/// trainers see its samples, before the worker's next request. Its reply is read just before
+/// the worker sends its next put (by then it has come, read aside by the next sample's
+/// reservation), when the worker finds no job ready, and as the worker ends. So a sample costs
+/// its worker one wait for the daemon (the reservation) instead of two, and on a busy node
+/// that wait is the daemon's turn on a core.
+struct Worker {
+    client: Client,
+    feeder: StreamFeeder,
+    shared: Arc<Shared>,
+    profiler: Arc<Profiler>,
+    sent: Vec<Sent>,
+    /// The tasks of those puts: finished once their replies are read.
+    finishing: Vec<Finished>,
+}
+
+impl Worker {
+    /// Reads the replies of every put sent.
+    fn confirm(&mut self) {
+        for sent in self.sent.drain(..) {
+            sent.confirm(&self.shared, &self.profiler);
+        }
+        self.finishing.clear();
+    }
+}
+
+impl Drop for Worker {
+    fn drop(&mut self) {
+        self.confirm();
+    }
+}
+
+/// A put sent, with what its reply decides: the samples to report as produced.
+struct Sent {
+    put: Result<PendingPut, feedstore_consumer::Error>,
+    produced: Vec<(Work, Option<Produced>)>,
+    /// Samples in it (a failed task is none).
+    samples: usize,
+}
+
+impl Sent {
+    /// Waits for the put's reply and reports each sample the stream took.
+    fn confirm(self, shared: &Shared, profiler: &Profiler) {
+        let started = Instant::now();
+        let result = self.put.and_then(PendingPut::wait);
+        // Part of the samples' write (which counted them).
+        if self.samples > 0 {
+            profiler.add_busy(Stage::Write, started.elapsed());
+        }
+        match result {
+            Ok(results) => {
+                for (r, (work, produced)) in results.into_iter().zip(self.produced) {
+                    match r {
+                        Ok(()) => {
+                            if let Some(p) = produced {
+                                shared.send(Event::Produced(p));
+                            }
+                        }
+                        // A resume moved the window past this task: someone else's now.
+                        Err(e) => {
+                            tracing::debug!(?work, error = %e, "stream did not take a sample")
+                        }
+                    }
+                }
+            }
+            // Closed while these samples were being made: nobody needs them.
+            Err(feedstore_consumer::Error::Ended) => {
+                tracing::debug!("the stream closed before the samples were put")
+            }
+            Err(e) => tracing::warn!(error = %e, "putting samples failed"),
+        }
     }
 }
 
@@ -362,7 +441,16 @@ pub fn feed(
         let (work_tx, shared, profiler) =
             (work_tx.clone(), shared.clone(), skeleton.profiler.clone());
         let (tokenizer, config) = (tokenizer.clone(), config.clone());
-        skeleton.cpu((client, feeder), move |(client, feeder), scratch, job| {
+        let worker = Worker {
+            client,
+            feeder,
+            shared: shared.clone(),
+            profiler: profiler.clone(),
+            sent: Vec::new(),
+            finishing: Vec::new(),
+        };
+        let work = move |worker: &mut Worker, scratch: &mut Scratch, job| {
+            let client = &worker.client;
             let (work, index, made, produced, key) = match job {
                 Job::Failed { work, index } => (work, index, Made::Failed, None, 0),
                 Job::Sample {
@@ -390,16 +478,16 @@ pub fn feed(
                     }
                 },
             };
-            // The task is done however the put ends (a panic included): the taker gets room
-            // and the IO side its end.
-            let _finished = Finished(&shared);
+            // The task is done once its put is confirmed, or however the put ends (a panic
+            // included): the taker gets room and the IO side its end.
+            let finished = Finished(shared.clone());
             let piece = Piece {
                 work,
                 index,
                 made,
                 produced,
                 key,
-                feeder: feeder.clone(),
+                feeder: worker.feeder.clone(),
             };
             let pieces = match &shared.gathering {
                 // The rest of its batch is still being made: the last one's worker puts it.
@@ -409,8 +497,12 @@ pub fn feed(
                 },
                 None => vec![piece],
             };
-            put_pieces(&shared, client, feeder, &profiler, pieces);
-        });
+            worker.confirm();
+            let sent = put_pieces(&shared, &worker.client, &worker.feeder, &profiler, pieces);
+            worker.sent.extend(sent);
+            worker.finishing.push(finished);
+        };
+        skeleton.cpu(worker, work, Worker::confirm);
     }
 
     // IO: walk each task's candidates to a record, fetch its images, queue the job; fetches
@@ -551,16 +643,17 @@ pub fn feed(
     Ok(summary)
 }
 
-/// Puts made samples (a whole batch when placing batches), reports each sample taken, and
-/// logs the rest. A batch placed in one object (on `client`) goes in one put on `feeder`;
-/// samples in objects of their own each through the feeder of the worker that reserved it.
+/// Sends the puts of made samples (a whole batch when placing batches), for the caller to
+/// confirm ([`Sent::confirm`]). A batch placed in one object (on `client`) goes in one put on
+/// `feeder`; samples in objects of their own each through the feeder of the worker that
+/// reserved it.
 fn put_pieces(
     shared: &Shared,
     client: &Client,
     feeder: &StreamFeeder,
     profiler: &Profiler,
     mut pieces: Vec<Piece>,
-) {
+) -> Vec<Sent> {
     if shared.gathering.is_some() {
         pieces.sort_by_key(|p| p.work.task.seq);
         let started = Instant::now();
@@ -568,17 +661,20 @@ fn put_pieces(
         // The copy is part of the samples' write.
         profiler.add_busy(Stage::Write, started.elapsed());
         if placed {
-            return deliver(shared, feeder, profiler, pieces);
+            return vec![deliver(feeder, profiler, pieces)];
         }
     }
-    for piece in pieces {
-        let feeder = piece.feeder.clone();
-        deliver(shared, &feeder, profiler, vec![piece]);
-    }
+    pieces
+        .into_iter()
+        .map(|piece| {
+            let feeder = piece.feeder.clone();
+            deliver(&feeder, profiler, vec![piece])
+        })
+        .collect()
 }
 
-/// One put of `pieces` on `feeder`.
-fn deliver(shared: &Shared, feeder: &StreamFeeder, profiler: &Profiler, pieces: Vec<Piece>) {
+/// Sends one put of `pieces` on `feeder`, without waiting for its reply.
+fn deliver(feeder: &StreamFeeder, profiler: &Profiler, pieces: Vec<Piece>) -> Sent {
     let put_started = Instant::now();
     let samples = pieces
         .iter()
@@ -597,30 +693,15 @@ fn deliver(shared: &Shared, feeder: &StreamFeeder, profiler: &Profiler, pieces: 
             }
         })
         .collect();
-    let result = feeder.put(deliveries);
+    let put = feeder.submit_put(deliveries);
     // Part of the samples' write (which counted them); a failed task is no sample.
     if samples > 0 {
         profiler.add_busy(Stage::Write, put_started.elapsed());
     }
-    match result {
-        Ok(results) => {
-            for (r, (work, produced)) in results.into_iter().zip(produced) {
-                match r {
-                    Ok(()) => {
-                        if let Some(p) = produced {
-                            shared.send(Event::Produced(p));
-                        }
-                    }
-                    // A resume moved the window past this task: someone else's now.
-                    Err(e) => tracing::debug!(?work, error = %e, "stream did not take a sample"),
-                }
-            }
-        }
-        // Closed while these samples were being made: nobody needs them.
-        Err(feedstore_consumer::Error::Ended) => {
-            tracing::debug!("the stream closed before the samples were put")
-        }
-        Err(e) => tracing::warn!(error = %e, "putting samples failed"),
+    Sent {
+        put,
+        produced,
+        samples,
     }
 }
 

@@ -22,7 +22,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use feedstore_consumer::{Client, ConnectOptions, Handle, ObjectWriter, Role};
+use feedstore_consumer::{Client, ConnectOptions, Handle, ObjectWriter, PendingSeal, Role};
 use feedstore_proto::sample::{AlignedBuf, KeyValue, SampleInfo, SamplePlan};
 
 use crate::chat::{ChatTokenizer, image_pad_tokens};
@@ -401,11 +401,19 @@ impl<J> JobQueue<J> {
         WorkerAlive(self.clone())
     }
 
+    /// [`JobQueue::next_or_idle`] with nothing to do before waiting.
+    #[cfg(test)]
+    fn next(&self, profiler: &Profiler) -> Option<J> {
+        self.next_or_idle(profiler, || {})
+    }
+
     /// A CPU worker's next job, the lowest order waiting; the wait counts as the worker's idle
     /// time, the job's wait as fetched work waiting for a worker. `None` once every sender is
-    /// gone and no job is left.
-    fn next(&self, profiler: &Profiler) -> Option<J> {
-        let waited = Instant::now();
+    /// gone and no job is left. When no job is ready it first calls `idle` (outside the queue's
+    /// lock, not counted as idle time): a worker's chance to finish what it left pending.
+    fn next_or_idle(&self, profiler: &Profiler, idle: impl FnOnce()) -> Option<J> {
+        let mut idle = Some(idle);
+        let mut waited = Instant::now();
         let mut state = self.lock();
         let job = loop {
             if let Some(queued) = state.jobs.pop() {
@@ -416,6 +424,13 @@ impl<J> JobQueue<J> {
             }
             if state.senders == 0 {
                 break None;
+            }
+            if let Some(idle) = idle.take() {
+                drop(state);
+                idle();
+                waited = Instant::now();
+                state = self.lock();
+                continue;
             }
             state = self.ready.wait(state).unwrap_or_else(|e| e.into_inner());
         };
@@ -513,18 +528,21 @@ impl<J: Send + 'static> Skeleton<J> {
     }
 
     /// Starts a CPU worker owning `state` (its connection): `work` handles each job, until the
-    /// queue is closed and empty.
+    /// queue is closed and empty; `idle` is called whenever the worker finds no job ready,
+    /// before it waits for one (what is still pending when the queue closes is for `state`'s
+    /// `Drop`).
     pub(crate) fn cpu<W: Send + 'static>(
         &mut self,
         mut state: W,
         mut work: impl FnMut(&mut W, &mut Scratch, J) + Send + 'static,
+        mut idle: impl FnMut(&mut W) + Send + 'static,
     ) {
         let (queue, profiler) = (self.queue.clone(), self.profiler.clone());
         let alive = queue.worker();
         self.threads.push(std::thread::spawn(move || {
             let _alive = alive;
             let mut scratch = Scratch::default();
-            while let Some(job) = queue.next(&profiler) {
+            while let Some(job) = queue.next_or_idle(&profiler, || idle(&mut state)) {
                 work(&mut state, &mut scratch, job);
             }
         }));
@@ -598,15 +616,38 @@ pub fn run(
     let (mut skeleton, clients) =
         Skeleton::<Job>::connect(config, 0, |i| format!("producer-worker-{i}"))?;
     for client in clients {
-        let (events, profiler) = (skeleton.events.clone(), skeleton.profiler.clone());
         let (tokenizer, config) = (tokenizer.clone(), config.clone());
-        skeleton.cpu(client, move |client, scratch, job| {
-            let event = match produce(&config, client, &tokenizer, &profiler, scratch, job) {
-                Ok(p) => Event::Produced(p),
-                Err(r) => Event::Rejected(r),
-            };
-            let _ = events.send(event);
-        });
+        let sealer = Sealer {
+            client,
+            events: skeleton.events.clone(),
+            profiler: skeleton.profiler.clone(),
+            sealing: None,
+        };
+        let work = move |sealer: &mut Sealer, scratch: &mut Scratch, job| {
+            let made = make(
+                &config,
+                &sealer.client,
+                &tokenizer,
+                &sealer.profiler,
+                scratch,
+                job,
+            );
+            // The last sample's seal: its reply was read aside by this one's reservation.
+            sealer.confirm();
+            match made {
+                Ok((object, produced)) => {
+                    let started = Instant::now();
+                    let seal = object.seal_later();
+                    // Part of the sample's write (which counted it).
+                    sealer.profiler.add_busy(Stage::Write, started.elapsed());
+                    sealer.sealing = Some((seal, produced));
+                }
+                Err(r) => {
+                    let _ = sealer.events.send(Event::Rejected(r));
+                }
+            }
+        };
+        skeleton.cpu(sealer, work, Sealer::confirm);
     }
     let fetch_concurrency = skeleton.fetch_concurrency();
     let (job_tx, event_tx, profiler) = (
@@ -704,31 +745,67 @@ pub(crate) fn reject(record: &Record, stage: &str, reason: String) -> Reject {
     }
 }
 
-/// One sample, start to seal, on a CPU worker.
-fn produce(
+/// One sample, start to just before its seal, on a CPU worker.
+fn make(
     config: &ProducerConfig,
     client: &Client,
     tokenizer: &ChatTokenizer,
     profiler: &Profiler,
     scratch: &mut Scratch,
     job: Job,
-) -> Result<Produced, Reject> {
+) -> Result<(ObjectWriter, Produced), Reject> {
     let Job { record, images } = job;
     let (object, size) = make_sample(
         config, client, tokenizer, profiler, scratch, &record, images,
     )?;
-    let started = Instant::now();
-    let handle = object
-        .seal()
-        .map_err(|e| reject(&record, "write", e.to_string()))?;
-    // Part of the sample's write (which counted it).
-    profiler.add_busy(Stage::Write, started.elapsed());
-    Ok(Produced {
-        handle,
+    let produced = Produced {
+        handle: object.handle(),
         line: record.line,
         id: record.id,
         bytes: size,
-    })
+    };
+    Ok((object, produced))
+}
+
+/// A CPU worker's connection in a manifest run, with the seal it sent and has not read the
+/// reply of ([`ObjectWriter::seal_later`]). The reply is read just before the worker seals its
+/// next sample (by then it has come, read aside by that sample's reservation), when the worker
+/// finds no job ready, and as it ends; only then is the sample reported, so a handle is handed
+/// on only once every connection sees it sealed. A sample costs its worker one wait for the
+/// daemon (the reservation) instead of two.
+struct Sealer {
+    client: Client,
+    events: std::sync::mpsc::Sender<Event>,
+    profiler: Arc<Profiler>,
+    sealing: Option<(PendingSeal, Produced)>,
+}
+
+impl Sealer {
+    /// Reads the reply of the seal sent, and reports its sample (or why it was refused).
+    fn confirm(&mut self) {
+        let Some((seal, produced)) = self.sealing.take() else {
+            return;
+        };
+        let started = Instant::now();
+        let sealed = seal.wait();
+        self.profiler.add_busy(Stage::Write, started.elapsed());
+        let event = match sealed {
+            Ok(_) => Event::Produced(produced),
+            Err(e) => Event::Rejected(Reject {
+                line: produced.line,
+                id: Some(produced.id),
+                stage: "write".into(),
+                reason: e.to_string(),
+            }),
+        };
+        let _ = self.events.send(event);
+    }
+}
+
+impl Drop for Sealer {
+    fn drop(&mut self) {
+        self.confirm();
+    }
 }
 
 /// Where a sample is written: a reservation in the store (the producer's case), or a plain
@@ -889,6 +966,28 @@ mod job_queue_tests {
         let profiler = Profiler::default();
         let order: Vec<_> = std::iter::from_fn(|| queue.next(&profiler).map(|a| a.1)).collect();
         assert_eq!(order, ["a1", "a2", "b", "c", "e"]);
+    }
+
+    #[test]
+    fn idle_runs_once_before_a_wait_and_never_while_jobs_are_ready() {
+        let (tx, queue) = JobQueue::new();
+        let _worker = queue.worker();
+        let profiler = Profiler::default();
+        tx.send(At(1, "ready"), None);
+        let job = queue.next_or_idle(&profiler, || panic!("a job was ready"));
+        assert_eq!(job.unwrap().1, "ready");
+        // None ready: idle runs (here it queues a job, as a late fetch would), then the wait
+        // finds the job.
+        let mut idled = 0;
+        let job = queue.next_or_idle(&profiler, || {
+            idled += 1;
+            tx.send(At(2, "late"), None);
+        });
+        assert_eq!((job.unwrap().1, idled), ("late", 1));
+        drop(tx);
+        let mut idled = 0;
+        assert!(queue.next_or_idle(&profiler, || idled += 1).is_none());
+        assert_eq!(idled, 0, "a closed queue has nothing to wait for");
     }
 
     #[test]
