@@ -1345,6 +1345,68 @@ fn produce_places_each_batch_in_one_object() {
     assert_eq!(stats.objects_sealed, 3 + 4, "{stats:?}");
 }
 
+/// A batch whose samples, per worker, outnumber the requests a connection may have unanswered
+/// (64), none of which can share an object (text only; enough fetches in flight that a whole
+/// batch is taken at once): each worker's samples go in one put on its own connection, and
+/// every one arrives.
+#[test]
+fn produce_puts_a_large_unplaceable_batch_whole() {
+    use feedstore_consumer::{Stream, StreamOptions};
+    use feedstore_proto::stream::{Shuffle, StreamSpec, Tail};
+
+    let _w = watchdog(
+        "produce_puts_a_large_unplaceable_batch_whole",
+        Duration::from_secs(180),
+    );
+    let dir = scratch_dir("produce-big-batch");
+    let daemon = DaemonProcess::start(&dir, &["--capacity", "64MiB"]);
+    let tokenizer = tokenizer_file(&dir);
+    let manifest = text_manifest(&dir, 400);
+    let producer = produce_command(&daemon.socket, &manifest, &tokenizer)
+        .args(["--workers", "2", "--image-size", "64x64"])
+        .args([
+            "--stream", "big", "--world", "1", "--seed", "5", "--epochs", "1",
+        ])
+        .args([
+            "--prefetch",
+            "400",
+            "--batch",
+            "200",
+            "--fetch-concurrency",
+            "512",
+        ])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let spec = StreamSpec {
+        name: "big".into(),
+        records: 400,
+        seed: 5,
+        world: 1,
+        shuffle: Shuffle::Full,
+        tail: Tail::Drop,
+        epochs: Some(1),
+    };
+    let mut stream =
+        Stream::open(&daemon.socket, &spec, 0, None, StreamOptions::default()).unwrap();
+    for seq in 0..400 {
+        let sample = stream.next_sample().unwrap().unwrap();
+        assert_eq!(
+            (sample.seq(), sample.record()),
+            (seq, spec.record_at(0, seq))
+        );
+    }
+    assert!(stream.next_sample().unwrap().is_none());
+    drop(stream);
+    let out = producer.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(stderr.contains("put one object each"), "{stderr}");
+    let stats = daemon.reader().stats().unwrap();
+    assert_eq!((stats.objects_writing, stats.leases), (0, 0), "{stats:?}");
+}
+
 #[test]
 fn produce_resumes_a_stream_from_saved_states() {
     use feedstore_consumer::{Stream, StreamOptions};

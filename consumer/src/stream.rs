@@ -6,7 +6,7 @@
 //! without a round trip. Only when the ring has not caught up does it ask the daemon to wake it.
 //! Dropped samples are returned in batches, which slides the rank's prefetch window.
 
-use std::collections::{BTreeSet, HashSet};
+use std::collections::{BTreeSet, HashSet, VecDeque};
 use std::ops::Deref;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -268,6 +268,11 @@ impl Stream {
     /// continue with exactly the next sample.
     pub fn state(&self) -> StreamState {
         StreamState::at(&self.spec, self.rank, self.next)
+    }
+
+    /// Whether `other` puts on the same connection as this feeder.
+    pub fn same_connection(&self, other: &StreamFeeder) -> bool {
+        Arc::ptr_eq(&self.client.inner, &other.client.inner)
     }
 
     /// The stream's spec.
@@ -649,12 +654,19 @@ pub struct PendingPut {
     items: Vec<StreamItem>,
     /// Per item: its object is a reservation of this client (aborted if no item takes it).
     reserved: Vec<bool>,
-    /// The requests sent, with how many items each carries, in order.
-    sent: Vec<(crate::client::Ticket, usize)>,
-    /// Why a chunk could not be sent (the later chunks were not).
+    /// The requests sent and not read yet, with how many items each carries, oldest first.
+    sent: VecDeque<(crate::client::Ticket, usize)>,
+    /// Per item of the requests read so far, the daemon's status (`None` where its chunk
+    /// failed as a whole).
+    statuses: Vec<Option<Status>>,
+    /// The first failure: a chunk that could not be sent (the later ones were not), or failed.
     failure: Option<Error>,
     done: bool,
 }
+
+/// Chunks of one put sent before the oldest one's reply is read: a bounded share of the
+/// connection's requests, and of the replies the daemon's socket holds while it waits.
+const PUT_CHUNKS_AHEAD: usize = 4;
 
 impl PendingPut {
     /// Waits for the daemon's replies: per item `Ok`, or why the stream did not take it, as
@@ -663,28 +675,35 @@ impl PendingPut {
         self.finish()
     }
 
+    /// Reads the reply of the oldest request sent. Every reply is read, so none is left for a
+    /// later call to set aside, and a chunk served after a failed one still counts what it took.
+    fn read_oldest(&mut self) {
+        let Some((ticket, len)) = self.sent.pop_front() else {
+            return;
+        };
+        match self.client.collect(ticket) {
+            Ok(Response::Done(s)) if s.len() == len => {
+                self.statuses.extend(s.into_iter().map(Some));
+                return;
+            }
+            Ok(other) => {
+                let e = Error::Protocol(format!("unexpected reply {other:?}"));
+                self.failure.get_or_insert(e);
+            }
+            Err(e) => {
+                self.failure.get_or_insert(e);
+            }
+        }
+        self.statuses.extend(std::iter::repeat_n(None, len));
+    }
+
     fn finish(&mut self) -> Result<Vec<Result<(), Error>>, Error> {
         self.done = true;
-        // Per item sent, the daemon's status (`None` where its chunk failed as a whole). Every
-        // reply is read, so none is left for a later call to set aside, and a chunk served after
-        // a failed one still counts what it took.
-        let mut statuses: Vec<Option<Status>> = Vec::with_capacity(self.items.len());
-        let mut failure = self.failure.take();
-        for (ticket, len) in std::mem::take(&mut self.sent) {
-            match self.client.collect(ticket) {
-                Ok(Response::Done(s)) if s.len() == len => {
-                    statuses.extend(s.into_iter().map(Some));
-                    continue;
-                }
-                Ok(other) => {
-                    failure.get_or_insert(Error::Protocol(format!("unexpected reply {other:?}")));
-                }
-                Err(e) => {
-                    failure.get_or_insert(e);
-                }
-            }
-            statuses.extend(std::iter::repeat_n(None, len));
+        while !self.sent.is_empty() {
+            self.read_oldest();
         }
+        let statuses = std::mem::take(&mut self.statuses);
+        let failure = self.failure.take();
         // An object no item of which was taken (several items share a batch's object).
         let taken: HashSet<Handle> = self
             .items
@@ -817,6 +836,11 @@ impl StreamFeeder {
         }
     }
 
+    /// Whether `other` puts on the same connection as this feeder.
+    pub fn same_connection(&self, other: &StreamFeeder) -> bool {
+        Arc::ptr_eq(&self.client.inner, &other.client.inner)
+    }
+
     /// The stream's spec.
     pub fn spec(&self) -> &StreamSpec {
         &self.spec
@@ -871,7 +895,8 @@ impl StreamFeeder {
     /// samples sealed and published to their ranks) before any later request of this client,
     /// and a consumer sees them as soon as it is served, reply read or not. Fails at once only
     /// for a delivery that names an object a live writer of this client still holds (its
-    /// reservations are aborted as they drop); a failure to send is reported by `wait`.
+    /// reservations are aborted as they drop); a failure to send is reported by `wait`. A put
+    /// larger than four frames reads its earlier chunks' replies as it sends the later ones.
     pub fn submit_put(&self, deliveries: Vec<Delivery>) -> Result<PendingPut, Error> {
         // A sample may name an object by handle only once its writer is done with it: the put
         // seals this client's reservations, and a live `ObjectWriter` could still change bytes
@@ -933,23 +958,30 @@ impl StreamFeeder {
             client: self.client.clone(),
             items,
             reserved,
-            sent: Vec::new(),
+            sent: VecDeque::new(),
+            statuses: Vec::new(),
             failure: None,
             done: false,
         };
         let per_chunk = self.client.batch_items(Opcode::StreamPut);
-        for chunk in pending.items.chunks(per_chunk) {
+        let mut at = 0;
+        while at < pending.items.len() {
+            if pending.sent.len() == PUT_CHUNKS_AHEAD {
+                pending.read_oldest();
+            }
+            let chunk = &pending.items[at..pending.items.len().min(at + per_chunk)];
             let request = Request::StreamPut {
                 stream: self.id,
                 items: chunk.to_vec(),
             };
             match self.client.submit(&request) {
-                Ok(ticket) => pending.sent.push((ticket, chunk.len())),
+                Ok(ticket) => pending.sent.push_back((ticket, chunk.len())),
                 Err(e) => {
-                    pending.failure = Some(e);
+                    pending.failure.get_or_insert(e);
                     break;
                 }
             }
+            at += per_chunk;
         }
         Ok(pending)
     }

@@ -479,7 +479,9 @@ pub fn feed(
                 },
             };
             // The task is done once its put is confirmed, or however the put ends (a panic
-            // included): the taker gets room and the IO side its end.
+            // included): the taker gets room and the IO side its end. (A sample waiting for
+            // the rest of its batch is done once handed to the batch, as the last one's
+            // worker puts them all.)
             let finished = Finished(shared.clone());
             let piece = Piece {
                 work,
@@ -645,8 +647,10 @@ pub fn feed(
 
 /// Sends the puts of made samples (a whole batch when placing batches), for the caller to
 /// confirm ([`Sent::confirm`]). A batch placed in one object (on `client`) goes in one put on
-/// `feeder`; samples in objects of their own each through the feeder of the worker that
-/// reserved it.
+/// `feeder`. Samples in objects of their own go through the feeder of the worker that reserved
+/// them, one put per connection: on this worker's own (`feeder`) sent for the caller to confirm,
+/// on another worker's confirmed here (so a connection carries at most one unconfirmed put,
+/// its own worker's, however large the batch).
 fn put_pieces(
     shared: &Shared,
     client: &Client,
@@ -664,13 +668,26 @@ fn put_pieces(
             return vec![deliver(feeder, profiler, pieces)];
         }
     }
-    pieces
-        .into_iter()
-        .map(|piece| {
-            let feeder = piece.feeder.clone();
-            deliver(&feeder, profiler, vec![piece])
-        })
-        .collect()
+    let mut by_connection: Vec<(StreamFeeder, Vec<Piece>)> = Vec::new();
+    for piece in pieces {
+        match by_connection
+            .iter_mut()
+            .find(|(f, _)| f.same_connection(&piece.feeder))
+        {
+            Some((_, group)) => group.push(piece),
+            None => by_connection.push((piece.feeder.clone(), vec![piece])),
+        }
+    }
+    let mut own = Vec::new();
+    for (other, group) in by_connection {
+        let sent = deliver(&other, profiler, group);
+        if other.same_connection(feeder) {
+            own.push(sent);
+        } else {
+            sent.confirm(shared, profiler);
+        }
+    }
+    own
 }
 
 /// Sends one put of `pieces` on `feeder`, without waiting for its reply.

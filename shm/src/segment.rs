@@ -243,7 +243,7 @@ pub(crate) fn check_sealed(fd: BorrowedFd<'_>, len: u64) -> Result<(), ShmError>
 /// zeroed by the first fault on it, in whichever process makes it: a producer's first pass over
 /// the store (0.3-1.2 s of its CPU per GiB on a 2-vCPU VM, in the stage that writes samples).
 /// Here a temporary mapping faults each page in (`MADV_POPULATE_READ`; a read of each page where
-/// the kernel refuses that), on up to 8 threads, and is unmapped: later mappings find the pages
+/// the kernel refuses that), 64 MiB at a time on up to 8 threads, and is unmapped: later mappings find the pages
 /// ready and build only their own page tables.
 fn zero_now(fd: &OwnedFd, size_bytes: u64) -> io::Result<()> {
     const CHUNK: usize = 64 << 20;
@@ -256,34 +256,39 @@ fn zero_now(fd: &OwnedFd, size_bytes: u64) -> io::Result<()> {
         .clamp(1, 8)
         .min(chunks.max(1));
     let next = std::sync::atomic::AtomicUsize::new(0);
-    std::thread::scope(|scope| {
-        for _ in 0..threads {
-            scope.spawn(|| {
-                loop {
-                    let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                    if i >= chunks {
-                        break;
-                    }
-                    let (at, n) = (i * CHUNK, CHUNK.min(len - i * CHUNK));
-                    // SAFETY: `at..at + n` lies inside the live mapping `map`.
-                    let ptr = unsafe { (base as *mut u8).add(at) };
-                    // SAFETY: advice on pages of this process's own mapping; contents untouched.
-                    let done =
-                        unsafe { libc::madvise(ptr.cast(), n, libc::MADV_POPULATE_READ) } == 0;
-                    if !done {
-                        // A kernel before 5.14: a read of each page faults it in.
-                        let page = page_size() as usize;
-                        for off in (0..n).step_by(page) {
-                            // SAFETY: `off < n`: inside the chunk, so inside the mapping.
-                            let at = unsafe { ptr.add(off) };
-                            // SAFETY: a read of mapped shared memory nobody writes yet.
-                            unsafe { std::ptr::read_volatile(at) };
-                        }
-                    }
+    let zero = || {
+        loop {
+            let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            if i >= chunks {
+                break;
+            }
+            let (at, n) = (i * CHUNK, CHUNK.min(len - i * CHUNK));
+            // SAFETY: `at..at + n` lies inside the live mapping `map`.
+            let ptr = unsafe { (base as *mut u8).add(at) };
+            // SAFETY: advice on pages of this process's own mapping; contents untouched.
+            let done = unsafe { libc::madvise(ptr.cast(), n, libc::MADV_POPULATE_READ) } == 0;
+            if !done {
+                // A kernel before 5.14: a read of each page faults it in.
+                let page = page_size() as usize;
+                for off in (0..n).step_by(page) {
+                    // SAFETY: `off < n`: inside the chunk, so inside the mapping.
+                    let at = unsafe { ptr.add(off) };
+                    // SAFETY: a read of mapped shared memory nobody writes yet.
+                    unsafe { std::ptr::read_volatile(at) };
                 }
-            });
+            }
         }
-    });
+    };
+    // A small segment (a stream's ring) is done on this thread.
+    if threads == 1 {
+        zero();
+    } else {
+        std::thread::scope(|scope| {
+            for _ in 0..threads {
+                scope.spawn(zero);
+            }
+        });
+    }
     drop(map);
     Ok(())
 }
