@@ -229,8 +229,9 @@ class _Daemon:
             stdout=subprocess.DEVNULL,
             stderr=self.log,
         )
-        # Ready when it answers, not when its socket appears: a daemon maps (and pre-faults)
-        # its whole capacity after binding the socket, ~1.5 s per GiB on a small machine.
+        # Ready when it answers: a daemon allocates and zeroes (pre-faults) its whole capacity
+        # before it binds its socket, ~1 s per GiB on a small machine (in cluster mode it maps
+        # it with its page tables too).
         deadline = time.monotonic() + 600
         while True:
             if self.process.poll() is not None or time.monotonic() > deadline:
