@@ -1403,8 +1403,14 @@ fn produce_puts_a_large_unplaceable_batch_whole() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{stderr}");
     assert!(stderr.contains("put one object each"), "{stderr}");
+    // Each made once, put once, by the connection that reserved it.
     let stats = daemon.reader().stats().unwrap();
     assert_eq!((stats.objects_writing, stats.leases), (0, 0), "{stats:?}");
+    assert_eq!(
+        (stats.objects_sealed, stats.aborted_on_disconnect),
+        (400, 0),
+        "{stats:?}"
+    );
 }
 
 #[test]

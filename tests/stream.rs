@@ -601,8 +601,9 @@ fn stream_misuse_gets_clear_errors() {
 }
 
 /// Puts sent without reading their replies are served in order: a consumer reads their samples
-/// before the producer reads a reply; the replies say what each put did, and a put the stream
-/// refuses gives its reservation back. Seals sent unread likewise.
+/// before the producer reads a reply; the replies say what each put did, item by item even for
+/// a put of several frames, and a put the stream refuses gives its reservation back. Seals sent
+/// unread likewise, more of them than a connection keeps unread.
 #[test]
 fn puts_and_seals_sent_unread_are_served_and_seen_before_their_replies() {
     let _w = watchdog(
@@ -610,24 +611,23 @@ fn puts_and_seals_sent_unread_are_served_and_seen_before_their_replies() {
         Duration::from_secs(60),
     );
     let dir = scratch_dir("stream-unread-puts");
-    let daemon = DaemonProcess::start(&dir, &[]);
+    // Small frames, so a large put takes several.
+    let daemon = DaemonProcess::start(&dir, &["--max-frame-bytes", "64KiB"]);
     let s = spec("unread", 16, 3, 1, 1);
     let client = daemon.writer();
     let feeder = StreamFeeder::join(&client, &s, 8, &[StreamTask { rank: 0, seq: 0 }]).unwrap();
     let tasks = feeder.take(8, Duration::from_millis(100)).unwrap().unwrap();
     assert_eq!(tasks.len(), 8);
-    // One put per sample, none of their replies read.
-    let sent: Vec<_> = tasks
-        .iter()
-        .map(|&task| {
-            feeder
-                .submit_put(vec![delivery(&client, &s, task)])
-                .unwrap()
-        })
+    // One put per sample, sent back to back, none of their replies read.
+    let made: Vec<_> = tasks.iter().map(|&t| delivery(&client, &s, t)).collect();
+    let sent: Vec<_> = made
+        .into_iter()
+        .map(|d| feeder.submit_put(vec![d]).unwrap())
         .collect();
+    // Each sample returned as soon as dropped, so the window slides for the next tasks.
     let options = StreamOptions {
         wait: Duration::from_secs(10),
-        ..StreamOptions::default()
+        return_batch: 1,
     };
     let mut stream = Stream::open(&daemon.socket, &s, 0, None, options).unwrap();
     for seq in 0..8 {
@@ -650,6 +650,44 @@ fn puts_and_seals_sent_unread_are_served_and_seen_before_their_replies() {
         (after.objects_writing, after.used_bytes),
         (before.objects_writing, before.used_bytes)
     );
+    // A put of several frames (more than it sends ahead of their replies): the next tasks
+    // (7 or 8: the last sample read goes back with the consumer's next call), then 5,000
+    // nobody handed out. Each item gets its own answer, in order; the refused reservations
+    // are given back.
+    let tasks = feeder.take(8, Duration::from_secs(5)).unwrap().unwrap();
+    let k = tasks.len();
+    assert!(k >= 7, "{tasks:?}");
+    let mut deliveries: Vec<_> = tasks.iter().map(|&t| delivery(&client, &s, t)).collect();
+    let refused = 5_000;
+    let writers = client
+        .create_batch(
+            &vec![64; refused],
+            feedstore_consumer::CreateOptions::default(),
+        )
+        .unwrap();
+    deliveries.extend(writers.into_iter().enumerate().map(|(i, w)| Delivery {
+        task: StreamTask {
+            rank: 0,
+            seq: 1_000 + i as u64,
+        },
+        record: 0,
+        key: 0,
+        made: Made::Written(w.unwrap()),
+    }));
+    let results = feeder.submit_put(deliveries).unwrap().wait().unwrap();
+    assert_eq!(results.len(), k + refused);
+    assert!(
+        results[..k].iter().all(Result::is_ok),
+        "{:?}",
+        &results[..k]
+    );
+    assert!(results[k..].iter().all(Result::is_err));
+    assert_eq!(client.stats().unwrap().objects_writing, 0);
+    for seq in 8..8 + k as u64 {
+        let sample = stream.next_sample().unwrap().unwrap();
+        assert_eq!((sample.seq(), sample.record()), (seq, s.record_at(0, seq)));
+        assert!(*sample == pattern(sample.record(), PAYLOAD)[..]);
+    }
     // A seal sent unread: its handle is readable by anyone once waited for; dropped unread,
     // the object is sealed all the same.
     let mut w = client.create(PAYLOAD as u64).unwrap();
@@ -662,6 +700,29 @@ fn puts_and_seals_sent_unread_are_served_and_seen_before_their_replies() {
     let handle = pending.handle();
     drop(pending);
     assert!(*daemon.reader().get(handle).unwrap() == pattern(2, PAYLOAD)[..]);
+    // More seals unread than a connection keeps unread (64): the oldest replies are read aside
+    // as later ones are sent, and each is still its own seal's.
+    let writers = client
+        .create_batch(
+            &[PAYLOAD as u64; 100],
+            feedstore_consumer::CreateOptions::default(),
+        )
+        .unwrap();
+    let pending: Vec<_> = writers
+        .into_iter()
+        .enumerate()
+        .map(|(i, w)| {
+            let mut w = w.unwrap();
+            w.as_mut_slice()
+                .copy_from_slice(&pattern(100 + i as u64, PAYLOAD));
+            w.seal_later()
+        })
+        .collect();
+    let reader = daemon.reader();
+    for (i, seal) in pending.into_iter().enumerate() {
+        let handle = seal.wait().unwrap();
+        assert!(*reader.get(handle).unwrap() == pattern(100 + i as u64, PAYLOAD)[..]);
+    }
     assert_eq!(client.stats().unwrap().objects_writing, 0);
 }
 

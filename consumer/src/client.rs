@@ -307,12 +307,18 @@ struct CallState {
     /// Requests sent by [`Client::submit`] whose replies are not read yet, oldest first (the
     /// daemon answers a connection's requests in order). At most [`MAX_OUTSTANDING`].
     outstanding: VecDeque<u32>,
-    /// Replies read ahead of the one a caller waited for, by request id, until collected.
+    /// Replies read ahead of the one a caller waited for, by request id, until collected. At
+    /// most [`MAX_ARRIVED`].
     arrived: Vec<(u32, Response)>,
 }
 
-/// The most submitted requests whose replies are not yet collected, per connection.
+/// The most submitted requests whose replies are not yet read, per connection: a submit past
+/// it reads the oldest reply aside first (the daemon's socket holds the replies it could not
+/// send while it waits, and stops reading the connection when it is full).
 const MAX_OUTSTANDING: usize = 64;
+
+/// The most replies read aside and not collected, per connection.
+const MAX_ARRIVED: usize = 1024;
 
 /// A request sent with [`Client::submit`], whose reply [`Client::collect`] reads.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -908,16 +914,28 @@ impl Client {
 
     /// Sends a request without waiting for its reply (queued releases riding along); the reply
     /// is read by [`Client::collect`], or read aside by the next call that needs the socket.
-    /// Several may be outstanding, up to [`MAX_OUTSTANDING`].
+    /// Up to [`MAX_OUTSTANDING`] may be unread; past that, the oldest is read aside.
     pub(crate) fn submit(&self, request: &Request) -> Result<Ticket, Error> {
         let inner = &*self.inner;
         self.usable()?;
         let mut guard = inner.call.lock().unwrap_or_else(|e| e.into_inner());
         let state = &mut *guard;
-        if state.outstanding.len() + state.arrived.len() >= MAX_OUTSTANDING {
+        // At the limit the oldest reply is read aside (replies come in order, so this always
+        // moves); the replies read aside and not collected yet have a bound of their own.
+        while state.outstanding.len() >= MAX_OUTSTANDING {
+            let id = state.outstanding.pop_front().expect("at the limit");
+            match read_reply(&inner.stream, &mut state.rbuf, id, inner.reply_limit) {
+                Ok(response) => state.arrived.push((id, response)),
+                Err(e) => {
+                    inner.broken.store(true, Ordering::Relaxed);
+                    return Err(e);
+                }
+            }
+        }
+        if state.arrived.len() >= MAX_ARRIVED {
             return Err(Error::LimitReached(format!(
-                "{MAX_OUTSTANDING} requests already sent on this connection without their \
-                 replies read (pipelines sharing one client)"
+                "{MAX_ARRIVED} replies on this connection read and not collected (pipelines \
+                 sharing one client that do not wait for their requests)"
             )));
         }
         let id = Self::encode_call(inner, state, request)?;

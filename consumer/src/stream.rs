@@ -270,11 +270,6 @@ impl Stream {
         StreamState::at(&self.spec, self.rank, self.next)
     }
 
-    /// Whether `other` puts on the same connection as this feeder.
-    pub fn same_connection(&self, other: &StreamFeeder) -> bool {
-        Arc::ptr_eq(&self.client.inner, &other.client.inner)
-    }
-
     /// The stream's spec.
     pub fn spec(&self) -> &StreamSpec {
         &self.spec
@@ -968,6 +963,10 @@ impl StreamFeeder {
         while at < pending.items.len() {
             if pending.sent.len() == PUT_CHUNKS_AHEAD {
                 pending.read_oldest();
+                // A chunk refused as a whole: the rest are not sent (`wait` aborts them).
+                if pending.failure.is_some() {
+                    break;
+                }
             }
             let chunk = &pending.items[at..pending.items.len().min(at + per_chunk)];
             let request = Request::StreamPut {

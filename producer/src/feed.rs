@@ -678,16 +678,15 @@ fn put_pieces(
             None => by_connection.push((piece.feeder.clone(), vec![piece])),
         }
     }
-    let mut own = Vec::new();
-    for (other, group) in by_connection {
-        let sent = deliver(&other, profiler, group);
-        if other.same_connection(feeder) {
-            own.push(sent);
-        } else {
-            sent.confirm(shared, profiler);
-        }
+    // Every put sent first, so none waits behind another connection's reply.
+    let (own, others): (Vec<_>, Vec<_>) = by_connection
+        .into_iter()
+        .map(|(f, group)| (f.same_connection(feeder), deliver(&f, profiler, group)))
+        .partition(|(own, _)| *own);
+    for (_, sent) in others {
+        sent.confirm(shared, profiler);
     }
-    own
+    own.into_iter().map(|(_, sent)| sent).collect()
 }
 
 /// Sends one put of `pieces` on `feeder`, without waiting for its reply.
