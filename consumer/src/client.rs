@@ -922,10 +922,11 @@ impl Client {
         let state = &mut *guard;
         // At the limit the oldest reply is read aside (replies come in order, so this always
         // moves); the replies read aside and not collected yet have a bound of their own.
-        while state.outstanding.len() >= MAX_OUTSTANDING {
-            let id = state.outstanding.pop_front().expect("at the limit");
-            match read_reply(&inner.stream, &mut state.rbuf, id, inner.reply_limit) {
-                Ok(response) => state.arrived.push((id, response)),
+        while let Some(&oldest) = state.outstanding.front()
+            && state.outstanding.len() >= MAX_OUTSTANDING
+        {
+            match self.read_outstanding(state, Some(oldest)) {
+                Ok(reply) => state.arrived.extend(reply.map(|r| (oldest, r))),
                 Err(e) => {
                     inner.broken.store(true, Ordering::Relaxed);
                     return Err(e);

@@ -225,24 +225,30 @@ impl PendingSeal {
         };
         // Not sent: the writer gave the object back as it dropped.
         let ticket = sent?;
-        let failure = match self.client.collect(ticket) {
-            Ok(Response::Done(statuses)) if statuses.len() == 1 => (statuses[0] != Status::Ok)
-                .then(|| Error::from_status(statuses[0], self.handle, 0, "")),
-            Ok(other) => Some(Error::Protocol(format!("unexpected reply {other:?}"))),
-            Err(e) => Some(e),
-        };
-        match failure {
-            None => Ok(self.handle),
-            Some(e) => {
-                // Best effort: the daemon also takes it back when the connection closes.
-                let _ = self
-                    .client
-                    .each(Opcode::Abort, &[self.handle], |handles| Request::Abort {
-                        handles,
-                    });
-                Err(e)
-            }
+        confirm_one(&self.client, ticket, Some(self.handle)).map(|()| self.handle)
+    }
+}
+
+/// Reads the reply to a one-handle request sent with [`Client::submit`]: a seal of `handle`
+/// (whose object is given back if the seal failed, and the failure returned), or, for `None`,
+/// an abort (whose failure is no one's concern: the daemon takes the space back when the
+/// connection closes).
+fn confirm_one(client: &Client, ticket: Ticket, handle: Option<Handle>) -> Result<(), Error> {
+    let failure = match client.collect(ticket) {
+        Ok(Response::Done(statuses)) if statuses.len() == 1 => (statuses[0] != Status::Ok)
+            .then(|| Error::from_status(statuses[0], handle.unwrap_or_default(), 0, "")),
+        Ok(other) => Some(Error::Protocol(format!("unexpected reply {other:?}"))),
+        Err(e) => Some(e),
+    };
+    match (failure, handle) {
+        (Some(failure), Some(handle)) => {
+            // Best effort: the daemon also takes it back when the connection closes.
+            let _ = client.each(Opcode::Abort, &[handle], |handles| Request::Abort {
+                handles,
+            });
+            Err(failure)
         }
+        _ => Ok(()),
     }
 }
 
@@ -367,20 +373,7 @@ impl PutPipeline {
     fn confirm(&mut self, keep: usize) -> Result<(), Error> {
         while self.unconfirmed.len() > keep {
             let (ticket, handle) = self.unconfirmed.pop_front().expect("longer than keep");
-            let failure = match self.client.collect(ticket) {
-                Ok(Response::Done(statuses)) if statuses.len() == 1 => (statuses[0] != Status::Ok)
-                    .then(|| Error::from_status(statuses[0], handle.unwrap_or_default(), 0, "")),
-                Ok(other) => Some(Error::Protocol(format!("unexpected reply {other:?}"))),
-                Err(e) => Some(e),
-            };
-            // An abort's failure is no one's concern: the daemon takes the space back when the
-            // connection closes. A seal's failure gives its object back and is reported.
-            if let (Some(failure), Some(handle)) = (failure, handle) {
-                let _ = self
-                    .client
-                    .each(Opcode::Abort, &[handle], |handles| Request::Abort {
-                        handles,
-                    });
+            if let Err(failure) = confirm_one(&self.client, ticket, handle) {
                 self.failed.get_or_insert(failure);
             }
         }

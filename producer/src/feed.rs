@@ -658,15 +658,17 @@ fn put_pieces(
     profiler: &Profiler,
     mut pieces: Vec<Piece>,
 ) -> Vec<Sent> {
-    if shared.gathering.is_some() {
-        pieces.sort_by_key(|p| p.work.task.seq);
-        let started = Instant::now();
-        let placed = place_batch(shared, client, &mut pieces);
-        // The copy is part of the samples' write.
-        profiler.add_busy(Stage::Write, started.elapsed());
-        if placed {
-            return vec![deliver(feeder, profiler, pieces)];
-        }
+    // Not placing batches: the worker's own sample, on its own connection.
+    if shared.gathering.is_none() {
+        return vec![deliver(feeder, profiler, pieces)];
+    }
+    pieces.sort_by_key(|p| p.work.task.seq);
+    let started = Instant::now();
+    let placed = place_batch(shared, client, &mut pieces);
+    // The copy is part of the samples' write.
+    profiler.add_busy(Stage::Write, started.elapsed());
+    if placed {
+        return vec![deliver(feeder, profiler, pieces)];
     }
     let mut by_connection: Vec<(StreamFeeder, Vec<Piece>)> = Vec::new();
     for piece in pieces {

@@ -8,7 +8,7 @@ use nix::fcntl::{FallocateFlags, FcntlArg, OFlag, SealFlag};
 use nix::sys::memfd::{MFdFlags, memfd_create};
 use nix::sys::stat::Mode;
 
-use crate::ShmError;
+use crate::{Access, Mapping, ShmError};
 
 /// Whether segments use hugetlbfs pages.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -159,16 +159,15 @@ impl Segment {
                     source: e.into(),
                 }
             })?;
-            // hugetlbfs zeroes its pages as it allocates them; shmem leaves them for the first
-            // fault to zero.
-            if !hugetlb {
-                zero_now(&fd, size_bytes)
-                    .map_err(|source| ShmError::Prefault { size_bytes, source })?;
-            }
         }
         let seals = SealFlag::F_SEAL_SHRINK | SealFlag::F_SEAL_GROW | SealFlag::F_SEAL_SEAL;
         nix::fcntl::fcntl(&fd, FcntlArg::F_ADD_SEALS(seals))
             .map_err(|e| ShmError::Seal { source: e.into() })?;
+        // hugetlbfs zeroes its pages as it allocates them; shmem leaves them for the first fault
+        // to zero.
+        if opts.prefault && !hugetlb {
+            zero_now(&fd, size_bytes)?;
+        }
         tracing::debug!(name = %opts.name, size_bytes, hugetlb, prefault = opts.prefault, "segment created");
         Ok(Segment {
             fd,
@@ -239,44 +238,32 @@ pub(crate) fn check_sealed(fd: BorrowedFd<'_>, len: u64) -> Result<(), ShmError>
     Ok(())
 }
 
-/// Zeroes the pages `fallocate` gave a shmem file. shmem allocates them but leaves each to be
-/// zeroed by the first fault on it, in whichever process makes it: a producer's first pass over
-/// the store (0.3-1.2 s of its CPU per GiB on a 2-vCPU VM, in the stage that writes samples).
-/// Here a temporary mapping faults each page in (`MADV_POPULATE_READ`; a read of each page where
-/// the kernel refuses that), 64 MiB at a time on up to 8 threads, and is unmapped: later mappings find the pages
-/// ready and build only their own page tables.
-fn zero_now(fd: &OwnedFd, size_bytes: u64) -> io::Result<()> {
-    const CHUNK: usize = 64 << 20;
-    let len = usize::try_from(size_bytes).map_err(|_| io::Error::from_raw_os_error(libc::EFBIG))?;
-    let map = memmap2::MmapOptions::new().len(len).map_raw_read_only(fd)?;
-    let base = map.as_ptr() as usize;
-    let chunks = len.div_ceil(CHUNK);
+/// Zeroes the pages `fallocate` gave a shmem file (sealed). shmem allocates them but leaves
+/// each to be zeroed by the first fault on it, in whichever process makes it: a producer's first
+/// pass over the store (0.3-1.2 s of its CPU per GiB on a 2-vCPU VM, in the stage that writes
+/// samples). Here a temporary read-only mapping faults each page in
+/// ([`Mapping::populate_read`]), 64 MiB at a time on up to 8 threads, and is unmapped: later
+/// mappings find the pages ready and build only their own page tables. Where the kernel refuses
+/// `MADV_POPULATE_READ` (before 5.14) the pages are zeroed at first touch, as before.
+fn zero_now(fd: &OwnedFd, size_bytes: u64) -> Result<(), ShmError> {
+    const CHUNK: u64 = 64 << 20;
+    let fd = fd
+        .try_clone()
+        .map_err(|source| ShmError::Prefault { size_bytes, source })?;
+    let map = Mapping::new(fd, size_bytes, Access::ReadOnly, false)?;
+    let chunks = size_bytes.div_ceil(CHUNK);
     let threads = std::thread::available_parallelism()
-        .map_or(1, |n| n.get())
+        .map_or(1, |n| n.get() as u64)
         .clamp(1, 8)
         .min(chunks.max(1));
-    let next = std::sync::atomic::AtomicUsize::new(0);
+    let next = std::sync::atomic::AtomicU64::new(0);
     let zero = || {
         loop {
             let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             if i >= chunks {
                 break;
             }
-            let (at, n) = (i * CHUNK, CHUNK.min(len - i * CHUNK));
-            // SAFETY: `at..at + n` lies inside the live mapping `map`.
-            let ptr = unsafe { (base as *mut u8).add(at) };
-            // SAFETY: advice on pages of this process's own mapping; contents untouched.
-            let done = unsafe { libc::madvise(ptr.cast(), n, libc::MADV_POPULATE_READ) } == 0;
-            if !done {
-                // A kernel before 5.14: a read of each page faults it in.
-                let page = page_size() as usize;
-                for off in (0..n).step_by(page) {
-                    // SAFETY: `off < n`: inside the chunk, so inside the mapping.
-                    let at = unsafe { ptr.add(off) };
-                    // SAFETY: a read of mapped shared memory nobody writes yet.
-                    unsafe { std::ptr::read_volatile(at) };
-                }
-            }
+            map.populate_read(i * CHUNK, CHUNK);
         }
     };
     // A small segment (a stream's ring) is done on this thread.
@@ -289,7 +276,6 @@ fn zero_now(fd: &OwnedFd, size_bytes: u64) -> io::Result<()> {
             }
         });
     }
-    drop(map);
     Ok(())
 }
 
