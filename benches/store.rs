@@ -343,10 +343,13 @@ fn get_vs_ping_pong(writer: &Client, reader: &Client, socket: &Path, dir: &Path,
     Request::Get { handles: vec![h] }
         .encode(1, feedstore_proto::frame::MAX_PAYLOAD_BYTES, &mut req)
         .unwrap();
-    Response::Got(vec![Ok(feedstore_proto::Location {
-        segment: 0,
-        offset: 0,
-        len: 1,
+    Response::Got(vec![Ok(feedstore_proto::frame::Got {
+        location: feedstore_proto::Location {
+            segment: 0,
+            offset: 0,
+            len: 1,
+        },
+        writer: 0,
     })])
     .encode(
         feedstore_proto::frame::Opcode::Get,

@@ -652,7 +652,7 @@ impl Client {
                 .into_iter()
                 .zip(chunk)
                 .map(|(r, &handle)| match r {
-                    Ok(loc) => self.lease(handle, loc),
+                    Ok(got) => self.lease(handle, got.location, got.writer),
                     Err(status) => Err(Error::from_status(status, handle, 0, "")),
                 })
                 .collect())
@@ -661,12 +661,12 @@ impl Client {
 
     /// Wraps the lease the daemon just granted this connection on `handle` at `loc` (on an
     /// error the lease is returned).
-    fn lease(&self, handle: Handle, loc: Location) -> Result<Lease, Error> {
+    fn lease(&self, handle: Handle, loc: Location, writer: u32) -> Result<Lease, Error> {
         let hold = crate::lease::LeaseHold::new(self.clone(), handle);
         let mapping = self.mapping(loc)?.clone();
         // SAFETY: the daemon answered this connection's get of `handle` with `loc`: a lease on
         // the sealed object there, now owned by `hold` alone.
-        unsafe { Lease::new(mapping, loc, hold) }
+        unsafe { Lease::new(mapping, loc, hold, writer) }
     }
 
     /// Deletes an object. Its bytes stay readable through existing leases and are reused once the

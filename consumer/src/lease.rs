@@ -61,6 +61,7 @@ pub(crate) unsafe fn leased_bytes<H>(
 /// request, or after the connection's release delay (1 ms by default).
 pub struct Lease {
     bytes: SharedBytes<LeaseHold>,
+    writer: u32,
 }
 
 impl Lease {
@@ -70,16 +71,25 @@ impl Lease {
         mapping: Arc<Mapping>,
         loc: Location,
         hold: LeaseHold,
+        writer: u32,
     ) -> Result<Lease, Error> {
         Ok(Lease {
             // SAFETY: forwarded contract.
             bytes: unsafe { leased_bytes(mapping, loc, hold)? },
+            writer,
         })
     }
 
     /// The object's handle.
     pub fn handle(&self) -> Handle {
         self.bytes.hold().handle()
+    }
+
+    /// The uid of the client that wrote the object, as the daemon recorded it when the object
+    /// was created (for a copy pulled from another node, as that node's daemon recorded it):
+    /// check it before trusting the object's structure (a batch object's, say).
+    pub fn writer(&self) -> u32 {
+        self.writer
     }
 
     /// The bytes (same as deref).

@@ -517,6 +517,12 @@ impl StreamSample {
         self.bytes.hold().lease.handle()
     }
 
+    /// The uid that wrote the sample's object, as the daemon recorded it (see
+    /// [`crate::Lease::writer`]).
+    pub fn writer(&self) -> u32 {
+        self.entry.writer
+    }
+
     /// The sample, validated, with typed views of its tensors and tokens.
     pub fn view(&self) -> Result<SampleView<'_>, SampleError> {
         SampleView::new(self)

@@ -62,8 +62,7 @@ fn handle() -> Handle {
     Handle {
         node_id: 1,
         epoch: 1,
-        slot: 0,
-        generation: 1,
+        id: 1,
     }
 }
 

@@ -4,7 +4,7 @@
 //! and later a peer node pulling objects by handle). It holds no `unsafe` and no I/O
 //! beyond finding the default socket path:
 //!
-//! - [`Handle`]: the fixed 16-byte name of an object — node id, daemon epoch, slot, generation.
+//! - [`Handle`]: the fixed 16-byte name of an object — node id, daemon epoch, a random id.
 //!   A handle stays meaningful across processes and nodes; a stale or forged one resolves to
 //!   [`Status::NotFound`] or [`Status::Stale`], never to another object's bytes.
 //! - [`frame`]: the length-prefixed, versioned binary frames spoken over the daemon's Unix socket,
@@ -22,7 +22,7 @@
 //! use feedstore_proto::{frame::{Request, Frame}, Handle};
 //!
 //! # fn main() -> Result<(), feedstore_proto::frame::DecodeError> {
-//! let handle = Handle { node_id: 7, epoch: 42, slot: 3, generation: 1 };
+//! let handle = Handle { node_id: 7, epoch: 42, id: 0x5eed };
 //! let mut wire = Vec::new();
 //! Request::Get { handles: vec![handle] }
 //!     .encode(9, feedstore_proto::frame::MAX_PAYLOAD_BYTES, &mut wire)
@@ -34,6 +34,7 @@
 //! # }
 //! ```
 
+pub mod batch;
 pub mod frame;
 mod handle;
 pub mod peer;
@@ -168,7 +169,7 @@ pub const SEGMENT_HUGETLB: u32 = 1;
 pub const SEGMENT_WRITABLE: u32 = 2;
 
 /// Where a sealed or reserved object lives: a byte range in one segment.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct Location {
     /// The segment's id.
     pub segment: u32,

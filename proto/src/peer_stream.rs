@@ -300,8 +300,7 @@ mod tests {
                 handle: Handle {
                     node_id: 0xA1,
                     epoch: 2,
-                    slot: 5,
-                    generation: 7,
+                    id: 5 << 32 | 7,
                 },
                 record: 4,
                 flags: 0,

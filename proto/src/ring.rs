@@ -20,11 +20,11 @@
 //! | 3              | the stream spec's digest                                         |
 //! | 4..8           | reserved, zero                                                   |
 //! | 8 + 8·i + 0    | slot i: `seq + 1` of the entry it holds, 0 while empty or written |
-//! | 8 + 8·i + 1..3 | the handle (node, epoch / slot, generation)                      |
+//! | 8 + 8·i + 1..3 | the handle (node, epoch / id)                                    |
 //! | 8 + 8·i + 3    | segment (low 32 bits), [`ENTRY_FAILED`] flags (high 32)          |
 //! | 8 + 8·i + 4..6 | offset, length                                                   |
 //! | 8 + 8·i + 6    | the record (manifest index) the sample came from                 |
-//! | 8 + 8·i + 7    | reserved                                                         |
+//! | 8 + 8·i + 7    | the uid that wrote the object (low 32 bits; high 32 reserved)     |
 //!
 //! Publishing is a sequence lock per slot: the writer zeroes the sequence word, writes the
 //! fields, then stores `seq + 1` with release ordering. A reader loads the sequence word
@@ -88,6 +88,10 @@ pub struct RingEntry {
     pub record: u64,
     /// [`ENTRY_FAILED`] and future flags.
     pub flags: u32,
+    /// The uid of the client that wrote the object, as the daemon recorded it at creation (for a
+    /// copy pulled from another node, as the owner's daemon recorded it): what a reader checks
+    /// before it trusts a batch object's structure.
+    pub writer: u32,
 }
 
 /// Why a ring's header is unusable.
@@ -187,10 +191,7 @@ impl RingHeader {
             u64::from(h.node_id) | u64::from(h.epoch) << 32,
             Ordering::Relaxed,
         );
-        w[2].store(
-            u64::from(h.slot) | u64::from(h.generation) << 32,
-            Ordering::Relaxed,
-        );
+        w[2].store(h.id, Ordering::Relaxed);
         w[3].store(
             u64::from(entry.location.segment) | u64::from(entry.flags) << 32,
             Ordering::Relaxed,
@@ -198,6 +199,7 @@ impl RingHeader {
         w[4].store(entry.location.offset, Ordering::Relaxed);
         w[5].store(entry.location.len, Ordering::Relaxed);
         w[6].store(entry.record, Ordering::Relaxed);
+        w[7].store(u64::from(entry.writer), Ordering::Relaxed);
         w[0].store(entry.seq + 1, Ordering::Release);
     }
 
@@ -218,8 +220,7 @@ impl RingHeader {
             handle: Handle {
                 node_id: a as u32,
                 epoch: (a >> 32) as u32,
-                slot: b as u32,
-                generation: (b >> 32) as u32,
+                id: b,
             },
             location: Location {
                 segment: c as u32,
@@ -228,6 +229,7 @@ impl RingHeader {
             },
             record: w(6),
             flags: (c >> 32) as u32,
+            writer: w(7) as u32,
         };
         // Pairs with the writer's release fence after it zeroed the word: if a newer publish
         // wrote any field read above, this load sees the zero (or the newer sequence number).
@@ -246,8 +248,7 @@ mod tests {
             handle: Handle {
                 node_id: 1,
                 epoch: 2,
-                slot: seq as u32,
-                generation: 7,
+                id: seq << 20 | 7,
             },
             location: Location {
                 segment: 0,
@@ -256,6 +257,7 @@ mod tests {
             },
             record: seq * 3,
             flags: 0,
+            writer: 1000 + seq as u32,
         }
     }
 
@@ -319,8 +321,7 @@ mod loom_tests {
             handle: Handle {
                 node_id: seq as u32,
                 epoch: seq as u32 + 1,
-                slot: seq as u32 + 2,
-                generation: seq as u32 + 3,
+                id: seq + 2,
             },
             location: Location {
                 segment: seq as u32,
@@ -329,6 +330,7 @@ mod loom_tests {
             },
             record: seq * 1000,
             flags: 0,
+            writer: seq as u32 + 5,
         }
     }
 

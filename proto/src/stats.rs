@@ -109,7 +109,8 @@ store_stats! {
     /// Pulls that failed because the owner no longer had the object (deleted, evicted, or the
     /// owner restarted).
     pull_failures_missing,
-    /// Pulls whose bytes failed their checksum.
+    /// Pulls whose bytes failed their authentication (a frame altered, replayed or reordered on
+    /// the way), after the one retry from the owner.
     pull_failures_corrupt,
     /// Pulls that failed because this store had no room for the copy.
     pull_failures_full,
@@ -122,6 +123,15 @@ store_stats! {
     /// Consumers waiting for a stream that does not exist yet (opened before any producer of
     /// it joined: a trainer blocked on a stream name no producer uses shows here).
     attaches_waiting,
+    /// Gets refused because the uid asking, one allowed only to read, held its share of the
+    /// store leased (`--reader-lease-fraction`); also counted in `limits_hit`.
+    lease_share_refusals,
+    /// Frames from peers that failed their authentication (altered, replayed, reordered or
+    /// forged on the way): each ends its connection.
+    peer_frames_rejected,
+    /// Peer connections closed before they proved the cluster secret: the handshake budget was
+    /// full (the oldest goes), their address held its share, or the handshake deadline passed.
+    peer_handshakes_dropped,
 }
 
 impl StoreStats {

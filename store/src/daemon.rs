@@ -208,6 +208,7 @@ impl Daemon {
                 pid: std::process::id() as i32,
                 name: "pull engine".into(),
                 internal: true,
+                capped: false,
             });
             Arc::new(crate::cluster::Cluster::new(
                 config.cluster.clone(),

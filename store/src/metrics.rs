@@ -40,7 +40,7 @@ use tokio::net::{TcpListener, TcpStream};
 use crate::server::Shared;
 
 /// The store counters that only grow (since the daemon started); every other one is a gauge.
-const COUNTERS: [&str; 20] = [
+const COUNTERS: [&str; 23] = [
     "evictions",
     "evicted_bytes",
     "creates_waited",
@@ -61,6 +61,9 @@ const COUNTERS: [&str; 20] = [
     "peers_refused",
     "served_reads",
     "served_bytes",
+    "lease_share_refusals",
+    "peer_frames_rejected",
+    "peer_handshakes_dropped",
 ];
 
 const MAX_CONNECTIONS: usize = 16;

@@ -13,10 +13,12 @@
 //! - a copy of another node's object (pulled by [`crate::cluster`]) is found by that node's
 //!   handle once sealed, and is leased, evicted and deleted like any local object.
 
-use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
+use std::collections::{BTreeMap, HashMap, HashSet};
 
-use feedstore_proto::frame::Created;
+use feedstore_proto::frame::{Created, Got};
 use feedstore_proto::{Handle, Location, Role, Status, StoreStats};
+use hmac::{Hmac, Mac};
+use sha2::Sha256;
 
 use crate::alloc::{Allocator, Block};
 
@@ -31,6 +33,8 @@ enum State {
 
 #[derive(Debug)]
 struct Object {
+    /// The random id its handle carries.
+    id: u64,
     segment: u32,
     block: Block,
     len: u64,
@@ -42,7 +46,7 @@ struct Object {
     lru_tick: Option<u64>,
     /// For a sealed copy of another node's object, that object's handle.
     origin: Option<Handle>,
-    /// The uid of the client that created it.
+    /// The uid of the client that created it (for a copy, the uid the owner's daemon recorded).
     creator: u32,
 }
 
@@ -60,10 +64,47 @@ impl Object {
     }
 }
 
+/// Where object ids come from: 64 bits of HMAC-SHA256, under a key drawn when the daemon
+/// starts, of a counter. Unpredictable to anyone without the key (the ids a reader holds say
+/// nothing of the others), and never 0.
+struct Ids {
+    mac: Hmac<Sha256>,
+    counter: u64,
+}
+
+impl std::fmt::Debug for Ids {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Ids({} drawn)", self.counter)
+    }
+}
+
+impl Ids {
+    fn new(key: &[u8; 32]) -> Ids {
+        Ids {
+            mac: <Hmac<Sha256> as Mac>::new_from_slice(key).expect("HMAC takes keys of any length"),
+            counter: 0,
+        }
+    }
+
+    fn next(&mut self) -> u64 {
+        loop {
+            self.counter += 1;
+            let mut mac = self.mac.clone();
+            mac.update(&self.counter.to_le_bytes());
+            let out = mac.finalize().into_bytes();
+            let id = u64::from_le_bytes(out[..8].try_into().expect("8 bytes"));
+            if id != 0 {
+                return id;
+            }
+        }
+    }
+}
+
+/// The leases one capped uid holds: per object, and their bytes (each object counted once).
 #[derive(Debug, Default)]
-struct Slot {
-    generation: u32,
-    object: Option<Object>,
+struct UidLeases {
+    per_slot: HashMap<u32, u32>,
+    bytes: u64,
 }
 
 /// What the daemon knows about one connected client.
@@ -80,6 +121,10 @@ pub struct ClientInfo {
     /// One of the daemon's own connections (a stream holding its samples' leases): not a
     /// client, and bounded by its stream's depth rather than the lease limit.
     pub internal: bool,
+    /// A uid allowed only to read (`--allow-reader-uid`): the bytes its connections hold
+    /// leased, together, are capped (`--reader-lease-fraction`), so such a uid cannot pin the
+    /// store against the writers.
+    pub capped: bool,
 }
 
 #[derive(Debug)]
@@ -110,6 +155,8 @@ struct Counters {
     aborted_on_disconnect: u64,
     leases_reclaimed: u64,
     limits_hit: u64,
+    /// Gets refused because a capped uid held its share.
+    capped_refusals: u64,
 }
 
 /// All objects and clients of one daemon.
@@ -119,10 +166,12 @@ pub struct Objects {
     epoch: u32,
     hugetlb: bool,
     segments: Vec<Allocator>,
-    slots: Vec<Slot>,
-    /// Empty slots, reused oldest first so a freed handle stays `NotFound` as long as possible
-    /// before it becomes `Stale`.
-    free_slots: VecDeque<u32>,
+    slots: Vec<Option<Object>>,
+    /// Live objects' slots by id.
+    by_id: HashMap<u64, u32>,
+    /// Empty slots.
+    free_slots: Vec<u32>,
+    ids: Ids,
     /// Evictable objects by last use.
     lru: BTreeMap<u64, u32>,
     tick: u64,
@@ -136,6 +185,10 @@ pub struct Objects {
     max_leases_per_conn: u64,
     /// Sealed local copies of other nodes' objects, by the owner's handle.
     copies: HashMap<Handle, u32>,
+    /// The most bytes a capped uid's connections may hold leased (`--reader-lease-fraction`).
+    capped_lease_bytes: u64,
+    /// Leases of capped uids, by uid.
+    capped: HashMap<u32, UidLeases>,
 }
 
 impl Objects {
@@ -147,7 +200,9 @@ impl Objects {
             hugetlb,
             segments: segment_bytes.iter().map(|&b| Allocator::new(b)).collect(),
             slots: Vec::new(),
-            free_slots: VecDeque::new(),
+            by_id: HashMap::new(),
+            free_slots: Vec::new(),
+            ids: Ids::new(&random_key()),
             lru: BTreeMap::new(),
             tick: 0,
             conns: HashMap::new(),
@@ -156,7 +211,16 @@ impl Objects {
             space_epoch: 0,
             max_leases_per_conn: u64::MAX,
             copies: HashMap::new(),
+            capped_lease_bytes: u64::MAX,
+            capped: HashMap::new(),
         }
+    }
+
+    /// Caps the bytes the connections of one uid allowed only to read may hold leased at once
+    /// (see [`ClientInfo::capped`]).
+    pub fn with_capped_lease_bytes(mut self, bytes: u64) -> Objects {
+        self.capped_lease_bytes = bytes;
+        self
     }
 
     /// Caps the leases one client connection may hold (the daemon's own stream connections
@@ -204,6 +268,9 @@ impl Objects {
         }
         for (slot, count) in c.leases {
             reclaimed.leases += u64::from(count);
+            if c.info.capped {
+                self.uncount_capped(c.info.uid, slot, count);
+            }
             self.drop_leases(slot, count);
         }
         self.counters.aborted_on_disconnect += reclaimed.aborted;
@@ -251,16 +318,22 @@ impl Objects {
                 return Err(Status::Full);
             }
         };
-        let slot = match self.free_slots.pop_front() {
+        let slot = match self.free_slots.pop() {
             Some(slot) => slot,
             None => {
-                self.slots.push(Slot::default());
+                self.slots.push(None);
                 (self.slots.len() - 1) as u32
             }
         };
-        let entry = &mut self.slots[slot as usize];
-        entry.generation = entry.generation.wrapping_add(1);
-        entry.object = Some(Object {
+        let id = loop {
+            let id = self.ids.next();
+            if !self.by_id.contains_key(&id) {
+                break id;
+            }
+        };
+        self.by_id.insert(id, slot);
+        self.slots[slot as usize] = Some(Object {
+            id,
             segment,
             block,
             len: size,
@@ -278,11 +351,7 @@ impl Objects {
             .expect("writer checked above")
             .writing
             .insert(slot);
-        let location = self.slots[slot as usize]
-            .object
-            .as_ref()
-            .expect("just set")
-            .location();
+        let location = self.object_mut(slot).location();
         tracing::debug!(%handle, size, segment, offset = block.offset, "object created");
         Ok(Created { handle, location })
     }
@@ -296,14 +365,16 @@ impl Objects {
         Ok(())
     }
 
-    /// Seals an object `conn` filled with the bytes of `origin`, another node's object: from
-    /// now on a get of `origin` on this node leases the copy. (A copy already known for
-    /// `origin` stays; this one is aborted and `InvalidState` returned.)
+    /// Seals an object `conn` filled with the bytes of `origin`, another node's object, which
+    /// uid `writer` wrote there (as its owner's daemon says): from now on a get of `origin` on
+    /// this node leases the copy. (A copy already known for `origin` stays; this one is aborted
+    /// and `InvalidState` returned.)
     pub fn seal_copy(
         &mut self,
         conn: ConnId,
         handle: Handle,
         origin: Handle,
+        writer: u32,
     ) -> Result<(), Status> {
         if origin.node_id == self.node_id {
             return Err(Status::InvalidArgument);
@@ -316,6 +387,7 @@ impl Objects {
         let obj = self.object_mut(slot);
         obj.state = State::Sealed;
         obj.origin = Some(origin);
+        obj.creator = writer;
         self.copies.insert(origin, slot);
         self.touch(slot);
         tracing::debug!(%handle, %origin, "copy of a remote object sealed");
@@ -348,8 +420,14 @@ impl Objects {
     }
 
     /// Takes a lease on a sealed object for `conn` and says where it lives. `LimitReached`
-    /// once the connection holds `--max-leases-per-connection`.
+    /// once the connection holds `--max-leases-per-connection`, or its uid is capped and holds
+    /// its share of the store.
     pub fn get(&mut self, conn: ConnId, handle: Handle) -> Result<Location, Status> {
+        self.lease(conn, handle).map(|got| got.location)
+    }
+
+    /// [`Objects::get`], with the uid that wrote the object.
+    pub fn lease(&mut self, conn: ConnId, handle: Handle) -> Result<Got, Status> {
         let slot = self.resolve(handle)?;
         let obj = self.object_mut(slot);
         if obj.delete_pending {
@@ -358,7 +436,9 @@ impl Objects {
         if obj.state != State::Sealed {
             return Err(Status::NotSealed);
         }
-        self.add_lease(conn, slot)
+        let writer = obj.creator;
+        let location = self.add_lease(conn, slot, true)?;
+        Ok(Got { location, writer })
     }
 
     /// Gives `to` a lease of its own on an object `from` holds a lease on (a stream handing a
@@ -375,32 +455,71 @@ impl Objects {
         if !held {
             return Err(Status::InvalidState);
         }
-        self.add_lease(to, slot).map(|_| ())
+        self.add_lease(to, slot, false).map(|_| ())
     }
 
     /// One more lease for `conn` on `slot`, within the connection's limit (client connections
-    /// only) and the object's counter.
-    fn add_lease(&mut self, conn: ConnId, slot: u32) -> Result<Location, Status> {
+    /// only), its uid's share when it is capped (a get; a stream handing its own sample over,
+    /// `share`, is bounded by the stream's depth instead) and the object's counter.
+    fn add_lease(&mut self, conn: ConnId, slot: u32, get: bool) -> Result<Location, Status> {
         let c = self.conns.get(&conn).ok_or(Status::Protocol)?;
         if !c.info.internal && c.lease_count >= self.max_leases_per_conn {
             self.counters.limits_hit += 1;
             return Err(Status::LimitReached);
         }
+        let (uid, capped) = (c.info.uid, c.info.capped);
         let obj = self.slots[slot as usize]
-            .object
             .as_mut()
             .expect("resolved slot holds an object");
         let Some(leases) = obj.leases.checked_add(1) else {
             self.counters.limits_hit += 1;
             return Err(Status::LimitReached);
         };
-        let location = obj.location();
+        let (location, bytes) = (obj.location(), obj.block.len);
+        if capped {
+            let held = self.capped.entry(uid).or_default();
+            let new = !held.per_slot.contains_key(&slot);
+            if get && new && held.bytes.saturating_add(bytes) > self.capped_lease_bytes {
+                self.counters.limits_hit += 1;
+                self.counters.capped_refusals += 1;
+                return Err(Status::LimitReached);
+            }
+            *held.per_slot.entry(slot).or_insert(0) += 1;
+            if new {
+                held.bytes += bytes;
+            }
+        }
         let c = self.conns.get_mut(&conn).ok_or(Status::Protocol)?;
-        obj.leases = leases;
+        self.slots[slot as usize]
+            .as_mut()
+            .expect("resolved slot holds an object")
+            .leases = leases;
         *c.leases.entry(slot).or_insert(0) += 1;
         c.lease_count += 1;
         self.touch(slot);
         Ok(location)
+    }
+
+    /// Takes `count` leases of a capped `uid` on `slot` off its share.
+    fn uncount_capped(&mut self, uid: u32, slot: u32, count: u32) {
+        let bytes = self.slots[slot as usize]
+            .as_ref()
+            .expect("a leased slot holds an object")
+            .block
+            .len;
+        let Some(held) = self.capped.get_mut(&uid) else {
+            return;
+        };
+        if let Some(n) = held.per_slot.get_mut(&slot) {
+            *n = n.saturating_sub(count);
+            if *n == 0 {
+                held.per_slot.remove(&slot);
+                held.bytes -= bytes;
+            }
+        }
+        if held.per_slot.is_empty() {
+            self.capped.remove(&uid);
+        }
     }
 
     /// Returns one lease `conn` holds on `handle`.
@@ -415,6 +534,10 @@ impl Objects {
             None => return Err(Status::InvalidState),
         }
         c.lease_count -= 1;
+        let (uid, capped) = (c.info.uid, c.info.capped);
+        if capped {
+            self.uncount_capped(uid, slot, 1);
+        }
         self.drop_leases(slot, 1);
         Ok(())
     }
@@ -461,13 +584,14 @@ impl Objects {
             aborted_on_disconnect: self.counters.aborted_on_disconnect,
             leases_reclaimed: self.counters.leases_reclaimed,
             limits_hit: self.counters.limits_hit,
+            lease_share_refusals: self.counters.capped_refusals,
             segments: self.segments.len() as u64,
             huge_pages: u64::from(self.hugetlb),
             ..StoreStats::default()
         };
         s.used_bytes =
             s.capacity_bytes - self.segments.iter().map(Allocator::free_bytes).sum::<u64>();
-        for obj in self.slots.iter().filter_map(|s| s.object.as_ref()) {
+        for obj in self.slots.iter().filter_map(Option::as_ref) {
             match obj.state {
                 State::Writing { .. } => s.objects_writing += 1,
                 State::Sealed if obj.delete_pending => s.objects_delete_pending += 1,
@@ -486,16 +610,24 @@ impl Objects {
         Handle {
             node_id: self.node_id,
             epoch: self.epoch,
-            slot,
-            generation: self.slots[slot as usize].generation,
+            id: self.slots[slot as usize]
+                .as_ref()
+                .expect("a live slot")
+                .id,
         }
     }
 
     /// The uid that created the live, sealed object `handle` names (None: no such object).
     pub fn creator(&self, handle: Handle) -> Option<u32> {
         let slot = self.resolve(handle).ok()?;
-        let obj = self.slots[slot as usize].object.as_ref()?;
+        let obj = self.slots[slot as usize].as_ref()?;
         (obj.state == State::Sealed && !obj.delete_pending).then_some(obj.creator)
+    }
+
+    /// Whether the live, sealed object `handle` names is a copy of another node's object.
+    pub fn is_copy(&self, handle: Handle) -> bool {
+        self.resolve(handle)
+            .is_ok_and(|slot| self.slots[slot as usize].as_ref().is_some_and(|o| o.origin.is_some()))
     }
 
     /// How many object slots the store has had at once at most: a bound on its live objects
@@ -508,7 +640,6 @@ impl Objects {
     pub fn is_sealed(&self, handle: Handle) -> bool {
         self.resolve(handle).is_ok_and(|slot| {
             self.slots[slot as usize]
-                .object
                 .as_ref()
                 .is_some_and(|o| o.state == State::Sealed && !o.delete_pending)
         })
@@ -523,17 +654,7 @@ impl Objects {
         if handle.epoch != self.epoch {
             return Err(Status::Stale);
         }
-        let slot = self
-            .slots
-            .get(handle.slot as usize)
-            .ok_or(Status::NotFound)?;
-        if slot.generation != handle.generation {
-            return Err(Status::Stale);
-        }
-        if slot.object.is_none() {
-            return Err(Status::NotFound);
-        }
-        Ok(handle.slot)
+        self.by_id.get(&handle.id).copied().ok_or(Status::NotFound)
     }
 
     fn require_writer(&self, conn: ConnId) -> Result<(), Status> {
@@ -546,7 +667,6 @@ impl Objects {
 
     fn object_mut(&mut self, slot: u32) -> &mut Object {
         self.slots[slot as usize]
-            .object
             .as_mut()
             .expect("resolved slot holds an object")
     }
@@ -563,10 +683,7 @@ impl Objects {
 
     /// Re-files a slot in the LRU index: out if not evictable, else as most recently used.
     fn touch(&mut self, slot: u32) {
-        let obj = self.slots[slot as usize]
-            .object
-            .as_mut()
-            .expect("live slot");
+        let obj = self.slots[slot as usize].as_mut().expect("live slot");
         if let Some(tick) = obj.lru_tick.take() {
             self.lru.remove(&tick);
         }
@@ -584,7 +701,6 @@ impl Objects {
         };
         let handle = self.handle(slot);
         let len = self.slots[slot as usize]
-            .object
             .as_ref()
             .expect("lru holds live slots")
             .block
@@ -598,7 +714,6 @@ impl Objects {
 
     fn free(&mut self, slot: u32) {
         let obj = self.slots[slot as usize]
-            .object
             .take()
             .expect("free of a live slot");
         if let Some(tick) = obj.lru_tick {
@@ -607,13 +722,21 @@ impl Objects {
         if let Some(origin) = obj.origin {
             self.copies.remove(&origin);
         }
+        self.by_id.remove(&obj.id);
         self.segments[obj.segment as usize].free(obj.block);
-        // A slot whose generation would wrap is retired: a handle never names two objects.
-        if self.slots[slot as usize].generation != u32::MAX {
-            self.free_slots.push_back(slot);
-        }
+        self.free_slots.push(slot);
         self.space_epoch += 1;
     }
+}
+
+/// A fresh random key.
+fn random_key() -> [u8; 32] {
+    use std::io::Read;
+    let mut key = [0u8; 32];
+    std::fs::File::open("/dev/urandom")
+        .and_then(|mut f| f.read_exact(&mut key))
+        .expect("reading /dev/urandom");
+    key
 }
 
 /// A plain client of `uid` for other modules' tests.
@@ -625,6 +748,7 @@ pub(crate) fn test_client(o: &mut Objects, role: Role, uid: u32) -> ConnId {
         pid: 1,
         name: String::new(),
         internal: false,
+        capped: false,
     })
 }
 
@@ -644,6 +768,7 @@ mod tests {
             pid: 1,
             name: "t".into(),
             internal: false,
+            capped: false,
         };
         let w = o.connect(info(Role::Writer));
         let r = o.connect(info(Role::Reader));
@@ -683,6 +808,7 @@ mod tests {
             pid: 1,
             name: "t".into(),
             internal: false,
+            capped: false,
         };
         let (a, b) = (o.connect(info()), o.connect(info()));
         let c = o.create(a, 10, false).unwrap();
@@ -698,8 +824,9 @@ mod tests {
         o.delete(w, h).unwrap();
         assert_eq!(o.get(r, h), Err(Status::NotFound));
         let h2 = put(&mut o, w, 64);
-        assert_eq!(h2.slot, h.slot, "slot reused");
-        assert_eq!(o.get(r, h), Err(Status::Stale));
+        assert_eq!(o.slot_count(), 1, "the slot is reused");
+        assert_ne!(h2.id, h.id, "under another id");
+        assert_eq!(o.get(r, h), Err(Status::NotFound));
         let forged = |f: fn(&mut Handle)| {
             let mut x = h2;
             f(&mut x);
@@ -707,11 +834,92 @@ mod tests {
         };
         assert_eq!(o.get(r, forged(|h| h.epoch ^= 1)), Err(Status::Stale));
         assert_eq!(o.get(r, forged(|h| h.node_id ^= 1)), Err(Status::WrongNode));
-        assert_eq!(
-            o.get(r, forged(|h| h.slot = 1_000_000)),
-            Err(Status::NotFound)
-        );
-        assert_eq!(o.get(r, forged(|h| h.generation += 1)), Err(Status::Stale));
+        assert_eq!(o.get(r, forged(|h| h.id ^= 1)), Err(Status::NotFound));
+        assert_eq!(o.get(r, forged(|h| h.id += 1)), Err(Status::NotFound));
+    }
+
+    /// Ids are not a count: a reader holding some handles cannot name the others. Thousands of
+    /// objects' ids share no structure a guess could use (distinct, spread over all 64 bits,
+    /// neighbours unrelated).
+    #[test]
+    fn handles_cannot_be_enumerated() {
+        let (mut o, w, r) = store(1 << 20);
+        let ids: Vec<u64> = (0..4096)
+            .map(|_| {
+                let h = put(&mut o, w, 64);
+                o.delete(w, h).unwrap();
+                h.id
+            })
+            .collect();
+        let distinct: HashSet<u64> = ids.iter().copied().collect();
+        assert_eq!(distinct.len(), ids.len());
+        // Each bit is set in about half the ids (4096 draws: 2048 +- 5 sigma).
+        for bit in 0..64 {
+            let ones = ids.iter().filter(|&&id| id >> bit & 1 == 1).count();
+            assert!((1728..=2368).contains(&ones), "bit {bit}: {ones} of 4096");
+        }
+        // A live object's neighbours in id space name nothing.
+        let live = put(&mut o, w, 64);
+        for delta in 1..=1000u64 {
+            for id in [live.id.wrapping_add(delta), live.id.wrapping_sub(delta)] {
+                assert_eq!(o.get(r, Handle { id, ..live }), Err(Status::NotFound));
+            }
+        }
+        // Another store's ids come from another key.
+        let (mut other, w2, _) = store(1 << 20);
+        assert!(!ids.contains(&put(&mut other, w2, 64).id));
+    }
+
+    /// A uid allowed only to read holds at most its share of the store leased: past it, gets of
+    /// more objects are refused (counted), more leases on objects it holds are not, and what it
+    /// returns is its to take again. Writers' creates evict everything it does not hold.
+    #[test]
+    fn a_reader_uid_holds_at_most_its_share() {
+        let mut o = Objects::new(7, 99, &[64 << 20], false).with_capped_lease_bytes(16 << 20);
+        let w = o.connect(ClientInfo {
+            role: Role::Writer,
+            uid: 0,
+            pid: 1,
+            name: "root".into(),
+            internal: false,
+            capped: false,
+        });
+        let reader = |o: &mut Objects| {
+            o.connect(ClientInfo {
+                role: Role::Reader,
+                uid: 65534,
+                pid: 2,
+                name: "nobody".into(),
+                internal: false,
+                capped: true,
+            })
+        };
+        let (r1, r2) = (reader(&mut o), reader(&mut o));
+        let objects: Vec<Handle> = (0..16).map(|_| put(&mut o, w, 4 << 20)).collect();
+        // Two connections of the uid share one share: 4 objects of 4 MiB.
+        for (i, &h) in objects.iter().enumerate().take(4) {
+            o.get(if i % 2 == 0 { r1 } else { r2 }, h).unwrap();
+        }
+        assert_eq!(o.get(r1, objects[4]), Err(Status::LimitReached));
+        assert_eq!(o.get(r2, objects[5]), Err(Status::LimitReached));
+        o.get(r2, objects[0]).unwrap();
+        assert_eq!(o.stats().lease_share_refusals, 2);
+        // Root reserves 40 MiB of the 64: evicts what the reader does not hold.
+        let big = o.create(w, 40 << 20, false).unwrap();
+        o.abort(w, big.handle).unwrap();
+        // Returning a lease gives the room back; the connection closing returns the rest.
+        o.release(r1, objects[0]).unwrap();
+        o.release(r2, objects[0]).unwrap();
+        let fresh = put(&mut o, w, 4 << 20);
+        o.get(r1, fresh).unwrap();
+        o.disconnect(r1);
+        o.disconnect(r2);
+        assert!(o.capped.is_empty());
+        let r3 = reader(&mut o);
+        let again: Vec<Handle> = (0..4).map(|_| put(&mut o, w, 4 << 20)).collect();
+        for &h in &again {
+            o.get(r3, h).unwrap();
+        }
     }
 
     #[test]
@@ -729,28 +937,6 @@ mod tests {
         o.release(r, h).unwrap();
         assert_eq!(o.stats().used_bytes, 0);
         assert_eq!(o.release(r, h), Err(Status::NotFound));
-    }
-
-    /// A slot whose generation would wrap is never reused: a handle kept since (a cache
-    /// entry, a forged one) names nothing rather than a later object.
-    #[test]
-    fn a_slot_is_retired_before_its_generation_wraps() {
-        let (mut o, w, r) = store(1 << 20);
-        let first = put(&mut o, w, 64);
-        o.delete(w, first).unwrap();
-        o.slots[first.slot as usize].generation = u32::MAX - 1;
-        let last = put(&mut o, w, 64);
-        assert_eq!((last.slot, last.generation), (first.slot, u32::MAX));
-        o.delete(w, last).unwrap();
-        let next = put(&mut o, w, 64);
-        assert_ne!(next.slot, last.slot, "a fresh slot");
-        assert_eq!(o.slot_count(), 2);
-        assert_eq!(o.get(r, last), Err(Status::NotFound));
-        let wrapped = Handle {
-            generation: 0,
-            ..last
-        };
-        assert!(o.get(r, wrapped).is_err());
     }
 
     #[test]
@@ -823,8 +1009,7 @@ mod tests {
         let origin = Handle {
             node_id: 8,
             epoch: 5,
-            slot: 3,
-            generation: 1,
+            id: 3,
         };
         assert_eq!(o.get(r, origin), Err(Status::WrongNode), "not pulled yet");
         let c = o.create(w, 100, false).unwrap();
@@ -833,12 +1018,14 @@ mod tests {
             Err(Status::WrongNode),
             "not visible while written"
         );
-        o.seal_copy(w, c.handle, origin).unwrap();
+        o.seal_copy(w, c.handle, origin, 1000).unwrap();
+        assert_eq!(o.lease(r, origin).unwrap().writer, 1000, "the owner's writer");
+        o.release(r, origin).unwrap();
         assert_eq!(o.get(r, origin).unwrap(), c.location);
         assert_eq!(o.stats().objects_pulled, 1);
         let twice = o.create(w, 100, false).unwrap();
         assert_eq!(
-            o.seal_copy(w, twice.handle, origin),
+            o.seal_copy(w, twice.handle, origin, 1000),
             Err(Status::InvalidState)
         );
         assert_eq!(o.stats().objects_writing, 0, "the second copy was aborted");
@@ -846,7 +1033,7 @@ mod tests {
         o.delete(w, origin).unwrap();
         assert_eq!(o.get(r, origin), Err(Status::WrongNode), "gone: pull again");
         let own = o.create(w, 10, false).unwrap().handle;
-        assert_eq!(o.seal_copy(w, own, own), Err(Status::InvalidArgument));
+        assert_eq!(o.seal_copy(w, own, own, 0), Err(Status::InvalidArgument));
     }
 
     #[test]

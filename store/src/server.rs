@@ -58,12 +58,16 @@ pub struct AccessPolicy {
 }
 
 impl AccessPolicy {
+    /// Whether `peer` may connect as a writer.
+    fn may_write(&self, peer: &Peer) -> bool {
+        peer.uid == 0
+            || self.uids.contains(&peer.uid)
+            || self.gid.is_some_and(|g| peer.groups.contains(&g))
+    }
+
     /// Why `peer` may not connect as `role`, if it may not.
     fn refusal(&self, peer: &Peer, role: Role) -> Option<String> {
-        let full = peer.uid == 0
-            || self.uids.contains(&peer.uid)
-            || self.gid.is_some_and(|g| peer.groups.contains(&g));
-        if full {
+        if self.may_write(peer) {
             return None;
         }
         match (self.reader_uids.contains(&peer.uid), role) {
@@ -673,7 +677,7 @@ impl Connection {
             }
             Request::Get { handles } => {
                 let mut got: Vec<_> =
-                    shared.with_objects(|o| handles.iter().map(|&h| o.get(id, h)).collect());
+                    shared.with_objects(|o| handles.iter().map(|&h| o.lease(id, h)).collect());
                 if let Some(cluster) = &shared.cluster
                     && got.contains(&Err(Status::WrongNode))
                 {
@@ -1085,6 +1089,8 @@ impl Connection {
             pid: self.peer.pid,
             name: name.clone(),
             internal: false,
+            // A uid allowed only to read holds at most its share of the store leased.
+            capped: !shared.policy.may_write(&self.peer),
         };
         let id = shared.with_objects(|o| o.connect(info));
         self.id = Some(id);
@@ -1141,7 +1147,7 @@ impl Connection {
         cluster: &Arc<Cluster>,
         id: ConnId,
         handles: &[Handle],
-        got: &mut [Result<feedstore_proto::Location, Status>],
+        got: &mut [Result<feedstore_proto::frame::Got, Status>],
     ) -> Result<(), ConnEnd> {
         let shared = self.shared.clone();
         // One deadline for the whole get: the pulls end by their own (`--pull-timeout-ms`); this
@@ -1173,7 +1179,7 @@ impl Connection {
                     }
                     self.wait_for(id, &mut rx, deadline).await?;
                 };
-                got[i] = outcome.and_then(|()| shared.with_objects(|o| o.get(id, handles[i])));
+                got[i] = outcome.and_then(|()| shared.with_objects(|o| o.lease(id, handles[i])));
             }
         }
         for r in got.iter_mut() {

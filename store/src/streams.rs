@@ -30,7 +30,7 @@ use std::os::fd::OwnedFd;
 use std::time::{Duration, Instant};
 
 use feedstore_proto::frame::{
-    CacheEntry, ProducerFigures, RankFigures, RankInfo, StreamInfo, StreamItem, StreamTask,
+    CacheEntry, Got, ProducerFigures, RankFigures, RankInfo, StreamInfo, StreamItem, StreamTask,
 };
 use feedstore_proto::ring::{ENTRY_FAILED, RingEntry, RingHeader, ring_bytes};
 use feedstore_proto::stream::StreamSpec;
@@ -800,6 +800,7 @@ impl Streams {
             pid: 0,
             name: format!("stream {}", spec.name),
             internal: true,
+            capped: false,
         });
         self.by_name.insert((owner_uid, spec.name.clone()), id);
         let now = Instant::now();
@@ -1071,6 +1072,11 @@ impl Streams {
         }
         let leases = stream.leases;
         let mut statuses = Vec::with_capacity(items.len());
+        // What a put files in the decode-once cache, under the stream's owner's uid: samples
+        // this node's own producers of that uid made, whole objects only (a sample inside
+        // another object is not cached). A peer's stream session puts samples, never cache
+        // entries: nothing a peer sends is filed under a key.
+        let files = !self.sessions.contains(&conn);
         let mut cached = Vec::new();
         for item in items {
             let StreamTask { rank, seq } = item.task;
@@ -1085,21 +1091,24 @@ impl Streams {
                 statuses.push(Status::Stale);
                 continue;
             }
-            let location = if item.flags & ENTRY_FAILED != 0 {
-                Ok(Location {
-                    segment: 0,
-                    offset: 0,
-                    len: 0,
+            let got = if item.flags & ENTRY_FAILED != 0 {
+                Ok(Got {
+                    location: Location {
+                        segment: 0,
+                        offset: 0,
+                        len: 0,
+                    },
+                    writer: 0,
                 })
             } else {
                 // Seal the producer's reservation (or accept an already sealed object, a cache
                 // hit), then lease it for the stream.
                 match objects.seal(conn, item.handle) {
-                    Ok(()) | Err(Status::InvalidState) => objects.get(leases, item.handle),
+                    Ok(()) | Err(Status::InvalidState) => objects.lease(leases, item.handle),
                     Err(e) => Err(e),
                 }
-                .and_then(|l| match within(l, item.offset) {
-                    Some(l) => Ok(l),
+                .and_then(|got| match within(got.location, item.offset) {
+                    Some(location) => Ok(Got { location, ..got }),
                     None => {
                         let _ = objects.release(leases, item.handle);
                         Err(Status::InvalidArgument)
@@ -1107,8 +1116,8 @@ impl Streams {
                 })
             };
             r.assigned.remove(&seq);
-            let location = match location {
-                Ok(l) => l,
+            let got = match got {
+                Ok(got) => got,
                 Err(status) => {
                     r.redo.insert(seq);
                     statuses.push(status);
@@ -1125,8 +1134,7 @@ impl Streams {
                     continue;
                 };
                 remote.outbox.push(*item);
-                // The cache names whole objects: a sample inside another object is not cached.
-                if item.key != 0 && item.offset == 0 && made {
+                if files && item.key != 0 && item.offset == 0 && made {
                     cached.push(((stream.owner_uid, item.key), item.handle));
                 }
                 stream.samples_put += 1;
@@ -1140,15 +1148,16 @@ impl Streams {
                 } else {
                     item.handle
                 },
-                location,
+                location: got.location,
                 record: item.record,
                 flags: item.flags,
+                writer: got.writer,
             };
             if let Some(c) = &mut r.consumer {
                 c.publish(objects, leases, &entry);
             }
             r.ready.insert(seq, entry);
-            if item.key != 0 && item.offset == 0 && entry.flags & ENTRY_FAILED == 0 {
+            if files && item.key != 0 && item.offset == 0 && entry.flags & ENTRY_FAILED == 0 {
                 cached.push(((stream.owner_uid, item.key), entry.handle));
             }
             stream.samples_put += 1;
@@ -1159,7 +1168,9 @@ impl Streams {
         }
         stream.last_used = Instant::now();
         for ((uid, key), handle) in cached {
-            self.cache.file(objects, uid, key, handle);
+            if objects.creator(handle) == Some(uid) {
+                self.cache.file(objects, uid, key, handle);
+            }
         }
         self.changed();
         Ok(statuses)

@@ -30,7 +30,7 @@ mod session;
 mod stats;
 mod streams;
 
-pub use objects::{CacheEntry, Created};
+pub use objects::{CacheEntry, Created, Got};
 pub use streams::{
     PRODUCER_STAGES, ProducerFigures, RankAt, RankFigures, RankInfo, StreamInfo, StreamItem,
     StreamTask,
@@ -39,7 +39,7 @@ pub use streams::{
 use crate::stream::StreamSpec;
 pub use crate::wire::DecodeError;
 use crate::wire::{Reader, Wire, Writer};
-use crate::{Handle, Location, Role, SegmentInfo, Status, StoreStats};
+use crate::{Handle, Role, SegmentInfo, Status, StoreStats};
 
 /// First two bytes of every frame.
 pub const MAGIC: u16 = 0xFD5E;
@@ -52,8 +52,11 @@ pub const MAGIC: u16 = 0xFD5E;
 /// count consumers waiting for a stream to be created. Version 8: a put item names where its
 /// sample starts inside its object (several samples of one batch share an object); a join
 /// names the stream's batch size. Version 9: `CacheInsert`, writers file sealed objects in the
-/// decode-once cache (a loader's workers share the samples they make).
-pub const VERSION: u16 = 9;
+/// decode-once cache (a loader's workers share the samples they make). Version 10: handles carry
+/// a random 64-bit id instead of slot and generation; a get result and a ring entry name the
+/// uid that wrote the object; a daemon answers a hello of another version with an error naming
+/// both versions.
+pub const VERSION: u16 = 10;
 /// Size of the frame header.
 pub const HEADER_BYTES: usize = 16;
 /// Default maximum payload a side accepts (room for a batch of ~65k handles).
@@ -795,8 +798,9 @@ pub enum Response {
     },
     /// Reply to [`Request::Create`]: per size, the reservation or why not.
     Created(Vec<Result<Created, Status>>),
-    /// Reply to [`Request::Get`]: per handle, where the leased object lives or why not.
-    Got(Vec<Result<Location, Status>>),
+    /// Reply to [`Request::Get`]: per handle, where the leased object lives and who wrote it,
+    /// or why not.
+    Got(Vec<Result<Got, Status>>),
     /// Per-item statuses (seal, abort, delete, stream put, wait, close, detach).
     Done(Vec<Status>),
     /// Reply to [`Request::Stats`].

@@ -50,10 +50,21 @@ impl Wire for CacheEntry {
     }
 }
 
+/// A lease taken by `Get`: where the object lives, and who wrote it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Got {
+    /// Where the object lives.
+    pub location: Location,
+    /// The uid of the client that wrote the object, as the daemon recorded it when the object
+    /// was created (for a copy of another node's object, as that node's daemon recorded it). A
+    /// reader checks it before it trusts a batch object's structure.
+    pub writer: u32,
+}
+
 /// Bytes of a location: segment, offset, length.
 const LOCATION_BYTES: usize = 4 + 8 + 8;
-/// Bytes of one get result: status, location.
-pub(super) const GOT_BYTES: usize = 2 + LOCATION_BYTES;
+/// Bytes of one get result: status, location, writer.
+pub(super) const GOT_BYTES: usize = 2 + LOCATION_BYTES + 4;
 /// Bytes of one cache lookup result: present, handle.
 pub(super) const CACHED_BYTES: usize = 1 + Handle::WIRE_BYTES;
 
@@ -118,13 +129,32 @@ fn decode_result<T: Wire + PartialEq>(
     }
 }
 
-impl Wire for Result<Location, Status> {
-    const MIN_BYTES: usize = GOT_BYTES;
+impl Wire for Got {
+    const MIN_BYTES: usize = LOCATION_BYTES + 4;
     fn encode(&self, w: &mut Writer<'_>) {
-        encode_result(w, self, &NO_LOCATION);
+        self.location.encode(w);
+        w.u32(self.writer);
     }
     fn decode(r: &mut Reader<'_>) -> Result<Self, DecodeError> {
-        decode_result(r, &NO_LOCATION, "get result")
+        Ok(Got {
+            location: Location::decode(r)?,
+            writer: r.u32()?,
+        })
+    }
+}
+
+const NO_GOT: Got = Got {
+    location: NO_LOCATION,
+    writer: 0,
+};
+
+impl Wire for Result<Got, Status> {
+    const MIN_BYTES: usize = GOT_BYTES;
+    fn encode(&self, w: &mut Writer<'_>) {
+        encode_result(w, self, &NO_GOT);
+    }
+    fn decode(r: &mut Reader<'_>) -> Result<Self, DecodeError> {
+        decode_result(r, &NO_GOT, "get result")
     }
 }
 
@@ -157,8 +187,7 @@ const NO_CREATED: Created = Created {
     handle: Handle {
         node_id: 0,
         epoch: 0,
-        slot: 0,
-        generation: 0,
+        id: 0,
     },
     location: NO_LOCATION,
 };

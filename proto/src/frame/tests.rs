@@ -5,18 +5,13 @@
 use proptest::prelude::*;
 
 use super::*;
+use crate::Location;
 use crate::stream::{MAX_STREAM_NAME, Shuffle, Tail};
 use crate::wire::testing::{min_bytes_is_tight, round_trip};
 
 fn handle() -> impl Strategy<Value = Handle> {
-    (any::<u32>(), any::<u32>(), any::<u32>(), any::<u32>()).prop_map(
-        |(node_id, epoch, slot, generation)| Handle {
-            node_id,
-            epoch,
-            slot,
-            generation,
-        },
-    )
+    (any::<u32>(), any::<u32>(), any::<u64>())
+        .prop_map(|(node_id, epoch, id)| Handle { node_id, epoch, id })
 }
 
 fn handles() -> impl Strategy<Value = Vec<Handle>> {
@@ -271,7 +266,10 @@ fn response() -> impl Strategy<Value = (Opcode, Response)> {
         (handle(), location()).prop_map(|(handle, location)| Ok(Created { handle, location })),
         status().prop_map(Err),
     ];
-    let got = prop_oneof![location().prop_map(Ok), status().prop_map(Err)];
+    let got = prop_oneof![
+        (location(), any::<u32>()).prop_map(|(location, writer)| Ok(Got { location, writer })),
+        status().prop_map(Err)
+    ];
     let done_ops = prop_oneof![
         Just(Opcode::Seal),
         Just(Opcode::Abort),
@@ -498,7 +496,11 @@ fn min_bytes_are_the_smallest_encodings() {
     });
     min_bytes_is_tight(&Handle::default());
     min_bytes_is_tight(&StoreStats::default());
-    min_bytes_is_tight::<Result<Location, Status>>(&Err(Status::NotFound));
+    min_bytes_is_tight::<Result<Got, Status>>(&Err(Status::NotFound));
+    min_bytes_is_tight(&Got {
+        location: Location::default(),
+        writer: 0,
+    });
     min_bytes_is_tight::<Result<Created, Status>>(&Err(Status::Full));
     min_bytes_is_tight::<Option<Handle>>(&None);
 }

@@ -5,6 +5,9 @@
 //! hellos carry a fresh random nonce, so a proof is good for one connection only and a recorded
 //! one cannot be replayed; the side byte stops a peer from reflecting the other's proof back.
 //! The tag is compared in constant time (`hmac`'s `verify_slice`).
+//!
+//! The same secret and hellos key the records that follow ([`super::record`]): each direction's
+//! key is HMAC-SHA256(secret, key label ‖ sending side ‖ both hellos), fresh per connection.
 
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
@@ -19,6 +22,7 @@ pub const MIN_SECRET_BYTES: usize = 16;
 pub const MAX_SECRET_BYTES: usize = 4096;
 
 const LABEL: &[u8] = b"feedstore peer proof v1";
+const KEY_LABEL: &[u8] = b"feedstore peer record key v1";
 
 /// Which end of a connection: part of every proof.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -122,13 +126,33 @@ impl Secret {
     }
 
     fn mac(&self, side: Side, connector: &PeerHello, acceptor: &PeerHello) -> Hmac<Sha256> {
-        let mut mac =
-            <Hmac<Sha256> as Mac>::new_from_slice(&self.0).expect("HMAC takes keys of any length");
-        mac.update(LABEL);
-        mac.update(&[side as u8]);
-        mac.update(&connector.to_bytes());
-        mac.update(&acceptor.to_bytes());
-        mac
+        labelled(&self.0, LABEL, side, connector, acceptor)
+    }
+
+    /// The key of the records `sender` sends on the connection of these hellos.
+    pub fn record_key(
+        &self,
+        sender: Side,
+        connector: &PeerHello,
+        acceptor: &PeerHello,
+    ) -> [u8; 32] {
+        labelled(&self.0, KEY_LABEL, sender, connector, acceptor)
+            .finalize()
+            .into_bytes()
+            .into()
+    }
+
+    /// [`Secret::record_key`] for a cluster without a secret (tests only): anyone can compute
+    /// it, so its tags catch accidents, not attackers.
+    pub fn unkeyed_record_key(
+        sender: Side,
+        connector: &PeerHello,
+        acceptor: &PeerHello,
+    ) -> [u8; 32] {
+        labelled(&[], KEY_LABEL, sender, connector, acceptor)
+            .finalize()
+            .into_bytes()
+            .into()
     }
 
     /// The proof `side` sends for this pair of hellos.
@@ -156,6 +180,23 @@ impl Secret {
             .verify_slice(proof)
             .is_ok()
     }
+}
+
+/// HMAC-SHA256 under `key` of a label, a side and both hellos.
+fn labelled(
+    key: &[u8],
+    label: &[u8],
+    side: Side,
+    connector: &PeerHello,
+    acceptor: &PeerHello,
+) -> Hmac<Sha256> {
+    let mut mac =
+        <Hmac<Sha256> as Mac>::new_from_slice(key).expect("HMAC takes keys of any length");
+    mac.update(label);
+    mac.update(&[side as u8]);
+    mac.update(&connector.to_bytes());
+    mac.update(&acceptor.to_bytes());
+    mac
 }
 
 /// `n` random bytes from the kernel.

@@ -11,20 +11,22 @@
 //! pull ([`Cluster::pull`]), or joins the one under way for that handle: the engine asks the
 //! owner for the object's first range, reserves room for the whole object in this node's
 //! shared memory, lands every range straight from the socket into the reservation (large
-//! objects in ranges over several connections at once), checks each range's CRC-32C, and seals the
-//! copy under the owner's handle ([`Objects::seal_copy`](crate::objects::Objects::seal_copy)).
+//! objects in ranges over several connections at once), checks every record's tag ([`record`]),
+//! and seals the copy under the owner's handle
+//! ([`Objects::seal_copy`](crate::objects::Objects::seal_copy)).
 //! The get then leases the copy like any local object, and later gets of the handle on this node
 //! never touch the network. Anything that fails aborts the reservation and answers the reader
 //! with a status that says why.
 
 pub mod auth;
+pub mod record;
 mod serve;
 mod session;
 
 pub(crate) use session::{feed_remote, forward};
 pub mod transport;
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::net::{IpAddr, SocketAddr};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -33,7 +35,7 @@ use std::time::Duration;
 
 use feedstore_proto::frame::Created;
 use feedstore_proto::{Handle, Status, StoreStats};
-use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore, watch};
+use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore, oneshot, watch};
 use tokio::time::Instant;
 
 use crate::objects::ConnId;
@@ -48,6 +50,16 @@ pub const RANGE_BYTES: u64 = 16 << 20;
 
 /// Attempts of one pull on fresh connections after a reset or a lost connection.
 const ATTEMPTS: u32 = 3;
+
+/// Connections that have not proved the cluster secret yet, over all sources: past this, the
+/// oldest handshake of the source holding the most goes.
+pub const MAX_HANDSHAKES: usize = 64;
+
+/// Lines a flood of failed handshakes may log per [`LOG_WINDOW`]; the rest are counted and
+/// summed up in one line.
+const LOG_LINES: u32 = 5;
+/// See [`LOG_LINES`].
+const LOG_WINDOW: Duration = Duration::from_secs(10);
 
 /// How this node joins a cluster.
 #[derive(Debug, Clone)]
@@ -109,6 +121,9 @@ pub(crate) struct Counters {
     pub(crate) peers_refused: AtomicU64,
     pub(crate) served_reads: AtomicU64,
     pub(crate) served_bytes: AtomicU64,
+    /// Shared with the stream sessions' reader tasks.
+    frames_rejected: Arc<AtomicU64>,
+    handshakes_dropped: AtomicU64,
 }
 
 /// How a pull ended, as every get waiting for it learns.
@@ -154,8 +169,13 @@ pub struct Cluster {
     /// Asks for a round now (a pull found a peer gone).
     kick: Notify,
     inflight: Mutex<HashMap<Handle, watch::Receiver<Option<PullOutcome>>>>,
-    /// Connections other daemons have open to this one: in all, and by address.
+    /// Connections other daemons have open to this one, having proved the secret: in all, and
+    /// by address.
     peer_connections: Mutex<(usize, HashMap<IpAddr, usize>)>,
+    /// Connections not yet past their handshake.
+    handshakes: Mutex<Handshakes>,
+    /// Lines logged about failed handshakes in the current window, and those left out.
+    handshake_log: Mutex<(std::time::Instant, u32, u64)>,
     /// Stream sessions this node opened to other nodes, by node id.
     sessions: Mutex<HashMap<u32, Arc<session::Session>>>,
     /// Held while a session is being opened.
@@ -197,6 +217,8 @@ impl Cluster {
             kick: Notify::new(),
             inflight: Mutex::new(HashMap::new()),
             peer_connections: Mutex::new((0, HashMap::new())),
+            handshakes: Mutex::new(Handshakes::default()),
+            handshake_log: Mutex::new((std::time::Instant::now(), 0, 0)),
             sessions: Mutex::new(HashMap::new()),
             opening_sessions: tokio::sync::Mutex::new(()),
             counters: Counters::default(),
@@ -253,6 +275,8 @@ impl Cluster {
         s.peers_refused = get(&c.peers_refused);
         s.served_reads = get(&c.served_reads);
         s.served_bytes = get(&c.served_bytes);
+        s.peer_frames_rejected = get(&c.frames_rejected);
+        s.peer_handshakes_dropped = get(&c.handshakes_dropped);
     }
 
     fn lock_members(&self) -> std::sync::MutexGuard<'_, Membership> {
@@ -265,9 +289,84 @@ impl Cluster {
         self.inflight.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Counts an accepted connection against `--max-peer-connections` and against the share
-    /// one address may hold (twice `--peer-connections`, plus 2 for probes), so that strangers
-    /// on one host, unauthenticated yet, cannot take every slot. `None`, logged once, when full.
+    /// A place in the handshake budget for a connection just accepted: strangers that never
+    /// finish a handshake hold only these, never the places of peers that proved the secret.
+    /// When the budget is full, or the connection's source (its address; its /64 for IPv6)
+    /// holds its share (twice `--peer-connections`, plus 2 for probes), the oldest handshake of
+    /// the source holding the most is ended to make room: a flood of silent connections keeps
+    /// being replaced, and a real peer's handshake, which takes milliseconds, gets through.
+    fn begin_handshake(self: &Arc<Self>, addr: SocketAddr) -> HandshakeTicket {
+        let per_source = 2 * self.config.connections_per_peer + 2;
+        let source = SourceKey::of(addr.ip());
+        let mut h = self.handshakes.lock().unwrap_or_else(|e| e.into_inner());
+        let evict = if h.by_source.get(&source).copied().unwrap_or(0) >= per_source {
+            Some(source)
+        } else if h.open.len() >= MAX_HANDSHAKES {
+            h.busiest()
+        } else {
+            None
+        };
+        if let Some(victim) = evict
+            && let Some(id) = h.oldest_of(victim)
+        {
+            h.remove(id);
+            // Its task hears it, closes the connection and counts it.
+        }
+        let (tx, rx) = oneshot::channel();
+        h.next += 1;
+        let id = h.next;
+        h.open.insert(id, (source, tx));
+        *h.by_source.entry(source).or_insert(0) += 1;
+        HandshakeTicket {
+            cluster: self.clone(),
+            id,
+            evicted: rx,
+        }
+    }
+
+    /// Counts a connection closed before it proved the secret, and says why (rate-limited).
+    fn note_handshake_dropped(&self, addr: SocketAddr, why: &str) {
+        self.counters
+            .handshakes_dropped
+            .fetch_add(1, Ordering::Relaxed);
+        self.log_limited(format!(
+            "peer connection from {addr} closed before it proved the cluster secret: {why}"
+        ));
+    }
+
+    /// Counts a record from a peer that failed its tag.
+    fn note_forged_record(&self) {
+        self.counters
+            .frames_rejected
+            .fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Logs a line about a connection that did not become a peer, at most [`LOG_LINES`] per
+    /// [`LOG_WINDOW`]: a flood from strangers costs a few lines, then one that sums it up.
+    fn log_limited(&self, message: String) {
+        let mut log = self.handshake_log.lock().unwrap_or_else(|e| e.into_inner());
+        let (start, lines, skipped) = &mut *log;
+        if start.elapsed() >= LOG_WINDOW {
+            if *skipped > 0 {
+                tracing::warn!(
+                    "{skipped} more connections did not become peers in the last {:?} (not \
+                     logged one by one; peer_handshakes_dropped and peers_refused count them)",
+                    start.elapsed()
+                );
+            }
+            (*start, *lines, *skipped) = (std::time::Instant::now(), 0, 0);
+        }
+        if *lines < LOG_LINES {
+            *lines += 1;
+            tracing::warn!("{message}");
+        } else {
+            *skipped += 1;
+        }
+    }
+
+    /// Counts a connection that proved the secret against `--max-peer-connections` and against
+    /// the share one address may hold (twice `--peer-connections`, plus 2 for probes). `None`,
+    /// logged once, when full.
     fn admit_peer_connection(self: &Arc<Self>, addr: SocketAddr) -> Option<PeerSlot> {
         let per_address = 2 * self.config.connections_per_peer + 2;
         let mut open = self
@@ -295,7 +394,7 @@ impl Cluster {
             drop(open);
             self.log_once(
                 &addr.ip().to_string(),
-                format!("peer connection refused: {message}"),
+                format!("peer connection from {addr} refused: {message}"),
             );
             return None;
         }
@@ -423,8 +522,19 @@ impl Cluster {
     ) -> Result<u64, PullError> {
         let deadline = Instant::now() + self.config.pull_timeout;
         let mut attempt = 1;
+        let mut forged = 0;
         loop {
             match self.try_pull(shared, handle, via, deadline).await {
+                Err(e) if e.status == Status::Corrupt => {
+                    // Bytes altered, replayed or forged on the way: counted, and asked again of
+                    // the owner once, on a fresh connection (the channel was dropped).
+                    self.note_forged_record();
+                    forged += 1;
+                    if forged > 1 || Instant::now() >= deadline {
+                        return Err(PullError { retry: false, ..e });
+                    }
+                    tracing::warn!(%handle, reason = %e.message, "pull failed its authentication; asking the owner again");
+                }
                 Err(e) if e.retry && attempt < ATTEMPTS => {
                     let backoff = Duration::from_millis(50 << attempt);
                     if Instant::now() + backoff >= deadline {
@@ -490,7 +600,7 @@ impl Cluster {
             });
         tokio::try_join!(lead, futures_util::future::try_join_all(rest))
             .inspect_err(|e| self.on_error(&peer, e))?;
-        copy.seal_as(handle)?;
+        copy.seal_as(handle, head.writer)?;
         Ok(head.total)
     }
 
@@ -778,6 +888,89 @@ impl Drop for InFlight<'_> {
     }
 }
 
+/// Where a connection comes from, for the handshake budget's shares: its IPv4 address, or the
+/// /64 of its IPv6 address (one host is usually given a whole /64).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+enum SourceKey {
+    V4(std::net::Ipv4Addr),
+    V6(u64),
+}
+
+impl SourceKey {
+    fn of(ip: IpAddr) -> SourceKey {
+        match ip {
+            IpAddr::V4(v4) => SourceKey::V4(v4),
+            IpAddr::V6(v6) => match v6.to_ipv4_mapped() {
+                Some(v4) => SourceKey::V4(v4),
+                None => SourceKey::V6((v6.to_bits() >> 64) as u64),
+            },
+        }
+    }
+}
+
+/// The connections still in their handshake, oldest first, with the signal that ends each.
+#[derive(Debug, Default)]
+struct Handshakes {
+    next: u64,
+    open: BTreeMap<u64, (SourceKey, oneshot::Sender<()>)>,
+    by_source: HashMap<SourceKey, usize>,
+}
+
+impl Handshakes {
+    /// The source holding the most handshakes (of those, the one whose oldest is oldest).
+    fn busiest(&self) -> Option<SourceKey> {
+        let most = self.by_source.values().copied().max()?;
+        self.open
+            .values()
+            .map(|(source, _)| *source)
+            .find(|s| self.by_source.get(s) == Some(&most))
+    }
+
+    fn oldest_of(&self, source: SourceKey) -> Option<u64> {
+        self.open
+            .iter()
+            .find(|(_, (s, _))| *s == source)
+            .map(|(&id, _)| id)
+    }
+
+    /// Takes a handshake out of the budget; dropping its sender tells its task to stop.
+    fn remove(&mut self, id: u64) {
+        if let Some((source, _signal)) = self.open.remove(&id)
+            && let Some(n) = self.by_source.get_mut(&source)
+        {
+            *n -= 1;
+            if *n == 0 {
+                self.by_source.remove(&source);
+            }
+        }
+    }
+}
+
+/// A connection's place in the handshake budget, given back when dropped (the handshake ended,
+/// however it ended).
+pub(crate) struct HandshakeTicket {
+    cluster: Arc<Cluster>,
+    id: u64,
+    evicted: oneshot::Receiver<()>,
+}
+
+impl HandshakeTicket {
+    /// Resolves when a newer connection took this one's place.
+    async fn evicted(&mut self) {
+        let _ = (&mut self.evicted).await;
+    }
+}
+
+impl Drop for HandshakeTicket {
+    fn drop(&mut self) {
+        self.cluster
+            .handshakes
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(self.id);
+    }
+}
+
 /// A peer connection counted against `--max-peer-connections` until dropped.
 struct PeerSlot(Arc<Cluster>, IpAddr);
 
@@ -872,13 +1065,14 @@ impl Reservation {
         .expect("the daemon maps its segments read-write, and objects lie inside them")
     }
 
-    /// Seals the copy under its owner's handle. (Should another copy of it have been sealed
-    /// meanwhile, that one stays, this one is dropped, and the pull succeeded all the same.)
-    fn seal_as(mut self, origin: Handle) -> Result<(), PullError> {
+    /// Seals the copy under its owner's handle, as written by the uid the owner named.
+    /// (Should another copy of it have been sealed meanwhile, that one stays, this one is
+    /// dropped, and the pull succeeded all the same.)
+    fn seal_as(mut self, origin: Handle, writer: u32) -> Result<(), PullError> {
         let (conn, handle) = (self.conn, self.created.handle);
         match self
             .shared
-            .with_objects(|o| o.seal_copy(conn, handle, origin))
+            .with_objects(|o| o.seal_copy(conn, handle, origin, writer))
         {
             Ok(()) | Err(Status::InvalidState) => {
                 self.sealed = true;

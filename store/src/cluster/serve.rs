@@ -5,33 +5,32 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
-use feedstore_proto::peer::{ReadReply, ReadRequest};
+use feedstore_proto::peer::{PIECE_BYTES, ReadReply, ReadRequest, TAG_BYTES};
 use feedstore_proto::{Handle, Role, Status};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
 use super::Cluster;
 use super::auth::Side;
-use super::transport::{HANDSHAKE_TIMEOUT, LinkError, PIECE_BYTES, handshake, tune};
+use super::record::{Records, Sealer};
+use super::transport::{HANDSHAKE_TIMEOUT, LinkError, handshake, tune};
 use crate::objects::{ClientInfo, ConnId};
 use crate::server::Shared;
 
 /// How long a peer connection may sit idle before the owner closes it.
 const IDLE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(300);
 
-/// Accepts peer connections until the task is dropped (at shutdown).
+/// Accepts peer connections until the task is dropped (at shutdown). A connection first gets a
+/// place in the handshake budget ([`super::Handshakes`]), and a place among the peer
+/// connections only once it proved the cluster secret.
 pub(crate) async fn listen(shared: Arc<Shared>, cluster: Arc<Cluster>, listener: TcpListener) {
     loop {
         match listener.accept().await {
             Ok((stream, addr)) => {
-                let Some(slot) = cluster.admit_peer_connection(addr) else {
-                    drop(stream);
-                    continue;
-                };
+                let ticket = cluster.begin_handshake(addr);
                 let (shared, cluster) = (shared.clone(), cluster.clone());
                 tokio::spawn(async move {
-                    serve_peer(&shared, &cluster, stream, addr).await;
-                    drop(slot);
+                    serve_peer(&shared, &cluster, stream, addr, ticket).await;
                 });
             }
             Err(e) => {
@@ -75,36 +74,54 @@ async fn serve_peer(
     cluster: &Arc<Cluster>,
     mut stream: TcpStream,
     addr: SocketAddr,
+    mut ticket: super::HandshakeTicket,
 ) {
     tune(&stream);
-    let shake = tokio::time::timeout(
-        HANDSHAKE_TIMEOUT,
-        handshake(&mut stream, cluster.transport.local(), Side::Acceptor, 0),
-    )
-    .await
-    .unwrap_or(Err(LinkError::Timeout(HANDSHAKE_TIMEOUT)));
-    let peer = match shake {
-        Ok(peer) => peer,
+    let shake = async {
+        tokio::time::timeout(
+            HANDSHAKE_TIMEOUT,
+            handshake(&mut stream, cluster.transport.local(), Side::Acceptor, 0),
+        )
+        .await
+        .unwrap_or(Err(LinkError::Timeout(HANDSHAKE_TIMEOUT)))
+    };
+    // A newer connection may take this one's place in the handshake budget meanwhile.
+    let shake = tokio::select! {
+        shake = shake => shake,
+        _ = ticket.evicted() => {
+            cluster.note_handshake_dropped(addr, "the handshake budget was full; the oldest went");
+            return;
+        }
+    };
+    let (peer, records) = match shake {
+        Ok(done) => done,
         Err(LinkError::SelfConnection) => return,
         Err(e) if e.is_refusal() => {
             cluster
                 .counters
                 .peers_refused
                 .fetch_add(1, Ordering::Relaxed);
-            // Once per address and reason: a refused peer comes back every refresh.
-            cluster.log_once(
-                &addr.ip().to_string(),
-                format!("peer connection from {addr} refused: {e}"),
-            );
+            cluster.log_limited(format!("peer connection from {addr} refused: {e}"));
             return;
         }
         Err(e) => {
-            tracing::warn!(peer = %addr, error = %e, "peer handshake failed");
+            let why = match e {
+                LinkError::Timeout(t) => {
+                    format!("no complete handshake within {t:?} (a port scanner, or a peer behind a stalled link)")
+                }
+                e => e.to_string(),
+            };
+            cluster.note_handshake_dropped(addr, &why);
             return;
         }
     };
+    drop(ticket);
+    let Some(_slot) = cluster.admit_peer_connection(addr) else {
+        return;
+    };
     if peer.streams {
-        super::session::serve_session(shared.clone(), cluster.clone(), stream, addr, peer).await;
+        super::session::serve_session(shared.clone(), cluster.clone(), stream, addr, peer, records)
+            .await;
         return;
     }
     let id = shared.with_objects(|o| {
@@ -115,12 +132,17 @@ async fn serve_peer(
             name: format!("peer {addr} (node {:08x})", peer.node_id),
             // Holds one lease at a time, while it sends.
             internal: true,
+            capped: false,
         })
     });
     let conn = PeerConn { shared, id };
+    let Records {
+        mut sealer,
+        mut opener,
+    } = records;
     tracing::debug!(peer = %addr, node = %format!("{:08x}", peer.node_id), "peer connected");
     let end = loop {
-        let mut raw = [0u8; ReadRequest::BYTES];
+        let mut raw = [0u8; ReadRequest::BYTES + TAG_BYTES];
         // A pooled connection left idle this long is closed; the puller opens a fresh one.
         match tokio::time::timeout(IDLE_TIMEOUT, stream.read_exact(&mut raw)).await {
             Err(_) => break Some(format!("idle for {IDLE_TIMEOUT:?}")),
@@ -128,11 +150,17 @@ async fn serve_peer(
             Ok(Err(e)) if e.kind() == std::io::ErrorKind::UnexpectedEof => break None,
             Ok(Err(e)) => break Some(e.to_string()),
         }
-        let request = match ReadRequest::from_bytes(&raw) {
+        let (body, tag) = raw.split_at(ReadRequest::BYTES);
+        if let Err(e) = opener.open(body, tag.try_into().expect("a tag's bytes")) {
+            cluster.note_forged_record();
+            break Some(e.to_string());
+        }
+        let request = match ReadRequest::from_bytes(body.try_into().expect("a request's bytes")) {
             Ok(r) => r,
             Err(e) => break Some(format!("malformed request: {e}")),
         };
-        if let Err(e) = send_range(&conn, shared, cluster, &mut stream, request).await {
+        if let Err(e) = send_range(&conn, shared, cluster, &mut stream, &mut sealer, request).await
+        {
             break Some(e.to_string());
         }
     };
@@ -143,32 +171,33 @@ async fn serve_peer(
 }
 
 /// Answers one request: a refusal, or the range's bytes written from the segment to the socket
-/// under a lease, followed by their checksum.
+/// under a lease, as records of at most [`PIECE_BYTES`], each with its tag.
 async fn send_range(
     conn: &PeerConn<'_>,
     shared: &Arc<Shared>,
     cluster: &Arc<Cluster>,
     stream: &mut TcpStream,
+    sealer: &mut Sealer,
     request: ReadRequest,
 ) -> std::io::Result<()> {
     let handle = request.handle;
-    let mut got = shared.with_objects(|o| o.get(conn.id, handle));
+    let mut got = shared.with_objects(|o| o.lease(conn.id, handle));
     if got == Err(Status::WrongNode) {
         // A third node's object: this node relays it (the `relay` placement), pulling a copy
         // from its owner first.
         got = match cluster.pulled(shared, handle, handle.node_id).await {
-            Ok(()) => shared.with_objects(|o| o.get(conn.id, handle)),
+            Ok(()) => shared.with_objects(|o| o.lease(conn.id, handle)),
             Err(status) => Err(status),
         };
     }
-    let location = match got {
-        Ok(location) => location,
+    let got = match got {
+        Ok(got) => got,
         Err(status) => {
-            return stream
-                .write_all(&ReadReply::refused(status).to_bytes())
+            return write_record(stream, sealer, &ReadReply::refused(handle, status).to_bytes())
                 .await;
         }
     };
+    let location = got.location;
     let lease = SendLease {
         shared,
         conn: conn.id,
@@ -176,12 +205,14 @@ async fn send_range(
     };
     if request.offset >= location.len {
         drop(lease);
-        let refusal = ReadReply::refused(Status::InvalidArgument);
-        return stream.write_all(&refusal.to_bytes()).await;
+        let refusal = ReadReply::refused(handle, Status::InvalidArgument);
+        return write_record(stream, sealer, &refusal.to_bytes()).await;
     }
     let len = request.len.min(location.len - request.offset);
     let reply = ReadReply {
         status: Status::Ok,
+        handle,
+        writer: got.writer,
         total: location.len,
         offset: request.offset,
         len,
@@ -193,14 +224,11 @@ async fn send_range(
     // breaks that, as for every reader). The range lies inside the object.
     let bytes = unsafe { mapping.bytes(location.offset + request.offset, len) }
         .expect("an object lies inside its segment");
-    stream.write_all(&reply.to_bytes()).await?;
-    let mut crc = 0u32;
+    write_record(stream, sealer, &reply.to_bytes()).await?;
     for piece in bytes.chunks(PIECE_BYTES) {
         // From the segment to the socket: no buffer between.
-        stream.write_all(piece).await?;
-        crc = crc32c::crc32c_append(crc, piece);
+        write_record(stream, sealer, piece).await?;
     }
-    stream.write_all(&crc.to_le_bytes()).await?;
     drop(lease);
     cluster
         .counters
@@ -211,4 +239,29 @@ async fn send_range(
         .served_bytes
         .fetch_add(len, Ordering::Relaxed);
     Ok(())
+}
+
+/// Writes `record` and its tag in one `writev`, where the socket takes both at once.
+async fn write_record(
+    stream: &mut TcpStream,
+    sealer: &mut Sealer,
+    record: &[u8],
+) -> std::io::Result<()> {
+    let tag = sealer.seal(record);
+    let (mut body, mut tail): (&[u8], &[u8]) = (record, &tag);
+    while !body.is_empty() {
+        let n = stream
+            .write_vectored(&[std::io::IoSlice::new(body), std::io::IoSlice::new(tail)])
+            .await?;
+        if n == 0 {
+            return Err(std::io::ErrorKind::WriteZero.into());
+        }
+        if n >= body.len() {
+            tail = &tail[n - body.len()..];
+            body = &[];
+        } else {
+            body = &body[n..];
+        }
+    }
+    stream.write_all(tail).await
 }

@@ -20,11 +20,12 @@
 
 use std::collections::{BTreeSet, HashMap};
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use feedstore_proto::frame::{StreamItem, StreamTask};
+use feedstore_proto::peer::TAG_BYTES;
 use feedstore_proto::peer_stream::{MAX_SESSION_ITEMS, SessionReply, SessionRequest, frame_len};
 use feedstore_proto::ring::ENTRY_FAILED;
 use feedstore_proto::{Role, Status};
@@ -35,6 +36,7 @@ use tokio::sync::{Semaphore, oneshot};
 use tokio::time::Instant;
 
 use super::Cluster;
+use super::record::{Opener, Records, Sealer, Tag};
 use super::transport::{PeerIdentity, PullError};
 use crate::objects::{ClientInfo, ConnId};
 use crate::server::Shared;
@@ -53,14 +55,44 @@ const MAX_BACKOFF: Duration = Duration::from_secs(5);
 /// A session left without a request this long is closed by the owner.
 const IDLE_TIMEOUT: Duration = Duration::from_secs(300);
 
-async fn read_frame(reader: &mut OwnedReadHalf) -> std::io::Result<Vec<u8>> {
-    let mut word = [0u8; 4];
-    reader.read_exact(&mut word).await?;
+/// Reads one frame and checks its record tag (over the length word and the frame); an error
+/// if it fails, which ends the session.
+async fn read_frame(
+    reader: &mut OwnedReadHalf,
+    opener: &mut Opener,
+    rejected: &AtomicU64,
+) -> std::io::Result<Vec<u8>> {
+    let mut record = vec![0u8; 4];
+    reader.read_exact(&mut record).await?;
+    let word: [u8; 4] = record[..].try_into().expect("4 bytes");
+    // The length is checked before the tag: it bounds what is read, and a forged one fails the
+    // tag once the frame is in.
     let len = frame_len(word)
         .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e.to_string()))?;
-    let mut body = vec![0u8; len];
-    reader.read_exact(&mut body).await?;
-    Ok(body)
+    record.resize(4 + len, 0);
+    reader.read_exact(&mut record[4..]).await?;
+    let mut tag: Tag = [0; TAG_BYTES];
+    reader.read_exact(&mut tag).await?;
+    if let Err(e) = opener.open(&record, &tag) {
+        rejected.fetch_add(1, Ordering::Relaxed);
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            e.to_string(),
+        ));
+    }
+    record.drain(..4);
+    Ok(record)
+}
+
+/// Writes one frame (length word first) and its record tag.
+async fn write_frame(
+    writer: &mut OwnedWriteHalf,
+    sealer: &mut Sealer,
+    frame: &[u8],
+) -> std::io::Result<()> {
+    let tag = sealer.seal(frame);
+    writer.write_all(frame).await?;
+    writer.write_all(&tag).await
 }
 
 /// The producers' end of a session to one owner.
@@ -69,7 +101,8 @@ pub(crate) struct Session {
     addr: SocketAddr,
     /// The socket, shut down by [`Session::kill`] (the write half keeps it open until then).
     fd: std::os::fd::RawFd,
-    writer: tokio::sync::Mutex<OwnedWriteHalf>,
+    /// The write half and the tags of what it sends, in the order it sends.
+    writer: tokio::sync::Mutex<(OwnedWriteHalf, Sealer)>,
     pending: Arc<Mutex<HashMap<u32, oneshot::Sender<SessionReply>>>>,
     alive: Arc<AtomicBool>,
     next_id: AtomicU32,
@@ -83,16 +116,23 @@ impl Drop for Session {
 }
 
 impl Session {
-    fn start(stream: TcpStream, addr: SocketAddr, peer: PeerIdentity) -> Session {
+    fn start(
+        rejected: Arc<AtomicU64>,
+        stream: TcpStream,
+        addr: SocketAddr,
+        peer: PeerIdentity,
+        records: Records,
+    ) -> Session {
         let fd = std::os::fd::AsRawFd::as_raw_fd(&stream);
         let (mut reader, writer) = stream.into_split();
+        let Records { sealer, mut opener } = records;
         let pending: Arc<Mutex<HashMap<u32, oneshot::Sender<SessionReply>>>> = Arc::default();
         let alive = Arc::new(AtomicBool::new(true));
         let task = {
             let (pending, alive) = (pending.clone(), alive.clone());
             tokio::spawn(async move {
                 let why = loop {
-                    let body = match read_frame(&mut reader).await {
+                    let body = match read_frame(&mut reader, &mut opener, &rejected).await {
                         Ok(body) => body,
                         Err(e) => break e.to_string(),
                     };
@@ -120,7 +160,7 @@ impl Session {
             node: peer.node_id,
             addr,
             fd,
-            writer: tokio::sync::Mutex::new(writer),
+            writer: tokio::sync::Mutex::new((writer, sealer)),
             pending,
             alive,
             next_id: AtomicU32::new(1),
@@ -175,7 +215,8 @@ impl Session {
         }
         let bytes = request.encode(id);
         let sent = tokio::time::timeout_at(deadline, async {
-            self.writer.lock().await.write_all(&bytes).await
+            let (writer, sealer) = &mut *self.writer.lock().await;
+            write_frame(writer, sealer, &bytes).await
         })
         .await;
         match sent {
@@ -217,7 +258,7 @@ impl Cluster {
             return Ok(s.clone());
         }
         let peer = self.peer_for(node, deadline).await?;
-        let (stream, identity) = self
+        let (stream, identity, records) = self
             .transport
             .connect_session(peer.addr, deadline)
             .await
@@ -236,7 +277,13 @@ impl Cluster {
                 ),
             ));
         }
-        let fresh = Arc::new(Session::start(stream, peer.addr, identity));
+        let fresh = Arc::new(Session::start(
+            self.counters.frames_rejected.clone(),
+            stream,
+            peer.addr,
+            identity,
+            records,
+        ));
         let mut sessions = self.lock_sessions();
         // Two callers may have opened one at once: keep the first alive one.
         let kept = match sessions.get(&node) {
@@ -558,6 +605,7 @@ impl Producers {
                 pid: 0,
                 name: format!("producers of node {:08x}", self.node),
                 internal: true,
+                capped: false,
             });
             s.register_session(conn);
             conn
@@ -586,12 +634,17 @@ pub(crate) async fn serve_session(
     stream: TcpStream,
     addr: SocketAddr,
     peer: PeerIdentity,
+    records: Records,
 ) {
     let (mut reader, mut writer) = stream.into_split();
+    let Records {
+        mut sealer,
+        mut opener,
+    } = records;
     let (tx, mut rx) = tokio::sync::mpsc::channel::<Vec<u8>>(MAX_SESSION_REQUESTS);
     let write = tokio::spawn(async move {
         while let Some(bytes) = rx.recv().await {
-            if writer.write_all(&bytes).await.is_err() {
+            if write_frame(&mut writer, &mut sealer, &bytes).await.is_err() {
                 break;
             }
         }
@@ -606,7 +659,8 @@ pub(crate) async fn serve_session(
     let mut tasks = tokio::task::JoinSet::new();
     tracing::info!(peer = %addr, node = %format!("{:08x}", peer.node_id), "stream session opened");
     let why = loop {
-        let body = match tokio::time::timeout(IDLE_TIMEOUT, read_frame(&mut reader)).await {
+        let read = read_frame(&mut reader, &mut opener, &cluster.counters.frames_rejected);
+        let body = match tokio::time::timeout(IDLE_TIMEOUT, read).await {
             Err(_) => break format!("idle for {IDLE_TIMEOUT:?}"),
             Ok(Err(e)) => break e.to_string(),
             Ok(Ok(body)) => body,

@@ -3,7 +3,8 @@
 //! The engine asks a [`Transport`] for a [`Channel`] to a peer and, over it, for ranges of the
 //! peer's objects, in two steps: [`Channel::request`] names the range and learns the object's
 //! length (so the engine can reserve room for the copy), then [`Channel::receive`] lands the
-//! range's bytes in a slice of that reservation and checks them. Nothing else of the store is
+//! range's bytes in a slice of that reservation and checks them (every record's tag,
+//! [`super::record`]). Nothing else of the store is
 //! visible to a transport, so another one — RDMA, where `request` returns the owner's registered
 //! address and key and `receive` is a one-sided read into this node's registered segment — fits
 //! without touching the store (see `docs/ARCHITECTURE.md`).
@@ -12,8 +13,8 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use feedstore_proto::peer::{
-    HELLO_SECRET, HELLO_STREAMS, PEER_VERSION, PROOF_BYTES, PeerHello, ReadReply, ReadRequest,
-    TRAILER_BYTES, Verdict, VerdictCode,
+    HELLO_SECRET, HELLO_STREAMS, PEER_VERSION, PIECE_BYTES, PROOF_BYTES, PeerHello, ReadReply,
+    ReadRequest, TAG_BYTES, Verdict, VerdictCode,
 };
 use feedstore_proto::{Handle, Status};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
@@ -21,13 +22,11 @@ use tokio::net::TcpStream;
 use tokio::time::Instant;
 
 use super::auth::{Secret, Side, random_bytes};
+use super::record::{Forged, Records, Tag};
 
-/// Bytes hashed per step while a range streams through: small enough to hash them while they
-/// are still in cache.
-pub const PIECE_BYTES: usize = 256 << 10;
-
-/// The longest a handshake may take.
-pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
+/// The longest a handshake may take (a peer on the same network answers in milliseconds; a
+/// stranger that stays silent holds a handshake slot this long at most).
+pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(3);
 
 /// Who is at the other end of a channel, learnt at handshake.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -82,9 +81,17 @@ impl PullError {
 /// Why a connection to a peer could not be set up.
 #[derive(Debug, thiserror::Error)]
 pub enum LinkError {
-    /// The address is this daemon's own.
+    /// The address is this daemon's own (decided only once the other end proved the secret).
     #[error("the address is this daemon's own")]
     SelfConnection,
+    /// The other end broke off the handshake, or sent something else, at a named step.
+    #[error("{step}: {cause}")]
+    Handshake {
+        /// Which step: what this side was waiting for.
+        step: &'static str,
+        /// What happened instead, in words.
+        cause: String,
+    },
     /// This side refused the peer.
     #[error("refused the peer: {reason}")]
     Refused {
@@ -139,6 +146,8 @@ impl From<LinkError> for PullError {
 /// The owner's answer to a request: where the range lies in its object.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct RangeHeader {
+    /// The uid that wrote the object, as its owner's daemon recorded it.
+    pub writer: u32,
     /// The object's whole length.
     pub total: u64,
     /// First byte of the range.
@@ -176,8 +185,9 @@ pub trait Channel: Send + 'static {
         deadline: Instant,
     ) -> impl Future<Output = Result<RangeHeader, PullError>> + Send;
 
-    /// Lands the requested range in `dest` (exactly the range's length) and checks its
-    /// checksum; `Corrupt` if it does not match. After an error the channel must be dropped.
+    /// Lands the requested range in `dest` (exactly the range's length) and checks every
+    /// record of it; `Corrupt` if one fails (retryable once: the engine asks the owner again on
+    /// a fresh connection). After an error the channel must be dropped.
     fn receive(
         &mut self,
         dest: &mut [u8],
@@ -208,13 +218,14 @@ impl TcpTransport {
         &self,
         addr: SocketAddr,
         deadline: Instant,
-    ) -> Result<(TcpStream, PeerIdentity), LinkError> {
+    ) -> Result<(TcpStream, PeerIdentity, Records), LinkError> {
         let deadline = deadline.min(Instant::now() + HANDSHAKE_TIMEOUT);
         let work = async {
             let mut stream = TcpStream::connect(addr).await?;
             tune(&stream);
-            let peer = handshake(&mut stream, &self.local, Side::Connector, HELLO_STREAMS).await?;
-            Ok((stream, peer))
+            let (peer, records) =
+                handshake(&mut stream, &self.local, Side::Connector, HELLO_STREAMS).await?;
+            Ok((stream, peer, records))
         };
         tokio::time::timeout_at(deadline, work)
             .await
@@ -230,11 +241,12 @@ impl Transport for TcpTransport {
         let work = async {
             let mut stream = TcpStream::connect(addr).await?;
             tune(&stream);
-            let peer = handshake(&mut stream, &self.local, Side::Connector, 0).await?;
+            let (peer, records) = handshake(&mut stream, &self.local, Side::Connector, 0).await?;
             Ok(TcpChannel {
                 stream,
                 peer,
                 addr,
+                records,
                 pending: None,
             })
         };
@@ -264,6 +276,7 @@ pub struct TcpChannel {
     stream: TcpStream,
     peer: PeerIdentity,
     addr: SocketAddr,
+    records: Records,
     /// The range requested and not yet received.
     pending: Option<RangeHeader>,
 }
@@ -274,6 +287,17 @@ impl TcpChannel {
             status: Status::Unreachable,
             message: format!(
                 "node {:08x} at {}: {what}: {e}",
+                self.peer.node_id, self.addr
+            ),
+            retry: true,
+        }
+    }
+
+    fn forged(&self, what: &str) -> PullError {
+        PullError {
+            status: Status::Corrupt,
+            message: format!(
+                "node {:08x} at {}: {what}: {Forged}",
                 self.peer.node_id, self.addr
             ),
             retry: true,
@@ -305,13 +329,18 @@ impl Channel for TcpChannel {
         deadline: Instant,
     ) -> Result<RangeHeader, PullError> {
         assert!(self.pending.is_none(), "one range at a time per channel");
-        let request = ReadRequest {
-            handle,
-            offset,
-            len,
-        }
-        .to_bytes();
-        let mut head = [0u8; ReadReply::BYTES];
+        let mut request = [0u8; ReadRequest::BYTES + TAG_BYTES];
+        let (body, tag) = request.split_at_mut(ReadRequest::BYTES);
+        body.copy_from_slice(
+            &ReadRequest {
+                handle,
+                offset,
+                len,
+            }
+            .to_bytes(),
+        );
+        tag.copy_from_slice(&self.records.sealer.seal(body));
+        let mut head = [0u8; ReadReply::BYTES + TAG_BYTES];
         let exchange = async {
             self.stream.write_all(&request).await?;
             self.stream.read_exact(&mut head).await
@@ -321,7 +350,13 @@ impl Channel for TcpChannel {
             Ok(Err(e)) => return Err(self.io_error("request failed", e)),
             Ok(Ok(_)) => {}
         }
-        let reply = ReadReply::from_bytes(&head).map_err(|e| {
+        let (head, tag) = head.split_at(ReadReply::BYTES);
+        let tag: &Tag = tag.try_into().expect("a tag's bytes");
+        if self.records.opener.open(head, tag).is_err() {
+            return Err(self.forged(&format!("the reply to a request for {handle}")));
+        }
+        let head: &[u8; ReadReply::BYTES] = head.try_into().expect("a reply's bytes");
+        let reply = ReadReply::from_bytes(head).map_err(|e| {
             PullError::fatal(
                 Status::Protocol,
                 format!(
@@ -330,6 +365,15 @@ impl Channel for TcpChannel {
                 ),
             )
         })?;
+        if reply.handle != handle {
+            return Err(PullError::fatal(
+                Status::Protocol,
+                format!(
+                    "node {:08x} answered a request for {handle} about {}",
+                    self.peer.node_id, reply.handle
+                ),
+            ));
+        }
         if reply.status != Status::Ok {
             return Err(PullError::fatal(
                 reply.status,
@@ -350,6 +394,7 @@ impl Channel for TcpChannel {
             ));
         }
         let header = RangeHeader {
+            writer: reply.writer,
             total: reply.total,
             offset: reply.offset,
             len: reply.len,
@@ -365,47 +410,41 @@ impl Channel for TcpChannel {
             header.len,
             "the destination fits the range"
         );
-        let mut crc = 0u32;
-        let mut trailer = [0u8; TRAILER_BYTES];
-        let stream = &mut self.stream;
+        let (stream, opener) = (&mut self.stream, &mut self.records.opener);
         let body = async {
-            // Straight from the socket into the reservation, hashed a piece at a time while
-            // the piece is still in cache.
-            for piece in dest.chunks_mut(PIECE_BYTES) {
+            // Straight from the socket into the reservation, each record checked as it lands,
+            // while it is still in cache.
+            for (i, piece) in dest.chunks_mut(PIECE_BYTES).enumerate() {
                 stream.read_exact(piece).await?;
-                crc = crc32c::crc32c_append(crc, piece);
+                let mut tag: Tag = [0; TAG_BYTES];
+                stream.read_exact(&mut tag).await?;
+                if opener.open(piece, &tag).is_err() {
+                    return Ok(Some(i));
+                }
             }
-            stream.read_exact(&mut trailer).await
+            Ok::<_, std::io::Error>(None)
         };
         match tokio::time::timeout_at(deadline, body).await {
-            Err(_) => return Err(self.timed_out("a transfer")),
-            Ok(Err(e)) => return Err(self.io_error("transfer broke off", e)),
-            Ok(Ok(_)) => {}
+            Err(_) => Err(self.timed_out("a transfer")),
+            Ok(Err(e)) => Err(self.io_error("transfer broke off", e)),
+            Ok(Ok(Some(piece))) => {
+                let at = header.offset + (piece * PIECE_BYTES) as u64;
+                Err(self.forged(&format!("bytes from {at} of a range of {}", header.len)))
+            }
+            Ok(Ok(None)) => Ok(()),
         }
-        let sent = u32::from_le_bytes(trailer);
-        let got = crc;
-        if sent != got {
-            return Err(PullError::fatal(
-                Status::Corrupt,
-                format!(
-                    "bytes {}..+{} from node {:08x} at {} failed their checksum ({got:08x}, \
-                     sent {sent:08x})",
-                    header.offset, header.len, self.peer.node_id, self.addr
-                ),
-            ));
-        }
-        Ok(())
     }
 }
 
 /// The symmetric handshake (see [`feedstore_proto::peer`]): hellos, proofs, verdicts. Returns
-/// the peer's identity once both sides accepted.
+/// the peer's identity and the connection's record layer once both sides accepted. A failure
+/// says at which step and why, in words an operator can act on.
 pub(crate) async fn handshake<S: AsyncRead + AsyncWrite + Unpin>(
     stream: &mut S,
     local: &LocalIdentity,
     side: Side,
     purpose: u16,
-) -> Result<PeerIdentity, LinkError> {
+) -> Result<(PeerIdentity, Records), LinkError> {
     let mine = PeerHello {
         version: PEER_VERSION,
         flags: purpose
@@ -419,10 +458,19 @@ pub(crate) async fn handshake<S: AsyncRead + AsyncWrite + Unpin>(
         instance: local.instance,
         nonce: random_bytes(),
     };
-    stream.write_all(&mine.to_bytes()).await?;
+    stream
+        .write_all(&mine.to_bytes())
+        .await
+        .map_err(broke_off("sending this daemon's hello"))?;
     let mut raw = [0u8; PeerHello::BYTES];
-    stream.read_exact(&mut raw).await?;
-    let theirs = PeerHello::from_bytes(&raw).map_err(|e| LinkError::Protocol(e.to_string()))?;
+    stream
+        .read_exact(&mut raw)
+        .await
+        .map_err(broke_off("waiting for the peer's hello"))?;
+    let theirs = PeerHello::from_bytes(&raw).map_err(|e| LinkError::Handshake {
+        step: "reading the peer's hello",
+        cause: e.to_string(),
+    })?;
     let (connector, acceptor) = match side {
         Side::Connector => (&mine, &theirs),
         Side::Acceptor => (&theirs, &mine),
@@ -431,9 +479,15 @@ pub(crate) async fn handshake<S: AsyncRead + AsyncWrite + Unpin>(
         .secret
         .as_ref()
         .map_or([0u8; PROOF_BYTES], |s| s.prove(side, connector, acceptor));
-    stream.write_all(&proof).await?;
+    stream
+        .write_all(&proof)
+        .await
+        .map_err(broke_off("sending this daemon's proof"))?;
     let mut their_proof = [0u8; PROOF_BYTES];
-    stream.read_exact(&mut their_proof).await?;
+    stream
+        .read_exact(&mut their_proof)
+        .await
+        .map_err(broke_off("waiting for the peer's proof of the cluster secret"))?;
 
     let (code, reason) = judge(local, &theirs, |secret| {
         secret.verify(side.other(), connector, acceptor, &their_proof)
@@ -446,24 +500,37 @@ pub(crate) async fn handshake<S: AsyncRead + AsyncWrite + Unpin>(
             }
             .to_bytes(),
         )
-        .await?;
+        .await
+        .map_err(broke_off("sending this daemon's verdict"))?;
     let mut head = [0u8; Verdict::HEAD_BYTES];
-    stream.read_exact(&mut head).await?;
-    let (their_code, len) =
-        Verdict::parse_head(&head).map_err(|e| LinkError::Protocol(e.to_string()))?;
+    stream
+        .read_exact(&mut head)
+        .await
+        .map_err(broke_off("waiting for the peer's verdict"))?;
+    let (their_code, len) = Verdict::parse_head(&head).map_err(|e| LinkError::Handshake {
+        step: "reading the peer's verdict",
+        cause: e.to_string(),
+    })?;
     let mut their_reason = vec![0u8; len];
-    stream.read_exact(&mut their_reason).await?;
+    stream
+        .read_exact(&mut their_reason)
+        .await
+        .map_err(broke_off("reading the peer's verdict"))?;
     let their_reason = String::from_utf8_lossy(&their_reason).into_owned();
+    // Only this side's own judgement makes a connection this daemon's own: the other side's
+    // verdict is not authenticated, so a stranger saying "you reached yourself" is just a
+    // refusal.
     match (code, their_code) {
-        (VerdictCode::SelfConnection, _) | (_, VerdictCode::SelfConnection) => {
-            Err(LinkError::SelfConnection)
-        }
-        (VerdictCode::Accepted, VerdictCode::Accepted) => Ok(PeerIdentity {
-            node_id: theirs.node_id,
-            epoch: theirs.epoch,
-            instance: theirs.instance,
-            streams: side == Side::Acceptor && theirs.flags & HELLO_STREAMS != 0,
-        }),
+        (VerdictCode::SelfConnection, _) => Err(LinkError::SelfConnection),
+        (VerdictCode::Accepted, VerdictCode::Accepted) => Ok((
+            PeerIdentity {
+                node_id: theirs.node_id,
+                epoch: theirs.epoch,
+                instance: theirs.instance,
+                streams: side == Side::Acceptor && theirs.flags & HELLO_STREAMS != 0,
+            },
+            Records::new(local.secret.as_ref(), side, connector, acceptor),
+        )),
         (VerdictCode::Accepted, code) => Err(LinkError::RefusedBy {
             code,
             reason: their_reason,
@@ -472,20 +539,36 @@ pub(crate) async fn handshake<S: AsyncRead + AsyncWrite + Unpin>(
     }
 }
 
-/// This side's decision on the peer's hello and proof.
+/// Maps an I/O error at a handshake step to what it means.
+fn broke_off(step: &'static str) -> impl Fn(std::io::Error) -> LinkError {
+    move |e| {
+        let cause = match e.kind() {
+            std::io::ErrorKind::UnexpectedEof => {
+                "the connection was closed (the other end is not a feedstore daemon, runs \
+                 another version that gave up, or refused this one: see its log)"
+                    .to_string()
+            }
+            std::io::ErrorKind::ConnectionReset => "the connection was reset".to_string(),
+            _ => e.to_string(),
+        };
+        LinkError::Handshake { step, cause }
+    }
+}
+
+/// This side's decision on the peer's hello and proof. Whether the peer is this very daemon
+/// (its own address in a peer list) is decided only after the proof verified: a stranger that
+/// echoes this daemon's instance id is refused like any stranger, not taken for itself.
 fn judge(
     local: &LocalIdentity,
     theirs: &PeerHello,
     proof_ok: impl FnOnce(&Secret) -> bool,
 ) -> (VerdictCode, String) {
-    if theirs.instance == local.instance {
-        return (VerdictCode::SelfConnection, String::new());
-    }
     if theirs.version != PEER_VERSION {
         return (
             VerdictCode::Version,
             format!(
-                "peer protocol versions differ: node {:08x} speaks {}, node {:08x} speaks {}",
+                "peer protocol versions differ: node {:08x} speaks {}, node {:08x} speaks {} \
+                 (run one feedstore release on every node)",
                 local.node_id, PEER_VERSION, theirs.node_id, theirs.version
             ),
         );
@@ -517,6 +600,9 @@ fn judge(
             );
         }
         _ => {}
+    }
+    if theirs.instance == local.instance {
+        return (VerdictCode::SelfConnection, String::new());
     }
     if theirs.node_id == local.node_id {
         return (
@@ -550,6 +636,18 @@ mod tests {
     ) -> (
         Result<PeerIdentity, LinkError>,
         Result<PeerIdentity, LinkError>,
+    ) {
+        let (x, y) = shake_records(a, b);
+        (x.map(|(p, _)| p), y.map(|(p, _)| p))
+    }
+
+    /// Both sides of a handshake, with their record layers.
+    fn shake_records(
+        a: LocalIdentity,
+        b: LocalIdentity,
+    ) -> (
+        Result<(PeerIdentity, Records), LinkError>,
+        Result<(PeerIdentity, Records), LinkError>,
     ) {
         let rt = tokio::runtime::Builder::new_current_thread()
             .enable_all()
@@ -595,5 +693,60 @@ mod tests {
         let (a, b) = shake(local(4, None), local(4, None));
         assert!(matches!(a, Err(LinkError::SelfConnection)));
         assert!(matches!(b, Err(LinkError::SelfConnection)));
+    }
+
+    #[test]
+    fn a_handshake_keys_both_directions_of_its_connection() {
+        let (a, b) = shake_records(local(1, Some(S1)), local(2, Some(S1)));
+        let ((_, mut a), (_, mut b)) = (a.unwrap(), b.unwrap());
+        let tag = a.sealer.seal(b"request");
+        assert!(b.opener.open(b"request", &tag).is_ok());
+        let tag = b.sealer.seal(b"reply");
+        assert!(a.opener.open(b"reply", &tag).is_ok());
+        // Another connection between the same two daemons has other keys.
+        let (c, _) = shake_records(local(1, Some(S1)), local(2, Some(S1)));
+        let (_, mut c) = c.unwrap();
+        let tag = c.sealer.seal(b"request");
+        assert!(b.opener.open(b"request", &tag).is_err());
+    }
+
+    /// A stranger without the secret that echoes this daemon's instance id is refused for its
+    /// proof; only a peer that proved the secret can be taken for this daemon itself.
+    #[test]
+    fn only_a_proven_peer_can_be_this_daemon_itself() {
+        let me = local(5, Some(S1));
+        let impostor = LocalIdentity {
+            node_id: 6,
+            secret: Some(Secret::from_bytes(S2.to_vec()).unwrap()),
+            ..me.clone()
+        };
+        let (a, b) = shake(me.clone(), impostor);
+        for r in [a, b] {
+            let e = r.unwrap_err();
+            assert!(!matches!(e, LinkError::SelfConnection), "{e}");
+            assert!(e.to_string().contains("secrets differ"), "{e}");
+        }
+        let (a, _) = shake(me.clone(), me);
+        assert!(matches!(a, Err(LinkError::SelfConnection)));
+    }
+
+    #[test]
+    fn a_handshake_cut_short_says_where() {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let err = rt.block_on(async {
+            let (mut x, y) = tokio::net::UnixStream::pair().unwrap();
+            drop(y);
+            handshake(&mut x, &local(1, Some(S1)), Side::Connector, 0)
+                .await
+                .unwrap_err()
+        });
+        let text = err.to_string();
+        assert!(
+            text.contains("hello") && text.contains("closed") || text.contains("sending"),
+            "{text}"
+        );
     }
 }
