@@ -175,6 +175,27 @@ fn child_process() {
                 Err(e) => say(format!("{filed}; as a reader: err {e}")),
             }
         }
+        // Leases every object named in a file (as a reader that learnt or guessed every handle
+        // would), says how many it holds, and holds them until its stdin closes.
+        Some("pin") => {
+            let list = std::fs::read_to_string(words.next().unwrap()).unwrap();
+            let handles: Vec<feedstore_consumer::Handle> =
+                list.lines().map(|l| l.parse().unwrap()).collect();
+            let reader = feedstore_consumer::Client::connect_reader().unwrap();
+            let results = reader.get_batch(&handles).unwrap();
+            let held = results.iter().filter(|r| r.is_ok()).count();
+            let refused: Vec<String> = results
+                .iter()
+                .filter_map(|r| r.as_ref().err().map(ToString::to_string))
+                .collect();
+            say(format!(
+                "held {held} refused {}: {}",
+                refused.len(),
+                refused.first().cloned().unwrap_or_default()
+            ));
+            let _ = std::io::stdin().read_to_end(&mut Vec::new());
+            drop(results);
+        }
         other => panic!("unknown child task {other:?}"),
     }
 }
@@ -471,4 +492,51 @@ fn uids_not_allowed_are_refused_at_hello() {
         "{said}"
     );
     assert!(daemon.log_text().contains("not allowed"));
+}
+
+/// Finding: a uid allowed only to read could lease every object it could name (handles were a
+/// count then), deleted ones included, and root's next large reserve failed with `Full`. Now a
+/// reader-only uid holds at most its share of the store (`--reader-lease-percent`, 25% by
+/// default) and the writers' creates evict the rest.
+#[test]
+fn a_reader_uid_holding_every_lease_it_can_does_not_block_roots_reserve() {
+    let _w = watchdog("a_reader_uid_holding_every_lease", LIMIT);
+    if skip_unless_root("a_reader_uid_holding_every_lease") {
+        return;
+    }
+    let dir = open_dir("pin");
+    let daemon = DaemonProcess::start(
+        &dir,
+        &["--capacity", "64MiB", "--allow-reader-uid", "65534"],
+    );
+    let root = daemon.writer();
+    let handles: Vec<_> = (0..15)
+        .map(|i| root.put(&pattern(i, 4 << 20)).unwrap())
+        .collect();
+    let list = dir.join("handles");
+    let text: String = handles.iter().map(|h| format!("{h}\n")).collect();
+    std::fs::write(&list, text).unwrap();
+    std::fs::set_permissions(&list, std::fs::Permissions::from_mode(0o644)).unwrap();
+    let mut cmd = child_command(&daemon.socket, &format!("pin {}", list.display()));
+    cmd.stdin(Stdio::piped());
+    run_as(&mut cmd, NOBODY, NOGROUP, &[]);
+    let mut child = KillOnDrop(cmd.spawn().unwrap());
+    let mut out = BufReader::new(child.0.stdout.take().unwrap());
+    let mut line = String::new();
+    while !line.contains("READY") {
+        line.clear();
+        assert!(out.read_line(&mut line).unwrap() > 0, "the reader exited");
+    }
+    // 16 MiB of 64: four objects of 4 MiB; the other eleven refused, saying why.
+    assert!(line.contains("held 4 refused 11"), "{line}");
+    assert!(line.contains("reader-lease-percent"), "{line}");
+    let s = root.stats().unwrap();
+    assert_eq!(s.lease_share_refusals, 11);
+    // Root reserves 40 MiB at once: the objects the reader does not hold are evicted.
+    let big = root
+        .create(40 << 20)
+        .expect("root's reserve is not blocked by the reader's leases");
+    drop(big);
+    drop(child.0.stdin.take());
+    let _ = child.0.wait();
 }

@@ -269,7 +269,8 @@ impl Error {
             Status::Ended => Error::Ended,
             Status::LimitReached if message.is_empty() => Error::LimitReached(
                 "this connection holds as many leases as the daemon allows \
-                 (--max-leases-per-connection)"
+                 (--max-leases-per-connection), or this uid, allowed only to read, holds its \
+                 share of the store (--reader-lease-percent)"
                     .into(),
             ),
             Status::LimitReached => Error::LimitReached(message.into()),

@@ -61,6 +61,9 @@ pub struct Limits {
     pub max_queued_requests: usize,
     /// Leases one connection may hold.
     pub max_leases_per_connection: u64,
+    /// Percent of the store a uid allowed only to read (`--allow-reader-uid`) may hold leased
+    /// at once, over all its connections.
+    pub reader_lease_percent: u64,
     /// Streams open at once.
     pub max_streams: usize,
     /// Shared memory for stream delivery rings, over all streams.
@@ -80,6 +83,7 @@ impl Default for Limits {
             hello_timeout: Duration::from_secs(5),
             max_queued_requests: 64,
             max_leases_per_connection: 1 << 20,
+            reader_lease_percent: 25,
             max_streams: 1024,
             max_ring_bytes: 64 << 20,
             stream_idle_timeout: Duration::from_secs(600),
@@ -205,6 +209,12 @@ pub struct Settings {
     /// Leases one connection may hold at once [default: 1048576].
     #[arg(long, value_name = "N")]
     pub max_leases_per_connection: Option<u64>,
+
+    /// Percent of the store's capacity a uid allowed only to read (--allow-reader-uid) may
+    /// hold leased at once, over all its connections; its gets past that fail with
+    /// LimitReached, so such a uid cannot pin the store against the writers [default: 25].
+    #[arg(long, value_name = "PERCENT")]
+    pub reader_lease_percent: Option<u64>,
 
     /// Streams open at once [default: 1024].
     #[arg(long, value_name = "N")]
@@ -372,6 +382,9 @@ impl Settings {
         l.max_leases_per_connection = self
             .max_leases_per_connection
             .unwrap_or(l.max_leases_per_connection);
+        l.reader_lease_percent = self
+            .reader_lease_percent
+            .unwrap_or(l.reader_lease_percent);
         l.max_streams = self.max_streams.unwrap_or(l.max_streams);
         if let Some(v) = self.max_ring_bytes {
             l.max_ring_bytes = bytes("max-ring-bytes", &v)?;
@@ -452,6 +465,7 @@ impl DaemonConfig {
             ("hello-timeout-ms", l.hello_timeout.as_millis() as u64, 1),
             ("max-queued-requests", l.max_queued_requests as u64, 1),
             ("max-leases-per-connection", l.max_leases_per_connection, 1),
+            ("reader-lease-percent", l.reader_lease_percent, 1),
             ("max-streams", l.max_streams as u64, 1),
             // One ring of the smallest depth: a whole page.
             ("max-ring-bytes", l.max_ring_bytes, 4096),
@@ -467,6 +481,12 @@ impl DaemonConfig {
                     },
                 });
             }
+        }
+        if l.reader_lease_percent > 100 {
+            return Err(ConfigError::Value {
+                key: "reader-lease-percent",
+                message: "must be at most 100".into(),
+            });
         }
         if l.max_connections_per_uid > l.max_connections {
             return Err(ConfigError::Value {

@@ -216,6 +216,11 @@ impl Objects {
         }
     }
 
+    /// Bytes of all segments.
+    pub fn capacity(&self) -> u64 {
+        self.segments.iter().map(Allocator::capacity).sum()
+    }
+
     /// Caps the bytes the connections of one uid allowed only to read may hold leased at once
     /// (see [`ClientInfo::capped`]).
     pub fn with_capped_lease_bytes(mut self, bytes: u64) -> Objects {

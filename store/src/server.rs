@@ -240,7 +240,15 @@ impl Shared {
             })
             .collect::<Result<_, _>>()?;
         Ok(Shared {
-            objects: Mutex::new(objects.with_lease_limit(config.limits.max_leases_per_connection)),
+            objects: Mutex::new({
+                let share = u128::from(objects.capacity())
+                    * u128::from(config.limits.reader_lease_percent)
+                    / 100;
+                let share = u64::try_from(share).expect("at most the capacity");
+                objects
+                    .with_lease_limit(config.limits.max_leases_per_connection)
+                    .with_capped_lease_bytes(share)
+            }),
             streams: Mutex::new(Streams::new(&config.limits, config.daemon_uid)),
             segments,
             readonly_fds,
