@@ -1043,3 +1043,50 @@ fn writers_killed_at_random_never_expose_partial_objects() {
         .expect("whole store reclaimable");
     big.abort().unwrap();
 }
+
+/// A client of another protocol version is told why, in words naming both versions, before the
+/// daemon closes: not a silent `Disconnected` with the reason only in the daemon's log.
+#[test]
+fn a_client_of_another_protocol_version_is_told_both_versions() {
+    use feedstore_proto::frame::{Frame, HEADER_BYTES, MAX_PAYLOAD_BYTES, VERSION};
+    let _w = watchdog("a_client_of_another_protocol_version", LIMIT);
+    let dir = scratch_dir("version");
+    let daemon = DaemonProcess::start(&dir, &[]);
+    for old in [VERSION - 1, VERSION + 1, 1] {
+        let mut hello = Vec::new();
+        Request::Hello {
+            role: Role::Reader,
+            client_name: "from another release".into(),
+            max_frame_bytes: MAX_PAYLOAD_BYTES,
+        }
+        .encode(7, MAX_PAYLOAD_BYTES, &mut hello)
+        .unwrap();
+        hello[2..4].copy_from_slice(&old.to_le_bytes());
+        let mut s = UnixStream::connect(&daemon.socket).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        s.write_all(&hello).unwrap();
+        let mut reply = Vec::new();
+        s.read_to_end(&mut reply).unwrap();
+        assert!(reply.len() > HEADER_BYTES, "an answer, then the close");
+        // What any client reads first: a header of the daemon's version.
+        assert_eq!(u16::from_le_bytes([reply[2], reply[3]]), VERSION);
+        let frame = Frame::parse(&reply, MAX_PAYLOAD_BYTES).unwrap().unwrap();
+        assert_eq!(frame.header.request_id, 7);
+        let Response::Error { message, .. } = Response::decode(&frame).unwrap() else {
+            panic!("an error reply")
+        };
+        assert!(
+            message.contains(&format!("speaks protocol {VERSION}, this client {old}")),
+            "{message}"
+        );
+        let upgrade = if old < VERSION { "the client" } else { "this feedstored" };
+        assert!(message.contains(&format!("upgrade {upgrade}")), "{message}");
+    }
+    assert!(
+        daemon.log_text().contains("client speaks protocol 9, this daemon 10"),
+        "{}",
+        daemon.log_text()
+    );
+    // This version's clients are served as ever.
+    assert!(daemon.reader().stats().is_ok());
+}

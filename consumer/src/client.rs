@@ -1198,12 +1198,35 @@ fn read_frame(
     }
 }
 
-/// Reads the hello reply, which carries the segment descriptors.
+/// Reads the hello reply, which carries the segment descriptors. A reply of another protocol
+/// version is [`Error::VersionMismatch`], with the daemon's own words when its error reply can
+/// be read (every version so far lays out a header, and an error reply, the same way).
 fn recv_hello(stream: &UnixStream, rbuf: &mut Vec<u8>) -> Result<(usize, Vec<OwnedFd>), Error> {
     let mut fds: Vec<OwnedFd> = Vec::new();
     loop {
-        if let Some(frame) = Frame::parse(rbuf, frame::MAX_PAYLOAD_BYTES)? {
-            return Ok((frame.len(), fds));
+        match Frame::parse(rbuf, frame::MAX_PAYLOAD_BYTES) {
+            Ok(Some(frame)) => return Ok((frame.len(), fds)),
+            Ok(None) => {}
+            Err(frame::DecodeError::UnsupportedVersion { found, expected }) => {
+                // Read as a reply of this version: every version so far lays a header and an
+                // error reply out the same way.
+                let mut ours = rbuf.clone();
+                ours[2..4].copy_from_slice(&expected.to_le_bytes());
+                let parsed = Frame::parse(&ours, frame::MAX_PAYLOAD_BYTES);
+                if !matches!(parsed, Ok(None)) {
+                    let detail = match parsed.ok().flatten().map(|f| Response::decode(&f)) {
+                        Some(Ok(Response::Error { message, .. })) => message,
+                        _ => String::new(),
+                    };
+                    return Err(Error::VersionMismatch {
+                        daemon: found,
+                        client: expected,
+                        detail,
+                    });
+                }
+                // The rest of the daemon's reply is on its way.
+            }
+            Err(e) => return Err(e.into()),
         }
         // A hello reply is small (at most 250 segments); anything longer is not a daemon.
         if rbuf.len() > frame::MIN_PAYLOAD_BYTES as usize {

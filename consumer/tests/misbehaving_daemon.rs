@@ -161,3 +161,45 @@ fn wrong_reply_kind_is_a_protocol_error() {
         .unwrap();
     assert!(matches!(client.get(handle()), Err(Error::Protocol(_))));
 }
+
+/// A daemon of a newer protocol version answers the hello with an error in a header of its own
+/// version: the client names both versions, which one to upgrade, and the daemon's words.
+#[test]
+fn a_daemon_of_another_version_is_named_with_both_versions() {
+    use feedstore_proto::frame::VERSION;
+    let path =
+        std::env::temp_dir().join(format!("feedstore-fake-{}-newer.sock", std::process::id()));
+    let _ = std::fs::remove_file(&path);
+    let listener = UnixListener::bind(&path).unwrap();
+    let file = path.clone();
+    std::thread::spawn(move || {
+        let (mut s, _) = listener.accept().unwrap();
+        let _ = std::fs::remove_file(&file);
+        let mut head = [0u8; HEADER_BYTES];
+        s.read_exact(&mut head).unwrap();
+        let mut out = Vec::new();
+        Response::Error {
+            status: feedstore_proto::Status::Protocol,
+            message: "feedstored speaks protocol 99".into(),
+        }
+        .encode(Opcode::Hello, 0, MAX_PAYLOAD_BYTES, &mut out)
+        .unwrap();
+        out[2..4].copy_from_slice(&99u16.to_le_bytes());
+        s.write_all(&out).unwrap();
+    });
+    let err = ConnectOptions::new(Role::Reader)
+        .socket(&path)
+        .connect()
+        .unwrap_err();
+    assert!(
+        matches!(err, Error::VersionMismatch { daemon: 99, client, .. } if client == VERSION),
+        "{err:?}"
+    );
+    let text = err.to_string();
+    assert!(
+        text.contains(&format!("speaks protocol 99, this client {VERSION}"))
+            && text.contains("upgrade this client")
+            && text.contains("the daemon says"),
+        "{text}"
+    );
+}

@@ -184,6 +184,7 @@ pub fn to_py(e: Error) -> PyErr {
         Error::Connect { .. } => {
             ConnectError::new_err(text.replace("pass --socket", "pass socket="))
         }
+        Error::VersionMismatch { .. } => ConnectError::new_err(text),
         Error::Disconnected { .. } | Error::ShuttingDown => Disconnected::new_err(text),
         Error::NotFound { .. } | Error::Stale { .. } | Error::WrongNode { .. } => {
             NotFound::new_err(text)

@@ -449,6 +449,8 @@ enum ConnEnd {
     Refused(String),
     #[error("no hello within {0:?} (--hello-timeout-ms)")]
     HelloTimeout(Duration),
+    #[error("the client speaks protocol {found}, this daemon {}", feedstore_proto::frame::VERSION)]
+    Version { found: u16, request_id: u32 },
 }
 
 /// Serves one accepted connection to its end, then reclaims everything it held.
@@ -493,6 +495,18 @@ pub async fn serve_connection(shared: Arc<Shared>, mut stream: UnixStream) {
         name: String::new(),
     };
     let end = conn.run().await;
+    if let Err(ConnEnd::Version { found, request_id }) = &end {
+        // Told why before the close, in a frame of this daemon's version: a client of any
+        // version since 1 reads a header's version, and this one names both.
+        let message = version_mismatch(*found);
+        let mut out = Vec::new();
+        if error(Status::Protocol, message)
+            .encode(Opcode::Hello, *request_id, MIN_PAYLOAD_BYTES, &mut out)
+            .is_ok()
+        {
+            let _ = conn.stream.write_all(&out).await;
+        }
+    }
     let (uid, pid) = (conn.peer.uid, conn.peer.pid);
     match (&conn.id, end) {
         (Some(id), Err(reason @ (ConnEnd::Malformed(_) | ConnEnd::Protocol(_)))) => {
@@ -606,7 +620,15 @@ impl Connection {
 
     /// [`Connection::take_request`], with the frame's length.
     fn take_frame(&mut self) -> Result<Option<(u32, Request, usize)>, ConnEnd> {
-        let Some(frame) = Frame::parse(&self.rbuf, self.shared.max_frame_bytes)? else {
+        let parsed = match Frame::parse(&self.rbuf, self.shared.max_frame_bytes) {
+            Err(DecodeError::UnsupportedVersion { found, .. }) if self.id.is_none() => {
+                let request_id =
+                    u32::from_le_bytes(self.rbuf[8..12].try_into().expect("a whole header"));
+                return Err(ConnEnd::Version { found, request_id });
+            }
+            other => other?,
+        };
+        let Some(frame) = parsed else {
             return Ok(None);
         };
         let (len, request_id) = (frame.len(), frame.header.request_id);
@@ -1253,6 +1275,17 @@ impl Connection {
             self.wait_for(id, &mut space, deadline).await?;
         }
     }
+}
+
+/// What a client of protocol `found` is told by this daemon.
+fn version_mismatch(found: u16) -> String {
+    let ours = feedstore_proto::frame::VERSION;
+    let upgrade = if found < ours { "the client" } else { "this feedstored" };
+    format!(
+        "feedstored speaks protocol {ours}, this client {found}: upgrade {upgrade} (feedstore \
+         {}) so that both speak the same version",
+        env!("CARGO_PKG_VERSION")
+    )
 }
 
 fn error(status: Status, message: String) -> Response {
