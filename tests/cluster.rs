@@ -709,7 +709,14 @@ fn a_proxy_rewriting_bytes_between_daemons_gets_errors_never_wrong_bytes() {
     let proxy = TamperProxy::start(la.parse().unwrap());
     let through = proxy.addr.to_string();
     let b_args = [
-        &["--node-id", "2", "--peers", &through, "--pull-timeout-ms", "5000"][..],
+        &[
+            "--node-id",
+            "2",
+            "--peers",
+            &through,
+            "--pull-timeout-ms",
+            "5000",
+        ][..],
         &common,
     ]
     .concat();
@@ -745,7 +752,10 @@ fn a_proxy_rewriting_bytes_between_daemons_gets_errors_never_wrong_bytes() {
     }
     let s = rb.stats().unwrap();
     assert_eq!(s.pull_failures_corrupt, 3, "{s:?}");
-    assert!(s.peer_frames_rejected >= 1 + 3 * 2, "each retried once: {s:?}");
+    assert!(
+        s.peer_frames_rejected >= 1 + 3 * 2,
+        "each retried once: {s:?}"
+    );
     assert_eq!((s.objects_writing, s.pulls_in_flight), (0, 0));
     assert!(
         b.log_text().contains("failed its authentication"),
@@ -762,4 +772,3 @@ fn a_proxy_rewriting_bytes_between_daemons_gets_errors_never_wrong_bytes() {
     assert!(pattern_matches(&rb.get(again).unwrap(), 6));
     wait_for_stats(&wa, "A at rest", at_rest);
 }
-

@@ -1079,11 +1079,17 @@ fn a_client_of_another_protocol_version_is_told_both_versions() {
             message.contains(&format!("speaks protocol {VERSION}, this client {old}")),
             "{message}"
         );
-        let upgrade = if old < VERSION { "the client" } else { "this feedstored" };
+        let upgrade = if old < VERSION {
+            "the client"
+        } else {
+            "this feedstored"
+        };
         assert!(message.contains(&format!("upgrade {upgrade}")), "{message}");
     }
     assert!(
-        daemon.log_text().contains("client speaks protocol 9, this daemon 10"),
+        daemon
+            .log_text()
+            .contains("client speaks protocol 9, this daemon 10"),
         "{}",
         daemon.log_text()
     );

@@ -107,7 +107,8 @@ impl Checkpoint {
     }
 }
 
-/// The sample for a task: an object holding its record's pattern.
+/// The sample for a task: an object holding its record's pattern, filed in the decode-once
+/// cache under a key of its record (as feedstore's producer files what it makes).
 fn delivery(client: &feedstore_consumer::Client, spec: &StreamSpec, task: StreamTask) -> Delivery {
     let record = spec.record_at(task.rank, task.seq);
     let mut w = client.create(PAYLOAD as u64).unwrap();
@@ -115,9 +116,14 @@ fn delivery(client: &feedstore_consumer::Client, spec: &StreamSpec, task: Stream
     Delivery {
         task,
         record,
-        key: 0,
+        key: cache_key(record),
         made: Made::Written(w),
     }
+}
+
+/// The cache key test producers file record `record`'s sample under.
+fn cache_key(record: u64) -> u128 {
+    0x5eed_0000_0000_0000_0000_0000_0000_0000 | u128::from(record) + 1
 }
 
 /// The image every batched sample of `record` carries: 3×4×4 f32 (192 bytes, a multiple of
@@ -909,6 +915,13 @@ fn ranks_on_another_node_are_fed_by_pulls_in_the_seeds_order() {
     );
     assert_eq!(b.stats().unwrap().pulls, 0, "node 1 made its own");
     assert_eq!(b.stats().unwrap().served_reads, per_node);
+    // The producers' node files what its producers made, under their keys. The ranks' node
+    // files nothing: a sample a peer's session hands over is a stream sample, never a cache
+    // entry, so no peer can place bytes under a key this node's users look up.
+    let keys: Vec<u128> = (0..s.records).map(cache_key).collect();
+    assert!(b.cache_lookup(&keys).unwrap().iter().any(Option::is_some));
+    assert!(a.cache_lookup(&keys).unwrap().iter().all(Option::is_none));
+    assert_eq!(a.stats().unwrap().cache_entries, 0);
     nodes.assert_at_rest(2);
 }
 

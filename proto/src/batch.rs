@@ -23,7 +23,7 @@
 //! | 8 | bytes | length, bytes |
 //! | 9, 10 | a list, a tuple | count, values |
 //! | 11, 12 | a dict, an `OrderedDict` | count, key and value pairs |
-//! | 13 | a tensor, array or numpy scalar ([`Leaf`]) | kind, dtype, ndim, shape, offset, byte length |
+//! | 13 | a tensor, array or numpy scalar ([`Leaf`]) | kind, dtype, width, ndim, shape, offset, byte length |
 //! | 14 | an object of a class the user allowed ([`Object`]) | class name, how it is built, arguments, state, items |
 //!
 //! Where Python's pickle names any callable to call, this format names a class only inside
@@ -88,11 +88,15 @@ pub enum Elem {
     C64 = 13,
     /// `complex128`.
     C128 = 14,
+    /// Fixed-width text, numpy's `<U`: `width` UCS-4 code points per element (numpy only).
+    Text = 15,
+    /// Fixed-width bytes, numpy's `S`: `width` bytes per element (numpy only).
+    Bytes = 16,
 }
 
 impl Elem {
     /// Every element type, by code.
-    pub const ALL: [Elem; 15] = [
+    pub const ALL: [Elem; 17] = [
         Elem::Bool,
         Elem::U8,
         Elem::I8,
@@ -108,6 +112,8 @@ impl Elem {
         Elem::F64,
         Elem::C64,
         Elem::C128,
+        Elem::Text,
+        Elem::Bytes,
     ];
 
     /// The element type with this code.
@@ -115,15 +121,22 @@ impl Elem {
         Elem::ALL.get(usize::from(code)).copied()
     }
 
-    /// Bytes per element.
-    pub fn size(self) -> u64 {
+    /// Bytes per element, for elements `width` wide (text and bytes; 0 for numbers).
+    pub fn size(self, width: u32) -> u64 {
         match self {
             Elem::Bool | Elem::U8 | Elem::I8 => 1,
             Elem::I16 | Elem::U16 | Elem::F16 | Elem::BF16 => 2,
             Elem::I32 | Elem::U32 | Elem::F32 => 4,
             Elem::I64 | Elem::U64 | Elem::F64 | Elem::C64 => 8,
             Elem::C128 => 16,
+            Elem::Text => 4 * u64::from(width),
+            Elem::Bytes => u64::from(width),
         }
+    }
+
+    /// Whether its elements have a width of their own (text, bytes).
+    pub fn is_sized(self) -> bool {
+        matches!(self, Elem::Text | Elem::Bytes)
     }
 }
 
@@ -157,6 +170,8 @@ pub struct Leaf {
     pub kind: LeafKind,
     /// Its element type.
     pub elem: Elem,
+    /// Characters or bytes per element for text and bytes (at least 1); 0 for numbers.
+    pub width: u32,
     /// Its shape (empty for a scalar or a 0-d tensor).
     pub shape: Vec<u64>,
     /// Offset of its bytes from the start of the data region, a multiple of [`ALIGN`].
@@ -166,11 +181,11 @@ pub struct Leaf {
 }
 
 impl Leaf {
-    /// The bytes a leaf of this element type and shape holds, if that fits a `u64`.
-    pub fn bytes_for(elem: Elem, shape: &[u64]) -> Option<u64> {
+    /// The bytes a leaf of this element type, width and shape holds, if that fits a `u64`.
+    pub fn bytes_for(elem: Elem, width: u32, shape: &[u64]) -> Option<u64> {
         shape
             .iter()
-            .try_fold(elem.size(), |n, &d| n.checked_mul(d))
+            .try_fold(elem.size(width), |n, &d| n.checked_mul(d))
     }
 }
 
@@ -393,6 +408,7 @@ fn encode_into(value: &Value, w: &mut Writer<'_>) {
             w.u8(LEAF);
             w.u8(leaf.kind as u8);
             w.u8(leaf.elem as u8);
+            w.u32(leaf.width);
             w.u8(u8::try_from(leaf.shape.len()).expect("at most MAX_NDIM dimensions"));
             for &d in &leaf.shape {
                 w.u64(d);
@@ -510,22 +526,29 @@ fn decode_value(r: &mut Reader<'_>, data_len: u64, depth: usize) -> Result<Value
 fn decode_leaf(r: &mut Reader<'_>, data_len: u64) -> Result<Leaf, BatchError> {
     let kind = LeafKind::from_u8(r.u8()?).ok_or(invalid("leaf kind"))?;
     let elem = Elem::from_u8(r.u8()?).ok_or(invalid("leaf dtype"))?;
+    let width = r.u32()?;
     let ndim = usize::from(r.u8()?);
     if ndim > MAX_NDIM || (kind == LeafKind::Scalar && ndim != 0) {
         return Err(invalid("leaf dimensions"));
     }
-    if kind != LeafKind::Tensor && elem == Elem::BF16 {
+    // bfloat16 is torch's alone; text and bytes numpy's alone, and only they have a width.
+    if (kind != LeafKind::Tensor && elem == Elem::BF16)
+        || (kind == LeafKind::Tensor && elem.is_sized())
+        || (elem.is_sized() != (width != 0))
+    {
         return Err(invalid("leaf dtype"));
     }
     let shape = (0..ndim).map(|_| r.u64()).collect::<Result<Vec<_>, _>>()?;
     let offset = r.u64()?;
     let nbytes = r.u64()?;
-    if Leaf::bytes_for(elem, &shape) != Some(nbytes) {
+    if Leaf::bytes_for(elem, width, &shape) != Some(nbytes) {
         return Err(BatchError::Leaf(format!(
             "a {elem:?} leaf of shape {shape:?} cannot hold {nbytes} bytes"
         )));
     }
-    let inside = offset.checked_add(nbytes).is_some_and(|end| end <= data_len);
+    let inside = offset
+        .checked_add(nbytes)
+        .is_some_and(|end| end <= data_len);
     if offset % ALIGN != 0 || !inside {
         return Err(BatchError::Leaf(format!(
             "a leaf at {offset}+{nbytes} lies outside the data region of {data_len} bytes"
@@ -534,6 +557,7 @@ fn decode_leaf(r: &mut Reader<'_>, data_len: u64) -> Result<Leaf, BatchError> {
     Ok(Leaf {
         kind,
         elem,
+        width,
         shape,
         offset,
         nbytes,
@@ -560,21 +584,30 @@ mod tests {
     fn leaf(max_offset_blocks: u64) -> impl Strategy<Value = Leaf> {
         (
             0u8..3,
-            0u8..15,
+            0u8..17,
+            1u32..9,
             proptest::collection::vec(0u64..5, 0..4),
             0..max_offset_blocks,
         )
-            .prop_map(|(kind, elem, shape, block)| {
+            .prop_map(|(kind, elem, width, shape, block)| {
                 let kind = LeafKind::from_u8(kind).unwrap();
                 let mut elem = Elem::from_u8(elem).unwrap();
-                if kind != LeafKind::Tensor && elem == Elem::BF16 {
+                if (kind != LeafKind::Tensor && elem == Elem::BF16)
+                    || (kind == LeafKind::Tensor && elem.is_sized())
+                {
                     elem = Elem::F32;
                 }
-                let shape = if kind == LeafKind::Scalar { vec![] } else { shape };
-                let nbytes = Leaf::bytes_for(elem, &shape).unwrap();
+                let width = if elem.is_sized() { width } else { 0 };
+                let shape = if kind == LeafKind::Scalar {
+                    vec![]
+                } else {
+                    shape
+                };
+                let nbytes = Leaf::bytes_for(elem, width, &shape).unwrap();
                 Leaf {
                     kind,
                     elem,
+                    width,
                     shape,
                     offset: block * ALIGN,
                     nbytes,
@@ -583,9 +616,8 @@ mod tests {
     }
 
     fn big_int() -> impl Strategy<Value = Vec<u8>> {
-        proptest::collection::vec(any::<u8>(), 9..20).prop_filter_map("minimal", |b| {
-            minimal_twos_complement(&b).then_some(b)
-        })
+        proptest::collection::vec(any::<u8>(), 9..20)
+            .prop_filter_map("minimal", |b| minimal_twos_complement(&b).then_some(b))
     }
 
     fn value() -> impl Strategy<Value = Value> {
@@ -669,11 +701,15 @@ mod tests {
         let tensor = Leaf {
             kind: LeafKind::Tensor,
             elem: Elem::F32,
+            width: 0,
             shape: vec![2, 3],
             offset: 64,
             nbytes: 24,
         };
-        let v = Value::Dict(vec![(Value::Str("pixel_values".into()), Value::Leaf(tensor))]);
+        let v = Value::Dict(vec![(
+            Value::Str("pixel_values".into()),
+            Value::Leaf(tensor),
+        )]);
         let skeleton = encode(&v);
         let object = object_with(&skeleton, 88);
         let (back, start) = parse(&object).unwrap();
@@ -690,15 +726,25 @@ mod tests {
             encode(&Value::Leaf(Leaf {
                 kind: LeafKind::Array,
                 elem,
+                width: if elem == Elem::Text { 2 } else { 0 },
                 shape,
                 offset,
                 nbytes,
             }))
         };
         assert!(decode(&leaf(Elem::F32, vec![4], 0, 16), 16).is_ok());
-        assert!(decode(&leaf(Elem::F32, vec![4], 0, 15), 16).is_err(), "size");
-        assert!(decode(&leaf(Elem::F32, vec![4], 64, 16), 64).is_err(), "past end");
-        assert!(decode(&leaf(Elem::U8, vec![1], 1, 1), 64).is_err(), "unaligned");
+        assert!(
+            decode(&leaf(Elem::F32, vec![4], 0, 15), 16).is_err(),
+            "size"
+        );
+        assert!(
+            decode(&leaf(Elem::F32, vec![4], 64, 16), 64).is_err(),
+            "past end"
+        );
+        assert!(
+            decode(&leaf(Elem::U8, vec![1], 1, 1), 64).is_err(),
+            "unaligned"
+        );
         assert!(
             decode(&leaf(Elem::F64, vec![u64::MAX, 2], 0, 0), 64).is_err(),
             "overflowing shape"
@@ -706,6 +752,11 @@ mod tests {
         assert!(
             decode(&leaf(Elem::BF16, vec![1], 0, 2), 64).is_err(),
             "numpy has no bfloat16"
+        );
+        assert!(decode(&leaf(Elem::Text, vec![3], 0, 24), 64).is_ok());
+        assert!(
+            decode(&leaf(Elem::Text, vec![3], 0, 12), 64).is_err(),
+            "width"
         );
         // A count larger than the bytes left, an unknown tag, trailing bytes.
         assert!(decode(&[LIST, 0xff, 0xff, 0xff, 0xff], 0).is_err());

@@ -115,6 +115,9 @@ mod tests {
         assert!("1:2".parse::<Handle>().is_err());
         assert!("1:2:3:4".parse::<Handle>().is_err());
         assert!("zz:2:3".parse::<Handle>().is_err());
-        assert!("1:2:10000000000000000".parse::<Handle>().is_err(), "over 64 bits");
+        assert!(
+            "1:2:10000000000000000".parse::<Handle>().is_err(),
+            "over 64 bits"
+        );
     }
 }

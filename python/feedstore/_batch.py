@@ -1,45 +1,49 @@
-"""A batch of any Python structure as one feedstore object, and back as views over it.
+"""A batch of any Python structure as one feedstore object, and back as views over it, without
+pickle: reading a batch never runs code of its writer's choosing.
 
-Layout of the object::
+Layout of the object (``feedstore_proto::batch``, parsed and checked in Rust)::
 
-    magic (8 bytes) | skeleton length (u64, little-endian) | skeleton | padding | tensor data
+    "FSBATCH2" | skeleton length (u64) | skeleton | padding | tensor data
 
-The skeleton is the batch pickled with every CPU tensor and numpy array replaced by a
-persistent reference (kind, dtype, shape, offset, length): pickle carries the structure, the
-strings and the numbers, never a tensor's bytes. Each tensor's bytes lie at a 64-byte-aligned
-offset of the data region, written once by `Reservation.write` (a memcpy, without the GIL for
-large ones). `default_collate`'s stacking is deferred (`Stacked`) so each sample's tensor is
-copied straight into its slot of the batch tensor: the batch is written once, in place.
+The skeleton is the batch's structure in a tagged encoding of plain values: None, bool, int,
+float, complex, str, bytes, list, tuple, dict, ``OrderedDict``, and references to tensors and
+arrays (kind, dtype, shape, offset, length) whose bytes lie at 64-byte-aligned offsets of the
+data region, written once by ``Reservation.write`` (a memcpy, without the GIL for large ones).
+``default_collate``'s stacking is deferred (``Stacked``) so each sample's tensor is copied
+straight into its slot of the batch tensor: the batch is written once, in place.
 
-Reading makes every tensor a view of its bytes in the object (`Sample.buffer(offset, length)`
+Anything else (a user's class, a named tuple, a PIL image) is refused when written, unless the
+writer and every reader pass that class in ``classes`` (``DataLoader(batch_classes=...)``): then
+it is stored as its class's name and its state, as pickle would reduce it, and a reader rebuilds
+it from its own list of classes (``__new__`` and ``__setstate__``, or the instance dict), never
+importing anything by name. Trust rule: list only classes whose ``__new__``/``__init__`` and
+``__setstate__`` are safe for any state a trusted writer could store.
+
+And a reader reads only batches written by a uid it trusts: the writer's uid, recorded by the
+daemon when the object was created (``Sample.writer_uid``), must be root's, the reader's own, or
+one the user passes (``trusted_uids``); otherwise ``feedstore.UntrustedBatch``, before a byte of
+the structure is parsed. Objects in the pickled format of earlier releases (``FSBATCH1``) are
+refused the same way.
+
+Reading makes every tensor a view of its bytes in the object (``Sample.buffer(offset, length)``
 through DLPack: a storage per tensor), so the batch's tensors hold the object's lease: it goes
 back to the store when the last of them is gone. In a trainer (a reader) they are read-only
 memory (numpy arrays say so; torch tensors cannot); in a worker (a writer, mapping the store
 read-write) a write would change the object for every reader, so workers read views only
-(`_cache`) or ask for copies.
+(``_cache``) or ask for copies.
 """
 
 from __future__ import annotations
 
-import io
-import pickle
-import struct
 import warnings
-from typing import Any, Callable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Iterable, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 
 import feedstore
 
-MAGIC = b"FSBATCH1"
-HEADER = struct.Struct("<8sQ")
-ALIGN = 64
-
-
-def _align(n: int) -> int:
-    return (n + ALIGN - 1) // ALIGN * ALIGN
-
+from feedstore import _native
 
 class Stacked:
     """`torch.stack(parts)`, deferred: the parts are copied straight into the batch object."""
@@ -104,71 +108,125 @@ def default_collate(batch: List[Any]) -> Any:
     return collate(batch, collate_fn_map=_collate_map())
 
 
+# Element types by the code a batch stores (`feedstore_proto::batch::Elem`): plain numbers only.
+_TORCH_DTYPES = [
+    getattr(torch, name, None)
+    for name in (
+        "bool", "uint8", "int8", "int16", "int32", "int64", "uint16", "uint32", "uint64",
+        "float16", "bfloat16", "float32", "float64", "complex64", "complex128",
+    )
+]
+_NUMPY_DTYPES = [
+    np.dtype(name) if name else None
+    for name in (
+        "bool", "<u1", "<i1", "<i2", "<i4", "<i8", "<u2", "<u4", "<u8",
+        "<f2", None, "<f4", "<f8", "<c8", "<c16",
+    )
+]
+_TORCH_CODES = {dtype: code for code, dtype in enumerate(_TORCH_DTYPES) if dtype is not None}
+_NUMPY_CODES = {dtype: code for code, dtype in enumerate(_NUMPY_DTYPES) if dtype is not None}
+# Fixed-width text (numpy's "<U": 4 bytes a character) and bytes ("S"), each with its width.
+TEXT, BYTES = 15, 16
+TENSOR, ARRAY, SCALAR = 0, 1, 2
+
+
 def _uint8(t: torch.Tensor) -> np.ndarray:
     """A dense CPU tensor's bytes as a flat uint8 array (no copy when already contiguous)."""
     t = t.detach().resolve_conj().resolve_neg().contiguous()
     return t.reshape(-1).view(torch.uint8).numpy()
 
 
-def _leaf(obj: Any) -> Optional[Tuple[str, str, Tuple[int, ...], List[np.ndarray], int]]:
-    """(kind, dtype, shape, byte sources, length) for what is stored as raw bytes; None for
-    what is pickled."""
+def _torch_code(t: torch.Tensor) -> int:
+    code = _TORCH_CODES.get(t.dtype)
+    if code is None:
+        raise TypeError(f"a batch cannot hold a tensor of {t.dtype}")
+    return code
+
+
+def _numpy(array: np.ndarray) -> Tuple[int, int, np.ndarray]:
+    """An array's element code, width (text and bytes) and bytes, little-endian and
+    contiguous."""
+    dtype = array.dtype
+    if dtype.byteorder == ">":
+        dtype = dtype.newbyteorder("<")
+        array = array.astype(dtype)
+    if dtype.kind == "U" and dtype.itemsize:
+        code, width = TEXT, dtype.itemsize // 4
+    elif dtype.kind == "S" and dtype.itemsize:
+        code, width = BYTES, dtype.itemsize
+    else:
+        code, width = _NUMPY_CODES.get(dtype), 0
+    if code is None:
+        raise TypeError(
+            f"a batch cannot hold a numpy array of {array.dtype} (numbers, bools, fixed-width "
+            "text and bytes only: an object array would need its objects pickled)"
+        )
+    return code, width, np.ascontiguousarray(array).reshape(-1).view(np.uint8)
+
+
+def _numpy_dtype(code: int, width: int) -> np.dtype:
+    if code == TEXT:
+        return np.dtype(f"<U{width}")
+    if code == BYTES:
+        return np.dtype(f"S{width}")
+    dtype = _NUMPY_DTYPES[code]
+    if dtype is None:
+        raise feedstore.Corrupt(f"a numpy leaf of dtype code {code}")
+    return dtype
+
+
+def _leaf(obj: Any) -> Optional[Tuple[int, int, int, Tuple[int, ...], int, List[np.ndarray]]]:
+    """(kind, dtype code, width, shape, byte length, byte sources) for what is stored as raw
+    bytes in the data region; None for everything else."""
     if type(obj) is Stacked:
         parts = [_uint8(t) for t in obj.parts]
-        return "torch", str(obj.dtype), obj.shape, parts, sum(p.nbytes for p in parts)
+        shape = tuple(int(d) for d in obj.shape)
+        return TENSOR, _torch_code(obj.parts[0]), 0, shape, sum(p.nbytes for p in parts), parts
     if isinstance(obj, torch.Tensor):
-        if (
-            type(obj) not in (torch.Tensor, torch.nn.Parameter)
-            or obj.layout != torch.strided
-            or obj.device.type != "cpu"
-            or obj.is_quantized
-        ):
-            return None
+        if type(obj) not in (torch.Tensor, torch.nn.Parameter):
+            raise TypeError(f"a batch cannot hold a {type(obj).__name__} (a tensor subclass)")
+        if obj.layout != torch.strided or obj.device.type != "cpu" or obj.is_quantized:
+            raise TypeError(
+                f"a batch holds dense CPU tensors only, not one on {obj.device} with layout "
+                f"{obj.layout}"
+            )
         flat = _uint8(obj)
-        return "torch", str(obj.dtype), tuple(obj.shape), [flat], flat.nbytes
-    if type(obj) is np.ndarray and not obj.dtype.hasobject and obj.dtype.fields is None:
-        flat = np.ascontiguousarray(obj).reshape(-1).view(np.uint8)
-        return "numpy", obj.dtype.str, obj.shape, [flat], flat.nbytes
+        return TENSOR, _torch_code(obj), 0, tuple(int(d) for d in obj.shape), flat.nbytes, [flat]
+    if type(obj) is np.ndarray:
+        code, width, flat = _numpy(obj)
+        return ARRAY, code, width, tuple(int(d) for d in obj.shape), flat.nbytes, [flat]
+    if isinstance(obj, np.generic) and (
+        type(obj) in {d.type for d in _NUMPY_CODES} or type(obj) in (np.str_, np.bytes_)
+    ):
+        code, width, flat = _numpy(np.asarray(obj))
+        return SCALAR, code, width, (), flat.nbytes, [flat]
     return None
 
 
-class _Pickler(pickle.Pickler):
-    """Pickles a batch, setting every tensor's bytes aside (`leaves`) with its place in the
-    data region."""
-
-    def __init__(self, out: io.BytesIO) -> None:
-        super().__init__(out, protocol=pickle.HIGHEST_PROTOCOL)
-        self.leaves: List[Tuple[int, List[np.ndarray]]] = []
-        self.data_len = 0
-
-    def persistent_id(self, obj: Any) -> Any:
-        leaf = _leaf(obj)
-        if leaf is None:
-            return None
-        kind, dtype, shape, parts, nbytes = leaf
-        self.leaves.append((self.data_len, parts))
-        reference = (kind, dtype, tuple(int(d) for d in shape), self.data_len, nbytes)
-        self.data_len = _align(self.data_len + nbytes)
-        return reference
-
-
-def write(client: "feedstore.Client", batch: Any, pin: bool = False) -> str:
+def write(
+    client: "feedstore.Client",
+    batch: Any,
+    pin: bool = False,
+    classes: Iterable[type] = (),
+) -> str:
     """Writes `batch` as one object and returns its handle (`pin`: never evicted, only
     deleted)."""
-    return fill(lambda nbytes: client.reserve(nbytes, pin=pin), batch).seal()
+    return fill(lambda nbytes: client.reserve(nbytes, pin=pin), batch, classes).seal()
 
 
-def fill(reserve: Callable[[int], "feedstore.Reservation"], batch: Any) -> "feedstore.Reservation":
-    """Writes `batch` into a reservation of the size it needs (from `reserve`), unsealed."""
-    out = io.BytesIO()
-    pickler = _Pickler(out)
-    pickler.dump(batch)
-    skeleton = out.getbuffer()
-    data_start = _align(HEADER.size + len(skeleton))
-    reservation = reserve(data_start + pickler.data_len)
-    reservation.write(0, HEADER.pack(MAGIC, len(skeleton)))
-    reservation.write(HEADER.size, skeleton)
-    for offset, parts in pickler.leaves:
+def fill(
+    reserve: Callable[[int], "feedstore.Reservation"],
+    batch: Any,
+    classes: Iterable[type] = (),
+) -> "feedstore.Reservation":
+    """Writes `batch` into a reservation of the size it needs (from `reserve`), unsealed.
+    `TypeError` for what a batch cannot hold (see the module's documentation)."""
+    skeleton, leaves, data_len = _native.encode_batch(batch, _leaf, list(classes))
+    header, data_start = _native.batch_header(len(skeleton))
+    reservation = reserve(data_start + data_len)
+    reservation.write(0, header)
+    reservation.write(len(header), skeleton)
+    for offset, parts in leaves:
         at = data_start + offset
         for part in parts:
             if part.nbytes:
@@ -177,61 +235,44 @@ def fill(reserve: Callable[[int], "feedstore.Reservation"], batch: Any) -> "feed
     return reservation
 
 
-_TORCH_DTYPES = {
-    str(getattr(torch, name)): getattr(torch, name)
-    for name in dir(torch)
-    if isinstance(getattr(torch, name, None), torch.dtype)
-}
-
-
-class _Unpickler(pickle.Unpickler):
-    """Loads a batch's skeleton, making each tensor reference a view of the object (or, as
-    asked, a copy)."""
-
-    def __init__(
-        self,
-        sample: "feedstore.Sample",
-        raw: np.ndarray,
-        skeleton_len: int,
-        copy_numpy: bool,
-        copy_torch: bool,
-    ) -> None:
-        super().__init__(io.BytesIO(raw[HEADER.size : HEADER.size + skeleton_len].tobytes()))
-        self.sample = sample
-        self.raw = raw
-        self.data_start = _align(HEADER.size + skeleton_len)
-        self.copy_numpy, self.copy_torch = copy_numpy, copy_torch
-
-    def persistent_load(self, reference: Any) -> Any:
-        kind, dtype, shape, offset, nbytes = reference
-        at = self.data_start + offset
-        if offset < 0 or nbytes < 0 or at + nbytes > len(self.raw):
-            raise feedstore.Corrupt(f"a tensor at {offset}+{nbytes} lies outside the batch object")
-        if kind == "numpy":
-            array = self.raw[at : at + nbytes].view(np.dtype(dtype)).reshape(shape)
-            return array.copy() if self.copy_numpy else array
-        # A storage of its own per tensor (each holding the lease): `torch.save` of a batch or
-        # of one tensor sees only that tensor's bytes.
-        flat = torch.from_dlpack(self.sample.buffer(at, nbytes))
-        tensor = flat.view(_TORCH_DTYPES[dtype]).view(shape)
-        return tensor.clone() if self.copy_torch else tensor
-
-
 def is_batch(sample: "feedstore.Sample") -> bool:
-    """Whether `sample` holds an object made by `write` / `fill`."""
-    return sample.nbytes >= HEADER.size and sample.data[: len(MAGIC)].tobytes() == MAGIC
+    """Whether `sample` holds a batch object (of this format, or of the pickled one that
+    `read` refuses)."""
+    return _native.is_batch(sample)
 
 
-def read(sample: "feedstore.Sample", copy_numpy: bool = False, copy_torch: bool = False) -> Any:
+def read(
+    sample: "feedstore.Sample",
+    copy_numpy: bool = False,
+    copy_torch: bool = False,
+    classes: Iterable[type] = (),
+    trusted_uids: Iterable[int] = (),
+) -> Any:
     """The batch in `sample` (an object made by `write`), its tensors views of the object
-    (`copy_numpy`, `copy_torch`: writable copies instead)."""
+    (`copy_numpy`, `copy_torch`: writable copies instead). `feedstore.UntrustedBatch` if the
+    uid that wrote it is not root's, this process's or one of `trusted_uids`, or it holds a
+    class not in `classes`; `feedstore.Corrupt` if it does not parse."""
     raw = sample.data
-    if len(raw) < HEADER.size:
-        raise feedstore.Corrupt(f"a batch object of {len(raw)} bytes has no header")
-    magic, skeleton_len = HEADER.unpack(raw[: HEADER.size].tobytes())
-    if magic != MAGIC or HEADER.size + skeleton_len > len(raw):
-        raise feedstore.Corrupt("the object is not a feedstore batch")
-    return _Unpickler(sample, raw, skeleton_len, copy_numpy, copy_torch).load()
+
+    def make_leaf(
+        kind: int, code: int, width: int, shape: Tuple[int, ...], offset: int, nbytes: int
+    ) -> Any:
+        if kind == TENSOR:
+            dtype = _TORCH_DTYPES[code]
+            if dtype is None:
+                raise feedstore.Corrupt(f"the batch holds a tensor of a dtype this torch lacks")
+            # A storage of its own per tensor (each holding the lease): `torch.save` of a batch
+            # or of one tensor sees only that tensor's bytes.
+            flat = torch.from_dlpack(sample.buffer(offset, nbytes))
+            tensor = flat.view(dtype).view(shape)
+            return tensor.clone() if copy_torch else tensor
+        array = raw[offset : offset + nbytes].view(_numpy_dtype(code, width))
+        if kind == SCALAR:
+            return array[0]
+        array = array.reshape(shape)
+        return array.copy() if copy_numpy else array
+
+    return _native.decode_batch(sample, make_leaf, list(classes), [int(u) for u in trusted_uids])
 
 
 def is_default_collate(fn: Optional[Callable]) -> bool:

@@ -76,11 +76,13 @@ class SampleCache:
         namespace: bytes,
         views: bool,
         random_state: Callable[[], tuple],
+        classes: tuple = (),
     ) -> None:
         self.client = client
         self.namespace = namespace
         self.views = views
         self.random_state = random_state
+        self.classes = classes
 
     def key(self, index: Any) -> Optional[int]:
         """The sample's key (never 0), or None for an index that does not pickle."""
@@ -139,18 +141,24 @@ class SampleCache:
             sample = self.client.get(handle)
             if not _batch.is_batch(sample):
                 return _GONE
-            return _batch.read(sample, copy_numpy=not self.views, copy_torch=not self.views)
-        except Exception:  # noqa: BLE001 (gone, or it no longer unpickles: a class changed)
+            return _batch.read(
+                sample,
+                copy_numpy=not self.views,
+                copy_torch=not self.views,
+                classes=self.classes,
+            )
+        except Exception:  # noqa: BLE001 (gone, or it no longer reads: a class not allowed)
             return _GONE
 
     def _write(self, item: Any) -> Optional[str]:
         """`item` as an object of its own (evictable), or None when the store has no room for
-        it without waiting, or it does not pickle."""
+        it without waiting, or a batch cannot hold it (a class not in `batch_classes`)."""
         try:
-            return _batch.fill(lambda n: self.client.reserve(n, timeout=0), item).seal()
+            reserve = lambda n: self.client.reserve(n, timeout=0)  # noqa: E731
+            return _batch.fill(reserve, item, self.classes).seal()
         except feedstore.Full:
             return None
-        except Exception:  # noqa: BLE001 (whatever pickling the user's sample raises)
+        except Exception:  # noqa: BLE001 (whatever the user's sample raises when walked)
             return None
 
     def _file(self, filing: List[tuple]) -> int:

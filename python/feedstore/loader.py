@@ -104,6 +104,8 @@ class _WorkerArgs:
     replay_index: Any = None
     # The decode-once cache's namespace (`sample_cache=True`), else None.
     cache: Optional[bytes] = None
+    # Classes besides the builtins a batch (or a cached sample) may hold (`batch_classes`).
+    classes: tuple = ()
 
 
 class _Fetcher:
@@ -127,7 +129,9 @@ class _Fetcher:
         # cache are handed to it as views; a user's collate_fn gets copies.)
         self.cache = None
         if args.cache is not None and client is not None and not args.iterable:
-            self.cache = _cache.SampleCache(client, args.cache, deferred, _rng_state)
+            self.cache = _cache.SampleCache(
+                client, args.cache, deferred, _rng_state, args.classes
+            )
         self.counts = _cache.Counts()
 
     def _failed(self, index: Any) -> None:
@@ -356,7 +360,7 @@ class _WorkerLoop:
             return reservation
 
         try:
-            return _batch.fill(reserve, batch).seal()
+            return _batch.fill(reserve, batch, self.args.classes).seal()
         except feedstore.Full as e:
             raise feedstore.Full(
                 f"{e}. The store needs room for prefetch_factor x num_workers batches and the "
@@ -905,6 +909,7 @@ class _StoreIter(_Primed, _BaseDataLoaderIter):
             init_fn=loader.worker_init_fn,
             socket=loader.feedstore_socket,
             on_error=loader.feedstore_on_error,
+            classes=loader.feedstore_batch_classes,
             replay_index=[None] * (loader.batch_size or 1) if self._auto_collation else None,
         )
         self._pool_key: Optional[str] = None
@@ -1333,7 +1338,10 @@ class _StoreIter(_Primed, _BaseDataLoaderIter):
             started = time.perf_counter()
             try:
                 # Its page tables too: the trainer's first read is then the memory traffic.
-                batch = _batch.read(self._client.get(payload, prefault=True))
+                batch = _batch.read(
+                    self._client.get(payload, prefault=True),
+                    classes=self._loader.feedstore_batch_classes,
+                )
                 if self._pin_memory:
                     batch = torch_utils.pin_memory.pin_memory(batch, self._pin_memory_device)
             except Exception as e:  # noqa: BLE001 (raised when the trainer takes it)
@@ -1678,6 +1686,13 @@ class DataLoader(torch.utils.data.DataLoader):
       size ``--capacity`` for both. Map-style datasets with workers. The key sees what the
       dataset object holds, not settings it reads from module globals or the environment: a
       later job gets the samples an earlier one filed under the same key.
+    - ``batch_classes``: classes besides the builtins (dict, list, tuple, str, numbers, None),
+      tensors and numpy arrays that a batch, or a cached sample, may hold: a named tuple, a
+      dataclass, a ``transformers.BatchEncoding``. Batches cross processes without pickle: a
+      class not listed is a ``TypeError`` in the worker, and a reader rebuilds a listed class
+      from its state with the class it was given (``__new__``, then ``__setstate__`` or the
+      instance dict), never by importing a name the bytes carry. List only classes whose
+      rebuilding is safe for any state one of your own workers could write.
 
     Batches are torch's, element for element. Their tensors are views of one read-only
     shared-memory object: reading is free, writing in place faults (``.clone()`` first, or move
@@ -1692,6 +1707,7 @@ class DataLoader(torch.utils.data.DataLoader):
         on_error: str = "raise",
         pool: str = "rank",
         sample_cache: bool = False,
+        batch_classes: Any = (),
         **kwargs: Any,
     ) -> None:
         if not isinstance(sample_cache, bool):
@@ -1704,6 +1720,10 @@ class DataLoader(torch.utils.data.DataLoader):
         self.feedstore_on_error = on_error
         self.feedstore_pool = pool
         self.feedstore_sample_cache = sample_cache
+        self.feedstore_batch_classes = tuple(batch_classes)
+        for cls in self.feedstore_batch_classes:
+            if not isinstance(cls, type):
+                raise TypeError(f"batch_classes holds {cls!r}, not a class")
         self._feedstore_counts = _Counters()
         self._feedstore_resume: Optional[dict] = None
         # The latest iterator: held strongly only for persistent workers (as torch does), so

@@ -27,7 +27,7 @@ Copy first (``t.clone()``) to modify.
 from __future__ import annotations
 
 import os
-from typing import Any, Callable, Dict, Iterator, List, Optional
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional
 
 import torch
 from torch.utils.data import DataLoader as TorchDataLoader
@@ -48,7 +48,11 @@ def rank_and_world() -> tuple[int, int]:
     return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def to_torch(sample: feedstore.Sample) -> Any:
+def to_torch(
+    sample: feedstore.Sample,
+    trusted_uids: Iterable[int] = (),
+    batch_classes: Iterable[type] = (),
+) -> Any:
     """A sample as a dict of torch tensors over shared memory (no copy):
 
     ``pixel_values``: list of image tensors; ``input_ids`` and ``labels``: int32;
@@ -56,10 +60,12 @@ def to_torch(sample: feedstore.Sample) -> Any:
 
     An object written from a Python structure (``feedstore.ray.write_stream``, a
     ``feedstore.torch.DataLoader`` batch) comes back as that structure, its tensors and arrays
-    views of shared memory.
+    views of shared memory, if root, this process's uid or one of ``trusted_uids`` wrote it
+    (``feedstore.UntrustedBatch`` otherwise); objects of classes besides the builtins only if
+    listed in ``batch_classes`` (see ``feedstore._batch``). Nothing in the object is unpickled.
     """
     if not sample.is_sample and _batch.is_batch(sample):
-        return _batch.read(sample)
+        return _batch.read(sample, classes=batch_classes, trusted_uids=trusted_uids)
     images = [torch.from_dlpack(sample.image(i)) for i in range(sample.image_count)]
     return {
         "pixel_values": images,
@@ -110,7 +116,8 @@ class StreamDataset(IterableDataset):
     The spec arguments (``name``, ``records``, ``seed``, ``shuffle``, ``tail``, ``epochs``) must
     match the producers'. ``rank`` / ``world`` default to ``rank_and_world()``; ``num_workers``
     is the DataLoader's (the stream then has ``world * max(1, num_workers)`` ranks).
-    ``transform`` maps each ``to_torch`` dict before it is yielded.
+    ``transform`` maps each ``to_torch`` dict before it is yielded. ``trusted_uids`` and
+    ``batch_classes``: see ``to_torch`` (for streams of batch objects).
     """
 
     def __init__(
@@ -129,6 +136,8 @@ class StreamDataset(IterableDataset):
         depth: Optional[int] = None,
         wait: float = 300.0,
         transform: Optional[Callable[[Dict[str, Any]], Any]] = None,
+        trusted_uids: Iterable[int] = (),
+        batch_classes: Iterable[type] = (),
     ) -> None:
         super().__init__()
         default_rank, default_world = rank_and_world()
@@ -148,6 +157,8 @@ class StreamDataset(IterableDataset):
             )
         self.socket, self.wait = socket, wait
         self.transform = transform
+        self.trusted_uids = tuple(trusted_uids)
+        self.batch_classes = tuple(batch_classes)
         # Per stream rank: samples consumed (the next sequence number), as the trainer saw them.
         self._consumed: Dict[int, int] = {}
         # Batches the trainer consumed through worker processes (see `_stream_rank`).
@@ -210,7 +221,7 @@ class StreamDataset(IterableDataset):
         with self.open(stream_rank) as stream:
             for sample in stream:
                 seq, is_sample = sample.seq, sample.is_sample
-                item = to_torch(sample)
+                item = to_torch(sample, self.trusted_uids, self.batch_classes)
                 if is_sample:
                     item["rank"] = stream_rank
                 del sample  # the tensors keep it leased for as long as they live

@@ -135,7 +135,14 @@ exception!(
 exception!(
     Corrupt,
     PyIOError,
-    "An object pulled from another node failed its checksum; nothing was handed out."
+    "An object's bytes are not what they claim: a pull that failed its authentication (nothing \
+was handed out), or a batch object whose structure does not parse."
+);
+exception!(
+    UntrustedBatch,
+    PyPermissionError,
+    "A batch object this reader will not read: written by a uid it does not trust, holding a \
+class it was not told to accept, or in the pickled format of an earlier release."
 );
 exception!(
     InvalidSample,
@@ -166,6 +173,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("Timeout", Timeout::type_object(py))?;
     m.add("Unreachable", Unreachable::type_object(py))?;
     m.add("Corrupt", Corrupt::type_object(py))?;
+    m.add("UntrustedBatch", UntrustedBatch::type_object(py))?;
     m.add("StreamMismatch", StreamMismatch::type_object(py))?;
     m.add("RankInUse", RankInUse::type_object(py))?;
     m.add("SampleFailed", SampleFailed::type_object(py))?;

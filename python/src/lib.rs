@@ -6,6 +6,7 @@
 //! keeps an object leased while any array over it lives. The Python half of the package
 //! (`feedstore/`) adds the PyTorch adapter.
 
+mod batch;
 mod client;
 mod errors;
 mod sample;
@@ -25,6 +26,10 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<sample::Sample>()?;
     m.add_class::<sample::Tensor>()?;
     m.add_function(wrap_pyfunction!(stream::state_at, m)?)?;
+    m.add_function(wrap_pyfunction!(batch::encode_batch, m)?)?;
+    m.add_function(wrap_pyfunction!(batch::decode_batch, m)?)?;
+    m.add_function(wrap_pyfunction!(batch::is_batch, m)?)?;
+    m.add_function(wrap_pyfunction!(batch::batch_header, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

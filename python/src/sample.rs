@@ -302,6 +302,26 @@ impl Sample {
         })
     }
 
+    /// The whole object's bytes.
+    pub fn held_bytes(&self) -> &[u8] {
+        self.held.bytes()
+    }
+
+    /// The object's handle as text.
+    pub fn handle_text(&self) -> &str {
+        &self.handle
+    }
+
+    /// The uid that wrote the object, as the daemon recorded it; `None` for memory of this
+    /// process (a batch `Stream.next_stacked` had to copy).
+    pub fn writer(&self) -> Option<u32> {
+        match &*self.held {
+            Held::Stream(s) => Some(s.writer()),
+            Held::Lease(l) => Some(l.writer()),
+            Held::Owned(_) => None,
+        }
+    }
+
     /// The bytes of `info`.
     pub fn bytes_of(&self, info: &TensorInfo) -> &[u8] {
         &self.held.bytes()[info.offset..info.offset + info.len]
@@ -337,6 +357,14 @@ impl Sample {
     #[getter]
     fn handle(&self) -> &str {
         &self.handle
+    }
+
+    /// The uid of the process that wrote the object, as the daemon recorded it when the object
+    /// was created (for a copy pulled from another node, as that node's daemon recorded it);
+    /// None for memory of this process.
+    #[getter]
+    fn writer_uid(&self) -> Option<u32> {
+        self.writer()
     }
 
     /// Size of the object in bytes.

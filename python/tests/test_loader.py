@@ -216,7 +216,10 @@ def test_every_type_round_trips_through_shared_memory(daemon):
         }
 
     expected = [collate(list(range(i, i + 2))) for i in (0, 2, 4)]
-    loader = DataLoader(range(6), batch_size=2, num_workers=2, collate_fn=collate, socket=daemon.socket)
+    loader = DataLoader(
+        range(6), batch_size=2, num_workers=2, collate_fn=collate, socket=daemon.socket,
+        batch_classes=[Pair],
+    )
     batches = list(loader)
     assert_same_batches(batches, expected)
     batch = batches[0]

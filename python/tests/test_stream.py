@@ -251,7 +251,7 @@ def test_errors_are_feedstore_exceptions(daemon, tmp_path):
         feedstore.Client(daemon.socket, writer=True).put(np.zeros(300 << 20, dtype=np.uint8))
     assert isinstance(e.value, ValueError) and not isinstance(e.value, feedstore.Full)
     with pytest.raises(feedstore.NotFound):
-        feedstore.Client(daemon.socket).get("1:1:7:7")
+        feedstore.Client(daemon.socket).get("1:1:7")
     with pytest.raises(feedstore.FeedstoreError):
         feedstore.Client(daemon.socket).get("not a handle")
 

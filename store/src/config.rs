@@ -382,9 +382,7 @@ impl Settings {
         l.max_leases_per_connection = self
             .max_leases_per_connection
             .unwrap_or(l.max_leases_per_connection);
-        l.reader_lease_percent = self
-            .reader_lease_percent
-            .unwrap_or(l.reader_lease_percent);
+        l.reader_lease_percent = self.reader_lease_percent.unwrap_or(l.reader_lease_percent);
         l.max_streams = self.max_streams.unwrap_or(l.max_streams);
         if let Some(v) = self.max_ring_bytes {
             l.max_ring_bytes = bytes("max-ring-bytes", &v)?;

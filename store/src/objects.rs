@@ -615,10 +615,7 @@ impl Objects {
         Handle {
             node_id: self.node_id,
             epoch: self.epoch,
-            id: self.slots[slot as usize]
-                .as_ref()
-                .expect("a live slot")
-                .id,
+            id: self.slots[slot as usize].as_ref().expect("a live slot").id,
         }
     }
 
@@ -631,8 +628,11 @@ impl Objects {
 
     /// Whether the live, sealed object `handle` names is a copy of another node's object.
     pub fn is_copy(&self, handle: Handle) -> bool {
-        self.resolve(handle)
-            .is_ok_and(|slot| self.slots[slot as usize].as_ref().is_some_and(|o| o.origin.is_some()))
+        self.resolve(handle).is_ok_and(|slot| {
+            self.slots[slot as usize]
+                .as_ref()
+                .is_some_and(|o| o.origin.is_some())
+        })
     }
 
     /// How many object slots the store has had at once at most: a bound on its live objects
@@ -1024,7 +1024,11 @@ mod tests {
             "not visible while written"
         );
         o.seal_copy(w, c.handle, origin, 1000).unwrap();
-        assert_eq!(o.lease(r, origin).unwrap().writer, 1000, "the owner's writer");
+        assert_eq!(
+            o.lease(r, origin).unwrap().writer,
+            1000,
+            "the owner's writer"
+        );
         o.release(r, origin).unwrap();
         assert_eq!(o.get(r, origin).unwrap(), c.location);
         assert_eq!(o.stats().objects_pulled, 1);

@@ -449,7 +449,10 @@ enum ConnEnd {
     Refused(String),
     #[error("no hello within {0:?} (--hello-timeout-ms)")]
     HelloTimeout(Duration),
-    #[error("the client speaks protocol {found}, this daemon {}", feedstore_proto::frame::VERSION)]
+    #[error(
+        "the client speaks protocol {found}, this daemon {}",
+        feedstore_proto::frame::VERSION
+    )]
     Version { found: u16, request_id: u32 },
 }
 
@@ -1280,7 +1283,11 @@ impl Connection {
 /// What a client of protocol `found` is told by this daemon.
 fn version_mismatch(found: u16) -> String {
     let ours = feedstore_proto::frame::VERSION;
-    let upgrade = if found < ours { "the client" } else { "this feedstored" };
+    let upgrade = if found < ours {
+        "the client"
+    } else {
+        "this feedstored"
+    };
     format!(
         "feedstored speaks protocol {ours}, this client {found}: upgrade {upgrade} (feedstore \
          {}) so that both speak the same version",

@@ -10,8 +10,11 @@ use crate::stream::{MAX_STREAM_NAME, Shuffle, Tail};
 use crate::wire::testing::{min_bytes_is_tight, round_trip};
 
 fn handle() -> impl Strategy<Value = Handle> {
-    (any::<u32>(), any::<u32>(), any::<u64>())
-        .prop_map(|(node_id, epoch, id)| Handle { node_id, epoch, id })
+    (any::<u32>(), any::<u32>(), any::<u64>()).prop_map(|(node_id, epoch, id)| Handle {
+        node_id,
+        epoch,
+        id,
+    })
 }
 
 fn handles() -> impl Strategy<Value = Vec<Handle>> {

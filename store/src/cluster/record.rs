@@ -26,7 +26,9 @@ pub type Tag = [u8; TAG_BYTES];
 
 /// A record failed its tag: altered, forged, replayed or out of order.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
-#[error("a record from the peer failed its authentication (altered, replayed or forged on the way)")]
+#[error(
+    "a record from the peer failed its authentication (altered, replayed or forged on the way)"
+)]
 pub struct Forged;
 
 fn nonce(seq: u64) -> Nonce {
@@ -162,7 +164,11 @@ mod tests {
         let (mut c, mut a) = pair(b"a-cluster-secret-of-16+");
         let first = c.sealer.seal(b"first");
         let second_tag = c.sealer.seal(b"second");
-        assert_eq!(a.opener.open(b"second", &second_tag), Err(Forged), "reordered");
+        assert_eq!(
+            a.opener.open(b"second", &second_tag),
+            Err(Forged),
+            "reordered"
+        );
         let _ = (first, second);
 
         let (mut c, mut a) = pair(b"a-cluster-secret-of-16+");

@@ -107,7 +107,9 @@ async fn serve_peer(
         Err(e) => {
             let why = match e {
                 LinkError::Timeout(t) => {
-                    format!("no complete handshake within {t:?} (a port scanner, or a peer behind a stalled link)")
+                    format!(
+                        "no complete handshake within {t:?} (a port scanner, or a peer behind a stalled link)"
+                    )
                 }
                 e => e.to_string(),
             };
@@ -193,8 +195,12 @@ async fn send_range(
     let got = match got {
         Ok(got) => got,
         Err(status) => {
-            return write_record(stream, sealer, &ReadReply::refused(handle, status).to_bytes())
-                .await;
+            return write_record(
+                stream,
+                sealer,
+                &ReadReply::refused(handle, status).to_bytes(),
+            )
+            .await;
         }
     };
     let location = got.location;

@@ -487,7 +487,9 @@ pub(crate) async fn handshake<S: AsyncRead + AsyncWrite + Unpin>(
     stream
         .read_exact(&mut their_proof)
         .await
-        .map_err(broke_off("waiting for the peer's proof of the cluster secret"))?;
+        .map_err(broke_off(
+            "waiting for the peer's proof of the cluster secret",
+        ))?;
 
     let (code, reason) = judge(local, &theirs, |secret| {
         secret.verify(side.other(), connector, acceptor, &their_proof)
