@@ -62,3 +62,19 @@ def test_the_daemonset_and_trainer_pod_agree_with_each_other_and_feedstored():
 def test_the_examples_compile():
     for example in sorted((REPO / "python" / "examples").glob("*.py")):
         compile(example.read_text(), str(example), "exec")
+
+
+def test_the_network_policy_guards_the_daemonsets_ports():
+    service, daemonset = load("feedstored-daemonset.yaml")
+    (policy,) = load("feedstored-networkpolicy.yaml")
+    assert policy["kind"] == "NetworkPolicy"
+    pod = daemonset["spec"]["template"]
+    assert policy["spec"]["podSelector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    (daemon,) = pod["spec"]["containers"]
+    ports = {p["name"]: p["containerPort"] for p in daemon["ports"]}
+    rules = {r["ports"][0]["port"]: r["from"] for r in policy["spec"]["ingress"]}
+    # Exactly the daemon's two ports are admitted, the peer port from node addresses only.
+    assert set(rules) == {ports["peer"], ports["metrics"]}
+    assert [list(f) for f in rules[ports["peer"]]] == [["ipBlock"]]
+    assert {p["port"] for p in service["spec"]["ports"]} == {ports["peer"]}
