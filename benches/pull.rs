@@ -5,8 +5,8 @@
 //!    plain TCP request/response of the same object sizes (send 8 bytes, read the object's bytes
 //!    into a warm buffer) — the best a pull could do;
 //! 2. feedstore's remote get: objects of 4 MiB and 64 MiB made on node A's `feedstored`, read by
-//!    a client of node B's `feedstored`, which pulls each (handshake-authenticated, CRC-32C-checked)
-//!    into B's shared memory: throughput and per-get p50/p99, one get at a time and in batches
+//!    a client of node B's `feedstored`, which pulls each (every record authenticated with GMAC
+//!    under the connection's keys) into B's shared memory: throughput and per-get p50/p99, one get at a time and in batches
 //!    of 8 (several objects in flight over several connections);
 //! 3. Ray across two raylets, if Ray is installed (it is not on the machine the figures in
 //!    BENCHMARKS.md come from).

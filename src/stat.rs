@@ -112,8 +112,9 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         s.aborted_on_disconnect, s.leases_reclaimed
     );
     println!(
-        "  limits          {} refusals (connections, streams, rings, leases, queued requests, silent connections), {} in rings, {} idle streams expired",
+        "  limits          {} refusals (connections, streams, rings, leases, queued requests, silent connections; {} gets over a reader's share), {} in rings, {} idle streams expired",
         s.limits_hit,
+        s.lease_share_refusals,
         format_bytes(s.ring_bytes),
         s.streams_expired
     );
@@ -124,8 +125,12 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         s.cache_entries
     );
     println!(
-        "  cluster         {} peer(s) up, {} refused handshake(s); {} copies of other nodes' objects here",
-        s.peers_up, s.peers_refused, s.objects_pulled
+        "  cluster         {} peer(s) up, {} refused handshake(s), {} connection(s) dropped before proving the secret, {} record(s) failed their authentication; {} copies of other nodes' objects here",
+        s.peers_up,
+        s.peers_refused,
+        s.peer_handshakes_dropped,
+        s.peer_frames_rejected,
+        s.objects_pulled
     );
     println!(
         "  pulls           {} done ({}), {} in flight; failed: {} unreachable, {} timed out, {} gone on the owner, {} corrupt, {} no room",
