@@ -64,7 +64,7 @@ pub struct Args {
     #[arg(long, value_name = "FILE")]
     rejects: Option<PathBuf>,
     /// Also write each produced sample's handle here, one JSON object per line with line, id,
-    /// handle (node:epoch:slot:generation in hex) and bytes, for readers to fetch it by.
+    /// handle (node:epoch:id in hex) and bytes, for readers to fetch it by.
     #[arg(long, value_name = "FILE")]
     handles: Option<PathBuf>,
     /// Output image size: `qwen` (Qwen-VL smart resize between --min-pixels and --max-pixels,

@@ -123,7 +123,7 @@ fn delivery(client: &feedstore_consumer::Client, spec: &StreamSpec, task: Stream
 
 /// The cache key test producers file record `record`'s sample under.
 fn cache_key(record: u64) -> u128 {
-    0x5eed_0000_0000_0000_0000_0000_0000_0000 | u128::from(record) + 1
+    0x5eed_0000_0000_0000_0000_0000_0000_0000 | (u128::from(record) + 1)
 }
 
 /// The image every batched sample of `record` carries: 3×4×4 f32 (192 bytes, a multiple of

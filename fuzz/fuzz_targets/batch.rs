@@ -31,7 +31,7 @@ fn leaves_inside(v: &Value, data_len: u64) {
 fuzz_target!(|data: &[u8]| {
     // The input as a whole object, and as a bare skeleton behind a well-formed header.
     if let Ok((value, start)) = batch::parse(data) {
-        leaves_inside(&value, data.len() as u64 - start);
+        leaves_inside(&value, (data.len() as u64).saturating_sub(start));
         let skeleton = batch::encode(&value);
         assert_eq!(&data[batch::HEADER_BYTES..batch::HEADER_BYTES + skeleton.len()], &skeleton[..]);
         assert_eq!(batch::header(skeleton.len())[..], data[..batch::HEADER_BYTES]);

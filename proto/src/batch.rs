@@ -309,6 +309,11 @@ pub fn is_batch(object: &[u8]) -> bool {
 
 /// Parses a whole batch object: its structure, each leaf's offset relative to the data region,
 /// and where that region starts. Every leaf is checked to lie inside the object.
+///
+/// The skeleton is copied out of `object` before it is decoded, so each of its bytes is read
+/// once: an object in shared memory that a writer process changes meanwhile (breaking the
+/// protocol) cannot make a value checked once differ when it is used (a string validated as
+/// UTF-8, then copied).
 pub fn parse(object: &[u8]) -> Result<(Value, u64), BatchError> {
     let Some(head) = object.first_chunk::<HEADER_BYTES>() else {
         let mut magic = [0u8; 8];
@@ -331,10 +336,10 @@ pub fn parse(object: &[u8]) -> Result<(Value, u64), BatchError> {
             object.len()
         )));
     }
-    let skeleton = &object[HEADER_BYTES..HEADER_BYTES + skeleton_len as usize];
+    let skeleton = object[HEADER_BYTES..HEADER_BYTES + skeleton_len as usize].to_vec();
     let start = data_start(skeleton.len());
     let data_len = (object.len() as u64).saturating_sub(start);
-    let value = decode(skeleton, data_len)?;
+    let value = decode(&skeleton, data_len)?;
     Ok((value, start))
 }
 

@@ -16,8 +16,10 @@ Anything else (a user's class, a named tuple, a PIL image) is refused when writt
 writer and every reader pass that class in ``classes`` (``DataLoader(batch_classes=...)``): then
 it is stored as its class's name and its state, as pickle would reduce it, and a reader rebuilds
 it from its own list of classes (``__new__`` and ``__setstate__``, or the instance dict), never
-importing anything by name. Trust rule: list only classes whose ``__new__``/``__init__`` and
-``__setstate__`` are safe for any state a trusted writer could store.
+importing anything by name. Trust rule: list only classes that are safe to rebuild from any
+state at all (their ``__new__``, ``__setstate__``, ``append`` / ``__setitem__`` for their items,
+and, for a class whose own ``__reduce__`` calls itself, its constructor, all run with what the
+bytes hold): a uid allowed to write to the store can rewrite any object's bytes.
 
 And a reader reads only batches written by a uid it trusts: the writer's uid, recorded by the
 daemon when the object was created (``Sample.writer_uid``), must be root's, the reader's own, or

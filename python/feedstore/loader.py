@@ -5,10 +5,10 @@ The user's code is unchanged: the same constructor, the same ``dataset[i]`` / ``
 ``collate_fn`` running in worker processes, the same batches in the same order (the sampler and
 the seeds are drawn exactly as torch draws them, and each worker's random state is torch's).
 What changes is the hand-off: a worker writes each batch once into the node's feedstore as one
-object (``feedstore._batch``: the structure pickled, every tensor's bytes copied in place,
-``default_collate``'s stack written straight into the batch) and sends the trainer its handle
-through a pipe; the trainer maps the object and gets tensors over it. No tensor bytes are
-pickled, and there is no ``/dev/shm`` file per tensor.
+object (``feedstore._batch``: the structure in an encoding that cannot run code, every
+tensor's bytes copied in place, ``default_collate``'s stack written straight into the batch)
+and sends the trainer its handle through a pipe; the trainer maps the object and gets tensors
+over it. Nothing of a batch is pickled, and there is no ``/dev/shm`` file per tensor.
 
 Beyond torch: ``state_dict()`` / ``load_state_dict()`` resume exactly (the next batch is the one
 an uninterrupted run would have yielded, prefetched ones included), a worker killed mid-batch is
@@ -1691,8 +1691,9 @@ class DataLoader(torch.utils.data.DataLoader):
       dataclass, a ``transformers.BatchEncoding``. Batches cross processes without pickle: a
       class not listed is a ``TypeError`` in the worker, and a reader rebuilds a listed class
       from its state with the class it was given (``__new__``, then ``__setstate__`` or the
-      instance dict), never by importing a name the bytes carry. List only classes whose
-      rebuilding is safe for any state one of your own workers could write.
+      instance dict), never by importing a name the bytes carry. List only classes that are
+      safe to rebuild from any state at all: a uid allowed to write to the store can rewrite
+      any object's bytes (docs/SECURITY.md).
 
     Batches are torch's, element for element. Their tensors are views of one read-only
     shared-memory object: reading is free, writing in place faults (``.clone()`` first, or move

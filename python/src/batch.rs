@@ -60,8 +60,10 @@ struct Encoder<'py> {
     newobj: Bound<'py, PyAny>,
     /// Leaves found so far: the bytes sources the caller writes, at their offsets.
     leaves: Vec<(u64, Bound<'py, PyAny>)>,
-    /// Leaves by object identity: an object met twice is stored once.
-    seen: HashMap<usize, Value>,
+    /// Leaves by object identity: an object met twice is stored once. The object is kept
+    /// alive with its entry, so its address cannot be another object's later in the walk (a
+    /// temporary a class's `__reduce_ex__` made and dropped).
+    seen: HashMap<usize, (Bound<'py, PyAny>, Value)>,
     data_len: u64,
 }
 
@@ -146,13 +148,13 @@ impl<'py> Encoder<'py> {
             });
         }
         let key = obj.as_ptr() as usize;
-        if let Some(v) = self.seen.get(&key) {
+        if let Some((_, v)) = self.seen.get(&key) {
             return Ok(v.clone());
         }
         let described = self.leaf.call1((obj,))?;
         if !described.is_none() {
             let v = self.store_leaf(&described)?;
-            self.seen.insert(key, v.clone());
+            self.seen.insert(key, (obj.clone(), v.clone()));
             return Ok(v);
         }
         self.object(obj, depth)
@@ -261,6 +263,27 @@ impl<'py> Encoder<'py> {
     }
 }
 
+/// A walked batch: its skeleton, each leaf's byte source at its offset, the data region's size.
+type Encoded<'py> = (Bound<'py, PyBytes>, Vec<(u64, Bound<'py, PyAny>)>, u64);
+
+/// The slot names `cls` and its bases declare (`__slots__`).
+fn declared_slots(cls: &Bound<'_, PyType>) -> PyResult<std::collections::HashSet<String>> {
+    let mut names = std::collections::HashSet::new();
+    for klass in cls.getattr("__mro__")?.try_iter()? {
+        let Ok(slots) = klass?.getattr("__dict__")?.get_item("__slots__") else {
+            continue;
+        };
+        if let Ok(one) = slots.extract::<String>() {
+            names.insert(one);
+        } else {
+            for name in slots.try_iter()? {
+                names.insert(name?.extract()?);
+            }
+        }
+    }
+    Ok(names)
+}
+
 /// Walks `batch` into a skeleton: `(skeleton, [(offset, source)], data_len)`. `leaf(obj)`
 /// describes a tensor or array as `(kind, dtype code, width, shape, nbytes, source)` or
 /// returns None;
@@ -271,7 +294,7 @@ pub fn encode_batch<'py>(
     batch: &Bound<'py, PyAny>,
     leaf: Bound<'py, PyAny>,
     classes: Option<&Bound<'py, PyAny>>,
-) -> PyResult<(Bound<'py, PyBytes>, Vec<(u64, Bound<'py, PyAny>)>, u64)> {
+) -> PyResult<Encoded<'py>> {
     let py = batch.py();
     let mut encoder = Encoder {
         leaf,
@@ -355,7 +378,10 @@ impl<'py> Decoder<'py> {
     }
 
     /// Rebuilds an object of an allowed class as pickle's `NEWOBJ`/`REDUCE` and `BUILD` would,
-    /// with the class taken from the reader's own list, never imported by name.
+    /// with the class taken from the reader's own list, never imported by name. Narrower than
+    /// pickle: the class is called with arguments (`Build::Call`) only if it defines its own
+    /// `__reduce__` or `__reduce_ex__` (so reduces that way itself), and slot state sets only
+    /// the slots the class declares.
     fn object(&self, py: Python<'py>, o: &Object) -> PyResult<Bound<'py, PyAny>> {
         let Some(cls) = self.classes.get(&o.class) else {
             return Err(UntrustedBatch::new_err(format!(
@@ -374,7 +400,20 @@ impl<'py> Decoder<'py> {
                 with_cls.extend(args.iter());
                 cls.call_method1("__new__", PyTuple::new(py, with_cls)?)?
             }
-            Build::Call => cls.call1(args)?,
+            Build::Call => {
+                let object = py.import("builtins")?.getattr("object")?;
+                let own = |name: &str| -> PyResult<bool> {
+                    Ok(!cls.getattr(name)?.is(&object.getattr(name)?))
+                };
+                if !own("__reduce__")? && !own("__reduce_ex__")? {
+                    return Err(UntrustedBatch::new_err(format!(
+                        "the batch calls {} with arguments, but that class does not reduce to \
+                         a call of itself",
+                        o.class
+                    )));
+                }
+                cls.call1(args)?
+            }
         };
         if !matches!(o.state, Value::None) {
             let state = self.build(py, &o.state)?;
@@ -389,9 +428,16 @@ impl<'py> Decoder<'py> {
                     obj.getattr("__dict__")?.call_method1("update", (state,))?;
                 }
                 if let Some(slots) = slots.filter(|s| !s.is_none()) {
+                    let declared = declared_slots(cls)?;
                     for item in slots.call_method0("items")?.try_iter()? {
-                        let (k, v): (Bound<'py, PyString>, Bound<'py, PyAny>) = item?.extract()?;
-                        obj.setattr(k, v)?;
+                        let (k, v): (String, Bound<'py, PyAny>) = item?.extract()?;
+                        if !declared.contains(&k) {
+                            return Err(UntrustedBatch::new_err(format!(
+                                "the batch sets {k:?} on a {}, which declares no such slot",
+                                o.class
+                            )));
+                        }
+                        obj.setattr(k.as_str(), v)?;
                     }
                 }
             }
@@ -424,8 +470,10 @@ pub fn decode_batch<'py>(
 ) -> PyResult<Bound<'py, PyAny>> {
     let py = sample.py();
     let s = sample.get();
-    if let Some(writer) = s.writer() {
-        let me = nix::unistd::geteuid().as_raw();
+    let me = nix::unistd::geteuid().as_raw();
+    {
+        // Memory of this process (no writer recorded) is not a batch object of the store's.
+        let writer = s.writer().unwrap_or(u32::MAX);
         if writer != 0 && writer != me && !trusted.contains(&writer) {
             return Err(UntrustedBatch::new_err(format!(
                 "batch object {} was written by uid {writer}, which this reader (uid {me}) does \

@@ -353,3 +353,28 @@ def test_a_pickle_planted_on_a_peer_never_runs_on_the_node_that_pulls_it(tmp_pat
         for p in (a, b):
             p.send_signal(signal.SIGTERM)
             p.wait(timeout=30)
+
+
+def test_rebuilding_an_allowed_class_runs_no_more_than_its_reduce_asks(daemon):
+    """A batch rewritten to call an allowed class that does not reduce to a call of itself, or
+    to set an attribute its slots do not declare, is refused: an allowed class is rebuilt the
+    way it reduces, not any way the bytes say."""
+    writer = feedstore.Client(daemon.socket, writer=True)
+    reader = feedstore.Client(daemon.socket)
+
+    def rewritten(batch, classes, old: bytes, new: bytes):
+        data = bytes(reader.get(_batch.write(writer, batch, classes=classes)).data)
+        assert data.count(old) == 1
+        return reader.get(raw_object(daemon, data.replace(old, new)))
+
+    name = f"{Point.__module__}:{Point.__qualname__}".encode()
+    head = b"\x0e" + len(name).to_bytes(4, "little") + name
+    called = rewritten({"p": Point(1, 2)}, [Point], head + b"\x00", head + b"\x01")
+    with pytest.raises(feedstore.UntrustedBatch) as e:
+        _batch.read(called, classes=[Point])
+    assert "does not reduce to a call" in str(e.value)
+    slot = b"\x07\x01\x00\x00\x00b"
+    other = rewritten({"s": Slotted(1, 2)}, [Slotted], slot, b"\x07\x01\x00\x00\x00z")
+    with pytest.raises(feedstore.UntrustedBatch) as e:
+        _batch.read(other, classes=[Slotted])
+    assert "no such slot" in str(e.value)

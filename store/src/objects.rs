@@ -122,7 +122,7 @@ pub struct ClientInfo {
     /// client, and bounded by its stream's depth rather than the lease limit.
     pub internal: bool,
     /// A uid allowed only to read (`--allow-reader-uid`): the bytes its connections hold
-    /// leased, together, are capped (`--reader-lease-fraction`), so such a uid cannot pin the
+    /// leased, together, are capped (`--reader-lease-percent`), so such a uid cannot pin the
     /// store against the writers.
     pub capped: bool,
 }
@@ -185,7 +185,7 @@ pub struct Objects {
     max_leases_per_conn: u64,
     /// Sealed local copies of other nodes' objects, by the owner's handle.
     copies: HashMap<Handle, u32>,
-    /// The most bytes a capped uid's connections may hold leased (`--reader-lease-fraction`).
+    /// The most bytes a capped uid's connections may hold leased (`--reader-lease-percent`).
     capped_lease_bytes: u64,
     /// Leases of capped uids, by uid.
     capped: HashMap<u32, UidLeases>,
@@ -482,13 +482,16 @@ impl Objects {
         };
         let (location, bytes) = (obj.location(), obj.block.len);
         if capped {
-            let held = self.capped.entry(uid).or_default();
-            let new = !held.per_slot.contains_key(&slot);
-            if get && new && held.bytes.saturating_add(bytes) > self.capped_lease_bytes {
+            let (held_bytes, new) = self
+                .capped
+                .get(&uid)
+                .map_or((0, true), |h| (h.bytes, !h.per_slot.contains_key(&slot)));
+            if get && new && held_bytes.saturating_add(bytes) > self.capped_lease_bytes {
                 self.counters.limits_hit += 1;
                 self.counters.capped_refusals += 1;
                 return Err(Status::LimitReached);
             }
+            let held = self.capped.entry(uid).or_default();
             *held.per_slot.entry(slot).or_insert(0) += 1;
             if new {
                 held.bytes += bytes;
@@ -624,15 +627,6 @@ impl Objects {
         let slot = self.resolve(handle).ok()?;
         let obj = self.slots[slot as usize].as_ref()?;
         (obj.state == State::Sealed && !obj.delete_pending).then_some(obj.creator)
-    }
-
-    /// Whether the live, sealed object `handle` names is a copy of another node's object.
-    pub fn is_copy(&self, handle: Handle) -> bool {
-        self.resolve(handle).is_ok_and(|slot| {
-            self.slots[slot as usize]
-                .as_ref()
-                .is_some_and(|o| o.origin.is_some())
-        })
     }
 
     /// How many object slots the store has had at once at most: a bound on its live objects

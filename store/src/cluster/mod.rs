@@ -172,8 +172,11 @@ pub struct Cluster {
     /// Connections other daemons have open to this one, having proved the secret: in all, and
     /// by address.
     peer_connections: Mutex<(usize, HashMap<IpAddr, usize>)>,
-    /// Connections not yet past their handshake.
-    handshakes: Mutex<Handshakes>,
+    /// Connections not yet past their handshake: from addresses the peer list names, and from
+    /// the rest, each with a budget of its own.
+    handshakes: Mutex<[Handshakes; 2]>,
+    /// The addresses the peer list resolved to at the last round.
+    listed: Mutex<HashSet<IpAddr>>,
     /// Lines logged about failed handshakes in the current window, and those left out.
     handshake_log: Mutex<(std::time::Instant, u32, u64)>,
     /// Stream sessions this node opened to other nodes, by node id.
@@ -217,7 +220,8 @@ impl Cluster {
             kick: Notify::new(),
             inflight: Mutex::new(HashMap::new()),
             peer_connections: Mutex::new((0, HashMap::new())),
-            handshakes: Mutex::new(Handshakes::default()),
+            handshakes: Mutex::new(Default::default()),
+            listed: Mutex::new(HashSet::new()),
             handshake_log: Mutex::new((std::time::Instant::now(), 0, 0)),
             sessions: Mutex::new(HashMap::new()),
             opening_sessions: tokio::sync::Mutex::new(()),
@@ -291,14 +295,22 @@ impl Cluster {
 
     /// A place in the handshake budget for a connection just accepted: strangers that never
     /// finish a handshake hold only these, never the places of peers that proved the secret.
-    /// When the budget is full, or the connection's source (its address; its /64 for IPv6)
-    /// holds its share (twice `--peer-connections`, plus 2 for probes), the oldest handshake of
-    /// the source holding the most is ended to make room: a flood of silent connections keeps
-    /// being replaced, and a real peer's handshake, which takes milliseconds, gets through.
+    /// Connections from an address the peer list names have a budget of their own, which no
+    /// stranger's connection takes or evicts. Within a budget, when it is full or the
+    /// connection's source (its address; its /64 for IPv6) holds its share (twice
+    /// `--peer-connections`, plus 2 for probes), the oldest handshake of the source holding the
+    /// most is ended to make room: a flood of silent connections keeps being replaced.
     fn begin_handshake(self: &Arc<Self>, addr: SocketAddr) -> HandshakeTicket {
         let per_source = 2 * self.config.connections_per_peer + 2;
         let source = SourceKey::of(addr.ip());
-        let mut h = self.handshakes.lock().unwrap_or_else(|e| e.into_inner());
+        let pool = usize::from(
+            self.listed
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .contains(&addr.ip()),
+        );
+        let mut pools = self.handshakes.lock().unwrap_or_else(|e| e.into_inner());
+        let h = &mut pools[pool];
         let evict = if h.by_source.get(&source).copied().unwrap_or(0) >= per_source {
             Some(source)
         } else if h.open.len() >= MAX_HANDSHAKES {
@@ -319,6 +331,7 @@ impl Cluster {
         *h.by_source.entry(source).or_insert(0) += 1;
         HandshakeTicket {
             cluster: self.clone(),
+            pool,
             id,
             evicted: rx,
         }
@@ -525,13 +538,13 @@ impl Cluster {
         let mut forged = 0;
         loop {
             match self.try_pull(shared, handle, via, deadline).await {
-                Err(e) if e.status == Status::Corrupt => {
+                Err(e) if e.forged => {
                     // Bytes altered, replayed or forged on the way: counted, and asked again of
                     // the owner once, on a fresh connection (the channel was dropped).
                     self.note_forged_record();
                     forged += 1;
                     if forged > 1 || Instant::now() >= deadline {
-                        return Err(PullError { retry: false, ..e });
+                        return Err(e);
                     }
                     tracing::warn!(%handle, reason = %e.message, "pull failed its authentication; asking the owner again");
                 }
@@ -755,6 +768,8 @@ impl Cluster {
     async fn membership(self: Arc<Self>) {
         loop {
             let addrs = self.resolve().await;
+            *self.listed.lock().unwrap_or_else(|e| e.into_inner()) =
+                addrs.iter().map(SocketAddr::ip).collect();
             let probes: Vec<_> = {
                 let mut m = self.lock_members();
                 // Peers whose address no longer resolves leave.
@@ -950,6 +965,7 @@ impl Handshakes {
 /// however it ended).
 pub(crate) struct HandshakeTicket {
     cluster: Arc<Cluster>,
+    pool: usize,
     id: u64,
     evicted: oneshot::Receiver<()>,
 }
@@ -966,7 +982,7 @@ impl Drop for HandshakeTicket {
         self.cluster
             .handshakes
             .lock()
-            .unwrap_or_else(|e| e.into_inner())
+            .unwrap_or_else(|e| e.into_inner())[self.pool]
             .remove(self.id);
     }
 }

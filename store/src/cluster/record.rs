@@ -7,8 +7,9 @@
 //! encrypted) under that key, with the record's sequence number as the nonce: the number is
 //! never sent, both sides count, so a record replayed from earlier in this connection or from
 //! another one, dropped, reordered, altered or forged fails its tag. A receiver checks a
-//! record's tag before it acts on a byte of it (a range's bytes land in an unsealed
-//! reservation first, which nothing can see until every record of the range passed).
+//! record's tag before it acts on it (a range's bytes land in an unsealed reservation first,
+//! which no client is handed until every record of the object passed; a session frame's length
+//! word, at most 1 MiB, is read before the frame's tag).
 //!
 //! Why GMAC: AWS-LC's AVX-512 GHASH authenticates ~21 GB/s on one core here, as fast as the
 //! CRC-32C it replaced, so a pull pays one pass over its bytes for integrity either way. Nonces

@@ -199,6 +199,7 @@ impl Session {
                 self.node, self.addr
             ),
             retry: true,
+            forged: false,
         };
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let (tx, rx) = oneshot::channel();
@@ -216,7 +217,12 @@ impl Session {
         let bytes = request.encode(id);
         let sent = tokio::time::timeout_at(deadline, async {
             let (writer, sealer) = &mut *self.writer.lock().await;
-            write_frame(writer, sealer, &bytes).await
+            // A frame cut off mid-write (this call dropped by its caller) leaves the record
+            // count out of step with the owner's: the session ends rather than send on.
+            let cut = KillUnlessDone(Some(self));
+            let written = write_frame(writer, sealer, &bytes).await;
+            cut.done();
+            written
         })
         .await;
         match sent {
@@ -240,6 +246,23 @@ impl Session {
                     format!("node {:08x} did not answer in time", self.node),
                 ))
             }
+        }
+    }
+}
+
+/// Ends its session when dropped before [`KillUnlessDone::done`].
+struct KillUnlessDone<'a>(Option<&'a Session>);
+
+impl KillUnlessDone<'_> {
+    fn done(mut self) {
+        self.0 = None;
+    }
+}
+
+impl Drop for KillUnlessDone<'_> {
+    fn drop(&mut self) {
+        if let Some(session) = self.0 {
+            session.kill();
         }
     }
 }

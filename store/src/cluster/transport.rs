@@ -65,6 +65,10 @@ pub struct PullError {
     pub message: String,
     /// A fresh connection may succeed (a reset, a peer that restarted).
     pub retry: bool,
+    /// A record from the peer failed its tag (altered, replayed or forged on the way): asked of
+    /// the owner once more, and counted in `peer_frames_rejected`. (An owner's authenticated
+    /// `Corrupt` answer, from a relay's own pull, is not this.)
+    pub forged: bool,
 }
 
 impl PullError {
@@ -74,6 +78,7 @@ impl PullError {
             status,
             message: message.into(),
             retry: false,
+            forged: false,
         }
     }
 }
@@ -137,6 +142,7 @@ impl From<LinkError> for PullError {
                 status: Status::Unreachable,
                 message: e.to_string(),
                 retry: true,
+                forged: false,
             },
             other => PullError::fatal(Status::Unreachable, other.to_string()),
         }
@@ -290,6 +296,7 @@ impl TcpChannel {
                 self.peer.node_id, self.addr
             ),
             retry: true,
+            forged: false,
         }
     }
 
@@ -300,7 +307,8 @@ impl TcpChannel {
                 "node {:08x} at {}: {what}: {Forged}",
                 self.peer.node_id, self.addr
             ),
-            retry: true,
+            retry: false,
+            forged: true,
         }
     }
 
@@ -643,14 +651,10 @@ mod tests {
         (x.map(|(p, _)| p), y.map(|(p, _)| p))
     }
 
+    type Shaken = Result<(PeerIdentity, Records), LinkError>;
+
     /// Both sides of a handshake, with their record layers.
-    fn shake_records(
-        a: LocalIdentity,
-        b: LocalIdentity,
-    ) -> (
-        Result<(PeerIdentity, Records), LinkError>,
-        Result<(PeerIdentity, Records), LinkError>,
-    ) {
+    fn shake_records(a: LocalIdentity, b: LocalIdentity) -> (Shaken, Shaken) {
         let rt = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()
