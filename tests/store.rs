@@ -675,7 +675,7 @@ fn malformed_frames_are_rejected() {
     for reason in [
         "bad magic",
         "exceeds the maximum",
-        "unsupported protocol version",
+        "the client speaks protocol 99, this daemon",
         "before hello",
         "truncated",
         "unknown opcode",
