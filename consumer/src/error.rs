@@ -102,8 +102,14 @@ pub enum Error {
         /// The daemon's reason, when it gave one.
         reason: String,
     },
-    /// An object pulled from its owning node failed its checksum; nothing was handed out.
-    #[error("object {handle} arrived corrupted from node {:08x} (checksum mismatch)", handle.node_id)]
+    /// An object pulled from its owning node failed its authentication on the way, twice
+    /// (altered, replayed or forged bytes: an attacker or a broken link between the nodes);
+    /// nothing was handed out.
+    #[error(
+        "object {handle} from node {:08x} failed its authentication on the way, twice (altered, \
+         replayed or forged between the nodes; this node's feedstored log says more)",
+        handle.node_id
+    )]
     Corrupt {
         /// The handle asked for.
         handle: Handle,
@@ -285,10 +291,15 @@ impl Error {
             Status::Ended => Error::Ended,
             Status::LimitReached if message.is_empty() => Error::LimitReached(
                 "this connection holds as many leases as the daemon allows \
-                 (--max-leases-per-connection), or this uid, allowed only to read, holds its \
-                 share of the store (--reader-lease-percent)"
+                 (--max-leases-per-connection)"
                     .into(),
             ),
+            Status::OverShare => Error::LimitReached(format!(
+                "object {handle}: this uid, allowed only to read (--allow-reader-uid), may hold \
+                 its share of the store leased at once (--reader-lease-percent), and its leases \
+                 with this object would exceed it (return some, or ask for a larger share if \
+                 the object alone is larger)"
+            )),
             Status::LimitReached => Error::LimitReached(message.into()),
             other => Error::Protocol(format!("daemon answered {other}: {message}")),
         }

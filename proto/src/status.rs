@@ -48,11 +48,15 @@ pub enum Status {
     /// its daemon refused, reset or went away during the transfer (the message or the daemon's
     /// log says which).
     Unreachable = 17,
-    /// A pulled object's checksum did not match its bytes: nothing was sealed.
+    /// A pulled object's bytes failed their authentication (altered, replayed or forged on the
+    /// way), twice: nothing was sealed.
     Corrupt = 18,
     /// Taken already: the stream rank has a consumer (one per rank: another process reads it,
     /// or a dead one's connection is not closed yet), or the cache key names another sample.
     InUse = 19,
+    /// A get by a uid allowed only to read, whose leases with this object would exceed its
+    /// share of the store (`--reader-lease-percent`).
+    OverShare = 20,
 }
 
 impl Status {
@@ -80,6 +84,7 @@ impl Status {
             17 => Unreachable,
             18 => Corrupt,
             19 => InUse,
+            20 => OverShare,
             _ => return None,
         })
     }
@@ -105,8 +110,9 @@ impl Status {
             Status::SpecMismatch => "the stream exists with a different spec",
             Status::LimitReached => "a configured limit was reached",
             Status::Unreachable => "the owning node could not be reached",
-            Status::Corrupt => "pulled bytes failed their checksum",
+            Status::Corrupt => "pulled bytes failed their authentication",
             Status::InUse => "already taken (a stream rank's consumer, a cache key's sample)",
+            Status::OverShare => "over this reader uid's share of the store",
         }
     }
 }

@@ -199,8 +199,9 @@ impl<'py> Encoder<'py> {
             return Err(PyTypeError::new_err(format!(
                 "a batch cannot hold a {name} by default: a reader would have to run its code \
                  to rebuild it. Return dicts, lists, tuples, numbers, strings, tensors and \
-                 arrays from collate_fn, or pass the class in batch_classes= (to the writer and \
-                 every reader) if you trust it to be rebuilt from its state"
+                 arrays from collate_fn, or list the class in batch_classes= \
+                 (DataLoader(batch_classes=[...]); to_torch(..., batch_classes=[...]) where \
+                 such objects are read) if it is safe to rebuild from any state"
             )));
         }
         let reduced = obj.call_method1("__reduce_ex__", (4,))?;
@@ -425,7 +426,13 @@ impl<'py> Decoder<'py> {
                     _ => (state.clone(), None),
                 };
                 if !state.is_none() {
-                    obj.getattr("__dict__")?.call_method1("update", (state,))?;
+                    let Ok(attributes) = obj.getattr("__dict__") else {
+                        return Err(UntrustedBatch::new_err(format!(
+                            "the batch sets instance attributes on a {}, which has none",
+                            o.class
+                        )));
+                    };
+                    attributes.call_method1("update", (state,))?;
                 }
                 if let Some(slots) = slots.filter(|s| !s.is_none()) {
                     let declared = declared_slots(cls)?;

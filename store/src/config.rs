@@ -165,7 +165,8 @@ pub struct Settings {
     #[arg(long, value_name = "BOOL")]
     pub prefault: Option<bool>,
 
-    /// This node's id in object handles [default: a hash of the host name].
+    /// This node's id in object handles, a decimal number up to 4294967295 (handles and logs
+    /// show it in hex) [default: a hash of the host name].
     #[arg(long, value_name = "ID")]
     pub node_id: Option<u32>,
 
@@ -181,7 +182,8 @@ pub struct Settings {
     pub allow_uids: Option<Vec<u32>>,
 
     /// Also allow this uid to connect as a reader only: it maps the store read-only and cannot
-    /// write by any path (repeatable; `allow-reader-uids = [...]` in the file).
+    /// write by any path, and holds at most --reader-lease-percent of the store leased
+    /// (repeatable; `allow-reader-uids = [...]` in the file).
     #[arg(long = "allow-reader-uid", value_name = "UID")]
     pub allow_reader_uids: Option<Vec<u32>>,
 
@@ -210,9 +212,10 @@ pub struct Settings {
     #[arg(long, value_name = "N")]
     pub max_leases_per_connection: Option<u64>,
 
-    /// Percent of the store's capacity a uid allowed only to read (--allow-reader-uid) may
-    /// hold leased at once, over all its connections; its gets past that fail with
-    /// LimitReached, so such a uid cannot pin the store against the writers [default: 25].
+    /// Percent of the store's capacity (a whole number, 1 to 100) a uid allowed only to read
+    /// (--allow-reader-uid) may hold leased at once, over all its connections; its gets past
+    /// that fail with LimitReached, so such a uid cannot pin the store against the writers (nor
+    /// read an object larger than its share) [default: 25].
     #[arg(long, value_name = "PERCENT")]
     pub reader_lease_percent: Option<u64>,
 
@@ -262,9 +265,11 @@ pub struct Settings {
     #[arg(long, value_name = "FILE", help_heading = "Cluster")]
     pub peers_file: Option<PathBuf>,
 
-    /// The secret every daemon of the cluster shares (16 to 4096 bytes, mode 0600 or 0400,
-    /// e.g. `head -c 32 /dev/urandom | base64`): peers prove it to each other at every
-    /// connection (HMAC-SHA256 challenge-response).
+    /// The secret every daemon of the cluster shares, required with --listen, --peers or
+    /// --peers-file (16 to 4096 bytes, a trailing newline not counted; mode 0600 or 0400; e.g.
+    /// `head -c 32 /dev/urandom | base64`): peers prove it to each other at every connection
+    /// (HMAC-SHA256 challenge-response), and every message after that carries a tag under keys
+    /// derived from it (GMAC): transfers are authenticated, not encrypted.
     #[arg(long, value_name = "FILE", help_heading = "Cluster")]
     pub cluster_secret_file: Option<PathBuf>,
 

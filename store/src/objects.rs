@@ -431,7 +431,8 @@ impl Objects {
         self.lease(conn, handle).map(|got| got.location)
     }
 
-    /// [`Objects::get`], with the uid that wrote the object.
+    /// [`Objects::get`], with the uid that wrote the object. `OverShare` when the connection's
+    /// uid is capped and this object would take its leases past its share.
     pub fn lease(&mut self, conn: ConnId, handle: Handle) -> Result<Got, Status> {
         let slot = self.resolve(handle)?;
         let obj = self.object_mut(slot);
@@ -489,7 +490,7 @@ impl Objects {
             if get && new && held_bytes.saturating_add(bytes) > self.capped_lease_bytes {
                 self.counters.limits_hit += 1;
                 self.counters.capped_refusals += 1;
-                return Err(Status::LimitReached);
+                return Err(Status::OverShare);
             }
             let held = self.capped.entry(uid).or_default();
             *held.per_slot.entry(slot).or_insert(0) += 1;
@@ -899,8 +900,8 @@ mod tests {
         for (i, &h) in objects.iter().enumerate().take(4) {
             o.get(if i % 2 == 0 { r1 } else { r2 }, h).unwrap();
         }
-        assert_eq!(o.get(r1, objects[4]), Err(Status::LimitReached));
-        assert_eq!(o.get(r2, objects[5]), Err(Status::LimitReached));
+        assert_eq!(o.get(r1, objects[4]), Err(Status::OverShare));
+        assert_eq!(o.get(r2, objects[5]), Err(Status::OverShare));
         o.get(r2, objects[0]).unwrap();
         assert_eq!(o.stats().lease_share_refusals, 2);
         // Root reserves 40 MiB of the 64: evicts what the reader does not hold.

@@ -32,7 +32,7 @@ fn text(max: usize) -> impl Strategy<Value = String> {
 }
 
 /// The highest wire code `Status` knows.
-const LAST_STATUS: u16 = 19;
+const LAST_STATUS: u16 = 20;
 
 fn status() -> impl Strategy<Value = Status> {
     (1u16..=LAST_STATUS).prop_map(|c| Status::from_u16(c).expect("known code"))

@@ -101,7 +101,7 @@ async fn serve_peer(
                 .counters
                 .peers_refused
                 .fetch_add(1, Ordering::Relaxed);
-            cluster.log_limited(format!("peer connection from {addr} refused: {e}"));
+            cluster.log_limited(format!("peer connection from {addr}: {e}"));
             return;
         }
         Err(e) => {
