@@ -438,14 +438,6 @@ fn faults_end_in_clear_errors_and_leak_nothing() {
     drop(b);
 }
 
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
 /// Two daemons on loopback, no namespaces: runs as any user, so every CI run covers the pull
 /// path. Strangers holding 300 silent connections from 30 addresses, none of which ever proves
 /// the secret, cannot lock a real peer out: they only ever hold the handshake budget, and the

@@ -13,22 +13,13 @@
 mod common;
 
 use std::io::{Read, Write};
-use std::net::{TcpListener, TcpStream};
+use std::net::TcpStream;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use common::*;
 use feedstore_consumer::{Delivery, Made, Stream, StreamFeeder, StreamOptions, StreamTask};
 use feedstore_proto::stream::{Shuffle, StreamSpec, Tail};
-
-/// A port free on 127.0.0.1 now (the daemon binds it right after).
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
 
 /// `GET path` on 127.0.0.1:`port`: the status line and the body.
 fn get(port: u16, path: &str) -> (String, String) {

@@ -9,17 +9,25 @@ use std::path::PathBuf;
 use feedstore_consumer::{ConnectOptions, Error, Handle, Role};
 use feedstore_proto::frame::{Frame, HEADER_BYTES, MAX_PAYLOAD_BYTES, Opcode, Response};
 
-/// Serves one connection: a hello reply with no segments, then `answer` for each request.
-fn fake_daemon(name: &str, answer: fn(u32, &mut UnixStream)) -> PathBuf {
+/// A socket in /tmp whose one connection `serve` handles on a thread of its own.
+fn fake_socket(name: &str, serve: impl FnOnce(UnixStream) + Send + 'static) -> PathBuf {
     let path =
         std::env::temp_dir().join(format!("feedstore-fake-{}-{name}.sock", std::process::id()));
     let _ = std::fs::remove_file(&path);
     let listener = UnixListener::bind(&path).unwrap();
     let file = path.clone();
     std::thread::spawn(move || {
-        let (mut s, _) = listener.accept().unwrap();
+        let (s, _) = listener.accept().unwrap();
         // Its one connection is made: the socket's file is left behind in /tmp otherwise.
         let _ = std::fs::remove_file(&file);
+        serve(s);
+    });
+    path
+}
+
+/// Serves one connection: a hello reply with no segments, then `answer` for each request.
+fn fake_daemon(name: &str, answer: fn(u32, &mut UnixStream)) -> PathBuf {
+    fake_socket(name, move |mut s| {
         let mut buf = Vec::new();
         let mut chunk = [0u8; 4096];
         loop {
@@ -54,8 +62,7 @@ fn fake_daemon(name: &str, answer: fn(u32, &mut UnixStream)) -> PathBuf {
                 answer(request_id, &mut s);
             }
         }
-    });
-    path
+    })
 }
 
 fn handle() -> Handle {
@@ -167,14 +174,7 @@ fn wrong_reply_kind_is_a_protocol_error() {
 #[test]
 fn a_daemon_of_another_version_is_named_with_both_versions() {
     use feedstore_proto::frame::VERSION;
-    let path =
-        std::env::temp_dir().join(format!("feedstore-fake-{}-newer.sock", std::process::id()));
-    let _ = std::fs::remove_file(&path);
-    let listener = UnixListener::bind(&path).unwrap();
-    let file = path.clone();
-    std::thread::spawn(move || {
-        let (mut s, _) = listener.accept().unwrap();
-        let _ = std::fs::remove_file(&file);
+    let path = fake_socket("newer", |mut s| {
         let mut head = [0u8; HEADER_BYTES];
         s.read_exact(&mut head).unwrap();
         let mut out = Vec::new();

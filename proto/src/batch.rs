@@ -153,7 +153,8 @@ pub enum LeafKind {
 }
 
 impl LeafKind {
-    fn from_u8(code: u8) -> Option<LeafKind> {
+    /// The kind with this code.
+    pub fn from_u8(code: u8) -> Option<LeafKind> {
         Some(match code {
             0 => LeafKind::Tensor,
             1 => LeafKind::Array,
@@ -181,6 +182,42 @@ pub struct Leaf {
 }
 
 impl Leaf {
+    /// A leaf whose parts agree, or why not: the element type fits the kind (bfloat16 is
+    /// torch's alone; text and bytes are numpy's, and only they have a width), a scalar has no
+    /// dimensions, at most [`MAX_NDIM`], and `nbytes` is what the shape holds. (Where it lies
+    /// is checked against its object by [`parse`].)
+    pub fn checked(
+        kind: LeafKind,
+        elem: Elem,
+        width: u32,
+        shape: Vec<u64>,
+        offset: u64,
+        nbytes: u64,
+    ) -> Result<Leaf, String> {
+        if shape.len() > MAX_NDIM || (kind == LeafKind::Scalar && !shape.is_empty()) {
+            return Err(format!("a {kind:?} leaf of {} dimensions", shape.len()));
+        }
+        if (kind != LeafKind::Tensor && elem == Elem::BF16)
+            || (kind == LeafKind::Tensor && elem.is_sized())
+            || (elem.is_sized() != (width != 0))
+        {
+            return Err(format!("a {kind:?} leaf of {elem:?} elements {width} wide"));
+        }
+        if Leaf::bytes_for(elem, width, &shape) != Some(nbytes) {
+            return Err(format!(
+                "a {elem:?} leaf of shape {shape:?} cannot hold {nbytes} bytes"
+            ));
+        }
+        Ok(Leaf {
+            kind,
+            elem,
+            width,
+            shape,
+            offset,
+            nbytes,
+        })
+    }
+
     /// The bytes a leaf of this element type, width and shape holds, if that fits a `u64`.
     pub fn bytes_for(elem: Elem, width: u32, shape: &[u64]) -> Option<u64> {
         shape
@@ -533,24 +570,13 @@ fn decode_leaf(r: &mut Reader<'_>, data_len: u64) -> Result<Leaf, BatchError> {
     let elem = Elem::from_u8(r.u8()?).ok_or(invalid("leaf dtype"))?;
     let width = r.u32()?;
     let ndim = usize::from(r.u8()?);
-    if ndim > MAX_NDIM || (kind == LeafKind::Scalar && ndim != 0) {
+    if ndim > MAX_NDIM {
         return Err(invalid("leaf dimensions"));
-    }
-    // bfloat16 is torch's alone; text and bytes numpy's alone, and only they have a width.
-    if (kind != LeafKind::Tensor && elem == Elem::BF16)
-        || (kind == LeafKind::Tensor && elem.is_sized())
-        || (elem.is_sized() != (width != 0))
-    {
-        return Err(invalid("leaf dtype"));
     }
     let shape = (0..ndim).map(|_| r.u64()).collect::<Result<Vec<_>, _>>()?;
     let offset = r.u64()?;
     let nbytes = r.u64()?;
-    if Leaf::bytes_for(elem, width, &shape) != Some(nbytes) {
-        return Err(BatchError::Leaf(format!(
-            "a {elem:?} leaf of shape {shape:?} cannot hold {nbytes} bytes"
-        )));
-    }
+    let leaf = Leaf::checked(kind, elem, width, shape, offset, nbytes).map_err(BatchError::Leaf)?;
     let inside = offset
         .checked_add(nbytes)
         .is_some_and(|end| end <= data_len);
@@ -559,14 +585,7 @@ fn decode_leaf(r: &mut Reader<'_>, data_len: u64) -> Result<Leaf, BatchError> {
             "a leaf at {offset}+{nbytes} lies outside the data region of {data_len} bytes"
         )));
     }
-    Ok(Leaf {
-        kind,
-        elem,
-        width,
-        shape,
-        offset,
-        nbytes,
-    })
+    Ok(leaf)
 }
 
 /// Whether little-endian two's-complement bytes are the shortest form of their value.

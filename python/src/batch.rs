@@ -165,30 +165,16 @@ impl<'py> Encoder<'py> {
     fn store_leaf(&mut self, described: &Bound<'py, PyAny>) -> PyResult<Value> {
         type Described<'py> = (u8, u8, u32, Vec<u64>, u64, Bound<'py, PyAny>);
         let (kind, elem, width, shape, nbytes, source): Described<'py> = described.extract()?;
-        let kind = match kind {
-            0 => LeafKind::Tensor,
-            1 => LeafKind::Array,
-            2 => LeafKind::Scalar,
-            _ => return Err(PyValueError::new_err(format!("leaf kind {kind}"))),
-        };
+        let kind = LeafKind::from_u8(kind)
+            .ok_or_else(|| PyValueError::new_err(format!("leaf kind {kind}")))?;
         let elem =
             Elem::from_u8(elem).ok_or_else(|| PyValueError::new_err(format!("dtype {elem}")))?;
-        if Leaf::bytes_for(elem, width, &shape) != Some(nbytes) || shape.len() > batch::MAX_NDIM {
-            return Err(PyValueError::new_err(format!(
-                "a {elem:?} leaf of shape {shape:?} does not hold {nbytes} bytes"
-            )));
-        }
         let offset = self.data_len;
+        let leaf = Leaf::checked(kind, elem, width, shape, offset, nbytes)
+            .map_err(PyValueError::new_err)?;
         self.data_len = (offset + nbytes).next_multiple_of(batch::ALIGN);
         self.leaves.push((offset, source));
-        Ok(Value::Leaf(Leaf {
-            kind,
-            elem,
-            width,
-            shape,
-            offset,
-            nbytes,
-        }))
+        Ok(Value::Leaf(leaf))
     }
 
     /// An object of a class the user allowed, reduced as pickle would, into this format.

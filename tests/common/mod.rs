@@ -574,3 +574,12 @@ pub fn produce_command(socket: &Path, manifest: &Path, tokenizer: &Path) -> Comm
         .arg(tokenizer);
     cmd
 }
+
+/// A port free on 127.0.0.1 now (a daemon binds it right after).
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
