@@ -232,9 +232,14 @@ class _WorkerLoop:
         conn: multiprocessing.connection.Connection,
         args: _WorkerArgs,
         client: Optional["feedstore.Client"] = None,
+        pooled: bool = False,
     ) -> None:
         self.conn, self.args = conn, args
-        self.parent = os.getppid()
+        # The trainer that forked it: a worker whose parent changed is an orphan and leaves. A
+        # node pool's process is detached from whoever started it (its parent is the
+        # intermediate process that forked it, until that exits, then init): its sessions end
+        # when their connections do, never by its parent.
+        self.parent = None if pooled else os.getppid()
         # A pool's sessions share their process's connection to the store.
         self.client = client
         self.fetcher: Optional[_Fetcher] = None
@@ -308,7 +313,7 @@ class _WorkerLoop:
 
     def step(self) -> bool:
         """Handles one message from the trainer; False when it is time to leave."""
-        if os.getppid() != self.parent:
+        if self.orphan():
             return False  # an orphan leaves, idle or not
         if not self.pending and not self.conn.poll(POLL_SECONDS):
             return True
@@ -328,8 +333,11 @@ class _WorkerLoop:
                 self.pending.append(self.conn.recv())
         except (EOFError, OSError):
             return True
-        orphan = os.getppid() != self.parent  # (a pool session's is its process's: constant)
-        return orphan or any(message is None for message in self.pending)
+        return self.orphan() or any(message is None for message in self.pending)
+
+    def orphan(self) -> bool:
+        """Whether the trainer that forked this worker is gone (never, for a pool session)."""
+        return self.parent is not None and os.getppid() != self.parent
 
     def handle(self, message: Any) -> bool:
         """Does what one message asks; False when it is time to leave."""
@@ -523,7 +531,7 @@ class _PoolSession:
                 init_fn=shared.init_fn,
                 socket=shared.socket,
             )
-            self.loop = _WorkerLoop(self.conn, args, slot.client)
+            self.loop = _WorkerLoop(self.conn, args, slot.client, pooled=True)
             self.loop.start()
             slot.client = slot.client or self.loop.client
             self.conn.send(("hello", os.getpid()))

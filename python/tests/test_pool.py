@@ -139,6 +139,32 @@ def test_a_pool_process_killed_with_sigkill_is_started_again_for_both_loaders(
     store_empty(daemon)
 
 
+def test_a_pool_session_is_no_orphan_when_its_process_changes_parent(monkeypatch):
+    """A pool's process is a detached grandchild: its parent is the process that forked it until
+    that exits, then init. A session opened in between took its process for an orphan once the
+    parent changed, and left its tasks unmade without a reply: its trainer waited forever (one
+    run in about forty of the SIGKILL test above). A forked worker of a trainer's own still
+    leaves when its trainer is gone."""
+    from multiprocessing import Pipe
+
+    from feedstore.loader import _WorkerArgs, _WorkerLoop
+
+    args = _WorkerArgs(
+        worker_id=0, num_workers=1, dataset=[], iterable=False, auto_collation=False,
+        collate_fn=None, drop_last=False, base_seed=0, init_fn=None, socket=None,
+        on_error="raise",
+    )
+    pooled, forked = Pipe(), Pipe()
+    sessions = [_WorkerLoop(pooled[0], args, pooled=True), _WorkerLoop(forked[0], args)]
+    for ends, loop in zip((pooled, forked), sessions):
+        ends[1].send((7, [1, 2]))  # a task queued behind the one at hand
+        assert not loop.stop_queued()
+    parent = os.getppid()
+    monkeypatch.setattr(os, "getppid", lambda: parent + 1)  # the parent went
+    assert [loop.stop_queued() for loop in sessions] == [False, True]
+    assert [loop.orphan() for loop in sessions] == [False, True]
+
+
 RANK = """
 import sys, time, torch, torch.utils.data as tud
 sys.path.insert(0, {tests!r})
