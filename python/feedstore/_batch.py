@@ -129,6 +129,8 @@ _TORCH_CODES = {dtype: code for code, dtype in enumerate(_TORCH_DTYPES) if dtype
 _NUMPY_CODES = {dtype: code for code, dtype in enumerate(_NUMPY_DTYPES) if dtype is not None}
 # Fixed-width text (numpy's "<U": 4 bytes a character) and bytes ("S"), each with its width.
 TEXT, BYTES = 15, 16
+# The numpy scalar types a batch holds (what `np.float32(1.5)` and `np.str_("a")` are).
+_NUMPY_SCALARS = frozenset({d.type for d in _NUMPY_CODES} | {np.str_, np.bytes_})
 TENSOR, ARRAY, SCALAR = 0, 1, 2
 
 
@@ -197,9 +199,7 @@ def _leaf(obj: Any) -> Optional[Tuple[int, int, int, Tuple[int, ...], int, List[
     if type(obj) is np.ndarray:
         code, width, flat = _numpy(obj)
         return ARRAY, code, width, tuple(int(d) for d in obj.shape), flat.nbytes, [flat]
-    if isinstance(obj, np.generic) and (
-        type(obj) in {d.type for d in _NUMPY_CODES} or type(obj) in (np.str_, np.bytes_)
-    ):
+    if type(obj) in _NUMPY_SCALARS:
         code, width, flat = _numpy(np.asarray(obj))
         return SCALAR, code, width, (), flat.nbytes, [flat]
     return None

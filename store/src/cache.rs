@@ -33,8 +33,8 @@ pub struct SampleCache {
 impl SampleCache {
     /// Files `handle` under `key` for `uid`, replacing what the key named (a stream's put: the
     /// sample its producer made last) and the key the object was filed under before by this
-    /// uid. An object another uid filed stays where it is (a stream's put may name any sealed
-    /// object; it cannot take another user's entry away).
+    /// uid. (A stream's put files only objects `uid` created, and none a peer's session puts;
+    /// an object another uid filed stays where it is all the same.)
     pub fn file(&mut self, objects: &Objects, uid: u32, key: u128, handle: Handle) {
         if self
             .by_handle

@@ -46,3 +46,13 @@ pub mod objects;
 pub mod peer;
 pub mod server;
 pub mod streams;
+
+/// `n` random bytes from the kernel.
+pub fn random_bytes<const N: usize>() -> [u8; N] {
+    use std::io::Read;
+    let mut out = [0u8; N];
+    std::fs::File::open("/dev/urandom")
+        .and_then(|mut f| f.read_exact(&mut out))
+        .expect("reading /dev/urandom");
+    out
+}

@@ -202,7 +202,7 @@ impl Objects {
             slots: Vec::new(),
             by_id: HashMap::new(),
             free_slots: Vec::new(),
-            ids: Ids::new(&random_key()),
+            ids: Ids::new(&crate::random_bytes()),
             lru: BTreeMap::new(),
             tick: 0,
             conns: HashMap::new(),
@@ -578,7 +578,7 @@ impl Objects {
     /// A snapshot of the store.
     pub fn stats(&self) -> StoreStats {
         let mut s = StoreStats {
-            capacity_bytes: self.segments.iter().map(Allocator::capacity).sum(),
+            capacity_bytes: self.capacity(),
             largest_free_bytes: self
                 .segments
                 .iter()
@@ -727,16 +727,6 @@ impl Objects {
         self.free_slots.push(slot);
         self.space_epoch += 1;
     }
-}
-
-/// A fresh random key.
-fn random_key() -> [u8; 32] {
-    use std::io::Read;
-    let mut key = [0u8; 32];
-    std::fs::File::open("/dev/urandom")
-        .and_then(|mut f| f.read_exact(&mut key))
-        .expect("reading /dev/urandom");
-    key
 }
 
 /// A plain client of `uid` for other modules' tests.

@@ -199,16 +199,6 @@ fn labelled(
     mac
 }
 
-/// `n` random bytes from the kernel.
-pub fn random_bytes<const N: usize>() -> [u8; N] {
-    use std::io::Read;
-    let mut out = [0u8; N];
-    std::fs::File::open("/dev/urandom")
-        .and_then(|mut f| f.read_exact(&mut out))
-        .expect("reading /dev/urandom");
-    out
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

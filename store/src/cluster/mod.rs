@@ -51,12 +51,13 @@ pub const RANGE_BYTES: u64 = 16 << 20;
 /// Attempts of one pull on fresh connections after a reset or a lost connection.
 const ATTEMPTS: u32 = 3;
 
-/// Connections that have not proved the cluster secret yet, over all sources: past this, the
-/// oldest handshake of the source holding the most goes.
+/// Connections that have not proved the cluster secret yet, per budget (one for addresses the
+/// peer list names, one for the rest): past this, the oldest handshake of the source holding
+/// the most in that budget goes.
 pub const MAX_HANDSHAKES: usize = 64;
 
 /// Lines a flood of failed handshakes may log per [`LOG_WINDOW`]; the rest are counted and
-/// summed up in one line.
+/// summed up in one line, logged with the first line of a later window.
 const LOG_LINES: u32 = 5;
 /// See [`LOG_LINES`].
 const LOG_WINDOW: Duration = Duration::from_secs(10);
@@ -205,7 +206,7 @@ impl Cluster {
         secret: Option<Secret>,
         engine_conn: ConnId,
     ) -> Cluster {
-        let instance = u64::from_le_bytes(auth::random_bytes());
+        let instance = u64::from_le_bytes(crate::random_bytes());
         Cluster {
             transport: TcpTransport::new(LocalIdentity {
                 node_id,
@@ -355,7 +356,8 @@ impl Cluster {
     }
 
     /// Logs a line about a connection that did not become a peer, at most [`LOG_LINES`] per
-    /// [`LOG_WINDOW`]: a flood from strangers costs a few lines, then one that sums it up.
+    /// [`LOG_WINDOW`]: a flood from strangers costs a few lines, and the next window's first
+    /// line comes with one that sums up what was left out.
     fn log_limited(&self, message: String) {
         let mut log = self.handshake_log.lock().unwrap_or_else(|e| e.into_inner());
         let (start, lines, skipped) = &mut *log;

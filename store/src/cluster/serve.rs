@@ -7,13 +7,13 @@ use std::sync::atomic::Ordering;
 
 use feedstore_proto::peer::{PIECE_BYTES, ReadReply, ReadRequest, TAG_BYTES};
 use feedstore_proto::{Handle, Role, Status};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::AsyncReadExt;
 use tokio::net::{TcpListener, TcpStream};
 
 use super::Cluster;
 use super::auth::Side;
 use super::record::{Records, Sealer};
-use super::transport::{HANDSHAKE_TIMEOUT, LinkError, handshake, tune};
+use super::transport::{HANDSHAKE_TIMEOUT, LinkError, handshake, tune, write_record};
 use crate::objects::{ClientInfo, ConnId};
 use crate::server::Shared;
 
@@ -245,29 +245,4 @@ async fn send_range(
         .served_bytes
         .fetch_add(len, Ordering::Relaxed);
     Ok(())
-}
-
-/// Writes `record` and its tag in one `writev`, where the socket takes both at once.
-async fn write_record(
-    stream: &mut TcpStream,
-    sealer: &mut Sealer,
-    record: &[u8],
-) -> std::io::Result<()> {
-    let tag = sealer.seal(record);
-    let (mut body, mut tail): (&[u8], &[u8]) = (record, &tag);
-    while !body.is_empty() {
-        let n = stream
-            .write_vectored(&[std::io::IoSlice::new(body), std::io::IoSlice::new(tail)])
-            .await?;
-        if n == 0 {
-            return Err(std::io::ErrorKind::WriteZero.into());
-        }
-        if n >= body.len() {
-            tail = &tail[n - body.len()..];
-            body = &[];
-        } else {
-            body = &body[n..];
-        }
-    }
-    stream.write_all(tail).await
 }

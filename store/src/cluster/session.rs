@@ -29,7 +29,7 @@ use feedstore_proto::peer::TAG_BYTES;
 use feedstore_proto::peer_stream::{MAX_SESSION_ITEMS, SessionReply, SessionRequest, frame_len};
 use feedstore_proto::ring::ENTRY_FAILED;
 use feedstore_proto::{Role, Status};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::AsyncReadExt;
 use tokio::net::TcpStream;
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::sync::{Semaphore, oneshot};
@@ -37,7 +37,7 @@ use tokio::time::Instant;
 
 use super::Cluster;
 use super::record::{Opener, Records, Sealer, Tag};
-use super::transport::{PeerIdentity, PullError};
+use super::transport::{PeerIdentity, PullError, write_record};
 use crate::objects::{ClientInfo, ConnId};
 use crate::server::Shared;
 use crate::streams::{Demand, Forward, Placement};
@@ -82,17 +82,6 @@ async fn read_frame(
     }
     record.drain(..4);
     Ok(record)
-}
-
-/// Writes one frame (length word first) and its record tag.
-async fn write_frame(
-    writer: &mut OwnedWriteHalf,
-    sealer: &mut Sealer,
-    frame: &[u8],
-) -> std::io::Result<()> {
-    let tag = sealer.seal(frame);
-    writer.write_all(frame).await?;
-    writer.write_all(&tag).await
 }
 
 /// The producers' end of a session to one owner.
@@ -220,7 +209,7 @@ impl Session {
             // A frame cut off mid-write (this call dropped by its caller) leaves the record
             // count out of step with the owner's: the session ends rather than send on.
             let cut = KillUnlessDone(Some(self));
-            let written = write_frame(writer, sealer, &bytes).await;
+            let written = write_record(writer, sealer, &bytes).await;
             cut.done();
             written
         })
@@ -667,7 +656,10 @@ pub(crate) async fn serve_session(
     let (tx, mut rx) = tokio::sync::mpsc::channel::<Vec<u8>>(MAX_SESSION_REQUESTS);
     let write = tokio::spawn(async move {
         while let Some(bytes) = rx.recv().await {
-            if write_frame(&mut writer, &mut sealer, &bytes).await.is_err() {
+            if write_record(&mut writer, &mut sealer, &bytes)
+                .await
+                .is_err()
+            {
                 break;
             }
         }

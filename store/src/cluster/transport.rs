@@ -21,8 +21,9 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio::time::Instant;
 
-use super::auth::{Secret, Side, random_bytes};
-use super::record::{Forged, Records, Tag};
+use super::auth::{Secret, Side};
+use super::record::{Forged, Records, Sealer, Tag};
+use crate::random_bytes;
 
 /// The longest a handshake may take (a peer on the same network answers in milliseconds; a
 /// stranger that stays silent holds a handshake slot this long at most).
@@ -442,6 +443,32 @@ impl Channel for TcpChannel {
             Ok(Ok(None)) => Ok(()),
         }
     }
+}
+
+/// Writes `record` and its tag in one `writev`, where the socket takes both at once (with
+/// `TCP_NODELAY`, a tag written on its own would be a packet of its own).
+pub(crate) async fn write_record<W: AsyncWrite + Unpin>(
+    stream: &mut W,
+    sealer: &mut Sealer,
+    record: &[u8],
+) -> std::io::Result<()> {
+    let tag = sealer.seal(record);
+    let (mut body, mut tail): (&[u8], &[u8]) = (record, &tag);
+    while !body.is_empty() {
+        let n = stream
+            .write_vectored(&[std::io::IoSlice::new(body), std::io::IoSlice::new(tail)])
+            .await?;
+        if n == 0 {
+            return Err(std::io::ErrorKind::WriteZero.into());
+        }
+        if n >= body.len() {
+            tail = &tail[n - body.len()..];
+            body = &[];
+        } else {
+            body = &body[n..];
+        }
+    }
+    stream.write_all(tail).await
 }
 
 /// The symmetric handshake (see [`feedstore_proto::peer`]): hellos, proofs, verdicts. Returns
