@@ -446,26 +446,34 @@ fn faults_end_in_clear_errors_and_leak_nothing() {
 fn loopback_peers_pull_and_a_flood_of_strangers_cannot_lock_them_out() {
     let _w = watchdog("loopback_peers", LIMIT);
     let dir = scratch_dir("cluster-loopback");
-    let (pa, pb) = (free_port(), free_port());
-    let (la, lb) = (format!("127.0.0.1:{pa}"), format!("127.0.0.1:{pb}"));
     let secret = secret_file(&dir, "secret", "the-cluster-secret-of-this-test\n");
-    let capacity = ["--capacity", "256MiB", "--cluster-secret-file", &secret];
-    let a_args = [&["--node-id", "1", "--listen", &la][..], &capacity].concat();
-    let a = DaemonProcess::start_named(&dir, "a", &[], &a_args);
+    let capacity = ["--capacity", "256MiB", "--cluster-secret-file", &secret].map(String::from);
+    let (a, la) = DaemonProcess::start_listening(&dir, "a", |_| {
+        [&["--node-id".into(), "1".into()][..], &capacity].concat()
+    });
+    let pa: u16 = la.rsplit(':').next().unwrap().parse().unwrap();
     // 300 silent connections from 127.0.0.2 to 127.0.0.31, ten from each, before any peer.
     let strangers: Vec<_> = (0..300)
         .map(|i| connect_from(&format!("127.0.0.{}", 2 + i % 30), pa))
         .collect();
     // Two connections for six objects of three ranges each, all asked for at once: no pull may
     // wait on a connection another pull holds while that one waits on it.
-    let peers = format!("{la},{lb}");
-    let b_args = [
-        &["--node-id", "2", "--listen", &lb, "--peers", &peers][..],
-        &["--peer-connections", "2"],
-        &capacity,
-    ]
-    .concat();
-    let b = DaemonProcess::start_named(&dir, "b", &[], &b_args);
+    let (b, _) = DaemonProcess::start_listening(&dir, "b", |lb| {
+        let peers = format!("{la},{lb}");
+        [
+            &[
+                "--node-id",
+                "2",
+                "--peers",
+                &peers,
+                "--peer-connections",
+                "2",
+            ]
+            .map(String::from)[..],
+            &capacity,
+        ]
+        .concat()
+    });
     let (wa, rb) = (a.writer(), b.reader());
     let handles: Vec<Handle> = (0..20)
         .map(|i| make(&wa, 1000 + 4096 * i, i as u64))
@@ -702,12 +710,15 @@ fn tamper(
 fn a_proxy_rewriting_bytes_between_daemons_gets_errors_never_wrong_bytes() {
     let _w = watchdog("a_proxy_rewriting_bytes", LIMIT);
     let dir = scratch_dir("cluster-tamper");
-    let pa = free_port();
-    let la = format!("127.0.0.1:{pa}");
     let secret = secret_file(&dir, "secret", "the-cluster-secret-of-this-test\n");
     let common = ["--capacity", "128MiB", "--cluster-secret-file", &secret];
-    let a_args = [&["--node-id", "1", "--listen", &la][..], &common].concat();
-    let a = DaemonProcess::start_named(&dir, "a", &[], &a_args);
+    let (a, la) = DaemonProcess::start_listening(&dir, "a", |_| {
+        [&["--node-id", "1"][..], &common]
+            .concat()
+            .into_iter()
+            .map(String::from)
+            .collect()
+    });
     let proxy = TamperProxy::start(la.parse().unwrap());
     let through = proxy.addr.to_string();
     let b_args = [

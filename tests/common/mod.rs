@@ -90,21 +90,58 @@ impl DaemonProcess {
             .stderr(std::fs::File::create(&log).unwrap());
         let child = cmd.spawn().expect("spawning feedstored");
         let mut d = DaemonProcess { child, socket, log };
-        d.wait_ready();
+        if let Err(e) = d.wait_ready() {
+            panic!("{e}");
+        }
         d
     }
 
-    fn wait_ready(&mut self) {
+    /// Starts `feedstored` named `name` in `dir` listening for peers on a free port of
+    /// 127.0.0.1, with the flags `args` makes of that address; returns it and the address. A
+    /// port another test took between being found free and the daemon binding it is tried
+    /// again with another.
+    pub fn start_listening(
+        dir: &Path,
+        name: &str,
+        args: impl Fn(&str) -> Vec<String>,
+    ) -> (DaemonProcess, String) {
+        for _ in 0..10 {
+            let addr = format!("127.0.0.1:{}", free_port());
+            let mut flags = vec!["--listen".to_owned(), addr.clone()];
+            flags.extend(args(&addr));
+            let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
+            let socket = dir.join(format!("{name}.sock"));
+            let log = dir.join(format!("{name}-{}.log", std::process::id()));
+            let child = Command::new(env!("CARGO_BIN_EXE_feedstored"))
+                .arg("--socket")
+                .arg(&socket)
+                .args(&flags)
+                .env("FEEDSTORE_LOG", "debug")
+                .stdout(Stdio::null())
+                .stderr(std::fs::File::create(&log).unwrap())
+                .spawn()
+                .expect("spawning feedstored");
+            let mut d = DaemonProcess { child, socket, log };
+            match d.wait_ready() {
+                Ok(()) => return (d, addr),
+                Err(e) if e.contains("Address already in use") => continue,
+                Err(e) => panic!("{e}"),
+            }
+        }
+        panic!("no free port for {name} after 10 tries");
+    }
+
+    fn wait_ready(&mut self) -> Result<(), String> {
         let deadline = Instant::now() + Duration::from_secs(20);
         loop {
             if let Some(status) = self.child.try_wait().unwrap() {
-                panic!(
+                return Err(format!(
                     "feedstored exited early with {status}:\n{}",
                     self.log_text()
-                );
+                ));
             }
             if std::os::unix::net::UnixStream::connect(&self.socket).is_ok() {
-                return;
+                return Ok(());
             }
             assert!(
                 Instant::now() < deadline,
