@@ -4,7 +4,7 @@ use std::ops::Deref;
 use std::sync::Arc;
 
 use feedstore_proto::{Handle, Location};
-use feedstore_shm::{Mapping, SharedBytes};
+use feedstore_shm::{Mapping, PrivateBytes, SharedBytes};
 
 use crate::{Client, Error};
 
@@ -103,6 +103,15 @@ impl Lease {
     /// reads them. The cost is the faults', moved to this thread.
     pub fn prefault(&self) {
         self.bytes.prefault();
+    }
+
+    /// A private, writable copy-on-write view of the object (see
+    /// [`SharedBytes::private_view`]): reads share the store's pages, a write copies the page it
+    /// touches into this process alone. `keep` must keep this lease alive for the view's life
+    /// (an `Arc` holding it, say): the view's unwritten pages show the object only while it is
+    /// leased.
+    pub fn private_view<K>(&self, keep: K, populate: bool) -> Result<PrivateBytes<K>, Error> {
+        Ok(self.bytes.private_view(keep, populate)?)
     }
 }
 

@@ -529,6 +529,18 @@ impl StreamSample {
     }
 }
 
+impl StreamSample {
+    /// A private, writable copy-on-write view of the sample, as [`crate::Lease::private_view`]:
+    /// `keep` must keep this sample alive for the view's life.
+    pub fn private_view<K>(
+        &self,
+        keep: K,
+        populate: bool,
+    ) -> Result<feedstore_shm::PrivateBytes<K>, Error> {
+        Ok(self.bytes.private_view(keep, populate)?)
+    }
+}
+
 impl Deref for StreamSample {
     type Target = [u8];
 

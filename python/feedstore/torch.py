@@ -58,12 +58,18 @@ def to_torch(
     ``pixel_values``: list of image tensors; ``input_ids`` and ``labels``: int32;
     ``image_grid_thw``: int64 (n_images, 3); plus ``id``, ``seq`` and ``record``.
 
+    The tensors are as writable as torch's own: they lie in a copy-on-write mapping of this
+    process's (``Sample.private()``), so an in-place op copies the pages it touches and changes
+    nothing another reader, a later epoch or the decode-once cache sees.
+
     An object written from a Python structure (``feedstore.ray.write_stream``, a
     ``feedstore.torch.DataLoader`` batch) comes back as that structure, its tensors and arrays
     views of shared memory, if root, this process's uid or one of ``trusted_uids`` wrote it
     (``feedstore.UntrustedBatch`` otherwise); objects of classes besides the builtins only if
     listed in ``batch_classes`` (see ``feedstore._batch``). Nothing in the object is unpickled.
     """
+    if not sample.writable:
+        sample = sample.private()
     if not sample.is_sample and _batch.is_batch(sample):
         return _batch.read(sample, classes=batch_classes, trusted_uids=trusted_uids)
     images = [torch.from_dlpack(sample.image(i)) for i in range(sample.image_count)]

@@ -109,17 +109,21 @@ impl Client {
     /// from it are gone. `prefault=True` also builds this process's page tables of it now, so
     /// the first read of it takes no page faults (for a thread that takes objects ahead of the
     /// one that reads them; the cost is the faults', on this call).
-    #[pyo3(signature = (handle, *, prefault = false))]
-    fn get(&self, py: Python<'_>, handle: &str, prefault: bool) -> PyResult<Sample> {
+    /// `private=True` gives it as `Sample.private()` does: writable, copy-on-write.
+    #[pyo3(signature = (handle, *, prefault = false, private = false))]
+    fn get(&self, py: Python<'_>, handle: &str, prefault: bool, private: bool) -> PyResult<Sample> {
         let handle = self::handle(handle)?;
         py.detach(|| {
-            let lease = self.inner.get(handle)?;
-            if prefault {
+            let lease = self.inner.get(handle).py_err()?;
+            if prefault && !private {
                 lease.prefault();
             }
-            Ok(Sample::from_lease(lease))
+            let sample = Sample::from_lease(lease);
+            if private {
+                return sample.private_view(prefault);
+            }
+            Ok(sample)
         })
-        .py_err()
     }
 
     /// Deletes an object (once its leases are returned).

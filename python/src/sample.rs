@@ -3,15 +3,18 @@
 //! The ownership chain, as in arrow-rs: a [`Sample`] owns an `Arc<Held>` (a stream sample or
 //! the lease on the object). Every numpy array it hands out has the `Sample` as its `base`, and
 //! every DLPack capsule carries its own clone of the `Arc`. The object goes back to the store when
-//! the last of them is gone, whichever that is. Arrays are created without
-//! `NPY_ARRAY_WRITEABLE` (the mapping is `PROT_READ`: a write would fault), so a write raises
-//! `ValueError: assignment destination is read-only`.
+//! the last of them is gone, whichever that is. Arrays over the store's mapping are created
+//! without `NPY_ARRAY_WRITEABLE` (the mapping is `PROT_READ`: a write would fault), so a write
+//! raises `ValueError: assignment destination is read-only`. `Sample.private()` gives the same
+//! object through a copy-on-write mapping of this process's own (`Held::Private`), whose
+//! arrays and tensors are writable: a write copies the page it touches, and nobody else sees it.
 
 use std::collections::BTreeMap;
 use std::ffi::{c_int, c_void};
 use std::sync::Arc;
 
 use feedstore_consumer::{Lease, StreamSample};
+use feedstore_shm::PrivateBytes;
 use feedstore_proto::sample::{
     AlignedBuf, DType, SampleError, SampleView, TensorLayout, side_by_side,
 };
@@ -31,14 +34,65 @@ pub enum Held {
     Lease(Lease),
     /// Memory of this process (a batch `Stream.next_stacked` had to stack by copying).
     Owned(AlignedBuf),
+    /// A private copy-on-write view of another (`Sample.private()`), which it keeps alive:
+    /// writable, its writes seen by nobody else.
+    Private(PrivateBytes<Arc<Held>>),
 }
 
 impl Held {
+    /// The bytes. Of a private view, as its users write them through arrays and tensors
+    /// (possibly from another thread meanwhile): read them for parsing before any pointer is
+    /// handed out, or copy out what is read, as the batch decoder does.
     fn bytes(&self) -> &[u8] {
         match self {
             Held::Stream(s) => s,
             Held::Lease(l) => l,
             Held::Owned(b) => b.as_slice(),
+            // SAFETY: reads of memory this process's own code may write concurrently: the
+            // bytes stay mapped and valid (the view owns its mapping); what a racing write
+            // leaves is bytes the readers validate or copy, as those of shared memory.
+            Held::Private(p) => unsafe { p.bytes() },
+        }
+    }
+
+    /// The first byte's address, without making a slice of the bytes.
+    fn ptr(&self) -> *const u8 {
+        match self {
+            Held::Private(p) => p.as_ptr(),
+            held => held.bytes().as_ptr(),
+        }
+    }
+
+    /// Whether arrays and tensors over it may be written.
+    fn writable(&self) -> bool {
+        matches!(self, Held::Private(_) | Held::Owned(_))
+    }
+
+    /// The uid that wrote the object, as the daemon recorded it; `None` for memory of this
+    /// process.
+    fn writer(&self) -> Option<u32> {
+        match self {
+            Held::Stream(s) => Some(s.writer()),
+            Held::Lease(l) => Some(l.writer()),
+            Held::Owned(_) => None,
+            Held::Private(p) => p.keep().writer(),
+        }
+    }
+
+    /// A private, writable view of `held`'s object (`Sample.private()`): copy-on-write over
+    /// the store's pages for an object in shared memory, a copy for memory of this process.
+    fn private(held: &Arc<Held>, populate: bool) -> PyResult<Held> {
+        let err = |e: feedstore_consumer::Error| crate::errors::to_py(e);
+        match &**held {
+            Held::Stream(s) => Ok(Held::Private(s.private_view(held.clone(), populate).map_err(err)?)),
+            Held::Lease(l) => Ok(Held::Private(l.private_view(held.clone(), populate).map_err(err)?)),
+            Held::Owned(b) => {
+                let mut copy = AlignedBuf::zeroed(b.as_slice().len());
+                copy.as_mut_slice().copy_from_slice(b.as_slice());
+                Ok(Held::Owned(copy))
+            }
+            // A fresh view of the object, without this view's writes.
+            Held::Private(p) => Held::private(p.keep(), populate),
         }
     }
 }
@@ -194,16 +248,18 @@ impl Elem {
     }
 }
 
-/// A read-only numpy array over `len` bytes at `ptr`, kept alive by `owner` (its `base`).
+/// A numpy array over `len` bytes at `ptr`, kept alive by `owner` (its `base`): read-only
+/// unless `writable`.
 ///
 /// # Safety
-/// `ptr..ptr + product(shape) * elem.size()` is readable and stays valid and unchanged for as
-/// long as `owner` lives.
-unsafe fn readonly_array<'py>(
+/// `ptr..ptr + product(shape) * elem.size()` is readable (and writable, if `writable`) and
+/// stays valid for as long as `owner` lives; unchanged by others, if not `writable`.
+unsafe fn array_over<'py>(
     owner: Bound<'py, PyAny>,
     ptr: *const u8,
     shape: &[usize],
     elem: Elem,
+    writable: bool,
 ) -> PyResult<Bound<'py, PyAny>> {
     let py = owner.py();
     let mut dims: Vec<npy_intp> = shape.iter().map(|&d| d as npy_intp).collect();
@@ -226,7 +282,11 @@ unsafe fn readonly_array<'py>(
             dims.as_mut_ptr(),
             std::ptr::null_mut(),
             ptr as *mut c_void,
-            0,
+            if writable {
+                npyffi::NPY_ARRAY_WRITEABLE
+            } else {
+                0
+            },
             std::ptr::null_mut(),
         )
     };
@@ -275,6 +335,12 @@ impl Sample {
         Sample::new(Held::Lease(lease), None, None, handle)
     }
 
+    /// A private, writable view of this sample (`Sample.private()`); call without the GIL.
+    pub fn private_view(&self, populate: bool) -> PyResult<Sample> {
+        let held = Held::private(&self.held, populate)?;
+        Ok(Sample::new(held, self.seq, self.record, self.handle.clone()))
+    }
+
     fn new(held: Held, seq: Option<u64>, record: Option<u64>, handle: String) -> Sample {
         let parsed = parse(held.bytes());
         Sample {
@@ -315,11 +381,7 @@ impl Sample {
     /// The uid that wrote the object, as the daemon recorded it; `None` for memory of this
     /// process (a batch `Stream.next_stacked` had to copy).
     pub fn writer(&self) -> Option<u32> {
-        match &*self.held {
-            Held::Stream(s) => Some(s.writer()),
-            Held::Lease(l) => Some(l.writer()),
-            Held::Owned(_) => None,
-        }
+        self.held.writer()
     }
 
     /// The bytes of `info`.
@@ -332,10 +394,12 @@ impl Sample {
         info: &TensorInfo,
         elem: Elem,
     ) -> PyResult<Bound<'py, PyAny>> {
-        let start = slf.get().bytes_of(info).as_ptr();
+        let held = &slf.get().held;
+        let start = held.ptr().wrapping_add(info.offset);
         // SAFETY: `info` was located inside the object by validation; the object stays leased
-        // and mapped while the `Sample` (the array's base) lives, and sealed objects never change.
-        unsafe { readonly_array(slf.clone().into_any(), start, &info.shape, elem) }
+        // and mapped while the `Sample` (the array's base) lives, and sealed objects never
+        // change; a writable one is this process's own memory.
+        unsafe { array_over(slf.clone().into_any(), start, &info.shape, elem, held.writable()) }
     }
 }
 
@@ -391,7 +455,26 @@ impl Sample {
         Ok(self.parsed()?.source_keys.clone())
     }
 
-    /// The whole object as a read-only uint8 array (for objects that are not samples).
+    /// The same object through a mapping of this process's own, copy-on-write: its arrays and
+    /// tensors are writable, a write copies only the page (4 KiB) it touches into this
+    /// process's memory, and nobody else sees it (not the store, other readers, later epochs,
+    /// the decode-once cache, nor this sample). Reading costs what this sample's reads do. It
+    /// holds this sample's lease. On huge-page segments (hugetlbfs) the object is copied
+    /// instead. `prefault=True` builds its page tables now.
+    #[pyo3(signature = (*, prefault = false))]
+    fn private(&self, py: Python<'_>, prefault: bool) -> PyResult<Sample> {
+        py.detach(|| self.private_view(prefault))
+    }
+
+    /// Whether its arrays and tensors may be written (a `private()` view, or a copy in this
+    /// process's memory); else they are read-only views of the store.
+    #[getter]
+    fn writable(&self) -> bool {
+        self.held.writable()
+    }
+
+    /// The whole object as a uint8 array (for objects that are not samples): read-only, or
+    /// writable for a `private()` view.
     #[getter]
     fn data<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, PyAny>> {
         let len = slf.get().held.bytes().len();
@@ -559,7 +642,8 @@ pub struct Tensor {
 
 impl Tensor {
     fn ptr(&self) -> *const u8 {
-        self.held.bytes()[self.info.offset..self.info.offset + self.info.len].as_ptr()
+        // (Inside the object: located by validation or by `buffer`'s bounds check.)
+        self.held.ptr().wrapping_add(self.info.offset)
     }
 }
 
@@ -594,7 +678,9 @@ impl Tensor {
         let t = slf.get();
         // SAFETY: the tensor's range lies in the object (located by validation), which stays
         // leased and mapped while this `Tensor`, the array's base, lives.
-        unsafe { readonly_array(slf.clone().into_any(), t.ptr(), &t.info.shape, t.elem) }
+        unsafe {
+            array_over(slf.clone().into_any(), t.ptr(), &t.info.shape, t.elem, t.held.writable())
+        }
     }
 
     #[pyo3(signature = (dtype=None, copy=None))]
@@ -809,7 +895,9 @@ pub fn stacked(py: Python<'_>, samples: &[Py<Sample>], index: usize) -> PyResult
     let within = first.held.bytes();
     if let Some(range) = side_by_side(within, &parts) {
         let info = TensorInfo::of(within, &within[range], head.dtype, head.layout, shape);
-        let held = first.held.clone();
+        // Writable as torch's batches are: through a copy-on-write view of the object (the
+        // first sample's, which runs to the object's end), its page tables built now.
+        let held = Arc::new(py.detach(|| Held::private(&first.held, true))?);
         return Ok((Tensor { held, info, elem }, false));
     }
     let mut buf = AlignedBuf::zeroed(head.len * samples.len());

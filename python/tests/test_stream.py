@@ -111,17 +111,20 @@ def test_a_batch_placed_in_one_object_reads_as_one_array(daemon):
         samples, stacked = s.next_stacked(batch)
         assert stacked.shape == (4, 3, 8, 8) and stacked.dtype == "float32"
         images = stacked.numpy()
-        assert not images.flags.writeable
         assert [int(i[0, 0, 0]) for i in images] == [0, 1, 2, 3]
         assert [int(x.tokens[0]) for x in samples] == [0, 1, 2, 3]
-        # One view of the store's memory: the samples' own images lie inside it.
-        assert np.shares_memory(images, samples[3].images[0])
-        assert mapping_of(stacked.data_ptr)[0].startswith("r--")
+        # One view of the store's object, copy-on-write: writable as torch's batches, and a
+        # write reaches neither the samples' own images nor the store.
+        perms, path = mapping_of(stacked.data_ptr)
+        assert perms == "rw-p" and path.startswith("/memfd:feedstore:"), (perms, path)
+        assert images.flags.writeable
+        images[3, 2, 7, 7] = -1.0
+        assert int(samples[3].images[0][2, 7, 7]) == 3 and int(images[3, 2, 7, 7]) == -1
         # The tensor alone keeps the batch's object.
         del samples, images
         gc.collect()
         s.flush()
-        assert int(stacked.numpy()[3, 2, 7, 7]) == 3
+        assert int(stacked.numpy()[3, 2, 6, 7]) == 3
         del stacked
         # Reading from inside a batch: 6..9 lies in two objects, so that one is a copy.
         firsts = lambda t: [int(i[0, 0, 0]) for i in t.numpy()]
@@ -130,7 +133,7 @@ def test_a_batch_placed_in_one_object_reads_as_one_array(daemon):
         _, tail = s.next_stacked(2)
         assert (firsts(head), firsts(across), firsts(tail)) == ([4, 5], [6, 7, 8, 9], [10, 11])
         assert s.stacked_copies == 1
-        assert not across.numpy().flags.writeable
+        assert across.numpy().flags.writeable  # (a copy: this process's memory)
         assert not np.shares_memory(across.numpy(), tail.numpy())
         _, last = s.next_stacked(4)
         assert firsts(last) == [12, 13, 14, 15] and s.stacked_copies == 1

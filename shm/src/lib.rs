@@ -42,7 +42,7 @@ mod mapping;
 mod proc;
 mod segment;
 
-pub use mapping::{Access, Mapping, SharedBytes};
+pub use mapping::{Access, Mapping, PrivateBytes, SharedBytes};
 pub use proc::{resident_kib, shmem_thp_mode};
 pub use segment::{HugePageInfo, HugePages, Segment, SegmentOptions};
 

@@ -5,7 +5,7 @@ use std::os::fd::{AsFd, OwnedFd};
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
 
-use memmap2::{Advice, MmapOptions, MmapRaw};
+use memmap2::{Advice, MmapMut, MmapOptions, MmapRaw};
 
 use crate::ShmError;
 
@@ -70,6 +70,10 @@ pub struct Mapping {
     /// `MADV_POPULATE_*` is refused for good (a kernel before 5.14, a seccomp filter): pages
     /// fault in on touch.
     no_populate: AtomicBool,
+    /// The segment's descriptor, for private (copy-on-write) mappings of its objects.
+    fd: OwnedFd,
+    /// Whether the segment lives on hugetlbfs (whose private mappings reserve huge pages).
+    hugetlb: bool,
 }
 
 impl Mapping {
@@ -130,6 +134,8 @@ impl Mapping {
             populated,
             page_shift: granule.trailing_zeros(),
             no_populate: AtomicBool::new(false),
+            fd,
+            hugetlb,
         })
     }
 
@@ -459,6 +465,132 @@ impl<H> SharedBytes<H> {
     pub fn mapping(&self) -> &Arc<Mapping> {
         &self.mapping
     }
+
+    /// A private, writable view of the same bytes, kept valid by `keep` (what keeps `self`'s
+    /// hold alive: the view's pages that were not written are still the shared ones, and show
+    /// the object only while it is held).
+    ///
+    /// The view is a `MAP_PRIVATE` mapping of the object's pages of the segment: reads share
+    /// the store's pages (nothing is copied), and a write copies the one page it touches into
+    /// this process's memory (a page fault and 4 KiB copied), seen by nobody else: not the
+    /// store, not other readers, not another view of the same object. `populate` builds its
+    /// page tables now (`MADV_POPULATE_READ`), as [`SharedBytes::prefault`] does. On hugetlbfs,
+    /// where a private mapping would reserve a huge page per 2 MiB for copies that may never
+    /// happen (and `SIGBUS` a write when none is free), the bytes are copied into anonymous
+    /// memory instead ([`PrivateBytes::copied`]).
+    pub fn private_view<K>(&self, keep: K, populate: bool) -> Result<PrivateBytes<K>, ShmError> {
+        let map_err = |source: std::io::Error| ShmError::Map {
+            len: self.len as u64,
+            access: Access::ReadWrite,
+            source,
+        };
+        if self.len == 0 {
+            return Ok(PrivateBytes {
+                _map: None,
+                ptr: std::ptr::NonNull::dangling().as_ptr(),
+                len: 0,
+                copied: false,
+                keep,
+            });
+        }
+        let mapping = &self.mapping;
+        let copied = mapping.hugetlb;
+        let mut map = if copied {
+            let mut map = MmapOptions::new()
+                .len(self.len)
+                .map_anon()
+                .map_err(map_err)?;
+            map.copy_from_slice(self);
+            map
+        } else {
+            let mut opts = MmapOptions::new();
+            // memmap2 maps from the page below `offset` and points past the difference.
+            opts.offset(self.offset as u64).len(self.len);
+            // SAFETY: the descriptor is a segment sealed against shrinking (checked when the
+            // mapping was made), so no page of the mapping can be truncated away; the mapping is
+            // private, so nothing this process writes to it reaches the segment.
+            unsafe { opts.map_copy(&mapping.fd) }.map_err(map_err)?
+        };
+        if populate && !copied {
+            let _ = map.advise(Advice::PopulateRead);
+        }
+        let ptr = map.as_mut_ptr();
+        Ok(PrivateBytes {
+            _map: Some(map),
+            ptr,
+            len: self.len,
+            copied,
+            keep,
+        })
+    }
+}
+
+/// A private, writable view of an object's bytes (see [`SharedBytes::private_view`]): this
+/// process's own copy-on-write mapping, unmapped when dropped (before `keep` is).
+///
+/// Its bytes are handed out as a raw pointer ([`PrivateBytes::as_ptr`]), which its users write
+/// through (numpy arrays, torch tensors); [`PrivateBytes::bytes`] reads them.
+pub struct PrivateBytes<K> {
+    /// Dropped first: unmapped before what keeps the shared pages under it goes. (Only held:
+    /// `ptr` is its first byte.)
+    _map: Option<MmapMut>,
+    ptr: *mut u8,
+    len: usize,
+    copied: bool,
+    keep: K,
+}
+
+// SAFETY: the mapping is this value's own (moving it between threads moves nothing shared);
+// `&PrivateBytes` hands out a raw pointer and a slice whose use with concurrent writes through
+// that pointer is governed by `bytes`' contract, not by the type.
+unsafe impl<K: Send> Send for PrivateBytes<K> {}
+// SAFETY: as above.
+unsafe impl<K: Sync> Sync for PrivateBytes<K> {}
+
+impl<K> PrivateBytes<K> {
+    /// The first byte, writable.
+    pub fn as_ptr(&self) -> *mut u8 {
+        self.ptr
+    }
+
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether it holds no bytes.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Whether the bytes were copied (hugetlbfs) rather than mapped copy-on-write.
+    pub fn copied(&self) -> bool {
+        self.copied
+    }
+
+    /// What keeps the shared pages under it valid.
+    pub fn keep(&self) -> &K {
+        &self.keep
+    }
+
+    /// The bytes.
+    ///
+    /// # Safety
+    /// Nothing writes through [`PrivateBytes::as_ptr`] while the slice lives.
+    pub unsafe fn bytes(&self) -> &[u8] {
+        // SAFETY: `ptr..ptr + len` is this value's mapping (or dangling with len 0); the
+        // caller rules out writes for the slice's life.
+        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
+    }
+}
+
+impl<K> std::fmt::Debug for PrivateBytes<K> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PrivateBytes")
+            .field("len", &self.len)
+            .field("copied", &self.copied)
+            .finish()
+    }
 }
 
 impl<H> Deref for SharedBytes<H> {
@@ -530,6 +662,50 @@ mod tests {
         let err = Mapping::new(ro, seg.size_bytes(), Access::ReadWrite, false).unwrap_err();
         let os = err.os_error().and_then(|e| e.raw_os_error());
         assert_eq!(os, Some(libc::EACCES), "{err}");
+    }
+
+    #[test]
+    fn a_private_view_is_writable_and_its_writes_reach_nobody_else() {
+        let seg = segment();
+        let (rw, ro) = both_ways(&seg);
+        let ro = Arc::new(ro);
+        // An object that straddles a page boundary at an unaligned offset.
+        let (offset, len) = (4096 - 100, 5000usize);
+        // SAFETY: nothing else maps the test's segment; the range is in bounds.
+        let object = unsafe { rw.bytes_mut(offset as u64, len as u64) }.unwrap();
+        for (i, b) in object.iter_mut().enumerate() {
+            *b = (i % 251) as u8;
+        }
+        let expected: Vec<u8> = (0..len).map(|i| (i % 251) as u8).collect();
+        // SAFETY: nothing writes the range while the views live but the views themselves.
+        let shared = unsafe { SharedBytes::new(ro.clone(), offset as u64, len as u64, ()) }.unwrap();
+        let first = shared.private_view("keep", true).unwrap();
+        let second = shared.private_view("keep", false).unwrap();
+        assert!(!first.copied() && first.len() == len && *first.keep() == "keep");
+        // SAFETY: no writes while the slices are read.
+        assert_eq!(unsafe { first.bytes() }, &expected[..]);
+        // SAFETY: inside the view; nothing else reads it meanwhile.
+        unsafe {
+            *first.as_ptr() = 7;
+            *first.as_ptr().add(len - 1) = 9;
+        }
+        // SAFETY: as above.
+        let (a, b) = unsafe { (first.bytes(), second.bytes()) };
+        assert_eq!((a[0], a[len - 1]), (7, 9));
+        assert_eq!(&a[1..len - 1], &expected[1..len - 1]);
+        assert_eq!(b, &expected[..], "another view of the object saw the write");
+        assert_eq!(&*shared, &expected[..], "the store's pages saw the write");
+        // Unwritten pages are the shared ones: the store's later bytes show through them
+        // (which a lease rules out for a real object).
+        object[2000] = 1;
+        // SAFETY: as above.
+        assert_eq!(unsafe { first.bytes() }[2000], 1);
+        drop(first);
+        // SAFETY: as above.
+        assert_eq!(unsafe { second.bytes() }[0], expected[0]);
+        // SAFETY: in bounds; empty.
+        let empty = unsafe { SharedBytes::new(ro, 0, 0, ()) }.unwrap();
+        assert!(empty.private_view((), true).unwrap().is_empty());
     }
 
     #[test]
