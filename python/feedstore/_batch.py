@@ -80,12 +80,12 @@ def stack_tensors(batch: Sequence[torch.Tensor], *, collate_fn_map=None) -> Any:
 
 
 def _collate_map() -> dict:
-    from torch.utils.data._utils import collate as torch_collate
+    from feedstore import _torch_private as private
 
-    table = dict(torch_collate.default_collate_fn_map)
+    table = dict(private.default_collate_fn_map)
     table[torch.Tensor] = stack_tensors
     for kind, rule in list(table.items()):
-        if rule is torch_collate.collate_numpy_array_fn:
+        if rule is private.collate_numpy_array_fn:
             table[kind] = _numpy_arrays(rule)
     return table
 
@@ -105,9 +105,9 @@ def _numpy_arrays(rule: Callable) -> Callable:
 
 def default_collate(batch: List[Any]) -> Any:
     """torch's `default_collate`, with tensor stacking deferred to the write (see `Stacked`)."""
-    from torch.utils.data._utils.collate import collate
+    from feedstore import _torch_private as private
 
-    return collate(batch, collate_fn_map=_collate_map())
+    return private.collate(batch, collate_fn_map=_collate_map())
 
 
 # Element types by the code a batch stores (`feedstore_proto::batch::Elem`): plain numbers only.
@@ -278,6 +278,4 @@ def read(
 
 
 def is_default_collate(fn: Optional[Callable]) -> bool:
-    from torch.utils.data._utils import collate as torch_collate
-
-    return fn is torch_collate.default_collate
+    return fn is torch.utils.data.default_collate

@@ -34,6 +34,7 @@ import signal
 import sys
 import threading
 import time
+import traceback
 import warnings
 import weakref
 from dataclasses import dataclass, field
@@ -42,12 +43,10 @@ from typing import Any, Callable, Deque, Dict, List, Optional
 import numpy as np
 import torch
 import torch.utils.data
-from torch._utils import ExceptionWrapper
-from torch.utils.data import _utils as torch_utils
-from torch.utils.data.dataloader import _BaseDataLoaderIter, _DatasetKind
 
 import feedstore
 from feedstore import _batch, _cache, _pool
+from feedstore import _torch_private as private
 
 __all__ = ["DataLoader"]
 
@@ -79,8 +78,40 @@ def _seed_like_torch(base_seed: int, worker_id: int) -> int:
     seed = base_seed + worker_id
     random.seed(seed)
     torch.manual_seed(seed)
-    np.random.seed(torch_utils.worker._generate_state(base_seed, worker_id))
+    np.random.seed(private.numpy_seed(base_seed, worker_id))
     return seed
+
+
+class _KeyErrorMessage(str):
+    """A KeyError's message shown as written (a KeyError shows its argument's repr)."""
+
+    def __repr__(self) -> str:
+        return str(self)
+
+
+class _Raised:
+    """An exception raised in a worker, to raise again in the trainer, as torch's workers
+    report theirs: the same type, its message saying where it happened followed by the
+    worker's traceback (`RuntimeError` when the type cannot be made from a message). Made
+    inside the `except` block that caught it."""
+
+    def __init__(self, where: str) -> None:
+        info = sys.exc_info()
+        self.exc_type = info[0]
+        self.where = where
+        self.text = "".join(traceback.format_exception(*info))
+
+    def reraise(self) -> None:
+        message = f"Caught {self.exc_type.__name__} {self.where}.\nOriginal {self.text}"
+        if self.exc_type is KeyError:
+            message = _KeyErrorMessage(message)
+        elif getattr(self.exc_type, "message", None):
+            raise self.exc_type(message=message)  # (exceptions whose first argument is not text)
+        try:
+            exception = self.exc_type(message)
+        except Exception:  # noqa: BLE001 (a type that takes other arguments)
+            raise RuntimeError(message) from None
+        raise exception
 
 
 @dataclass
@@ -139,9 +170,11 @@ class _Fetcher:
         if self.args.on_error == "skip":
             self.skipped += 1
             return
+        if self.args.num_workers == 0:
+            raise  # (in the trainer's process: the exception itself, as torch's)
         raise _SampleError(
-            ExceptionWrapper(
-                where=f"in feedstore DataLoader worker process {self.args.worker_id} "
+            _Raised(
+                f"in feedstore DataLoader worker process {self.args.worker_id} "
                 f"(sample index {index!r})"
             )
         )
@@ -213,7 +246,7 @@ class _Fetcher:
 
 
 class _SampleError(Exception):
-    def __init__(self, wrapper: ExceptionWrapper) -> None:
+    def __init__(self, wrapper: _Raised) -> None:
         self.wrapper = wrapper
 
 
@@ -243,7 +276,7 @@ class _WorkerLoop:
         # A pool's sessions share their process's connection to the store.
         self.client = client
         self.fetcher: Optional[_Fetcher] = None
-        self.init_error: Optional[ExceptionWrapper] = None
+        self.init_error: Optional[_Raised] = None
         # Handles of batches sent and not yet given back (deleted at exit, whatever the
         # trainer managed to read), and how many deletes were asked for and done.
         self.mine: set = set()
@@ -274,8 +307,10 @@ class _WorkerLoop:
         args = self.args
         torch.set_num_threads(1)
         seed = _seed_like_torch(args.base_seed, args.worker_id)
-        torch_utils.worker._worker_info = torch_utils.worker.WorkerInfo(
-            id=args.worker_id, num_workers=args.num_workers, seed=seed, dataset=args.dataset
+        private.set_worker_info(
+            private.WorkerInfo(
+                id=args.worker_id, num_workers=args.num_workers, seed=seed, dataset=args.dataset
+            )
         )
         try:
             if self.client is None:
@@ -298,7 +333,7 @@ class _WorkerLoop:
                 except Exception:  # noqa: BLE001 (it failed so the first time, and said so)
                     pass
         except Exception:
-            self.init_error = ExceptionWrapper(where=self.where())
+            self.init_error = _Raised(self.where())
 
     def where(self) -> str:
         return f"in feedstore DataLoader worker process {self.args.worker_id}"
@@ -397,7 +432,7 @@ class _WorkerLoop:
         except _SampleError as e:
             kind, payload = "error", e.wrapper
         except Exception:
-            kind, payload = "error", ExceptionWrapper(where=self.where())
+            kind, payload = "error", _Raised(self.where())
         rng = None if self.args.iterable else _rng_state()
         skipped = fetcher.skipped - skipped_before
         return (kind, task, payload, rng, skipped, fetcher.counts, self.deleted)
@@ -466,13 +501,13 @@ class _PoolSlot:
         if self.current is session:
             return
         if self.current is not None:
-            self.current.saved = (_rng_state(), torch_utils.worker._worker_info)
+            self.current.saved = (_rng_state(), private.worker_info())
         self.current = session
         # What the session's code prints goes to its own trainer's stdout and stderr.
         _pool.output_to(session.fds)
         if session.saved is not None:
             _set_rng_state(session.saved[0])
-            torch_utils.worker._worker_info = session.saved[1]
+            private.set_worker_info(session.saved[1])
 
     def serve(self, lock_fd: int, path: str) -> None:
         torch.set_num_threads(1)
@@ -715,7 +750,7 @@ class _Outbox:
 # own exit handler (registered earlier, so run later) terminates their workers.
 _LIVE: "weakref.WeakSet[_StoreIter]" = weakref.WeakSet()
 # Whether a torch profiler records (asked at each `next`; bound once, as a lookup costs too).
-_profiler_enabled = torch.autograd._profiler_enabled
+_profiler_enabled = private.profiler_enabled
 
 
 def _filler(ref: "weakref.ref[_StoreIter]") -> Callable[[], None]:
@@ -829,8 +864,104 @@ class _Epoch:
             _set_rng_state(state)
 
 
-class _Primed:
-    """The sampler's first index taken ahead (so its random draw happens where it must)."""
+def _accelerator_available() -> bool:
+    """Whether pinned memory means anything here (torch's test: an accelerator, else CUDA)."""
+    accelerator = getattr(torch, "accelerator", None)
+    if accelerator is not None and hasattr(accelerator, "is_available"):
+        return accelerator.is_available()
+    return torch.cuda.is_available()
+
+
+def _pin(batch: Any) -> Any:
+    """The batch with its tensors copied into pinned (page-locked) memory, as torch's
+    ``pin_memory=True`` does: dicts, lists, tuples and named tuples walked, anything with a
+    ``pin_memory()`` method pinned, the rest as it is."""
+    if isinstance(batch, torch.Tensor) or (
+        hasattr(batch, "pin_memory") and callable(batch.pin_memory) and not isinstance(batch, type)
+    ):
+        return batch.pin_memory()
+    if isinstance(batch, dict):
+        pinned = {key: _pin(value) for key, value in batch.items()}
+        if type(batch) is dict:
+            return pinned
+        try:
+            return type(batch)(pinned)
+        except TypeError:
+            return pinned
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):
+        return type(batch)(*(_pin(value) for value in batch))
+    if isinstance(batch, (list, tuple)):
+        pinned_items = [_pin(value) for value in batch]
+        return pinned_items if isinstance(batch, list) else tuple(pinned_items)
+    return batch
+
+
+class _LoaderIter:
+    """What both iterators take from their loader, through its public attributes, as torch's
+    own iterators take it: an epoch's sampler iterator (`_sampler_iter`), the workers' base
+    seed drawn from the loader's generator (at the same point of torch's, so the global random
+    state moves as torch's does), and `__next__` with torch's profiler scope when a profiler
+    records. The sampler's first index can be taken ahead (`_prime`: so that its random draw
+    happens where it must on a resume)."""
+
+    def _setup(self, loader: "DataLoader") -> None:
+        self._dataset = loader.dataset
+        self._iterable = isinstance(loader.dataset, torch.utils.data.IterableDataset)
+        self._auto_collation = loader.batch_sampler is not None
+        self._index_sampler = loader.batch_sampler if self._auto_collation else loader.sampler
+        self._drop_last = loader.drop_last
+        self._num_workers = loader.num_workers
+        self._prefetch_factor = loader.prefetch_factor or 2  # (None on torch 2 without workers)
+        self._pin_memory = bool(loader.pin_memory) and _accelerator_available()
+        if loader.pin_memory and not self._pin_memory:
+            warnings.warn(
+                "'pin_memory' argument is set as true but no accelerator is found, then device "
+                "pinned memory won't be used.",
+                stacklevel=3,
+            )
+        self._timeout = loader.timeout
+        self._collate_fn = loader.collate_fn
+        self._persistent_workers = loader.persistent_workers
+        self._profile_name = f"enumerate(DataLoader)#{type(self).__name__}.__next__"
+        self._new_epoch(loader)
+        self._base_seed = (
+            torch.empty((), dtype=torch.int64).random_(generator=loader.generator).item()
+        )
+
+    def _new_epoch(self, loader: "DataLoader") -> None:
+        self._sampler_iter = iter(self._index_sampler)
+        self._num_yielded = 0
+        self._len_called = private.iterable_len_called(loader)
+        self._primed: Optional[list] = None
+
+    def __iter__(self) -> "_LoaderIter":
+        return self
+
+    def __len__(self) -> int:
+        return len(self._index_sampler)
+
+    def __getstate__(self) -> Any:
+        raise NotImplementedError(f"{type(self).__name__} cannot be pickled")
+
+    def __next__(self) -> Any:
+        if _profiler_enabled():
+            with torch.autograd.profiler.record_function(self._profile_name):
+                return self._next_counted()
+        return self._next_counted()
+
+    def _next_counted(self) -> Any:
+        data = self._next_data()
+        self._num_yielded += 1
+        expected = self._len_called
+        if self._iterable and expected is not None and self._num_yielded > expected:
+            warnings.warn(
+                f"Length of IterableDataset {self._dataset} was reported to be {expected} (when "
+                f"accessing len(dataloader)), but {self._num_yielded} samples have been fetched."
+            )
+        return data
+
+    def _next_data(self) -> Any:
+        raise NotImplementedError
 
     def _prime(self) -> None:
         try:
@@ -840,7 +971,7 @@ class _Primed:
             self._sampler_iter = iter(())
 
     def _next_index(self) -> Any:
-        primed = getattr(self, "_primed", None)
+        primed = self._primed
         if primed:
             return primed.pop()
         return next(self._sampler_iter)
@@ -870,11 +1001,10 @@ def _draws_alone(sampler: Any) -> bool:
         samplers.SubsetRandomSampler,
         samplers.WeightedRandomSampler,
         torch.utils.data.distributed.DistributedSampler,
-        torch.utils.data.dataloader._InfiniteConstantSampler,
     )
 
 
-class _StoreIter(_Primed, _BaseDataLoaderIter):
+class _StoreIter(_LoaderIter):
     """One epoch (or, with persistent workers, every epoch) of a loader with workers.
 
     Two threads share it under `_cond`: the trainer's (`_next_data`: dispatching indices,
@@ -902,8 +1032,7 @@ class _StoreIter(_Primed, _BaseDataLoaderIter):
         self._outbox = _Outbox()
         self._outbox.on_fill = _filler(weakref.ref(self))
         self._workers: List[Optional[_Worker]] = []
-        _Epoch.begin(loader, self, resume, lambda: _BaseDataLoaderIter.__init__(self, loader))
-        self._iterable = self._dataset_kind == _DatasetKind.Iterable
+        _Epoch.begin(loader, self, resume, lambda: self._setup(loader))
         self._context = loader.multiprocessing_context or multiprocessing.get_context()
         self._workers = [None] * self._num_workers
         self._base_args = dict(
@@ -993,8 +1122,7 @@ class _StoreIter(_Primed, _BaseDataLoaderIter):
             self._book()
             self._rng_at_start = _generator_state(loader)
             self._draws_base_seed = False
-            _BaseDataLoaderIter._reset(self, loader)
-            self._primed = None
+            self._new_epoch(loader)
             for worker in self._workers:
                 if worker is not None:
                     self._outbox.send(worker.conn, "epoch")
@@ -1128,7 +1256,7 @@ class _StoreIter(_Primed, _BaseDataLoaderIter):
 
     def __next__(self) -> Any:
         if _profiler_enabled():
-            return super().__next__()  # torch's, inside the profiler's record_function
+            return super().__next__()  # inside the profiler's record_function, as torch's
         # torch's `__next__` without the profiler's scope (some 0.1-0.3 ms a batch when no
         # profiler runs), first its fast path: the next batch mapped, a sampler drawn behind
         # (by the outbox thread). What is left of `next` then is Python run with caches cold
@@ -1155,15 +1283,7 @@ class _StoreIter(_Primed, _BaseDataLoaderIter):
         except BaseException:
             self._shutdown()  # (Ctrl-C: as `_next_data`)
             raise
-        data = self._next_data()
-        self._num_yielded += 1
-        expected = self._IterableDataset_len_called
-        if self._iterable and expected is not None and self._num_yielded > expected:
-            warnings.warn(
-                f"Length of IterableDataset {self._dataset} was reported to be {expected} (when "
-                f"accessing len(dataloader)), but {self._num_yielded} samples have been fetched."
-            )
-        return data
+        return self._next_counted()
 
     def _next_data(self) -> Any:
         if self._shut:
@@ -1186,7 +1306,7 @@ class _StoreIter(_Primed, _BaseDataLoaderIter):
             raise StopIteration
         if error is not None:
             # One batch's error (as torch: the iterator goes on with the next batch).
-            if isinstance(error, ExceptionWrapper):
+            if isinstance(error, _Raised):
                 error.reraise()
             raise error
         return batch
@@ -1347,11 +1467,12 @@ class _StoreIter(_Primed, _BaseDataLoaderIter):
             try:
                 # Its page tables too: the trainer's first read is then the memory traffic.
                 batch = _batch.read(
-                    self._client.get(payload, prefault=True),
+                    # (Writable as torch's batches: copy-on-write, for this trainer alone.)
+                    self._client.get(payload, prefault=True, private=True),
                     classes=self._loader.feedstore_batch_classes,
                 )
                 if self._pin_memory:
-                    batch = torch_utils.pin_memory.pin_memory(batch, self._pin_memory_device)
+                    batch = _pin(batch)
             except Exception as e:  # noqa: BLE001 (raised when the trainer takes it)
                 reply = ("error", task_id, e, *reply[3:])
                 batch = None
@@ -1563,38 +1684,31 @@ class _StoreIter(_Primed, _BaseDataLoaderIter):
             pass  # interpreter shutdown: the workers notice the trainer is gone
 
 
-class _InProcessIter(_Primed, torch.utils.data.dataloader._SingleProcessDataLoaderIter):
-    """`num_workers=0`: torch's own in-process loading (there is nothing to hand over), with
-    the state this loader saves and resumes, and `on_error="skip"`."""
+class _InProcessIter(_LoaderIter):
+    """`num_workers=0`: samples made and collated in the trainer's process, as torch's own
+    in-process loading (there is nothing to hand over), with the state this loader saves and
+    resumes, and `on_error="skip"`."""
 
     def __init__(self, loader: "DataLoader", resume: Optional[dict]) -> None:
         self._loader = loader
-        _Epoch.begin(
-            loader,
-            self,
-            resume,
-            lambda: torch.utils.data.dataloader._SingleProcessDataLoaderIter.__init__(self, loader),
-        )
+        _Epoch.begin(loader, self, resume, lambda: self._setup(loader))
         if resume is None or resume.get("rng") is None:
             # torch's in-process iterator draws the permutation at the first `next`, not at
             # `iter`: the state to save is the one just before it (and the base seed, drawn
             # at `iter`, is saved as it is).
             self._rng_at_start = None
             self._draws_base_seed = False
-        self._skipper = None
-        if loader.feedstore_on_error == "skip":
-            self._skipper = _Fetcher(
-                _WorkerArgs(
-                    worker_id=0, num_workers=0, dataset=self._dataset,
-                    iterable=self._dataset_kind == _DatasetKind.Iterable,
-                    auto_collation=self._auto_collation, collate_fn=self._collate_fn,
-                    drop_last=self._drop_last, base_seed=self._base_seed, init_fn=None,
-                    socket=None, on_error="skip",
-                ),
-                into_store=False,
-            )
+        self._fetcher = _Fetcher(
+            _WorkerArgs(
+                worker_id=0, num_workers=0, dataset=self._dataset, iterable=self._iterable,
+                auto_collation=self._auto_collation, collate_fn=self._collate_fn,
+                drop_last=self._drop_last, base_seed=self._base_seed, init_fn=None,
+                socket=None, on_error=loader.feedstore_on_error,
+            ),
+            into_store=False,
+        )
         tasks = (resume or {}).get("tasks", 0)
-        if self._dataset_kind == _DatasetKind.Iterable and tasks:
+        if self._iterable and tasks:
             # The batches the trainer had, made again and dropped; their random draws come
             # from (and go back to) the trainer's own random state, which is the trainer's.
             state = _rng_state()
@@ -1621,11 +1735,9 @@ class _InProcessIter(_Primed, torch.utils.data.dataloader._SingleProcessDataLoad
         return super()._next_index()
 
     def _fetch(self, index: Any) -> Any:
-        if self._skipper is None:
-            return self._dataset_fetcher.fetch(index)
-        batch = self._skipper.fetch(index)
-        self._loader._feedstore_counts.skipped_samples += self._skipper.skipped
-        self._skipper.skipped = 0
+        batch = self._fetcher.fetch(index)
+        self._loader._feedstore_counts.skipped_samples += self._fetcher.skipped
+        self._fetcher.skipped = 0
         return batch
 
     def _next_data(self) -> Any:
@@ -1642,12 +1754,12 @@ class _InProcessIter(_Primed, torch.utils.data.dataloader._SingleProcessDataLoad
             if batch is _MISSING:
                 continue  # every sample of the batch was skipped
             if self._pin_memory:
-                batch = torch_utils.pin_memory.pin_memory(batch, self._pin_memory_device)
+                batch = _pin(batch)
             return batch
 
     def feedstore_state(self) -> dict:
         finished = self._ended
-        if not finished and self._dataset_kind != _DatasetKind.Iterable:
+        if not finished and not self._iterable:
             finished = self._tasks_taken >= len(self._index_sampler)
         return {
             "tasks": self._tasks_taken,
@@ -1703,10 +1815,11 @@ class DataLoader(torch.utils.data.DataLoader):
       safe to rebuild from any state at all: a uid allowed to write to the store can rewrite
       any object's bytes (docs/SECURITY.md).
 
-    Batches are torch's, element for element. Their tensors are views of one read-only
-    shared-memory object: reading is free, writing in place faults (``.clone()`` first, or move
-    them to the GPU, which copies anyway). The object goes back to the store when the last of a
-    batch's tensors is gone.
+    Batches are torch's, element for element. Their tensors are views of one shared-memory
+    object, mapped copy-on-write into the trainer: reading copies nothing, and in-place ops work
+    as on torch's batches (``labels[labels == pad] = -100``), each first write to a 4 KiB page
+    copying that page into the trainer's own memory, seen by nobody else. The object goes back
+    to the store when the last of a batch's tensors is gone.
     """
 
     def __init__(
@@ -1742,13 +1855,14 @@ class DataLoader(torch.utils.data.DataLoader):
         self._feedstore_generation = 0
         # torch's arguments, positional or not, as torch takes them.
         super().__init__(*args, **kwargs)
-        if sample_cache and (self.num_workers == 0 or self._dataset_kind == _DatasetKind.Iterable):
+        iterable = isinstance(self.dataset, torch.utils.data.IterableDataset)
+        if sample_cache and (self.num_workers == 0 or iterable):
             raise ValueError(
                 "sample_cache=True needs workers (num_workers > 0) and a map-style dataset: "
                 "samples are filed by their index, by the workers that make them"
             )
         if pool == "node" and self.num_workers > 0:
-            if self._dataset_kind == _DatasetKind.Iterable:
+            if iterable:
                 raise ValueError(
                     "pool='node' shares workers of map-style datasets only: an iterable "
                     "dataset's workers each hold their own place in its stream"
