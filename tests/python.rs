@@ -96,5 +96,9 @@ fn python_package_tests_pass() {
         }
     }
     let _ = std::fs::remove_dir_all(&stage);
-    assert!(failed.is_empty(), "pytest failed with {}", failed.join("; "));
+    assert!(
+        failed.is_empty(),
+        "pytest failed with {}",
+        failed.join("; ")
+    );
 }

@@ -9,7 +9,7 @@ views of the store's memory (no copy, no pickling)::
         for sample in stream:
             pixels = sample.images[0]          # read-only numpy array in shared memory
             ids = sample.tokens                # uint32, in place
-            image = torch.from_dlpack(sample.image(0))   # same memory as a torch tensor
+            image = torch.from_dlpack(sample.image(0))   # same pages, copy-on-write
             checkpoint["data"] = stream.state()          # exact resume
 
 Python code can publish samples too (``Writer``), and ``feedstore.torch`` plugs streams into a

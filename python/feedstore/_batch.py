@@ -29,10 +29,10 @@ refused the same way.
 
 Reading makes every tensor a view of its bytes in the object (``Sample.buffer(offset, length)``
 through DLPack: a storage per tensor), so the batch's tensors hold the object's lease: it goes
-back to the store when the last of them is gone. In a trainer (a reader) they are read-only
-memory (numpy arrays say so; torch tensors cannot); in a worker (a writer, mapping the store
-read-write) a write would change the object for every reader, so workers read views only
-(``_cache``) or ask for copies.
+back to the store when the last of them is gone. They lie in a copy-on-write view of the
+object of the reader's own (``Sample.private()``, one ``mmap`` per batch), so they are as
+writable as torch's: a write copies the pages it touches and no other reader sees it, in a
+trainer or in a worker (whose own mapping of the store is read-write).
 """
 
 from __future__ import annotations
@@ -254,6 +254,10 @@ def read(
     (`copy_numpy`, `copy_torch`: writable copies instead). `feedstore.UntrustedBatch` if the
     uid that wrote it is not root's, this process's or one of `trusted_uids`, or it holds a
     class not in `classes`; `feedstore.Corrupt` if it does not parse."""
+    if not copy_torch and not sample.writable:
+        # One copy-on-write view for all the tensors (each DLPack export of a read-only
+        # sample would map one of its own).
+        sample = sample.private()
     raw = sample.data
 
     def make_leaf(

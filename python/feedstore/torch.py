@@ -19,9 +19,9 @@ memory). With ``num_workers=W`` each worker reads its own sub-share: the stream 
 ``world * W`` ranks (``stream_world``), worker ``w`` of rank ``r`` reading rank ``r * W + w``,
 and producers must feed that many ranks.
 
-Tensors from the store are read-only memory: do not write to them in place (the mapping is
-``PROT_READ``; DLPack before 1.0 cannot mark a tensor read-only, so torch would not stop you).
-Copy first (``t.clone()``) to modify.
+Tensors from the store are as writable as torch's own: they lie in a copy-on-write mapping of
+the reader's own over the store's pages (``Sample.private()``), so reading copies nothing and an
+in-place op copies only the 4 KiB pages it touches, which no other reader sees.
 """
 
 from __future__ import annotations

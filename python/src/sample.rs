@@ -14,10 +14,10 @@ use std::ffi::{c_int, c_void};
 use std::sync::Arc;
 
 use feedstore_consumer::{Lease, StreamSample};
-use feedstore_shm::PrivateBytes;
 use feedstore_proto::sample::{
     AlignedBuf, DType, SampleError, SampleView, TensorLayout, side_by_side,
 };
+use feedstore_shm::PrivateBytes;
 use numpy::npyffi::{self, NPY_TYPES, PY_ARRAY_API, npy_intp};
 use numpy::{PyArrayDescrMethods, PyUntypedArrayMethods};
 use pyo3::prelude::*;
@@ -84,8 +84,12 @@ impl Held {
     fn private(held: &Arc<Held>, populate: bool) -> PyResult<Held> {
         let err = |e: feedstore_consumer::Error| crate::errors::to_py(e);
         match &**held {
-            Held::Stream(s) => Ok(Held::Private(s.private_view(held.clone(), populate).map_err(err)?)),
-            Held::Lease(l) => Ok(Held::Private(l.private_view(held.clone(), populate).map_err(err)?)),
+            Held::Stream(s) => Ok(Held::Private(
+                s.private_view(held.clone(), populate).map_err(err)?,
+            )),
+            Held::Lease(l) => Ok(Held::Private(
+                l.private_view(held.clone(), populate).map_err(err)?,
+            )),
             Held::Owned(b) => {
                 let mut copy = AlignedBuf::zeroed(b.as_slice().len());
                 copy.as_mut_slice().copy_from_slice(b.as_slice());
@@ -338,7 +342,12 @@ impl Sample {
     /// A private, writable view of this sample (`Sample.private()`); call without the GIL.
     pub fn private_view(&self, populate: bool) -> PyResult<Sample> {
         let held = Held::private(&self.held, populate)?;
-        Ok(Sample::new(held, self.seq, self.record, self.handle.clone()))
+        Ok(Sample::new(
+            held,
+            self.seq,
+            self.record,
+            self.handle.clone(),
+        ))
     }
 
     fn new(held: Held, seq: Option<u64>, record: Option<u64>, handle: String) -> Sample {
@@ -399,7 +408,15 @@ impl Sample {
         // SAFETY: `info` was located inside the object by validation; the object stays leased
         // and mapped while the `Sample` (the array's base) lives, and sealed objects never
         // change; a writable one is this process's own memory.
-        unsafe { array_over(slf.clone().into_any(), start, &info.shape, elem, held.writable()) }
+        unsafe {
+            array_over(
+                slf.clone().into_any(),
+                start,
+                &info.shape,
+                elem,
+                held.writable(),
+            )
+        }
     }
 }
 
@@ -568,8 +585,8 @@ impl Sample {
 
     /// `length` bytes of the object from `offset` (default: all of it) as a uint8 `Tensor`
     /// (for `torch.from_dlpack`, which shares the memory; `feedstore.torch`'s batches make
-    /// each tensor from one). Read-only memory on a reader's connection; on a writer's, the
-    /// mapping is writable but the object is sealed: do not write to it.
+    /// each tensor from one). Its `numpy()` is read-only unless the sample is private; its
+    /// DLPack export is writable, privately (see `Tensor`).
     #[pyo3(signature = (offset=0, length=None))]
     fn buffer(&self, offset: usize, length: Option<usize>) -> PyResult<Tensor> {
         let size = self.held.bytes().len();
@@ -631,8 +648,10 @@ impl Sample {
 }
 
 /// One tensor of a sample, in place in shared memory, exportable with DLPack:
-/// `torch.from_dlpack(t)` gives a tensor over the same memory (do not write to it: the mapping
-/// is read-only, and DLPack before 1.0 cannot say so). `numpy()` gives a read-only array.
+/// `torch.from_dlpack(t)` gives a writable tensor over the same pages, through a copy-on-write
+/// view of this process's own when the sample's is the store's read-only mapping (a write
+/// copies the page it touches; nobody else sees it). `numpy()` gives an array over the
+/// sample's own view: read-only (numpy raises on a write) unless the sample is private.
 #[pyclass(module = "feedstore", frozen)]
 pub struct Tensor {
     held: Arc<Held>,
@@ -673,13 +692,20 @@ impl Tensor {
         self.info.len
     }
 
-    /// A read-only numpy array over the same memory.
+    /// A numpy array over the same memory: read-only (a write raises) unless the sample is
+    /// private (`Sample.private()`).
     fn numpy<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, PyAny>> {
         let t = slf.get();
         // SAFETY: the tensor's range lies in the object (located by validation), which stays
         // leased and mapped while this `Tensor`, the array's base, lives.
         unsafe {
-            array_over(slf.clone().into_any(), t.ptr(), &t.info.shape, t.elem, t.held.writable())
+            array_over(
+                slf.clone().into_any(),
+                t.ptr(),
+                &t.info.shape,
+                t.elem,
+                t.held.writable(),
+            )
         }
     }
 
@@ -721,13 +747,17 @@ impl Tensor {
                 "feedstore tensors are exported without copying (copy=True is not supported)",
             ));
         }
-        dlpack::capsule(
-            py,
-            self.held.clone(),
-            self.ptr(),
-            &self.info.shape,
-            self.elem,
-        )
+        // torch has no read-only tensors and DLPack before 1.0 no read-only flag: a tensor
+        // over the store's PROT_READ mapping would die of SIGSEGV at its first in-place op. A
+        // read-only sample's tensor goes out through a private copy-on-write view instead
+        // (one mmap): reads share the store's pages, a write copies the page it touches.
+        let held = if self.held.writable() {
+            self.held.clone()
+        } else {
+            Arc::new(Held::private(&self.held, false)?)
+        };
+        let ptr = held.ptr().wrapping_add(self.info.offset);
+        dlpack::capsule(py, held, ptr, &self.info.shape, self.elem)
     }
 
     fn __len__(&self) -> usize {

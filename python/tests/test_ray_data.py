@@ -36,8 +36,11 @@ def test_a_ray_data_pipeline_lands_in_a_stream_read_in_place(daemon, local_ray):
             ids = list(range(4 * record, 4 * record + 4))
             assert batch["id"].tolist() == ids
             assert batch["pixels"].shape == (4, 3, 4) and batch["pixels"].dtype == np.float32
-            assert not batch["pixels"].flags.writeable  # a view of the store's memory
+            # A private (copy-on-write) view of the store's memory: writable, and a write
+            # stays in this batch.
+            assert batch["pixels"].flags.writeable
             assert (batch["pixels"][:, 0, 0] == np.array(ids, dtype=np.float32)).all()
+            batch["pixels"][:] = -1
 
 
 def test_write_stream_says_so_when_the_pipeline_is_shorter_than_the_stream(daemon, local_ray):

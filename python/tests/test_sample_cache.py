@@ -108,14 +108,15 @@ def only_filed_samples(daemon, n):
     return stats
 
 
-def test_read_only_arrays_are_stacked_from_their_memory_without_a_warning(daemon):
-    # What a worker's collate gets from the cache: read-only views of a filed sample's object.
+def test_cached_arrays_are_stacked_from_their_memory_without_a_warning(daemon):
+    # What a worker's collate gets from the cache: private (copy-on-write) views of a filed
+    # sample's object, writable as torch's own samples are, and still not copied.
     from feedstore import _batch
 
     client = feedstore.Client(daemon.socket, writer=True)
     handles = [_batch.write(client, {"ids": np.arange(i, i + 4)}) for i in range(3)]
     samples = [_batch.read(client.get(h)) for h in handles]
-    assert not samples[0]["ids"].flags.writeable
+    assert samples[0]["ids"].flags.writeable, "a private view: writable like torch's samples"
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # (torch warns on each read-only array it is given)
         batch = _batch.default_collate(samples)

@@ -15,7 +15,7 @@ from feedstore.torch import StreamDataset  # noqa: E402
 from conftest import finish, produce  # noqa: E402
 
 
-def test_from_dlpack_shares_the_store_memory(daemon):
+def test_from_dlpack_maps_the_store_memory_privately(daemon):
     writer = feedstore.Client(daemon.socket, writer=True)
     pixels = np.arange(3 * 32 * 32, dtype=np.float32).reshape(3, 32, 32)
     handle = writer.put({"images": [pixels], "tokens": [1, 2, 3], "layout": "chw"})
@@ -23,10 +23,14 @@ def test_from_dlpack_shares_the_store_memory(daemon):
     sample = reader.get(handle)
     image = torch.from_dlpack(sample.image(0))
     tokens = torch.from_dlpack(sample.tokens_tensor())
-    assert image.data_ptr() == sample.images[0].ctypes.data  # the same memory, no copy
+    # A copy-on-write mapping of its own over the object: writable like torch's tensors, and
+    # a write copies only the page it touches, never reaching the store or the sample's view.
+    assert image.data_ptr() != sample.images[0].ctypes.data
     assert image.dtype == torch.float32 and tuple(image.shape) == (3, 32, 32)
     assert torch.equal(image, torch.from_numpy(pixels))
     assert tokens.tolist() == [1, 2, 3]
+    image[0, 0, 0] = -1.0
+    assert float(sample.images[0][0, 0, 0]) == 0.0
     del sample
     gc.collect()
     reader.flush()

@@ -118,13 +118,23 @@ def test_stream_samples_take_in_place_ops_through_to_torch_and_stream_dataset(da
         assert np.array_equal(sample.images[0], before)
         assert (sample.labels == -100).any()
         assert not sample.images[0].flags.writeable
+        # A tensor straight from the sample's DLPack export is writable too, privately.
+        first_token = int(sample.tokens[0])
+        direct, ids = torch.from_dlpack(sample.image(0)), torch.from_dlpack(sample.tokens_tensor())
+        direct += 1
+        ids[0] = first_token + 1
+        assert torch.equal(direct, torch.from_numpy(before) + 1)
+        assert np.array_equal(sample.images[0], before) and int(sample.tokens[0]) == first_token
+        # The producer ends when its readers have read the stream to its end.
+        assert sum(1 for _ in stream) == 7
     finish(producer)
 
     producer = produce(daemon, tmp_path, "writable-ds", 8, "--shuffle", "none")
     dataset = StreamDataset("writable-ds", 8, shuffle="none", socket=daemon.socket, wait=120)
     seen = 0
     for item in tud.DataLoader(dataset, batch_size=None):
-        item["pixel_values"][0].div_(255)
+        item["pixel_values"][0].add_(1)
+        item["labels"][item["labels"] == -100] = 0
         item["input_ids"][0] = 0
         seen += 1
     assert seen == 8

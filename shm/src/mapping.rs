@@ -678,7 +678,8 @@ mod tests {
         }
         let expected: Vec<u8> = (0..len).map(|i| (i % 251) as u8).collect();
         // SAFETY: nothing writes the range while the views live but the views themselves.
-        let shared = unsafe { SharedBytes::new(ro.clone(), offset as u64, len as u64, ()) }.unwrap();
+        let shared =
+            unsafe { SharedBytes::new(ro.clone(), offset as u64, len as u64, ()) }.unwrap();
         let first = shared.private_view("keep", true).unwrap();
         let second = shared.private_view("keep", false).unwrap();
         assert!(!first.copied() && first.len() == len && *first.keep() == "keep");
