@@ -15,7 +15,7 @@ use feedstore_producer::pipeline::{Event, ProducerConfig, run};
 use feedstore_producer::s3::{S3Fetcher, S3Options};
 use feedstore_producer::vision::ResizeMode;
 use feedstore_proto::sample::{DType, TensorLayout};
-use feedstore_proto::stream::{Shuffle, StreamSpec, StreamState, Tail};
+use feedstore_proto::stream::{Shuffle, StreamSpec, StreamState, Tail, default_depth};
 
 use crate::SocketArg;
 
@@ -185,15 +185,17 @@ struct StreamArgs {
         requires = "stream"
     )]
     tail: String,
-    /// Samples made ahead of each rank (its ring's size).
-    #[arg(long, value_name = "N", default_value_t = 64, requires = "stream")]
-    prefetch: u32,
+    /// Samples made ahead of each rank (its ring's size), the samples its trainer holds
+    /// included [default: 64; with --batch N, the larger of 64 and 3N: a batch held, one
+    /// ready, one being made].
+    #[arg(long, value_name = "N", requires = "stream")]
+    prefetch: Option<u32>,
     /// Place each batch of N samples of a rank in one object, image 0 of each side by side, so
     /// a trainer reading whole batches (`Stream.next_stacked(N)`) gets their images as one
     /// view with no copy. Needs --image-size WxH (one shape for every image) whose bytes are a
-    /// multiple of 64, and --prefetch of at least N (2N lets the next batch be made while a
-    /// trainer holds one); at most 1024. The decode-once cache is not used. A batch holding a
-    /// record without an image is put one sample per object (its reader gets a copy).
+    /// multiple of 64, and a --prefetch of at least N (the default, 3N, keeps a trainer fed);
+    /// at most 1024. The decode-once cache is not used. A batch holding a record without an
+    /// image is put one sample per object (its reader gets a copy).
     #[arg(long, value_name = "N", requires = "stream")]
     batch: Option<u32>,
     /// Resume: a file of the consumers' saved states (one `Stream::state()` text per line);
@@ -257,7 +259,10 @@ impl StreamArgs {
             at: self.ranks_at(&spec)?,
             relay: self.relay.clone().unwrap_or_default(),
             spec,
-            depth: self.prefetch.max(1),
+            depth: self
+                .prefetch
+                .unwrap_or_else(|| default_depth(self.batch.unwrap_or(1)))
+                .max(1),
             ranks: tasks,
             cache: !self.no_cache,
             batch: self.batch.unwrap_or(0),

@@ -1367,14 +1367,8 @@ fn produce_puts_a_large_unplaceable_batch_whole() {
         .args([
             "--stream", "big", "--world", "1", "--seed", "5", "--epochs", "1",
         ])
-        .args([
-            "--prefetch",
-            "400",
-            "--batch",
-            "200",
-            "--fetch-concurrency",
-            "512",
-        ])
+        // No --prefetch: the default for --batch 200 is three batches.
+        .args(["--batch", "200", "--fetch-concurrency", "512"])
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())
         .spawn()
@@ -1390,6 +1384,14 @@ fn produce_puts_a_large_unplaceable_batch_whole() {
     };
     let mut stream =
         Stream::open(&daemon.socket, &spec, 0, None, StreamOptions::default()).unwrap();
+    let depths: Vec<u32> = daemon
+        .reader()
+        .streams()
+        .unwrap()
+        .iter()
+        .map(|s| s.depth)
+        .collect();
+    assert_eq!(depths, [600], "one batch held, one ready, one being made");
     for seq in 0..400 {
         let sample = stream.next_sample().unwrap().unwrap();
         assert_eq!(

@@ -606,6 +606,64 @@ fn stream_misuse_gets_clear_errors() {
     );
 }
 
+/// A sample a trainer keeps (a label for a log, a view for an epoch) holds its place in the
+/// window only until half the depth of later samples came back: the stream reads on past
+/// `depth` more samples, the kept sample's bytes stay its own (its lease keeps the object, and
+/// the store reuses none of it), and samples kept in order still fill the window and say so.
+#[test]
+fn a_sample_held_long_does_not_stall_the_stream() {
+    let _w = watchdog(
+        "a_sample_held_long_does_not_stall_the_stream",
+        Duration::from_secs(60),
+    );
+    let dir = scratch_dir("stream-held-long");
+    let daemon = DaemonProcess::start(&dir, &[]);
+    let depth = 8;
+    let s = spec("held-long", 64, 5, 1, 1);
+    let client = daemon.writer();
+    let feeder = StreamFeeder::join(&client, &s, depth, &[StreamTask { rank: 0, seq: 0 }]).unwrap();
+    let options = StreamOptions {
+        wait: Duration::from_secs(20),
+        return_batch: 1,
+    };
+    let mut stream = Stream::open(&daemon.socket, &s, 0, None, options).unwrap();
+    let kept = std::thread::scope(|scope| {
+        scope.spawn(|| {
+            // The producer makes whatever the window allows, all 64 in the end.
+            let mut made = 0;
+            while made < 64 {
+                let tasks = feeder
+                    .take(64, Duration::from_millis(100))
+                    .unwrap()
+                    .unwrap();
+                made += tasks.len();
+                let items = tasks
+                    .into_iter()
+                    .map(|t| delivery(&client, &s, t))
+                    .collect();
+                assert!(feeder.put(items).unwrap().iter().all(Result::is_ok));
+            }
+        });
+        // Samples 3 and 40 are kept; every other is dropped at once.
+        let mut kept = Vec::new();
+        while let Some(sample) = stream.next_sample().unwrap() {
+            assert_eq!(
+                &sample[..],
+                &pattern(s.record_at(0, sample.seq()), PAYLOAD)[..]
+            );
+            if sample.seq() == 3 || sample.seq() == 40 {
+                kept.push(sample);
+            }
+        }
+        kept
+    });
+    assert_eq!(stream.passed_held(), 2);
+    assert_eq!(kept.iter().map(|k| k.seq()).collect::<Vec<_>>(), [3, 40]);
+    for k in &kept {
+        assert_eq!(&k[..], &pattern(s.record_at(0, k.seq()), PAYLOAD)[..]);
+    }
+}
+
 /// Puts sent without reading their replies are served in order: a consumer reads their samples
 /// before the producer reads a reply; the replies say what each put did, item by item even for
 /// a put of several frames, and a put the stream refuses gives its reservation back. Seals sent

@@ -60,22 +60,54 @@ impl RingWords for RingMap {
     }
 }
 
-/// Which sequence numbers the user has dropped: a contiguous prefix and stragglers.
+/// Which sequence numbers the user has dropped: the window's start (`upto`: all before it
+/// returned or passed) and the samples returned beyond a held one.
 #[derive(Debug)]
 struct Returns {
     upto: u64,
     out_of_order: BTreeSet<u64>,
+    /// Samples returned beyond a held one at which the window moves past it: half the depth.
+    straggle: usize,
+    /// Held samples the window moved past.
+    passed: u64,
 }
 
 impl Returns {
+    fn new(upto: u64, depth: u32) -> Returns {
+        Returns {
+            upto,
+            out_of_order: BTreeSet::new(),
+            straggle: (depth as usize / 2).max(1),
+            passed: 0,
+        }
+    }
+
     fn returned(&mut self, seq: u64) {
         if seq == self.upto {
             self.upto += 1;
-            while self.out_of_order.remove(&self.upto) {
-                self.upto += 1;
-            }
+            self.advance();
         } else if seq > self.upto {
             self.out_of_order.insert(seq);
+            // A sample held while half a window of later ones came back (a label kept for a
+            // log, a view kept for an epoch) stops holding its place in the window, which
+            // would otherwise fill `depth` samples later and stall the stream: the window
+            // moves past it. Its object stays leased by the sample itself, so what it reads
+            // does not change; only the daemon's hold for the window is returned.
+            while self.out_of_order.len() >= self.straggle {
+                let Some(first) = self.out_of_order.pop_first() else {
+                    break;
+                };
+                self.passed += first - self.upto;
+                self.upto = first + 1;
+                self.advance();
+            }
+        }
+        // (A sample the window passed, dropped now, is before `upto`: nothing to do.)
+    }
+
+    fn advance(&mut self) {
+        while self.out_of_order.remove(&self.upto) {
+            self.upto += 1;
         }
     }
 }
@@ -211,6 +243,7 @@ impl Stream {
         if header.rank != rank || header.spec_digest != spec.digest() {
             return Err(Error::Protocol("ring for another rank or stream".into()));
         }
+        let depth = header.capacity;
         Ok(Stream {
             client,
             spec: spec.clone(),
@@ -220,10 +253,7 @@ impl Stream {
             header,
             next: seq,
             end: spec.end_seq(),
-            returns: Arc::new(Mutex::new(Returns {
-                upto: seq,
-                out_of_order: BTreeSet::new(),
-            })),
+            returns: Arc::new(Mutex::new(Returns::new(seq, depth))),
             sent: seq,
             opts,
             opened,
@@ -273,6 +303,15 @@ impl Stream {
     /// The stream's spec.
     pub fn spec(&self) -> &StreamSpec {
         &self.spec
+    }
+
+    /// Samples still held when the window moved past them: each was kept while half the
+    /// prefetch depth of later samples came back (see [`StreamSample`]).
+    pub fn passed_held(&self) -> u64 {
+        self.returns
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .passed
     }
 
     /// The next sample, in place in shared memory; `None` after the last epoch. (The stream is
@@ -496,6 +535,13 @@ impl Drop for SampleHold {
 /// It holds its own lease on the object, so its bytes stay valid and unchanged for as long as
 /// it lives, whatever happens to the [`Stream`] (dropped, reopened at another position,
 /// closed by the producer) or to the rest of the store.
+///
+/// It also holds its place in the rank's prefetch window (the samples made ahead count the
+/// ones held, so a trainer holding a batch gets the next made within the depth) until it is
+/// dropped, or until half the depth of later samples have been dropped while it is held: then
+/// the window moves past it ([`Stream::passed_held`]), so a sample kept long does not stall
+/// the stream. A consumer holding as many samples as the depth, in order, gets
+/// [`Error::WindowFull`].
 pub struct StreamSample {
     entry: RingEntry,
     bytes: SharedBytes<SampleHold>,

@@ -111,6 +111,18 @@ pub struct StreamSpec {
     pub epochs: Option<u64>,
 }
 
+/// Samples made ahead of each rank when a producer names no depth.
+pub const DEFAULT_DEPTH: u32 = 64;
+
+/// The prefetch depth of a stream whose producer names none: [`DEFAULT_DEPTH`], and for a
+/// stream of placed batches of `batch` samples at least three batches: one the trainer holds,
+/// one ready for its next step and one being made. (Two made the trainer wait 23% of a step
+/// on the demo's workload, three under 1%: BENCHMARKS.md, "Zero-copy batches at the default
+/// depth".)
+pub fn default_depth(batch: u32) -> u32 {
+    DEFAULT_DEPTH.max(batch.saturating_mul(3))
+}
+
 impl StreamSpec {
     /// What differs from `other`, in words: `records 40 (asked: 41), seed 0 (asked: 1)`, this
     /// spec's values first.

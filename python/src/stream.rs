@@ -12,7 +12,7 @@ use feedstore_consumer::{
 use feedstore_proto::sample::{
     BatchPlan, DType, KeyValue, SampleInfo, SamplePlan, SampleRegions, TensorLayout,
 };
-use feedstore_proto::stream::{StreamSpec, StreamState};
+use feedstore_proto::stream::{StreamSpec, StreamState, default_depth};
 use numpy::{PyUntypedArray, PyUntypedArrayMethods};
 use pyo3::exceptions::PyKeyboardInterrupt;
 use pyo3::prelude::*;
@@ -309,9 +309,10 @@ impl Stream {
     /// `feedstore top` and the metrics show it): `waited` (seconds spent waiting for samples
     /// not yet made), `taken` (samples), `elapsed` (seconds since its first request: waiting
     /// plus the trainer's own work), `wait_ratio` (waited / elapsed: the wait-time ratio) and
-    /// `first_sample` (seconds from opening to the first sample; None before it).
+    /// `first_sample` (seconds from opening to the first sample; None before it), and
+    /// `passed_held` (samples kept so long that the prefetch window moved past them).
     fn figures<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let f = self.with(|s| Ok(s.figures()))?;
+        let (f, passed_held) = self.with(|s| Ok((s.figures(), s.passed_held())))?;
         let dict = PyDict::new(py);
         dict.set_item("waited", f.waited_us as f64 / 1e6)?;
         dict.set_item("taken", f.taken)?;
@@ -321,6 +322,7 @@ impl Stream {
             "first_sample",
             (f.first_sample_us > 0).then(|| f.first_sample_us as f64 / 1e6),
         )?;
+        dict.set_item("passed_held", passed_held)?;
         Ok(dict)
     }
 
@@ -638,12 +640,13 @@ impl Writer {
     /// Joins the stream as a producer for `ranks` (default: all), creating it if new. The spec
     /// arguments must match the readers'. `start` maps ranks to the sequence number their
     /// readers resume at (from their saved states), for ranks the daemon does not know yet.
-    /// `depth` and `batch` apply if the stream is new: samples made ahead of each reader, and
-    /// (above 1, at most 1024) tasks handed out a batch at a time for `put_batch` (`depth` at
-    /// least `batch`; twice it lets the next batch be made while a reader holds one).
+    /// `depth` and `batch` apply if the stream is new: samples made ahead of each reader (the
+    /// samples it holds included; default 64, or with `batch` the larger of 64 and three
+    /// batches: one held, one ready, one being made), and (above 1, at most 1024) tasks
+    /// handed out a batch at a time for `put_batch` (`depth` at least `batch`).
     #[new]
     #[pyo3(signature = (name, records, world=1, *, seed=0, shuffle="full", tail="drop",
-        epochs=Some(1), ranks=None, start=None, socket=None, depth=64, batch=1))]
+        epochs=Some(1), ranks=None, start=None, socket=None, depth=None, batch=1))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -657,9 +660,10 @@ impl Writer {
         ranks: Option<Vec<u32>>,
         start: Option<std::collections::HashMap<u32, u64>>,
         socket: Option<String>,
-        depth: u32,
+        depth: Option<u32>,
         batch: u32,
     ) -> PyResult<Writer> {
+        let depth = depth.unwrap_or_else(|| default_depth(batch));
         let spec = spec(name, records, world, seed, shuffle, tail, epochs)?;
         let ranks = ranks.unwrap_or_else(|| (0..world).collect());
         let start = start.unwrap_or_default();

@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 
 import numpy as np
 import pytest
@@ -146,6 +147,42 @@ def test_a_batch_placed_in_one_object_reads_as_one_array(daemon):
     daemon.wait_for("every lease to go back", lambda st: st["leases"] == 0)
 
 
+def test_a_view_kept_long_does_not_stall_the_stream(daemon):
+    """A batch's view kept past its step (for a log, for the epoch) holds its place in the
+    prefetch window only until half the depth of later samples came back: the trainer reads
+    on well past the depth (64, the default for batches of 4), and the kept view still reads
+    its own batch."""
+    records, batch = 160, 4
+    writer = feedstore.Writer("kept", records, shuffle="none", socket=daemon.socket, batch=batch)
+
+    def feed():
+        while (tasks := writer.take(max=batch, wait=0.1)) is not None:
+            for i in range(0, len(tasks), batch):
+                group = tasks[i : i + batch]
+                items = [
+                    {"images": [np.full((3, 8, 8), t.record, np.float32)], "tokens": [t.record], "layout": "chw"}
+                    for t in group
+                ]
+                writer.put_batch(group, items)
+
+    feeder = threading.Thread(target=feed, daemon=True)
+    feeder.start()
+    with feedstore.Stream("kept", records, shuffle="none", socket=daemon.socket, wait=30) as s:
+        _, kept = s.next_stacked(batch)
+        seen = batch
+        while True:
+            samples, images = s.next_stacked(batch)
+            if images is None:
+                break
+            seen += len(samples)
+        del samples, images
+        assert seen == records
+        assert 1 <= s.figures()["passed_held"] <= batch
+        assert [int(i[0, 0, 0]) for i in kept.numpy()] == [0, 1, 2, 3]
+    feeder.join(timeout=60)
+    assert not feeder.is_alive()
+
+
 def test_next_stacked_hands_over_what_it_cannot_stack(daemon):
     writer = feedstore.Writer("uneven", 2, shuffle="none", socket=daemon.socket)
     for task in writer.take(max=2, wait=5.0):
@@ -253,6 +290,7 @@ def test_errors_are_feedstore_exceptions(daemon, tmp_path):
     with pytest.raises(feedstore.TooLarge) as e:
         feedstore.Client(daemon.socket, writer=True).put(np.zeros(300 << 20, dtype=np.uint8))
     assert isinstance(e.value, ValueError) and not isinstance(e.value, feedstore.Full)
+    assert "--segment-size" in str(e.value), "names the remedy"
     with pytest.raises(feedstore.NotFound):
         feedstore.Client(daemon.socket).get("1:1:7")
     with pytest.raises(feedstore.FeedstoreError):
@@ -425,3 +463,10 @@ def test_a_stream_reports_what_it_measured(daemon):
     assert figures["wait_ratio"] == pytest.approx(figures["waited"] / figures["elapsed"])
     assert figures["first_sample"] == pytest.approx(stream.time_to_first_sample, abs=1e-6)
     del samples
+
+
+def test_waiting_for_a_stream_nobody_made_says_so_while_it_waits(daemon):
+    with pytest.warns(UserWarning, match="no producer of this user has created it") as told:
+        with pytest.raises(feedstore.Timeout):
+            feedstore.Stream("nobody-yet", 10, socket=daemon.socket, wait=4.5)
+    assert sum("nobody-yet" in str(w.message) for w in told) == 1, "said once"
