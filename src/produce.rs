@@ -207,6 +207,86 @@ struct StreamArgs {
     /// reused by later epochs, ranks and jobs while memory allows).
     #[arg(long, requires = "stream")]
     no_cache: bool,
+    /// Seconds to go on once every trainer that read the stream on this node has left: then
+    /// the producer says so and exits (status 0, its profile printed). While no trainer has
+    /// attached yet it waits for one; the progress line says how long the readers have been
+    /// gone. 0: wait for readers forever. Not used with --ranks-at (readers on other nodes are
+    /// not seen from here).
+    #[arg(
+        long,
+        value_name = "SECONDS",
+        default_value_t = 600,
+        requires = "stream"
+    )]
+    idle_exit: u64,
+}
+
+/// A stream producer's view of its readers: it asks the daemon every few seconds how many
+/// trainers are attached to the stream, and says when they are all gone.
+struct ReaderWatch {
+    socket: PathBuf,
+    name: String,
+    /// How long readers may be gone before the run ends (`--idle-exit`).
+    limit: Duration,
+    client: Option<feedstore_consumer::Client>,
+    asked: Option<Instant>,
+    /// A reader has been seen attached.
+    seen: bool,
+    /// Since when no reader is attached (after one was).
+    gone_since: Option<Instant>,
+}
+
+impl ReaderWatch {
+    /// How often the daemon is asked.
+    const EVERY: Duration = Duration::from_secs(2);
+
+    /// How long the readers have been gone, asking the daemon when it is time to.
+    fn gone_for(&mut self) -> Option<Duration> {
+        if self.asked.is_none_or(|at| at.elapsed() >= Self::EVERY) {
+            self.asked = Some(Instant::now());
+            if let Some(readers) = self.readers() {
+                self.seen |= readers > 0;
+                self.gone_since = match (readers, self.gone_since) {
+                    (0, since) if self.seen => since.or_else(|| Some(Instant::now())),
+                    _ => None,
+                };
+            }
+        }
+        self.gone_since.map(|since| since.elapsed())
+    }
+
+    /// Trainers attached to this user's stream of this name; `None` when the daemon cannot be
+    /// asked (the run's own requests will say why).
+    fn readers(&mut self) -> Option<u32> {
+        if self.client.is_none() {
+            self.client = feedstore_consumer::ConnectOptions::new(feedstore_proto::Role::Reader)
+                .socket(&self.socket)
+                .name("feedstore produce (readers)")
+                .populate(false)
+                .connect()
+                .ok();
+        }
+        let uid = nix::unistd::getuid().as_raw();
+        match self.client.as_ref()?.streams() {
+            Ok(streams) => Some(
+                streams
+                    .iter()
+                    .filter(|s| s.name == self.name && s.owner_uid == uid)
+                    .map(|s| s.consumers)
+                    .sum(),
+            ),
+            Err(_) => {
+                self.client = None;
+                None
+            }
+        }
+    }
+
+    /// Whether the readers have been gone longer than the limit.
+    fn expired(&self) -> bool {
+        self.gone_since
+            .is_some_and(|since| since.elapsed() >= self.limit)
+    }
 }
 
 impl StreamArgs {
@@ -485,6 +565,19 @@ pub fn run_produce(args: Args) -> anyhow::Result<()> {
     let mut write_error = None;
     // Ctrl-C (or SIGTERM) ends the run with the profile so far; a second one kills at once.
     catch_interrupts();
+    // A stream's producer whose trainers have all left ends after --idle-exit.
+    let mut watch = match (&args.stream.stream, args.stream.idle_exit) {
+        (Some(name), secs) if secs > 0 && args.stream.ranks_at.is_empty() => Some(ReaderWatch {
+            socket: config.socket.clone(),
+            name: name.clone(),
+            limit: Duration::from_secs(secs),
+            client: None,
+            asked: None,
+            seen: false,
+            gone_since: None,
+        }),
+        _ => None,
+    };
     let on_event = |event: &Event, profiler: &feedstore_producer::profile::Profiler| {
         if !matches!(event, Event::Idle) && write_error.is_none() {
             // The run has made something: this run's files replace the last run's now.
@@ -517,7 +610,25 @@ pub fn run_produce(args: Args) -> anyhow::Result<()> {
             }
             Event::Idle => {}
         }
-        if INTERRUPTED.load(Ordering::Relaxed) {
+        let gone = watch.as_mut().and_then(ReaderWatch::gone_for);
+        let stop = if INTERRUPTED.load(Ordering::Relaxed) {
+            Some((
+                "interrupted".to_owned(),
+                128 + INTERRUPTED_BY.load(Ordering::Relaxed),
+            ))
+        } else if let Some(watch) = watch.as_ref().filter(|w| w.expired()) {
+            Some((
+                format!(
+                    "every reader of stream {:?} left {} s ago (--idle-exit); stopping",
+                    watch.name,
+                    watch.limit.as_secs()
+                ),
+                0,
+            ))
+        } else {
+            None
+        };
+        if let Some((why, status)) = stop {
             if let Some(bar) = &bar {
                 // The profile printed next says where the run stood.
                 bar.finish_and_clear();
@@ -530,7 +641,7 @@ pub fn run_produce(args: Args) -> anyhow::Result<()> {
             let wall = started.elapsed();
             let profile = profiler.snapshot(wall, config.workers, config.fetch_concurrency);
             println!(
-                "interrupted after {:.2} s: produced {produced} samples ({:.1} MB), rejected {rejected} (listed in {}); the profile so far:",
+                "{why} after {:.2} s: produced {produced} samples ({:.1} MB), rejected {rejected} (listed in {}); the profile so far:",
                 wall.as_secs_f64(),
                 bytes as f64 / 1e6,
                 rejects_path.display()
@@ -540,7 +651,7 @@ pub fn run_produce(args: Args) -> anyhow::Result<()> {
             let _ = std::io::stdout().flush();
             // The daemon takes back what this process held (unsealed objects, tasks in
             // flight) when its connections close.
-            std::process::exit(128 + INTERRUPTED_BY.load(Ordering::Relaxed));
+            std::process::exit(status);
         }
         if let Some(bar) = &bar {
             bar.set_position(produced + rejected);
@@ -552,19 +663,25 @@ pub fn run_produce(args: Args) -> anyhow::Result<()> {
             produced_then = produced;
             let wall = started.elapsed();
             let profile = profiler.snapshot(wall, config.workers, config.fetch_concurrency);
+            let verdict = match (gone, &watch) {
+                (Some(gone), Some(watch)) => format!(
+                    "no reader attached for {} s (exiting at {} s, --idle-exit)",
+                    gone.as_secs(),
+                    watch.limit.as_secs()
+                ),
+                _ => profile.verdict(),
+            };
             match &bar {
                 Some(bar) => bar.set_message(format!(
-                    "{rejected} rejected, {:.0} MB/s, {} fetches in flight; {}",
+                    "{rejected} rejected, {:.0} MB/s, {} fetches in flight; {verdict}",
                     bytes as f64 / 1e6 / wall.as_secs_f64(),
                     profile.fetch_in_flight,
-                    profile.verdict()
                 )),
                 None => eprintln!(
-                    "  {produced} produced, {rejected} rejected, {rate_now:.1} samples/s now ({:.1} over the run), {:.0} MB/s into the store, {} fetches in flight; {}",
+                    "  {produced} produced, {rejected} rejected, {rate_now:.1} samples/s now ({:.1} over the run), {:.0} MB/s into the store, {} fetches in flight; {verdict}",
                     produced as f64 / wall.as_secs_f64(),
                     bytes as f64 / 1e6 / wall.as_secs_f64(),
                     profile.fetch_in_flight,
-                    profile.verdict()
                 ),
             }
         }

@@ -1558,3 +1558,61 @@ fn a_feeding_producer_reports_the_daemon_going_away() {
     let err = outcome.map(|_| ()).unwrap_err();
     assert!(err.is_disconnected(), "{err}");
 }
+
+/// A stream's producer whose trainer left (a job that trained fewer epochs than it was fed,
+/// a trainer that died and is not coming back) says so in its progress lines and exits after
+/// --idle-exit, with its profile; before any trainer attached it waits.
+#[test]
+fn produce_exits_once_its_readers_are_gone_for_idle_exit() {
+    use feedstore_consumer::{Stream, StreamOptions};
+    use feedstore_proto::stream::{Shuffle, StreamSpec, Tail};
+
+    let _w = watchdog(
+        "produce_exits_once_its_readers_are_gone_for_idle_exit",
+        Duration::from_secs(120),
+    );
+    let dir = scratch_dir("produce-idle-exit");
+    let daemon = DaemonProcess::start(&dir, &["--capacity", "64MiB"]);
+    let tokenizer = tokenizer_file(&dir);
+    let manifest = text_manifest(&dir, 40);
+    let mut producer = produce_command(&daemon.socket, &manifest, &tokenizer)
+        .args(["--workers", "1", "--stream", "left", "--epochs", "0"])
+        .args(["--prefetch", "8", "--idle-exit", "3"])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let spec = StreamSpec {
+        name: "left".into(),
+        records: 40,
+        seed: 0,
+        world: 1,
+        shuffle: Shuffle::Full,
+        tail: Tail::Drop,
+        epochs: None,
+    };
+    // No trainer yet, its windows long full: the producer waits for one.
+    std::thread::sleep(Duration::from_secs(5));
+    assert!(
+        producer.try_wait().unwrap().is_none(),
+        "exited before any reader came"
+    );
+    let mut stream =
+        Stream::open(&daemon.socket, &spec, 0, None, StreamOptions::default()).unwrap();
+    for _ in 0..20 {
+        stream.next_sample().unwrap().unwrap();
+    }
+    std::thread::sleep(Duration::from_secs(3)); // (seen by the producer's watch, every 2 s)
+    drop(stream);
+    let out = producer.wait_with_output().unwrap();
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+    assert!(
+        stdout.contains("every reader of stream \"left\" left 3 s ago (--idle-exit); stopping"),
+        "{stdout}"
+    );
+    assert!(stderr.contains("no reader attached for"), "{stderr}");
+}

@@ -123,7 +123,11 @@ pub enum Error {
     },
     /// The object can never fit: it is larger than a segment. Retrying will not help (unlike
     /// [`Error::Full`]).
-    #[error("object of {size_bytes} bytes is larger than any segment")]
+    #[error(
+        "object of {size_bytes} bytes is larger than any segment: start feedstored with a \
+         larger --segment-size (and --capacity), or make the object smaller (a smaller batch \
+         or --image-size)"
+    )]
     TooLarge {
         /// The object size asked for.
         size_bytes: u64,

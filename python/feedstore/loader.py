@@ -1309,6 +1309,7 @@ class _StoreIter(_LoaderIter):
             if isinstance(error, _Raised):
                 error.reraise()
             raise error
+        self._warn_if_nothing_filed()
         return batch
 
     def _next_task(self) -> Optional[_Task]:
@@ -1394,6 +1395,24 @@ class _StoreIter(_LoaderIter):
         counters.batches += 1
         batch, task.batch = task.batch, None
         return batch, None
+
+    def _warn_if_nothing_filed(self) -> None:
+        """Warns once per loader when ``sample_cache=True`` filed no sample of two batches or
+        more: the cache costs a key per sample and saves nothing."""
+        loader, c = self._loader, self._loader._feedstore_counts
+        if loader._cache_warned or c.batches < 2 or c.cache_filed or c.cache_hits:
+            return
+        if not c.cache_random and not c.cache_unfiled:
+            return
+        loader._cache_warned = True
+        warnings.warn(
+            f"sample_cache=True filed none of the {c.cache_random + c.cache_unfiled} samples "
+            f"made so far ({c.cache_random} moved Python's, numpy's or torch's global random "
+            f"state, a random augmentation; {c.cache_unfiled} did not pickle), so each is made "
+            "again every epoch: pass sample_cache=False, or draw the augmentation after the "
+            "cache (in collate_fn or the training step)",
+            stacklevel=5,  # (the loop's `next`)
+        )
 
     def _book(self) -> None:
         """Books the batches `next` took on its fast path (in order, before anything later)."""
@@ -1847,6 +1866,7 @@ class DataLoader(torch.utils.data.DataLoader):
             if not isinstance(cls, type):
                 raise TypeError(f"batch_classes holds {cls!r}, not a class")
         self._feedstore_counts = _Counters()
+        self._cache_warned = False  # (the warning that sample_cache filed nothing, once)
         self._feedstore_resume: Optional[dict] = None
         # The latest iterator: held strongly only for persistent workers (as torch does), so
         # that an iterator the trainer drops stops its workers; what it last stood at is kept.

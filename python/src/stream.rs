@@ -51,6 +51,20 @@ fn socket_path(socket: Option<String>) -> std::path::PathBuf {
     socket.map_or_else(feedstore_proto::client_socket_path, Into::into)
 }
 
+/// How long `Stream(...)` waits for its stream to appear before it says what it waits for.
+const OPEN_TELL_AFTER: Duration = Duration::from_secs(3);
+
+/// The warning of a `Stream(...)` still waiting for its stream: what to check.
+fn waiting_for_stream(name: &str, socket: &std::path::Path, wait: Duration) -> String {
+    format!(
+        "waiting for stream {name:?} on {}: no producer of this user has created it yet (waiting up to \
+         {:.0} s); is `feedstore produce --stream {name}` (or a feedstore.Writer) running on \
+         this node with the same records, seed, world, shuffle, tail and epochs?",
+        socket.display(),
+        wait.as_secs_f64()
+    )
+}
+
 /// What `Stream.next_stacked` returns: the samples, and their images stacked.
 type StackedBatch = (Vec<Py<Sample>>, Option<Tensor>);
 
@@ -173,17 +187,31 @@ impl Stream {
             ..StreamOptions::default()
         };
         let socket = socket_path(socket);
-        // Waiting for a producer to create the stream: look for Ctrl-C every 100 ms.
+        // Waiting for a producer to create the stream: look for Ctrl-C every 100 ms, and say
+        // once, after a few seconds, what is awaited (a wrong name or socket would otherwise
+        // look like a hang for the whole `wait`).
         let mut interrupted = None;
+        let started = std::time::Instant::now();
+        let mut told = false;
         let stream = py.detach(|| {
             feedstore_consumer::Stream::open_interruptible(
-                socket,
+                socket.clone(),
                 &spec,
                 rank,
                 from,
                 options,
                 || {
-                    Python::attach(|py| py.check_signals()).map_err(|e| {
+                    Python::attach(|py| {
+                        py.check_signals()?;
+                        if !told && started.elapsed() >= OPEN_TELL_AFTER {
+                            told = true;
+                            let text = waiting_for_stream(name, &socket, wait);
+                            let warning = py.get_type::<pyo3::exceptions::PyUserWarning>();
+                            PyErr::warn(py, &warning, &std::ffi::CString::new(text)?, 1)?;
+                        }
+                        Ok(())
+                    })
+                    .map_err(|e: PyErr| {
                         interrupted = Some(e);
                         Error::Interrupted
                     })

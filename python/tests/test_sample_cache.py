@@ -200,3 +200,14 @@ def test_filed_samples_outlive_the_loader_and_give_way_to_a_put(daemon, tmp_path
     list(again)
     assert made(log) == {i: 2 for i in range(24)}
     assert (again.feedstore_counters.cache_hits, again.feedstore_counters.cache_filed) == (0, 24)
+
+
+def test_a_cache_that_files_nothing_says_so_once(daemon):
+    # Every sample moves the global random state (a random augmentation): none can be filed.
+    loader = ours(Logged(random_every=1), daemon, batch_size=4, num_workers=2)
+    with pytest.warns(UserWarning, match="sample_cache=True filed none of the") as record:
+        for _ in range(2):
+            assert sum(1 for _ in loader) == 6
+    assert sum("filed none" in str(w.message) for w in record) == 1, "once per loader"
+    c = loader.feedstore_counters
+    assert (c.cache_filed, c.cache_hits, c.cache_random) == (0, 0, 48)
