@@ -193,9 +193,9 @@ struct StreamArgs {
     /// Place each batch of N samples of a rank in one object, image 0 of each side by side, so
     /// a trainer reading whole batches (`Stream.next_stacked(N)`) gets their images as one
     /// view with no copy. Needs --image-size WxH (one shape for every image) whose bytes are a
-    /// multiple of 64, and a --prefetch of at least N (the default, 3N, keeps a trainer fed);
-    /// at most 1024. The decode-once cache is not used. A batch holding a record without an
-    /// image is put one sample per object (its reader gets a copy).
+    /// multiple of 64, and a --prefetch of at least N (the default, the larger of 64 and 3N,
+    /// keeps a trainer fed); at most 1024. The decode-once cache is not used. A batch holding a
+    /// record without an image is put one sample per object (its reader gets a copy).
     #[arg(long, value_name = "N", requires = "stream")]
     batch: Option<u32>,
     /// Resume: a file of the consumers' saved states (one `Stream::state()` text per line);
@@ -208,14 +208,16 @@ struct StreamArgs {
     #[arg(long, requires = "stream")]
     no_cache: bool,
     /// Seconds to go on once every trainer that read the stream on this node has left: then
-    /// the producer says so and exits (status 0, its profile printed). While no trainer has
-    /// attached yet it waits for one; the progress line says how long the readers have been
-    /// gone. 0: wait for readers forever. Not used with --ranks-at (readers on other nodes are
-    /// not seen from here).
+    /// the producer says so and exits with status 3, its profile printed (a supervisor sees
+    /// a run that did not finish its epochs). While no trainer has attached yet it waits for
+    /// one; the progress line says how long the readers have been gone. Long enough for a
+    /// checkpoint or an evaluation between epochs, when loaders close their streams. 0: wait
+    /// for readers forever. Not used with --ranks-at (readers on other nodes are not seen
+    /// from here).
     #[arg(
         long,
         value_name = "SECONDS",
-        default_value_t = 600,
+        default_value_t = 1800,
         requires = "stream"
     )]
     idle_exit: u64,
@@ -234,7 +236,13 @@ struct ReaderWatch {
     seen: bool,
     /// Since when no reader is attached (after one was).
     gone_since: Option<Instant>,
+    /// The stream's samples returned by its readers when last asked: a reader that came and
+    /// went between two asks still moved it.
+    returned: Option<u64>,
 }
+
+/// The exit status of a producer that stopped because its readers were gone (`--idle-exit`).
+const READERS_GONE_STATUS: i32 = 3;
 
 impl ReaderWatch {
     /// How often the daemon is asked.
@@ -244,10 +252,12 @@ impl ReaderWatch {
     fn gone_for(&mut self) -> Option<Duration> {
         if self.asked.is_none_or(|at| at.elapsed() >= Self::EVERY) {
             self.asked = Some(Instant::now());
-            if let Some(readers) = self.readers() {
-                self.seen |= readers > 0;
+            if let Some((readers, returned)) = self.readers() {
+                let read = self.returned.is_some_and(|before| returned != before);
+                self.returned = Some(returned);
+                self.seen |= readers > 0 || read;
                 self.gone_since = match (readers, self.gone_since) {
-                    (0, since) if self.seen => since.or_else(|| Some(Instant::now())),
+                    (0, since) if self.seen && !read => since.or_else(|| Some(Instant::now())),
                     _ => None,
                 };
             }
@@ -255,9 +265,9 @@ impl ReaderWatch {
         self.gone_since.map(|since| since.elapsed())
     }
 
-    /// Trainers attached to this user's stream of this name; `None` when the daemon cannot be
-    /// asked (the run's own requests will say why).
-    fn readers(&mut self) -> Option<u32> {
+    /// Trainers attached to this user's stream of this name, and the samples they returned
+    /// so far; `None` when the daemon cannot be asked (the run's own requests will say why).
+    fn readers(&mut self) -> Option<(u32, u64)> {
         if self.client.is_none() {
             self.client = feedstore_consumer::ConnectOptions::new(feedstore_proto::Role::Reader)
                 .socket(&self.socket)
@@ -272,8 +282,7 @@ impl ReaderWatch {
                 streams
                     .iter()
                     .filter(|s| s.name == self.name && s.owner_uid == uid)
-                    .map(|s| s.consumers)
-                    .sum(),
+                    .fold((0, 0), |(n, r), s| (n + s.consumers, r + s.returned)),
             ),
             Err(_) => {
                 self.client = None;
@@ -575,6 +584,7 @@ pub fn run_produce(args: Args) -> anyhow::Result<()> {
             asked: None,
             seen: false,
             gone_since: None,
+            returned: None,
         }),
         _ => None,
     };
@@ -623,7 +633,7 @@ pub fn run_produce(args: Args) -> anyhow::Result<()> {
                     watch.name,
                     watch.limit.as_secs()
                 ),
-                0,
+                READERS_GONE_STATUS,
             ))
         } else {
             None

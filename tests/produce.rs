@@ -1609,7 +1609,7 @@ fn produce_exits_once_its_readers_are_gone_for_idle_exit() {
         String::from_utf8_lossy(&out.stdout),
         String::from_utf8_lossy(&out.stderr),
     );
-    assert!(out.status.success(), "{stdout}\n{stderr}");
+    assert_eq!(out.status.code(), Some(3), "{stdout}\n{stderr}");
     assert!(
         stdout.contains("every reader of stream \"left\" left 3 s ago (--idle-exit); stopping"),
         "{stdout}"

@@ -664,6 +664,70 @@ fn a_sample_held_long_does_not_stall_the_stream() {
     }
 }
 
+/// Passing is bounded: a consumer keeping one sample in four keeps at most `depth` passed
+/// samples' objects leased; past that the window stops moving and the stream says
+/// `WindowFull`, as it did before passing, and goes on once the kept samples are dropped.
+#[test]
+fn kept_samples_are_passed_only_up_to_the_depth() {
+    let _w = watchdog(
+        "kept_samples_are_passed_only_up_to_the_depth",
+        Duration::from_secs(60),
+    );
+    let dir = scratch_dir("stream-kept-bounded");
+    let daemon = DaemonProcess::start(&dir, &[]);
+    let depth = 8;
+    let s = spec("kept-bounded", 64, 5, 1, 1);
+    let client = daemon.writer();
+    let feeder = StreamFeeder::join(&client, &s, depth, &[StreamTask { rank: 0, seq: 0 }]).unwrap();
+    let options = StreamOptions {
+        wait: Duration::from_secs(20),
+        return_batch: 1,
+    };
+    let mut stream = Stream::open(&daemon.socket, &s, 0, None, options).unwrap();
+    let (full, read) = std::thread::scope(|scope| {
+        scope.spawn(|| {
+            let mut made = 0;
+            while made < 64 {
+                let tasks = feeder
+                    .take(64, Duration::from_millis(100))
+                    .unwrap()
+                    .unwrap();
+                made += tasks.len();
+                let items = tasks
+                    .into_iter()
+                    .map(|t| delivery(&client, &s, t))
+                    .collect();
+                assert!(feeder.put(items).unwrap().iter().all(Result::is_ok));
+            }
+        });
+        let (mut kept, mut full, mut read) = (Vec::new(), 0, 0);
+        loop {
+            match stream.next_sample() {
+                Ok(Some(sample)) => {
+                    read += 1;
+                    if sample.seq() % 4 == 0 {
+                        kept.push(sample);
+                    }
+                }
+                Ok(None) => break,
+                Err(feedstore_consumer::Error::WindowFull { .. }) => {
+                    full += 1;
+                    assert!(kept.len() > depth as usize, "{} kept", kept.len());
+                    assert!(stream.passed_held() >= u64::from(depth));
+                    for k in &kept {
+                        assert_eq!(&k[..], &pattern(s.record_at(0, k.seq()), PAYLOAD)[..]);
+                    }
+                    kept.clear();
+                }
+                Err(e) => panic!("{e}"),
+            }
+        }
+        (full, read)
+    });
+    assert_eq!(read, 64);
+    assert!(full >= 1, "a consumer keeping samples forever is stopped");
+}
+
 /// Puts sent without reading their replies are served in order: a consumer reads their samples
 /// before the producer reads a reply; the replies say what each put did, item by item even for
 /// a put of several frames, and a put the stream refuses gives its reservation back. Seals sent

@@ -107,11 +107,18 @@ impl Lease {
 
     /// A private, writable copy-on-write view of the object (see
     /// [`SharedBytes::private_view`]): reads share the store's pages, a write copies the page it
-    /// touches into this process alone. `keep` must keep this lease alive for the view's life
-    /// (an `Arc` holding it, say): the view's unwritten pages show the object only while it is
-    /// leased.
-    pub fn private_view<K>(&self, keep: K, populate: bool) -> Result<PrivateBytes<K>, Error> {
-        Ok(self.bytes.private_view(keep, populate)?)
+    /// touches into this process alone.
+    ///
+    /// # Safety
+    /// `keep` keeps this lease alive for the view's whole life (an `Arc` holding it, say): the
+    /// view's unwritten pages show the object only while it is leased.
+    pub unsafe fn private_view<K>(
+        &self,
+        keep: K,
+        populate: bool,
+    ) -> Result<PrivateBytes<K>, Error> {
+        // SAFETY: the caller's contract is this one's.
+        Ok(unsafe { self.bytes.private_view(keep, populate) }?)
     }
 }
 

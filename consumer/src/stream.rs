@@ -68,8 +68,14 @@ struct Returns {
     out_of_order: BTreeSet<u64>,
     /// Samples returned beyond a held one at which the window moves past it: half the depth.
     straggle: usize,
-    /// Held samples the window moved past.
+    /// Most samples passed and still held at once: the depth. Each keeps its object leased
+    /// outside any window, so this bounds what a consumer keeping samples can pin; past it
+    /// the window stops moving and the consumer gets [`Error::WindowFull`], as without passing.
+    passed_limit: usize,
+    /// Held samples the window moved past, over the stream's life.
     passed: u64,
+    /// Those still held.
+    passed_live: BTreeSet<u64>,
 }
 
 impl Returns {
@@ -78,31 +84,44 @@ impl Returns {
             upto,
             out_of_order: BTreeSet::new(),
             straggle: (depth as usize / 2).max(1),
+            passed_limit: depth as usize,
             passed: 0,
+            passed_live: BTreeSet::new(),
         }
     }
 
     fn returned(&mut self, seq: u64) {
+        if seq < self.upto {
+            // A sample the window passed, dropped now (or one before a rewind).
+            self.passed_live.remove(&seq);
+            return;
+        }
         if seq == self.upto {
             self.upto += 1;
             self.advance();
-        } else if seq > self.upto {
-            self.out_of_order.insert(seq);
-            // A sample held while half a window of later ones came back (a label kept for a
-            // log, a view kept for an epoch) stops holding its place in the window, which
-            // would otherwise fill `depth` samples later and stall the stream: the window
-            // moves past it. Its object stays leased by the sample itself, so what it reads
-            // does not change; only the daemon's hold for the window is returned.
-            while self.out_of_order.len() >= self.straggle {
-                let Some(first) = self.out_of_order.pop_first() else {
-                    break;
-                };
-                self.passed += first - self.upto;
-                self.upto = first + 1;
-                self.advance();
-            }
+            return;
         }
-        // (A sample the window passed, dropped now, is before `upto`: nothing to do.)
+        self.out_of_order.insert(seq);
+        // A sample held while half a window of later ones came back (a label kept for a log, a
+        // view kept for an epoch) stops holding its place in the window, which would otherwise
+        // fill `depth` samples later and stall the stream: the window moves past it. Its object
+        // stays leased by the sample itself, so what it reads does not change; only the
+        // daemon's hold for the window is returned.
+        while self.out_of_order.len() >= self.straggle {
+            let Some(&first) = self.out_of_order.first() else {
+                break;
+            };
+            // Every sample in `upto..first` was delivered (first < next) and is still held.
+            let skipped = first - self.upto;
+            if self.passed_live.len() as u64 + skipped > self.passed_limit as u64 {
+                break;
+            }
+            self.out_of_order.pop_first();
+            self.passed_live.extend(self.upto..first);
+            self.passed += skipped;
+            self.upto = first + 1;
+            self.advance();
+        }
     }
 
     fn advance(&mut self) {
@@ -237,7 +256,8 @@ impl Stream {
         let fd = fds.pop().filter(|_| fds.is_empty()).ok_or_else(|| {
             Error::Protocol("stream attach reply without one ring descriptor".into())
         })?;
-        let ring = RingMap(Mapping::new(fd, ring_bytes, Access::ReadOnly, true)?);
+        let ring =
+            RingMap(Mapping::new(fd, ring_bytes, Access::ReadOnly, true)?.without_private_views());
         let header =
             RingHeader::read(&ring).map_err(|e| Error::Protocol(format!("bad ring: {e}")))?;
         if header.rank != rank || header.spec_digest != spec.digest() {
@@ -540,8 +560,9 @@ impl Drop for SampleHold {
 /// ones held, so a trainer holding a batch gets the next made within the depth) until it is
 /// dropped, or until half the depth of later samples have been dropped while it is held: then
 /// the window moves past it ([`Stream::passed_held`]), so a sample kept long does not stall
-/// the stream. A consumer holding as many samples as the depth, in order, gets
-/// [`Error::WindowFull`].
+/// the stream. At most `depth` samples are passed and held at once (each keeps its object
+/// leased outside any window); a consumer keeping more, or holding as many samples as the
+/// depth in order, gets [`Error::WindowFull`].
 pub struct StreamSample {
     entry: RingEntry,
     bytes: SharedBytes<SampleHold>,
@@ -576,14 +597,17 @@ impl StreamSample {
 }
 
 impl StreamSample {
-    /// A private, writable copy-on-write view of the sample, as [`crate::Lease::private_view`]:
-    /// `keep` must keep this sample alive for the view's life.
-    pub fn private_view<K>(
+    /// A private, writable copy-on-write view of the sample, as [`crate::Lease::private_view`].
+    ///
+    /// # Safety
+    /// `keep` keeps this sample alive for the view's whole life.
+    pub unsafe fn private_view<K>(
         &self,
         keep: K,
         populate: bool,
     ) -> Result<feedstore_shm::PrivateBytes<K>, Error> {
-        Ok(self.bytes.private_view(keep, populate)?)
+        // SAFETY: the caller's contract is this one's.
+        Ok(unsafe { self.bytes.private_view(keep, populate) }?)
     }
 }
 

@@ -1279,6 +1279,8 @@ class _StoreIter(_LoaderIter):
                 self._outbox.want_fill()
                 self._num_yielded += 1  # (map-style: no length to check)
                 task.batch = None
+                if self._loader._cache_warning is not None:
+                    self._say_nothing_filed()
                 return batch
         except BaseException:
             self._shutdown()  # (Ctrl-C: as `_next_data`)
@@ -1309,7 +1311,8 @@ class _StoreIter(_LoaderIter):
             if isinstance(error, _Raised):
                 error.reraise()
             raise error
-        self._warn_if_nothing_filed()
+        if self._loader._cache_warning is not None:
+            self._say_nothing_filed()
         return batch
 
     def _next_task(self) -> Optional[_Task]:
@@ -1378,6 +1381,7 @@ class _StoreIter(_LoaderIter):
             counters.cache_filed += cache.filed
             counters.cache_random += cache.random
             counters.cache_unfiled += cache.unfiled
+            self._check_nothing_filed()
         if kind == "stop":
             worker.active = False
         else:
@@ -1396,23 +1400,29 @@ class _StoreIter(_LoaderIter):
         batch, task.batch = task.batch, None
         return batch, None
 
-    def _warn_if_nothing_filed(self) -> None:
-        """Warns once per loader when ``sample_cache=True`` filed no sample of two batches or
-        more: the cache costs a key per sample and saves nothing."""
+    def _check_nothing_filed(self) -> None:
+        """Notes (any thread) that ``sample_cache=True`` filed no sample of two batches' worth
+        or more: the cache costs a key per sample and saves nothing. Said once per loader, by
+        the trainer's next ``next`` (``_say_nothing_filed``)."""
         loader, c = self._loader, self._loader._feedstore_counts
-        if loader._cache_warned or c.batches < 2 or c.cache_filed or c.cache_hits:
+        if loader._cache_warned or c.cache_filed or c.cache_hits:
             return
-        if not c.cache_random and not c.cache_unfiled:
+        unfiled = c.cache_random + c.cache_unfiled
+        if unfiled < 2 * (loader.batch_size or 1):
             return
         loader._cache_warned = True
-        warnings.warn(
-            f"sample_cache=True filed none of the {c.cache_random + c.cache_unfiled} samples "
-            f"made so far ({c.cache_random} moved Python's, numpy's or torch's global random "
-            f"state, a random augmentation; {c.cache_unfiled} did not pickle), so each is made "
-            "again every epoch: pass sample_cache=False, or draw the augmentation after the "
-            "cache (in collate_fn or the training step)",
-            stacklevel=5,  # (the loop's `next`)
+        loader._cache_warning = (
+            f"sample_cache=True filed none of the {unfiled} samples made so far "
+            f"({c.cache_random} moved Python's, numpy's or torch's global random state, a random "
+            f"augmentation; {c.cache_unfiled} did not pickle), so each is made again every "
+            "epoch: pass sample_cache=False, or draw the augmentation after the cache (in "
+            "collate_fn or the training step)"
         )
+
+    def _say_nothing_filed(self) -> None:
+        message, self._loader._cache_warning = self._loader._cache_warning, None
+        if message:
+            warnings.warn(message, stacklevel=3)  # (the training loop's `next`)
 
     def _book(self) -> None:
         """Books the batches `next` took on its fast path (in order, before anything later)."""
@@ -1866,7 +1876,9 @@ class DataLoader(torch.utils.data.DataLoader):
             if not isinstance(cls, type):
                 raise TypeError(f"batch_classes holds {cls!r}, not a class")
         self._feedstore_counts = _Counters()
-        self._cache_warned = False  # (the warning that sample_cache filed nothing, once)
+        # The warning that sample_cache filed nothing: made once, said by the next `next`.
+        self._cache_warned = False
+        self._cache_warning: Optional[str] = None
         self._feedstore_resume: Optional[dict] = None
         # The latest iterator: held strongly only for persistent workers (as torch does), so
         # that an iterator the trainer drops stops its workers; what it last stood at is kept.

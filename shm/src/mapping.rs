@@ -70,13 +70,23 @@ pub struct Mapping {
     /// `MADV_POPULATE_*` is refused for good (a kernel before 5.14, a seccomp filter): pages
     /// fault in on touch.
     no_populate: AtomicBool,
-    /// The segment's descriptor, for private (copy-on-write) mappings of its objects.
-    fd: OwnedFd,
+    /// The segment's descriptor, for private (copy-on-write) mappings of its objects; closed
+    /// by [`Mapping::without_private_views`] where none will be made (the daemon's mappings,
+    /// a stream's ring), so a mapping costs a descriptor only where it must.
+    fd: Option<OwnedFd>,
     /// Whether the segment lives on hugetlbfs (whose private mappings reserve huge pages).
     hugetlb: bool,
 }
 
 impl Mapping {
+    /// This mapping with the descriptor kept for private views closed: for a mapping of which
+    /// no [`SharedBytes::private_view`] is made (the daemon's own, a stream's ring), so that it
+    /// holds no descriptor beyond the mapping itself.
+    pub fn without_private_views(mut self) -> Mapping {
+        self.fd = None;
+        self
+    }
+
     /// Maps the first `len` bytes of a segment descriptor.
     ///
     /// Refuses descriptors that are not sealed against shrinking or are shorter than `len`, so the
@@ -134,7 +144,7 @@ impl Mapping {
             populated,
             page_shift: granule.trailing_zeros(),
             no_populate: AtomicBool::new(false),
-            fd,
+            fd: Some(fd),
             hugetlb,
         })
     }
@@ -416,8 +426,9 @@ impl Mapping {
 /// `Arc`, so the memory stays mapped whatever else is dropped) and a hold `H` (in feedstore, a
 /// lease on a sealed object, returned when `H` is dropped) that keeps them from changing.
 ///
-/// The only way shared-memory bytes reach a user: no raw pointer escapes it, and it needs no
-/// hand-written `Send`/`Sync` (it is `Send`/`Sync` when `H` is).
+/// The only safe way shared-memory bytes reach a user: no raw pointer escapes it but through
+/// [`SharedBytes::private_view`] (an `unsafe fn`, whose caller keeps the hold for the view's
+/// life), and it needs no hand-written `Send`/`Sync` (it is `Send`/`Sync` when `H` is).
 pub struct SharedBytes<H> {
     /// Dropped first: the bytes are given back while still mapped.
     hold: H,
@@ -478,7 +489,16 @@ impl<H> SharedBytes<H> {
     /// where a private mapping would reserve a huge page per 2 MiB for copies that may never
     /// happen (and `SIGBUS` a write when none is free), the bytes are copied into anonymous
     /// memory instead ([`PrivateBytes::copied`]).
-    pub fn private_view<K>(&self, keep: K, populate: bool) -> Result<PrivateBytes<K>, ShmError> {
+    ///
+    /// # Safety
+    /// `keep` keeps `self`'s hold (the lease on the object) alive for the view's whole life:
+    /// once the object's range is reused for another object, the view's unwritten pages would
+    /// show that object's bytes.
+    pub unsafe fn private_view<K>(
+        &self,
+        keep: K,
+        populate: bool,
+    ) -> Result<PrivateBytes<K>, ShmError> {
         let map_err = |source: std::io::Error| ShmError::Map {
             len: self.len as u64,
             access: Access::ReadWrite,
@@ -508,8 +528,16 @@ impl<H> SharedBytes<H> {
             opts.offset(self.offset as u64).len(self.len);
             // SAFETY: the descriptor is a segment sealed against shrinking (checked when the
             // mapping was made), so no page of the mapping can be truncated away; the mapping is
-            // private, so nothing this process writes to it reaches the segment.
-            unsafe { opts.map_copy(&mapping.fd) }.map_err(map_err)?
+            // private, so nothing this process writes to it reaches the segment. Its unwritten
+            // pages follow the segment's: the object's bytes are immutable while `keep` holds
+            // it (this function's contract); the bytes of the first and last pages beyond the
+            // object may change, but no pointer handed out reaches them.
+            let fd = mapping.fd.as_ref().ok_or_else(|| {
+                map_err(std::io::Error::other(
+                    "a mapping made without private views (its descriptor closed)",
+                ))
+            })?;
+            unsafe { opts.map_copy(fd) }.map_err(map_err)?
         };
         if populate && !copied {
             let _ = map.advise(Advice::PopulateRead);
@@ -680,8 +708,9 @@ mod tests {
         // SAFETY: nothing writes the range while the views live but the views themselves.
         let shared =
             unsafe { SharedBytes::new(ro.clone(), offset as u64, len as u64, ()) }.unwrap();
-        let first = shared.private_view("keep", true).unwrap();
-        let second = shared.private_view("keep", false).unwrap();
+        // SAFETY: nothing reuses the range while the views live (the test holds the segment).
+        let first = unsafe { shared.private_view("keep", true) }.unwrap();
+        let second = unsafe { shared.private_view("keep", false) }.unwrap();
         assert!(!first.copied() && first.len() == len && *first.keep() == "keep");
         // SAFETY: no writes while the slices are read.
         assert_eq!(unsafe { first.bytes() }, &expected[..]);
@@ -706,7 +735,8 @@ mod tests {
         assert_eq!(unsafe { second.bytes() }[0], expected[0]);
         // SAFETY: in bounds; empty.
         let empty = unsafe { SharedBytes::new(ro, 0, 0, ()) }.unwrap();
-        assert!(empty.private_view((), true).unwrap().is_empty());
+        // SAFETY: an empty view maps nothing.
+        assert!(unsafe { empty.private_view((), true) }.unwrap().is_empty());
     }
 
     #[test]

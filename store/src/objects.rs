@@ -466,7 +466,9 @@ impl Objects {
 
     /// One more lease for `conn` on `slot`, within the connection's limit (client connections
     /// only), its uid's share when it is capped (a get; a stream handing its own sample over,
-    /// `share`, is bounded by the stream's depth instead) and the object's counter.
+    /// `share`, is bounded by the stream's depth instead: a consumer holds at most the window
+    /// and as many samples again that its window moved past, `consumer::stream::Returns`) and
+    /// the object's counter.
     fn add_lease(&mut self, conn: ConnId, slot: u32, get: bool) -> Result<Location, Status> {
         let c = self.conns.get(&conn).ok_or(Status::Protocol)?;
         if !c.info.internal && c.lease_count >= self.max_leases_per_conn {

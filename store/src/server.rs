@@ -236,7 +236,8 @@ impl Shared {
                             access: Access::ReadWrite,
                             source,
                         })?;
-                Mapping::new(fd, s.size_bytes(), Access::ReadWrite, config.prefault).map(Arc::new)
+                Mapping::new(fd, s.size_bytes(), Access::ReadWrite, config.prefault)
+                    .map(|m| Arc::new(m.without_private_views()))
             })
             .collect::<Result<_, _>>()?;
         Ok(Shared {

@@ -91,7 +91,8 @@ impl Ring {
             .fd()
             .try_clone_to_owned()
             .map_err(|source| ShmError::Reopen { source })?;
-        let map = Mapping::new(fd, segment.size_bytes(), Access::ReadWrite, true)?;
+        let map = Mapping::new(fd, segment.size_bytes(), Access::ReadWrite, true)?
+            .without_private_views();
         let header = RingHeader {
             capacity,
             rank,
