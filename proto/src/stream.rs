@@ -116,8 +116,8 @@ pub const DEFAULT_DEPTH: u32 = 64;
 
 /// The prefetch depth of a stream whose producer names none: [`DEFAULT_DEPTH`], and for a
 /// stream of placed batches of `batch` samples at least three batches: one the trainer holds,
-/// one ready for its next step and one being made. (Two made the trainer wait 23% of a step
-/// on the demo's workload, three under 1%: BENCHMARKS.md, "Zero-copy batches at the default
+/// one ready for its next step and one being made. (Two made the trainer wait 18-20% of its
+/// time on the demo's workload, three 0.1%: BENCHMARKS.md, "Zero-copy batches at the default
 /// depth".)
 pub fn default_depth(batch: u32) -> u32 {
     DEFAULT_DEPTH.max(batch.saturating_mul(3))

@@ -317,7 +317,8 @@ unsafe fn array_over<'py>(
 }
 
 /// A sample (or any object) in shared memory. Its arrays are read-only views of the store's
-/// mapping; the sample goes back to the store when this object and every array and tensor made
+/// mapping, or writable ones of a copy-on-write mapping of this process's (`private()`); its
+/// tensors' DLPack exports are always writable that way. The sample goes back to the store when this object and every array and tensor made
 /// from it are gone.
 #[pyclass(module = "feedstore", frozen)]
 pub struct Sample {
@@ -507,20 +508,22 @@ impl Sample {
         Sample::array(slf, &info, Elem::U8)
     }
 
-    /// Token ids: a read-only uint32 array in shared memory.
+    /// Token ids: a uint32 array in shared memory (read-only unless the sample is private).
     #[getter]
     fn tokens<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, PyAny>> {
         Sample::array(slf, &slf.get().parsed()?.tokens, Elem::U32)
     }
 
-    /// Labels (-100 where the loss is masked): a read-only int32 array in shared memory.
+    /// Labels (-100 where the loss is masked): an int32 array in shared memory (read-only
+    /// unless the sample is private).
     #[getter]
     fn labels<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, PyAny>> {
         Sample::array(slf, &slf.get().parsed()?.labels, Elem::I32)
     }
 
-    /// The image tensors: read-only arrays in shared memory (bfloat16 shows as uint16 bits;
-    /// use `tensor(i)` with `torch.from_dlpack` for a real bfloat16 tensor).
+    /// The image tensors: arrays in shared memory, read-only unless the sample is private
+    /// (bfloat16 shows as uint16 bits; use `tensor(i)` with `torch.from_dlpack` for a real
+    /// bfloat16 tensor).
     #[getter]
     fn images<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, PyList>> {
         let arrays = slf
@@ -927,9 +930,10 @@ pub fn stacked(py: Python<'_>, samples: &[Py<Sample>], index: usize) -> PyResult
     let within = first.held.bytes();
     if let Some(range) = side_by_side(within, &parts) {
         let info = TensorInfo::of(within, &within[range], head.dtype, head.layout, shape);
-        // Writable as torch's batches are: through a copy-on-write view of the object (the
-        // first sample's, which runs to the object's end), its page tables built now.
-        let held = Arc::new(py.detach(|| Held::private(&first.held, true))?);
+        // Over the first sample's hold: `numpy()` gives a read-only array of the store's
+        // pages, and `__dlpack__` (torch) a copy-on-write view of its own, made then (one
+        // mmap; its page tables are built as it is read), so the hand-off maps nothing.
+        let held = first.held.clone();
         return Ok((Tensor { held, info, elem }, false));
     }
     let mut buf = AlignedBuf::zeroed(head.len * samples.len());

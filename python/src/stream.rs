@@ -295,10 +295,12 @@ impl Stream {
     }
 
     /// Up to `n` samples and image `image` of each stacked into one `(len(samples), *shape)`
-    /// `Tensor` (`torch.from_dlpack(t)`, `t.numpy()`: read-only): a view of shared memory, with
-    /// no copy, when a producer placed the batch in one object (`Writer(batch=n)` and
-    /// `put_batch`) and this reader reads whole batches from a multiple of `n`; otherwise a
-    /// stacked copy (counted in `stacked_copies`). `([], None)` with no samples left. The
+    /// `Tensor`: a view of shared memory, with no copy, when a producer placed the batch in
+    /// one object (`Writer(batch=n)` and `put_batch`) and this reader reads whole batches from
+    /// a multiple of `n`; otherwise a stacked copy (counted in `stacked_copies`). Over shared
+    /// memory, `t.numpy()` is read-only and `torch.from_dlpack(t)` writable through a
+    /// copy-on-write mapping of its own (one mmap, whose page tables are built as it is first
+    /// read: BENCHMARKS.md). `([], None)` with no samples left. The
     /// tensor keeps the batch's object leased while it lives. If the images cannot be stacked
     /// (a sample without image `image`, images of different shapes, dtypes or layouts), raises
     /// `InvalidArgument` whose `samples` attribute holds the samples taken.

@@ -114,13 +114,26 @@ def test_a_batch_placed_in_one_object_reads_as_one_array(daemon):
         images = stacked.numpy()
         assert [int(i[0, 0, 0]) for i in images] == [0, 1, 2, 3]
         assert [int(x.tokens[0]) for x in samples] == [0, 1, 2, 3]
-        # One view of the store's object, copy-on-write: writable as torch's batches, and a
-        # write reaches neither the samples' own images nor the store.
+        # One view of the store's object: numpy's is read-only and says so.
         perms, path = mapping_of(stacked.data_ptr)
-        assert perms == "rw-p" and path.startswith("/memfd:feedstore:"), (perms, path)
-        assert images.flags.writeable
-        images[3, 2, 7, 7] = -1.0
-        assert int(samples[3].images[0][2, 7, 7]) == 3 and int(images[3, 2, 7, 7]) == -1
+        assert perms == "r--s" and path.startswith("/memfd:feedstore:"), (perms, path)
+        assert not images.flags.writeable
+        with pytest.raises(ValueError):
+            images[3, 2, 7, 7] = -1.0
+        # torch's (DLPack) lies in a copy-on-write mapping of its own: writable as torch's
+        # batches, and a write reaches neither the samples' own images nor the store.
+        try:
+            import torch
+        except ImportError:
+            torch = None
+        if torch is not None:
+            tensor = torch.from_dlpack(stacked)
+            perms, _ = mapping_of(tensor.data_ptr())
+            assert perms == "rw-p", perms
+            tensor[3, 2, 7, 7] = -1.0
+            assert int(tensor[3, 2, 7, 7]) == -1 and int(images[3, 2, 7, 7]) == 3
+            assert int(samples[3].images[0][2, 7, 7]) == 3
+            del tensor
         # The tensor alone keeps the batch's object.
         del samples, images
         gc.collect()
