@@ -626,17 +626,15 @@ pub fn run_produce(args: Args) -> anyhow::Result<()> {
                 "interrupted".to_owned(),
                 128 + INTERRUPTED_BY.load(Ordering::Relaxed),
             ))
-        } else if let Some(watch) = watch.as_ref().filter(|w| w.expired()) {
-            Some((
-                format!(
+        } else {
+            watch.as_ref().filter(|w| w.expired()).map(|watch| {
+                let why = format!(
                     "every reader of stream {:?} left {} s ago (--idle-exit); stopping",
                     watch.name,
                     watch.limit.as_secs()
-                ),
-                READERS_GONE_STATUS,
-            ))
-        } else {
-            None
+                );
+                (why, READERS_GONE_STATUS)
+            })
         };
         if let Some((why, status)) = stop {
             if let Some(bar) = &bar {

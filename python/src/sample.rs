@@ -83,13 +83,14 @@ impl Held {
     /// the store's pages for an object in shared memory, a copy for memory of this process.
     fn private(held: &Arc<Held>, populate: bool) -> PyResult<Held> {
         let err = |e: feedstore_consumer::Error| crate::errors::to_py(e);
-        // SAFETY (both): the view keeps `held`, which owns the sample or lease, so the object
-        // stays leased for the view's life (the view unmaps before it drops `keep`).
         match &**held {
             Held::Stream(s) => Ok(Held::Private(
+                // SAFETY: the view keeps `held`, which owns the sample, so the object stays
+                // leased for the view's life (the view unmaps before it drops `keep`).
                 unsafe { s.private_view(held.clone(), populate) }.map_err(err)?,
             )),
             Held::Lease(l) => Ok(Held::Private(
+                // SAFETY: as above, `held` owning the lease.
                 unsafe { l.private_view(held.clone(), populate) }.map_err(err)?,
             )),
             Held::Owned(b) => {

@@ -526,17 +526,17 @@ impl<H> SharedBytes<H> {
             let mut opts = MmapOptions::new();
             // memmap2 maps from the page below `offset` and points past the difference.
             opts.offset(self.offset as u64).len(self.len);
+            let fd = mapping.fd.as_ref().ok_or_else(|| {
+                map_err(std::io::Error::other(
+                    "a mapping made without private views (its descriptor closed)",
+                ))
+            })?;
             // SAFETY: the descriptor is a segment sealed against shrinking (checked when the
             // mapping was made), so no page of the mapping can be truncated away; the mapping is
             // private, so nothing this process writes to it reaches the segment. Its unwritten
             // pages follow the segment's: the object's bytes are immutable while `keep` holds
             // it (this function's contract); the bytes of the first and last pages beyond the
             // object may change, but no pointer handed out reaches them.
-            let fd = mapping.fd.as_ref().ok_or_else(|| {
-                map_err(std::io::Error::other(
-                    "a mapping made without private views (its descriptor closed)",
-                ))
-            })?;
             unsafe { opts.map_copy(fd) }.map_err(map_err)?
         };
         if populate && !copied {
@@ -710,17 +710,21 @@ mod tests {
             unsafe { SharedBytes::new(ro.clone(), offset as u64, len as u64, ()) }.unwrap();
         // SAFETY: nothing reuses the range while the views live (the test holds the segment).
         let first = unsafe { shared.private_view("keep", true) }.unwrap();
+        // SAFETY: as above.
         let second = unsafe { shared.private_view("keep", false) }.unwrap();
         assert!(!first.copied() && first.len() == len && *first.keep() == "keep");
         // SAFETY: no writes while the slices are read.
         assert_eq!(unsafe { first.bytes() }, &expected[..]);
-        // SAFETY: inside the view; nothing else reads it meanwhile.
-        unsafe {
-            *first.as_ptr() = 7;
-            *first.as_ptr().add(len - 1) = 9;
+        {
+            // SAFETY: the view's own range; nothing else reads it while the slice lives.
+            let view = unsafe { std::slice::from_raw_parts_mut(first.as_ptr(), len) };
+            view[0] = 7;
+            view[len - 1] = 9;
         }
         // SAFETY: as above.
-        let (a, b) = unsafe { (first.bytes(), second.bytes()) };
+        let a = unsafe { first.bytes() };
+        // SAFETY: as above.
+        let b = unsafe { second.bytes() };
         assert_eq!((a[0], a[len - 1]), (7, 9));
         assert_eq!(&a[1..len - 1], &expected[1..len - 1]);
         assert_eq!(b, &expected[..], "another view of the object saw the write");
