@@ -606,30 +606,22 @@ fn stream_misuse_gets_clear_errors() {
     );
 }
 
-/// A sample a trainer keeps (a label for a log, a view for an epoch) holds its place in the
-/// window only until half the depth of later samples came back: the stream reads on past
-/// `depth` more samples, the kept sample's bytes stay its own (its lease keeps the object, and
-/// the store reuses none of it), and samples kept in order still fill the window and say so.
-#[test]
-fn a_sample_held_long_does_not_stall_the_stream() {
-    let _w = watchdog(
-        "a_sample_held_long_does_not_stall_the_stream",
-        Duration::from_secs(60),
-    );
-    let dir = scratch_dir("stream-held-long");
+/// A stream of 64 samples for one rank, depth 8, fed by a thread that makes whatever the window
+/// allows, read by `read` (which gets the stream and its spec); returns what `read` returned and
+/// how many held samples the window moved past.
+fn with_fed_stream<T>(name: &str, read: impl FnOnce(&mut Stream, &StreamSpec) -> T) -> (T, u64) {
+    let dir = scratch_dir(&format!("stream-{name}"));
     let daemon = DaemonProcess::start(&dir, &[]);
-    let depth = 8;
-    let s = spec("held-long", 64, 5, 1, 1);
+    let s = spec(name, 64, 5, 1, 1);
     let client = daemon.writer();
-    let feeder = StreamFeeder::join(&client, &s, depth, &[StreamTask { rank: 0, seq: 0 }]).unwrap();
+    let feeder = StreamFeeder::join(&client, &s, 8, &[StreamTask { rank: 0, seq: 0 }]).unwrap();
     let options = StreamOptions {
         wait: Duration::from_secs(20),
         return_batch: 1,
     };
     let mut stream = Stream::open(&daemon.socket, &s, 0, None, options).unwrap();
-    let kept = std::thread::scope(|scope| {
+    let out = std::thread::scope(|scope| {
         scope.spawn(|| {
-            // The producer makes whatever the window allows, all 64 in the end.
             let mut made = 0;
             while made < 64 {
                 let tasks = feeder
@@ -644,6 +636,22 @@ fn a_sample_held_long_does_not_stall_the_stream() {
                 assert!(feeder.put(items).unwrap().iter().all(Result::is_ok));
             }
         });
+        read(&mut stream, &s)
+    });
+    (out, stream.passed_held())
+}
+
+/// A sample a trainer keeps (a label for a log, a view for an epoch) holds its place in the
+/// window only until half the depth of later samples came back: the stream reads on past
+/// `depth` more samples, and the kept sample's bytes stay its own (its lease keeps the object,
+/// and the store reuses none of it).
+#[test]
+fn a_sample_held_long_does_not_stall_the_stream() {
+    let _w = watchdog(
+        "a_sample_held_long_does_not_stall_the_stream",
+        Duration::from_secs(60),
+    );
+    let (kept, passed) = with_fed_stream("held-long", |stream, s| {
         // Samples 3 and 40 are kept; every other is dropped at once.
         let mut kept = Vec::new();
         while let Some(sample) = stream.next_sample().unwrap() {
@@ -655,13 +663,12 @@ fn a_sample_held_long_does_not_stall_the_stream() {
                 kept.push(sample);
             }
         }
-        kept
+        for k in &kept {
+            assert_eq!(&k[..], &pattern(s.record_at(0, k.seq()), PAYLOAD)[..]);
+        }
+        kept.iter().map(|k| k.seq()).collect::<Vec<_>>()
     });
-    assert_eq!(stream.passed_held(), 2);
-    assert_eq!(kept.iter().map(|k| k.seq()).collect::<Vec<_>>(), [3, 40]);
-    for k in &kept {
-        assert_eq!(&k[..], &pattern(s.record_at(0, k.seq()), PAYLOAD)[..]);
-    }
+    assert_eq!((kept, passed), (vec![3, 40], 2));
 }
 
 /// Passing is bounded: a consumer keeping one sample in four keeps at most `depth` passed
@@ -673,33 +680,7 @@ fn kept_samples_are_passed_only_up_to_the_depth() {
         "kept_samples_are_passed_only_up_to_the_depth",
         Duration::from_secs(60),
     );
-    let dir = scratch_dir("stream-kept-bounded");
-    let daemon = DaemonProcess::start(&dir, &[]);
-    let depth = 8;
-    let s = spec("kept-bounded", 64, 5, 1, 1);
-    let client = daemon.writer();
-    let feeder = StreamFeeder::join(&client, &s, depth, &[StreamTask { rank: 0, seq: 0 }]).unwrap();
-    let options = StreamOptions {
-        wait: Duration::from_secs(20),
-        return_batch: 1,
-    };
-    let mut stream = Stream::open(&daemon.socket, &s, 0, None, options).unwrap();
-    let (full, read) = std::thread::scope(|scope| {
-        scope.spawn(|| {
-            let mut made = 0;
-            while made < 64 {
-                let tasks = feeder
-                    .take(64, Duration::from_millis(100))
-                    .unwrap()
-                    .unwrap();
-                made += tasks.len();
-                let items = tasks
-                    .into_iter()
-                    .map(|t| delivery(&client, &s, t))
-                    .collect();
-                assert!(feeder.put(items).unwrap().iter().all(Result::is_ok));
-            }
-        });
+    let ((full, read), _) = with_fed_stream("kept-bounded", |stream, s| {
         let (mut kept, mut full, mut read) = (Vec::new(), 0, 0);
         loop {
             match stream.next_sample() {
@@ -712,8 +693,8 @@ fn kept_samples_are_passed_only_up_to_the_depth() {
                 Ok(None) => break,
                 Err(feedstore_consumer::Error::WindowFull { .. }) => {
                     full += 1;
-                    assert!(kept.len() > depth as usize, "{} kept", kept.len());
-                    assert!(stream.passed_held() >= u64::from(depth));
+                    assert!(kept.len() > 8, "{} kept", kept.len());
+                    assert!(stream.passed_held() >= 8);
                     for k in &kept {
                         assert_eq!(&k[..], &pattern(s.record_at(0, k.seq()), PAYLOAD)[..]);
                     }
