@@ -55,6 +55,14 @@ impl Held {
         }
     }
 
+    /// The length in bytes, without making a slice of them.
+    fn len(&self) -> usize {
+        match self {
+            Held::Private(p) => p.len(),
+            held => held.bytes().len(),
+        }
+    }
+
     /// The first byte's address, without making a slice of the bytes.
     fn ptr(&self) -> *const u8 {
         match self {
@@ -455,7 +463,7 @@ impl Sample {
     /// Size of the object in bytes.
     #[getter]
     fn nbytes(&self) -> usize {
-        self.held.bytes().len()
+        self.held.len()
     }
 
     /// Whether the object is a valid sample (else only `data` is available).
@@ -498,7 +506,7 @@ impl Sample {
     /// writable for a `private()` view.
     #[getter]
     fn data<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, PyAny>> {
-        let len = slf.get().held.bytes().len();
+        let len = slf.get().held.len();
         let info = TensorInfo {
             offset: 0,
             len,
@@ -595,7 +603,7 @@ impl Sample {
     /// DLPack export is writable, privately (see `Tensor`).
     #[pyo3(signature = (offset=0, length=None))]
     fn buffer(&self, offset: usize, length: Option<usize>) -> PyResult<Tensor> {
-        let size = self.held.bytes().len();
+        let size = self.held.len();
         let len = length.unwrap_or(size.saturating_sub(offset));
         if offset.checked_add(len).is_none_or(|end| end > size) {
             return Err(InvalidArgument::new_err(format!(
@@ -647,7 +655,7 @@ impl Sample {
             Err(_) => format!(
                 "Sample(handle={}, nbytes={}, not a sample)",
                 self.handle,
-                self.held.bytes().len()
+                self.held.len()
             ),
         }
     }
