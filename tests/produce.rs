@@ -1602,7 +1602,7 @@ fn produce_exits_once_its_readers_are_gone_for_idle_exit() {
     for _ in 0..20 {
         stream.next_sample().unwrap().unwrap();
     }
-    std::thread::sleep(Duration::from_secs(3)); // (seen by the producer's watch, every 2 s)
+    std::thread::sleep(Duration::from_secs(3)); // (seen by the producer's watch)
     drop(stream);
     let out = producer.wait_with_output().unwrap();
     let (stdout, stderr) = (

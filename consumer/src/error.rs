@@ -204,10 +204,11 @@ pub enum Error {
         /// The record it should have come from.
         record: u64,
     },
-    /// The consumer holds as many samples as the prefetch depth, so the stream cannot move on
-    /// until some are dropped.
+    /// The consumer holds as many samples as the prefetch depth (and as many again kept past
+    /// the window), so the stream cannot move on until some are dropped.
     #[error(
-        "holding {held} samples, the whole prefetch depth: drop some, or open the stream deeper"
+        "holding {held} samples (or views of them) that fill the prefetch window: drop some \
+         (.clone() what you keep), or give the stream a larger depth"
     )]
     WindowFull {
         /// Samples held.

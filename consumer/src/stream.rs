@@ -465,8 +465,15 @@ impl Stream {
 
     /// Waits up to `limit` for the next sample's slot to fill.
     fn wait(&mut self, limit: Duration) -> Result<Option<RingEntry>, Error> {
-        let held = self.next - self.returns.lock().unwrap_or_else(|e| e.into_inner()).upto;
-        if held >= u64::from(self.header.capacity) {
+        let (window, held) = {
+            let returns = self.returns.lock().unwrap_or_else(|e| e.into_inner());
+            let window = self.next - returns.upto;
+            // Samples still held: the window's not returned, and those kept past it.
+            let held =
+                window - returns.out_of_order.len() as u64 + returns.passed_live.len() as u64;
+            (window, held)
+        };
+        if window >= u64::from(self.header.capacity) {
             return Err(Error::WindowFull { held });
         }
         self.return_samples(true);

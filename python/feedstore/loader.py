@@ -1413,10 +1413,11 @@ class _StoreIter(_LoaderIter):
         loader._cache_warned = True
         loader._cache_warning = (
             f"sample_cache=True filed none of the {unfiled} samples made so far "
-            f"({c.cache_random} moved Python's, numpy's or torch's global random state, a random "
-            f"augmentation; {c.cache_unfiled} did not pickle), so each is made again every "
-            "epoch: pass sample_cache=False, or draw the augmentation after the cache (in "
-            "collate_fn or the training step)"
+            f"({c.cache_random} moved Python's, numpy's or torch's global random state, a "
+            f"random augmentation; {c.cache_unfiled} could not be filed: no room, or a class "
+            "a batch cannot hold), so each is made again every epoch: pass "
+            "sample_cache=False, or draw the augmentation after the cache (in collate_fn or "
+            "the training step)"
         )
 
     def _say_nothing_filed(self) -> None:

@@ -145,7 +145,9 @@ impl Stream {
     /// `DeprecationWarning`.)
     #[new]
     #[pyo3(signature = (name, records, rank=0, world=1, *, seed=0, shuffle="full", tail="drop",
-        epochs=Some(1), state=None, socket=None, wait=300.0, depth=None))]
+        epochs=Some(1), state=None, socket=None, wait=300.0, depth=None),
+        text_signature = "(name, records, rank=0, world=1, *, seed=0, shuffle='full', \
+        tail='drop', epochs=1, state=None, socket=None, wait=300.0, depth=None)")]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -409,7 +411,8 @@ impl Stream {
 /// samples, when the consumer that read them is in another process.
 #[pyfunction]
 #[pyo3(signature = (name, records, rank, seq, world=1, *, seed=0, shuffle="full", tail="drop",
-    epochs=Some(1)))]
+    epochs=Some(1)), text_signature = "(name, records, rank, seq, world=1, *, seed=0, \
+    shuffle='full', tail='drop', epochs=1)")]
 #[allow(clippy::too_many_arguments)]
 pub fn state_at(
     name: &str,
@@ -678,7 +681,9 @@ impl Writer {
     /// handed out a batch at a time for `put_batch` (`depth` at least `batch`).
     #[new]
     #[pyo3(signature = (name, records, world=1, *, seed=0, shuffle="full", tail="drop",
-        epochs=Some(1), ranks=None, start=None, socket=None, depth=None, batch=1))]
+        epochs=Some(1), ranks=None, start=None, socket=None, depth=None, batch=1),
+        text_signature = "(name, records, world=1, *, seed=0, shuffle='full', tail='drop', \
+        epochs=1, ranks=None, start=None, socket=None, depth=None, batch=1)")]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
