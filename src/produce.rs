@@ -223,8 +223,8 @@ struct StreamArgs {
     idle_exit: u64,
 }
 
-/// A stream producer's view of its readers: it asks the daemon every few seconds how many
-/// trainers are attached to the stream, and says when they are all gone.
+/// A stream producer's view of its readers: it asks the daemon twice a second how many
+/// trainers are attached to the stream and how far they read, and says when they are gone.
 struct ReaderWatch {
     socket: PathBuf,
     name: String,
@@ -232,13 +232,13 @@ struct ReaderWatch {
     limit: Duration,
     client: Option<feedstore_consumer::Client>,
     asked: Option<Instant>,
-    /// A reader has been seen attached.
+    /// A reader has been seen (attached, or its reading moved `progress`).
     seen: bool,
     /// Since when no reader is attached (after one was).
     gone_since: Option<Instant>,
     /// The stream's samples returned by its readers, and its fastest rank's position, when
     /// last asked: a reader that came and went between two asks moved one of them.
-    returned: Option<(u64, u64)>,
+    progress: Option<(u64, u64)>,
 }
 
 /// The exit status of a producer that stopped because its readers were gone (`--idle-exit`).
@@ -253,8 +253,8 @@ impl ReaderWatch {
         if self.asked.is_none_or(|at| at.elapsed() >= Self::EVERY) {
             self.asked = Some(Instant::now());
             if let Some((readers, moved)) = self.readers() {
-                let read = self.returned.is_some_and(|before| moved != before);
-                self.returned = Some(moved);
+                let read = self.progress.is_some_and(|before| moved != before);
+                self.progress = Some(moved);
                 self.seen |= readers > 0 || read;
                 self.gone_since = match (readers, self.gone_since) {
                     (0, since) if self.seen && !read => since.or_else(|| Some(Instant::now())),
@@ -587,7 +587,7 @@ pub fn run_produce(args: Args) -> anyhow::Result<()> {
             asked: None,
             seen: false,
             gone_since: None,
-            returned: None,
+            progress: None,
         }),
         _ => None,
     };

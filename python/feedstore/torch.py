@@ -21,7 +21,7 @@ and producers must feed that many ranks.
 
 Tensors from the store are as writable as torch's own: they lie in a copy-on-write mapping of
 the reader's own over the store's pages (``Sample.private()``), so reading copies nothing and an
-in-place op copies only the 4 KiB pages it touches, which no other reader sees.
+in-place op copies only the pages it touches, which no other reader sees.
 """
 
 from __future__ import annotations

@@ -327,8 +327,8 @@ unsafe fn array_over<'py>(
 
 /// A sample (or any object) in shared memory. Its arrays are read-only views of the store's
 /// mapping, or writable ones of a copy-on-write mapping of this process's (`private()`); its
-/// tensors' DLPack exports are always writable that way. The sample goes back to the store when this object and every array and tensor made
-/// from it are gone.
+/// tensors' DLPack exports are always writable that way. The sample goes back to the store
+/// when this object and every array and tensor made from it are gone.
 #[pyclass(module = "feedstore", frozen)]
 pub struct Sample {
     held: Arc<Held>,

@@ -57,9 +57,10 @@ const OPEN_TELL_AFTER: Duration = Duration::from_secs(3);
 /// The warning of a `Stream(...)` still waiting for its stream: what to check.
 fn waiting_for_stream(name: &str, socket: &std::path::Path, wait: Duration) -> String {
     format!(
-        "waiting for stream {name:?} on {}: no producer of this user has created it yet (waiting up to \
-         {:.0} s); is `feedstore produce --stream {name}` (or a feedstore.Writer) running on \
-         this node with the same records, seed, world, shuffle, tail and epochs?",
+        "waiting for stream {name:?} on {}: no producer of this user has created it yet \
+         (waiting up to {:.0} s); is `feedstore produce --stream {name}` (or a \
+         feedstore.Writer) running on this node with the same records, seed, world, shuffle, \
+         tail and epochs?",
         socket.display(),
         wait.as_secs_f64()
     )
@@ -302,10 +303,10 @@ impl Stream {
     /// a multiple of `n`; otherwise a stacked copy (counted in `stacked_copies`). Over shared
     /// memory, `t.numpy()` is read-only and `torch.from_dlpack(t)` writable through a
     /// copy-on-write mapping of its own (one mmap, whose page tables are built as it is first
-    /// read: BENCHMARKS.md). `([], None)` with no samples left. The
-    /// tensor keeps the batch's object leased while it lives. If the images cannot be stacked
-    /// (a sample without image `image`, images of different shapes, dtypes or layouts), raises
-    /// `InvalidArgument` whose `samples` attribute holds the samples taken.
+    /// read: BENCHMARKS.md). `([], None)` with no samples left. The tensor keeps the batch's
+    /// object leased while it lives. If the images cannot be stacked (a sample without image
+    /// `image`, images of different shapes, dtypes or layouts), raises `InvalidArgument` whose
+    /// `samples` attribute holds the samples taken.
     #[pyo3(signature = (n, image=0))]
     fn next_stacked(&self, py: Python<'_>, n: usize, image: usize) -> PyResult<StackedBatch> {
         let batch = self.next_batch(py, n, None, image)?;
