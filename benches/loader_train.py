@@ -16,9 +16,14 @@ cache: each sample decoded once on the node, later epochs and the other ranks ma
 daemon given room for the whole decoded data set besides the batches.
 
 Per cell (loader x workers per rank x local ranks): the wait-time ratio (time in `next`, and in
-starting and stopping each epoch's iterator, over the run; the first batch apart), samples/s of all ranks together, the time to the first batch, and the peak PSS of the
-whole process tree (trainers, workers, for feedstore the daemon, whose shared memory PSS splits
-among the processes that map it, and the node pool's processes, which are detached from it).
+starting and stopping each epoch's iterator, over the run; the first batch apart), samples/s of
+all ranks together, the time to the first batch, and two peaks of memory. Each trainer reads
+every page of its batches, as a copy to an accelerator would. "PSS" is the peak PSS of the whole
+process tree (trainers, workers, for feedstore the daemon and the node pool's processes, which
+are detached from it). "node" adds what PSS misses: the node's shared memory (/proc/meminfo's
+Shmem, less what it was before the cell) counted once, mapped or not (torch's /dev/shm tensors
+between a worker and its trainer; the store's pages), with the processes' private and file
+pages as PSS splits them. `--breakdown` shows each peak by kind of process.
 
 Usage (release binaries built; `feedstore demo` run once, which writes the data set to
 ~/.cache/feedstore/demo; `pip install tokenizers`):
@@ -128,7 +133,12 @@ def trainer(args):
                 first = got - start
             else:
                 waited += got - before  # the first batch is reported on its own
-            assert batch["pixel_values"].shape == (BATCH, 3, SIDE, SIDE)
+            pixels = batch["pixel_values"]
+            assert pixels.shape == (BATCH, 3, SIDE, SIDE)
+            # Every page of the batch read, as a copy to the accelerator reads it (one float
+            # per 4 KiB: the pages, not the arithmetic).
+            float(pixels.view(-1)[::1024].sum())
+            del pixels
             del batch
             time.sleep(args.step_ms / 1000)
             steps += 1
@@ -177,17 +187,31 @@ def pool_pids(run_dir):
     return pids
 
 
-def pss_kib(pids):
-    total = 0
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/smaps_rollup") as f:
-                for line in f:
-                    if line.startswith("Pss:"):
-                        total += int(line.split()[1])
-        except OSError:
-            pass
-    return total
+PARTS = ("Pss_Anon", "Pss_File", "Pss_Shmem")
+
+
+def pss_parts(pid):
+    """`pid`'s PSS in KiB, split as smaps_rollup splits it: {"Pss": .., "Pss_Anon": .., ...}."""
+    parts = dict.fromkeys(("Pss", *PARTS), 0)
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            for line in f:
+                name = line.split(":", 1)[0]
+                if name in parts:
+                    parts[name] += int(line.split()[1])
+    except OSError:
+        pass
+    return parts
+
+
+def shmem_kib():
+    """The node's shared memory in KiB (/proc/meminfo's Shmem): every page of every memfd and
+    /dev/shm file, mapped or not, counted once."""
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("Shmem:"):
+                return int(line.split()[1])
+    return 0
 
 
 def cell(args, loader, workers, ranks):
@@ -205,21 +229,41 @@ def cell(args, loader, workers, ranks):
 
 
 def ranks_run(args, loader, workers, ranks, socket):
-    peak, done = 0, threading.Event()
+    peak, node, at_peak, done = 0, 0, {}, threading.Event()
+    shmem_before = shmem_kib()
     # The cell's own pool directory (its pools are counted, then gone before the next cell).
     run_dir = tempfile.mkdtemp(prefix="fsb")
     env = dict(os.environ, XDG_RUNTIME_DIR=run_dir, FEEDSTORE_POOL_LINGER_SECONDS="1")
 
+    def kind(pid, trainers, pool):
+        if pid in pool:
+            return "pool"
+        if pid in trainers:
+            return "trainers"
+        try:
+            with open(f"/proc/{pid}/comm") as f:
+                return "daemon" if f.read().strip() == "feedstored" else "workers"
+        except OSError:
+            return "workers"
+
     def watch():
-        nonlocal peak
+        nonlocal peak, node, at_peak
+        trainers = {proc.pid for proc in procs}
         while not done.is_set():
-            pids = set(tree(os.getpid())) | set(pool_pids(run_dir))
-            peak = max(peak, pss_kib(pids) - own)
+            pool = set(pool_pids(run_dir))
+            parts = {}
+            for pid in (set(tree(os.getpid())) - {os.getpid()}) | pool:
+                for name, kib in pss_parts(pid).items():
+                    key = (kind(pid, trainers, pool), name)
+                    parts[key] = parts.get(key, 0) + kib
+            peak = max(peak, sum(kib for (_, name), kib in parts.items() if name == "Pss"))
+            # The node's memory: private and file pages as PSS splits them, and shared memory
+            # (the store's segments; torch's /dev/shm tensors) counted once, mapped or not.
+            mine = sum(kib for (_, name), kib in parts.items() if name in PARTS[:2])
+            if mine + shmem_kib() - shmem_before > node:
+                node, at_peak = mine + shmem_kib() - shmem_before, parts
             time.sleep(0.05)
 
-    own = pss_kib([os.getpid()])
-    watcher = threading.Thread(target=watch)
-    watcher.start()
     procs = [
         subprocess.Popen(
             [sys.executable, __file__, "--trainer", "--loader", loader, "--workers", str(workers),
@@ -231,6 +275,8 @@ def ranks_run(args, loader, workers, ranks, socket):
         )
         for rank in range(ranks)
     ]
+    watcher = threading.Thread(target=watch)
+    watcher.start()
     results = []
     try:
         for proc in procs:
@@ -253,7 +299,13 @@ def ranks_run(args, loader, workers, ranks, socket):
     elapsed = sum(r["elapsed"] for r in results)
     samples_per_s = sum(r["steps"] * BATCH / r["elapsed"] for r in results)
     first = max(r["first"] for r in results)
-    return waited / elapsed, samples_per_s, first, peak / 1024
+    if args.breakdown:
+        for who in ("trainers", "workers", "pool", "daemon"):
+            if (who, "Pss") in at_peak:
+                split = ", ".join(f"{name[4:].lower()} {at_peak[(who, name)] / 1024:.0f}"
+                                  for name in PARTS)
+                print(f"      {who:<9} {at_peak[(who, 'Pss')] / 1024:>6.0f} MiB  ({split})")
+    return waited / elapsed, samples_per_s, first, peak / 1024, node / 1024
 
 
 def main():
@@ -269,6 +321,10 @@ def main():
                         "feedstore-cache: pool='node', sample_cache=True")
     parser.add_argument("--persistent-workers", action="store_true",
                         help="every loader keeps its workers from epoch to epoch")
+    parser.add_argument("--breakdown", action="store_true",
+                        help="after each cell, the PSS at the node's peak by kind of process "
+                        "(trainers, their workers, the node's pool, the daemon), split "
+                        "anon/file/shmem")
     # One trainer rank (run by the cells).
     parser.add_argument("--trainer", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--loader", help=argparse.SUPPRESS)
@@ -283,13 +339,13 @@ def main():
     print(f"{args.steps} steps of {BATCH} per rank, step {args.step_ms:.0f} ms, "
           f"{SIDE}x{SIDE} float32 images + {TOKENS} tokens")
     print(f"{'workers':>7} {'ranks':>5} {'loader':<15} {'wait':>7} {'samples/s':>10} "
-          f"{'first s':>8} {'peak PSS MiB':>13}")
+          f"{'first s':>8} {'peak PSS MiB':>13} {'peak node MiB':>14}")
     for workers in args.workers:
         for ranks in args.ranks:
             for loader in args.loaders:
-                wait, rate, first, peak = cell(args, loader, workers, ranks)
+                wait, rate, first, peak, node = cell(args, loader, workers, ranks)
                 print(f"{workers:>7} {ranks:>5} {loader:<15} {wait:>7.1%} {rate:>10.1f} "
-                      f"{first:>8.2f} {peak:>13.0f}", flush=True)
+                      f"{first:>8.2f} {peak:>13.0f} {node:>14.0f}", flush=True)
 
 
 if __name__ == "__main__":
