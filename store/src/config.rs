@@ -4,8 +4,11 @@
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+use feedstore_core::streams::StreamLimits;
 use feedstore_shm::HugePages;
 use serde::Deserialize;
+
+pub use feedstore_core::format_bytes;
 
 /// Most segments a daemon may have: all their descriptors travel in one `SCM_RIGHTS` message,
 /// which the kernel caps at 253.
@@ -77,6 +80,7 @@ pub struct Limits {
 
 impl Default for Limits {
     fn default() -> Self {
+        let streams = StreamLimits::default();
         Limits {
             max_connections: 1024,
             max_connections_per_uid: 256,
@@ -84,10 +88,22 @@ impl Default for Limits {
             max_queued_requests: 64,
             max_leases_per_connection: 1 << 20,
             reader_lease_percent: 25,
-            max_streams: 1024,
-            max_ring_bytes: 64 << 20,
-            stream_idle_timeout: Duration::from_secs(600),
-            max_rings: 4096,
+            max_streams: streams.max_streams,
+            max_ring_bytes: streams.max_ring_bytes,
+            stream_idle_timeout: streams.stream_idle_timeout,
+            max_rings: streams.max_rings,
+        }
+    }
+}
+
+impl Limits {
+    /// The part of the limits the core's streams keep.
+    pub fn streams(&self) -> StreamLimits {
+        StreamLimits {
+            max_streams: self.max_streams,
+            max_ring_bytes: self.max_ring_bytes,
+            stream_idle_timeout: self.stream_idle_timeout,
+            max_rings: self.max_rings,
         }
     }
 }
@@ -598,22 +614,6 @@ pub fn parse_bytes(s: &str) -> Result<u64, String> {
         return Err(format!("{s:?} is out of range"));
     }
     Ok(bytes as u64)
-}
-
-/// Formats bytes for people: `1.5 GiB`.
-pub fn format_bytes(b: u64) -> String {
-    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
-    let mut v = b as f64;
-    let mut i = 0;
-    while v >= 1024.0 && i + 1 < UNITS.len() {
-        v /= 1024.0;
-        i += 1;
-    }
-    if i == 0 {
-        format!("{b} B")
-    } else {
-        format!("{v:.1} {}", UNITS[i])
-    }
 }
 
 /// A field of `/proc/meminfo`, in bytes.

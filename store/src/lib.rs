@@ -13,10 +13,12 @@
 //! reclaims everything it held. No client can corrupt the metadata, because no client can reach
 //! it.
 //!
-//! Layers, bottom up: [`alloc`] (free space in a segment), [`objects`] (object lifecycle, leases,
-//! eviction), [`cache`] (the decode-once cache), [`streams`] (ordered delivery to trainer ranks), [`peer`] (who is connecting),
-//! [`server`] (the socket protocol), [`cluster`] (pulling other nodes' objects over TCP),
-//! [`daemon`] (start, serve, stop), [`cli`] (the binary's flags).
+//! Layers, bottom up. The synchronous core, the crate `feedstore-core` (`store/core/`, re-exported
+//! here): [`alloc`] (free space in a segment), [`objects`] (object lifecycle, leases, eviction),
+//! [`streams`] (ordered delivery to trainer ranks, with [`cache`], the decode-once cache). On top,
+//! this crate's I/O: [`peer`] (who is connecting), [`server`] (the socket protocol), [`cluster`]
+//! (pulling other nodes' objects over TCP), [`metrics`] (the Prometheus endpoint), [`daemon`]
+//! (start, serve, stop), [`cli`] (the binary's flags).
 //!
 //! ```no_run
 //! use feedstore_store::{config::DaemonConfig, daemon::Daemon};
@@ -35,24 +37,14 @@
 //! # }
 //! ```
 
-pub mod alloc;
-pub mod cache;
+/// The decode-once cache (part of the core's streams).
+pub use feedstore_core::streams::cache;
+pub use feedstore_core::{alloc, objects, random_bytes, streams};
+
 pub mod cli;
 pub mod cluster;
 pub mod config;
 pub mod daemon;
 pub mod metrics;
-pub mod objects;
 pub mod peer;
 pub mod server;
-pub mod streams;
-
-/// `n` random bytes from the kernel.
-pub fn random_bytes<const N: usize>() -> [u8; N] {
-    use std::io::Read;
-    let mut out = [0u8; N];
-    std::fs::File::open("/dev/urandom")
-        .and_then(|mut f| f.read_exact(&mut out))
-        .expect("reading /dev/urandom");
-    out
-}

@@ -250,7 +250,7 @@ impl Shared {
                     .with_lease_limit(config.limits.max_leases_per_connection)
                     .with_capped_lease_bytes(share)
             }),
-            streams: Mutex::new(Streams::new(&config.limits, config.daemon_uid)),
+            streams: Mutex::new(Streams::new(&config.limits.streams(), config.daemon_uid)),
             segments,
             readonly_fds,
             mappings,

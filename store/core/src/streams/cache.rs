@@ -18,7 +18,8 @@ use feedstore_proto::Status;
 use feedstore_proto::frame::CacheEntry;
 use feedstore_proto::{Handle, StoreStats};
 
-use crate::objects::Objects;
+use super::Streams;
+use crate::objects::{ConnId, Objects};
 
 /// Sample keys to objects, per uid, and the counters `feedstore stat` shows.
 #[derive(Debug, Default)]
@@ -147,6 +148,49 @@ impl SampleCache {
     #[cfg(test)]
     fn entries(&self) -> usize {
         self.by_key.len()
+    }
+}
+
+/// The streams' side of the cache: lookups and filings by a client of its own uid, and the check
+/// another node's producer's hand-back passes.
+impl Streams {
+    /// Looks samples up by key, among those `conn`'s uid filed: the handle of each one still
+    /// in the store.
+    pub fn lookup(
+        &mut self,
+        objects: &Objects,
+        conn: ConnId,
+        keys: &[u128],
+    ) -> Vec<Option<Handle>> {
+        match objects.client(conn).map(|c| c.uid) {
+            Some(uid) => self.cache.lookup(objects, uid, keys),
+            None => vec![None; keys.len()],
+        }
+    }
+
+    /// Files objects `conn`'s uid made under sample keys (a loader's worker sharing what it
+    /// made): per entry, see [`SampleCache::insert`].
+    pub fn insert(
+        &mut self,
+        objects: &Objects,
+        conn: ConnId,
+        entries: &[CacheEntry],
+    ) -> Vec<Status> {
+        match objects.client(conn).map(|c| c.uid) {
+            Some(uid) => self.cache.insert(objects, uid, entries),
+            None => vec![Status::NotFound; entries.len()],
+        }
+    }
+
+    /// Whether `handle` is what stream `id`'s owner put under cache key `key`: a sample this
+    /// node's producers of that uid made, which another node's producer may hand back for a
+    /// rank of the stream (it found the sample in its own cache as a pulled copy).
+    pub fn cached_sample(&self, id: u32, key: u128, handle: Handle) -> bool {
+        key != 0
+            && self
+                .streams
+                .get(&id)
+                .is_some_and(|s| self.cache.get(s.owner_uid, key) == Some(handle))
     }
 }
 

@@ -10,7 +10,7 @@
 //! - when space runs out, sealed, unleased, unpinned objects are evicted in LRU order (least
 //!   recently sealed or released first);
 //! - when a connection goes away, its unsealed objects are aborted and its leases returned;
-//! - a copy of another node's object (pulled by [`crate::cluster`]) is found by that node's
+//! - a copy of another node's object (pulled by the daemon's cluster code) is found by that node's
 //!   handle once sealed, and is leased, evicted and deleted like any local object.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
