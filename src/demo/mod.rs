@@ -12,7 +12,6 @@ mod data;
 mod ladder;
 mod nodes;
 mod plot;
-mod source;
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -21,6 +20,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, bail};
 use feedstore_consumer::stream::{StreamFeeder, StreamOptions};
 use feedstore_consumer::{ConnectOptions, Role, Stream, StreamTask};
+use feedstore_lab::delayed::Delayed;
 use feedstore_producer::chat::ChatTokenizer;
 use feedstore_producer::feed::{FeedConfig, feed};
 use feedstore_producer::manifest::IndexedManifest;
@@ -681,14 +681,14 @@ type Source = Arc<dyn Fn() -> Arc<dyn Fetch> + Send + Sync>;
 
 fn sources(s3: Option<S3Options>, seed: u64) -> impl Fn(Duration, Duration) -> Source {
     move |low, high| match s3.clone() {
-        None => Arc::new(move || Arc::new(source::Delayed::new(low, high, seed)) as Arc<dyn Fetch>),
+        None => Arc::new(move || Arc::new(Delayed::new(low, high, seed)) as Arc<dyn Fetch>),
         Some(options) => Arc::new(move || {
             let fetcher = tokio::runtime::Builder::new_current_thread()
                 .enable_all()
                 .build()
                 .expect("a runtime to build the S3 client")
                 .block_on(S3Fetcher::new(&options));
-            Arc::new(source::Delayed::wrap(Arc::new(fetcher), low, high, seed)) as Arc<dyn Fetch>
+            Arc::new(Delayed::wrap(Arc::new(fetcher), low, high, seed)) as Arc<dyn Fetch>
         }),
     }
 }

@@ -9,7 +9,7 @@
 //! Here N network namespaces joined by veth pairs through a bridge are the nodes; each runs a
 //! `feedstored` (this binary, re-executed in the namespace) listening for its peers, and each
 //! node's link is capped like a NIC: what it sends and receives share one token bucket of
-//! `--link-rate` (see `feedstore_testkit::netns`). Trainer ranks live on every node (rank r on
+//! `--link-rate` (see `feedstore_lab::netns`). Trainer ranks live on every node (rank r on
 //! node r mod N) and read their node's daemon; producers (the real pipeline: fetch behind
 //! S3-like latency, decode, resize, normalise, tokenize) run by placement:
 //!
@@ -34,9 +34,9 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, bail};
 use feedstore_consumer::stream::StreamOptions;
 use feedstore_consumer::{ConnectOptions, RankAt, Role, Stream, StreamTask};
+use feedstore_lab::netns::Lan;
 use feedstore_producer::feed::{FeedConfig, feed};
 use feedstore_proto::stream::{Shuffle, StreamSpec, Tail};
-use feedstore_testkit::netns::Lan;
 
 use super::ladder::{RungResult, Setup};
 

@@ -22,7 +22,6 @@
 //! ```
 
 pub mod moto;
-pub mod netns;
 pub mod proxy;
 
 /// `target/<profile>` of the running test executable: where cargo put it, the workspace's

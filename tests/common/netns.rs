@@ -1,11 +1,11 @@
-//! Network namespaces for multi-node tests and benchmarks (`feedstore_testkit::netns`), with a
+//! Network namespaces for multi-node tests and benchmarks (`feedstore_lab::netns`), with a
 //! thread-entering helper that panics as a test should.
 
 #![allow(dead_code, unused_imports)]
 
-pub use feedstore_testkit::netns::Lan;
+pub use feedstore_lab::netns::Lan;
 
 /// Moves the calling thread into namespace `name` (threads it starts afterwards live there too).
 pub fn enter(name: &str) {
-    feedstore_testkit::netns::enter(name).unwrap_or_else(|e| panic!("entering {name}: {e}"));
+    feedstore_lab::netns::enter(name).unwrap_or_else(|e| panic!("entering {name}: {e}"));
 }
