@@ -1,0 +1,100 @@
+//! The session family: a connection's hello (who may connect as what, the frame limit, the
+//! segments' descriptors) and what a client of another protocol version is told.
+
+use std::os::fd::AsRawFd;
+
+use feedstore_proto::frame::{MIN_PAYLOAD_BYTES, Opcode, Response};
+use feedstore_proto::{MAX_CLIENT_NAME, Role, Status};
+
+use super::{ConnEnd, Connection, error};
+use crate::objects::ClientInfo;
+
+impl Connection {
+    /// Refuses the hello with a reply the client can show, then ends the connection.
+    async fn refuse(
+        &mut self,
+        request_id: u32,
+        status: Status,
+        message: String,
+    ) -> Result<(), ConnEnd> {
+        self.reply(Opcode::Hello, request_id, &error(status, message.clone()))
+            .await?;
+        Err(ConnEnd::Refused(message))
+    }
+
+    pub(super) async fn hello(
+        &mut self,
+        request_id: u32,
+        role: Role,
+        name: String,
+        max_frame_bytes: u32,
+    ) -> Result<(), ConnEnd> {
+        let shared = self.shared.clone();
+        if let Some(message) = shared.policy.refusal(&self.peer, role) {
+            return self
+                .refuse(request_id, Status::PermissionDenied, message)
+                .await;
+        }
+        if name.len() > MAX_CLIENT_NAME || name.chars().any(char::is_control) {
+            let message = format!(
+                "client name of {} bytes refused: at most {MAX_CLIENT_NAME} bytes of printable text",
+                name.len()
+            );
+            return self
+                .refuse(request_id, Status::InvalidArgument, message)
+                .await;
+        }
+        if max_frame_bytes < MIN_PAYLOAD_BYTES {
+            let message = format!(
+                "the client accepts frames of {max_frame_bytes} bytes; at least {MIN_PAYLOAD_BYTES} are needed"
+            );
+            return self
+                .refuse(request_id, Status::InvalidArgument, message)
+                .await;
+        }
+        let info = ClientInfo {
+            role,
+            uid: self.peer.uid,
+            pid: self.peer.pid,
+            name: name.clone(),
+            internal: false,
+            // A uid allowed only to read holds at most its share of the store leased.
+            capped: !shared.policy.may_write(&self.peer),
+        };
+        let id = shared.with_objects(|o| o.connect(info));
+        self.id = Some(id);
+        self.role = role;
+        self.peer_limit = max_frame_bytes;
+        self.name = name;
+        tracing::info!(conn = id, pid = self.peer.pid, uid = self.peer.uid, ?role, name = ?self.name, "client connected");
+        let response = Response::Hello {
+            node_id: shared.node_id,
+            epoch: shared.epoch,
+            segments: shared.segment_infos(role),
+            max_frame_bytes: shared.max_frame_bytes,
+        };
+        self.wbuf.clear();
+        self.encode_reply(Opcode::Hello, request_id, &response);
+        let fds: Vec<i32> = match role {
+            Role::Writer => shared.segments.iter().map(|s| s.fd().as_raw_fd()).collect(),
+            Role::Reader => shared.readonly_fds.iter().map(|f| f.as_raw_fd()).collect(),
+        };
+        // The descriptors ride on the first byte of the reply; the rest follows as plain bytes.
+        self.send_with_fds(&fds).await
+    }
+}
+
+/// What a client of protocol `found` is told by this daemon.
+pub(super) fn version_mismatch(found: u16) -> String {
+    let ours = feedstore_proto::frame::VERSION;
+    let upgrade = if found < ours {
+        "the client"
+    } else {
+        "this feedstored"
+    };
+    format!(
+        "feedstored speaks protocol {ours}, this client {found}: upgrade {upgrade} (feedstore \
+         {}) so that both speak the same version",
+        env!("CARGO_PKG_VERSION")
+    )
+}
