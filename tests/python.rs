@@ -6,9 +6,13 @@
 //! - `$FEEDSTORE_PYTHON`, else Debian's `/usr/bin/python3` (`python3-torch`: torch 1.13, numpy
 //!   1.24; `scripts/test` points it at a venv over it that adds Ray);
 //! - `$FEEDSTORE_PYPI_PYTHON`, else `/opt/feedstore-torch/bin/python`: PyPI's current torch with
-//!   numpy 2.
+//!   numpy 2;
+//! - `$FEEDSTORE_OLDEST_PYTHON`, else `/opt/feedstore-torch21/bin/python`: the oldest torch 2
+//!   the package supports (2.1) with numpy 1.26, on CPython 3.9, the oldest Python it supports.
 //!
-//! Each needs numpy, pytest and torch; `scripts/test` installs both.
+//! Each needs numpy, pytest and torch; `scripts/test` installs all three. The extension is not
+//! built for the stable ABI, so an interpreter of another CPython version than the `python3` that
+//! pyo3 builds for gets a build of its own.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -28,37 +32,61 @@ fn pypi_interpreter() -> String {
         .unwrap_or_else(|_| "/opt/feedstore-torch/bin/python".into())
 }
 
-/// The interpreter's torch and numpy versions, or a failure saying what is missing.
-fn versions(python: &str) -> String {
+fn oldest_interpreter() -> String {
+    std::env::var("FEEDSTORE_OLDEST_PYTHON")
+        .unwrap_or_else(|_| "/opt/feedstore-torch21/bin/python".into())
+}
+
+/// An interpreter the suite runs on: its path, its CPython version ("3.11") and what it has
+/// ("python 3.11.2 torch 2.15.0 numpy 2.4.0").
+struct Interpreter {
+    python: String,
+    version: String,
+    has: String,
+}
+
+/// `python`'s versions, or a failure saying what is missing.
+fn interpreter(python: &str) -> Interpreter {
     let check = Command::new(python)
         .args([
             "-c",
-            "import numpy, pytest, torch; print('torch', torch.__version__, 'numpy', numpy.__version__)",
+            "import platform, sys, numpy, pytest, torch\n\
+             print('%d.%d' % sys.version_info[:2])\n\
+             print('python', platform.python_version(), 'torch', torch.__version__, \
+                   'numpy', numpy.__version__)",
         ])
         .output()
-        .unwrap_or_else(|e| panic!("cannot run {python}: {e} (./scripts/test --install-only installs it)"));
+        .unwrap_or_else(|e| {
+            panic!("cannot run {python}: {e} (./scripts/test --install-only installs it)")
+        });
     assert!(
         check.status.success(),
         "{python} lacks numpy, pytest or torch (./scripts/test --install-only installs them): {}",
         String::from_utf8_lossy(&check.stderr)
     );
-    String::from_utf8_lossy(&check.stdout).trim().to_string()
+    let out = String::from_utf8_lossy(&check.stdout);
+    let (version, has) = out.trim().split_once('\n').expect("two lines");
+    Interpreter {
+        python: python.to_string(),
+        version: version.to_string(),
+        has: has.to_string(),
+    }
 }
 
-#[test]
-fn python_package_tests_pass() {
-    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
-    // Both checked before anything runs: a missing venv fails at once, not after one suite.
-    let interpreters: Vec<(String, String)> = [debian_interpreter(), pypi_interpreter()]
-        .into_iter()
-        .map(|python| {
-            let versions = versions(&python);
-            (python, versions)
-        })
-        .collect();
+/// The CPython version that pyo3 builds the workspace's extension for: `python3` on PATH.
+fn default_version() -> String {
+    let out = Command::new("python3")
+        .args(["-c", "import sys; print('%d.%d' % sys.version_info[:2])"])
+        .output()
+        .expect("python3 on PATH (pyo3 builds for it)");
+    String::from_utf8_lossy(&out.stdout).trim().to_string()
+}
 
-    let target = feedstore_testkit::build_library("feedstore-python");
-    let stage = std::env::temp_dir().join(format!("feedstore-python-{}", std::process::id()));
+/// A directory for PYTHONPATH holding the package's Python modules and the extension found in
+/// `lib_dir`.
+fn stage(root: &Path, lib_dir: &Path, version: &str) -> PathBuf {
+    let stage =
+        std::env::temp_dir().join(format!("feedstore-python-{}-{version}", std::process::id()));
     let package = stage.join("feedstore");
     let _ = std::fs::remove_dir_all(&stage);
     std::fs::create_dir_all(&package).unwrap();
@@ -68,15 +96,42 @@ fn python_package_tests_pass() {
             std::fs::copy(&path, package.join(path.file_name().unwrap())).unwrap();
         }
     }
-    std::fs::copy(target.join("lib_native.so"), package.join("_native.so")).unwrap();
+    std::fs::copy(lib_dir.join("lib_native.so"), package.join("_native.so")).unwrap();
+    stage
+}
 
+#[test]
+fn python_package_tests_pass() {
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+    // All checked before anything runs: a missing venv fails at once, not after a suite.
+    let interpreters: Vec<Interpreter> = [
+        debian_interpreter(),
+        pypi_interpreter(),
+        oldest_interpreter(),
+    ]
+    .iter()
+    .map(|python| interpreter(python))
+    .collect();
+    let default = default_version();
+    let workspace_build = feedstore_testkit::build_library("feedstore-python");
     let bin_dir = Path::new(env!("CARGO_BIN_EXE_feedstored"))
         .parent()
         .unwrap();
     let mut failed = Vec::new();
     // One after the other: the suites start daemons and worker processes of their own.
-    for (python, versions) in &interpreters {
-        eprintln!("== pytest with {python} ({versions})");
+    for Interpreter {
+        python,
+        version,
+        has,
+    } in &interpreters
+    {
+        let lib_dir = if *version == default {
+            workspace_build.clone()
+        } else {
+            feedstore_testkit::build_python_extension("feedstore-python", python, version)
+        };
+        let stage = stage(&root, &lib_dir, version);
+        eprintln!("== pytest with {python} ({has})");
         let status = Command::new(python)
             .args(["-m", "pytest", "-q", "-p", "no:cacheprovider"])
             // Only this suite's conftest.py: none from directories above the checkout.
@@ -92,10 +147,10 @@ fn python_package_tests_pass() {
             .status()
             .unwrap();
         if !status.success() {
-            failed.push(format!("{python} ({versions}): {status}"));
+            failed.push(format!("{python} ({has}): {status}"));
         }
+        let _ = std::fs::remove_dir_all(&stage);
     }
-    let _ = std::fs::remove_dir_all(&stage);
     assert!(
         failed.is_empty(),
         "pytest failed with {}",

@@ -38,7 +38,29 @@ pub fn target_dir() -> std::path::PathBuf {
 /// (`cargo test` builds neither cdylibs nor staticlibs of other packages), and returns that
 /// directory.
 pub fn build_library(package: &str) -> std::path::PathBuf {
-    let mut build = std::process::Command::new(env!("CARGO"));
+    cargo_build_library(package, std::process::Command::new(env!("CARGO")));
+    target_dir()
+}
+
+/// Builds the Python extension `package` for the interpreter `python` (pyo3 reads
+/// `PYO3_PYTHON`) in a target directory of its own, `target/python<version>`, so that this build
+/// and the workspace's (for the `python3` on PATH) never undo each other; returns the directory
+/// its library is in.
+pub fn build_python_extension(package: &str, python: &str, version: &str) -> std::path::PathBuf {
+    let profile = target_dir();
+    let own = profile
+        .parent()
+        .expect("target/<profile> has a parent")
+        .join(format!("python{version}"));
+    let mut cargo = std::process::Command::new(env!("CARGO"));
+    cargo
+        .env("PYO3_PYTHON", python)
+        .env("CARGO_TARGET_DIR", &own);
+    cargo_build_library(package, cargo);
+    own.join(profile.file_name().expect("the profile's directory"))
+}
+
+fn cargo_build_library(package: &str, mut build: std::process::Command) {
     build.args(["build", "--locked", "-p", package, "--lib"]);
     if !cfg!(debug_assertions) {
         build.arg("--release");
@@ -52,5 +74,4 @@ pub fn build_library(package: &str) -> std::path::PathBuf {
         "building {package}: {}",
         String::from_utf8_lossy(&out.stderr)
     );
-    target_dir()
 }
