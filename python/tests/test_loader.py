@@ -5,6 +5,7 @@ shared memory, exact resume, a worker killed with SIGKILL, exceptions, Ctrl-C.
 Every loader here has real worker processes writing into a real feedstored."""
 
 import collections
+import gc
 import os
 import pathlib
 import random
@@ -157,7 +158,7 @@ def test_distributed_sampler_ranks_get_torchs_batches(daemon):
 
 
 def test_only_torchs_own_samplers_are_drawn_off_the_trainers_thread():
-    from feedstore.loader import _draws_alone
+    from feedstore._plan import _draws_alone
 
     data = list(range(10))
     g = torch.Generator().manual_seed(1)
@@ -800,3 +801,43 @@ def test_stopping_with_workers_stuck_waiting_for_room_leaves_no_batch_behind(dae
     daemon.wait_for("the workers and the trainer's connection to go", lambda s: s["clients"] <= 1)
     store_empty(daemon)
     assert daemon.stats()["objects_pinned"] == 0
+
+
+def test_close_and_with_stop_the_workers_without_the_garbage_collector(daemon):
+    """Stopping does not wait for the collector: a loader with persistent workers, its iterator
+    still referenced, stops them at `close()` (processes ended, their batches given back, a
+    batch already taken still readable), and a `with` block, around the loader or an iterator,
+    closes it on the way out."""
+    gc.disable()
+    try:
+        loader = DataLoader(
+            Augmented(40), batch_size=4, num_workers=2, persistent_workers=True,
+            socket=daemon.socket,
+        )
+        iterator = iter(loader)
+        kept = next(iterator)
+        processes = [worker.process for worker in iterator._workers]
+        loader.close()
+        assert [p.is_alive() for p in processes] == [False, False]
+        store_empty(daemon)
+        assert kept["label"].tolist() == list(range(4))
+        with pytest.raises(StopIteration):
+            next(iterator)
+        assert loader.state_dict()["batches"] == 1
+
+        with DataLoader(
+            Augmented(12), batch_size=4, num_workers=2, persistent_workers=True,
+            socket=daemon.socket,
+        ) as loader:
+            assert [b["label"].tolist() for b in loader][0] == [0, 1, 2, 3]
+            live = loader._feedstore_iterator()
+            assert not live._shut  # (persistent: kept for the next epoch)
+        assert live._shut and not any(w.process.is_alive() for w in live._workers)
+
+        loader = DataLoader(Augmented(12), batch_size=4, num_workers=2, socket=daemon.socket)
+        with iter(loader) as it:
+            next(it)
+        assert it._shut
+        store_empty(daemon)
+    finally:
+        gc.enable()

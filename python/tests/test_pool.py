@@ -147,7 +147,7 @@ def test_a_pool_session_is_no_orphan_when_its_process_changes_parent(monkeypatch
     leaves when its trainer is gone."""
     from multiprocessing import Pipe
 
-    from feedstore.loader import _WorkerArgs, _WorkerLoop
+    from feedstore._worker import _WorkerArgs, _WorkerLoop
 
     args = _WorkerArgs(
         worker_id=0, num_workers=1, dataset=[], iterable=False, auto_collation=False,
