@@ -68,8 +68,32 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             .context("connecting to the daemon")
     };
     let writer = connect(Role::Writer, "demo-producer")?;
+    large_objects(&args, &writer, &connect)?;
+    let reader = connect(Role::Reader, "demo-small-reader")?;
+    small_objects(&args, &writer, &reader)?;
+    // Asked on the reader's connection: its last release is still queued and rides in the same
+    // send, so the figures show the store at rest.
+    let s = reader.stats()?;
+    println!(
+        "store: {} used of {}, {} objects, {} leases, {} evictions ({}), {} creates waited for space, fragmentation {:.1}%",
+        format_bytes(s.used_bytes),
+        format_bytes(s.capacity_bytes),
+        s.objects_sealed,
+        s.leases,
+        s.evictions,
+        format_bytes(s.evicted_bytes),
+        s.creates_waited,
+        100.0 * s.fragmentation()
+    );
+    Ok(())
+}
 
-    // Phase 1: large objects, producer -> readers, every byte verified.
+/// Phase 1: large objects, one producer to `--readers` readers, every byte verified.
+fn large_objects(
+    args: &Args,
+    writer: &Client,
+    connect: &dyn Fn(Role, &str) -> anyhow::Result<Client>,
+) -> anyhow::Result<()> {
     eprintln!(
         "phase 1: {} objects of {} from 1 producer to {} readers (writes {} through a {} store)",
         args.objects,
@@ -138,13 +162,16 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         total_bytes as f64 / elapsed.as_secs_f64() / 1e9
     );
 
-    // Phase 2: small objects, one client, put + get + release per operation.
+    Ok(())
+}
+
+/// Phase 2: small objects, one client, put + get + delete per operation.
+fn small_objects(args: &Args, writer: &Client, reader: &Client) -> anyhow::Result<()> {
     eprintln!(
         "phase 2: {} rounds of put + get + delete of a 4 KiB object",
         args.small_ops
     );
     let payload = vec![0xA5u8; 4096];
-    let reader = connect(Role::Reader, "demo-small-reader")?;
     let started = Instant::now();
     for _ in 0..args.small_ops {
         let h = writer.put(&payload)?;
@@ -162,20 +189,6 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         secs * 1e6 / args.small_ops as f64
     );
 
-    // Asked on the reader's connection: its last release is still queued and rides in the same
-    // send, so the figures show the store at rest.
-    let s = reader.stats()?;
-    println!(
-        "store: {} used of {}, {} objects, {} leases, {} evictions ({}), {} creates waited for space, fragmentation {:.1}%",
-        format_bytes(s.used_bytes),
-        format_bytes(s.capacity_bytes),
-        s.objects_sealed,
-        s.leases,
-        s.evictions,
-        format_bytes(s.evicted_bytes),
-        s.creates_waited,
-        100.0 * s.fragmentation()
-    );
     Ok(())
 }
 

@@ -1,10 +1,8 @@
 //! `feedstore produce`: a manifest in, samples sealed in the store out.
 
-use std::io::{IsTerminal, Write};
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use anyhow::{Context, bail};
 use feedstore_consumer::{RankAt, StreamTask};
@@ -12,12 +10,18 @@ use feedstore_producer::chat::ChatTokenizer;
 use feedstore_producer::feed::{FeedConfig, feed};
 use feedstore_producer::manifest::{IndexedManifest, Manifest};
 use feedstore_producer::pipeline::{Event, ProducerConfig, run};
+use feedstore_producer::profile::Profiler;
 use feedstore_producer::s3::{S3Fetcher, S3Options};
 use feedstore_producer::vision::ResizeMode;
 use feedstore_proto::sample::{DType, TensorLayout};
 use feedstore_proto::stream::{Shuffle, StreamSpec, StreamState, Tail, default_depth};
 
 use crate::SocketArg;
+
+mod progress;
+
+pub use progress::AroundTheBar;
+use progress::{BarOnError, LazyFile, Progress, catch_interrupts};
 
 /// Arguments of `feedstore produce`.
 #[derive(Debug, clap::Args)]
@@ -223,84 +227,6 @@ struct StreamArgs {
     idle_exit: u64,
 }
 
-/// A stream producer's view of its readers: it asks the daemon twice a second how many
-/// trainers are attached to the stream and how far they read, and says when they are gone.
-struct ReaderWatch {
-    socket: PathBuf,
-    name: String,
-    /// How long readers may be gone before the run ends (`--idle-exit`).
-    limit: Duration,
-    client: Option<feedstore_consumer::Client>,
-    asked: Option<Instant>,
-    /// A reader has been seen (attached, or its reading moved `progress`).
-    seen: bool,
-    /// Since when no reader is attached (after one was).
-    gone_since: Option<Instant>,
-    /// The stream's samples returned by its readers, and its fastest rank's position, when
-    /// last asked: a reader that came and went between two asks moved one of them.
-    progress: Option<(u64, u64)>,
-}
-
-/// The exit status of a producer that stopped because its readers were gone (`--idle-exit`).
-const READERS_GONE_STATUS: i32 = 3;
-
-impl ReaderWatch {
-    /// How often the daemon is asked (a request as cheap as `feedstore stat`'s).
-    const EVERY: Duration = Duration::from_millis(500);
-
-    /// How long the readers have been gone, asking the daemon when it is time to.
-    fn gone_for(&mut self) -> Option<Duration> {
-        if self.asked.is_none_or(|at| at.elapsed() >= Self::EVERY) {
-            self.asked = Some(Instant::now());
-            if let Some((readers, moved)) = self.readers() {
-                let read = self.progress.is_some_and(|before| moved != before);
-                self.progress = Some(moved);
-                self.seen |= readers > 0 || read;
-                self.gone_since = match (readers, self.gone_since) {
-                    (0, since) if self.seen && !read => since.or_else(|| Some(Instant::now())),
-                    _ => None,
-                };
-            }
-        }
-        self.gone_since.map(|since| since.elapsed())
-    }
-
-    /// Trainers attached to this user's stream of this name, and the samples they returned
-    /// and the fastest rank's position so far; `None` when the daemon cannot be asked (the
-    /// run's own requests will say why).
-    fn readers(&mut self) -> Option<(u32, (u64, u64))> {
-        if self.client.is_none() {
-            self.client = feedstore_consumer::ConnectOptions::new(feedstore_proto::Role::Reader)
-                .socket(&self.socket)
-                .name("feedstore produce (readers)")
-                .populate(false)
-                .connect()
-                .ok();
-        }
-        let uid = nix::unistd::getuid().as_raw();
-        match self.client.as_ref()?.streams() {
-            Ok(streams) => Some(
-                streams
-                    .iter()
-                    .filter(|s| s.name == self.name && s.owner_uid == uid)
-                    .fold((0, (0, 0)), |(n, (r, f)), s| {
-                        (n + s.consumers, (r + s.returned, f.max(s.fastest)))
-                    }),
-            ),
-            Err(_) => {
-                self.client = None;
-                None
-            }
-        }
-    }
-
-    /// Whether the readers have been gone longer than the limit.
-    fn expired(&self) -> bool {
-        self.gone_since
-            .is_some_and(|since| since.elapsed() >= self.limit)
-    }
-}
-
 impl StreamArgs {
     /// The spec and where each served rank starts.
     fn feed(&self, name: &str, records: u64) -> anyhow::Result<FeedConfig> {
@@ -447,59 +373,10 @@ fn image_size(args: &Args) -> anyhow::Result<ResizeMode> {
     )
 }
 
+/// `feedstore produce`: the producer's pipeline over a manifest, into the store or a stream,
+/// with progress on stderr, then the profile.
 pub fn run_produce(args: Args) -> anyhow::Result<()> {
-    let socket = args.socket.path();
-    let mut config = ProducerConfig::new(socket);
-    config.fetch_concurrency = args.fetch_concurrency.max(1);
-    if let Some(w) = args.workers {
-        config.workers = w.max(1);
-    }
-    config.patch_size = args.patch_size;
-    config.merge_size = args.merge_size;
-    config.transform.resize = image_size(&args)?;
-    config.transform.max_source_pixels = args.max_source_pixels;
-    config.transform.jpeg_draft = !args.full_jpeg_decode;
-    config.transform.dtype = match args.dtype.to_ascii_lowercase().as_str() {
-        "f32" => DType::F32,
-        "bf16" => DType::BF16,
-        "f16" => DType::F16,
-        "u8" => DType::U8,
-        other => bail!("--dtype {other:?}: expected f32, bf16, f16 or u8"),
-    };
-    config.transform.layout = match args.layout.to_ascii_lowercase().as_str() {
-        "chw" => TensorLayout::Chw,
-        "hwc" => TensorLayout::Hwc,
-        other => bail!("--layout {other:?}: expected chw or hwc"),
-    };
-    config
-        .validate()
-        .map_err(|e| anyhow::anyhow!("{e} (--image-size, --patch-size, --merge-size, --min-pixels, --max-pixels, --max-source-pixels)"))?;
-    if let Some(batch) = args.stream.batch.filter(|&b| b > 1) {
-        // Refused before any work: with images of several shapes, or of a size that cannot
-        // lie side by side aligned, no batch would be one view.
-        let ResizeMode::Fixed { width, height } = config.transform.resize else {
-            bail!(
-                "--batch {batch}: a batch's images lie side by side only if they have one shape: \
-                 use --image-size WxH (not {:?})",
-                args.image_size
-            );
-        };
-        let elements: u64 = config
-            .transform
-            .shape(width, height)
-            .iter()
-            .map(|&d| u64::from(d))
-            .product();
-        let bytes = elements * config.transform.dtype.size_bytes();
-        if bytes % 64 != 0 {
-            bail!(
-                "--batch {batch}: a {width}x{height} image is {bytes} bytes at --dtype {}, not a \
-                 multiple of 64, so a batch's images cannot lie side by side aligned: pick \
-                 another --image-size or --dtype",
-                args.dtype
-            );
-        }
-    }
+    let config = producer_config(&args)?;
     let image_root = match &args.image_root {
         Some(root) => root.clone(),
         None => std::path::absolute(&args.manifest)
@@ -527,8 +404,8 @@ pub fn run_produce(args: Args) -> anyhow::Result<()> {
         p.push(".rejects.jsonl");
         p.into()
     });
-    let mut rejects = LazyFile::new(&rejects_path)?;
-    let mut handles = args.handles.as_deref().map(LazyFile::new).transpose()?;
+    let rejects = LazyFile::new(&rejects_path)?;
+    let handles = args.handles.as_deref().map(LazyFile::new).transpose()?;
     if !(args.s3_attempt_timeout > 0.0 && args.s3_attempt_timeout.is_finite()) {
         bail!("--s3-attempt-timeout must be a positive number of seconds");
     }
@@ -547,162 +424,18 @@ pub fn run_produce(args: Args) -> anyhow::Result<()> {
         },
         tokenizer.template().origin()
     );
-    let s3_options = S3Options {
-        endpoint: args.s3_endpoint.clone(),
-        region: args.s3_region.clone(),
-        force_path_style: args.s3_path_style,
-        max_attempts: args.s3_max_attempts,
-        attempt_timeout: Duration::from_secs_f64(args.s3_attempt_timeout),
-        max_object_bytes: args.max_image_bytes,
-        ..S3Options::default()
-    };
-    let fetcher = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .context("starting a runtime for the S3 client")?
-        .block_on(S3Fetcher::new(&s3_options))
-        .with_local(local);
-    let started = Instant::now();
-    let mut last = Instant::now();
-    // Produced at the last plain line, for the rate since it.
-    let mut produced_then = 0u64;
-    let (mut produced, mut rejected, mut bytes) = (0u64, 0u64, 0u64);
-    // On a terminal, a progress bar (with an ETA once the run's length is known); otherwise
-    // plain lines every half second, for logs.
-    let bar = std::io::stderr().is_terminal().then(progress_bar);
-    if let Some(bar) = &bar {
-        let _ = BAR.set(bar.clone());
-    }
-    let _abandon = BarOnError(bar.clone());
-    let mut write_error = None;
+    let fetcher = Arc::new(s3_fetcher(&args)?.with_local(local));
+    let mut progress = Progress::new(&args, &config, rejects, handles);
+    let _abandon = BarOnError(progress.bar.clone());
     // Ctrl-C (or SIGTERM) ends the run with the profile so far; a second one kills at once.
     catch_interrupts();
-    // A stream's producer whose trainers have all left ends after --idle-exit.
-    let mut watch = match (&args.stream.stream, args.stream.idle_exit) {
-        (Some(name), secs) if secs > 0 && args.stream.ranks_at.is_empty() => Some(ReaderWatch {
-            socket: config.socket.clone(),
-            name: name.clone(),
-            limit: Duration::from_secs(secs),
-            client: None,
-            asked: None,
-            seen: false,
-            gone_since: None,
-            progress: None,
-        }),
-        _ => None,
-    };
-    let on_event = |event: &Event, profiler: &feedstore_producer::profile::Profiler| {
-        if !matches!(event, Event::Idle) && write_error.is_none() {
-            // The run has made something: this run's files replace the last run's now.
-            let created = rejects
-                .file()
-                .and_then(|_| handles.as_mut().map_or(Ok(()), |h| h.file().map(|_| ())));
-            if let Err(e) = created {
-                write_error = Some(e);
-            }
-        }
-        match event {
-            Event::Produced(p) => {
-                produced += 1;
-                bytes += p.bytes;
-                if let Some(out) = handles.as_mut() {
-                    let row = serde_json::json!({
-                        "line": p.line, "id": p.id, "handle": p.handle.to_string(), "bytes": p.bytes,
-                    });
-                    if let Err(e) = out.line(&row.to_string()) {
-                        write_error.get_or_insert(e);
-                    }
-                }
-            }
-            Event::Rejected(r) => {
-                rejected += 1;
-                let line = serde_json::to_string(r).expect("rejects serialise");
-                if let Err(e) = rejects.line(&line) {
-                    write_error.get_or_insert(e);
-                }
-            }
-            Event::Idle => {}
-        }
-        let gone = watch.as_mut().and_then(ReaderWatch::gone_for);
-        let stop = if INTERRUPTED.load(Ordering::Relaxed) {
-            Some((
-                "interrupted".to_owned(),
-                128 + INTERRUPTED_BY.load(Ordering::Relaxed),
-            ))
-        } else {
-            watch.as_ref().filter(|w| w.expired()).map(|watch| {
-                let why = format!(
-                    "every reader of stream {:?} left {} s ago (--idle-exit); stopping",
-                    watch.name,
-                    watch.limit.as_secs()
-                );
-                (why, READERS_GONE_STATUS)
-            })
-        };
-        if let Some((why, status)) = stop {
-            if let Some(bar) = &bar {
-                // The profile printed next says where the run stood.
-                bar.finish_and_clear();
-            }
-            // What was written so far stays readable.
-            let _ = rejects.flush();
-            if let Some(out) = handles.as_mut() {
-                let _ = out.flush();
-            }
-            let wall = started.elapsed();
-            let profile = profiler.snapshot(wall, config.workers, config.fetch_concurrency);
-            println!(
-                "{why} after {:.2} s: produced {produced} samples ({:.1} MB), rejected {rejected} (listed in {}); the profile so far:",
-                wall.as_secs_f64(),
-                bytes as f64 / 1e6,
-                rejects_path.display()
-            );
-            print!("{}", profile.table());
-            println!("verdict: {}", profile.verdict());
-            let _ = std::io::stdout().flush();
-            // The daemon takes back what this process held (unsealed objects, tasks in
-            // flight) when its connections close.
-            std::process::exit(status);
-        }
-        if let Some(bar) = &bar {
-            bar.set_position(produced + rejected);
-        }
-        if last.elapsed() >= Duration::from_millis(500) {
-            let since = last.elapsed();
-            last = Instant::now();
-            let rate_now = (produced - produced_then) as f64 / since.as_secs_f64();
-            produced_then = produced;
-            let wall = started.elapsed();
-            let profile = profiler.snapshot(wall, config.workers, config.fetch_concurrency);
-            let verdict = match (gone, &watch) {
-                (Some(gone), Some(watch)) => format!(
-                    "no reader attached for {} s (exiting at {} s, --idle-exit)",
-                    gone.as_secs(),
-                    watch.limit.as_secs()
-                ),
-                _ => profile.verdict(),
-            };
-            match &bar {
-                Some(bar) => bar.set_message(format!(
-                    "{rejected} rejected, {:.0} MB/s, {} fetches in flight; {verdict}",
-                    bytes as f64 / 1e6 / wall.as_secs_f64(),
-                    profile.fetch_in_flight,
-                )),
-                None => eprintln!(
-                    "  {produced} produced, {rejected} rejected, {rate_now:.1} samples/s now ({:.1} over the run), {:.0} MB/s into the store, {} fetches in flight; {verdict}",
-                    produced as f64 / wall.as_secs_f64(),
-                    bytes as f64 / 1e6 / wall.as_secs_f64(),
-                    profile.fetch_in_flight,
-                ),
-            }
-        }
-    };
     let summary = match &args.stream.stream {
         None => {
             let manifest = Manifest::open(&args.manifest)
                 .with_context(|| format!("opening {}", args.manifest.display()))?;
             let failure = manifest.failure();
-            let summary = run(&config, tokenizer, Arc::new(fetcher), manifest, on_event)?;
+            let on_event = |event: &Event, profiler: &Profiler| progress.on_event(event, profiler);
+            let summary = run(&config, tokenizer, fetcher, manifest, on_event)?;
             if let Some(e) = failure.get() {
                 bail!("{}: {e}", args.manifest.display());
             }
@@ -714,73 +447,101 @@ pub fn run_produce(args: Args) -> anyhow::Result<()> {
                     .with_context(|| format!("indexing {}", args.manifest.display()))?,
             );
             let feed_config = args.stream.feed(name, manifest.len())?;
-            if let (Some(bar), Some(epochs)) = (&bar, feed_config.spec.epochs) {
-                // This producer's share: its ranks' positions over every epoch.
-                let total = feed_config.spec.per_rank() * feed_config.ranks.len() as u64 * epochs;
-                bar.set_length(total);
-                bar.set_style(bar_style(true));
-            }
-            // Through the bar (when there is one), which would draw over it otherwise.
-            say_around(
-                &bar,
-                format!(
-                    "feeding stream {name:?}: {} records, {} per rank per epoch, ranks {:?}, {} epoch(s)",
-                    manifest.len(),
-                    feed_config.spec.per_rank(),
-                    feed_config.ranks.iter().map(|r| r.rank).collect::<Vec<_>>(),
-                    feed_config
-                        .spec
-                        .epochs
-                        .map_or("unbounded".into(), |e| e.to_string())
-                ),
-            );
+            progress.feeding(name, &feed_config, manifest.len());
+            let on_event = |event: &Event, profiler: &Profiler| progress.on_event(event, profiler);
             feed(
                 &config,
                 &feed_config,
                 tokenizer,
-                Arc::new(fetcher),
+                fetcher,
                 manifest,
                 on_event,
             )?
         }
     };
-    if let Some(bar) = &bar {
-        // Several producers share ranks, or a resume started past 0: the bar's length was an
-        // upper bound; end it where it stands.
-        if bar.length().is_some_and(|len| len > bar.position()) {
-            bar.set_length(bar.position());
-        }
-        bar.finish();
+    progress.finish(&summary, args.max_reject_rate)
+}
+
+/// The pipeline's settings from the command line, checked before any work.
+fn producer_config(args: &Args) -> anyhow::Result<ProducerConfig> {
+    let mut config = ProducerConfig::new(args.socket.path());
+    config.fetch_concurrency = args.fetch_concurrency.max(1);
+    if let Some(w) = args.workers {
+        config.workers = w.max(1);
     }
-    rejects.flush()?;
-    if let Some(out) = handles.as_mut() {
-        out.flush()?;
+    config.patch_size = args.patch_size;
+    config.merge_size = args.merge_size;
+    config.transform.resize = image_size(args)?;
+    config.transform.max_source_pixels = args.max_source_pixels;
+    config.transform.jpeg_draft = !args.full_jpeg_decode;
+    config.transform.dtype = match args.dtype.to_ascii_lowercase().as_str() {
+        "f32" => DType::F32,
+        "bf16" => DType::BF16,
+        "f16" => DType::F16,
+        "u8" => DType::U8,
+        other => bail!("--dtype {other:?}: expected f32, bf16, f16 or u8"),
+    };
+    config.transform.layout = match args.layout.to_ascii_lowercase().as_str() {
+        "chw" => TensorLayout::Chw,
+        "hwc" => TensorLayout::Hwc,
+        other => bail!("--layout {other:?}: expected chw or hwc"),
+    };
+    config.validate().map_err(|e| {
+        anyhow::anyhow!(
+            "{e} (--image-size, --patch-size, --merge-size, --min-pixels, --max-pixels, \
+             --max-source-pixels)"
+        )
+    })?;
+    if let Some(batch) = args.stream.batch.filter(|&b| b > 1) {
+        check_batch_shape(args, &config, batch)?;
     }
-    if let Some(e) = write_error {
-        return Err(e);
-    }
-    let wall = summary.profile.wall.as_secs_f64();
-    println!(
-        "produced {} samples ({:.1} MB) in {:.2} s: {:.1} samples/s; rejected {} ({:.1}%), listed in {}",
-        summary.produced,
-        bytes as f64 / 1e6,
-        wall,
-        summary.produced as f64 / wall.max(1e-9),
-        summary.rejected,
-        summary.reject_rate() * 100.0,
-        rejects_path.display()
-    );
-    print!("{}", summary.profile.table());
-    println!("verdict: {}", summary.profile.verdict());
-    if summary.reject_rate() > args.max_reject_rate {
+    Ok(config)
+}
+
+/// Refuses `--batch` before any work when no batch could be one view: images of several
+/// shapes, or of a size that cannot lie side by side aligned.
+fn check_batch_shape(args: &Args, config: &ProducerConfig, batch: u32) -> anyhow::Result<()> {
+    let ResizeMode::Fixed { width, height } = config.transform.resize else {
         bail!(
-            "{:.1}% of records were rejected, above --max-reject-rate {:.1}%; see {}",
-            summary.reject_rate() * 100.0,
-            args.max_reject_rate * 100.0,
-            rejects_path.display()
+            "--batch {batch}: a batch's images lie side by side only if they have one shape: \
+             use --image-size WxH (not {:?})",
+            args.image_size
+        );
+    };
+    let elements: u64 = config
+        .transform
+        .shape(width, height)
+        .iter()
+        .map(|&d| u64::from(d))
+        .product();
+    let bytes = elements * config.transform.dtype.size_bytes();
+    if bytes % 64 != 0 {
+        bail!(
+            "--batch {batch}: a {width}x{height} image is {bytes} bytes at --dtype {}, not a \
+             multiple of 64, so a batch's images cannot lie side by side aligned: pick \
+             another --image-size or --dtype",
+            args.dtype
         );
     }
     Ok(())
+}
+
+/// The S3 client, as the `--s3-*` options say.
+fn s3_fetcher(args: &Args) -> anyhow::Result<S3Fetcher> {
+    let s3_options = S3Options {
+        endpoint: args.s3_endpoint.clone(),
+        region: args.s3_region.clone(),
+        force_path_style: args.s3_path_style,
+        max_attempts: args.s3_max_attempts,
+        attempt_timeout: Duration::from_secs_f64(args.s3_attempt_timeout),
+        max_object_bytes: args.max_image_bytes,
+        ..S3Options::default()
+    };
+    Ok(tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .context("starting a runtime for the S3 client")?
+        .block_on(S3Fetcher::new(&s3_options)))
 }
 
 /// A count that must be at least 1.
@@ -790,157 +551,4 @@ fn at_least_one(s: &str) -> Result<usize, String> {
         Ok(n) => Ok(n),
         Err(e) => Err(e.to_string()),
     }
-}
-
-/// An output file (rejects, handles) created when the run makes its first sample or reject, or
-/// by the final flush of a run that made none: a run that fails before making anything (no
-/// daemon, a manifest that is a directory) leaves an earlier run's file as it was. Whether it
-/// can be written is checked up front, without touching it.
-struct LazyFile {
-    path: PathBuf,
-    file: Option<std::io::BufWriter<std::fs::File>>,
-}
-
-impl LazyFile {
-    fn new(path: &std::path::Path) -> anyhow::Result<LazyFile> {
-        use nix::unistd::{AccessFlags, access};
-        let dir = match path.parent() {
-            Some(dir) if !dir.as_os_str().is_empty() => dir,
-            _ => std::path::Path::new("."),
-        };
-        let target = if path.exists() { path } else { dir };
-        access(target, AccessFlags::W_OK)
-            .with_context(|| format!("{} cannot be written", path.display()))?;
-        Ok(LazyFile {
-            path: path.to_owned(),
-            file: None,
-        })
-    }
-
-    fn file(&mut self) -> anyhow::Result<&mut std::io::BufWriter<std::fs::File>> {
-        if self.file.is_none() {
-            let file = std::fs::File::create(&self.path)
-                .with_context(|| format!("creating {}", self.path.display()))?;
-            self.file = Some(std::io::BufWriter::new(file));
-        }
-        Ok(self.file.as_mut().expect("just created"))
-    }
-
-    fn line(&mut self, line: &str) -> anyhow::Result<()> {
-        let path = self.path.display().to_string();
-        writeln!(self.file()?, "{line}").with_context(|| format!("writing {path}"))
-    }
-
-    fn flush(&mut self) -> anyhow::Result<()> {
-        let path = self.path.display().to_string();
-        self.file()?
-            .flush()
-            .with_context(|| format!("writing {path}"))
-    }
-}
-
-/// The progress bar being drawn, if any: log lines are written around it.
-static BAR: std::sync::OnceLock<indicatif::ProgressBar> = std::sync::OnceLock::new();
-
-/// Stderr for log lines: with a progress bar drawn, the bar steps aside for each line (a log
-/// line written through it would garble both).
-pub struct AroundTheBar;
-
-impl Write for AroundTheBar {
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        self.write_all(buf)?;
-        Ok(buf.len())
-    }
-
-    fn write_all(&mut self, buf: &[u8]) -> std::io::Result<()> {
-        match BAR.get().filter(|bar| !bar.is_finished()) {
-            Some(bar) => bar.suspend(|| std::io::stderr().write_all(buf)),
-            None => std::io::stderr().write_all(buf),
-        }
-    }
-
-    fn flush(&mut self) -> std::io::Result<()> {
-        std::io::stderr().flush()
-    }
-}
-
-/// Set by the first SIGINT or SIGTERM.
-static INTERRUPTED: AtomicBool = AtomicBool::new(false);
-/// Which signal it was: the exit status is 128 + its number, as if it had killed the process.
-static INTERRUPTED_BY: AtomicI32 = AtomicI32::new(0);
-
-extern "C" fn interrupted(signal: nix::libc::c_int) {
-    INTERRUPTED_BY.store(signal, Ordering::Relaxed);
-    INTERRUPTED.store(true, Ordering::Relaxed);
-    // The next SIGINT or SIGTERM, of either kind, ends the process at once.
-    for signal in [nix::libc::SIGINT, nix::libc::SIGTERM] {
-        // SAFETY: signal(2) is async-signal-safe, and SIG_DFL is a valid disposition.
-        unsafe { nix::libc::signal(signal, nix::libc::SIG_DFL) };
-    }
-}
-
-/// The first SIGINT or SIGTERM sets [`INTERRUPTED`] (the run's event loop, called at least every
-/// half second once the run has started, prints the profile so far and exits with 128 + the
-/// signal's number); a second one ends the process at once. A signal the process was started
-/// ignoring (`nohup`, a script's `&`) stays ignored.
-fn catch_interrupts() {
-    use nix::sys::signal::{SaFlags, SigAction, SigHandler, SigSet, Signal, sigaction};
-    let action = SigAction::new(
-        SigHandler::Handler(interrupted),
-        SaFlags::SA_RESTART,
-        SigSet::empty(),
-    );
-    for signal in [Signal::SIGINT, Signal::SIGTERM] {
-        // SAFETY: the handler only stores to atomics and calls signal(2), both
-        // async-signal-safe.
-        match unsafe { sigaction(signal, &action) } {
-            Ok(old) if old.handler() == SigHandler::SigIgn => {
-                // SAFETY: puts back the disposition the process started with.
-                let _ = unsafe { sigaction(signal, &old) };
-            }
-            Ok(_) => {}
-            Err(e) => {
-                tracing::warn!(?signal, error = %e, "cannot catch the signal; it ends the run without a profile")
-            }
-        }
-    }
-}
-
-/// Prints a line on stderr above the progress bar, if one is drawn.
-fn say_around(bar: &Option<indicatif::ProgressBar>, line: String) {
-    match bar {
-        Some(bar) => bar.suspend(|| eprintln!("{line}")),
-        None => eprintln!("{line}"),
-    }
-}
-
-/// Abandons the progress bar when the run ends early (an error), so what is printed next is
-/// not drawn over.
-struct BarOnError(Option<indicatif::ProgressBar>);
-
-impl Drop for BarOnError {
-    fn drop(&mut self) {
-        if let Some(bar) = &self.0
-            && !bar.is_finished()
-        {
-            bar.abandon();
-        }
-    }
-}
-
-/// A progress bar on stderr: records done, rate, elapsed, and the profiler's verdict as its
-/// message; a length (and an ETA) once the run's size is known.
-fn progress_bar() -> indicatif::ProgressBar {
-    // Drawn as records finish (no ticker thread): nothing draws before the first one, so the
-    // run's opening lines stay whole.
-    indicatif::ProgressBar::no_length().with_style(bar_style(false))
-}
-
-fn bar_style(known_length: bool) -> indicatif::ProgressStyle {
-    let template = if known_length {
-        "{spinner} [{elapsed_precise}] {bar:40} {pos}/{len} records, {per_sec}, ETA {eta}\n  {wide_msg}"
-    } else {
-        "{spinner} [{elapsed_precise}] {pos} records, {per_sec}\n  {wide_msg}"
-    };
-    indicatif::ProgressStyle::with_template(template).expect("a valid template")
 }

@@ -3,7 +3,8 @@
 use anyhow::Context;
 use feedstore_producer::profile::StageProfile;
 use feedstore_proto::Role;
-use feedstore_proto::frame::{PRODUCER_STAGES, ProducerFigures};
+use feedstore_proto::StoreStats;
+use feedstore_proto::frame::{PRODUCER_STAGES, ProducerFigures, StreamInfo};
 use feedstore_store::config::format_bytes;
 
 use crate::SocketArg;
@@ -24,41 +25,70 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let s = client.stats().context("reading statistics")?;
     let streams = client.streams().context("listing streams")?;
     if args.json {
-        let mut object: serde_json::Map<String, serde_json::Value> = s
-            .named()
-            .into_iter()
-            .map(|(name, value)| (name.to_owned(), value.into()))
-            .collect();
-        object.insert("free_bytes".into(), s.free_bytes().into());
-        object.insert("fragmentation".into(), s.fragmentation().into());
-        object.insert("huge_pages".into(), (s.huge_pages != 0).into());
-        object.insert(
-            "streams".into(),
-            streams
-                .iter()
-                .map(|t| {
-                    serde_json::json!({
-                        "id": t.id, "owner_uid": t.owner_uid, "name": t.name, "depth": t.depth,
-                        "producers": t.producers,
-                        "consumers": t.consumers, "ranks": t.ranks, "ready": t.ready,
-                        "making": t.making, "put": t.put, "returned": t.returned,
-                        "slowest": t.slowest, "fastest": t.fastest,
-                        "cold_start_us": t.cold_start_us,
-                        "ranks_attached": t.ranks_attached.iter().map(|r| serde_json::json!({
-                            "rank": r.rank, "released": r.released, "ready": r.ready,
-                            "waited_us": r.figures.waited_us, "taken": r.figures.taken,
-                            "elapsed_us": r.figures.elapsed_us,
-                            "first_sample_us": r.figures.first_sample_us,
-                            "wait_ratio": r.figures.wait_ratio(),
-                        })).collect::<Vec<_>>(),
-                        "producer": producer_json(&t.producer),
-                    })
-                })
-                .collect(),
-        );
-        println!("{}", serde_json::Value::Object(object));
+        println!("{}", as_json(&s, &streams));
         return Ok(());
     }
+    println!(
+        "feedstored at {} (node {:08x}, epoch {:08x})",
+        socket.display(),
+        client.node_id(),
+        client.epoch()
+    );
+    print_store(&s);
+    if streams.is_empty() {
+        println!("  streams         none");
+    }
+    if s.attaches_waiting > 0 {
+        println!(
+            "  {} trainer(s) waiting for a stream no producer has created yet (is `feedstore produce --stream` running, with the same name, as the same user?)",
+            s.attaches_waiting
+        );
+    }
+    for t in &streams {
+        print_stream(t);
+    }
+    Ok(())
+}
+
+/// Everything `stat` shows, as one JSON object (`--json`).
+fn as_json(s: &StoreStats, streams: &[StreamInfo]) -> serde_json::Value {
+    let mut object: serde_json::Map<String, serde_json::Value> = s
+        .named()
+        .into_iter()
+        .map(|(name, value)| (name.to_owned(), value.into()))
+        .collect();
+    object.insert("free_bytes".into(), s.free_bytes().into());
+    object.insert("fragmentation".into(), s.fragmentation().into());
+    object.insert("huge_pages".into(), (s.huge_pages != 0).into());
+    object.insert(
+        "streams".into(),
+        streams
+            .iter()
+            .map(|t| {
+                serde_json::json!({
+                    "id": t.id, "owner_uid": t.owner_uid, "name": t.name, "depth": t.depth,
+                    "producers": t.producers,
+                    "consumers": t.consumers, "ranks": t.ranks, "ready": t.ready,
+                    "making": t.making, "put": t.put, "returned": t.returned,
+                    "slowest": t.slowest, "fastest": t.fastest,
+                    "cold_start_us": t.cold_start_us,
+                    "ranks_attached": t.ranks_attached.iter().map(|r| serde_json::json!({
+                        "rank": r.rank, "released": r.released, "ready": r.ready,
+                        "waited_us": r.figures.waited_us, "taken": r.figures.taken,
+                        "elapsed_us": r.figures.elapsed_us,
+                        "first_sample_us": r.figures.first_sample_us,
+                        "wait_ratio": r.figures.wait_ratio(),
+                    })).collect::<Vec<_>>(),
+                    "producer": producer_json(&t.producer),
+                })
+            })
+            .collect(),
+    );
+    serde_json::Value::Object(object)
+}
+
+/// The store's lines: memory, objects, leases, clients, limits, the cache, the cluster.
+fn print_store(s: &StoreStats) {
     let pct = |a: u64, b: u64| {
         if b == 0 {
             0.0
@@ -66,12 +96,6 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             100.0 * a as f64 / b as f64
         }
     };
-    println!(
-        "feedstored at {} (node {:08x}, epoch {:08x})",
-        socket.display(),
-        client.node_id(),
-        client.epoch()
-    );
     println!(
         "  capacity        {} in {} segment(s), {}",
         format_bytes(s.capacity_bytes),
@@ -148,78 +172,70 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         s.served_reads,
         format_bytes(s.served_bytes)
     );
-    if streams.is_empty() {
-        println!("  streams         none");
-    }
-    if s.attaches_waiting > 0 {
+}
+
+/// One stream's lines: its window, its producers' profile, its ranks.
+fn print_stream(t: &StreamInfo) {
+    println!(
+        "  stream {:?} (uid {}): depth {}, {} producer connection(s), {} of {} rank(s) attached, {} ready, {} being made, {} put, {} returned, lag {} (slowest rank at {}), cold start {}",
+        t.name,
+        t.owner_uid,
+        t.depth,
+        t.producers,
+        t.consumers,
+        t.ranks,
+        t.ready,
+        t.making,
+        t.put,
+        t.returned,
+        t.fastest - t.slowest,
+        t.slowest,
+        if t.cold_start_us == 0 {
+            "pending".to_string()
+        } else {
+            format!("{:.2} s", t.cold_start_us as f64 / 1e6)
+        }
+    );
+    if t.producer.elapsed_us > 0 {
+        let p = StageProfile::from_figures(&t.producer);
         println!(
-            "  {} trainer(s) waiting for a stream no producer has created yet (is `feedstore produce --stream` running, with the same name, as the same user?)",
-            s.attaches_waiting
+            "    producers (all reports so far): {} CPU worker(s) now; {}",
+            t.producer.cpu_workers,
+            p.verdict()
+        );
+        for line in p.table().lines() {
+            println!("    {line}");
+        }
+    }
+    if (t.consumers as usize) > t.ranks_attached.len() {
+        println!(
+            "    ({} more attached rank(s) not listed)",
+            t.consumers as usize - t.ranks_attached.len()
         );
     }
-    for t in &streams {
+    for r in &t.ranks_attached {
+        let f = &r.figures;
+        let rate = if f.elapsed_us == 0 {
+            0.0
+        } else {
+            f.taken as f64 / (f.elapsed_us as f64 / 1e6)
+        };
         println!(
-            "  stream {:?} (uid {}): depth {}, {} producer connection(s), {} of {} rank(s) attached, {} ready, {} being made, {} put, {} returned, lag {} (slowest rank at {}), cold start {}",
-            t.name,
-            t.owner_uid,
-            t.depth,
-            t.producers,
-            t.consumers,
-            t.ranks,
-            t.ready,
-            t.making,
-            t.put,
-            t.returned,
-            t.fastest - t.slowest,
-            t.slowest,
-            if t.cold_start_us == 0 {
-                "pending".to_string()
+            "    rank {}: at {}, {} ready; its trainer waited {:.1}% of {:.1} s, {} samples ({:.1}/s), first sample after {}",
+            r.rank,
+            r.released,
+            r.ready,
+            100.0 * f.wait_ratio(),
+            f.elapsed_us as f64 / 1e6,
+            f.taken,
+            rate,
+            if f.first_sample_us == 0 {
+                "(none yet)".to_string()
             } else {
-                format!("{:.2} s", t.cold_start_us as f64 / 1e6)
+                format!("{:.3} s", f.first_sample_us as f64 / 1e6)
             }
         );
-        if t.producer.elapsed_us > 0 {
-            let p = StageProfile::from_figures(&t.producer);
-            println!(
-                "    producers (all reports so far): {} CPU worker(s) now; {}",
-                t.producer.cpu_workers,
-                p.verdict()
-            );
-            for line in p.table().lines() {
-                println!("    {line}");
-            }
-        }
-        if (t.consumers as usize) > t.ranks_attached.len() {
-            println!(
-                "    ({} more attached rank(s) not listed)",
-                t.consumers as usize - t.ranks_attached.len()
-            );
-        }
-        for r in &t.ranks_attached {
-            let f = &r.figures;
-            let rate = if f.elapsed_us == 0 {
-                0.0
-            } else {
-                f.taken as f64 / (f.elapsed_us as f64 / 1e6)
-            };
-            println!(
-                "    rank {}: at {}, {} ready; its trainer waited {:.1}% of {:.1} s, {} samples ({:.1}/s), first sample after {}",
-                r.rank,
-                r.released,
-                r.ready,
-                100.0 * f.wait_ratio(),
-                f.elapsed_us as f64 / 1e6,
-                f.taken,
-                rate,
-                if f.first_sample_us == 0 {
-                    "(none yet)".to_string()
-                } else {
-                    format!("{:.3} s", f.first_sample_us as f64 / 1e6)
-                }
-            );
-        }
     }
-    Ok(())
 }
 
 /// The producers' figures as `feedstore stat --json` prints them, with their verdict.

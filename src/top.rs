@@ -101,99 +101,113 @@ fn render(client: &Client, socket: &str, previous: &mut Previous) -> anyhow::Res
     }
     let mut seen = Previous::default();
     for t in &streams {
-        writeln!(v)?;
-        writeln!(
-            v,
-            "stream {:?} (uid {}): {} producer connection(s), {} of {} rank(s) attached, depth {}, {} ready, {} being made, lag {}",
-            t.name,
-            t.owner_uid,
-            t.producers,
-            t.consumers,
-            t.ranks,
-            t.depth,
-            t.ready,
-            t.making,
-            t.fastest - t.slowest
-        )?;
-        let producers = (t.producer.elapsed_us > 0).then(|| {
-            let grown = match previous.producers.get(&t.id) {
-                Some((before, _)) if t.producer.elapsed_us > before.elapsed_us => {
-                    t.producer.since(before)
-                }
-                // No report since the last view (a producer leaving changes only the gauges):
-                // the last interval stands.
-                Some((_, grown)) => *grown,
-                None => t.producer,
-            };
-            seen.producers.insert(t.id, (t.producer, grown));
-            StageProfile::from_figures(&grown)
-        });
-        if let Some(p) = &producers {
-            writeln!(
-                v,
-                "  producers: {} CPU worker(s), {} fetch(es) in flight, {} from the cache; {}",
-                t.producer.cpu_workers,
-                t.producer.fetch_in_flight,
-                t.producer.cache_hits,
-                p.verdict()
-            )?;
-        }
-        if t.ranks_attached.is_empty() {
-            writeln!(v, "  no trainer attached")?;
-            continue;
-        }
-        writeln!(
-            v,
-            "  {:>6} {:>10} {:>10} {:>10} {:>9} {:>8} {:>12}",
-            "rank", "wait now", "wait all", "samples/s", "taken", "ready", "first sample"
-        )?;
-        let mut waits = Vec::new();
-        for r in &t.ranks_attached {
-            let f = r.figures;
-            let now = window(previous.ranks.get(&(t.id, r.rank)), f);
-            seen.ranks.insert((t.id, r.rank), now);
-            // A rank with no figures yet (it has neither reported nor been seen waiting) says
-            // nothing about the stream.
-            if f.elapsed_us > 0 {
-                waits.push(now.wait);
-            }
-            writeln!(
-                v,
-                "  {:>6} {:>9.1}% {:>9.1}% {:>10} {:>9} {:>8} {:>12}",
-                r.rank,
-                100.0 * now.wait,
-                100.0 * f.wait_ratio(),
-                now.rate.map_or("-".into(), |r| format!("{r:.1}")),
-                f.taken,
-                r.ready,
-                if f.first_sample_us == 0 {
-                    "-".to_string()
-                } else {
-                    format!("{:.3} s", f.first_sample_us as f64 / 1e6)
-                }
-            )?;
-        }
-        if t.consumers as usize > t.ranks_attached.len() {
-            writeln!(
-                v,
-                "  ({} more rank(s) not listed)",
-                t.consumers as usize - t.ranks_attached.len()
-            )?;
-        }
-        if waits.is_empty() {
-            // A rank's figures start with its first report (with its returns, every 64 samples
-            // or when it waits) or the daemon seeing it wait: before that there is nothing to
-            // judge, and 0% would read as "compute-bound".
-            writeln!(
-                v,
-                "  verdict: none yet: no rank has reported its figures or been seen waiting"
-            )?;
-        } else {
-            writeln!(v, "  verdict: {}", verdict(t, &waits, producers.as_ref()))?;
-        }
+        render_stream(&mut v, t, previous, &mut seen)?;
     }
     *previous = seen;
     Ok(v)
+}
+
+/// One stream's part of the view: its window, its producers over the last interval, each
+/// attached rank's wait (the last interval and the whole run), and a verdict. Notes what it
+/// read in `seen`, for the next view's intervals.
+fn render_stream(
+    v: &mut String,
+    t: &StreamInfo,
+    previous: &Previous,
+    seen: &mut Previous,
+) -> anyhow::Result<()> {
+    use std::fmt::Write;
+    writeln!(v)?;
+    writeln!(
+        v,
+        "stream {:?} (uid {}): {} producer connection(s), {} of {} rank(s) attached, depth {}, {} ready, {} being made, lag {}",
+        t.name,
+        t.owner_uid,
+        t.producers,
+        t.consumers,
+        t.ranks,
+        t.depth,
+        t.ready,
+        t.making,
+        t.fastest - t.slowest
+    )?;
+    let producers = (t.producer.elapsed_us > 0).then(|| {
+        let grown = match previous.producers.get(&t.id) {
+            Some((before, _)) if t.producer.elapsed_us > before.elapsed_us => {
+                t.producer.since(before)
+            }
+            // No report since the last view (a producer leaving changes only the gauges):
+            // the last interval stands.
+            Some((_, grown)) => *grown,
+            None => t.producer,
+        };
+        seen.producers.insert(t.id, (t.producer, grown));
+        StageProfile::from_figures(&grown)
+    });
+    if let Some(p) = &producers {
+        writeln!(
+            v,
+            "  producers: {} CPU worker(s), {} fetch(es) in flight, {} from the cache; {}",
+            t.producer.cpu_workers,
+            t.producer.fetch_in_flight,
+            t.producer.cache_hits,
+            p.verdict()
+        )?;
+    }
+    if t.ranks_attached.is_empty() {
+        writeln!(v, "  no trainer attached")?;
+        return Ok(());
+    }
+    writeln!(
+        v,
+        "  {:>6} {:>10} {:>10} {:>10} {:>9} {:>8} {:>12}",
+        "rank", "wait now", "wait all", "samples/s", "taken", "ready", "first sample"
+    )?;
+    let mut waits = Vec::new();
+    for r in &t.ranks_attached {
+        let f = r.figures;
+        let now = window(previous.ranks.get(&(t.id, r.rank)), f);
+        seen.ranks.insert((t.id, r.rank), now);
+        // A rank with no figures yet (it has neither reported nor been seen waiting) says
+        // nothing about the stream.
+        if f.elapsed_us > 0 {
+            waits.push(now.wait);
+        }
+        writeln!(
+            v,
+            "  {:>6} {:>9.1}% {:>9.1}% {:>10} {:>9} {:>8} {:>12}",
+            r.rank,
+            100.0 * now.wait,
+            100.0 * f.wait_ratio(),
+            now.rate.map_or("-".into(), |r| format!("{r:.1}")),
+            f.taken,
+            r.ready,
+            if f.first_sample_us == 0 {
+                "-".to_string()
+            } else {
+                format!("{:.3} s", f.first_sample_us as f64 / 1e6)
+            }
+        )?;
+    }
+    if t.consumers as usize > t.ranks_attached.len() {
+        writeln!(
+            v,
+            "  ({} more rank(s) not listed)",
+            t.consumers as usize - t.ranks_attached.len()
+        )?;
+    }
+    if waits.is_empty() {
+        // A rank's figures start with its first report (with its returns, every 64 samples
+        // or when it waits) or the daemon seeing it wait: before that there is nothing to
+        // judge, and 0% would read as "compute-bound".
+        writeln!(
+            v,
+            "  verdict: none yet: no rank has reported its figures or been seen waiting"
+        )?;
+    } else {
+        writeln!(v, "  verdict: {}", verdict(t, &waits, producers.as_ref()))?;
+    }
+    Ok(())
 }
 
 /// A rank's figures over the last interval.

@@ -36,10 +36,10 @@ use feedstore_proto::stream::{StreamSpec, sample_key};
 use crate::chat::ChatTokenizer;
 use crate::manifest::{IndexedManifest, Record, Reject};
 use crate::pipeline::{
-    Event, Fetch, Produced, ProducerConfig, ProducerError, Skeleton, Summary, make_sample,
-    spawn_fetch,
+    Event, Fetch, JobSender, Produced, ProducerConfig, ProducerError, Skeleton, Summary,
+    make_sample, spawn_fetch,
 };
-use crate::profile::{Profiler, Stage};
+use crate::profile::{Profiler, Stage, StageProfile};
 use crate::vision::Scratch;
 
 /// How often a producer reports its profile to the daemon (and once more at its end).
@@ -269,6 +269,43 @@ struct Shared {
 }
 
 impl Shared {
+    fn new(
+        feed: &FeedConfig,
+        manifest: Arc<IndexedManifest>,
+        config: &ProducerConfig,
+        tokenizer: &ChatTokenizer,
+        limit: usize,
+        events: std::sync::mpsc::Sender<Event>,
+    ) -> Shared {
+        Shared {
+            spec: feed.spec.clone(),
+            manifest,
+            in_flight: Mutex::new(InFlight {
+                tasks: 0,
+                idle_since: Some(Instant::now()),
+            }),
+            room: Condvar::new(),
+            limit,
+            taker_done: AtomicBool::new(false),
+            drained: tokio::sync::Notify::new(),
+            reported: Mutex::new(HashSet::new()),
+            events: Mutex::new(events),
+            key_base: format!(
+                "{:?} patch {} merge {} tokenizer {:?}",
+                config.transform,
+                config.patch_size,
+                config.merge_size,
+                tokenizer.identity()
+            )
+            .into_bytes(),
+            gathering: (feed.batch > 1).then(|| Gathering {
+                batch: u64::from(feed.batch),
+                open: Mutex::new(HashMap::new()),
+                warned: AtomicBool::new(false),
+            }),
+        }
+    }
+
     /// The record behind a task's `candidate`-th choice, or `None` when every candidate of the
     /// rank's share was tried.
     fn candidate(&self, work: Work) -> Option<u64> {
@@ -405,42 +442,15 @@ pub fn feed(
         .map_err(ProducerError::Stream)?;
     skeleton.started_now();
 
-    let workers = config.workers.max(1);
-    let shared = Arc::new(Shared {
-        spec: feed.spec.clone(),
-        manifest,
-        in_flight: Mutex::new(InFlight {
-            tasks: 0,
-            idle_since: Some(Instant::now()),
-        }),
-        room: Condvar::new(),
-        limit: skeleton.fetch_concurrency() + 2 * workers,
-        taker_done: AtomicBool::new(false),
-        drained: tokio::sync::Notify::new(),
-        reported: Mutex::new(HashSet::new()),
-        events: Mutex::new(skeleton.events.clone()),
-        key_base: format!(
-            "{:?} patch {} merge {} tokenizer {:?}",
-            config.transform,
-            config.patch_size,
-            config.merge_size,
-            tokenizer.identity()
-        )
-        .into_bytes(),
-        gathering: (feed.batch > 1).then(|| Gathering {
-            batch: u64::from(feed.batch),
-            open: Mutex::new(HashMap::new()),
-            warned: AtomicBool::new(false),
-        }),
-    });
+    let limit = skeleton.fetch_concurrency() + 2 * config.workers.max(1);
+    let events = skeleton.events.clone();
+    let shared = Arc::new(Shared::new(
+        feed, manifest, config, &tokenizer, limit, events,
+    ));
     // A task, with its candidate's record when the taker already read it (for its cache key).
-    let (work_tx, mut work_rx) = tokio::sync::mpsc::unbounded_channel::<(Work, Option<Record>)>();
-
-    // CPU: make the sample, put it (or try the next candidate).
+    let (work_tx, work_rx) = tokio::sync::mpsc::unbounded_channel::<(Work, Option<Record>)>();
     for (client, feeder) in clients.into_iter().zip(feeders) {
-        let (work_tx, shared, profiler) =
-            (work_tx.clone(), shared.clone(), skeleton.profiler.clone());
-        let (tokenizer, config) = (tokenizer.clone(), config.clone());
+        let profiler = skeleton.profiler.clone();
         let worker = Worker {
             client,
             feeder,
@@ -449,77 +459,132 @@ pub fn feed(
             sent: Vec::new(),
             finishing: Vec::new(),
         };
-        let work = move |worker: &mut Worker, scratch: &mut Scratch, job| {
-            let client = &worker.client;
-            let (work, index, made, produced, key) = match job {
-                Job::Failed { work, index } => (work, index, Made::Failed, None, 0),
-                Job::Sample {
-                    work,
-                    index,
-                    record,
-                    images,
-                } => match make_sample(
-                    &config, client, &tokenizer, &profiler, scratch, &record, images,
-                ) {
-                    Ok((object, bytes)) => {
-                        let produced = Produced {
-                            handle: object.handle(),
-                            line: record.line,
-                            id: record.id.clone(),
-                            bytes,
-                        };
-                        let key = shared.key(&record);
-                        (work, index, Made::Written(object), Some(produced), key)
-                    }
-                    Err(reject) => {
-                        shared.rejected(index, reject);
-                        let _ = work_tx.send((work.next(), None));
-                        return;
-                    }
-                },
-            };
-            // The task is done once its put is confirmed, or however the put ends (a panic
-            // included): the taker gets room and the IO side its end. (A sample waiting for
-            // the rest of its batch is done once handed to the batch, as the last one's
-            // worker puts them all.)
-            let finished = Finished(shared.clone());
-            let piece = Piece {
-                work,
-                index,
-                made,
-                produced,
-                key,
-                feeder: worker.feeder.clone(),
-            };
-            let pieces = match &shared.gathering {
-                // The rest of its batch is still being made: the last one's worker puts it.
-                Some(gathering) => match gathering.add(piece) {
-                    Some(pieces) => pieces,
-                    None => return,
-                },
-                None => vec![piece],
-            };
-            worker.confirm();
-            let sent = put_pieces(&shared, &worker.client, &worker.feeder, &profiler, pieces);
-            worker.sent.extend(sent);
-            worker.finishing.push(finished);
-        };
+        let work = cpu_work(config, &tokenizer, &shared, &profiler, &work_tx);
         skeleton.cpu(worker, work, Worker::confirm);
     }
-
-    // IO: walk each task's candidates to a record, fetch its images, queue the job; fetches
-    // that fail send the task back for the next candidate. Ends when the taker is done and no
-    // task is left in flight.
-    let fetch_concurrency = skeleton.fetch_concurrency();
-    let (job_tx, io_shared, profiler) = (
-        skeleton.jobs.clone(),
+    let io = Io {
+        shared: shared.clone(),
+        fetcher,
+        profiler: skeleton.profiler.clone(),
+        jobs: skeleton.jobs.clone(),
+        retry: work_tx.clone(),
+        fetch_concurrency: skeleton.fetch_concurrency(),
+    };
+    skeleton.io(io.run(work_rx))?;
+    // The taker (started after the IO side, whose runtime may fail to start).
+    let taker_thread = spawn_taker(
         shared.clone(),
-        skeleton.profiler.clone(),
+        (taker, taker_client),
+        work_tx,
+        (skeleton.profiler.clone(), skeleton.snapshots()),
+        feed.cache,
     );
-    let (retry_tx, taker_tx) = (work_tx.clone(), work_tx);
-    skeleton.io(async move {
-        let shared = io_shared;
-        let permits = Arc::new(tokio::sync::Semaphore::new(fetch_concurrency));
+
+    // Events flow until every stage has dropped its sender (the shared one included).
+    drop(shared);
+    let summary = skeleton.finish(on_event);
+    let (failure, taker, taker_client) = taker_thread.join().expect("the taker does not panic");
+    // The last report, with the CPU workers' last samples, before the taker's connection goes.
+    if failure.is_none()
+        && let Err(e) = taker.report(&summary.profile.figures())
+    {
+        tracing::debug!(error = %e, "reporting the profile failed");
+    }
+    drop((taker, taker_client));
+    if let Some(e) = failure {
+        // The daemon went away or closed the stream: the run did not finish.
+        return Err(ProducerError::Stream(e));
+    }
+    Ok(summary)
+}
+
+/// A sender of tasks to the IO side (with the candidate's record when already read).
+type WorkSender = tokio::sync::mpsc::UnboundedSender<(Work, Option<Record>)>;
+
+/// A CPU worker's job handler: make the sample, put it (or send the task back for its next
+/// candidate).
+fn cpu_work(
+    config: &ProducerConfig,
+    tokenizer: &Arc<ChatTokenizer>,
+    shared: &Arc<Shared>,
+    profiler: &Arc<Profiler>,
+    work_tx: &WorkSender,
+) -> impl FnMut(&mut Worker, &mut Scratch, Job) + Send + 'static {
+    let (config, tokenizer, shared) = (config.clone(), tokenizer.clone(), shared.clone());
+    let (profiler, work_tx) = (profiler.clone(), work_tx.clone());
+    move |worker: &mut Worker, scratch: &mut Scratch, job| {
+        let client = &worker.client;
+        let (work, index, made, produced, key) = match job {
+            Job::Failed { work, index } => (work, index, Made::Failed, None, 0),
+            Job::Sample {
+                work,
+                index,
+                record,
+                images,
+            } => match make_sample(
+                &config, client, &tokenizer, &profiler, scratch, &record, images,
+            ) {
+                Ok((object, bytes)) => {
+                    let produced = Produced {
+                        handle: object.handle(),
+                        line: record.line,
+                        id: record.id.clone(),
+                        bytes,
+                    };
+                    let key = shared.key(&record);
+                    (work, index, Made::Written(object), Some(produced), key)
+                }
+                Err(reject) => {
+                    shared.rejected(index, reject);
+                    let _ = work_tx.send((work.next(), None));
+                    return;
+                }
+            },
+        };
+        // The task is done once its put is confirmed, or however the put ends (a panic
+        // included): the taker gets room and the IO side its end. (A sample waiting for the
+        // rest of its batch is done once handed to the batch, as the last one's worker puts
+        // them all.)
+        let finished = Finished(shared.clone());
+        let piece = Piece {
+            work,
+            index,
+            made,
+            produced,
+            key,
+            feeder: worker.feeder.clone(),
+        };
+        let pieces = match &shared.gathering {
+            // The rest of its batch is still being made: the last one's worker puts it.
+            Some(gathering) => match gathering.add(piece) {
+                Some(pieces) => pieces,
+                None => return,
+            },
+            None => vec![piece],
+        };
+        worker.confirm();
+        let sent = put_pieces(&shared, &worker.client, &worker.feeder, &profiler, pieces);
+        worker.sent.extend(sent);
+        worker.finishing.push(finished);
+    }
+}
+
+/// The IO side: walks each task's candidates to a record, fetches its images and queues the
+/// job; a fetch that fails sends the task back for the next candidate. Ends when the taker is
+/// done and no task is left in flight.
+struct Io {
+    shared: Arc<Shared>,
+    fetcher: Arc<dyn Fetch>,
+    profiler: Arc<Profiler>,
+    jobs: JobSender<Job>,
+    retry: WorkSender,
+    fetch_concurrency: usize,
+}
+
+impl Io {
+    async fn run(self, mut work_rx: tokio::sync::mpsc::UnboundedReceiver<(Work, Option<Record>)>) {
+        let shared = &self.shared;
+        let permits = Arc::new(tokio::sync::Semaphore::new(self.fetch_concurrency));
         loop {
             let (mut work, mut read) = tokio::select! {
                 next = work_rx.recv() => match next {
@@ -549,10 +614,10 @@ pub fn feed(
             };
             let Some(record) = record else {
                 let index = shared.spec.record_at(work.task.rank, work.task.seq);
-                job_tx.send(Job::Failed { work, index }, None);
+                self.jobs.send(Job::Failed { work, index }, None);
                 continue;
             };
-            let (shared, retry) = (shared.clone(), retry_tx.clone());
+            let (shared, retry) = (shared.clone(), self.retry.clone());
             let job = move |record, images| Job::Sample {
                 work,
                 index,
@@ -561,10 +626,10 @@ pub fn feed(
             };
             spawn_fetch(
                 &permits,
-                &fetcher,
+                &self.fetcher,
                 record,
-                &profiler,
-                &job_tx,
+                &self.profiler,
+                &self.jobs,
                 job,
                 move |reject| {
                     shared.rejected(index, reject);
@@ -573,76 +638,64 @@ pub fn feed(
             )
             .await;
         }
-    })?;
-    // The taker: asks the daemon for work while there is room in the pipeline (started after
-    // the IO side, whose runtime may fail to start), and reports the profile to the daemon.
-    let cache = feed.cache;
-    let taker_thread = {
-        let (shared, work_tx) = (shared.clone(), taker_tx);
-        let (profiler, snapshot) = (skeleton.profiler.clone(), skeleton.snapshots());
-        std::thread::spawn(move || {
-            let mut reported = Instant::now();
-            let failure = loop {
-                if reported.elapsed() >= REPORT_EVERY {
-                    reported = Instant::now();
-                    if let Err(e) = taker.report(&snapshot().figures()) {
-                        tracing::debug!(error = %e, "reporting the profile failed");
-                    }
-                }
-                // A full pipeline (CPU-bound) keeps the taker here: it reports between waits.
-                let Some(room) = shared.wait_for_room(REPORT_EVERY) else {
-                    continue;
-                };
-                let asked = Instant::now();
-                let took = taker.take(room as u32, Duration::from_millis(200));
-                // The daemon answers at once while a window has room. Time waited here with
-                // none of this producer's own tasks in flight (they only finish while the
-                // taker waits) is time every window was full of made samples, or of other
-                // producers' tasks: the trainers set the pace. While some are in flight, the
-                // window may be full of this producer's own work: not counted.
-                if let Some(idle) = shared.idle_since() {
-                    profiler.backpressure(idle.max(asked).elapsed());
-                }
-                match took {
-                    Ok(Some(tasks)) => {
-                        if let Some(gathering) = &shared.gathering {
-                            tasks.iter().for_each(|&t| gathering.expect(t));
-                        }
-                        let tasks = if cache && shared.gathering.is_none() {
-                            serve_from_cache(&shared, &taker, &profiler, tasks)
-                        } else {
-                            tasks.into_iter().map(|t| (t, None)).collect()
-                        };
-                        shared.started(tasks.len());
-                        for (task, record) in tasks {
-                            let _ = work_tx.send((Work { task, candidate: 0 }, record));
-                        }
-                    }
-                    Ok(None) => break None,
-                    Err(e) => break Some(e),
-                }
-            };
-            shared.taker_finished();
-            (failure, taker, taker_client)
-        })
-    };
+    }
+}
 
-    // Events flow until every stage has dropped its sender (the shared one included).
-    drop(shared);
-    let summary = skeleton.finish(on_event);
-    let (failure, taker, taker_client) = taker_thread.join().expect("the taker does not panic");
-    // The last report, with the CPU workers' last samples, before the taker's connection goes.
-    if failure.is_none()
-        && let Err(e) = taker.report(&summary.profile.figures())
-    {
-        tracing::debug!(error = %e, "reporting the profile failed");
-    }
-    drop((taker, taker_client));
-    if let Some(e) = failure {
-        // The daemon went away or closed the stream: the run did not finish.
-        return Err(ProducerError::Stream(e));
-    }
-    Ok(summary)
+/// The taker: asks the daemon for work while there is room in the pipeline, and reports the
+/// profile to the daemon. Returns how it ended (an error when the daemon went away or closed
+/// the stream) and its connection.
+fn spawn_taker(
+    shared: Arc<Shared>,
+    (taker, taker_client): (StreamFeeder, Client),
+    work_tx: WorkSender,
+    (profiler, snapshot): (Arc<Profiler>, impl Fn() -> StageProfile + Send + 'static),
+    cache: bool,
+) -> std::thread::JoinHandle<(Option<feedstore_consumer::Error>, StreamFeeder, Client)> {
+    std::thread::spawn(move || {
+        let mut reported = Instant::now();
+        let failure = loop {
+            if reported.elapsed() >= REPORT_EVERY {
+                reported = Instant::now();
+                if let Err(e) = taker.report(&snapshot().figures()) {
+                    tracing::debug!(error = %e, "reporting the profile failed");
+                }
+            }
+            // A full pipeline (CPU-bound) keeps the taker here: it reports between waits.
+            let Some(room) = shared.wait_for_room(REPORT_EVERY) else {
+                continue;
+            };
+            let asked = Instant::now();
+            let took = taker.take(room as u32, Duration::from_millis(200));
+            // The daemon answers at once while a window has room. Time waited here with none
+            // of this producer's own tasks in flight (they only finish while the taker waits)
+            // is time every window was full of made samples, or of other producers' tasks: the
+            // trainers set the pace. While some are in flight, the window may be full of this
+            // producer's own work: not counted.
+            if let Some(idle) = shared.idle_since() {
+                profiler.backpressure(idle.max(asked).elapsed());
+            }
+            match took {
+                Ok(Some(tasks)) => {
+                    if let Some(gathering) = &shared.gathering {
+                        tasks.iter().for_each(|&t| gathering.expect(t));
+                    }
+                    let tasks = if cache && shared.gathering.is_none() {
+                        serve_from_cache(&shared, &taker, &profiler, tasks)
+                    } else {
+                        tasks.into_iter().map(|t| (t, None)).collect()
+                    };
+                    shared.started(tasks.len());
+                    for (task, record) in tasks {
+                        let _ = work_tx.send((Work { task, candidate: 0 }, record));
+                    }
+                }
+                Ok(None) => break None,
+                Err(e) => break Some(e),
+            }
+        };
+        shared.taker_finished();
+        (failure, taker, taker_client)
+    })
 }
 
 /// Sends the puts of made samples (a whole batch when placing batches), for the caller to

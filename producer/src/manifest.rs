@@ -123,6 +123,63 @@ struct RawTurn {
     value: serde_json::Value,
     tool_calls: Option<serde_json::Value>,
 }
+/// The image references of a record's `image` (one) and `images` (a list) fields.
+fn image_refs(
+    image: Option<serde_json::Value>,
+    images: Option<serde_json::Value>,
+) -> Result<Vec<String>, String> {
+    let mut refs = Vec::new();
+    for (field, value) in [("image", image), ("images", images)] {
+        match value {
+            None | Some(serde_json::Value::Null) => {}
+            Some(serde_json::Value::String(s)) if field == "image" => refs.push(s),
+            Some(serde_json::Value::Array(items)) if field == "images" => {
+                for item in items {
+                    match item {
+                        serde_json::Value::String(s) => refs.push(s),
+                        other => return Err(format!("\"images\" holds a non-string {other}")),
+                    }
+                }
+            }
+            Some(other) => return Err(format!("field \"{field}\" has the wrong type: {other}")),
+        }
+    }
+    Ok(refs)
+}
+
+/// A record's content: its `conversations` (checked turn by turn), or its `text` (a record
+/// with no images).
+fn content(
+    conversations: Option<Vec<RawTurn>>,
+    text: Option<String>,
+    images: usize,
+) -> Result<Content, String> {
+    match (conversations, text) {
+        (Some(turns), None) => {
+            if turns.is_empty() {
+                return Err("\"conversations\" is empty".into());
+            }
+            if turns.len() > crate::chat::MAX_TURNS {
+                return Err(format!(
+                    "\"conversations\" has {} turns; at most {} are taken",
+                    turns.len(),
+                    crate::chat::MAX_TURNS
+                ));
+            }
+            let messages = turns
+                .into_iter()
+                .map(message)
+                .collect::<Result<Vec<_>, String>>()?;
+            Ok(Content::Conversation(messages))
+        }
+        (None, Some(_)) if images > 0 => Err(format!(
+            "a \"text\" record cannot have images ({images} given)"
+        )),
+        (None, Some(text)) => Ok(Content::Text(text)),
+        (Some(_), Some(_)) => Err("record has both \"conversations\" and \"text\"".into()),
+        (None, None) => Err("missing field \"conversations\" (or \"text\")".into()),
+    }
+}
 
 /// One turn of a record. `function_call` (ShareGPT's tool call) is an assistant turn whose value
 /// is the call as JSON (`{"name": ..., "arguments": {...}}`); a turn's own `tool_calls` are taken
@@ -305,30 +362,7 @@ impl<R: Read> Manifest<R> {
             None => return Err(Reject::manifest(line, None, "missing field \"id\"")),
         };
         let reject = |reason: String| Reject::manifest(line, Some(id.clone()), reason);
-        let mut refs = Vec::new();
-        for (field, value) in [("image", raw.image), ("images", raw.images)] {
-            match value {
-                None | Some(serde_json::Value::Null) => {}
-                Some(serde_json::Value::String(s)) if field == "image" => refs.push(s),
-                Some(serde_json::Value::Array(items)) if field == "images" => {
-                    for item in items {
-                        match item {
-                            serde_json::Value::String(s) => refs.push(s),
-                            other => {
-                                return Err(reject(format!(
-                                    "\"images\" holds a non-string {other}"
-                                )));
-                            }
-                        }
-                    }
-                }
-                Some(other) => {
-                    return Err(reject(format!(
-                        "field \"{field}\" has the wrong type: {other}"
-                    )));
-                }
-            }
-        }
+        let refs = image_refs(raw.image, raw.images).map_err(reject)?;
         if refs.len() > MAX_IMAGES_PER_RECORD {
             return Err(reject(format!(
                 "{} images; a record may have at most {MAX_IMAGES_PER_RECORD}",
@@ -340,43 +374,7 @@ impl<R: Read> Manifest<R> {
             .map(|r| self.image_source(r))
             .collect::<Result<Vec<_>, _>>()
             .map_err(reject)?;
-        let content = match (raw.conversations, raw.text) {
-            (Some(turns), None) => {
-                if turns.is_empty() {
-                    return Err(reject("\"conversations\" is empty".into()));
-                }
-                if turns.len() > crate::chat::MAX_TURNS {
-                    return Err(reject(format!(
-                        "\"conversations\" has {} turns; at most {} are taken",
-                        turns.len(),
-                        crate::chat::MAX_TURNS
-                    )));
-                }
-                let messages = turns
-                    .into_iter()
-                    .map(message)
-                    .collect::<Result<Vec<_>, String>>()
-                    .map_err(reject)?;
-                Content::Conversation(messages)
-            }
-            (None, Some(_)) if !images.is_empty() => {
-                return Err(reject(format!(
-                    "a \"text\" record cannot have images ({} given)",
-                    images.len()
-                )));
-            }
-            (None, Some(text)) => Content::Text(text),
-            (Some(_), Some(_)) => {
-                return Err(reject(
-                    "record has both \"conversations\" and \"text\"".into(),
-                ));
-            }
-            (None, None) => {
-                return Err(reject(
-                    "missing field \"conversations\" (or \"text\")".into(),
-                ));
-            }
-        };
+        let content = content(raw.conversations, raw.text, images.len()).map_err(reject)?;
         if let Some(tools) = &raw.tools {
             if !tools.is_array() {
                 return Err(reject(format!("\"tools\" is not a list: {tools}")));

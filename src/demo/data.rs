@@ -233,13 +233,46 @@ pub fn build(dir: &Path, records: u64, seed: u64, sides: (u32, u32)) -> anyhow::
         .collect::<anyhow::Result<_>>()?;
     let vqa = easy_vqa()?;
 
+    let (lines, image_bytes) = derive_all(&staging, records, seed, sides, &photos, &vqa)?;
+    let mut out = std::io::BufWriter::new(std::fs::File::create(staging.join("data.jsonl"))?);
+    for line in &lines {
+        writeln!(out, "{line}")?;
+    }
+    out.flush()?;
+    std::fs::write(staging.join("STAMP"), &stamp)?;
+    let _ = std::fs::remove_dir_all(dir);
+    std::fs::rename(&staging, dir)
+        .with_context(|| format!("moving the data set into {}", dir.display()))?;
+    eprintln!(
+        "  built in {:.1} s: {records} images, {:.0} MB encoded",
+        started.elapsed().as_secs_f64(),
+        image_bytes as f64 / 1e6
+    );
+    Ok(DataSet {
+        manifest,
+        records,
+        image_bytes,
+        built: true,
+    })
+}
+
+/// Derives `records` images into `staging/images` on every core, saying how far it got every
+/// 2 s: each record's manifest line, in order, and the images' encoded bytes.
+fn derive_all(
+    staging: &Path,
+    records: u64,
+    seed: u64,
+    sides: (u32, u32),
+    photos: &[(&str, DynamicImage)],
+    vqa: &EasyVqa,
+) -> anyhow::Result<(Vec<String>, u64)> {
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get()) as u64;
     let done = AtomicU64::new(0);
     let bytes = AtomicU64::new(0);
     let lines: Vec<String> = std::thread::scope(|scope| {
         let workers: Vec<_> = (0..threads)
             .map(|t| {
-                let (photos, vqa, staging, done, bytes) = (&photos, &vqa, &staging, &done, &bytes);
+                let (done, bytes) = (&done, &bytes);
                 scope.spawn(move || -> anyhow::Result<Vec<(u64, String)>> {
                     let mut lines = Vec::new();
                     for i in (t..records).step_by(threads as usize) {
@@ -271,27 +304,7 @@ pub fn build(dir: &Path, records: u64, seed: u64, sides: (u32, u32)) -> anyhow::
         lines.sort_by_key(|(i, _)| *i);
         anyhow::Ok(lines.into_iter().map(|(_, l)| l).collect())
     })?;
-    let mut out = std::io::BufWriter::new(std::fs::File::create(staging.join("data.jsonl"))?);
-    for line in &lines {
-        writeln!(out, "{line}")?;
-    }
-    out.flush()?;
-    std::fs::write(staging.join("STAMP"), &stamp)?;
-    let _ = std::fs::remove_dir_all(dir);
-    std::fs::rename(&staging, dir)
-        .with_context(|| format!("moving the data set into {}", dir.display()))?;
-    let image_bytes = bytes.load(Ordering::Relaxed);
-    eprintln!(
-        "  built in {:.1} s: {records} images, {:.0} MB encoded",
-        started.elapsed().as_secs_f64(),
-        image_bytes as f64 / 1e6
-    );
-    Ok(DataSet {
-        manifest,
-        records,
-        image_bytes,
-        built: true,
-    })
+    Ok((lines, bytes.load(Ordering::Relaxed)))
 }
 
 /// The data set's images in an S3 bucket: uploaded once (under a prefix named after the data

@@ -266,52 +266,10 @@ fn run_feedstore(
     let trainers: Vec<_> = (0..ranks)
         .map(|rank| {
             let (setup, spec, socket) = (setup.clone(), spec.clone(), socket.to_owned());
-            std::thread::spawn(move || -> anyhow::Result<_> {
-                let options = StreamOptions {
-                    wait: Duration::from_secs(120),
-                    ..StreamOptions::default()
-                };
-                let mut stream = Stream::open(&socket, &spec, rank, None, options)
-                    .with_context(|| format!("rank {rank} opening the stream"))?;
-                let mut delivered = Vec::new();
-                let mut held = Vec::new();
-                let (steps, samples, first) =
-                    ladder::train(&setup, started, (ranks > 1).then_some(rank), || {
-                        // The step is over: its batch goes back, which makes room in the window.
-                        held.clear();
-                        held = stream.next_batch(setup.batch)?;
-                        for sample in &held {
-                            sample.view().context("a sample the trainer cannot read")?;
-                            delivered.push(sample.record());
-                        }
-                        Ok(held.len())
-                    })?;
-                Ok((steps, samples, first, delivered))
-            })
+            std::thread::spawn(move || train_rank(&setup, &socket, &spec, rank, started))
         })
         .collect();
-    let mut result = RungResult {
-        name: format!("3 feedstore: shared memory, by handle ({ranks} rank(s))"),
-        steps: Vec::new(),
-        samples: 0,
-        wall: 0.0,
-        first_batch: Vec::new(),
-    };
-    let mut delivered = Vec::new();
-    let mut failure = None;
-    for t in trainers {
-        match t.join().expect("a trainer panicked") {
-            Ok((steps, samples, first, records)) => {
-                result.steps.push(steps);
-                result.samples += samples;
-                result.first_batch.push(first);
-                delivered.push(records);
-            }
-            Err(e) => {
-                failure.get_or_insert(e);
-            }
-        }
-    }
+    let (mut result, delivered, failure) = gather(trainers, ranks);
     result.wall = started.elapsed().as_secs_f64();
     let store = ConnectOptions::new(Role::Reader)
         .socket(socket)
@@ -334,6 +292,72 @@ fn run_feedstore(
         store,
         stream_name: name,
     })
+}
+
+/// The trainer ranks' figures as one rung (its wall time left to the caller), the records
+/// each was handed, and the first failure.
+fn gather(
+    trainers: Vec<std::thread::JoinHandle<anyhow::Result<RankRun>>>,
+    ranks: u32,
+) -> (RungResult, Vec<Vec<u64>>, Option<anyhow::Error>) {
+    let mut result = RungResult {
+        name: format!("3 feedstore: shared memory, by handle ({ranks} rank(s))"),
+        steps: Vec::new(),
+        samples: 0,
+        wall: 0.0,
+        first_batch: Vec::new(),
+    };
+    let mut delivered = Vec::new();
+    let mut failure = None;
+    for t in trainers {
+        match t.join().expect("a trainer panicked") {
+            Ok((steps, samples, first, records)) => {
+                result.steps.push(steps);
+                result.samples += samples;
+                result.first_batch.push(first);
+                delivered.push(records);
+            }
+            Err(e) => {
+                failure.get_or_insert(e);
+            }
+        }
+    }
+    (result, delivered, failure)
+}
+
+/// What a trainer rank measured (per step: wait and compute; its samples; its first batch)
+/// and the records it was handed, in order.
+type RankRun = (ladder::Steps, u64, f64, Vec<u64>);
+
+/// One trainer rank of the feedstore run: batches from its stream, each sample read, for the
+/// run's steps.
+fn train_rank(
+    setup: &Setup,
+    socket: &Path,
+    spec: &StreamSpec,
+    rank: u32,
+    started: Instant,
+) -> anyhow::Result<RankRun> {
+    let options = StreamOptions {
+        wait: Duration::from_secs(120),
+        ..StreamOptions::default()
+    };
+    let mut stream = Stream::open(socket, spec, rank, None, options)
+        .with_context(|| format!("rank {rank} opening the stream"))?;
+    let mut delivered = Vec::new();
+    let mut held = Vec::new();
+    let (steps, samples, first) =
+        ladder::train(setup, started, (spec.world > 1).then_some(rank), || {
+            // The step is over: its batch goes back, which makes room in the window.
+            held.clear();
+            held = stream.next_batch(setup.batch)?;
+            for sample in &held {
+                sample.view().context("a sample the trainer cannot read")?;
+                delivered.push(sample.record());
+            }
+            Ok(held.len())
+        })?;
+    Ok((steps, samples, first, delivered))
 }
 
 /// Closes `spec` on the daemon at `socket` as a writer of its owner, which ends the producers
@@ -368,41 +392,11 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         nodes::require_root()?;
     }
     let (low, high) = latency(&args.latency_ms)?;
-    let data_dir = args.data_dir.clone().unwrap_or_else(default_data_dir);
-    let sides = args
-        .image_sides
-        .split_once('-')
-        .and_then(|(l, h)| Some((l.trim().parse().ok()?, h.trim().parse().ok()?)))
-        .with_context(|| format!("--image-sides {:?}: expected LOW-HIGH", args.image_sides))?;
-    let data = data::build(&data_dir, args.records, args.seed, sides)?;
-    let (data, s3) = match &args.s3_endpoint {
-        None => (data, None),
-        Some(endpoint) => {
-            let options = S3Options {
-                endpoint: Some(endpoint.clone()),
-                force_path_style: true,
-                ..S3Options::default()
-            };
-            let rt = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()?;
-            let fetcher = rt.block_on(S3Fetcher::new(&options));
-            let data = data::to_s3(&data, fetcher.client(), &rt, &args.s3_bucket)?;
-            (data, Some(options))
-        }
-    };
-    let tokenizer_json = {
-        use std::io::Read;
-        let mut json = Vec::new();
-        flate2::read::GzDecoder::new(TOKENIZER_GZ).read_to_end(&mut json)?;
-        json
-    };
-    let tokenizer = Arc::new(ChatTokenizer::from_bytes(&tokenizer_json, 8192)?);
+    let (data, s3, sides) = demo_data(&args)?;
     let manifest = Arc::new(
         IndexedManifest::open(&data.manifest)
             .with_context(|| format!("indexing {}", data.manifest.display()))?,
     );
-
     let (socket, _daemon) = match &args.socket.socket {
         Some(path) => (path.clone(), None),
         // Each node has its own daemon.
@@ -412,22 +406,77 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             (socket, Some(daemon))
         }
     };
-    let mut config = ProducerConfig::new(socket.clone());
-    config.fetch_concurrency = args.fetch_concurrency.max(1);
-    if let Some(w) = args.workers {
-        config.workers = w.max(1);
-    }
-    // Qwen-VL's resize with at most 640 x 640 pixels' worth of area, bf16, channels first.
-    config.transform.resize = ResizeMode::QwenVl {
-        min_pixels: 3136,
-        max_pixels: 640 * 640,
-        factor: config.patch_size * config.merge_size,
-    };
-    config.transform.dtype = DType::BF16;
-    config.transform.layout = TensorLayout::Chw;
-    config.transform.jpeg_draft = !args.full_jpeg_decode;
-    let source = sources(s3.clone(), args.seed)(low, high);
+    let config = demo_config(&args, socket.clone());
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    print_header(&args, &data, (low, high), (batch, steps), &config, cores);
+    let mut setup = Setup {
+        config,
+        tokenizer: demo_tokenizer()?,
+        manifest,
+        batch,
+        steps,
+        step_time: Duration::ZERO,
+        source: sources(s3.clone(), args.seed)(low, high),
+    };
+    if let Some(n) = args.nodes {
+        let nodes_args = nodes::NodesArgs {
+            nodes: n,
+            link_rate: args.link_rate,
+            step_time: args.step_time,
+            placements: args.placements.clone(),
+            capacity: args.capacity,
+            prefetch: args.prefetch,
+            seed: args.seed,
+            report: args.report.clone(),
+            plot: args.plot.clone(),
+        };
+        return nodes::run(&nodes_args, setup);
+    }
+    setup.step_time = step_time(&args, &setup)?;
+    println!("step time {:.3} s", setup.step_time.as_secs_f64());
+
+    let ladder = if args.no_ladder {
+        Vec::new()
+    } else {
+        run_ladder(&args, &setup, &socket)?
+    };
+    eprintln!("running feedstore with {} ranks ...", args.ranks);
+    let main = run_feedstore(
+        &setup,
+        &socket,
+        args.ranks,
+        args.prefetch,
+        args.seed,
+        "main",
+    )?;
+    print_main(&main, args.ranks);
+    let scaling = if args.scaling {
+        run_scaling(&args, &setup, &socket, s3, (low, high))?
+    } else {
+        Scaling::default()
+    };
+    let outcome = Outcome {
+        cores,
+        latency: (low, high),
+        sides,
+        data,
+        ladder,
+        main,
+        scaling,
+    };
+    outcome.write(&args, &setup)
+}
+
+/// The run's opening line: the data, where its images are and behind what latency, the
+/// batch, the steps and the CPU workers.
+fn print_header(
+    args: &Args,
+    data: &data::DataSet,
+    (low, high): (Duration, Duration),
+    (batch, steps): (usize, usize),
+    config: &ProducerConfig,
+    cores: usize,
+) {
     println!(
         "feedstore demo: {} records ({}, {:.0} MB of images{}), images {} behind {}-{} ms per \
          request, batch {}, {} steps per loader, {} CPU workers on {} cores",
@@ -449,31 +498,66 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         config.workers,
         cores
     );
-    let mut setup = Setup {
-        config,
-        tokenizer,
-        manifest,
-        batch,
-        steps,
-        step_time: Duration::ZERO,
-        source,
+}
+
+/// The demo's data set, built (or found cached) on local disk, and uploaded to S3 when
+/// `--s3-endpoint` says; the image sides it was built with.
+fn demo_data(args: &Args) -> anyhow::Result<(data::DataSet, Option<S3Options>, (u32, u32))> {
+    let data_dir = args.data_dir.clone().unwrap_or_else(default_data_dir);
+    let sides = args
+        .image_sides
+        .split_once('-')
+        .and_then(|(l, h)| Some((l.trim().parse().ok()?, h.trim().parse().ok()?)))
+        .with_context(|| format!("--image-sides {:?}: expected LOW-HIGH", args.image_sides))?;
+    let data = data::build(&data_dir, args.records, args.seed, sides)?;
+    let Some(endpoint) = &args.s3_endpoint else {
+        return Ok((data, None, sides));
     };
-    if let Some(n) = args.nodes {
-        let nodes_args = nodes::NodesArgs {
-            nodes: n,
-            link_rate: args.link_rate,
-            step_time: args.step_time,
-            placements: args.placements.clone(),
-            capacity: args.capacity,
-            prefetch: args.prefetch,
-            seed: args.seed,
-            report: args.report.clone(),
-            plot: args.plot.clone(),
-        };
-        return nodes::run(&nodes_args, setup);
+    let options = S3Options {
+        endpoint: Some(endpoint.clone()),
+        force_path_style: true,
+        ..S3Options::default()
+    };
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    let fetcher = rt.block_on(S3Fetcher::new(&options));
+    let data = data::to_s3(&data, fetcher.client(), &rt, &args.s3_bucket)?;
+    Ok((data, Some(options), sides))
+}
+
+/// The Qwen3 tokenizer the binary carries.
+fn demo_tokenizer() -> anyhow::Result<Arc<ChatTokenizer>> {
+    use std::io::Read;
+    let mut json = Vec::new();
+    flate2::read::GzDecoder::new(TOKENIZER_GZ).read_to_end(&mut json)?;
+    Ok(Arc::new(ChatTokenizer::from_bytes(&json, 8192)?))
+}
+
+/// The producers' settings: Qwen-VL's resize with at most 640 x 640 pixels' worth of area,
+/// bf16, channels first.
+fn demo_config(args: &Args, socket: PathBuf) -> ProducerConfig {
+    let mut config = ProducerConfig::new(socket);
+    config.fetch_concurrency = args.fetch_concurrency.max(1);
+    if let Some(w) = args.workers {
+        config.workers = w.max(1);
     }
-    let step_time = match args.step_time {
-        Some(s) if s >= 0.0 && s.is_finite() => Duration::from_secs_f64(s),
+    config.transform.resize = ResizeMode::QwenVl {
+        min_pixels: 3136,
+        max_pixels: 640 * 640,
+        factor: config.patch_size * config.merge_size,
+    };
+    config.transform.dtype = DType::BF16;
+    config.transform.layout = TensorLayout::Chw;
+    config.transform.jpeg_draft = !args.full_jpeg_decode;
+    config
+}
+
+/// `--step-time`, else the step that makes the serial loader wait as in the seed (~85%),
+/// from one serial batch timed here.
+fn step_time(args: &Args, setup: &Setup) -> anyhow::Result<Duration> {
+    match args.step_time {
+        Some(s) if s >= 0.0 && s.is_finite() => Ok(Duration::from_secs_f64(s)),
         Some(_) => bail!("--step-time must be a non-negative number of seconds"),
         None => {
             eprintln!("timing one serial batch to choose the step time ...");
@@ -485,52 +569,47 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             let prep = r.steps[0][0].0;
             let t = prep * (1.0 - SEED_SERIAL_WAIT) / SEED_SERIAL_WAIT;
             eprintln!(
-                "  a serial batch took {prep:.2} s: a step of {t:.2} s makes the serial loader wait ~85%"
+                "  a serial batch took {prep:.2} s: a step of {t:.2} s makes the serial loader \
+                 wait ~85%"
             );
-            Duration::from_secs_f64(t)
+            Ok(Duration::from_secs_f64(t))
         }
-    };
-    setup.step_time = step_time;
-    println!("step time {:.3} s", step_time.as_secs_f64());
-
-    let mut ladder_results = Vec::new();
-    if !args.no_ladder {
-        println!("the ladder (one trainer each; same data, latency, step time and CPUs):");
-        type Rung = fn(&Setup, u32) -> anyhow::Result<RungResult>;
-        let rungs: [(&str, Rung); 3] = [
-            ("serial", |s, _| ladder::serial(s)),
-            ("concurrent", |s, _| ladder::concurrent(s)),
-            ("prefetch", |s, p| {
-                ladder::prefetch(s, (p as usize).div_ceil(s.batch).max(1), 1)
-            }),
-        ];
-        for (what, rung) in rungs {
-            eprintln!("running the {what} loader ...");
-            let r = rung(&setup, args.prefetch)?;
-            print_rung(&r);
-            ladder_results.push(r);
-        }
-        eprintln!("running feedstore with one rank ...");
-        let one = run_feedstore(&setup, &socket, 1, args.prefetch, args.seed, "ladder")?;
-        print_rung(&one.result);
-        ladder_results.push(one.result);
     }
+}
 
-    eprintln!("running feedstore with {} ranks ...", args.ranks);
-    let main = run_feedstore(
-        &setup,
-        &socket,
-        args.ranks,
-        args.prefetch,
-        args.seed,
-        "main",
-    )?;
+/// The ladder: one trainer each on the serial, concurrent and prefetching loaders, then
+/// feedstore with one rank.
+fn run_ladder(args: &Args, setup: &Setup, socket: &Path) -> anyhow::Result<Vec<RungResult>> {
+    println!("the ladder (one trainer each; same data, latency, step time and CPUs):");
+    type Rung = fn(&Setup, u32) -> anyhow::Result<RungResult>;
+    let rungs: [(&str, Rung); 3] = [
+        ("serial", |s, _| ladder::serial(s)),
+        ("concurrent", |s, _| ladder::concurrent(s)),
+        ("prefetch", |s, p| {
+            ladder::prefetch(s, (p as usize).div_ceil(s.batch).max(1), 1)
+        }),
+    ];
+    let mut results = Vec::new();
+    for (what, rung) in rungs {
+        eprintln!("running the {what} loader ...");
+        let r = rung(setup, args.prefetch)?;
+        print_rung(&r);
+        results.push(r);
+    }
+    eprintln!("running feedstore with one rank ...");
+    let one = run_feedstore(setup, socket, 1, args.prefetch, args.seed, "ladder")?;
+    print_rung(&one.result);
+    results.push(one.result);
+    Ok(results)
+}
+
+/// The main run's figures: per rank, the store, the producers' profile.
+fn print_main(main: &FeedstoreRun, ranks: u32) {
     println!(
-        "feedstore, {} ranks: {:.1} samples/s together",
-        args.ranks,
+        "feedstore, {ranks} ranks: {:.1} samples/s together",
         main.result.samples_per_sec()
     );
-    for rank in 0..args.ranks as usize {
+    for rank in 0..ranks as usize {
         println!(
             "  rank {rank}: wait {:>5.1}%, first batch after {:.2} s",
             100.0 * main.result.wait_ratio_of(rank),
@@ -546,133 +625,163 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     );
     print!("producer stage profile:\n{}", main.profile.table());
     println!("verdict: {}", main.profile.verdict());
+}
 
-    let mut scaling = Vec::new();
-    let mut scaling_cells = Vec::new();
-    if args.scaling {
-        println!(
-            "scaling (the prefetching loader with copies vs feedstore; the same CPUs split among ranks):"
-        );
-        let base = (args.ranks.max(2), batch, (low, high));
-        let mut cells = vec![(1, batch, (low, high)), base, (4, batch, (low, high))];
-        cells.extend([
-            (base.0, batch / 2, (low, high)),
-            (base.0, batch * 2, (low, high)),
-        ]);
-        cells.push((base.0, batch, (low * 3, high * 3)));
-        cells.retain(|c| c.1 > 0);
-        cells.dedup();
-        let base_batch = batch;
-        for (ranks, batch, (lo, hi)) in cells {
-            let seed = args.seed;
-            let cell = Setup {
-                batch,
-                step_time: step_time.mul_f64(batch as f64 / base_batch as f64),
-                source: sources(s3.clone(), seed)(lo, hi),
-                ..setup.clone()
-            };
-            let prefetch_batches = (args.prefetch as usize).div_ceil(batch).max(1);
-            eprintln!(
-                "scaling: {ranks} ranks, batch {batch}, {}-{} ms ...",
-                lo.as_millis(),
-                hi.as_millis()
-            );
-            let copies = ladder::prefetch(&cell, prefetch_batches, ranks as usize)?;
-            let shm =
-                run_feedstore(&cell, &socket, ranks, args.prefetch, args.seed, "scaling")?.result;
-            println!(
-                "  {ranks} ranks, batch {batch:>2}, {:>3}-{:<3} ms: copies wait {:>5.1}% {:>6.1} samples/s | feedstore wait {:>5.1}% {:>6.1} samples/s",
-                lo.as_millis(),
-                hi.as_millis(),
-                100.0 * copies.wait_ratio(),
-                copies.samples_per_sec(),
-                100.0 * shm.wait_ratio(),
-                shm.samples_per_sec()
-            );
-            scaling_cells.push(plot::ScalingCell {
-                label: format!(
-                    "{ranks} ranks, batch {batch}, {}-{} ms",
-                    lo.as_millis(),
-                    hi.as_millis()
-                ),
-                copies: copies.wait_ratio(),
-                feedstore: shm.wait_ratio(),
-            });
-            scaling.push(serde_json::json!({
-                "ranks": ranks,
-                "batch": batch,
-                "latency_ms": [lo.as_secs_f64() * 1e3, hi.as_secs_f64() * 1e3],
-                "step_time_s": cell.step_time.as_secs_f64(),
-                "copies": rung_json(&copies),
-                "feedstore": rung_json(&shm),
-            }));
-        }
-    }
+/// `--scaling`'s cells, for the report and the plot.
+#[derive(Default)]
+struct Scaling {
+    json: Vec<serde_json::Value>,
+    cells: Vec<plot::ScalingCell>,
+}
 
-    let report = serde_json::json!({
-        "machine": { "cores": cores },
-        "settings": {
-            "records": data.records,
-            "latency_ms": [low.as_secs_f64() * 1e3, high.as_secs_f64() * 1e3],
-            "batch": batch,
-            "steps": steps,
-            "step_time_s": step_time.as_secs_f64(),
-            "workers": setup.config.workers,
-            "fetch_concurrency": setup.config.fetch_concurrency,
-            "prefetch": args.prefetch,
-            "seed": args.seed,
-            "s3_endpoint": args.s3_endpoint,
-        },
-        "data": {
-            "manifest": data.manifest,
-            "image_bytes": data.image_bytes,
-            "derived_from": format!("10 real photos and easy-VQA (data/demo), re-cropped, re-scaled to {}-{} px, re-encoded", sides.0, sides.1),
-        },
-        "ladder": ladder_results.iter().map(rung_json).collect::<Vec<_>>(),
-        "scaling": scaling,
-        "feedstore": {
-            "stream": main.stream_name,
-            "ranks": args.ranks,
-            "run": rung_json(&main.result),
-            "wait_ratio_per_rank": (0..args.ranks as usize).map(|r| main.result.wait_ratio_of(r)).collect::<Vec<_>>(),
-            "delivered_records": main.delivered,
-            "profile": {
-                "table": main.profile.table(),
-                "verdict": main.profile.verdict(),
-                "cpu_idle_share": main.profile.cpu_idle_share(),
-            },
-            "store": {
-                "capacity_bytes": main.store.capacity_bytes,
-                "used_bytes": main.store.used_bytes,
-                "objects": main.store.objects_sealed,
-            },
-        },
-    });
-    std::fs::write(&args.report, serde_json::to_string_pretty(&report)? + "\n")
-        .with_context(|| format!("writing {}", args.report.display()))?;
-    let pictured: Vec<&RungResult> = ladder_results
-        .iter()
-        .chain(std::iter::once(&main.result))
-        .collect();
-    plot::write(
-        &args.plot,
-        &format!(
-            "feedstore demo: batch {}, step {:.0} ms, images behind {}-{} ms, {} cores",
-            batch,
-            step_time.as_secs_f64() * 1e3,
-            low.as_millis(),
-            high.as_millis(),
-            cores
-        ),
-        &pictured,
-        &scaling_cells,
-    )?;
+/// `--scaling`: the prefetching loader with copies against feedstore, the same CPUs split
+/// among ranks, over ranks, batch sizes and latencies around the main run's.
+fn run_scaling(
+    args: &Args,
+    setup: &Setup,
+    socket: &Path,
+    s3: Option<S3Options>,
+    (low, high): (Duration, Duration),
+) -> anyhow::Result<Scaling> {
     println!(
-        "report: {}, plot: {}",
-        args.report.display(),
-        args.plot.display()
+        "scaling (the prefetching loader with copies vs feedstore; the same CPUs split among \
+         ranks):"
     );
-    Ok(())
+    let batch = setup.batch;
+    let base = (args.ranks.max(2), batch, (low, high));
+    let mut cells = vec![(1, batch, (low, high)), base, (4, batch, (low, high))];
+    cells.extend([
+        (base.0, batch / 2, (low, high)),
+        (base.0, batch * 2, (low, high)),
+    ]);
+    cells.push((base.0, batch, (low * 3, high * 3)));
+    cells.retain(|c| c.1 > 0);
+    cells.dedup();
+    let mut scaling = Scaling::default();
+    for (ranks, batch, (lo, hi)) in cells {
+        let cell = Setup {
+            batch,
+            step_time: setup.step_time.mul_f64(batch as f64 / setup.batch as f64),
+            source: sources(s3.clone(), args.seed)(lo, hi),
+            ..setup.clone()
+        };
+        let prefetch_batches = (args.prefetch as usize).div_ceil(batch).max(1);
+        let (lo, hi) = (lo.as_millis(), hi.as_millis());
+        eprintln!("scaling: {ranks} ranks, batch {batch}, {lo}-{hi} ms ...");
+        let copies = ladder::prefetch(&cell, prefetch_batches, ranks as usize)?;
+        let shm = run_feedstore(&cell, socket, ranks, args.prefetch, args.seed, "scaling")?.result;
+        println!(
+            "  {ranks} ranks, batch {batch:>2}, {lo:>3}-{hi:<3} ms: copies wait {:>5.1}% {:>6.1} \
+             samples/s | feedstore wait {:>5.1}% {:>6.1} samples/s",
+            100.0 * copies.wait_ratio(),
+            copies.samples_per_sec(),
+            100.0 * shm.wait_ratio(),
+            shm.samples_per_sec()
+        );
+        scaling.cells.push(plot::ScalingCell {
+            label: format!("{ranks} ranks, batch {batch}, {lo}-{hi} ms"),
+            copies: copies.wait_ratio(),
+            feedstore: shm.wait_ratio(),
+        });
+        scaling.json.push(serde_json::json!({
+            "ranks": ranks,
+            "batch": batch,
+            "latency_ms": [lo as f64, hi as f64],
+            "step_time_s": cell.step_time.as_secs_f64(),
+            "copies": rung_json(&copies),
+            "feedstore": rung_json(&shm),
+        }));
+    }
+    Ok(scaling)
+}
+
+/// What a run measured, for `--report` (JSON) and `--plot` (PNG).
+struct Outcome {
+    cores: usize,
+    latency: (Duration, Duration),
+    sides: (u32, u32),
+    data: data::DataSet,
+    ladder: Vec<RungResult>,
+    main: FeedstoreRun,
+    scaling: Scaling,
+}
+
+impl Outcome {
+    fn write(&self, args: &Args, setup: &Setup) -> anyhow::Result<()> {
+        let (low, high) = self.latency;
+        let main = &self.main;
+        let report = serde_json::json!({
+            "machine": { "cores": self.cores },
+            "settings": {
+                "records": self.data.records,
+                "latency_ms": [low.as_secs_f64() * 1e3, high.as_secs_f64() * 1e3],
+                "batch": setup.batch,
+                "steps": setup.steps,
+                "step_time_s": setup.step_time.as_secs_f64(),
+                "workers": setup.config.workers,
+                "fetch_concurrency": setup.config.fetch_concurrency,
+                "prefetch": args.prefetch,
+                "seed": args.seed,
+                "s3_endpoint": args.s3_endpoint,
+            },
+            "data": {
+                "manifest": self.data.manifest,
+                "image_bytes": self.data.image_bytes,
+                "derived_from": format!(
+                    "10 real photos and easy-VQA (data/demo), re-cropped, re-scaled to {}-{} px, \
+                     re-encoded",
+                    self.sides.0, self.sides.1
+                ),
+            },
+            "ladder": self.ladder.iter().map(rung_json).collect::<Vec<_>>(),
+            "scaling": self.scaling.json,
+            "feedstore": {
+                "stream": main.stream_name,
+                "ranks": args.ranks,
+                "run": rung_json(&main.result),
+                "wait_ratio_per_rank": (0..args.ranks as usize)
+                    .map(|r| main.result.wait_ratio_of(r))
+                    .collect::<Vec<_>>(),
+                "delivered_records": main.delivered,
+                "profile": {
+                    "table": main.profile.table(),
+                    "verdict": main.profile.verdict(),
+                    "cpu_idle_share": main.profile.cpu_idle_share(),
+                },
+                "store": {
+                    "capacity_bytes": main.store.capacity_bytes,
+                    "used_bytes": main.store.used_bytes,
+                    "objects": main.store.objects_sealed,
+                },
+            },
+        });
+        std::fs::write(&args.report, serde_json::to_string_pretty(&report)? + "\n")
+            .with_context(|| format!("writing {}", args.report.display()))?;
+        let pictured: Vec<&RungResult> = self
+            .ladder
+            .iter()
+            .chain(std::iter::once(&main.result))
+            .collect();
+        plot::write(
+            &args.plot,
+            &format!(
+                "feedstore demo: batch {}, step {:.0} ms, images behind {}-{} ms, {} cores",
+                setup.batch,
+                setup.step_time.as_secs_f64() * 1e3,
+                low.as_millis(),
+                high.as_millis(),
+                self.cores
+            ),
+            &pictured,
+            &self.scaling.cells,
+        )?;
+        println!(
+            "report: {}, plot: {}",
+            args.report.display(),
+            args.plot.display()
+        );
+        Ok(())
+    }
 }
 
 /// A fresh image source per loader, all with the same latencies: local files, or S3 (one

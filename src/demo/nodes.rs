@@ -36,6 +36,7 @@ use feedstore_consumer::stream::StreamOptions;
 use feedstore_consumer::{ConnectOptions, RankAt, Role, Stream, StreamTask};
 use feedstore_lab::netns::Lan;
 use feedstore_producer::feed::{FeedConfig, feed};
+use feedstore_producer::pipeline::{ProducerError, Summary};
 use feedstore_proto::stream::{Shuffle, StreamSpec, Tail};
 
 use super::ladder::{RungResult, Setup};
@@ -368,118 +369,20 @@ fn run_once(
         .collect();
     // Rank r of every stream lives on node r mod N.
     let home = |rank: u32| rank as usize % n;
-    let mut producers = Vec::new();
-    for spec in &specs {
-        let at: Vec<RankAt> = (0..world)
-            .map(|rank| RankAt {
-                rank,
-                addr: nodes.addr(home(rank)),
-            })
-            .collect();
-        for p in 0..n {
-            let node = match placement {
-                Placement::Colocated => 0,
-                Placement::Spread | Placement::Relay => p,
-            };
-            let mut config = setup.config.clone();
-            config.socket = nodes.socket(node).to_owned();
-            config.workers = 1;
-            let feed_config = FeedConfig {
-                spec: spec.clone(),
-                depth,
-                at: at.clone(),
-                relay: if placement == Placement::Relay {
-                    nodes.addr(0)
-                } else {
-                    String::new()
-                },
-                ranks: (0..world).map(|rank| StreamTask { rank, seq: 0 }).collect(),
-                cache: false,
-                batch: 0,
-            };
-            let (tokenizer, manifest, source) = (
-                setup.tokenizer.clone(),
-                setup.manifest.clone(),
-                (setup.source)(),
-            );
-            producers.push(std::thread::spawn(move || {
-                feed(
-                    &config,
-                    &feed_config,
-                    tokenizer,
-                    source,
-                    manifest,
-                    |_, _| {},
-                )
-            }));
-        }
-    }
+    let producers = start_producers(nodes, setup, placement, &specs, depth);
     let mut trainers = Vec::new();
     for spec in &specs {
         for rank in 0..world {
             let socket = nodes.socket(home(rank)).to_owned();
             let (spec, steps, step_time, batch) =
                 (spec.clone(), setup.steps, setup.step_time, scale.batch);
-            trainers.push(std::thread::spawn(move || -> anyhow::Result<_> {
-                let options = StreamOptions {
-                    wait: Duration::from_secs(120),
-                    ..StreamOptions::default()
-                };
-                let mut stream = Stream::open(&socket, &spec, rank, None, options)
-                    .with_context(|| format!("rank {rank} of {} opening its stream", spec.name))?;
-                let (mut log, mut bytes, mut first) = (Vec::with_capacity(steps), 0u64, 0.0);
-                let mut arrived = Vec::with_capacity(steps);
-                let mut held = Vec::new();
-                for step in 0..steps {
-                    let t = Instant::now();
-                    // The step is over: its batch goes back, which makes room in the window.
-                    held.clear();
-                    held = stream.next_batch(batch)?;
-                    let wait = t.elapsed().as_secs_f64();
-                    arrived.push(started.elapsed().as_secs_f64());
-                    if held.len() != batch {
-                        bail!(
-                            "rank {rank}: a batch of {} samples, expected {batch}",
-                            held.len()
-                        );
-                    }
-                    for sample in &held {
-                        sample.view().context("a sample the trainer cannot read")?;
-                        bytes += sample.len() as u64;
-                    }
-                    if step == 0 {
-                        first = started.elapsed().as_secs_f64();
-                    }
-                    std::thread::sleep(step_time);
-                    log.push((wait, step_time.as_secs_f64()));
-                }
-                Ok((log, bytes, first, arrived))
+            trainers.push(std::thread::spawn(move || {
+                train(&socket, &spec, rank, (steps, step_time, batch), started)
             }));
         }
     }
-    let mut result = RungResult {
-        name: format!("{} {}", placement.name(), scale.name),
-        steps: Vec::new(),
-        samples: 0,
-        wall: 0.0,
-        first_batch: Vec::new(),
-    };
-    let (mut sample_bytes, mut arrivals) = (0, Vec::new());
-    let mut failure = None;
-    for t in trainers {
-        match t.join().expect("a trainer panicked") {
-            Ok((steps, bytes, first, arrived)) => {
-                arrivals.push(arrived);
-                result.samples += (steps.len() * scale.batch) as u64;
-                result.steps.push(steps);
-                result.first_batch.push(first);
-                sample_bytes += bytes;
-            }
-            Err(e) => {
-                failure.get_or_insert(e);
-            }
-        }
-    }
+    let name = format!("{} {}", placement.name(), scale.name);
+    let (mut result, sample_bytes, arrivals, failure) = gather(trainers, name, scale.batch);
     result.wall = started.elapsed().as_secs_f64();
     let links_after = nodes.link_bytes()?;
     // The trainers are done: closing each stream on every node ends its producers.
@@ -512,6 +415,148 @@ fn run_once(
         link_rate,
         arrivals,
     })
+}
+
+/// Every stream's producers: one per node (all on node 0 when colocated), each feeding every
+/// rank of its stream wherever that rank lives (through node 0 when relayed).
+fn start_producers(
+    nodes: &Nodes,
+    setup: &Setup,
+    placement: Placement,
+    specs: &[StreamSpec],
+    depth: u32,
+) -> Vec<std::thread::JoinHandle<Result<Summary, ProducerError>>> {
+    let n = nodes.len();
+    let mut producers = Vec::new();
+    for spec in specs {
+        let at: Vec<RankAt> = (0..spec.world)
+            .map(|rank| RankAt {
+                rank,
+                addr: nodes.addr(rank as usize % n),
+            })
+            .collect();
+        for p in 0..n {
+            let node = match placement {
+                Placement::Colocated => 0,
+                Placement::Spread | Placement::Relay => p,
+            };
+            let mut config = setup.config.clone();
+            config.socket = nodes.socket(node).to_owned();
+            config.workers = 1;
+            let feed_config = FeedConfig {
+                spec: spec.clone(),
+                depth,
+                at: at.clone(),
+                relay: if placement == Placement::Relay {
+                    nodes.addr(0)
+                } else {
+                    String::new()
+                },
+                ranks: (0..spec.world)
+                    .map(|rank| StreamTask { rank, seq: 0 })
+                    .collect(),
+                cache: false,
+                batch: 0,
+            };
+            let (tokenizer, manifest, source) = (
+                setup.tokenizer.clone(),
+                setup.manifest.clone(),
+                (setup.source)(),
+            );
+            producers.push(std::thread::spawn(move || {
+                feed(
+                    &config,
+                    &feed_config,
+                    tokenizer,
+                    source,
+                    manifest,
+                    |_, _| {},
+                )
+            }));
+        }
+    }
+    producers
+}
+
+/// The trainers' figures as one rung (its wall time left to the caller), the bytes they read,
+/// when each batch came, and the first failure.
+fn gather(
+    trainers: Vec<std::thread::JoinHandle<anyhow::Result<Trained>>>,
+    name: String,
+    batch: usize,
+) -> (RungResult, u64, Vec<Vec<f64>>, Option<anyhow::Error>) {
+    let mut result = RungResult {
+        name,
+        steps: Vec::new(),
+        samples: 0,
+        wall: 0.0,
+        first_batch: Vec::new(),
+    };
+    let (mut sample_bytes, mut arrivals) = (0, Vec::new());
+    let mut failure = None;
+    for t in trainers {
+        match t.join().expect("a trainer panicked") {
+            Ok((steps, bytes, first, arrived)) => {
+                arrivals.push(arrived);
+                result.samples += (steps.len() * batch) as u64;
+                result.steps.push(steps);
+                result.first_batch.push(first);
+                sample_bytes += bytes;
+            }
+            Err(e) => {
+                failure.get_or_insert(e);
+            }
+        }
+    }
+    (result, sample_bytes, arrivals, failure)
+}
+
+/// What one trainer measured: per step (wait, compute), the bytes it read, when its first
+/// batch came and when each did (seconds since the run started).
+type Trained = (Vec<(f64, f64)>, u64, f64, Vec<f64>);
+
+/// One trainer rank: `steps` batches of `batch` samples from its stream, each read and then
+/// held through a step of `step_time`.
+fn train(
+    socket: &Path,
+    spec: &StreamSpec,
+    rank: u32,
+    (steps, step_time, batch): (usize, Duration, usize),
+    started: Instant,
+) -> anyhow::Result<Trained> {
+    let options = StreamOptions {
+        wait: Duration::from_secs(120),
+        ..StreamOptions::default()
+    };
+    let mut stream = Stream::open(socket, spec, rank, None, options)
+        .with_context(|| format!("rank {rank} of {} opening its stream", spec.name))?;
+    let (mut log, mut bytes, mut first) = (Vec::with_capacity(steps), 0u64, 0.0);
+    let mut arrived = Vec::with_capacity(steps);
+    let mut held = Vec::new();
+    for step in 0..steps {
+        let t = Instant::now();
+        // The step is over: its batch goes back, which makes room in the window.
+        held.clear();
+        held = stream.next_batch(batch)?;
+        let wait = t.elapsed().as_secs_f64();
+        arrived.push(started.elapsed().as_secs_f64());
+        if held.len() != batch {
+            bail!(
+                "rank {rank}: a batch of {} samples, expected {batch}",
+                held.len()
+            );
+        }
+        for sample in &held {
+            sample.view().context("a sample the trainer cannot read")?;
+            bytes += sample.len() as u64;
+        }
+        if step == 0 {
+            first = started.elapsed().as_secs_f64();
+        }
+        std::thread::sleep(step_time);
+        log.push((wait, step_time.as_secs_f64()));
+    }
+    Ok((log, bytes, first, arrived))
 }
 
 fn print_row(r: &NodesRun) {
@@ -583,44 +628,7 @@ pub fn run(args: &NodesArgs, mut setup: Setup) -> anyhow::Result<()> {
     let nodes = Nodes::start(n, args.capacity)?;
     let steps = setup.steps;
 
-    // Calibrate: how fast the producers make samples with links left uncapped, and how large
-    // a sample is.
-    let (link_rate, sample_bytes) = match (args.link_rate, args.step_time) {
-        (Some(rate), Some(_)) => (rate, 0.0),
-        _ => {
-            eprintln!("calibrating: spread producers at x4 with uncapped links ...");
-            setup.step_time = Duration::ZERO;
-            setup.steps = 8;
-            let probe = run_once(
-                &nodes,
-                &setup,
-                Placement::Spread,
-                large,
-                args.prefetch,
-                args.seed,
-                0,
-            )?;
-            // Trainers that never compute: their rate is the producers' (start-up included,
-            // which errs towards a lower cap).
-            let rate = probe.rate();
-            let bytes = probe.mean_sample_bytes();
-            let link = args
-                .link_rate
-                .unwrap_or_else(|| ((rate * bytes * 8.0 / 2.5) as u64).max(8_000_000));
-            println!(
-                "calibration: {rate:.1} samples/s over uncapped links, {:.2} MB per sample: links \
-                 capped at {:.0} Mbit/s{}",
-                bytes / 1e6,
-                link as f64 / 1e6,
-                if args.link_rate.is_some() {
-                    " (--link-rate)"
-                } else {
-                    " (a sample rate 2.5x what one link carries)"
-                }
-            );
-            (link, bytes)
-        }
-    };
+    let (link_rate, sample_bytes) = calibrate(args, &nodes, &mut setup, large)?;
     for i in 0..n {
         nodes
             .lan
@@ -671,6 +679,73 @@ pub fn run(args: &NodesArgs, mut setup: Setup) -> anyhow::Result<()> {
             runs.push(r);
         }
     }
+    write_report(args, &setup, link_rate, &runs)?;
+    println!(
+        "report: {}, plot: {}",
+        args.report.display(),
+        args.plot.display()
+    );
+    Ok(())
+}
+
+/// The link cap and the mean sample size: `--link-rate` (with `--step-time`), else measured by
+/// a run of spread producers at x4 with links left uncapped, the cap set so that a sample rate
+/// 2.5x what one link carries.
+fn calibrate(
+    args: &NodesArgs,
+    nodes: &Nodes,
+    setup: &mut Setup,
+    large: Scale,
+) -> anyhow::Result<(u64, f64)> {
+    // Calibrate: how fast the producers make samples with links left uncapped, and how large
+    // a sample is.
+    Ok(match (args.link_rate, args.step_time) {
+        (Some(rate), Some(_)) => (rate, 0.0),
+        _ => {
+            eprintln!("calibrating: spread producers at x4 with uncapped links ...");
+            setup.step_time = Duration::ZERO;
+            setup.steps = 8;
+            let probe = run_once(
+                nodes,
+                setup,
+                Placement::Spread,
+                large,
+                args.prefetch,
+                args.seed,
+                0,
+            )?;
+            // Trainers that never compute: their rate is the producers' (start-up included,
+            // which errs towards a lower cap).
+            let rate = probe.rate();
+            let bytes = probe.mean_sample_bytes();
+            let link = args
+                .link_rate
+                .unwrap_or_else(|| ((rate * bytes * 8.0 / 2.5) as u64).max(8_000_000));
+            println!(
+                "calibration: {rate:.1} samples/s over uncapped links, {:.2} MB per sample: links \
+                 capped at {:.0} Mbit/s{}",
+                bytes / 1e6,
+                link as f64 / 1e6,
+                if args.link_rate.is_some() {
+                    " (--link-rate)"
+                } else {
+                    " (a sample rate 2.5x what one link carries)"
+                }
+            );
+            (link, bytes)
+        }
+    })
+}
+
+/// The placements compared (x4: spread against colocated and relay; base: spread against
+/// colocated), `--report` (JSON) and `--plot` (PNG).
+fn write_report(
+    args: &NodesArgs,
+    setup: &Setup,
+    link_rate: u64,
+    runs: &[NodesRun],
+) -> anyhow::Result<()> {
+    let n = args.nodes;
     let find = |p: Placement, s: &str| {
         runs.iter()
             .find(|r| r.placement == p && r.scale == s)
@@ -721,7 +796,7 @@ pub fn run(args: &NodesArgs, mut setup: Setup) -> anyhow::Result<()> {
             link_rate as f64 / 1e6,
             setup.step_time.as_secs_f64() * 1e3
         ),
-        &runs,
+        runs,
     )?;
     println!(
         "report: {}, plot: {}",

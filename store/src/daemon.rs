@@ -104,23 +104,7 @@ impl Daemon {
     /// Creates the segments and binds the socket. Nothing is served until [`Daemon::serve`] or
     /// [`Daemon::spawn`].
     pub fn bind(config: &DaemonConfig) -> Result<Daemon, StartError> {
-        // Reserved huge pages are not in MemAvailable: a store that will live on them is
-        // checked against the free ones instead.
-        let huge_free = meminfo_bytes("Hugepagesize").and_then(|size| {
-            let free = meminfo_bytes("HugePages_Free")? / 1024;
-            Some(free * size)
-        });
-        let on_huge_pages = config.huge_pages != feedstore_shm::HugePages::Off
-            && huge_free.is_some_and(|free| free >= config.capacity_bytes);
-        if let Some(available) = meminfo_bytes("MemAvailable")
-            && config.capacity_bytes > available
-            && !on_huge_pages
-        {
-            return Err(StartError::CapacityTooLarge {
-                capacity_bytes: config.capacity_bytes,
-                available_bytes: available,
-            });
-        }
+        check_capacity(config)?;
         let gid = match &config.socket_group {
             Some(name) => Some(
                 nix::unistd::Group::from_name(name)
@@ -155,95 +139,28 @@ impl Daemon {
             .as_deref()
             .map(crate::cluster::auth::Secret::load)
             .transpose()?;
-        let peer_listener = match config.cluster.listen {
-            Some(addr) => Some(
-                std::net::TcpListener::bind(addr)
-                    .and_then(|l| l.set_nonblocking(true).map(|()| l))
-                    .map_err(|source| StartError::PeerListen { addr, source })?,
-            ),
-            None => None,
-        };
-        let metrics_listener = match config.metrics_addr {
-            Some(addr) => Some(
-                std::net::TcpListener::bind(addr)
-                    .and_then(|l| l.set_nonblocking(true).map(|()| l))
-                    .map_err(|source| StartError::MetricsListen { addr, source })?,
-            ),
-            None => None,
-        };
-        let started = Instant::now();
-        let mut segments = Vec::new();
-        for (i, size) in config.segment_sizes().into_iter().enumerate() {
-            segments.push(Segment::create(&SegmentOptions {
-                name: format!("segment-{i}"),
-                size_bytes: size,
-                huge_pages: config.huge_pages,
-                prefault: config.prefault,
-            })?);
-        }
-        let hugetlb = segments.iter().all(Segment::is_hugetlb);
-        let sizes: Vec<u64> = segments.iter().map(Segment::size_bytes).collect();
-        tracing::info!(
-            capacity = %format_bytes(sizes.iter().sum()),
-            segments = segments.len(),
-            huge_pages = hugetlb,
-            prefault = config.prefault,
-            elapsed_ms = started.elapsed().as_millis() as u64,
-            "shared memory ready"
-        );
-        if !hugetlb {
-            log_thp_state();
-        }
-
-        let epoch = random_epoch();
-        let mut uids: std::collections::HashSet<u32> = config.allow_uids.iter().copied().collect();
-        uids.insert(daemon_uid);
-        let reader_uids = config.allow_reader_uids.iter().copied().collect();
-        let limits = fit_connections_to_descriptors(config.limits.clone());
-        let mut objects = Objects::new(config.node_id, epoch, &sizes, hugetlb);
-        let cluster = config.cluster.enabled().then(|| {
-            let engine_conn = objects.connect(crate::objects::ClientInfo {
-                role: feedstore_proto::Role::Writer,
-                uid: daemon_uid,
-                pid: std::process::id() as i32,
-                name: "pull engine".into(),
-                internal: true,
-                capped: false,
-            });
-            Arc::new(crate::cluster::Cluster::new(
-                config.cluster.clone(),
-                config.node_id,
-                epoch,
-                secret,
-                engine_conn,
-            ))
-        });
-        let shared = Shared::new(
-            objects,
-            segments,
-            ServeConfig {
-                node_id: config.node_id,
-                epoch,
-                policy: AccessPolicy {
-                    uids,
-                    reader_uids,
-                    gid,
-                },
-                max_frame_bytes: config.max_frame_bytes,
-                max_create_wait_ms: config.max_create_wait_ms,
-                limits,
-                daemon_uid,
-                cluster,
-                prefault: config.prefault,
-            },
-        )?;
+        let peer_listener = config
+            .cluster
+            .listen
+            .map(|addr| {
+                tcp_listener(addr).map_err(|source| StartError::PeerListen { addr, source })
+            })
+            .transpose()?;
+        let metrics_listener = config
+            .metrics_addr
+            .map(|addr| {
+                tcp_listener(addr).map_err(|source| StartError::MetricsListen { addr, source })
+            })
+            .transpose()?;
+        let segments = create_segments(config)?;
+        let shared = shared_state(config, segments, secret, daemon_uid, gid)?;
         // Bound last, when everything is mapped (and pre-faulted): a client that finds the
         // socket is answered at once, instead of waiting out the mapping of a large store.
         let listener = bind_socket(&config.socket, access)?;
         tracing::info!(
             socket = %config.socket.display(),
             node = %format!("{:08x}", config.node_id),
-            epoch = %format!("{epoch:08x}"),
+            epoch = %format!("{:08x}", shared.epoch()),
             "listening"
         );
         if let Some(l) = &peer_listener {
@@ -524,6 +441,116 @@ fn prepare_socket(path: &Path, access: SocketAccess, manage_dir: bool) -> Result
         warn_if_unreachable(dir, access);
     }
     check_socket_free(path)
+}
+
+/// Refuses a capacity the node cannot hold: over `MemAvailable`, unless the store will live
+/// on reserved huge pages (not in `MemAvailable`), which are checked against the free ones.
+fn check_capacity(config: &DaemonConfig) -> Result<(), StartError> {
+    let huge_free = meminfo_bytes("Hugepagesize").and_then(|size| {
+        let free = meminfo_bytes("HugePages_Free")? / 1024;
+        Some(free * size)
+    });
+    let on_huge_pages = config.huge_pages != feedstore_shm::HugePages::Off
+        && huge_free.is_some_and(|free| free >= config.capacity_bytes);
+    if let Some(available) = meminfo_bytes("MemAvailable")
+        && config.capacity_bytes > available
+        && !on_huge_pages
+    {
+        return Err(StartError::CapacityTooLarge {
+            capacity_bytes: config.capacity_bytes,
+            available_bytes: available,
+        });
+    }
+    Ok(())
+}
+
+/// A non-blocking TCP listener on `addr` (peers, metrics).
+fn tcp_listener(addr: std::net::SocketAddr) -> std::io::Result<std::net::TcpListener> {
+    let listener = std::net::TcpListener::bind(addr)?;
+    listener.set_nonblocking(true)?;
+    Ok(listener)
+}
+
+/// The store's shared memory, one segment per `--segment-size` (pre-faulted if asked).
+fn create_segments(config: &DaemonConfig) -> Result<Vec<Segment>, StartError> {
+    let started = Instant::now();
+    let mut segments = Vec::new();
+    for (i, size) in config.segment_sizes().into_iter().enumerate() {
+        segments.push(Segment::create(&SegmentOptions {
+            name: format!("segment-{i}"),
+            size_bytes: size,
+            huge_pages: config.huge_pages,
+            prefault: config.prefault,
+        })?);
+    }
+    let hugetlb = segments.iter().all(Segment::is_hugetlb);
+    tracing::info!(
+        capacity = %format_bytes(segments.iter().map(Segment::size_bytes).sum()),
+        segments = segments.len(),
+        huge_pages = hugetlb,
+        prefault = config.prefault,
+        elapsed_ms = started.elapsed().as_millis() as u64,
+        "shared memory ready"
+    );
+    if !hugetlb {
+        log_thp_state();
+    }
+    Ok(segments)
+}
+
+/// What every connection shares: the object table over `segments`, who may connect, the
+/// limits, and the cluster's pull engine when there is a cluster.
+fn shared_state(
+    config: &DaemonConfig,
+    segments: Vec<Segment>,
+    secret: Option<crate::cluster::auth::Secret>,
+    daemon_uid: u32,
+    gid: Option<u32>,
+) -> Result<Shared, StartError> {
+    let hugetlb = segments.iter().all(Segment::is_hugetlb);
+    let sizes: Vec<u64> = segments.iter().map(Segment::size_bytes).collect();
+    let epoch = random_epoch();
+    let mut uids: std::collections::HashSet<u32> = config.allow_uids.iter().copied().collect();
+    uids.insert(daemon_uid);
+    let reader_uids = config.allow_reader_uids.iter().copied().collect();
+    let limits = fit_connections_to_descriptors(config.limits.clone());
+    let mut objects = Objects::new(config.node_id, epoch, &sizes, hugetlb);
+    let cluster = config.cluster.enabled().then(|| {
+        let engine_conn = objects.connect(crate::objects::ClientInfo {
+            role: feedstore_proto::Role::Writer,
+            uid: daemon_uid,
+            pid: std::process::id() as i32,
+            name: "pull engine".into(),
+            internal: true,
+            capped: false,
+        });
+        Arc::new(crate::cluster::Cluster::new(
+            config.cluster.clone(),
+            config.node_id,
+            epoch,
+            secret,
+            engine_conn,
+        ))
+    });
+    Ok(Shared::new(
+        objects,
+        segments,
+        ServeConfig {
+            node_id: config.node_id,
+            epoch,
+            policy: AccessPolicy {
+                uids,
+                reader_uids,
+                gid,
+            },
+            max_frame_bytes: config.max_frame_bytes,
+            max_create_wait_ms: config.max_create_wait_ms,
+            limits,
+            daemon_uid,
+            cluster,
+            prefault: config.prefault,
+        },
+    )?)
 }
 
 /// Binds the socket at `path` (prepared by [`prepare_socket`]) with the mode `access` needs.

@@ -334,22 +334,7 @@ async fn serve(mut client: TcpStream, shared: &Shared) -> std::io::Result<()> {
                 .await?;
             return Ok(());
         }
-        let length = request.content_length()?;
-        if length > MAX_BODY {
-            return Err(bad("request body over 64 MiB"));
-        }
-        if request.has_token("expect", "100-continue") && buf.len() < length {
-            client.write_all(b"HTTP/1.1 100 Continue\r\n\r\n").await?;
-        }
-        while buf.len() < length {
-            let mut chunk = vec![0u8; (length - buf.len()).min(1 << 20)];
-            let n = client.read(&mut chunk).await?;
-            if n == 0 {
-                return Err(bad("end of stream inside a request body"));
-            }
-            buf.extend_from_slice(&chunk[..n]);
-        }
-        let body: Vec<u8> = buf.drain(..length).collect();
+        let body = read_body(&mut client, &mut buf, &request).await?;
         let keep_alive = !request.has_token("connection", "close");
 
         let target = request
@@ -430,6 +415,31 @@ async fn serve(mut client: TcpStream, shared: &Shared) -> std::io::Result<()> {
         }
     }
     Ok(())
+}
+
+/// A request's body (`content-length` bytes, at most [`MAX_BODY`]), read after what `buf`
+/// already holds; `100 Continue` first when the client waits for it.
+async fn read_body(
+    client: &mut TcpStream,
+    buf: &mut Vec<u8>,
+    request: &Head,
+) -> std::io::Result<Vec<u8>> {
+    let length = request.content_length()?;
+    if length > MAX_BODY {
+        return Err(bad("request body over 64 MiB"));
+    }
+    if request.has_token("expect", "100-continue") && buf.len() < length {
+        client.write_all(b"HTTP/1.1 100 Continue\r\n\r\n").await?;
+    }
+    while buf.len() < length {
+        let mut chunk = vec![0u8; (length - buf.len()).min(1 << 20)];
+        let n = client.read(&mut chunk).await?;
+        if n == 0 {
+            return Err(bad("end of stream inside a request body"));
+        }
+        buf.extend_from_slice(&chunk[..n]);
+    }
+    Ok(buf.drain(..length).collect())
 }
 
 /// A complete error response in S3's XML form.

@@ -595,103 +595,103 @@ impl Request {
         max_payload: u32,
         out: &mut Vec<u8>,
     ) -> Result<(), EncodeError> {
-        framed(
-            out,
-            self.opcode(),
-            false,
-            request_id,
-            max_payload,
-            |w| match self {
-                Request::Hello {
-                    role,
-                    client_name,
-                    max_frame_bytes,
-                } => session::encode_hello(w, *role, client_name, *max_frame_bytes),
-                Request::Create {
-                    sizes,
-                    timeout_ms,
-                    flags,
-                } => {
-                    w.u32(*timeout_ms);
-                    w.u32(*flags);
-                    w.list(sizes);
-                }
-                Request::Seal { handles }
-                | Request::Abort { handles }
-                | Request::Get { handles }
-                | Request::Release { handles }
-                | Request::Delete { handles } => w.list(handles),
-                Request::Stats => {}
-                Request::StreamJoin {
-                    spec,
-                    depth,
-                    batch,
-                    ranks,
-                    at,
-                    relay,
-                } => {
-                    spec.encode(w);
-                    w.u32(*depth);
-                    w.u32(*batch);
-                    w.list(ranks);
-                    w.list(at);
-                    w.string(relay);
-                }
-                Request::StreamAttach {
-                    spec,
-                    rank,
-                    seq,
-                    timeout_ms,
-                } => {
-                    spec.encode(w);
-                    w.u32(*rank);
-                    w.u64(*seq);
-                    w.u32(*timeout_ms);
-                }
-                Request::StreamTake {
-                    stream,
-                    max,
-                    timeout_ms,
-                } => {
-                    w.u32(*stream);
-                    w.u32(*max);
-                    w.u32(*timeout_ms);
-                }
-                Request::StreamPut { stream, items } => {
-                    w.u32(*stream);
-                    w.list(items);
-                }
-                Request::StreamRelease {
-                    stream,
-                    rank,
-                    upto,
-                    figures,
-                } => {
-                    streams::encode_position(w, *stream, *rank, *upto);
-                    figures.encode(w);
-                }
-                Request::StreamWait {
-                    stream,
-                    rank,
-                    seq,
-                    timeout_ms,
-                } => {
-                    streams::encode_position(w, *stream, *rank, *seq);
-                    w.u32(*timeout_ms);
-                }
-                Request::StreamClose { stream } => w.u32(*stream),
-                Request::CacheLookup { keys } => w.list(keys),
-                Request::StreamList { after } => w.u32(*after),
-                Request::StreamDetach { stream, rank, next } => {
-                    streams::encode_position(w, *stream, *rank, *next);
-                }
-                Request::ProducerReport { stream, figures } => {
-                    w.u32(*stream);
-                    figures.encode(w);
-                }
-                Request::CacheInsert { entries } => w.list(entries),
-            },
-        )
+        framed(out, self.opcode(), false, request_id, max_payload, |w| {
+            self.encode_payload(w)
+        })
+    }
+
+    /// The request's payload, after the frame's header.
+    fn encode_payload(&self, w: &mut Writer<'_>) {
+        match self {
+            Request::Hello {
+                role,
+                client_name,
+                max_frame_bytes,
+            } => session::encode_hello(w, *role, client_name, *max_frame_bytes),
+            Request::Create {
+                sizes,
+                timeout_ms,
+                flags,
+            } => {
+                w.u32(*timeout_ms);
+                w.u32(*flags);
+                w.list(sizes);
+            }
+            Request::Seal { handles }
+            | Request::Abort { handles }
+            | Request::Get { handles }
+            | Request::Release { handles }
+            | Request::Delete { handles } => w.list(handles),
+            Request::Stats => {}
+            Request::StreamJoin {
+                spec,
+                depth,
+                batch,
+                ranks,
+                at,
+                relay,
+            } => {
+                spec.encode(w);
+                w.u32(*depth);
+                w.u32(*batch);
+                w.list(ranks);
+                w.list(at);
+                w.string(relay);
+            }
+            Request::StreamAttach {
+                spec,
+                rank,
+                seq,
+                timeout_ms,
+            } => {
+                spec.encode(w);
+                w.u32(*rank);
+                w.u64(*seq);
+                w.u32(*timeout_ms);
+            }
+            Request::StreamTake {
+                stream,
+                max,
+                timeout_ms,
+            } => {
+                w.u32(*stream);
+                w.u32(*max);
+                w.u32(*timeout_ms);
+            }
+            Request::StreamPut { stream, items } => {
+                w.u32(*stream);
+                w.list(items);
+            }
+            Request::StreamRelease {
+                stream,
+                rank,
+                upto,
+                figures,
+            } => {
+                streams::encode_position(w, *stream, *rank, *upto);
+                figures.encode(w);
+            }
+            Request::StreamWait {
+                stream,
+                rank,
+                seq,
+                timeout_ms,
+            } => {
+                streams::encode_position(w, *stream, *rank, *seq);
+                w.u32(*timeout_ms);
+            }
+            Request::StreamClose { stream } => w.u32(*stream),
+            Request::CacheLookup { keys } => w.list(keys),
+            Request::StreamList { after } => w.u32(*after),
+            Request::StreamDetach { stream, rank, next } => {
+                streams::encode_position(w, *stream, *rank, *next);
+            }
+            Request::ProducerReport { stream, figures } => {
+                w.u32(*stream);
+                figures.encode(w);
+            }
+            Request::CacheInsert { entries } => w.list(entries),
+        }
     }
 
     /// Decodes a request frame; every length is checked against the payload, and every value

@@ -13,7 +13,7 @@ use tokio::net::{TcpListener, TcpStream};
 use super::Cluster;
 use super::auth::Side;
 use super::record::{Records, Sealer};
-use super::transport::{HANDSHAKE_TIMEOUT, LinkError, handshake, tune, write_record};
+use super::transport::{HANDSHAKE_TIMEOUT, LinkError, PeerIdentity, handshake, tune, write_record};
 use crate::objects::{ClientInfo, ConnId};
 use crate::server::Shared;
 
@@ -77,45 +77,9 @@ async fn serve_peer(
     mut ticket: super::HandshakeTicket,
 ) {
     tune(&stream);
-    let shake = async {
-        tokio::time::timeout(
-            HANDSHAKE_TIMEOUT,
-            handshake(&mut stream, cluster.transport.local(), Side::Acceptor, 0),
-        )
-        .await
-        .unwrap_or(Err(LinkError::Timeout(HANDSHAKE_TIMEOUT)))
-    };
-    // A newer connection may take this one's place in the handshake budget meanwhile.
-    let shake = tokio::select! {
-        shake = shake => shake,
-        _ = ticket.evicted() => {
-            cluster.note_handshake_dropped(addr, "the handshake budget was full; the oldest went");
-            return;
-        }
-    };
-    let (peer, records) = match shake {
-        Ok(done) => done,
-        Err(LinkError::SelfConnection) => return,
-        Err(e) if e.is_refusal() => {
-            cluster
-                .counters
-                .peers_refused
-                .fetch_add(1, Ordering::Relaxed);
-            cluster.log_limited(format!("peer connection from {addr}: {e}"));
-            return;
-        }
-        Err(e) => {
-            let why = match e {
-                LinkError::Timeout(t) => {
-                    format!(
-                        "no complete handshake within {t:?} (a port scanner, or a peer behind a stalled link)"
-                    )
-                }
-                e => e.to_string(),
-            };
-            cluster.note_handshake_dropped(addr, &why);
-            return;
-        }
+    let Some((peer, records)) = accept_handshake(cluster, &mut stream, addr, &mut ticket).await
+    else {
+        return;
     };
     drop(ticket);
     let Some(_slot) = cluster.admit_peer_connection(addr) else {
@@ -169,6 +133,57 @@ async fn serve_peer(
     match end {
         None => tracing::debug!(peer = %addr, "peer disconnected"),
         Some(reason) => tracing::info!(peer = %addr, %reason, "peer connection closed"),
+    }
+}
+
+/// The acceptor's side of a peer's handshake, within [`HANDSHAKE_TIMEOUT`] and while the
+/// handshake budget keeps `ticket`: the peer and its record layer, or `None` (counted and
+/// logged: refused, dropped, or this node connecting to itself).
+async fn accept_handshake(
+    cluster: &Arc<Cluster>,
+    stream: &mut TcpStream,
+    addr: SocketAddr,
+    ticket: &mut super::HandshakeTicket,
+) -> Option<(PeerIdentity, Records)> {
+    let shake = async {
+        tokio::time::timeout(
+            HANDSHAKE_TIMEOUT,
+            handshake(stream, cluster.transport.local(), Side::Acceptor, 0),
+        )
+        .await
+        .unwrap_or(Err(LinkError::Timeout(HANDSHAKE_TIMEOUT)))
+    };
+    // A newer connection may take this one's place in the handshake budget meanwhile.
+    let shake = tokio::select! {
+        shake = shake => shake,
+        _ = ticket.evicted() => {
+            cluster.note_handshake_dropped(addr, "the handshake budget was full; the oldest went");
+            return None;
+        }
+    };
+    match shake {
+        Ok(done) => Some(done),
+        Err(LinkError::SelfConnection) => None,
+        Err(e) if e.is_refusal() => {
+            cluster
+                .counters
+                .peers_refused
+                .fetch_add(1, Ordering::Relaxed);
+            cluster.log_limited(format!("peer connection from {addr}: {e}"));
+            None
+        }
+        Err(e) => {
+            let why = match e {
+                LinkError::Timeout(t) => {
+                    format!(
+                        "no complete handshake within {t:?} (a port scanner, or a peer behind a stalled link)"
+                    )
+                }
+                e => e.to_string(),
+            };
+            cluster.note_handshake_dropped(addr, &why);
+            None
+        }
     }
 }
 

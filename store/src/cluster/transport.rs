@@ -529,31 +529,7 @@ pub(crate) async fn handshake<S: AsyncRead + AsyncWrite + Unpin>(
     let (code, reason) = judge(local, &theirs, |secret| {
         secret.verify(side.other(), connector, acceptor, &their_proof)
     });
-    stream
-        .write_all(
-            &Verdict {
-                code,
-                reason: reason.clone(),
-            }
-            .to_bytes(),
-        )
-        .await
-        .map_err(broke_off("sending this daemon's verdict"))?;
-    let mut head = [0u8; Verdict::HEAD_BYTES];
-    stream
-        .read_exact(&mut head)
-        .await
-        .map_err(broke_off("waiting for the peer's verdict"))?;
-    let (their_code, len) = Verdict::parse_head(&head).map_err(|e| LinkError::Handshake {
-        step: "reading the peer's verdict",
-        cause: e.to_string(),
-    })?;
-    let mut their_reason = vec![0u8; len];
-    stream
-        .read_exact(&mut their_reason)
-        .await
-        .map_err(broke_off("reading the peer's verdict"))?;
-    let their_reason = String::from_utf8_lossy(&their_reason).into_owned();
+    let (their_code, their_reason) = exchange_verdicts(stream, code, &reason).await?;
     // Only this side's own judgement makes a connection this daemon's own: the other side's
     // verdict is not authenticated, so a stranger saying "you reached yourself" is just a
     // refusal.
@@ -574,6 +550,40 @@ pub(crate) async fn handshake<S: AsyncRead + AsyncWrite + Unpin>(
         }),
         (code, _) => Err(LinkError::Refused { code, reason }),
     }
+}
+
+/// Sends this side's verdict on the handshake and reads the peer's: its code and reason.
+async fn exchange_verdicts<S: AsyncRead + AsyncWrite + Unpin>(
+    stream: &mut S,
+    code: VerdictCode,
+    reason: &str,
+) -> Result<(VerdictCode, String), LinkError> {
+    stream
+        .write_all(
+            &Verdict {
+                code,
+                reason: reason.to_owned(),
+            }
+            .to_bytes(),
+        )
+        .await
+        .map_err(broke_off("sending this daemon's verdict"))?;
+    let mut head = [0u8; Verdict::HEAD_BYTES];
+    stream
+        .read_exact(&mut head)
+        .await
+        .map_err(broke_off("waiting for the peer's verdict"))?;
+    let (their_code, len) = Verdict::parse_head(&head).map_err(|e| LinkError::Handshake {
+        step: "reading the peer's verdict",
+        cause: e.to_string(),
+    })?;
+    let mut their_reason = vec![0u8; len];
+    stream
+        .read_exact(&mut their_reason)
+        .await
+        .map_err(broke_off("reading the peer's verdict"))?;
+    let their_reason = String::from_utf8_lossy(&their_reason).into_owned();
+    Ok((their_code, their_reason))
 }
 
 /// Maps an I/O error at a handshake step to what it means.

@@ -306,6 +306,11 @@ impl Shared {
         self.node_id
     }
 
+    /// This daemon's start epoch (random at each start).
+    pub fn epoch(&self) -> u32 {
+        self.epoch
+    }
+
     /// The cluster this node belongs to, if any.
     pub fn cluster(&self) -> Option<&Arc<Cluster>> {
         self.cluster.as_ref()

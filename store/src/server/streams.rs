@@ -5,7 +5,7 @@ use std::collections::HashMap;
 use std::os::fd::AsRawFd;
 
 use feedstore_proto::frame::{
-    Opcode, ProducerFigures, RankAt, RankFigures, Request, Response, StreamTask,
+    Opcode, ProducerFigures, RankAt, RankFigures, Request, Response, StreamItem, StreamTask,
 };
 use feedstore_proto::stream::StreamSpec;
 use feedstore_proto::{Role, Status};
@@ -47,25 +47,8 @@ impl Connection {
                 at,
                 relay,
             } => {
-                let placement = match self.locate(&at, &relay).await {
-                    Ok(placement) => placement,
-                    Err(e) => return Ok(Ok(stream_error(e))),
-                };
-                let joined = shared.with_streams(|s, o| {
-                    let window = Window { depth, batch };
-                    s.join(o, id, &spec, window, &ranks, &placement)
-                });
-                if let (Ok((stream, feeders)), Some(cluster)) = (&joined, &shared.cluster) {
-                    for &node in feeders {
-                        tokio::spawn(crate::cluster::feed_remote(
-                            shared.clone(),
-                            cluster.clone(),
-                            *stream,
-                            node,
-                        ));
-                    }
-                }
-                stream_reply(joined, |(stream, _)| Response::StreamJoined { stream })
+                self.stream_join(id, spec, Window { depth, batch }, &ranks, &at, &relay)
+                    .await
             }
             Request::StreamTake {
                 stream,
@@ -86,22 +69,7 @@ impl Connection {
                 })
                 .await?
             }
-            Request::StreamPut { stream, items } => {
-                if self.role != Role::Writer {
-                    let message = "only writers put samples into streams";
-                    return Ok(Ok(error(Status::PermissionDenied, message.into())));
-                }
-                let (put, forwards) = shared.with_streams(|s, o| {
-                    let put = s.put(o, id, stream, &items, true);
-                    (put, s.forwards(o))
-                });
-                if let Some(cluster) = &shared.cluster
-                    && !forwards.is_empty()
-                {
-                    crate::cluster::forward(&shared, cluster, forwards);
-                }
-                stream_reply(put, Response::Done)
-            }
+            Request::StreamPut { stream, items } => self.stream_put(id, stream, &items),
             Request::StreamWait {
                 stream,
                 rank,
@@ -132,6 +100,55 @@ impl Connection {
             }
             other => return Ok(Err(other)),
         }))
+    }
+
+    /// A producer joins a stream (creating it if it is the first): its ranks placed where
+    /// `at` and `relay` say, and a feeder started for each other node that serves some.
+    async fn stream_join(
+        &mut self,
+        id: ConnId,
+        spec: StreamSpec,
+        window: Window,
+        ranks: &[StreamTask],
+        at: &[RankAt],
+        relay: &str,
+    ) -> Response {
+        let shared = self.shared.clone();
+        let placement = match self.locate(at, relay).await {
+            Ok(placement) => placement,
+            Err(e) => return stream_error(e),
+        };
+        let joined = shared.with_streams(|s, o| s.join(o, id, &spec, window, ranks, &placement));
+        if let (Ok((stream, feeders)), Some(cluster)) = (&joined, &shared.cluster) {
+            for &node in feeders {
+                tokio::spawn(crate::cluster::feed_remote(
+                    shared.clone(),
+                    cluster.clone(),
+                    *stream,
+                    node,
+                ));
+            }
+        }
+        stream_reply(joined, |(stream, _)| Response::StreamJoined { stream })
+    }
+
+    /// A producer puts samples it made; those for ranks served by another node are forwarded.
+    fn stream_put(&mut self, id: ConnId, stream: u32, items: &[StreamItem]) -> Response {
+        let shared = self.shared.clone();
+        if self.role != Role::Writer {
+            let message = "only writers put samples into streams";
+            return error(Status::PermissionDenied, message.into());
+        }
+        let (put, forwards) = shared.with_streams(|s, o| {
+            let put = s.put(o, id, stream, items, true);
+            (put, s.forwards(o))
+        });
+        if let Some(cluster) = &shared.cluster
+            && !forwards.is_empty()
+        {
+            crate::cluster::forward(&shared, cluster, forwards);
+        }
+        stream_reply(put, Response::Done)
     }
 
     /// A consumer attaches to a rank, waiting (up to `timeout_ms`) for a producer to create

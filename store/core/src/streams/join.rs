@@ -2,15 +2,14 @@
 //! rank and detach.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
-use feedstore_proto::frame::{ProducerFigures, RankFigures, StreamTask};
-use feedstore_proto::ring::ENTRY_FAILED;
+use feedstore_proto::frame::{ProducerFigures, StreamTask};
 use feedstore_proto::stream::StreamSpec;
 use feedstore_proto::{Role, Status};
 
 use super::remote::{Placement, Remote};
-use super::ring::{Consumer, Published, Ring, ring_size};
+use super::ring::{Consumer, Ring, ring_size};
 use super::window::{Rank, Window};
 use super::{
     MAX_BATCH, MAX_DEPTH, MAX_RANKS, MAX_RINGS_PER_CONNECTION, Stream, StreamError, Streams, fail,
@@ -52,47 +51,11 @@ impl Streams {
                 .map_err(|e| fail(Status::InvalidArgument, e.to_string()))?;
         }
         let existing = self.find(uid, spec)?;
-        if let Some(id) = existing {
-            // A rank lives on one node: every producer must say the same.
-            for (rank, r) in &self.streams[&id].ranks {
-                let said = owners.get(rank).copied();
-                let listed = ranks.iter().any(|t| t.rank == *rank);
-                if listed && said != r.owner {
-                    let place = |o: Option<u32>| {
-                        o.map_or("this node".to_string(), |n| format!("node {n:08x}"))
-                    };
-                    return Err(fail(
-                        Status::InvalidArgument,
-                        format!(
-                            "rank {rank} of stream {:?} is served from {}, not {} (--ranks-at \
-                             must agree on every node)",
-                            spec.name,
-                            place(r.owner),
-                            place(said)
-                        ),
-                    ));
-                }
-            }
-        }
         // Another node's session and a producer's put-only connections (no ranks) say nothing
         // about relays; this node's producers that name ranks must agree.
         let session = self.sessions.contains(&conn) || ranks.is_empty();
-        if let Some(id) = existing
-            && !session
-            && self.streams[&id]
-                .producers
-                .iter()
-                .any(|c| !self.sessions.contains(c))
-            && self.streams[&id].relay != placement.relay
-        {
-            return Err(fail(
-                Status::InvalidArgument,
-                format!(
-                    "stream {:?} relays through {:?} here, not {:?}: its producers on one node \
-                     must agree",
-                    spec.name, self.streams[&id].relay, placement.relay
-                ),
-            ));
+        if let Some(id) = existing {
+            self.agrees(id, &spec.name, ranks, placement, session)?;
         }
         let id = match existing {
             Some(id) => id,
@@ -133,6 +96,56 @@ impl Streams {
         self.ranks += new.len();
         self.changed();
         Ok((id, feeders))
+    }
+
+    /// Whether a producer joining stream `id` (named `name`) with `ranks` placed as `placement`
+    /// agrees with its other producers: each rank served from the same node, and (unless it is
+    /// a `session` that says nothing of relays) the same relay.
+    fn agrees(
+        &self,
+        id: u32,
+        name: &str,
+        ranks: &[StreamTask],
+        placement: &Placement,
+        session: bool,
+    ) -> Result<(), StreamError> {
+        let owners = &placement.owners;
+        // A rank lives on one node: every producer must say the same.
+        for (rank, r) in &self.streams[&id].ranks {
+            let said = owners.get(rank).copied();
+            let listed = ranks.iter().any(|t| t.rank == *rank);
+            if listed && said != r.owner {
+                let place =
+                    |o: Option<u32>| o.map_or("this node".to_string(), |n| format!("node {n:08x}"));
+                return Err(fail(
+                    Status::InvalidArgument,
+                    format!(
+                        "rank {rank} of stream {:?} is served from {}, not {} (--ranks-at \
+                             must agree on every node)",
+                        name,
+                        place(r.owner),
+                        place(said)
+                    ),
+                ));
+            }
+        }
+        if !session
+            && self.streams[&id]
+                .producers
+                .iter()
+                .any(|c| !self.sessions.contains(c))
+            && self.streams[&id].relay != placement.relay
+        {
+            return Err(fail(
+                Status::InvalidArgument,
+                format!(
+                    "stream {:?} relays through {:?} here, not {:?}: its producers on one node \
+                     must agree",
+                    name, self.streams[&id].relay, placement.relay
+                ),
+            ));
+        }
+        Ok(())
     }
 
     /// Refuses `n` more ranks past [`MAX_RANKS`].
@@ -245,6 +258,43 @@ impl Streams {
                 ),
             )
         })?;
+        let new_rank = self.may_attach(conn, id, &spec.name, rank)?;
+        let stream = self.streams.get_mut(&id).expect("found above");
+        let ring = Ring::new(spec, rank, stream.depth)
+            .map_err(|e| fail(Status::Full, format!("cannot create the ring: {e}")))?;
+        let ring_size = ring.size_bytes();
+        let depth = u64::from(stream.depth);
+        let leases = stream.leases;
+        stream.last_used = Instant::now();
+        let r = stream.rank(rank, seq);
+        r.restart_at(objects, leases, seq, depth);
+        let mut consumer = Consumer::new(conn, ring);
+        for entry in r.ready.values() {
+            consumer.publish(objects, leases, entry);
+        }
+        tracing::info!(stream = ?spec.name, rank, seq, held = r.ready.len(), "consumer attached");
+        let ring = &r.consumer.insert(consumer).ring;
+        self.ranks += usize::from(new_rank);
+        self.ring_bytes += ring_size;
+        self.rings_attached += 1;
+        let rings = self.conn_rings.entry(conn).or_default();
+        rings.bytes += ring_size;
+        rings.received += 1;
+        rings.attached = true;
+        self.version = self.version.wrapping_add(1);
+        Ok((id, ring))
+    }
+
+    /// Whether `conn` may attach to `rank` of stream `id` (named `name`): the connection not
+    /// attached yet and under its count of rings, the rank served here and free, room for its
+    /// ring and, for a rank new to the stream, for the rank. Whether the rank is new.
+    fn may_attach(
+        &mut self,
+        conn: ConnId,
+        id: u32,
+        name: &str,
+        rank: u32,
+    ) -> Result<bool, StreamError> {
         let rings = self.conn_rings.get(&conn).copied().unwrap_or_default();
         if rings.attached {
             return Err(fail(
@@ -266,7 +316,7 @@ impl Streams {
                 format!(
                     "rank {rank} of stream {:?} is served from node {node:08x} (the producers' \
                      --ranks-at): its consumer opens the stream there",
-                    spec.name
+                    name
                 ),
             ));
         }
@@ -280,10 +330,7 @@ impl Streams {
             Some(_) => {
                 return Err(fail(
                     Status::InUse,
-                    format!(
-                        "rank {rank} of stream {:?} already has a consumer",
-                        spec.name
-                    ),
+                    format!("rank {rank} of stream {:?} already has a consumer", name),
                 ));
             }
             None => {}
@@ -307,66 +354,7 @@ impl Streams {
             return Err(self.limit(message));
         }
         self.room_for_ranks(usize::from(new_rank))?;
-        let stream = self.streams.get_mut(&id).expect("found above");
-        let ring = Ring::new(spec, rank, stream.depth)
-            .map_err(|e| fail(Status::Full, format!("cannot create the ring: {e}")))?;
-        let ring_size = ring.size_bytes();
-        let depth = u64::from(stream.depth);
-        let window_end = seq.saturating_add(depth);
-        let leases = stream.leases;
-        stream.last_used = Instant::now();
-        let r = stream.rank(rank, seq);
-        // Keep what lies in the new window; return the stream's leases on the rest (views a
-        // previous consumer still holds have leases of their own).
-        let outside: Vec<u64> = r
-            .ready
-            .keys()
-            .copied()
-            .filter(|&s| s < seq || s >= window_end)
-            .collect();
-        for s in outside {
-            let entry = r.ready.remove(&s).expect("listed");
-            if entry.flags & ENTRY_FAILED == 0 {
-                let _ = objects.release(leases, entry.handle);
-            }
-        }
-        r.assigned.retain(|&s, _| s >= seq && s < window_end);
-        r.redo.retain(|&s| s >= seq && s < window_end);
-        let made_up_to = r.next.clamp(seq, window_end);
-        for s in seq..made_up_to {
-            if !r.ready.contains_key(&s) && !r.assigned.contains_key(&s) {
-                r.redo.insert(s);
-            }
-        }
-        r.released = seq;
-        r.finished = false;
-        r.next = made_up_to;
-        let mut consumer = Consumer {
-            conn,
-            ring,
-            published: Published::default(),
-            figures: RankFigures::default(),
-            reported_at: None,
-            waiting_since: None,
-            waiting_for: None,
-            waited_unreported: Duration::ZERO,
-            first_wait: None,
-            shown: std::cell::Cell::new((0, 0)),
-        };
-        for entry in r.ready.values() {
-            consumer.publish(objects, leases, entry);
-        }
-        tracing::info!(stream = ?spec.name, rank, seq, held = r.ready.len(), "consumer attached");
-        let ring = &r.consumer.insert(consumer).ring;
-        self.ranks += usize::from(new_rank);
-        self.ring_bytes += ring_size;
-        self.rings_attached += 1;
-        let rings = self.conn_rings.entry(conn).or_default();
-        rings.bytes += ring_size;
-        rings.received += 1;
-        rings.attached = true;
-        self.version = self.version.wrapping_add(1);
-        Ok((id, ring))
+        Ok(new_rank)
     }
 
     /// A consumer detaches from its rank, having read everything below `next`: the leases its

@@ -126,6 +126,22 @@ pub(super) struct Consumer {
 }
 
 impl Consumer {
+    /// A consumer on `conn` reading through `ring`, nothing published or reported yet.
+    pub(super) fn new(conn: ConnId, ring: Ring) -> Consumer {
+        Consumer {
+            conn,
+            ring,
+            published: Published::default(),
+            figures: RankFigures::default(),
+            reported_at: None,
+            waiting_since: None,
+            waiting_for: None,
+            waited_unreported: Duration::ZERO,
+            first_wait: None,
+            shown: std::cell::Cell::new((0, 0)),
+        }
+    }
+
     /// Its figures as of now: the last report, plus what the daemon has seen since (waits that
     /// ended, a wait under way) and the time up to now, never less than what was shown before.
     /// Time since its last report that the daemon did not see it wait counts as the trainer's

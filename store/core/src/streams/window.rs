@@ -12,6 +12,37 @@ use feedstore_proto::{Handle, Location, Status};
 use super::ring::Consumer;
 use super::{Stream, StreamError, Streams, fail};
 use crate::objects::{ConnId, Objects};
+/// What a put's item refers to, leased for the stream (`leases`): the producer's reservation
+/// sealed (or an object already sealed, a cache hit), at the item's offset within it; nothing
+/// for a failed sample.
+fn claim(
+    objects: &mut Objects,
+    conn: ConnId,
+    leases: ConnId,
+    item: &StreamItem,
+) -> Result<Got, Status> {
+    if item.flags & ENTRY_FAILED != 0 {
+        return Ok(Got {
+            location: Location {
+                segment: 0,
+                offset: 0,
+                len: 0,
+            },
+            writer: 0,
+        });
+    }
+    match objects.seal(conn, item.handle) {
+        Ok(()) | Err(Status::InvalidState) => objects.lease(leases, item.handle),
+        Err(e) => Err(e),
+    }
+    .and_then(|got| match within(got.location, item.offset) {
+        Some(location) => Ok(Got { location, ..got }),
+        None => {
+            let _ = objects.release(leases, item.handle);
+            Err(Status::InvalidArgument)
+        }
+    })
+}
 
 /// The part of an object from `offset` to its end, where a sample of a batch starts: a
 /// multiple of 64 (what a sample's alignment needs) inside the object. `None` otherwise.
@@ -46,6 +77,43 @@ pub(super) struct Rank {
 }
 
 impl Rank {
+    /// A consumer (re)starts reading at `seq` with a window of `depth`: what lies in the new
+    /// window is kept; the stream's leases (`leases`) on the rest go back (views a previous
+    /// consumer still holds have leases of their own); samples made and lost below the
+    /// window's end are made again.
+    pub(super) fn restart_at(
+        &mut self,
+        objects: &mut Objects,
+        leases: ConnId,
+        seq: u64,
+        depth: u64,
+    ) {
+        let window_end = seq.saturating_add(depth);
+        let outside: Vec<u64> = self
+            .ready
+            .keys()
+            .copied()
+            .filter(|&s| s < seq || s >= window_end)
+            .collect();
+        for s in outside {
+            let entry = self.ready.remove(&s).expect("listed");
+            if entry.flags & ENTRY_FAILED == 0 {
+                let _ = objects.release(leases, entry.handle);
+            }
+        }
+        self.assigned.retain(|&s, _| s >= seq && s < window_end);
+        self.redo.retain(|&s| s >= seq && s < window_end);
+        let made_up_to = self.next.clamp(seq, window_end);
+        for s in seq..made_up_to {
+            if !self.ready.contains_key(&s) && !self.assigned.contains_key(&s) {
+                self.redo.insert(s);
+            }
+        }
+        self.released = seq;
+        self.finished = false;
+        self.next = made_up_to;
+    }
+
     pub(super) fn new(start: u64, owner: Option<u32>) -> Rank {
         Rank {
             released: start,
@@ -267,30 +335,7 @@ impl Streams {
                 statuses.push(Status::Stale);
                 continue;
             }
-            let got = if item.flags & ENTRY_FAILED != 0 {
-                Ok(Got {
-                    location: Location {
-                        segment: 0,
-                        offset: 0,
-                        len: 0,
-                    },
-                    writer: 0,
-                })
-            } else {
-                // Seal the producer's reservation (or accept an already sealed object, a cache
-                // hit), then lease it for the stream.
-                match objects.seal(conn, item.handle) {
-                    Ok(()) | Err(Status::InvalidState) => objects.lease(leases, item.handle),
-                    Err(e) => Err(e),
-                }
-                .and_then(|got| match within(got.location, item.offset) {
-                    Some(location) => Ok(Got { location, ..got }),
-                    None => {
-                        let _ = objects.release(leases, item.handle);
-                        Err(Status::InvalidArgument)
-                    }
-                })
-            };
+            let got = claim(objects, conn, leases, item);
             r.assigned.remove(&seq);
             let got = match got {
                 Ok(got) => got,
