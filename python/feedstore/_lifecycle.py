@@ -91,15 +91,10 @@ class _Workers:
     def close(self) -> None:
         """Stops the workers now and gives their batches back: what leaving a ``with`` block
         and ``DataLoader.close()`` do. Batches already taken stay valid; a later ``next``
-        raises StopIteration. Without it the workers stop at the epoch's end (unless
-        persistent), on an error, at exit, or when the iterator is collected."""
+        raises StopIteration, and so does one waiting on another thread. Without it the
+        workers stop at the epoch's end (unless persistent), on an error, at exit, or when the
+        iterator is collected."""
         self._shutdown()
-
-    def __enter__(self) -> "_Workers":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
 
     def _start_worker(self, w: int, rng: Optional[tuple], replay: int) -> None:
         if self._pool_key is not None:
@@ -282,9 +277,11 @@ class _Workers:
             pass  # (a wake is pending)
         if self._thread is not None and threading.current_thread() is not self._thread:
             self._thread.join()
-        for task in list(self._tasks.values()):  # (`next`'s fast path may be in flight)
-            task.batch = None  # (batches replied were given back when mapped)
-        self._tasks.clear()
+        with self._cond:  # (a `next` waiting on another thread sees `_shut` and ends)
+            for task in list(self._tasks.values()):  # (`next`'s fast path may be in flight)
+                task.batch = None  # (batches replied were given back when mapped)
+            self._tasks.clear()
+            self._cond.notify_all()
         live = [w for w in self._workers if w is not None]
         for worker in live:
             self._outbox.send(worker.conn, None)
@@ -318,6 +315,9 @@ class _Workers:
             self._delete(leftovers)
         os.close(self._wake_read)
         os.close(self._wake_write)
+        # The trainer's connection goes now, not with the iterator (a loader with persistent
+        # workers keeps its last one): batches already taken hold their own.
+        self._client = None
         _LIVE.discard(self)
 
     @staticmethod

@@ -151,6 +151,15 @@ class _LoaderIter:
     def __getstate__(self) -> Any:
         raise NotImplementedError(f"{type(self).__name__} cannot be pickled")
 
+    def close(self) -> None:
+        """Stops what the iterator runs (its workers; nothing without workers)."""
+
+    def __enter__(self) -> "_LoaderIter":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
     def __next__(self) -> Any:
         if _profiler_enabled():
             with torch.autograd.profiler.record_function(self._profile_name):

@@ -163,6 +163,8 @@ class _StoreIter(_Workers, _LoaderIter):
             while not all(w.in_epoch for w in self._workers if w):
                 if self._error is not None:
                     raise self._error
+                if self._shut:
+                    raise RuntimeError("the DataLoader was closed while its next epoch started")
                 wait = POLL_SECONDS if deadline is None else deadline - time.monotonic()
                 if wait <= 0:
                     raise RuntimeError(
@@ -266,6 +268,8 @@ class _StoreIter(_Workers, _LoaderIter):
         while True:
             if self._error is not None:
                 raise self._error
+            if self._shut:
+                return None  # (closed from another thread: the epoch ends here)
             while self._rcvd_idx < self._send_idx:
                 task = self._tasks[self._rcvd_idx]
                 if task.reply is not None or self._workers[task.worker].active:

@@ -819,8 +819,9 @@ def test_close_and_with_stop_the_workers_without_the_garbage_collector(daemon):
         processes = [worker.process for worker in iterator._workers]
         loader.close()
         assert [p.is_alive() for p in processes] == [False, False]
-        store_empty(daemon)
         assert kept["label"].tolist() == list(range(4))
+        del kept  # (its tensors hold the batch's object until they go)
+        store_empty(daemon)
         with pytest.raises(StopIteration):
             next(iterator)
         assert loader.state_dict()["batches"] == 1
@@ -839,5 +840,11 @@ def test_close_and_with_stop_the_workers_without_the_garbage_collector(daemon):
             next(it)
         assert it._shut
         store_empty(daemon)
+
+        # Without workers there is nothing to stop; `with` and `close()` work all the same.
+        loader = DataLoader(Augmented(12), batch_size=4, socket=daemon.socket)
+        with loader, iter(loader) as it:
+            assert next(it)["label"].tolist() == [0, 1, 2, 3]
+        loader.close()
     finally:
         gc.enable()

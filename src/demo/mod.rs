@@ -666,6 +666,7 @@ fn run_scaling(
             ..setup.clone()
         };
         let prefetch_batches = (args.prefetch as usize).div_ceil(batch).max(1);
+        let latency_ms = [lo.as_secs_f64() * 1e3, hi.as_secs_f64() * 1e3];
         let (lo, hi) = (lo.as_millis(), hi.as_millis());
         eprintln!("scaling: {ranks} ranks, batch {batch}, {lo}-{hi} ms ...");
         let copies = ladder::prefetch(&cell, prefetch_batches, ranks as usize)?;
@@ -686,7 +687,7 @@ fn run_scaling(
         scaling.json.push(serde_json::json!({
             "ranks": ranks,
             "batch": batch,
-            "latency_ms": [lo as f64, hi as f64],
+            "latency_ms": latency_ms,
             "step_time_s": cell.step_time.as_secs_f64(),
             "copies": rung_json(&copies),
             "feedstore": rung_json(&shm),

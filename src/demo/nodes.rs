@@ -679,13 +679,7 @@ pub fn run(args: &NodesArgs, mut setup: Setup) -> anyhow::Result<()> {
             runs.push(r);
         }
     }
-    write_report(args, &setup, link_rate, &runs)?;
-    println!(
-        "report: {}, plot: {}",
-        args.report.display(),
-        args.plot.display()
-    );
-    Ok(())
+    write_report(args, &setup, link_rate, &runs)
 }
 
 /// The link cap and the mean sample size: `--link-rate` (with `--step-time`), else measured by
