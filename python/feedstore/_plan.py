@@ -265,6 +265,7 @@ class _InProcessIter(_LoaderIter):
         self._num_yielded = (resume or {}).get("batches", 0)
         self._tasks_taken = tasks
         self._ended = False
+        self._closed = False
 
     def _next_index(self) -> Any:
         if self._rng_at_start is None:
@@ -277,7 +278,14 @@ class _InProcessIter(_LoaderIter):
         self._fetcher.skipped = 0
         return batch
 
+    def close(self) -> None:
+        """Ends the iterator: a later ``next`` raises StopIteration (there are no workers to
+        stop)."""
+        self._closed = True
+
     def _next_data(self) -> Any:
+        if self._closed:
+            raise StopIteration
         while True:
             try:
                 batch = self._fetch(self._next_index())

@@ -47,7 +47,7 @@ import torch
 import torch.utils.data
 
 import feedstore
-from feedstore import _pool
+from feedstore import _lifecycle, _pool
 from feedstore._plan import _InProcessIter
 from feedstore._store_iter import _StoreIter
 
@@ -260,11 +260,17 @@ class DataLoader(torch.utils.data.DataLoader):
         return iterator
 
     def close(self) -> None:
-        """Stops the current iterator's workers (persistent or not) and gives their batches
-        back; batches already taken stay valid. The loader can be iterated again afterwards
-        (new workers). Leaving ``with loader:`` calls it."""
+        """Stops the workers of every live iterator of this loader (persistent or not) and
+        gives their batches back; batches already taken stay valid, and those iterators end
+        (a later ``next`` raises StopIteration). The loader can be iterated again afterwards,
+        with new workers: with ``persistent_workers``, that next epoch draws a new base seed,
+        as torch's does for a new iterator. Processes of a node pool (``pool="node"``) stay
+        for ``FEEDSTORE_POOL_LINGER_SECONDS`` to serve other trainers. Leaving
+        ``with loader:`` calls it."""
+        for iterator in [it for it in list(_lifecycle._LIVE) if it._loader is self]:
+            iterator.close()
         current = self._feedstore_iterator()
-        if isinstance(current, _StoreIter):
+        if current is not None:
             current.close()
 
     def __enter__(self) -> "DataLoader":

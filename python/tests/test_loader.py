@@ -841,10 +841,24 @@ def test_close_and_with_stop_the_workers_without_the_garbage_collector(daemon):
         assert it._shut
         store_empty(daemon)
 
-        # Without workers there is nothing to stop; `with` and `close()` work all the same.
+        # Every live iterator of the loader stops, not only its latest.
+        loader = DataLoader(Augmented(12), batch_size=4, num_workers=2, socket=daemon.socket)
+        first, second = iter(loader), iter(loader)
+        next(first), next(second)
+        workers = [w.process for it in (first, second) for w in it._workers]
+        loader.close()
+        assert not any(p.is_alive() for p in workers)
+        for it in (first, second):
+            with pytest.raises(StopIteration):
+                next(it)
+        store_empty(daemon)
+
+        # Without workers there is nothing to stop; the iterator ends all the same.
         loader = DataLoader(Augmented(12), batch_size=4, socket=daemon.socket)
         with loader, iter(loader) as it:
             assert next(it)["label"].tolist() == [0, 1, 2, 3]
+        with pytest.raises(StopIteration):
+            next(it)
         loader.close()
     finally:
         gc.enable()
