@@ -321,9 +321,8 @@ impl Client {
             segments: infos,
             fds,
             request_limit,
-            leftover,
+            rbuf,
         } = hello(&stream, &opts, &mut wbuf)?;
-        let rbuf = RecvBuf::new(&leftover);
         let access = match opts.role {
             Role::Reader => Access::ReadOnly,
             Role::Writer => Access::ReadWrite,

@@ -338,12 +338,7 @@ fn train_rank(
     rank: u32,
     started: Instant,
 ) -> anyhow::Result<RankRun> {
-    let options = StreamOptions {
-        wait: Duration::from_secs(120),
-        ..StreamOptions::default()
-    };
-    let mut stream = Stream::open(socket, spec, rank, None, options)
-        .with_context(|| format!("rank {rank} opening the stream"))?;
+    let mut stream = open_rank(socket, spec, rank)?;
     let mut delivered = Vec::new();
     let mut held = Vec::new();
     let (steps, samples, first) =
@@ -358,6 +353,17 @@ fn train_rank(
             Ok(held.len())
         })?;
     Ok((steps, samples, first, delivered))
+}
+
+/// Opens `rank` of `spec` on the daemon at `socket` as a demo trainer does: waiting up to 2
+/// minutes for the producers to create the stream.
+fn open_rank(socket: &Path, spec: &StreamSpec, rank: u32) -> anyhow::Result<Stream> {
+    let options = StreamOptions {
+        wait: Duration::from_secs(120),
+        ..StreamOptions::default()
+    };
+    Stream::open(socket, spec, rank, None, options)
+        .with_context(|| format!("rank {rank} of {} opening its stream", spec.name))
 }
 
 /// Closes `spec` on the daemon at `socket` as a writer of its owner, which ends the producers

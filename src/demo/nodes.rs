@@ -32,8 +32,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
-use feedstore_consumer::stream::StreamOptions;
-use feedstore_consumer::{ConnectOptions, RankAt, Role, Stream, StreamTask};
+use feedstore_consumer::{ConnectOptions, RankAt, Role, StreamTask};
 use feedstore_lab::netns::Lan;
 use feedstore_producer::feed::{FeedConfig, feed};
 use feedstore_producer::pipeline::{ProducerError, Summary};
@@ -524,12 +523,7 @@ fn train(
     (steps, step_time, batch): (usize, Duration, usize),
     started: Instant,
 ) -> anyhow::Result<Trained> {
-    let options = StreamOptions {
-        wait: Duration::from_secs(120),
-        ..StreamOptions::default()
-    };
-    let mut stream = Stream::open(socket, spec, rank, None, options)
-        .with_context(|| format!("rank {rank} of {} opening its stream", spec.name))?;
+    let mut stream = super::open_rank(socket, spec, rank)?;
     let (mut log, mut bytes, mut first) = (Vec::with_capacity(steps), 0u64, 0.0);
     let mut arrived = Vec::with_capacity(steps);
     let mut held = Vec::new();

@@ -245,8 +245,8 @@ pub(super) struct Welcome {
     pub(super) fds: Vec<OwnedFd>,
     /// The largest request frame the daemon takes.
     pub(super) request_limit: u32,
-    /// What was read past the hello reply.
-    pub(super) leftover: Vec<u8>,
+    /// The receive buffer, holding what was read past the hello reply.
+    pub(super) rbuf: RecvBuf,
 }
 
 /// Sends the hello (encoded into `wbuf`) and reads the daemon's answer, waiting at most
@@ -324,6 +324,6 @@ pub(super) fn hello(
         segments: infos,
         fds,
         request_limit,
-        leftover: rbuf[frame_len..].to_vec(),
+        rbuf: RecvBuf::new(&rbuf[frame_len..]),
     })
 }
