@@ -384,6 +384,22 @@ fn the_metrics_server_answers_only_what_it_serves() {
     let mut reply = String::new();
     let _ = s.read_to_string(&mut reply);
     assert!(reply.starts_with("HTTP/1.1 431"), "{reply}");
+    // Sixteen connections that say nothing hold every slot: the next is told so at once, and
+    // the slots come back when the silent ones time out.
+    let silent: Vec<TcpStream> = (0..16)
+        .map(|_| TcpStream::connect(("127.0.0.1", port)).unwrap())
+        .collect();
+    std::thread::sleep(Duration::from_millis(200));
+    assert!(get(port, "/metrics").0.contains("503"));
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    while !get(port, "/metrics").0.contains("200") {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the slots never came back"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    drop(silent);
 }
 
 /// A rank whose producer makes nothing has never reported (it took no sample), yet it shows as

@@ -20,22 +20,30 @@
 //! producers held back by full windows (trainer-bound) is
 //! `rate(feedstore_producer_backpressure_seconds_total[5m]) / rate(feedstore_producer_run_seconds_total[5m])`.
 //!
-//! The server is small on purpose: one request per connection (`Connection: close`), a request
-//! head of at most 8 KiB read within 2 s, at most 16 connections at once (more get `503` at
-//! once), `GET /metrics` only.
+//! The HTTP/1.1 server is hyper's, bounded: one request per connection (no keep-alive), a request
+//! head of at most 8 KiB (more gets `431`), the whole exchange within 2 s, at most 16 connections
+//! at once (more get `503` at once), `GET /metrics` only.
 
+use std::convert::Infallible;
 use std::sync::Arc;
 use std::time::Duration;
 
+use bytes::Bytes;
+use http_body_util::Full;
+use hyper::header::CONTENT_TYPE;
+use hyper::server::conn::http1;
+use hyper::service::service_fn;
+use hyper::{Method, Request, Response, StatusCode};
+use hyper_util::rt::TokioIo;
+
 use feedstore_proto::StoreStats;
-use feedstore_proto::frame::{PRODUCER_STAGES, ProducerFigures, StreamInfo};
+use feedstore_proto::frame::{PRODUCER_STAGES, ProducerFigures, RankInfo, StreamInfo};
 use prometheus_client::encoding::prometheus_text;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::{TcpListener, TcpStream};
+use tokio::net::TcpListener;
 
 use crate::server::Shared;
 
@@ -67,14 +75,16 @@ const COUNTERS: [&str; 23] = [
 ];
 
 const MAX_CONNECTIONS: usize = 16;
+/// hyper's least read buffer; a request head that does not fit gets `431`.
 const MAX_REQUEST_BYTES: usize = 8 << 10;
+/// The whole exchange, from accepting to the last byte of the answer.
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// Serves scrapes until the task is aborted.
 pub async fn serve(listener: TcpListener, shared: Arc<Shared>) {
     let slots = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
     loop {
-        let (mut stream, _) = match listener.accept().await {
+        let (stream, _) = match listener.accept().await {
             Ok(accepted) => accepted,
             Err(e) => {
                 tracing::warn!(error = %e, "metrics accept failed");
@@ -82,110 +92,84 @@ pub async fn serve(listener: TcpListener, shared: Arc<Shared>) {
                 continue;
             }
         };
-        let Ok(slot) = slots.clone().try_acquire_owned() else {
-            // Over the bound: told so at once (within the timeout), and closed.
-            tokio::spawn(async move {
-                let busy = respond(
-                    &mut stream,
-                    "503 Service Unavailable",
-                    "text/plain",
-                    "busy\n",
-                );
-                let _ = tokio::time::timeout(REQUEST_TIMEOUT, busy).await;
-            });
-            continue;
-        };
+        // Over the bound a connection is told so at once (within the timeout), and closed.
+        let slot = slots.clone().try_acquire_owned().ok();
         let shared = shared.clone();
         tokio::spawn(async move {
-            let _slot = slot;
-            if let Err(e) = tokio::time::timeout(REQUEST_TIMEOUT, answer(stream, shared)).await {
-                tracing::debug!(error = %e, "metrics request timed out");
+            let busy = slot.is_none();
+            let service = service_fn(move |request| {
+                let shared = shared.clone();
+                async move { Ok::<_, Infallible>(answer(&request, shared, busy).await) }
+            });
+            let connection = http1::Builder::new()
+                .keep_alive(false)
+                .max_buf_size(MAX_REQUEST_BYTES)
+                .serve_connection(TokioIo::new(stream), service);
+            match tokio::time::timeout(REQUEST_TIMEOUT, connection).await {
+                Ok(Err(e)) => tracing::debug!(error = %e, "metrics request failed"),
+                Err(_) => tracing::debug!("metrics request timed out"),
+                Ok(Ok(())) => {}
             }
+            drop(slot);
         });
     }
 }
 
-/// Reads one request head and answers it.
-async fn answer(mut stream: TcpStream, shared: Arc<Shared>) {
-    let mut head = Vec::with_capacity(1024);
-    let mut buf = [0u8; 1024];
-    while !head.windows(4).any(|w| w == b"\r\n\r\n") {
-        match stream.read(&mut buf).await {
-            Ok(0) | Err(_) => return,
-            Ok(n) => head.extend_from_slice(&buf[..n]),
-        }
-        if head.len() > MAX_REQUEST_BYTES {
-            respond(&mut stream, "431 Request Header Fields Too Large", "", "").await;
-            return;
-        }
+/// The answer to one request: `GET /metrics` (any query) is the scrape, anything else an error.
+async fn answer<B>(request: &Request<B>, shared: Arc<Shared>, busy: bool) -> Response<Full<Bytes>> {
+    if busy {
+        return reply(StatusCode::SERVICE_UNAVAILABLE, "busy\n");
     }
-    let line = head.split(|&b| b == b'\r').next().unwrap_or_default();
-    let mut words = line.split(|&b| b == b' ');
-    let (method, path) = (
-        words.next().unwrap_or_default(),
-        words.next().unwrap_or_default(),
-    );
-    let path = path.split(|&b| b == b'?').next().unwrap_or_default();
-    match (method, path) {
-        (b"GET", b"/metrics") => {
-            // The snapshot takes the daemon's locks and the encoding grows with the streams:
-            // both off the runtime thread that answers clients.
-            let body = tokio::task::spawn_blocking(move || {
-                let (stats, streams) = shared.snapshot();
-                encode(&stats, &streams)
-            })
-            .await;
-            match body {
-                Ok(body) => {
-                    respond(&mut stream, "200 OK", prometheus_text::CONTENT_TYPE, &body).await;
-                }
-                Err(_) => {
-                    respond(&mut stream, "500 Internal Server Error", "text/plain", "").await;
-                }
-            }
-        }
-        (b"GET", _) => {
-            respond(&mut stream, "404 Not Found", "text/plain", "see /metrics\n").await;
-        }
-        _ => {
-            respond(
-                &mut stream,
-                "405 Method Not Allowed",
-                "text/plain",
-                "GET only\n",
-            )
-            .await
-        }
+    if request.method() != Method::GET {
+        return reply(StatusCode::METHOD_NOT_ALLOWED, "GET only\n");
+    }
+    if request.uri().path() != "/metrics" {
+        return reply(StatusCode::NOT_FOUND, "see /metrics\n");
+    }
+    // The snapshot takes the daemon's locks and the encoding grows with the streams: both off
+    // the runtime thread that answers clients.
+    let body = tokio::task::spawn_blocking(move || {
+        let (stats, streams) = shared.snapshot();
+        encode(&stats, &streams)
+    })
+    .await;
+    match body {
+        Ok(body) => Response::builder()
+            .header(CONTENT_TYPE, prometheus_text::CONTENT_TYPE)
+            .body(Full::new(Bytes::from(body)))
+            .expect("a static header"),
+        Err(_) => reply(StatusCode::INTERNAL_SERVER_ERROR, ""),
     }
 }
 
-async fn respond(stream: &mut TcpStream, status: &str, content_type: &str, body: &str) {
-    let head = format!(
-        "HTTP/1.1 {status}\r\nContent-Type: {content_type}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
-        body.len()
-    );
-    let _ = stream.write_all(head.as_bytes()).await;
-    let _ = stream.write_all(body.as_bytes()).await;
-    let _ = stream.shutdown().await;
+fn reply(status: StatusCode, text: &'static str) -> Response<Full<Bytes>> {
+    Response::builder()
+        .status(status)
+        .header(CONTENT_TYPE, "text/plain")
+        .body(Full::new(Bytes::from_static(text.as_bytes())))
+        .expect("a static header")
 }
 
 type Labels = Vec<(&'static str, String)>;
 
-/// A per-stream metric: its name, its help, and how to read it off a stream.
-type StreamFigure = (&'static str, &'static str, fn(&StreamInfo) -> u64);
-
-/// A gauge family of floats.
-type Floats = Family<Labels, Gauge<f64, std::sync::atomic::AtomicU64>>;
-/// A counter family of floats (seconds).
-type FloatCounters = Family<Labels, Counter<f64, std::sync::atomic::AtomicU64>>;
-/// A counter family of whole numbers.
-type Counts = Family<Labels, Counter>;
-/// A gauge family of whole numbers.
-type Levels = Family<Labels, Gauge>;
+/// A metric read off one labelled item (a stream, a rank, a stream's producers): its name, its
+/// help, and how to read it.
+type Figure<T> = (&'static str, &'static str, fn(&T) -> u64);
 
 /// The snapshot in the Prometheus text format.
 pub fn encode(stats: &StoreStats, streams: &[StreamInfo]) -> String {
     let mut registry = Registry::with_prefix("feedstore");
+    register_store(&mut registry, stats);
+    register_streams(&mut registry, streams);
+    register_ranks(&mut registry, streams);
+    register_producers(&mut registry, streams);
+    let mut out = String::new();
+    prometheus_text::encode(&mut out, &registry).expect("writing to a String");
+    out
+}
+
+/// The store's own figures: counters where they only grow, gauges otherwise.
+fn register_store(registry: &mut Registry, stats: &StoreStats) {
     for (name, help, value) in stats.described() {
         // prometheus-client ends the help with a period of its own.
         let help = help.split_whitespace().collect::<Vec<_>>().join(" ");
@@ -196,74 +180,106 @@ pub fn encode(stats: &StoreStats, streams: &[StreamInfo]) -> String {
             registry.register(name, help, counter);
         } else {
             let gauge: Gauge = Gauge::default();
-            gauge.set(i64::try_from(value).unwrap_or(i64::MAX));
+            gauge.set(saturating(value));
             registry.register(name, help, gauge);
         }
     }
+}
 
-    let stream_levels: [StreamFigure; 7] = [
-        (
-            "stream_ready_samples",
-            "Samples made and not yet returned, over the stream's ranks on this node",
-            |t| t.ready,
-        ),
-        ("stream_making_samples", "Samples at producers", |t| {
-            t.making
-        }),
-        (
-            "stream_lag_samples",
-            "How far the slowest rank trails the fastest, in samples",
-            |t| t.fastest - t.slowest,
-        ),
-        ("stream_producers", "Producer connections joined", |t| {
-            u64::from(t.producers)
-        }),
-        ("stream_consumers", "Ranks with a consumer attached", |t| {
-            u64::from(t.consumers)
-        }),
-        ("stream_depth_samples", "Prefetch depth per rank", |t| {
-            u64::from(t.depth)
-        }),
-        ("stream_ranks", "Ranks known on this node", |t| {
-            u64::from(t.ranks)
-        }),
-    ];
-    for (name, help, value) in stream_levels {
-        let family = Levels::default();
-        for t in streams {
-            family
-                .get_or_create(&stream_labels(t))
-                .set(i64::try_from(value(t)).unwrap_or(i64::MAX));
-        }
-        registry.register(name, help, family);
-    }
-    let stream_counts: [StreamFigure; 2] = [
-        ("stream_put_samples", "Samples put by producers", |t| t.put),
-        (
-            "stream_returned_samples",
-            "Samples returned by consumers",
-            |t| t.returned,
-        ),
-    ];
-    for (name, help, value) in stream_counts {
-        let family = Counts::default();
-        for t in streams {
-            family.get_or_create(&stream_labels(t)).inc_by(value(t));
-        }
-        registry.register(name, help, family);
-    }
-    let cold = Floats::default();
-    for t in streams.iter().filter(|t| t.cold_start_us > 0) {
-        cold.get_or_create(&stream_labels(t))
-            .set(t.cold_start_us as f64 / 1e6);
-    }
-    registry.register(
-        "stream_cold_start_seconds",
-        "From the stream's creation to its first sample put",
-        cold,
-    );
+const STREAM_LEVELS: [Figure<StreamInfo>; 7] = [
+    (
+        "stream_ready_samples",
+        "Samples made and not yet returned, over the stream's ranks on this node",
+        |t| t.ready,
+    ),
+    ("stream_making_samples", "Samples at producers", |t| {
+        t.making
+    }),
+    (
+        "stream_lag_samples",
+        "How far the slowest rank trails the fastest, in samples",
+        |t| t.fastest - t.slowest,
+    ),
+    ("stream_producers", "Producer connections joined", |t| {
+        u64::from(t.producers)
+    }),
+    ("stream_consumers", "Ranks with a consumer attached", |t| {
+        u64::from(t.consumers)
+    }),
+    ("stream_depth_samples", "Prefetch depth per rank", |t| {
+        u64::from(t.depth)
+    }),
+    ("stream_ranks", "Ranks known on this node", |t| {
+        u64::from(t.ranks)
+    }),
+];
 
-    let ranks = || {
+const STREAM_COUNTS: [Figure<StreamInfo>; 2] = [
+    ("stream_put_samples", "Samples put by producers", |t| t.put),
+    (
+        "stream_returned_samples",
+        "Samples returned by consumers",
+        |t| t.returned,
+    ),
+];
+
+const STREAM_SECONDS: [Figure<StreamInfo>; 1] = [(
+    "stream_cold_start_seconds",
+    "From the stream's creation to its first sample put",
+    |t| t.cold_start_us,
+)];
+
+/// Per stream, labelled `stream` and `uid`.
+fn register_streams(registry: &mut Registry, streams: &[StreamInfo]) {
+    let labelled = || streams.iter().map(|t| (stream_labels(t), t));
+    register_levels(registry, labelled, &STREAM_LEVELS);
+    register_counts(registry, labelled, &STREAM_COUNTS);
+    // A stream that has not put its first sample has no cold start yet.
+    let started = || labelled().filter(|(_, t)| t.cold_start_us > 0);
+    register_instants(registry, started, &STREAM_SECONDS);
+}
+
+const RANK_SECONDS: [Figure<RankInfo>; 2] = [
+    (
+        "rank_wait_seconds",
+        "Time the rank's consumer spent waiting for samples not yet made, as it reports it (since its first request), plus a wait under way",
+        |r| r.figures.waited_us,
+    ),
+    (
+        "rank_run_seconds",
+        "Time since the rank's consumer first asked for a sample, as it reports it plus the time since (up to the end of its share): waiting plus the trainer's own work",
+        |r| r.figures.elapsed_us,
+    ),
+];
+
+const RANK_COUNTS: [Figure<RankInfo>; 1] = [(
+    "rank_taken_samples",
+    "Samples the rank's trainer took",
+    |r| r.figures.taken,
+)];
+
+const RANK_LEVELS: [Figure<RankInfo>; 2] = [
+    (
+        "rank_released_samples",
+        "The rank's position: the first sequence number its consumer has not returned",
+        |r| r.released,
+    ),
+    (
+        "rank_ready_samples",
+        "Samples made and waiting in the rank's window",
+        |r| u64::from(r.ready),
+    ),
+];
+
+const RANK_FIRST_SAMPLE: [Figure<RankInfo>; 1] = [(
+    "rank_first_sample_seconds",
+    "From opening the stream to the rank's first sample",
+    |r| r.figures.first_sample_us,
+)];
+
+/// Per attached rank, labelled `stream`, `uid` and `rank`.
+fn register_ranks(registry: &mut Registry, streams: &[StreamInfo]) {
+    let labelled = || {
         streams.iter().flat_map(|t| {
             t.ranks_attached.iter().map(move |r| {
                 let mut labels = stream_labels(t);
@@ -272,178 +288,112 @@ pub fn encode(stats: &StoreStats, streams: &[StreamInfo]) -> String {
             })
         })
     };
-    let seconds = |us: u64| us as f64 / 1e6;
-    let waited = FloatCounters::default();
-    let run = FloatCounters::default();
-    let taken = Counts::default();
+    register_seconds(registry, labelled, &RANK_SECONDS);
+    register_counts(registry, labelled, &RANK_COUNTS);
+    register_levels(registry, labelled, &RANK_LEVELS);
     let ratio = Floats::default();
-    let first = Floats::default();
-    let released = Levels::default();
-    let ready = Levels::default();
-    for (labels, r) in ranks() {
-        let f = &r.figures;
-        waited.get_or_create(&labels).inc_by(seconds(f.waited_us));
-        run.get_or_create(&labels).inc_by(seconds(f.elapsed_us));
-        taken.get_or_create(&labels).inc_by(f.taken);
-        ratio.get_or_create(&labels).set(f.wait_ratio());
-        if f.first_sample_us > 0 {
-            first.get_or_create(&labels).set(seconds(f.first_sample_us));
-        }
-        released
-            .get_or_create(&labels)
-            .set(i64::try_from(r.released).unwrap_or(i64::MAX));
-        ready.get_or_create(&labels).set(i64::from(r.ready));
+    for (labels, r) in labelled() {
+        ratio.get_or_create(&labels).set(r.figures.wait_ratio());
     }
-    registry.register(
-        "rank_wait_seconds",
-        "Time the rank's consumer spent waiting for samples not yet made, as it reports it (since its first request), plus a wait under way",
-        waited,
-    );
-    registry.register(
-        "rank_run_seconds",
-        "Time since the rank's consumer first asked for a sample, as it reports it plus the time since (up to the end of its share): waiting plus the trainer's own work",
-        run,
-    );
-    registry.register(
-        "rank_taken_samples",
-        "Samples the rank's trainer took",
-        taken,
-    );
     registry.register(
         "rank_wait_ratio",
         "The share of its time the rank's consumer waited for data, since its first request (the seed's wait-time ratio)",
         ratio,
     );
-    registry.register(
-        "rank_first_sample_seconds",
-        "From opening the stream to the rank's first sample",
-        first,
-    );
-    registry.register(
-        "rank_released_samples",
-        "The rank's position: the first sequence number its consumer has not returned",
-        released,
-    );
-    registry.register(
-        "rank_ready_samples",
-        "Samples made and waiting in the rank's window",
-        ready,
-    );
-    register_producers(&mut registry, streams);
-    let mut out = String::new();
-    prometheus_text::encode(&mut out, &registry).expect("writing to a String");
-    out
+    // A rank that has had no sample yet has no first-sample time.
+    let served = || labelled().filter(|(_, r)| r.figures.first_sample_us > 0);
+    register_instants(registry, served, &RANK_FIRST_SAMPLE);
 }
 
-/// A producer figure: its name, its help, and how to read it off the producers' sum.
-type ProducerFigure = (&'static str, &'static str, fn(&ProducerFigures) -> u64);
+const PRODUCER_SECONDS: [Figure<ProducerFigures>; 6] = [
+    (
+        "producer_run_seconds",
+        "Time since each producer started, summed over the stream's producers",
+        |f| f.elapsed_us,
+    ),
+    (
+        "producer_startup_seconds",
+        "Time before the producers' CPU workers could start (connecting, mapping the store, joining)",
+        |f| f.startup_us,
+    ),
+    (
+        "producer_worker_seconds",
+        "The CPU workers' time since they started (workers times their running time)",
+        |f| f.worker_us,
+    ),
+    (
+        "producer_cpu_idle_seconds",
+        "Time CPU workers waited for fetched input (high: fetch-bound)",
+        |f| f.cpu_idle_us,
+    ),
+    (
+        "producer_fetch_blocked_seconds",
+        "Time fetched records waited for a CPU worker (high: CPU-bound)",
+        |f| f.fetch_blocked_us,
+    ),
+    (
+        "producer_backpressure_seconds",
+        "Time producers waited for work while every rank's prefetch window was full (high: trainer-bound)",
+        |f| f.backpressure_us,
+    ),
+];
 
-/// The producers' stage profiles, per stream (those whose producers reported).
+const PRODUCER_COUNTS: [Figure<ProducerFigures>; 4] = [
+    ("producer_fetched_bytes", "Image bytes fetched", |f| {
+        f.fetched_bytes
+    }),
+    ("producer_fetches", "Image fetches that succeeded", |f| {
+        f.fetches_ok
+    }),
+    (
+        "producer_fetch_failures",
+        "Image fetches that failed",
+        |f| f.fetch_failures,
+    ),
+    (
+        "producer_cache_hit_samples",
+        "Samples served from the decode-once cache instead of being made",
+        |f| f.cache_hits,
+    ),
+];
+
+const PRODUCER_LEVELS: [Figure<ProducerFigures>; 3] = [
+    (
+        "producer_cpu_workers",
+        "CPU workers of the stream's producers joined now",
+        |f| f.cpu_workers,
+    ),
+    (
+        "producer_fetch_concurrency",
+        "Most fetches in flight, over the producers joined now",
+        |f| f.fetch_concurrency,
+    ),
+    ("producer_fetches_in_flight", "Fetches in flight now", |f| {
+        f.fetch_in_flight
+    }),
+];
+
+/// The producers' stage profiles, per stream (those whose producers reported), summed over the
+/// stream's producers on this node.
 fn register_producers(registry: &mut Registry, streams: &[StreamInfo]) {
-    let reported = || streams.iter().filter(|t| t.producer.elapsed_us > 0);
-    let times: [ProducerFigure; 6] = [
-        (
-            "producer_run_seconds",
-            "Time since each producer started, summed over the stream's producers",
-            |f| f.elapsed_us,
-        ),
-        (
-            "producer_startup_seconds",
-            "Time before the producers' CPU workers could start (connecting, mapping the store, joining)",
-            |f| f.startup_us,
-        ),
-        (
-            "producer_worker_seconds",
-            "The CPU workers' time since they started (workers times their running time)",
-            |f| f.worker_us,
-        ),
-        (
-            "producer_cpu_idle_seconds",
-            "Time CPU workers waited for fetched input (high: fetch-bound)",
-            |f| f.cpu_idle_us,
-        ),
-        (
-            "producer_fetch_blocked_seconds",
-            "Time fetched records waited for a CPU worker (high: CPU-bound)",
-            |f| f.fetch_blocked_us,
-        ),
-        (
-            "producer_backpressure_seconds",
-            "Time producers waited for work while every rank's prefetch window was full (high: trainer-bound)",
-            |f| f.backpressure_us,
-        ),
-    ];
-    for (name, help, value) in times {
-        let family = FloatCounters::default();
-        for t in reported() {
-            family
-                .get_or_create(&stream_labels(t))
-                .inc_by(value(&t.producer) as f64 / 1e6);
-        }
-        registry.register(name, help, family);
-    }
-    let counts: [ProducerFigure; 4] = [
-        ("producer_fetched_bytes", "Image bytes fetched", |f| {
-            f.fetched_bytes
-        }),
-        ("producer_fetches", "Image fetches that succeeded", |f| {
-            f.fetches_ok
-        }),
-        (
-            "producer_fetch_failures",
-            "Image fetches that failed",
-            |f| f.fetch_failures,
-        ),
-        (
-            "producer_cache_hit_samples",
-            "Samples served from the decode-once cache instead of being made",
-            |f| f.cache_hits,
-        ),
-    ];
-    for (name, help, value) in counts {
-        let family = Counts::default();
-        for t in reported() {
-            family
-                .get_or_create(&stream_labels(t))
-                .inc_by(value(&t.producer));
-        }
-        registry.register(name, help, family);
-    }
-    let levels: [ProducerFigure; 3] = [
-        (
-            "producer_cpu_workers",
-            "CPU workers of the stream's producers joined now",
-            |f| f.cpu_workers,
-        ),
-        (
-            "producer_fetch_concurrency",
-            "Most fetches in flight, over the producers joined now",
-            |f| f.fetch_concurrency,
-        ),
-        ("producer_fetches_in_flight", "Fetches in flight now", |f| {
-            f.fetch_in_flight
-        }),
-    ];
-    for (name, help, value) in levels {
-        let family = Levels::default();
-        for t in reported() {
-            family
-                .get_or_create(&stream_labels(t))
-                .set(i64::try_from(value(&t.producer)).unwrap_or(i64::MAX));
-        }
-        registry.register(name, help, family);
-    }
+    let labelled = || {
+        streams
+            .iter()
+            .filter(|t| t.producer.elapsed_us > 0)
+            .map(|t| (stream_labels(t), &t.producer))
+    };
+    register_seconds(registry, labelled, &PRODUCER_SECONDS);
+    register_counts(registry, labelled, &PRODUCER_COUNTS);
+    register_levels(registry, labelled, &PRODUCER_LEVELS);
     let busy = FloatCounters::default();
     let items = Counts::default();
-    for t in reported() {
+    for (labels, producer) in labelled() {
         for (i, stage) in PRODUCER_STAGES.iter().enumerate() {
-            let mut labels = stream_labels(t);
+            let mut labels = labels.clone();
             labels.push(("stage", (*stage).to_owned()));
             busy.get_or_create(&labels)
-                .inc_by(t.producer.stage_busy_us[i] as f64 / 1e6);
-            items
-                .get_or_create(&labels)
-                .inc_by(t.producer.stage_items[i]);
+                .inc_by(seconds(producer.stage_busy_us[i]));
+            items.get_or_create(&labels).inc_by(producer.stage_items[i]);
         }
     }
     registry.register(
@@ -456,6 +406,89 @@ fn register_producers(registry: &mut Registry, streams: &[StreamInfo]) {
         "Items through each pipeline stage",
         items,
     );
+}
+
+/// Gauges of whole numbers, one family per figure.
+fn register_levels<'a, T: 'a, I>(
+    registry: &mut Registry,
+    items: impl Fn() -> I,
+    figures: &[Figure<T>],
+) where
+    I: Iterator<Item = (Labels, &'a T)>,
+{
+    for (name, help, value) in figures {
+        let family = Family::<Labels, Gauge>::default();
+        for (labels, item) in items() {
+            family.get_or_create(&labels).set(saturating(value(item)));
+        }
+        registry.register(*name, *help, family);
+    }
+}
+
+/// Counters of whole numbers, one family per figure.
+fn register_counts<'a, T: 'a, I>(
+    registry: &mut Registry,
+    items: impl Fn() -> I,
+    figures: &[Figure<T>],
+) where
+    I: Iterator<Item = (Labels, &'a T)>,
+{
+    for (name, help, value) in figures {
+        let family = Counts::default();
+        for (labels, item) in items() {
+            family.get_or_create(&labels).inc_by(value(item));
+        }
+        registry.register(*name, *help, family);
+    }
+}
+
+/// Counters of seconds, read as microseconds, one family per figure.
+fn register_seconds<'a, T: 'a, I>(
+    registry: &mut Registry,
+    items: impl Fn() -> I,
+    figures: &[Figure<T>],
+) where
+    I: Iterator<Item = (Labels, &'a T)>,
+{
+    for (name, help, value) in figures {
+        let family = FloatCounters::default();
+        for (labels, item) in items() {
+            family.get_or_create(&labels).inc_by(seconds(value(item)));
+        }
+        registry.register(*name, *help, family);
+    }
+}
+
+/// Gauges of seconds (a duration measured once), read as microseconds, one family per figure.
+fn register_instants<'a, T: 'a, I>(
+    registry: &mut Registry,
+    items: impl Fn() -> I,
+    figures: &[Figure<T>],
+) where
+    I: Iterator<Item = (Labels, &'a T)>,
+{
+    for (name, help, value) in figures {
+        let family = Floats::default();
+        for (labels, item) in items() {
+            family.get_or_create(&labels).set(seconds(value(item)));
+        }
+        registry.register(*name, *help, family);
+    }
+}
+
+/// A gauge family of floats.
+type Floats = Family<Labels, Gauge<f64, std::sync::atomic::AtomicU64>>;
+/// A counter family of floats (seconds).
+type FloatCounters = Family<Labels, Counter<f64, std::sync::atomic::AtomicU64>>;
+/// A counter family of whole numbers.
+type Counts = Family<Labels, Counter>;
+
+fn seconds(us: u64) -> f64 {
+    us as f64 / 1e6
+}
+
+fn saturating(value: u64) -> i64 {
+    i64::try_from(value).unwrap_or(i64::MAX)
 }
 
 fn stream_labels(t: &StreamInfo) -> Labels {
