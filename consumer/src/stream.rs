@@ -13,6 +13,7 @@ use std::time::{Duration, Instant};
 
 use feedstore_proto::frame::{
     Opcode, ProducerFigures, RankAt, RankFigures, Request, Response, StreamItem, StreamTask,
+    TakeTasks,
 };
 use feedstore_proto::ring::{ENTRY_FAILED, RingEntry, RingHeader, RingWords};
 use feedstore_proto::sample::{

@@ -11,14 +11,14 @@
 //! The connector sends [`SessionRequest`]s, the acceptor answers each with one
 //! [`SessionReply`] carrying the same id, in any order (a `Take` waits for work while `Put`s
 //! are answered), so one connection serves every stream between two nodes. Bodies use the
-//! client protocol's encodings of specs, tasks and items.
+//! client protocol's encodings of specs, tasks, items and takes.
 //!
 //! The acceptor (the daemon that owns the ranks) treats the session as one producer per uid:
 //! what the session took and has not put goes back to the windows when it ends, however it
 //! ends.
 
 use crate::Status;
-use crate::frame::{StreamItem, StreamTask};
+use crate::frame::{StreamItem, StreamTask, TakeTasks};
 use crate::stream::StreamSpec;
 use crate::wire::{DecodeError, Reader, Wire, Writer, truncate};
 
@@ -46,15 +46,9 @@ pub enum SessionRequest {
         /// The ranks, owned by the answering node, with where each starts.
         ranks: Vec<StreamTask>,
     },
-    /// Up to `max` tasks of the joined ranks, waiting up to `timeout_ms` for room.
-    Take {
-        /// From [`SessionReply::Joined`].
-        stream: u32,
-        /// Most tasks wanted.
-        max: u32,
-        /// How long to wait for work.
-        timeout_ms: u32,
-    },
+    /// Tasks of the joined ranks (the stream id from [`SessionReply::Joined`]); the client
+    /// protocol's codec.
+    Take(TakeTasks),
     /// Samples made on node `source`, sealed there: the answering node pulls each before it
     /// publishes it, and answers once each is in (or why not).
     Put {
@@ -158,15 +152,7 @@ impl SessionRequest {
                 w.u32(*depth);
                 w.list(ranks);
             }),
-            SessionRequest::Take {
-                stream,
-                max,
-                timeout_ms,
-            } => frame(id, TAKE, |w| {
-                w.u32(*stream);
-                w.u32(*max);
-                w.u32(*timeout_ms);
-            }),
+            SessionRequest::Take(take) => frame(id, TAKE, |w| take.encode(w)),
             SessionRequest::Put {
                 stream,
                 source,
@@ -190,11 +176,7 @@ impl SessionRequest {
                 depth: r.u32()?,
                 ranks: bounded(r.list()?, "session ranks")?,
             },
-            TAKE => SessionRequest::Take {
-                stream: r.u32()?,
-                max: r.u32()?,
-                timeout_ms: r.u32()?,
-            },
+            TAKE => SessionRequest::Take(TakeTasks::decode(&mut r)?),
             PUT => SessionRequest::Put {
                 stream: r.u32()?,
                 source: r.u32()?,
@@ -287,11 +269,11 @@ mod tests {
             depth: 8,
             ranks: vec![task],
         });
-        round_trip_request(SessionRequest::Take {
+        round_trip_request(SessionRequest::Take(TakeTasks {
             stream: 3,
             max: 16,
             timeout_ms: 500,
-        });
+        }));
         round_trip_request(SessionRequest::Put {
             stream: 3,
             source: 0xA1,

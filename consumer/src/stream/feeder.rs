@@ -250,11 +250,11 @@ impl StreamFeeder {
     /// Up to `max` tasks, waiting up to `wait` while every prefetch window is full. `None`
     /// once the stream has no work left.
     pub fn take(&self, max: u32, wait: Duration) -> Result<Option<Vec<StreamTask>>, Error> {
-        let request = Request::StreamTake {
+        let request = Request::StreamTake(TakeTasks {
             stream: self.id,
             max,
             timeout_ms: wait.as_millis().min(u128::from(u32::MAX)) as u32,
-        };
+        });
         match self.client.call(&request) {
             Ok(Response::Tasks(tasks)) => Ok(Some(tasks)),
             Ok(other) => Err(Error::Protocol(format!("unexpected reply {other:?}"))),

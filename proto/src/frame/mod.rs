@@ -33,7 +33,7 @@ mod streams;
 pub use objects::{CacheEntry, Created, Got};
 pub use streams::{
     PRODUCER_STAGES, ProducerFigures, RankAt, RankFigures, RankInfo, StreamInfo, StreamItem,
-    StreamTask,
+    StreamTask, TakeTasks,
 };
 
 use crate::stream::StreamSpec;
@@ -433,16 +433,8 @@ pub enum Request {
         /// How long to wait for the stream to exist.
         timeout_ms: u32,
     },
-    /// A producer asks for up to `max` samples to make, waiting up to `timeout_ms` while every
-    /// rank's prefetch window is full (backpressure).
-    StreamTake {
-        /// From [`Response::StreamJoined`].
-        stream: u32,
-        /// Most tasks wanted.
-        max: u32,
-        /// How long to wait for work.
-        timeout_ms: u32,
-    },
+    /// A producer asks for samples to make (its stream id from [`Response::StreamJoined`]).
+    StreamTake(TakeTasks),
     /// A producer delivers samples: reserved objects of its own (sealed here) or sealed ones
     /// (cache hits), each for one task.
     StreamPut {
@@ -535,7 +527,7 @@ impl Request {
             Request::Stats => Opcode::Stats,
             Request::StreamJoin { .. } => Opcode::StreamJoin,
             Request::StreamAttach { .. } => Opcode::StreamAttach,
-            Request::StreamTake { .. } => Opcode::StreamTake,
+            Request::StreamTake(_) => Opcode::StreamTake,
             Request::StreamPut { .. } => Opcode::StreamPut,
             Request::StreamRelease { .. } => Opcode::StreamRelease,
             Request::StreamWait { .. } => Opcode::StreamWait,
@@ -579,7 +571,7 @@ impl Request {
     /// client's limit before acting on it.
     pub fn reply_bound(&self) -> Option<usize> {
         match self {
-            Request::StreamTake { max, .. } => Some(4 + *max as usize * StreamTask::WIRE_BYTES),
+            Request::StreamTake(take) => Some(take.reply_bound()),
             other => other
                 .opcode()
                 .batch_cost()
@@ -649,15 +641,7 @@ impl Request {
                 w.u64(*seq);
                 w.u32(*timeout_ms);
             }
-            Request::StreamTake {
-                stream,
-                max,
-                timeout_ms,
-            } => {
-                w.u32(*stream);
-                w.u32(*max);
-                w.u32(*timeout_ms);
-            }
+            Request::StreamTake(take) => take.encode(w),
             Request::StreamPut { stream, items } => {
                 w.u32(*stream);
                 w.list(items);
@@ -736,11 +720,7 @@ impl Request {
                 seq: r.u64()?,
                 timeout_ms: r.u32()?,
             },
-            Opcode::StreamTake => Request::StreamTake {
-                stream: r.u32()?,
-                max: r.u32()?,
-                timeout_ms: r.u32()?,
-            },
+            Opcode::StreamTake => Request::StreamTake(TakeTasks::decode(&mut r)?),
             Opcode::StreamPut => Request::StreamPut {
                 stream: r.u32()?,
                 items: r.list()?,

@@ -74,6 +74,43 @@ impl Wire for StreamTask {
     }
 }
 
+/// A producer's ask for work: up to `max` tasks of stream `stream`, waiting up to `timeout_ms`
+/// while every rank's prefetch window is full (backpressure). One codec for the Unix socket's
+/// [`super::Request::StreamTake`] and the peer session's
+/// [`crate::peer_stream::SessionRequest::Take`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TakeTasks {
+    /// The stream's id where it was joined.
+    pub stream: u32,
+    /// Most tasks wanted.
+    pub max: u32,
+    /// How long to wait for work.
+    pub timeout_ms: u32,
+}
+
+impl TakeTasks {
+    /// The largest reply to it: a list of `max` tasks.
+    pub fn reply_bound(&self) -> usize {
+        4 + self.max as usize * StreamTask::WIRE_BYTES
+    }
+}
+
+impl Wire for TakeTasks {
+    const MIN_BYTES: usize = 12;
+    fn encode(&self, w: &mut Writer<'_>) {
+        w.u32(self.stream);
+        w.u32(self.max);
+        w.u32(self.timeout_ms);
+    }
+    fn decode(r: &mut Reader<'_>) -> Result<Self, DecodeError> {
+        Ok(TakeTasks {
+            stream: r.u32()?,
+            max: r.u32()?,
+            timeout_ms: r.u32()?,
+        })
+    }
+}
+
 /// Where a rank lives: the peer address of the daemon its consumer uses.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct RankAt {

@@ -219,11 +219,11 @@ fn request() -> impl Strategy<Value = Request> {
             }
         ),
         (any::<u32>(), any::<u32>(), any::<u32>()).prop_map(|(stream, max, timeout_ms)| {
-            Request::StreamTake {
+            Request::StreamTake(TakeTasks {
                 stream,
                 max,
                 timeout_ms,
-            }
+            })
         }),
         (any::<u32>(), prop::collection::vec(item(), 0..20))
             .prop_map(|(stream, items)| Request::StreamPut { stream, items }),
@@ -486,6 +486,11 @@ fn min_bytes_are_the_smallest_encodings() {
         epochs: None,
     });
     min_bytes_is_tight(&StreamTask { rank: 0, seq: 0 });
+    min_bytes_is_tight(&TakeTasks {
+        stream: 0,
+        max: 0,
+        timeout_ms: 0,
+    });
     min_bytes_is_tight(&RankInfo {
         rank: 0,
         released: 0,

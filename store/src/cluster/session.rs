@@ -24,7 +24,7 @@ use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use feedstore_proto::frame::{StreamItem, StreamTask};
+use feedstore_proto::frame::{StreamItem, StreamTask, TakeTasks};
 use feedstore_proto::peer::TAG_BYTES;
 use feedstore_proto::peer_stream::{MAX_SESSION_ITEMS, SessionReply, SessionRequest, frame_len};
 use feedstore_proto::ring::ENTRY_FAILED;
@@ -486,11 +486,11 @@ async fn serve_grants(
                 }
             }
             Demand::Tasks(n) if !ended => {
-                let take = SessionRequest::Take {
+                let take = SessionRequest::Take(TakeTasks {
                     stream: remote,
                     max: n.min(MAX_SESSION_ITEMS),
                     timeout_ms: TAKE_WAIT_MS,
-                };
+                });
                 let deadline = Instant::now()
                     + Duration::from_millis(u64::from(TAKE_WAIT_MS))
                     + Duration::from_secs(30);
@@ -744,11 +744,11 @@ async fn answer(
                 Err(e) => failed(e),
             }
         }
-        SessionRequest::Take {
+        SessionRequest::Take(TakeTasks {
             stream,
             max,
             timeout_ms,
-        } => {
+        }) => {
             let (conn, ranks) = match producers.joined(stream) {
                 Ok(c) => c,
                 Err(reply) => return reply,

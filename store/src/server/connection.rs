@@ -185,7 +185,7 @@ impl Connection {
         // single lease or reservation.
         if let Some(bound) = request.reply_bound()
             && bound > self.peer_limit as usize
-            && !matches!(request, Request::StreamTake { .. })
+            && !matches!(request, Request::StreamTake(_))
         {
             let message = format!(
                 "a {op:?} of {} items needs a reply of {bound} bytes, over this client's limit \

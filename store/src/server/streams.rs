@@ -6,6 +6,7 @@ use std::os::fd::AsRawFd;
 
 use feedstore_proto::frame::{
     Opcode, ProducerFigures, RankAt, RankFigures, Request, Response, StreamItem, StreamTask,
+    TakeTasks,
 };
 use feedstore_proto::stream::StreamSpec;
 use feedstore_proto::{Role, Status};
@@ -50,11 +51,11 @@ impl Connection {
                 self.stream_join(id, spec, Window { depth, batch }, &ranks, &at, &relay)
                     .await
             }
-            Request::StreamTake {
+            Request::StreamTake(TakeTasks {
                 stream,
                 max,
                 timeout_ms,
-            } => {
+            }) => {
                 // No more tasks than the client's limit lets the reply carry, a batched stream's
                 // last whole batch included (up to `MAX_BATCH - 1` past `max`).
                 let fits = (self.peer_limit as usize - 4) / StreamTask::WIRE_BYTES;
