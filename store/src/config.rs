@@ -1,6 +1,7 @@
 //! Daemon configuration: defaults, `feedstore.toml`, command-line flags, in that order of
 //! increasing precedence.
 
+use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -44,7 +45,7 @@ pub struct DaemonConfig {
     /// What clients may hold and ask for.
     pub limits: Limits,
     /// Other nodes: who may pull from this one, and whom this one pulls from.
-    pub cluster: crate::cluster::ClusterConfig,
+    pub cluster: ClusterConfig,
     /// Where Prometheus scrapes `/metrics` (`--metrics-addr`); none by default.
     pub metrics_addr: Option<std::net::SocketAddr>,
 }
@@ -131,7 +132,7 @@ impl Default for DaemonConfig {
             max_create_wait_ms: 10 * 60 * 1000,
             worker_threads: 1,
             limits: Limits::default(),
-            cluster: crate::cluster::ClusterConfig::default(),
+            cluster: ClusterConfig::default(),
             metrics_addr: None,
         }
     }
@@ -633,6 +634,53 @@ pub fn default_node_id() -> u32 {
     host.bytes().fold(0x811c_9dc5u32, |h, b| {
         (h ^ u32::from(b)).wrapping_mul(0x0100_0193)
     })
+}
+
+/// How this node joins a cluster.
+#[derive(Debug, Clone)]
+pub struct ClusterConfig {
+    /// Where other daemons connect (`--listen`).
+    pub listen: Option<SocketAddr>,
+    /// Peers as `host:port`: addresses or DNS names (`--peers`).
+    pub peers: Vec<String>,
+    /// A file of peers, one `host:port` per line, re-read at each refresh (`--peers-file`).
+    pub peers_file: Option<PathBuf>,
+    /// The shared cluster secret (`--cluster-secret-file`).
+    pub secret_file: Option<PathBuf>,
+    /// The longest one pull may take, retries included (`--pull-timeout-ms`).
+    pub pull_timeout: Duration,
+    /// Connections to one peer at most, each carrying one range at a time
+    /// (`--peer-connections`).
+    pub connections_per_peer: usize,
+    /// How often peer names are resolved again (`--peer-refresh-secs`).
+    pub refresh: Duration,
+    /// Pulls under way at once, over all clients (`--max-pulls`).
+    pub max_pulls: usize,
+    /// Connections other daemons may have open to this one (`--max-peer-connections`).
+    pub max_peer_connections: usize,
+}
+
+impl Default for ClusterConfig {
+    fn default() -> Self {
+        ClusterConfig {
+            listen: None,
+            peers: Vec::new(),
+            peers_file: None,
+            secret_file: None,
+            pull_timeout: Duration::from_secs(30),
+            connections_per_peer: 4,
+            refresh: Duration::from_secs(10),
+            max_pulls: 4096,
+            max_peer_connections: 256,
+        }
+    }
+}
+
+impl ClusterConfig {
+    /// Whether this node talks to other nodes at all.
+    pub fn enabled(&self) -> bool {
+        self.listen.is_some() || !self.peers.is_empty() || self.peers_file.is_some()
+    }
 }
 
 #[cfg(test)]

@@ -8,9 +8,11 @@ use std::time::Instant;
 use feedstore_shm::{Segment, SegmentOptions, ShmError};
 use tokio::net::UnixListener;
 
+use crate::cluster::Cluster;
 use crate::config::{DaemonConfig, format_bytes, meminfo_bytes};
 use crate::objects::Objects;
-use crate::server::{AccessPolicy, ServeConfig, Shared, serve_connection};
+use crate::server::serve_connection;
+use crate::state::{AccessPolicy, ServeConfig, Shared};
 
 /// Why the daemon could not start. Each prints as one line a user can act on.
 #[derive(Debug, thiserror::Error)]
@@ -91,6 +93,8 @@ pub enum StartError {
 /// A daemon whose segments exist and whose socket is bound, ready to serve.
 pub struct Daemon {
     shared: Arc<Shared>,
+    /// This node's cluster, when it has one (`--listen`, `--peers`, `--peers-file`).
+    cluster: Option<Arc<Cluster>>,
     listener: std::os::unix::net::UnixListener,
     /// Where other daemons connect (`--listen`).
     peer_listener: Option<std::net::TcpListener>,
@@ -153,7 +157,7 @@ impl Daemon {
             })
             .transpose()?;
         let segments = create_segments(config)?;
-        let shared = shared_state(config, segments, secret, daemon_uid, gid)?;
+        let (shared, cluster) = shared_state(config, segments, secret, daemon_uid, gid)?;
         // Bound last, when everything is mapped (and pre-faulted): a client that finds the
         // socket is answered at once, instead of waiting out the mapping of a large store.
         let listener = bind_socket(&config.socket, access)?;
@@ -178,6 +182,7 @@ impl Daemon {
         }
         Ok(Daemon {
             shared: Arc::new(shared),
+            cluster,
             listener,
             peer_listener,
             metrics_listener,
@@ -212,6 +217,7 @@ impl Daemon {
         .map_err(StartError::Runtime)?;
         let Daemon {
             shared,
+            cluster,
             listener,
             peer_listener,
             metrics_listener,
@@ -242,7 +248,7 @@ impl Daemon {
                     }
                 })
             };
-            let mut cluster_tasks = match shared.cluster() {
+            let mut cluster_tasks = match &cluster {
                 Some(cluster) => cluster.clone().start(&shared, peer_listener),
                 None => Vec::new(),
             };
@@ -251,6 +257,7 @@ impl Daemon {
                     Ok(listener) => cluster_tasks.push(tokio::spawn(crate::metrics::serve(
                         listener,
                         shared.clone(),
+                        cluster.clone(),
                     ))),
                     Err(e) => tracing::error!(error = %e, "cannot serve the metrics listener"),
                 }
@@ -259,7 +266,7 @@ impl Daemon {
                 tokio::select! {
                     accepted = listener.accept() => match accepted {
                         Ok((stream, _)) => {
-                            tokio::spawn(serve_connection(shared.clone(), stream));
+                            tokio::spawn(serve_connection(shared.clone(), cluster.clone(), stream));
                         }
                         Err(e) => {
                             // Out of descriptors despite the limits (something else holds
@@ -499,14 +506,14 @@ fn create_segments(config: &DaemonConfig) -> Result<Vec<Segment>, StartError> {
 }
 
 /// What every connection shares: the object table over `segments`, who may connect, the
-/// limits, and the cluster's pull engine when there is a cluster.
+/// limits; and the cluster (its pull engine, its peers) when there is one.
 fn shared_state(
     config: &DaemonConfig,
     segments: Vec<Segment>,
     secret: Option<crate::cluster::auth::Secret>,
     daemon_uid: u32,
     gid: Option<u32>,
-) -> Result<Shared, StartError> {
+) -> Result<(Shared, Option<Arc<Cluster>>), StartError> {
     let hugetlb = segments.iter().all(Segment::is_hugetlb);
     let sizes: Vec<u64> = segments.iter().map(Segment::size_bytes).collect();
     let epoch = random_epoch();
@@ -532,7 +539,7 @@ fn shared_state(
             engine_conn,
         ))
     });
-    Ok(Shared::new(
+    let shared = Shared::new(
         objects,
         segments,
         ServeConfig {
@@ -547,10 +554,11 @@ fn shared_state(
             max_create_wait_ms: config.max_create_wait_ms,
             limits,
             daemon_uid,
-            cluster,
+            cluster: cluster.is_some(),
             prefault: config.prefault,
         },
-    )?)
+    )?;
+    Ok((shared, cluster))
 }
 
 /// Binds the socket at `path` (prepared by [`prepare_socket`]) with the mode `access` needs.

@@ -48,3 +48,4 @@ pub mod daemon;
 pub mod metrics;
 pub mod peer;
 pub mod server;
+pub mod state;

@@ -45,7 +45,8 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
 use tokio::net::TcpListener;
 
-use crate::server::Shared;
+use crate::cluster::Cluster;
+use crate::state::Shared;
 
 /// The store counters that only grow (since the daemon started); every other one is a gauge.
 const COUNTERS: [&str; 23] = [
@@ -81,7 +82,7 @@ const MAX_REQUEST_BYTES: usize = 8 << 10;
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// Serves scrapes until the task is aborted.
-pub async fn serve(listener: TcpListener, shared: Arc<Shared>) {
+pub async fn serve(listener: TcpListener, shared: Arc<Shared>, cluster: Option<Arc<Cluster>>) {
     let slots = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
     loop {
         let (stream, _) = match listener.accept().await {
@@ -94,12 +95,12 @@ pub async fn serve(listener: TcpListener, shared: Arc<Shared>) {
         };
         // Over the bound a connection is told so at once (within the timeout), and closed.
         let slot = slots.clone().try_acquire_owned().ok();
-        let shared = shared.clone();
+        let (shared, cluster) = (shared.clone(), cluster.clone());
         tokio::spawn(async move {
             let busy = slot.is_none();
             let service = service_fn(move |request| {
-                let shared = shared.clone();
-                async move { Ok::<_, Infallible>(answer(&request, shared, busy).await) }
+                let (shared, cluster) = (shared.clone(), cluster.clone());
+                async move { Ok::<_, Infallible>(answer(&request, shared, cluster, busy).await) }
             });
             let connection = http1::Builder::new()
                 .keep_alive(false)
@@ -116,7 +117,12 @@ pub async fn serve(listener: TcpListener, shared: Arc<Shared>) {
 }
 
 /// The answer to one request: `GET /metrics` (any query) is the scrape, anything else an error.
-async fn answer<B>(request: &Request<B>, shared: Arc<Shared>, busy: bool) -> Response<Full<Bytes>> {
+async fn answer<B>(
+    request: &Request<B>,
+    shared: Arc<Shared>,
+    cluster: Option<Arc<Cluster>>,
+    busy: bool,
+) -> Response<Full<Bytes>> {
     if busy {
         return reply(StatusCode::SERVICE_UNAVAILABLE, "busy\n");
     }
@@ -129,7 +135,10 @@ async fn answer<B>(request: &Request<B>, shared: Arc<Shared>, busy: bool) -> Res
     // The snapshot takes the daemon's locks and the encoding grows with the streams: both off
     // the runtime thread that answers clients.
     let body = tokio::task::spawn_blocking(move || {
-        let (stats, streams) = shared.snapshot();
+        let (mut stats, streams) = shared.snapshot();
+        if let Some(cluster) = &cluster {
+            cluster.add_stats(&mut stats);
+        }
         encode(&stats, &streams)
     })
     .await;

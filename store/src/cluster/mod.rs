@@ -29,7 +29,6 @@ pub mod transport;
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::net::{IpAddr, SocketAddr};
-use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -39,8 +38,9 @@ use feedstore_proto::{Handle, Status, StoreStats};
 use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore, oneshot, watch};
 use tokio::time::Instant;
 
+pub use crate::config::ClusterConfig;
 use crate::objects::ConnId;
-use crate::server::Shared;
+use crate::state::Shared;
 use auth::Secret;
 use transport::{
     Channel, LinkError, LocalIdentity, PullError, TcpChannel, TcpTransport, Transport,
@@ -62,53 +62,6 @@ pub const MAX_HANDSHAKES: usize = 64;
 const LOG_LINES: u32 = 5;
 /// See [`LOG_LINES`].
 const LOG_WINDOW: Duration = Duration::from_secs(10);
-
-/// How this node joins a cluster.
-#[derive(Debug, Clone)]
-pub struct ClusterConfig {
-    /// Where other daemons connect (`--listen`).
-    pub listen: Option<SocketAddr>,
-    /// Peers as `host:port`: addresses or DNS names (`--peers`).
-    pub peers: Vec<String>,
-    /// A file of peers, one `host:port` per line, re-read at each refresh (`--peers-file`).
-    pub peers_file: Option<PathBuf>,
-    /// The shared cluster secret (`--cluster-secret-file`).
-    pub secret_file: Option<PathBuf>,
-    /// The longest one pull may take, retries included (`--pull-timeout-ms`).
-    pub pull_timeout: Duration,
-    /// Connections to one peer at most, each carrying one range at a time
-    /// (`--peer-connections`).
-    pub connections_per_peer: usize,
-    /// How often peer names are resolved again (`--peer-refresh-secs`).
-    pub refresh: Duration,
-    /// Pulls under way at once, over all clients (`--max-pulls`).
-    pub max_pulls: usize,
-    /// Connections other daemons may have open to this one (`--max-peer-connections`).
-    pub max_peer_connections: usize,
-}
-
-impl Default for ClusterConfig {
-    fn default() -> Self {
-        ClusterConfig {
-            listen: None,
-            peers: Vec::new(),
-            peers_file: None,
-            secret_file: None,
-            pull_timeout: Duration::from_secs(30),
-            connections_per_peer: 4,
-            refresh: Duration::from_secs(10),
-            max_pulls: 4096,
-            max_peer_connections: 256,
-        }
-    }
-}
-
-impl ClusterConfig {
-    /// Whether this node talks to other nodes at all.
-    pub fn enabled(&self) -> bool {
-        self.listen.is_some() || !self.peers.is_empty() || self.peers_file.is_some()
-    }
-}
 
 /// Counters behind the cluster's lines of `feedstore stat`.
 #[derive(Debug, Default)]

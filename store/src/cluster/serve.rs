@@ -15,7 +15,7 @@ use super::auth::Side;
 use super::record::{Records, Sealer};
 use super::transport::{HANDSHAKE_TIMEOUT, LinkError, PeerIdentity, handshake, tune, write_record};
 use crate::objects::{ClientInfo, ConnId};
-use crate::server::Shared;
+use crate::state::Shared;
 
 /// How long a peer connection may sit idle before the owner closes it.
 const IDLE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(300);

@@ -39,7 +39,7 @@ use super::Cluster;
 use super::record::{Opener, Records, Sealer, Tag};
 use super::transport::{PeerIdentity, PullError, write_record};
 use crate::objects::{ClientInfo, ConnId};
-use crate::server::Shared;
+use crate::state::Shared;
 use crate::streams::{Demand, Forward, Placement};
 
 /// How long one `Take` waits at the owner for room in a window.

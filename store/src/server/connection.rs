@@ -16,11 +16,15 @@ use tokio::sync::watch;
 use tokio::time::Instant;
 
 use super::session::version_mismatch;
-use super::{ConnEnd, Connection, Peer, Shared, error};
+use super::{Cluster, ConnEnd, Connection, Peer, Shared, error};
 use crate::objects::{ConnId, Objects};
 
 /// Serves one accepted connection to its end, then reclaims everything it held.
-pub async fn serve_connection(shared: Arc<Shared>, mut stream: UnixStream) {
+pub async fn serve_connection(
+    shared: Arc<Shared>,
+    cluster: Option<Arc<Cluster>>,
+    mut stream: UnixStream,
+) {
     let peer = match Peer::of(&stream) {
         Ok(p) => p,
         Err(e) => {
@@ -49,6 +53,7 @@ pub async fn serve_connection(shared: Arc<Shared>, mut stream: UnixStream) {
     };
     let mut conn = Connection {
         shared: shared.clone(),
+        cluster,
         stream,
         rbuf: Vec::with_capacity(64 << 10),
         wbuf: Vec::with_capacity(4 << 10),
@@ -199,7 +204,13 @@ impl Connection {
         }
         let response = match request {
             Request::Hello { .. } => return Err(ConnEnd::Protocol("second hello".into())),
-            Request::Stats => Response::Stats(Box::new(self.shared.stats())),
+            Request::Stats => {
+                let mut stats = self.shared.stats();
+                if let Some(cluster) = &self.cluster {
+                    cluster.add_stats(&mut stats);
+                }
+                Response::Stats(Box::new(stats))
+            }
             request @ (Request::Create { .. }
             | Request::Seal { .. }
             | Request::Abort { .. }

@@ -49,10 +49,10 @@ impl Connection {
             Request::Get { handles } => {
                 let mut got: Vec<_> =
                     shared.with_objects(|o| handles.iter().map(|&h| o.lease(id, h)).collect());
-                if let Some(cluster) = &shared.cluster
+                if let Some(cluster) = self.cluster.clone()
                     && got.contains(&Err(Status::WrongNode))
                 {
-                    self.pull_then_get(cluster, id, &handles, &mut got).await?;
+                    self.pull_then_get(&cluster, id, &handles, &mut got).await?;
                 }
                 Response::Got(got)
             }

@@ -120,7 +120,7 @@ impl Connection {
             Err(e) => return stream_error(e),
         };
         let joined = shared.with_streams(|s, o| s.join(o, id, &spec, window, ranks, &placement));
-        if let (Ok((stream, feeders)), Some(cluster)) = (&joined, &shared.cluster) {
+        if let (Ok((stream, feeders)), Some(cluster)) = (&joined, &self.cluster) {
             for &node in feeders {
                 tokio::spawn(crate::cluster::feed_remote(
                     shared.clone(),
@@ -144,7 +144,7 @@ impl Connection {
             let put = s.put(o, id, stream, items, true);
             (put, s.forwards(o))
         });
-        if let Some(cluster) = &shared.cluster
+        if let Some(cluster) = &self.cluster
             && !forwards.is_empty()
         {
             crate::cluster::forward(&shared, cluster, forwards);
@@ -212,7 +212,7 @@ impl Connection {
         if at.is_empty() && relay.is_empty() {
             return Ok(placement);
         }
-        let Some(cluster) = &self.shared.cluster else {
+        let Some(cluster) = &self.cluster else {
             return Err(StreamError {
                 status: Status::InvalidArgument,
                 message: "ranks on other nodes need this daemon in a cluster (feedstored \
