@@ -1,4 +1,6 @@
 //! The feedstore client: what producers and trainers link to talk to their node's `feedstored`.
+//! It lives in `consumer/` (the folder the design names), yet it serves writers as well as
+//! readers: [`Client`] in either role, and streams from both sides ([`Stream`], [`StreamFeeder`]).
 //!
 //! Objects live in shared memory owned by the daemon. A writer reserves an object, writes it in
 //! place and seals it; from then on any process on the node can read it by [`Handle`] without a

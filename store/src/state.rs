@@ -20,8 +20,8 @@ use feedstore_shm::{Access, Mapping, Segment};
 use tokio::sync::watch;
 
 use crate::config::Limits;
+use crate::credentials::Credentials;
 use crate::objects::Objects;
-use crate::peer::Peer;
 use crate::streams::Streams;
 
 /// Who may connect, and in which role, decided from the peer's credentials.
@@ -37,27 +37,27 @@ pub struct AccessPolicy {
 
 impl AccessPolicy {
     /// Whether `peer` may connect as a writer.
-    pub(crate) fn may_write(&self, peer: &Peer) -> bool {
-        peer.uid == 0
-            || self.uids.contains(&peer.uid)
-            || self.gid.is_some_and(|g| peer.groups.contains(&g))
+    pub(crate) fn may_write(&self, client: &Credentials) -> bool {
+        client.uid == 0
+            || self.uids.contains(&client.uid)
+            || self.gid.is_some_and(|g| client.groups.contains(&g))
     }
 
     /// Why `peer` may not connect as `role`, if it may not.
-    pub(crate) fn refusal(&self, peer: &Peer, role: Role) -> Option<String> {
-        if self.may_write(peer) {
+    pub(crate) fn refusal(&self, client: &Credentials, role: Role) -> Option<String> {
+        if self.may_write(client) {
             return None;
         }
-        match (self.reader_uids.contains(&peer.uid), role) {
+        match (self.reader_uids.contains(&client.uid), role) {
             (true, Role::Reader) => None,
             (true, Role::Writer) => Some(format!(
                 "uid {} may only read from this feedstored (--allow-reader-uid)",
-                peer.uid
+                client.uid
             )),
             (false, _) => Some(format!(
                 "uid {} is not allowed by this feedstored; add it with --allow-uid, \
                  --allow-reader-uid or --socket-group",
-                peer.uid
+                client.uid
             )),
         }
     }

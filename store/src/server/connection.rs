@@ -16,7 +16,7 @@ use tokio::sync::watch;
 use tokio::time::Instant;
 
 use super::session::version_mismatch;
-use super::{Cluster, ConnEnd, Connection, Peer, Shared, error};
+use super::{Cluster, ConnEnd, Connection, Credentials, Shared, error};
 use crate::objects::{ConnId, Objects};
 
 /// Serves one accepted connection to its end, then reclaims everything it held.
@@ -25,18 +25,18 @@ pub async fn serve_connection(
     cluster: Option<Arc<Cluster>>,
     mut stream: UnixStream,
 ) {
-    let peer = match Peer::of(&stream) {
+    let credentials = match Credentials::of(&stream) {
         Ok(p) => p,
         Err(e) => {
             tracing::warn!(error = %e, "cannot read peer credentials; closing connection");
             return;
         }
     };
-    let _admitted = match shared.admit(peer.uid) {
+    let _admitted = match shared.admit(credentials.uid) {
         Ok(a) => a,
         Err(message) => {
             shared.with_objects(Objects::note_limit_hit);
-            tracing::warn!(pid = peer.pid, uid = peer.uid, %message, "connection refused");
+            tracing::warn!(pid = credentials.pid, uid = credentials.uid, %message, "connection refused");
             let mut out = Vec::new();
             let refusal = Response::Error {
                 status: Status::LimitReached,
@@ -61,8 +61,8 @@ pub async fn serve_connection(
         deferred_bytes: 0,
         id: None,
         role: Role::Reader,
-        peer,
-        peer_limit: MIN_PAYLOAD_BYTES,
+        credentials,
+        client_limit: MIN_PAYLOAD_BYTES,
         name: String::new(),
     };
     let end = conn.run().await;
@@ -78,7 +78,7 @@ pub async fn serve_connection(
             let _ = conn.stream.write_all(&out).await;
         }
     }
-    let (uid, pid) = (conn.peer.uid, conn.peer.pid);
+    let (uid, pid) = (conn.credentials.uid, conn.credentials.pid);
     match (&conn.id, end) {
         (Some(id), Err(reason @ (ConnEnd::Malformed(_) | ConnEnd::Protocol(_)))) => {
             tracing::warn!(conn = id, pid, uid, name = ?conn.name, %reason, "closing connection");
@@ -189,14 +189,14 @@ impl Connection {
         // A batch whose reply could not fit the client's limit is refused before it takes a
         // single lease or reservation.
         if let Some(bound) = request.reply_bound()
-            && bound > self.peer_limit as usize
+            && bound > self.client_limit as usize
             && !matches!(request, Request::StreamTake(_))
         {
             let message = format!(
                 "a {op:?} of {} items needs a reply of {bound} bytes, over this client's limit \
                  of {} bytes: split the batch",
                 request.batch_len(),
-                self.peer_limit
+                self.client_limit
             );
             return self
                 .reply(op, request_id, &error(Status::InvalidArgument, message))
@@ -352,11 +352,11 @@ impl Connection {
     /// Encodes `response` into `wbuf` within the client's limit; one that does not fit (which
     /// the checks before each request rule out) becomes an error reply that does.
     pub(super) fn encode_reply(&mut self, op: Opcode, request_id: u32, response: &Response) {
-        if let Err(e) = response.encode(op, request_id, self.peer_limit, &mut self.wbuf) {
+        if let Err(e) = response.encode(op, request_id, self.client_limit, &mut self.wbuf) {
             tracing::error!(error = %e, "reply over the client's limit");
             let fallback = error(Status::LimitReached, e.to_string());
             fallback
-                .encode(op, request_id, self.peer_limit, &mut self.wbuf)
+                .encode(op, request_id, self.client_limit, &mut self.wbuf)
                 .expect("an error reply fits any agreed limit");
         }
     }

@@ -26,8 +26,8 @@ use feedstore_proto::{Role, Status};
 use tokio::net::UnixStream;
 
 use crate::cluster::Cluster;
+use crate::credentials::Credentials;
 use crate::objects::ConnId;
-use crate::peer::Peer;
 use crate::state::{AttachWaiting, Shared};
 use crate::streams::StreamError;
 
@@ -69,9 +69,9 @@ struct Connection {
     deferred_bytes: usize,
     id: Option<ConnId>,
     role: Role,
-    peer: Peer,
+    credentials: Credentials,
     /// The largest reply payload the client accepts (from its hello).
-    peer_limit: u32,
+    client_limit: u32,
     name: String,
 }
 
@@ -84,7 +84,7 @@ impl Drop for Connection {
             s.disconnect(id);
             o.disconnect(id)
         });
-        let (pid, name) = (self.peer.pid, &self.name);
+        let (pid, name) = (self.credentials.pid, &self.name);
         if reclaimed.aborted + reclaimed.leases > 0 {
             tracing::info!(
                 conn = id, pid, name = ?name,

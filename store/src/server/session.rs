@@ -30,7 +30,7 @@ impl Connection {
         max_frame_bytes: u32,
     ) -> Result<(), ConnEnd> {
         let shared = self.shared.clone();
-        if let Some(message) = shared.policy.refusal(&self.peer, role) {
+        if let Some(message) = shared.policy.refusal(&self.credentials, role) {
             return self
                 .refuse(request_id, Status::PermissionDenied, message)
                 .await;
@@ -54,19 +54,19 @@ impl Connection {
         }
         let info = ClientInfo {
             role,
-            uid: self.peer.uid,
-            pid: self.peer.pid,
+            uid: self.credentials.uid,
+            pid: self.credentials.pid,
             name: name.clone(),
             internal: false,
             // A uid allowed only to read holds at most its share of the store leased.
-            capped: !shared.policy.may_write(&self.peer),
+            capped: !shared.policy.may_write(&self.credentials),
         };
         let id = shared.with_objects(|o| o.connect(info));
         self.id = Some(id);
         self.role = role;
-        self.peer_limit = max_frame_bytes;
+        self.client_limit = max_frame_bytes;
         self.name = name;
-        tracing::info!(conn = id, pid = self.peer.pid, uid = self.peer.uid, ?role, name = ?self.name, "client connected");
+        tracing::info!(conn = id, pid = self.credentials.pid, uid = self.credentials.uid, ?role, name = ?self.name, "client connected");
         let response = Response::Hello {
             node_id: shared.node_id,
             epoch: shared.epoch,

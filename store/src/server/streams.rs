@@ -36,7 +36,7 @@ impl Connection {
             }
             Request::StreamList { after } => {
                 // The page's fixed part: the list's count and the `more` byte.
-                let budget = self.peer_limit as usize - 5;
+                let budget = self.client_limit as usize - 5;
                 let (streams, more) = shared.with_streams(|s, o| s.list(o, id, after, budget));
                 Response::Streams { streams, more }
             }
@@ -58,7 +58,7 @@ impl Connection {
             }) => {
                 // No more tasks than the client's limit lets the reply carry, a batched stream's
                 // last whole batch included (up to `MAX_BATCH - 1` past `max`).
-                let fits = (self.peer_limit as usize - 4) / StreamTask::WIRE_BYTES;
+                let fits = (self.client_limit as usize - 4) / StreamTask::WIRE_BYTES;
                 let fits = fits.saturating_sub(MAX_BATCH as usize - 1).max(1);
                 let max = max.clamp(1, fits as u32);
                 self.wait_until(id, timeout_ms, |expired| {

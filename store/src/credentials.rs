@@ -1,32 +1,33 @@
-//! Who is on the other end of a connection, as the kernel recorded it when the peer connected:
+//! Who is on the other end of a client's Unix-socket connection, as the kernel recorded it when
+//! the client connected (in feedstore a *peer* is another node's daemon; this is not about them):
 //! uid, primary gid and pid (`SO_PEERCRED`) and every supplementary group (`SO_PEERGROUPS`, Linux
 //! 4.13+), so `--socket-group` admits a member however it belongs to the group.
 
 use std::io;
 use std::os::fd::{AsRawFd, RawFd};
 
-/// A connected peer's credentials.
+/// A connected client's credentials, as the kernel recorded them.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Peer {
+pub struct Credentials {
     /// Effective uid at connect.
     pub uid: u32,
     /// Effective primary gid at connect.
     pub gid: u32,
-    /// Process id (0 when the peer lives in another pid namespace).
+    /// Process id (0 when the client lives in another pid namespace).
     pub pid: i32,
     /// The primary gid and every supplementary group.
     pub groups: Vec<u32>,
 }
 
-impl Peer {
-    /// The credentials of the peer of a connected Unix socket.
-    pub fn of(stream: &tokio::net::UnixStream) -> io::Result<Peer> {
+impl Credentials {
+    /// The credentials of the other end of a connected Unix socket.
+    pub fn of(stream: &tokio::net::UnixStream) -> io::Result<Credentials> {
         let cred = stream.peer_cred()?;
         let mut groups = supplementary_groups(stream.as_raw_fd())?;
         groups.push(cred.gid());
         groups.sort_unstable();
         groups.dedup();
-        Ok(Peer {
+        Ok(Credentials {
             uid: cred.uid(),
             gid: cred.gid(),
             pid: cred.pid().unwrap_or(0),
@@ -38,7 +39,7 @@ impl Peer {
 /// `SO_PEERGROUPS` (asm-generic value; the architectures this is built for use it).
 const SO_PEERGROUPS: libc::c_int = 59;
 
-/// The peer's supplementary groups. The kernel says how much room it needs when the buffer is
+/// The connected process's supplementary groups. The kernel says how much room it needs when the buffer is
 /// short (`ERANGE`), bounded by `NGROUPS_MAX` (65536).
 fn supplementary_groups(fd: RawFd) -> io::Result<Vec<u32>> {
     let mut groups: Vec<libc::gid_t> = vec![0; 64];
@@ -75,11 +76,11 @@ mod tests {
     use super::*;
 
     #[tokio::test]
-    async fn a_peer_reports_its_own_groups() {
+    async fn a_client_reports_its_own_groups() {
         let (a, _b) = tokio::net::UnixStream::pair().unwrap();
-        let peer = Peer::of(&a).unwrap();
-        assert_eq!(peer.uid, nix::unistd::geteuid().as_raw());
-        assert_eq!(peer.pid, std::process::id() as i32);
+        let client = Credentials::of(&a).unwrap();
+        assert_eq!(client.uid, nix::unistd::geteuid().as_raw());
+        assert_eq!(client.pid, std::process::id() as i32);
         let mut ours: Vec<u32> = nix::unistd::getgroups()
             .unwrap()
             .into_iter()
@@ -88,6 +89,6 @@ mod tests {
         ours.push(nix::unistd::getegid().as_raw());
         ours.sort_unstable();
         ours.dedup();
-        assert_eq!(peer.groups, ours);
+        assert_eq!(client.groups, ours);
     }
 }
