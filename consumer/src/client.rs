@@ -11,8 +11,7 @@ use std::sync::{Arc, Condvar, Mutex, Once, Weak};
 use std::time::Duration;
 
 use feedstore_proto::frame::{
-    self, CREATE_PIN, CacheEntry, Created, Frame, HEADER_BYTES, Opcode, Request, Response,
-    max_batch_items,
+    self, CacheEntry, Frame, HEADER_BYTES, Opcode, Request, Response, max_batch_items,
 };
 use feedstore_proto::{Handle, Location, Role, SegmentInfo, Status, StoreStats};
 use feedstore_shm::{Access, Mapping};
@@ -20,14 +19,14 @@ use nix::sys::socket::{ControlMessageOwned, MsgFlags};
 
 use crate::Error;
 use crate::lease::Lease;
-use crate::writer::{ObjectWriter, PutPipeline};
 
 mod io;
 mod releases;
 
+pub(crate) use io::unexpected;
 use io::{
     RecvBuf, Welcome, check_daemon_uid, check_error, check_segment_id, encode_releases, hello,
-    read_frame, read_reply, recv_with_fds, send_all, unexpected,
+    read_frame, read_reply, recv_with_fds, send_all,
 };
 use releases::{MAX_QUEUED_RELEASES, PendingReleases, ReleaseQueue};
 
@@ -205,7 +204,7 @@ pub(crate) struct Inner {
     request_limit: u32,
     /// The largest reply payload this client accepts (announced in hello).
     reply_limit: u32,
-    create_timeout: Duration,
+    pub(crate) create_timeout: Duration,
     broken: AtomicBool,
     releases: Arc<ReleaseQueue>,
     /// Whether writers build an object's page tables when they reserve it.
@@ -392,124 +391,6 @@ impl Client {
     /// This connection's role.
     pub fn role(&self) -> Role {
         self.inner.role
-    }
-
-    /// Reserves a writable object of `size_bytes` bytes, waiting for space up to the connection's
-    /// create timeout. Write it through [`ObjectWriter::as_mut_slice`], then seal it.
-    pub fn create(&self, size_bytes: u64) -> Result<ObjectWriter, Error> {
-        self.create_with(size_bytes, CreateOptions::default())
-    }
-
-    /// [`Client::create`] with explicit options.
-    pub fn create_with(&self, size_bytes: u64, opts: CreateOptions) -> Result<ObjectWriter, Error> {
-        self.create_batch(&[size_bytes], opts)?
-            .pop()
-            .expect("one result per size")
-    }
-
-    /// Reserves one object per size in one round trip. Each result stands alone: a `Full` for one
-    /// size does not undo the others.
-    pub fn create_batch(
-        &self,
-        sizes_bytes: &[u64],
-        opts: CreateOptions,
-    ) -> Result<Vec<Result<ObjectWriter, Error>>, Error> {
-        if sizes_bytes.is_empty() {
-            return Ok(Vec::new());
-        }
-        let timeout = opts.timeout.unwrap_or(self.inner.create_timeout);
-        self.batched(Opcode::Create, sizes_bytes, |sizes| {
-            let request = Request::Create {
-                sizes: sizes.to_vec(),
-                timeout_ms: u32::try_from(timeout.as_millis()).unwrap_or(u32::MAX),
-                flags: if opts.pin { CREATE_PIN } else { 0 },
-            };
-            let results = match self.call(&request)? {
-                Response::Created(r) if r.len() == sizes.len() => r,
-                other => return Err(unexpected(other)),
-            };
-            // Each reservation becomes a writer (aborted on drop) at once, so a later chunk that
-            // fails as a whole aborts the earlier chunks' reservations as they are dropped.
-            Ok(results
-                .into_iter()
-                .zip(sizes)
-                .map(|(r, &size)| match r {
-                    Ok(created) => self.writer(created),
-                    Err(status) => Err(Error::from_status(status, Handle::default(), size, "")),
-                })
-                .collect())
-        })
-    }
-
-    /// The writer of a reservation the daemon just made for this connection (aborted if the
-    /// daemon named a range outside its segments).
-    pub(crate) fn writer(&self, created: Created) -> Result<ObjectWriter, Error> {
-        self.writer_with(created, self.inner.populate)
-    }
-
-    /// [`Client::writer`], building the object's page tables or not (not for one about to be
-    /// aborted).
-    pub(crate) fn writer_with(
-        &self,
-        created: Created,
-        populate: bool,
-    ) -> Result<ObjectWriter, Error> {
-        match self.mapping(created.location) {
-            Ok(mapping) => Ok(ObjectWriter::new(
-                populate,
-                self.clone(),
-                created.handle,
-                mapping.clone(),
-                created.location,
-            )),
-            Err(e) => {
-                let handle = created.handle;
-                let _ = self.each(Opcode::Abort, &[handle], |handles| Request::Abort {
-                    handles,
-                });
-                Err(e)
-            }
-        }
-    }
-
-    /// Writes `bytes` as a new sealed object: reserve, one copy into shared memory, seal.
-    pub fn put(&self, bytes: &[u8]) -> Result<Handle, Error> {
-        let mut writer = self.create(bytes.len() as u64)?;
-        writer.as_mut_slice().copy_from_slice(bytes);
-        writer.seal()
-    }
-
-    /// A pipeline for many puts from this thread, with the daemon's replies off the critical
-    /// path: see [`PutPipeline`].
-    pub fn put_pipeline(&self) -> PutPipeline {
-        PutPipeline::new(self.clone())
-    }
-
-    /// Writes several objects in two round trips (one create batch, one seal batch; more when
-    /// the batch is larger than a frame). On a failure the objects not yet sealed are aborted
-    /// and the first error returned; nothing is sealed unless every object was reserved, but a
-    /// batch larger than a frame that fails while sealing may leave its earlier chunks sealed.
-    pub fn put_batch(&self, objects: &[&[u8]]) -> Result<Vec<Handle>, Error> {
-        let sizes: Vec<u64> = objects.iter().map(|o| o.len() as u64).collect();
-        let writers = self.create_batch(&sizes, CreateOptions::default())?;
-        let mut ok = Vec::with_capacity(writers.len());
-        let mut first_err = None;
-        for w in writers {
-            match w {
-                Ok(w) => ok.push(w),
-                Err(e) => {
-                    first_err.get_or_insert(e);
-                }
-            }
-        }
-        if let Some(e) = first_err {
-            drop(ok); // aborts each reservation
-            return Err(e);
-        }
-        for (w, bytes) in ok.iter_mut().zip(objects) {
-            w.as_mut_slice().copy_from_slice(bytes);
-        }
-        ObjectWriter::seal_batch(self, ok)
     }
 
     /// Takes a lease on a sealed object and returns a read-only view of its bytes in shared

@@ -4,12 +4,13 @@ use std::collections::VecDeque;
 use std::sync::Arc;
 
 use feedstore_proto::Status;
-use feedstore_proto::frame::{CREATE_AHEAD, Opcode, Request, Response};
+use feedstore_proto::frame::{CREATE_AHEAD, CREATE_PIN, Created, Opcode, Request, Response};
 use feedstore_proto::{Handle, Location};
 use feedstore_shm::Mapping;
 
 use crate::client::Ticket;
-use crate::{Client, Error};
+use crate::client::unexpected;
+use crate::{Client, CreateOptions, Error};
 
 /// A reserved, unsealed object: writable by this client only, invisible to everyone else.
 ///
@@ -396,5 +397,127 @@ impl Drop for PutPipeline {
         if let Err(e) = self.flush() {
             tracing::warn!(error = %e, "a pipelined put failed (call flush() to see it)");
         }
+    }
+}
+
+/// How a client makes objects: reservations become writers here, so the client itself knows
+/// nothing of them.
+impl Client {
+    /// Reserves a writable object of `size_bytes` bytes, waiting for space up to the connection's
+    /// create timeout. Write it through [`ObjectWriter::as_mut_slice`], then seal it.
+    pub fn create(&self, size_bytes: u64) -> Result<ObjectWriter, Error> {
+        self.create_with(size_bytes, CreateOptions::default())
+    }
+
+    /// [`Client::create`] with explicit options.
+    pub fn create_with(&self, size_bytes: u64, opts: CreateOptions) -> Result<ObjectWriter, Error> {
+        self.create_batch(&[size_bytes], opts)?
+            .pop()
+            .expect("one result per size")
+    }
+
+    /// Reserves one object per size in one round trip. Each result stands alone: a `Full` for one
+    /// size does not undo the others.
+    pub fn create_batch(
+        &self,
+        sizes_bytes: &[u64],
+        opts: CreateOptions,
+    ) -> Result<Vec<Result<ObjectWriter, Error>>, Error> {
+        if sizes_bytes.is_empty() {
+            return Ok(Vec::new());
+        }
+        let timeout = opts.timeout.unwrap_or(self.inner.create_timeout);
+        self.batched(Opcode::Create, sizes_bytes, |sizes| {
+            let request = Request::Create {
+                sizes: sizes.to_vec(),
+                timeout_ms: u32::try_from(timeout.as_millis()).unwrap_or(u32::MAX),
+                flags: if opts.pin { CREATE_PIN } else { 0 },
+            };
+            let results = match self.call(&request)? {
+                Response::Created(r) if r.len() == sizes.len() => r,
+                other => return Err(unexpected(other)),
+            };
+            // Each reservation becomes a writer (aborted on drop) at once, so a later chunk that
+            // fails as a whole aborts the earlier chunks' reservations as they are dropped.
+            Ok(results
+                .into_iter()
+                .zip(sizes)
+                .map(|(r, &size)| match r {
+                    Ok(created) => self.writer(created),
+                    Err(status) => Err(Error::from_status(status, Handle::default(), size, "")),
+                })
+                .collect())
+        })
+    }
+
+    /// The writer of a reservation the daemon just made for this connection (aborted if the
+    /// daemon named a range outside its segments).
+    pub(crate) fn writer(&self, created: Created) -> Result<ObjectWriter, Error> {
+        self.writer_with(created, self.inner.populate)
+    }
+
+    /// [`Client::writer`], building the object's page tables or not (not for one about to be
+    /// aborted).
+    pub(crate) fn writer_with(
+        &self,
+        created: Created,
+        populate: bool,
+    ) -> Result<ObjectWriter, Error> {
+        match self.mapping(created.location) {
+            Ok(mapping) => Ok(ObjectWriter::new(
+                populate,
+                self.clone(),
+                created.handle,
+                mapping.clone(),
+                created.location,
+            )),
+            Err(e) => {
+                let handle = created.handle;
+                let _ = self.each(Opcode::Abort, &[handle], |handles| Request::Abort {
+                    handles,
+                });
+                Err(e)
+            }
+        }
+    }
+
+    /// Writes `bytes` as a new sealed object: reserve, one copy into shared memory, seal.
+    pub fn put(&self, bytes: &[u8]) -> Result<Handle, Error> {
+        let mut writer = self.create(bytes.len() as u64)?;
+        writer.as_mut_slice().copy_from_slice(bytes);
+        writer.seal()
+    }
+
+    /// A pipeline for many puts from this thread, with the daemon's replies off the critical
+    /// path: see [`PutPipeline`].
+    pub fn put_pipeline(&self) -> PutPipeline {
+        PutPipeline::new(self.clone())
+    }
+
+    /// Writes several objects in two round trips (one create batch, one seal batch; more when
+    /// the batch is larger than a frame). On a failure the objects not yet sealed are aborted
+    /// and the first error returned; nothing is sealed unless every object was reserved, but a
+    /// batch larger than a frame that fails while sealing may leave its earlier chunks sealed.
+    pub fn put_batch(&self, objects: &[&[u8]]) -> Result<Vec<Handle>, Error> {
+        let sizes: Vec<u64> = objects.iter().map(|o| o.len() as u64).collect();
+        let writers = self.create_batch(&sizes, CreateOptions::default())?;
+        let mut ok = Vec::with_capacity(writers.len());
+        let mut first_err = None;
+        for w in writers {
+            match w {
+                Ok(w) => ok.push(w),
+                Err(e) => {
+                    first_err.get_or_insert(e);
+                }
+            }
+        }
+        if let Some(e) = first_err {
+            drop(ok); // aborts each reservation
+            return Err(e);
+        }
+        for (w, bytes) in ok.iter_mut().zip(objects) {
+            w.as_mut_slice().copy_from_slice(bytes);
+        }
+        ObjectWriter::seal_batch(self, ok)
     }
 }

@@ -34,7 +34,7 @@ use std::path::Path;
 use feedstore_proto::sample::IGNORE_INDEX;
 use minijinja::Value;
 
-use crate::template::{Budget, ChatTemplate, SpecialTokens};
+use crate::template::{Budget, ChatTemplate, SpecialTokens, TemplateError};
 
 /// Who speaks a turn.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -157,6 +157,15 @@ pub enum ChatError {
     /// The tokenizer failed on the text.
     #[error("tokenizer failed: {0}")]
     Encode(String),
+}
+
+impl From<TemplateError> for ChatError {
+    fn from(e: TemplateError) -> Self {
+        match e {
+            TemplateError::Load { path, message } => ChatError::Load { path, message },
+            TemplateError::Template(message) => ChatError::Template(message),
+        }
+    }
 }
 
 /// Token ids and labels of one conversation.

@@ -21,8 +21,7 @@ use bytes::Bytes;
 use nix::errno::Errno;
 use nix::fcntl::{OFlag, OpenHow, ResolveFlag};
 
-use crate::manifest::ImageSource;
-use crate::pipeline::{Fetch, FetchError};
+use crate::source::{Fetch, FetchError, ImageSource};
 
 /// The default limit on one image file or object: generous for any photo or scan a
 /// vision-language model is trained on. Memory held by images at once is bounded by this times

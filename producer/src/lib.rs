@@ -38,10 +38,12 @@
 pub mod chat;
 pub mod feed;
 pub mod input;
-pub mod jpeg;
 pub mod manifest;
 pub mod pipeline;
 pub mod profile;
 pub mod s3;
+pub mod source;
 pub mod template;
 pub mod vision;
+
+pub use vision::jpeg;

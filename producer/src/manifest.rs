@@ -18,44 +18,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::chat::{Message, Role};
 
-/// Where an image comes from.
-#[derive(Debug, Clone, PartialEq, Eq, Hash)]
-pub enum ImageSource {
-    /// An object in S3 (or an S3-compatible store).
-    S3 {
-        /// Bucket.
-        bucket: String,
-        /// Key.
-        key: String,
-    },
-    /// A file on this node, as the manifest names it.
-    Local {
-        /// The manifest's folder (absolute), which a relative `path` resolves against unless
-        /// the reader is given another image root.
-        base: PathBuf,
-        /// The path as written: absolute, or relative to the image root.
-        path: PathBuf,
-    },
-}
-
-impl ImageSource {
-    /// A local file at `path` as written, in a manifest whose folder is `base`.
-    pub fn local(base: impl Into<PathBuf>, path: impl Into<PathBuf>) -> ImageSource {
-        ImageSource::Local {
-            base: base.into(),
-            path: path.into(),
-        }
-    }
-}
-
-impl std::fmt::Display for ImageSource {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            ImageSource::S3 { bucket, key } => write!(f, "s3://{bucket}/{key}"),
-            ImageSource::Local { base, path } => write!(f, "{}", base.join(path).display()),
-        }
-    }
-}
+pub use crate::source::ImageSource;
 
 /// What a record trains on.
 #[derive(Debug, Clone, PartialEq, Eq)]

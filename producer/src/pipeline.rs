@@ -17,7 +17,6 @@
 
 use std::future::Future;
 use std::path::PathBuf;
-use std::pin::Pin;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -27,43 +26,11 @@ use feedstore_proto::sample::{AlignedBuf, KeyValue, SampleInfo, SamplePlan};
 
 use crate::chat::{ChatTokenizer, image_pad_tokens};
 pub use crate::input::LocalFiles;
-use crate::manifest::{Content, ImageSource, Record, Reject};
+use crate::manifest::{Content, Record, Reject};
 use crate::profile::{Profiler, Stage, StageProfile};
 use crate::vision::{ImageTransform, ResizeMode, Scratch};
 
-/// Why an image could not be fetched.
-#[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
-pub enum FetchError {
-    /// No such object or file.
-    #[error("not found: {0}")]
-    NotFound(String),
-    /// The source refused access.
-    #[error("access denied: {0}")]
-    AccessDenied(String),
-    /// This fetcher does not serve that kind of source.
-    #[error("unsupported source {0}")]
-    Unsupported(String),
-    /// The input is not one the producer reads: not a regular file, or outside the image root.
-    #[error("{0}")]
-    Invalid(String),
-    /// The file or object is larger than the limit.
-    #[error("{0}")]
-    TooLarge(String),
-    /// Any other failure, after retries where they apply.
-    #[error("{0}")]
-    Other(String),
-}
-
-/// Where image bytes come from. One implementation per kind of source; the pipeline does not
-/// know which it is talking to.
-pub trait Fetch: Send + Sync + 'static {
-    /// Reads the whole object. `Bytes`, so a client's own buffer is handed over, not copied.
-    fn fetch<'a>(
-        &'a self,
-        source: &'a ImageSource,
-    ) -> Pin<Box<dyn Future<Output = Result<Bytes, FetchError>> + Send + 'a>>;
-}
+pub use crate::source::{Fetch, FetchError};
 
 /// How a producer runs.
 #[derive(Debug, Clone)]

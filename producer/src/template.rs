@@ -24,7 +24,23 @@ use std::path::{Path, PathBuf};
 use minijinja::value::{Kwargs, ValueKind};
 use minijinja::{Environment, ErrorKind, Value};
 
-use crate::chat::ChatError;
+/// Why a chat template, or a file beside the tokenizer, could not be loaded or rendered. The
+/// tokenizer's own error ([`crate::chat::ChatError`]) takes it in as its `Load` and `Template`.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum TemplateError {
+    /// A template or tokenizer config file could not be read.
+    #[error("cannot load {path}: {message}")]
+    Load {
+        /// The file.
+        path: String,
+        /// Why.
+        message: String,
+    },
+    /// The template failed to compile or to render.
+    #[error("chat template {0}")]
+    Template(String),
+}
 
 /// Qwen3's chat template, as its `tokenizer_config.json` ships it: the template used when the
 /// tokenizer has Qwen's `<|im_start|>` and no template is found beside it.
@@ -135,7 +151,7 @@ impl ChatTemplate {
         source: &str,
         special: SpecialTokens,
         origin: impl Into<String>,
-    ) -> Result<ChatTemplate, ChatError> {
+    ) -> Result<ChatTemplate, TemplateError> {
         Self::named(source, None, special, origin)
     }
 
@@ -146,7 +162,7 @@ impl ChatTemplate {
         tool_use: Option<&str>,
         special: SpecialTokens,
         origin: impl Into<String>,
-    ) -> Result<ChatTemplate, ChatError> {
+    ) -> Result<ChatTemplate, TemplateError> {
         let origin = origin.into();
         let source = generation_blocks_as_ifs(source);
         let tool_source = tool_use.map(generation_blocks_as_ifs);
@@ -173,10 +189,10 @@ impl ChatTemplate {
             &tagged(special.eos.as_deref()),
         ]);
         env.add_template_owned("chat_template", source)
-            .map_err(|e| ChatError::Template(format!("{origin}: {e}")))?;
+            .map_err(|e| TemplateError::Template(format!("{origin}: {e}")))?;
         if let Some(tool_source) = tool_source {
             env.add_template_owned("tool_use", tool_source)
-                .map_err(|e| ChatError::Template(format!("{origin} (tool_use): {e}")))?;
+                .map_err(|e| TemplateError::Template(format!("{origin} (tool_use): {e}")))?;
         }
         let origin = if tool_use.is_some() {
             format!("{origin} (its \"tool_use\" template for records with tools)")
@@ -205,14 +221,15 @@ impl ChatTemplate {
     /// Reads a template from a file: a `.json` file holds it under `chat_template` (a string, or
     /// a list of named templates: `default`, and `tool_use` for records with tools), any other
     /// file is the Jinja source itself.
-    pub fn from_file(path: &Path, special: SpecialTokens) -> Result<ChatTemplate, ChatError> {
+    pub fn from_file(path: &Path, special: SpecialTokens) -> Result<ChatTemplate, TemplateError> {
         let text = read_small(path)?;
         if path
             .extension()
             .is_some_and(|e| e.eq_ignore_ascii_case("json"))
         {
-            let json: serde_json::Value = serde_json::from_str(&text)
-                .map_err(|e| ChatError::Template(format!("{}: not JSON: {e}", path.display())))?;
+            let json: serde_json::Value = serde_json::from_str(&text).map_err(|e| {
+                TemplateError::Template(format!("{}: not JSON: {e}", path.display()))
+            })?;
             return match templates_in(&json, path)? {
                 Some((source, tool_use)) => ChatTemplate::named(
                     &source,
@@ -220,7 +237,7 @@ impl ChatTemplate {
                     special,
                     path.display().to_string(),
                 ),
-                None => Err(ChatError::Template(format!(
+                None => Err(TemplateError::Template(format!(
                     "{}: has no \"chat_template\"",
                     path.display()
                 ))),
@@ -233,7 +250,7 @@ impl ChatTemplate {
     /// `chat_template.jinja`, then `chat_template.json`, then `tokenizer_config.json`'s
     /// `chat_template`. `None` when there is none. The special tokens come from
     /// `tokenizer_config.json` when it is there.
-    pub fn beside(tokenizer: &Path) -> Result<Option<ChatTemplate>, ChatError> {
+    pub fn beside(tokenizer: &Path) -> Result<Option<ChatTemplate>, TemplateError> {
         let dir = tokenizer.parent().unwrap_or(Path::new("."));
         let special = SpecialTokens::beside(tokenizer)?;
         for name in ["chat_template.jinja", "chat_template.json"] {
@@ -276,7 +293,7 @@ impl ChatTemplate {
         tools: Option<&Value>,
         generation_prompt: bool,
         budget: &mut Budget,
-    ) -> Result<String, ChatError> {
+    ) -> Result<String, TemplateError> {
         let name = if tools.is_some() && self.tool_use {
             "tool_use"
         } else {
@@ -299,7 +316,7 @@ impl ChatTemplate {
             let _limit = TojsonLimit::set(limit);
             template.render_captured_to(context, &mut out)
         };
-        let fail = |what: String| ChatError::Template(format!("{}: {what}", self.origin));
+        let fail = |what: String| TemplateError::Template(format!("{}: {what}", self.origin));
         let captured = match rendered {
             Ok(captured) => captured,
             Err(e) if e.kind() == ErrorKind::WriteFailure => {
@@ -331,7 +348,7 @@ impl ChatTemplate {
 
 impl SpecialTokens {
     /// The special tokens of the `tokenizer_config.json` beside `tokenizer`, if there is one.
-    pub fn beside(tokenizer: &Path) -> Result<SpecialTokens, ChatError> {
+    pub fn beside(tokenizer: &Path) -> Result<SpecialTokens, TemplateError> {
         let dir = tokenizer.parent().unwrap_or(Path::new("."));
         Ok(read_config(&dir.join("tokenizer_config.json"))?
             .map(|json| SpecialTokens::from_config(&json))
@@ -344,7 +361,7 @@ impl SpecialTokens {
 fn templates_in(
     json: &serde_json::Value,
     path: &Path,
-) -> Result<Option<(String, Option<String>)>, ChatError> {
+) -> Result<Option<(String, Option<String>)>, TemplateError> {
     match &json["chat_template"] {
         serde_json::Value::String(s) => Ok(Some((s.clone(), None))),
         serde_json::Value::Array(named) => {
@@ -357,7 +374,7 @@ fn templates_in(
             };
             match find("default") {
                 Some(default) => Ok(Some((default, find("tool_use")))),
-                None => Err(ChatError::Template(format!(
+                None => Err(TemplateError::Template(format!(
                     "{}: has named chat templates but no \"default\"",
                     path.display()
                 ))),
@@ -368,20 +385,20 @@ fn templates_in(
 }
 
 /// A `tokenizer_config.json`, or `None` when there is no such file.
-fn read_config(path: &Path) -> Result<Option<serde_json::Value>, ChatError> {
+fn read_config(path: &Path) -> Result<Option<serde_json::Value>, TemplateError> {
     if !path.exists() {
         return Ok(None);
     }
     let text = read_small(path)?;
     serde_json::from_str(&text)
         .map(Some)
-        .map_err(|e| ChatError::Template(format!("{}: not JSON: {e}", path.display())))
+        .map_err(|e| TemplateError::Template(format!("{}: not JSON: {e}", path.display())))
 }
 
 /// Reads a regular file of at most [`MAX_TEMPLATE_FILE_BYTES`] as UTF-8.
-pub(crate) fn read_small(path: &Path) -> Result<String, ChatError> {
+pub(crate) fn read_small(path: &Path) -> Result<String, TemplateError> {
     read_bounded(path, MAX_TEMPLATE_FILE_BYTES).and_then(|bytes| {
-        String::from_utf8(bytes).map_err(|_| ChatError::Load {
+        String::from_utf8(bytes).map_err(|_| TemplateError::Load {
             path: path.display().to_string(),
             message: "not UTF-8 text".into(),
         })
@@ -389,8 +406,8 @@ pub(crate) fn read_small(path: &Path) -> Result<String, ChatError> {
 }
 
 /// Reads a regular file (nothing else is opened for reading) of at most `max` bytes.
-pub(crate) fn read_bounded(path: &Path, max: u64) -> Result<Vec<u8>, ChatError> {
-    let fail = |message: String| ChatError::Load {
+pub(crate) fn read_bounded(path: &Path, max: u64) -> Result<Vec<u8>, TemplateError> {
+    let fail = |message: String| TemplateError::Load {
         path: path.display().to_string(),
         message,
     };

@@ -3,7 +3,7 @@
 //!
 //! The order matters for both safety and speed:
 //!
-//! 1. The header is read first (a JPEG's by libjpeg in [`crate::jpeg`], the others' by
+//! 1. The header is read first (a JPEG's by libjpeg in [`jpeg`], the others' by
 //!    [`probe`]): format and dimensions. The decompression-bomb guard (`max_source_pixels`)
 //!    refuses an image before a single pixel is decoded.
 //! 2. [`ImageTransform::target_size`] decides the output size from the source's upright
@@ -11,7 +11,7 @@
 //!    by EXIF orientation). That size fixes the tensor's shape and the number of image tokens, so
 //!    the sample's object is reserved at its final size before anything is written.
 //! 3. [`ImageTransform::decode`] decodes a JPEG with libjpeg-turbo's decoder (the one Pillow
-//!    links; [`crate::jpeg`]) at the largest DCT scale, 1/2, 1/4 or 1/8, that keeps it at least
+//!    links; [`jpeg`]) at the largest DCT scale, 1/2, 1/4 or 1/8, that keeps it at least
 //!    the output size (Pillow's `Image.draft` rule; [`ImageTransform::jpeg_draft`]), so a 2048 px
 //!    photo bound for 448 px never has its every pixel decoded; PNG/WebP/GIF (and CMYK JPEGs)
 //!    go through `image` (zune-jpeg). The result is the RGB that Pillow (9.4, the goldens'
@@ -30,7 +30,7 @@ use fast_image_resize::images::{Image, ImageRef};
 use fast_image_resize::{FilterType, PixelType, ResizeAlg, ResizeOptions, Resizer};
 use feedstore_proto::sample::{DType, TensorLayout};
 
-use crate::jpeg;
+pub mod jpeg;
 
 /// How to size the output.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -169,7 +169,7 @@ pub fn probe(encoded: &[u8], max_source_pixels: u64) -> Result<Probe, ImageError
 /// the EXIF orientation applied, alpha dropped, 16-bit grey clipped to 255 and 16-bit colour
 /// (or grey with alpha) cut to its high byte, palettes expanded, an animation's first frame.
 ///
-/// The JPEGs that come here are CMYK and YCCK ones ([`crate::jpeg`] decodes the rest), which
+/// The JPEGs that come here are CMYK and YCCK ones ([`jpeg`] decodes the rest), which
 /// go to zune-jpeg directly: first in strict mode, so a truncated file is refused rather than
 /// padded with grey (the lenient decoder, like a browser, renders what it has); a complete file
 /// that strict mode dislikes for other reasons (stray bytes between markers, which real cameras

@@ -8,7 +8,7 @@ use std::path::Path;
 
 use feedstore_producer::chat::{ChatError, ChatTokenizer, Encoded, Message, Role};
 use feedstore_producer::manifest::{Content, Manifest};
-use feedstore_producer::template::{ChatTemplate, SpecialTokens};
+use feedstore_producer::template::{ChatTemplate, SpecialTokens, TemplateError};
 mod common;
 
 use common::{DATA, tokenizer, tokenizer_json};
@@ -211,7 +211,7 @@ fn a_template_error_rejects_the_record_with_the_templates_words() {
     );
     assert!(matches!(
         ChatTemplate::new("{% if %}", SpecialTokens::default(), "broken"),
-        Err(ChatError::Template(_))
+        Err(TemplateError::Template(_))
     ));
 }
 

@@ -1,18 +1,16 @@
 //! A plain client: put objects, get them by handle, read the store's statistics.
 
-use std::sync::Mutex;
 use std::time::Duration;
 
 use feedstore_consumer::{
-    Client as RustClient, ConnectOptions, CreateOptions, Handle, ObjectWriter, Role, Status,
+    Client as RustClient, ConnectOptions, CreateOptions, Handle, Role, Status,
 };
-use pyo3::buffer::PyBuffer;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
 use crate::errors::{IntoPy, InvalidArgument};
 use crate::sample::Sample;
-use crate::stream::write_item;
+use crate::writing::{Reservation, write_item};
 
 /// A connection to the node's feedstored. `writer=True` may put objects; a reader maps the
 /// store read-only.
@@ -145,131 +143,5 @@ impl Client {
     /// Returns dropped leases to the daemon now (otherwise within a millisecond).
     fn flush(&self) {
         self.inner.flush_releases();
-    }
-}
-
-/// Copies of this size and above run without the GIL.
-const DETACHED_COPY_BYTES: usize = 64 << 10;
-
-/// A reserved, unsealed object (`Client.reserve`): invisible to every other client until
-/// `seal`, given back to the store if dropped unsealed (or if this process dies). Python code
-/// never holds a writable view of it: bytes go in through `write`, which copies them.
-#[pyclass(module = "feedstore", frozen)]
-pub struct Reservation {
-    object: Mutex<Option<ObjectWriter>>,
-}
-
-impl Reservation {
-    /// A reservation of `nbytes` from `client`; `pin`: never evicted once sealed (only
-    /// deleted).
-    pub fn reserve(
-        py: Python<'_>,
-        client: &RustClient,
-        nbytes: u64,
-        options: CreateOptions,
-    ) -> PyResult<Reservation> {
-        if nbytes == 0 {
-            return Err(InvalidArgument::new_err(
-                "an object needs at least one byte",
-            ));
-        }
-        let object = py.detach(|| client.create_with(nbytes, options)).py_err()?;
-        Ok(Reservation {
-            object: Mutex::new(Some(object)),
-        })
-    }
-
-    /// The unsealed object, taken out (the reservation is spent).
-    pub fn take(&self) -> PyResult<ObjectWriter> {
-        let object = self.object.lock().unwrap_or_else(|e| e.into_inner()).take();
-        object.ok_or_else(|| {
-            InvalidArgument::new_err("this reservation was already sealed or given back")
-        })
-    }
-
-    fn with<T>(&self, f: impl FnOnce(&mut ObjectWriter) -> PyResult<T>) -> PyResult<T> {
-        let mut object = self.object.lock().unwrap_or_else(|e| e.into_inner());
-        match object.as_mut() {
-            Some(object) => f(object),
-            None => Err(InvalidArgument::new_err(
-                "this reservation was already sealed or given back",
-            )),
-        }
-    }
-}
-
-#[pymethods]
-impl Reservation {
-    /// Copies `data` (bytes, a bytearray, a C-contiguous uint8 numpy array or memoryview) into
-    /// the object at byte `offset`.
-    fn write(&self, py: Python<'_>, offset: usize, data: &Bound<'_, PyAny>) -> PyResult<()> {
-        let buffer = PyBuffer::<u8>::get(data).map_err(|e| {
-            InvalidArgument::new_err(format!("write takes a buffer of bytes (uint8): {e}"))
-        })?;
-        if !buffer.is_c_contiguous() {
-            return Err(InvalidArgument::new_err(
-                "write takes a C-contiguous buffer (use numpy.ascontiguousarray)",
-            ));
-        }
-        let len = buffer.len_bytes();
-        let src = buffer.buf_ptr() as usize;
-        let copy = || {
-            // The lock is taken where the copy runs: a large copy runs without the GIL, and a
-            // thread holding the lock never waits for the GIL (another thread waiting for the
-            // lock with the GIL would otherwise deadlock with it).
-            self.with(|object| {
-                let size = object.len();
-                let Some(dst) = offset
-                    .checked_add(len)
-                    .filter(|&end| end <= size)
-                    .map(|end| &mut object.as_mut_slice()[offset..end])
-                else {
-                    return Err(InvalidArgument::new_err(format!(
-                        "{len} bytes at offset {offset} do not fit an object of {size} bytes"
-                    )));
-                };
-                // SAFETY: `buffer` is a C-contiguous export of `len` bytes, kept alive (and its
-                // memory with it, unresizable) until `buffer` drops after this call; `dst` is
-                // `len` bytes of this reservation, writable by this connection alone, and no
-                // Python buffer views it, so the two cannot overlap.
-                let src = unsafe { std::slice::from_raw_parts(src as *const u8, len) };
-                dst.copy_from_slice(src);
-                Ok(())
-            })
-        };
-        let result = if len >= DETACHED_COPY_BYTES {
-            py.detach(copy)
-        } else {
-            copy()
-        };
-        drop(buffer);
-        result
-    }
-
-    /// The handle the object will have once sealed, as text (nobody can get it before).
-    #[getter]
-    fn handle(&self) -> PyResult<String> {
-        self.with(|object| Ok(object.handle().to_string()))
-    }
-
-    /// The object's size in bytes.
-    fn __len__(&self) -> PyResult<usize> {
-        self.with(|object| Ok(object.len()))
-    }
-
-    /// Publishes the object and returns its handle, as text. Readers see every byte written.
-    fn seal(&self, py: Python<'_>) -> PyResult<String> {
-        let object = self.take()?;
-        let handle = py.detach(|| object.seal()).py_err()?;
-        Ok(handle.to_string())
-    }
-
-    /// Gives the space back unsealed (also done when the reservation is dropped).
-    fn abort(&self, py: Python<'_>) -> PyResult<()> {
-        let object = self.object.lock().unwrap_or_else(|e| e.into_inner()).take();
-        match object {
-            Some(object) => py.detach(|| object.abort()).py_err(),
-            None => Ok(()),
-        }
     }
 }

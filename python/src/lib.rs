@@ -11,6 +11,7 @@ mod client;
 mod errors;
 mod sample;
 mod stream;
+mod writing;
 
 use pyo3::prelude::*;
 
@@ -19,7 +20,7 @@ use pyo3::prelude::*;
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     errors::register(m)?;
     m.add_class::<client::Client>()?;
-    m.add_class::<client::Reservation>()?;
+    m.add_class::<writing::Reservation>()?;
     m.add_class::<stream::Stream>()?;
     m.add_class::<stream::Writer>()?;
     m.add_class::<stream::Task>()?;

@@ -52,7 +52,7 @@ pub(super) fn check_error(response: Response) -> Result<Response, Error> {
     }
 }
 
-pub(super) fn unexpected(response: Response) -> Error {
+pub(crate) fn unexpected(response: Response) -> Error {
     Error::Protocol(format!("unexpected reply {response:?}"))
 }
 
