@@ -25,8 +25,8 @@ use feedstore_producer::chat::ChatTokenizer;
 use feedstore_producer::feed::{FeedConfig, feed};
 use feedstore_producer::manifest::{ImageSource, IndexedManifest, Manifest};
 use feedstore_producer::pipeline::{Fetch, ProducerConfig, run};
-use feedstore_producer::s3::{S3Fetcher, S3Options};
 use feedstore_proto::stream::{Shuffle, StreamSpec, Tail};
+use feedstore_s3::{S3Fetcher, S3Options};
 use feedstore_testkit::moto::Moto;
 use feedstore_testkit::proxy::{FaultProxy, Plan};
 

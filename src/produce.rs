@@ -11,10 +11,10 @@ use feedstore_producer::feed::{FeedConfig, feed};
 use feedstore_producer::manifest::{IndexedManifest, Manifest};
 use feedstore_producer::pipeline::{Event, ProducerConfig, run};
 use feedstore_producer::profile::Profiler;
-use feedstore_producer::s3::{S3Fetcher, S3Options};
 use feedstore_producer::vision::ResizeMode;
 use feedstore_proto::sample::{DType, TensorLayout};
 use feedstore_proto::stream::{Shuffle, StreamSpec, StreamState, Tail, default_depth};
+use feedstore_s3::{S3Fetcher, S3Options};
 
 use crate::SocketArg;
 

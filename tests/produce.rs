@@ -635,8 +635,8 @@ fn an_unreachable_s3_endpoint_is_said_in_one_line() {
 
 #[test]
 fn produce_from_s3_behind_a_faulty_network() {
-    use feedstore_producer::s3::{S3Fetcher, S3Options};
     use feedstore_proto::sample::SampleView;
+    use feedstore_s3::{S3Fetcher, S3Options};
     use feedstore_testkit::moto::Moto;
     use feedstore_testkit::proxy::{Fault, FaultProxy, Plan, Rule};
 

@@ -73,12 +73,25 @@ fn interpreter(python: &str) -> Interpreter {
     }
 }
 
-/// The CPython version that pyo3 builds the workspace's extension for: `python3` on PATH.
+/// The CPython version that pyo3 builds the workspace's extension for, found as pyo3 finds its
+/// interpreter: `PYO3_PYTHON`, else an active virtualenv's or conda environment's python, else
+/// `python3` on PATH.
 fn default_version() -> String {
-    let out = Command::new("python3")
+    let env_python = |var: &str, bin: &str| {
+        std::env::var_os(var)
+            .filter(|v| !v.is_empty())
+            .map(|v| PathBuf::from(v).join(bin))
+    };
+    let python = std::env::var_os("PYO3_PYTHON")
+        .filter(|v| !v.is_empty())
+        .map(PathBuf::from)
+        .or_else(|| env_python("VIRTUAL_ENV", "bin/python"))
+        .or_else(|| env_python("CONDA_PREFIX", "bin/python"))
+        .unwrap_or_else(|| PathBuf::from("python3"));
+    let out = Command::new(&python)
         .args(["-c", "import sys; print('%d.%d' % sys.version_info[:2])"])
         .output()
-        .expect("python3 on PATH (pyo3 builds for it)");
+        .unwrap_or_else(|e| panic!("{} (pyo3 builds for it): {e}", python.display()));
     String::from_utf8_lossy(&out.stdout).trim().to_string()
 }
 

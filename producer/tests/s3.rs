@@ -11,7 +11,7 @@ use std::time::Duration;
 use common::DATA;
 use feedstore_producer::manifest::{ImageSource, Manifest};
 use feedstore_producer::pipeline::{Event, Fetch, FetchError, ProducerConfig, run};
-use feedstore_producer::s3::{S3Fetcher, S3Options};
+use feedstore_s3::{S3Fetcher, S3Options};
 use feedstore_testkit::moto::Moto;
 use feedstore_testkit::proxy::{Fault, FaultProxy, Plan, Rule};
 

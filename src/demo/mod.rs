@@ -25,10 +25,10 @@ use feedstore_producer::chat::ChatTokenizer;
 use feedstore_producer::feed::{FeedConfig, feed};
 use feedstore_producer::manifest::IndexedManifest;
 use feedstore_producer::pipeline::{Fetch, ProducerConfig};
-use feedstore_producer::s3::{S3Fetcher, S3Options};
 use feedstore_producer::vision::ResizeMode;
 use feedstore_proto::sample::{DType, TensorLayout};
 use feedstore_proto::stream::{Shuffle, StreamSpec, Tail};
+use feedstore_s3::{S3Fetcher, S3Options};
 use feedstore_store::config::{format_bytes, parse_bytes};
 
 use crate::SocketArg;

@@ -1,4 +1,9 @@
-//! Fetching from S3 (or any S3-compatible store) through the AWS SDK.
+//! Fetching from S3 (or any S3-compatible store) through the AWS SDK: the producer's
+//! [`Fetch`] for `s3://` sources.
+//!
+//! A crate of its own so that the producer's pipeline (decode, resize, tokenize) compiles while
+//! the AWS SDK does: a cold release build of the workspace waited on aws-sdk-s3 and then on the
+//! whole producer, one after the other.
 //!
 //! Configured the standard AWS way: `AWS_ENDPOINT_URL`, `AWS_REGION`, and the usual credential
 //! chain (environment, profile), with options to override the endpoint and region and to force
@@ -19,9 +24,8 @@ use aws_sdk_s3::config::http::HttpResponse;
 use aws_sdk_s3::error::{DisplayErrorContext, SdkError};
 use aws_smithy_http_client::tls::{Provider, rustls_provider::CryptoMode};
 
-use crate::input::{DEFAULT_MAX_IMAGE_BYTES, LocalFiles};
-use crate::manifest::ImageSource;
-use crate::pipeline::{Fetch, FetchError};
+use feedstore_producer::input::{DEFAULT_MAX_IMAGE_BYTES, LocalFiles};
+use feedstore_producer::source::{Fetch, FetchError, ImageSource};
 
 /// How to reach S3.
 #[derive(Debug, Clone)]
