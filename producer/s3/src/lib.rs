@@ -82,7 +82,7 @@ impl S3Fetcher {
     /// Builds a client from the standard AWS configuration and `options`.
     pub async fn new(options: &S3Options) -> S3Fetcher {
         let http = aws_smithy_http_client::Builder::new()
-            .tls_provider(Provider::Rustls(CryptoMode::Ring))
+            .tls_provider(Provider::Rustls(CryptoMode::AwsLc))
             .build_https();
         let mut loader = aws_config::defaults(BehaviorVersion::latest())
             .http_client(http)
