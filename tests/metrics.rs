@@ -391,6 +391,13 @@ fn the_metrics_server_answers_only_what_it_serves() {
         .collect();
     std::thread::sleep(Duration::from_millis(200));
     assert!(get(port, "/metrics").0.contains("503"));
+    // One more that says nothing is answered all the same, and closed: it holds nothing.
+    let mut over = TcpStream::connect(("127.0.0.1", port)).unwrap();
+    over.set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    let mut reply = String::new();
+    over.read_to_string(&mut reply).unwrap();
+    assert!(reply.starts_with("HTTP/1.1 503"), "{reply}");
     let deadline = std::time::Instant::now() + Duration::from_secs(20);
     while !get(port, "/metrics").0.contains("200") {
         assert!(

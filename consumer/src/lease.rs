@@ -3,9 +3,11 @@
 use std::ops::Deref;
 use std::sync::Arc;
 
+use feedstore_proto::frame::{Opcode, Request, Response};
 use feedstore_proto::{Handle, Location};
 use feedstore_shm::{Mapping, PrivateBytes, SharedBytes};
 
+use crate::client::unexpected;
 use crate::{Client, Error};
 
 /// One lease this connection holds on an object, returned to the daemon when dropped (with the
@@ -142,5 +144,49 @@ impl std::fmt::Debug for Lease {
             .field("handle", &self.handle())
             .field("len", &self.bytes.len())
             .finish()
+    }
+}
+
+/// How a client gets objects: leases become views here, so the client module does not import
+/// this one.
+impl Client {
+    /// Takes a lease on a sealed object and returns a read-only view of its bytes in shared
+    /// memory. The lease is released when the view is dropped.
+    pub fn get(&self, handle: Handle) -> Result<Lease, Error> {
+        self.get_batch(&[handle])?
+            .pop()
+            .expect("one result per handle")
+    }
+
+    /// Leases several objects, in as few round trips as the frame limits allow (one for up to
+    /// ~47k handles).
+    pub fn get_batch(&self, handles: &[Handle]) -> Result<Vec<Result<Lease, Error>>, Error> {
+        self.batched(Opcode::Get, handles, |chunk| {
+            let results = match self.call(&Request::Get {
+                handles: chunk.to_vec(),
+            })? {
+                Response::Got(r) if r.len() == chunk.len() => r,
+                other => return Err(unexpected(other)),
+            };
+            // Every lease taken becomes a `Lease` (released on drop) before any error returns.
+            Ok(results
+                .into_iter()
+                .zip(chunk)
+                .map(|(r, &handle)| match r {
+                    Ok(got) => self.lease(handle, got.location, got.writer),
+                    Err(status) => Err(Error::from_status(status, handle, 0, "")),
+                })
+                .collect())
+        })
+    }
+
+    /// Wraps the lease the daemon just granted this connection on `handle` at `loc` (on an
+    /// error the lease is returned).
+    fn lease(&self, handle: Handle, loc: Location, writer: u32) -> Result<Lease, Error> {
+        let hold = LeaseHold::new(self.clone(), handle);
+        let mapping = self.mapping(loc)?.clone();
+        // SAFETY: the daemon answered this connection's get of `handle` with `loc`: a lease on
+        // the sealed object there, now owned by `hold` alone.
+        unsafe { Lease::new(mapping, loc, hold, writer) }
     }
 }

@@ -1,7 +1,8 @@
 //! Where image bytes come from: an [`ImageSource`] (a file on this node or an S3 object, as a
-//! manifest names it), the [`Fetch`] trait each kind of source implements (`input::LocalFiles`,
-//! `feedstore_s3::S3Fetcher`), and why a fetch failed. A leaf: the manifest names sources, the inputs
-//! and the S3 client fetch them, the pipeline drives fetches, and this module knows none of them.
+//! manifest names it), the [`Fetch`] trait each kind of source implements
+//! (`input::LocalFiles`, `feedstore_s3::S3Fetcher`), and why a fetch failed. A leaf: the
+//! manifest names sources, the inputs and the S3 client fetch them, the pipeline drives
+//! fetches, and this module knows none of them.
 
 use std::path::PathBuf;
 use std::pin::Pin;

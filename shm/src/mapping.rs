@@ -94,7 +94,7 @@ impl Mapping {
     /// `populate` builds the page tables now (`MAP_POPULATE`) instead of on first touch, so the
     /// first get or put of each page does not pay a page fault.
     pub fn new(fd: OwnedFd, len: u64, access: Access, populate: bool) -> Result<Mapping, ShmError> {
-        crate::segment::check_sealed(fd.as_fd(), len)?;
+        check_sealed(fd.as_fd(), len)?;
         let map_err = |source: std::io::Error| ShmError::Map {
             len,
             access,
@@ -647,6 +647,33 @@ impl<H: std::fmt::Debug> std::fmt::Debug for SharedBytes<H> {
             .field("len", &self.len)
             .finish()
     }
+}
+
+/// Checks that `fd` is a segment sealed against size changes and at least `len` bytes long: what
+/// a mapping needs so that nobody can shrink the memory under it.
+pub(crate) fn check_sealed(fd: std::os::fd::BorrowedFd<'_>, len: u64) -> Result<(), ShmError> {
+    let seals = nix::fcntl::fcntl(fd, nix::fcntl::FcntlArg::F_GET_SEALS).map_err(|e| {
+        ShmError::NotASegment {
+            reason: format!("F_GET_SEALS failed: {e}"),
+        }
+    })?;
+    let seals = nix::fcntl::SealFlag::from_bits_truncate(seals);
+    if !seals.contains(nix::fcntl::SealFlag::F_SEAL_SHRINK) {
+        return Err(ShmError::NotASegment {
+            reason: "not sealed against shrinking".into(),
+        });
+    }
+    let actual = nix::sys::stat::fstat(fd)
+        .map_err(|e| ShmError::NotASegment {
+            reason: format!("fstat failed: {e}"),
+        })?
+        .st_size as u64;
+    if actual < len {
+        return Err(ShmError::NotASegment {
+            reason: format!("descriptor holds {actual} bytes, {len} announced"),
+        });
+    }
+    Ok(())
 }
 
 #[cfg(test)]

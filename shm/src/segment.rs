@@ -213,31 +213,6 @@ pub(crate) fn page_size() -> u64 {
         .map_or(4096, |v| v as u64)
 }
 
-/// Checks that `fd` is a segment sealed against size changes and at least `len` bytes long.
-pub(crate) fn check_sealed(fd: BorrowedFd<'_>, len: u64) -> Result<(), ShmError> {
-    let seals =
-        nix::fcntl::fcntl(fd, FcntlArg::F_GET_SEALS).map_err(|e| ShmError::NotASegment {
-            reason: format!("F_GET_SEALS failed: {e}"),
-        })?;
-    let seals = SealFlag::from_bits_truncate(seals);
-    if !seals.contains(SealFlag::F_SEAL_SHRINK) {
-        return Err(ShmError::NotASegment {
-            reason: "not sealed against shrinking".into(),
-        });
-    }
-    let actual = nix::sys::stat::fstat(fd)
-        .map_err(|e| ShmError::NotASegment {
-            reason: format!("fstat failed: {e}"),
-        })?
-        .st_size as u64;
-    if actual < len {
-        return Err(ShmError::NotASegment {
-            reason: format!("descriptor holds {actual} bytes, {len} announced"),
-        });
-    }
-    Ok(())
-}
-
 /// Zeroes the pages `fallocate` gave a shmem file (sealed). shmem allocates them but leaves
 /// each to be zeroed by the first fault on it, in whichever process makes it: a producer's first
 /// pass over the store (0.3-1.2 s of its CPU per GiB on a 2-vCPU VM, in the stage that writes
@@ -296,9 +271,9 @@ mod tests {
         assert!(seg.size_bytes() >= 10_000);
         let err = nix::unistd::ftruncate(seg.fd(), 0).unwrap_err();
         assert_eq!(err, nix::Error::EPERM);
-        check_sealed(seg.fd(), seg.size_bytes()).unwrap();
+        crate::mapping::check_sealed(seg.fd(), seg.size_bytes()).unwrap();
         let ro = seg.reopen_readonly().unwrap();
-        check_sealed(ro.as_fd(), seg.size_bytes()).unwrap();
+        crate::mapping::check_sealed(ro.as_fd(), seg.size_bytes()).unwrap();
         let mode = nix::sys::stat::fstat(seg.fd()).unwrap().st_mode & 0o7777;
         assert_eq!(mode, 0o400, "nobody else can open it for writing");
     }

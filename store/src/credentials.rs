@@ -39,8 +39,8 @@ impl Credentials {
 /// `SO_PEERGROUPS` (asm-generic value; the architectures this is built for use it).
 const SO_PEERGROUPS: libc::c_int = 59;
 
-/// The connected process's supplementary groups. The kernel says how much room it needs when the buffer is
-/// short (`ERANGE`), bounded by `NGROUPS_MAX` (65536).
+/// The connected process's supplementary groups. The kernel says how much room it needs when
+/// the buffer is short (`ERANGE`), bounded by `NGROUPS_MAX` (65536).
 fn supplementary_groups(fd: RawFd) -> io::Result<Vec<u32>> {
     let mut groups: Vec<libc::gid_t> = vec![0; 64];
     loop {

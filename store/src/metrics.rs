@@ -22,7 +22,8 @@
 //!
 //! The HTTP/1.1 server is hyper's, bounded: one request per connection (no keep-alive), a request
 //! head of at most 8 KiB (more gets `431`), the whole exchange within 2 s, at most 16 connections
-//! at once (more get `503` at once), `GET /metrics` only.
+//! at once (more get `503` at once, without waiting for their request: 64 such answers at a
+//! time, each within 0.2 s, and beyond those the connection is closed), `GET /metrics` only.
 
 use std::convert::Infallible;
 use std::sync::Arc;
@@ -81,9 +82,36 @@ const MAX_REQUEST_BYTES: usize = 8 << 10;
 /// The whole exchange, from accepting to the last byte of the answer.
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(2);
 
+/// Connections over [`MAX_CONNECTIONS`] being told `503` at once; more are closed unanswered.
+const MAX_BUSY: usize = 64;
+/// The longest a `503` takes, its request read and dropped.
+const BUSY_LINGER: Duration = Duration::from_millis(200);
+
+/// Answers `503` without reading the request, then reads what the client sent (at most a
+/// request head's worth) and drops it, until it stops sending.
+async fn answer_busy(mut stream: tokio::net::TcpStream) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    if stream.write_all(BUSY).await.is_err() || stream.shutdown().await.is_err() {
+        return;
+    }
+    let mut sink = [0u8; 1024];
+    let mut left = MAX_REQUEST_BYTES;
+    while left > 0 {
+        match stream.read(&mut sink).await {
+            Ok(0) | Err(_) => return,
+            Ok(n) => left = left.saturating_sub(n),
+        }
+    }
+}
+
+/// The whole answer to a connection over [`MAX_CONNECTIONS`].
+const BUSY: &[u8] =
+    b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: text/plain\r\nContent-Length: 5\r\nConnection: close\r\n\r\nbusy\n";
+
 /// Serves scrapes until the task is aborted.
 pub async fn serve(listener: TcpListener, shared: Arc<Shared>, cluster: Option<Arc<Cluster>>) {
     let slots = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
+    let busy_slots = Arc::new(tokio::sync::Semaphore::new(MAX_BUSY));
     loop {
         let (stream, _) = match listener.accept().await {
             Ok(accepted) => accepted,
@@ -93,17 +121,29 @@ pub async fn serve(listener: TcpListener, shared: Arc<Shared>, cluster: Option<A
                 continue;
             }
         };
-        // Over the bound a connection is told so at once (within the timeout), and closed.
-        let slot = slots.clone().try_acquire_owned().ok();
+        let Ok(slot) = slots.clone().try_acquire_owned() else {
+            // Over the bound: told so at once and closed, holding a small task for at most
+            // BUSY_LINGER (what the client sent is read and dropped, so the close is not a
+            // reset that loses the answer); past MAX_BUSY of those, closed at once.
+            if let Ok(busy) = busy_slots.clone().try_acquire_owned() {
+                tokio::spawn(async move {
+                    let _busy = busy;
+                    let _ = tokio::time::timeout(BUSY_LINGER, answer_busy(stream)).await;
+                });
+            }
+            continue;
+        };
         let (shared, cluster) = (shared.clone(), cluster.clone());
         tokio::spawn(async move {
-            let busy = slot.is_none();
             let service = service_fn(move |request| {
                 let (shared, cluster) = (shared.clone(), cluster.clone());
-                async move { Ok::<_, Infallible>(answer(&request, shared, cluster, busy).await) }
+                async move { Ok::<_, Infallible>(answer(&request, shared, cluster).await) }
             });
+            // The whole exchange is bounded by REQUEST_TIMEOUT below; hyper's own header
+            // timeout needs a timer this server does not give it.
             let connection = http1::Builder::new()
                 .keep_alive(false)
+                .header_read_timeout(None)
                 .max_buf_size(MAX_REQUEST_BYTES)
                 .serve_connection(TokioIo::new(stream), service);
             match tokio::time::timeout(REQUEST_TIMEOUT, connection).await {
@@ -121,11 +161,7 @@ async fn answer<B>(
     request: &Request<B>,
     shared: Arc<Shared>,
     cluster: Option<Arc<Cluster>>,
-    busy: bool,
 ) -> Response<Full<Bytes>> {
-    if busy {
-        return reply(StatusCode::SERVICE_UNAVAILABLE, "busy\n");
-    }
     if request.method() != Method::GET {
         return reply(StatusCode::METHOD_NOT_ALLOWED, "GET only\n");
     }

@@ -24,7 +24,7 @@ use crate::credentials::Credentials;
 use crate::objects::Objects;
 use crate::streams::Streams;
 
-/// Who may connect, and in which role, decided from the peer's credentials.
+/// Who may connect, and in which role, decided from the client's credentials.
 #[derive(Debug, Clone)]
 pub struct AccessPolicy {
     /// Uids allowed as readers and writers (the daemon's own uid and root are always allowed).
@@ -36,14 +36,14 @@ pub struct AccessPolicy {
 }
 
 impl AccessPolicy {
-    /// Whether `peer` may connect as a writer.
+    /// Whether `client` may connect as a writer.
     pub(crate) fn may_write(&self, client: &Credentials) -> bool {
         client.uid == 0
             || self.uids.contains(&client.uid)
             || self.gid.is_some_and(|g| client.groups.contains(&g))
     }
 
-    /// Why `peer` may not connect as `role`, if it may not.
+    /// Why `client` may not connect as `role`, if it may not.
     pub(crate) fn refusal(&self, client: &Credentials, role: Role) -> Option<String> {
         if self.may_write(client) {
             return None;
@@ -275,6 +275,11 @@ impl Shared {
     /// The daemon's read-write mapping of a segment (made when the daemon has a cluster).
     pub(crate) fn mapping(&self, segment: u32) -> &Mapping {
         &self.mappings[segment as usize]
+    }
+
+    /// Whether the daemon mapped its segments for pulls (`ServeConfig::cluster`).
+    pub(crate) fn mapped_for_pulls(&self) -> bool {
+        self.mappings.len() == self.segments.len()
     }
 
     /// Changes whenever space is freed or becomes evictable.

@@ -568,15 +568,12 @@ impl Request {
 
     /// The largest reply payload this request can get, when that depends on the request (a
     /// batch's reply grows with it): the daemon refuses a request whose reply could not fit the
-    /// client's limit before acting on it.
+    /// client's limit before acting on it. (A take has none: the daemon hands out no more tasks
+    /// than the client's limit lets the reply carry.)
     pub fn reply_bound(&self) -> Option<usize> {
-        match self {
-            Request::StreamTake(take) => Some(take.reply_bound()),
-            other => other
-                .opcode()
-                .batch_cost()
-                .map(|cost| cost.reply_bytes(other.batch_len())),
-        }
+        self.opcode()
+            .batch_cost()
+            .map(|cost| cost.reply_bytes(self.batch_len()))
     }
 
     /// Appends the encoded frame to `out`, or leaves `out` as it was if the payload exceeds

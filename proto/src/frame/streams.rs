@@ -88,13 +88,6 @@ pub struct TakeTasks {
     pub timeout_ms: u32,
 }
 
-impl TakeTasks {
-    /// The largest reply to it: a list of `max` tasks.
-    pub fn reply_bound(&self) -> usize {
-        4 + self.max as usize * StreamTask::WIRE_BYTES
-    }
-}
-
 impl Wire for TakeTasks {
     const MIN_BYTES: usize = 12;
     fn encode(&self, w: &mut Writer<'_>) {

@@ -195,6 +195,10 @@ impl Cluster {
         shared: &Arc<Shared>,
         listener: Option<std::net::TcpListener>,
     ) -> Vec<tokio::task::JoinHandle<()>> {
+        assert!(
+            shared.mapped_for_pulls(),
+            "a cluster serves a Shared made with ServeConfig::cluster set"
+        );
         let mut tasks = Vec::new();
         if let Some(listener) = listener {
             match tokio::net::TcpListener::from_std(listener) {

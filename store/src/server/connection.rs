@@ -28,7 +28,7 @@ pub async fn serve_connection(
     let credentials = match Credentials::of(&stream) {
         Ok(p) => p,
         Err(e) => {
-            tracing::warn!(error = %e, "cannot read peer credentials; closing connection");
+            tracing::warn!(error = %e, "cannot read the client's credentials; closing connection");
             return;
         }
     };
@@ -190,7 +190,6 @@ impl Connection {
         // single lease or reservation.
         if let Some(bound) = request.reply_bound()
             && bound > self.client_limit as usize
-            && !matches!(request, Request::StreamTake(_))
         {
             let message = format!(
                 "a {op:?} of {} items needs a reply of {bound} bytes, over this client's limit \

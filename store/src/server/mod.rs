@@ -1,6 +1,6 @@
 //! The control socket: one tokio task per client connection.
 //!
-//! A connection's life: it is admitted against the connection limits, its peer's uid and
+//! A connection's life: it is admitted against the connection limits, its client's uid and
 //! groups are checked against the allow-list, the client says hello (within the hello timeout,
 //! with a printable name and its frame limit) and receives one descriptor per segment by
 //! `SCM_RIGHTS` (read-only for readers), then frames flow until the client goes away — for any
