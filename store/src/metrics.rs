@@ -43,7 +43,7 @@ use prometheus_client::encoding::prometheus_text;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
-use prometheus_client::registry::Registry;
+use prometheus_client::registry::{Metric, Registry};
 use tokio::net::TcpListener;
 
 use crate::cluster::Cluster;
@@ -453,7 +453,28 @@ fn register_producers(registry: &mut Registry, streams: &[StreamInfo]) {
     );
 }
 
-/// Gauges of whole numbers, one family per figure.
+/// One family per figure, each item's value read off it and recorded by `record` into the
+/// item's metric of kind `M` (a counter or a gauge, of whole numbers or of seconds).
+fn register_family<'a, T: 'a, I, M>(
+    registry: &mut Registry,
+    items: impl Fn() -> I,
+    figures: &[Figure<T>],
+    record: fn(&M, u64),
+) where
+    I: Iterator<Item = (Labels, &'a T)>,
+    M: Default,
+    Family<Labels, M>: Metric,
+{
+    for (name, help, value) in figures {
+        let family = Family::<Labels, M>::default();
+        for (labels, item) in items() {
+            record(&family.get_or_create(&labels), value(item));
+        }
+        registry.register(*name, *help, family);
+    }
+}
+
+/// Gauges of whole numbers.
 fn register_levels<'a, T: 'a, I>(
     registry: &mut Registry,
     items: impl Fn() -> I,
@@ -461,16 +482,12 @@ fn register_levels<'a, T: 'a, I>(
 ) where
     I: Iterator<Item = (Labels, &'a T)>,
 {
-    for (name, help, value) in figures {
-        let family = Family::<Labels, Gauge>::default();
-        for (labels, item) in items() {
-            family.get_or_create(&labels).set(saturating(value(item)));
-        }
-        registry.register(*name, *help, family);
-    }
+    register_family(registry, items, figures, |g: &Gauge, v| {
+        g.set(saturating(v));
+    });
 }
 
-/// Counters of whole numbers, one family per figure.
+/// Counters of whole numbers.
 fn register_counts<'a, T: 'a, I>(
     registry: &mut Registry,
     items: impl Fn() -> I,
@@ -478,16 +495,12 @@ fn register_counts<'a, T: 'a, I>(
 ) where
     I: Iterator<Item = (Labels, &'a T)>,
 {
-    for (name, help, value) in figures {
-        let family = Counts::default();
-        for (labels, item) in items() {
-            family.get_or_create(&labels).inc_by(value(item));
-        }
-        registry.register(*name, *help, family);
-    }
+    register_family(registry, items, figures, |c: &Counter, v| {
+        c.inc_by(v);
+    });
 }
 
-/// Counters of seconds, read as microseconds, one family per figure.
+/// Counters of seconds, read as microseconds.
 fn register_seconds<'a, T: 'a, I>(
     registry: &mut Registry,
     items: impl Fn() -> I,
@@ -495,16 +508,12 @@ fn register_seconds<'a, T: 'a, I>(
 ) where
     I: Iterator<Item = (Labels, &'a T)>,
 {
-    for (name, help, value) in figures {
-        let family = FloatCounters::default();
-        for (labels, item) in items() {
-            family.get_or_create(&labels).inc_by(seconds(value(item)));
-        }
-        registry.register(*name, *help, family);
-    }
+    register_family(registry, items, figures, |c: &FloatCounter, v| {
+        c.inc_by(seconds(v));
+    });
 }
 
-/// Gauges of seconds (a duration measured once), read as microseconds, one family per figure.
+/// Gauges of seconds (a duration measured once), read as microseconds.
 fn register_instants<'a, T: 'a, I>(
     registry: &mut Registry,
     items: impl Fn() -> I,
@@ -512,19 +521,20 @@ fn register_instants<'a, T: 'a, I>(
 ) where
     I: Iterator<Item = (Labels, &'a T)>,
 {
-    for (name, help, value) in figures {
-        let family = Floats::default();
-        for (labels, item) in items() {
-            family.get_or_create(&labels).set(seconds(value(item)));
-        }
-        registry.register(*name, *help, family);
-    }
+    register_family(registry, items, figures, |g: &FloatGauge, v| {
+        g.set(seconds(v));
+    });
 }
 
+/// A gauge of seconds.
+type FloatGauge = Gauge<f64, std::sync::atomic::AtomicU64>;
+/// A counter of seconds.
+type FloatCounter = Counter<f64, std::sync::atomic::AtomicU64>;
+
 /// A gauge family of floats.
-type Floats = Family<Labels, Gauge<f64, std::sync::atomic::AtomicU64>>;
+type Floats = Family<Labels, FloatGauge>;
 /// A counter family of floats (seconds).
-type FloatCounters = Family<Labels, Counter<f64, std::sync::atomic::AtomicU64>>;
+type FloatCounters = Family<Labels, FloatCounter>;
 /// A counter family of whole numbers.
 type Counts = Family<Labels, Counter>;
 
