@@ -277,11 +277,11 @@ const STREAM_SECONDS: [Figure<StreamInfo>; 1] = [(
 /// Per stream, labelled `stream` and `uid`.
 fn register_streams(registry: &mut Registry, streams: &[StreamInfo]) {
     let labelled = || streams.iter().map(|t| (stream_labels(t), t));
-    register_levels(registry, labelled, &STREAM_LEVELS);
-    register_counts(registry, labelled, &STREAM_COUNTS);
+    register_family(registry, labelled, &STREAM_LEVELS, set_level);
+    register_family(registry, labelled, &STREAM_COUNTS, add_count);
     // A stream that has not put its first sample has no cold start yet.
     let started = || labelled().filter(|(_, t)| t.cold_start_us > 0);
-    register_instants(registry, started, &STREAM_SECONDS);
+    register_family(registry, started, &STREAM_SECONDS, set_seconds);
 }
 
 const RANK_SECONDS: [Figure<RankInfo>; 2] = [
@@ -333,9 +333,9 @@ fn register_ranks(registry: &mut Registry, streams: &[StreamInfo]) {
             })
         })
     };
-    register_seconds(registry, labelled, &RANK_SECONDS);
-    register_counts(registry, labelled, &RANK_COUNTS);
-    register_levels(registry, labelled, &RANK_LEVELS);
+    register_family(registry, labelled, &RANK_SECONDS, add_seconds);
+    register_family(registry, labelled, &RANK_COUNTS, add_count);
+    register_family(registry, labelled, &RANK_LEVELS, set_level);
     let ratio = Floats::default();
     for (labels, r) in labelled() {
         ratio.get_or_create(&labels).set(r.figures.wait_ratio());
@@ -347,7 +347,7 @@ fn register_ranks(registry: &mut Registry, streams: &[StreamInfo]) {
     );
     // A rank that has had no sample yet has no first-sample time.
     let served = || labelled().filter(|(_, r)| r.figures.first_sample_us > 0);
-    register_instants(registry, served, &RANK_FIRST_SAMPLE);
+    register_family(registry, served, &RANK_FIRST_SAMPLE, set_seconds);
 }
 
 const PRODUCER_SECONDS: [Figure<ProducerFigures>; 6] = [
@@ -427,9 +427,9 @@ fn register_producers(registry: &mut Registry, streams: &[StreamInfo]) {
             .filter(|t| t.producer.elapsed_us > 0)
             .map(|t| (stream_labels(t), &t.producer))
     };
-    register_seconds(registry, labelled, &PRODUCER_SECONDS);
-    register_counts(registry, labelled, &PRODUCER_COUNTS);
-    register_levels(registry, labelled, &PRODUCER_LEVELS);
+    register_family(registry, labelled, &PRODUCER_SECONDS, add_seconds);
+    register_family(registry, labelled, &PRODUCER_COUNTS, add_count);
+    register_family(registry, labelled, &PRODUCER_LEVELS, set_level);
     let busy = FloatCounters::default();
     let items = Counts::default();
     for (labels, producer) in labelled() {
@@ -474,56 +474,24 @@ fn register_family<'a, T: 'a, I, M>(
     }
 }
 
-/// Gauges of whole numbers.
-fn register_levels<'a, T: 'a, I>(
-    registry: &mut Registry,
-    items: impl Fn() -> I,
-    figures: &[Figure<T>],
-) where
-    I: Iterator<Item = (Labels, &'a T)>,
-{
-    register_family(registry, items, figures, |g: &Gauge, v| {
-        g.set(saturating(v));
-    });
+/// A gauge of whole numbers set to `v`.
+fn set_level(g: &Gauge, v: u64) {
+    g.set(saturating(v));
 }
 
-/// Counters of whole numbers.
-fn register_counts<'a, T: 'a, I>(
-    registry: &mut Registry,
-    items: impl Fn() -> I,
-    figures: &[Figure<T>],
-) where
-    I: Iterator<Item = (Labels, &'a T)>,
-{
-    register_family(registry, items, figures, |c: &Counter, v| {
-        c.inc_by(v);
-    });
+/// A counter of whole numbers raised by `v`.
+fn add_count(c: &Counter, v: u64) {
+    c.inc_by(v);
 }
 
-/// Counters of seconds, read as microseconds.
-fn register_seconds<'a, T: 'a, I>(
-    registry: &mut Registry,
-    items: impl Fn() -> I,
-    figures: &[Figure<T>],
-) where
-    I: Iterator<Item = (Labels, &'a T)>,
-{
-    register_family(registry, items, figures, |c: &FloatCounter, v| {
-        c.inc_by(seconds(v));
-    });
+/// A counter of seconds raised by `v` microseconds.
+fn add_seconds(c: &FloatCounter, v: u64) {
+    c.inc_by(seconds(v));
 }
 
-/// Gauges of seconds (a duration measured once), read as microseconds.
-fn register_instants<'a, T: 'a, I>(
-    registry: &mut Registry,
-    items: impl Fn() -> I,
-    figures: &[Figure<T>],
-) where
-    I: Iterator<Item = (Labels, &'a T)>,
-{
-    register_family(registry, items, figures, |g: &FloatGauge, v| {
-        g.set(seconds(v));
-    });
+/// A gauge of seconds (a duration measured once) set to `v` microseconds.
+fn set_seconds(g: &FloatGauge, v: u64) {
+    g.set(seconds(v));
 }
 
 /// A gauge of seconds.
