@@ -358,8 +358,8 @@ impl Streams {
     }
 
     /// A consumer detaches from its rank, having read everything below `next`: the leases its
-    /// connection got for entries it never read go back, and the rank is free for another
-    /// consumer.
+    /// connection got for entries it never read go back, the rank is finished if that was all
+    /// of it, and the rank is free for another consumer.
     pub fn detach(
         &mut self,
         objects: &mut Objects,
@@ -372,6 +372,9 @@ impl Streams {
             orphan.release_unread(objects, conn, next);
             return Ok(());
         }
+        // Leaving with its whole share read is finishing it, as asking past the end is: the
+        // producers need not wait for the samples it still holds to come back.
+        self.finish(conn, id, rank, next);
         let stream = self.stream(id)?;
         let r = Self::consumer_of(stream, conn, rank, "detach")?;
         let consumer = r.consumer.take().expect("checked attached");

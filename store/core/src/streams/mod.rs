@@ -15,7 +15,8 @@
 //! the sample it reads and returns when that sample (and every array or tensor over it) is
 //! gone. The stream's lease only keeps the sample for the window: a rewind, a reattach at
 //! another position, or a close returns the stream's leases and never touches the consumer's.
-//! A detach returns the consumer's leases on entries it never read.
+//! A detach returns the consumer's leases on entries it never read, and finishes the rank when
+//! the consumer had read all of it (as asking past the end does).
 //!
 //! Nothing here depends on timing. A producer that dies loses only its tasks, which go back to
 //! the window to be made again. A consumer that attaches at a sequence number (a fresh start, or

@@ -576,6 +576,35 @@ fn a_finished_stream_ends_and_a_close_returns_everything() {
 }
 
 #[test]
+fn a_consumer_leaving_with_its_share_read_has_finished_it() {
+    let (mut o, mut s, p, c) = setup();
+    let id = s
+        .join(&mut o, p, &spec(1), 8, &starts(&[0]), &Placement::default())
+        .map(|(id, _)| id)
+        .unwrap();
+    fill(&mut o, &mut s, p, id);
+    s.attach(&mut o, c, &spec(1), 0, 0).unwrap();
+    // All four read; the last is still held when the consumer leaves (a trainer dropping its
+    // stream before its last batch).
+    s.release(&mut o, c, id, 0, 3, RankFigures::default())
+        .unwrap();
+    s.detach(&mut o, c, id, 0, 3).unwrap();
+    assert!(
+        s.take(p, id, 1, None).unwrap().is_empty(),
+        "left before its last sample: a consumer may still come for it"
+    );
+    s.attach(&mut o, c, &spec(1), 0, 3).unwrap();
+    let before = s.version();
+    s.detach(&mut o, c, id, 0, 4).unwrap();
+    assert_ne!(s.version(), before, "producers are woken");
+    assert_eq!(
+        s.take(p, id, 1, None).unwrap_err().status,
+        Status::Ended,
+        "left having read all: the producers need not wait for the sample it holds"
+    );
+}
+
+#[test]
 fn the_cache_finds_samples_still_stored() {
     let (mut o, mut s, p, _) = setup();
     let id = s
