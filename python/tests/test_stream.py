@@ -91,8 +91,9 @@ def test_stream_samples_go_back_when_their_arrays_are_dropped(daemon):
 
 def test_a_stream_dropped_before_its_last_samples_lets_the_producer_finish(daemon, tmp_path):
     # A trainer that reads its whole share and drops the stream while it still holds the last
-    # batch (CPython 3.12+ frees a function's locals in an order where this happens) has
-    # finished: the producer must not wait for those samples to come back.
+    # batch (a returning function frees its locals in their order: on CPython 3.12+ the
+    # Megatron example's dataset goes before its batch) has finished: the producer must not
+    # wait for those samples to come back.
     records = 6
     producer = produce(daemon, tmp_path, "early", records, "--world", "1")
     stream = feedstore.Stream("early", records, socket=daemon.socket, wait=60)
