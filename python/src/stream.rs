@@ -458,7 +458,13 @@ impl Task {
 pub struct Writer {
     client: Client,
     feeder: StreamFeeder,
+    /// Since when `take` has found no task (`None` while it finds some), and whether the
+    /// writer was told why.
+    idle: Mutex<Option<(Instant, bool)>>,
 }
+
+/// How long `Writer.take` finds no task before it says what it waits for.
+const WRITER_TELL_AFTER: Duration = Duration::from_secs(5);
 
 #[pymethods]
 impl Writer {
@@ -516,13 +522,19 @@ impl Writer {
                 Ok::<_, Error>((client, feeder))
             })
             .py_err()?;
-        Ok(Writer { client, feeder })
+        Ok(Writer {
+            client,
+            feeder,
+            idle: Mutex::new(None),
+        })
     }
 
     /// Up to `max` tasks, waiting up to `wait` seconds while every reader's window is full
     /// (an empty list then). None once the stream needs nothing more. A stream made with
     /// `batch=n` hands out whole batches (a rank's `k*n .. k*n+n-1`, consecutive in the list;
-    /// the rest of one after a resume inside it), even past `max`.
+    /// the rest of one after a resume inside it), even past `max`. After 5 s of finding no
+    /// task it warns once (a `UserWarning`), saying how many readers are attached and how
+    /// many samples they hold.
     #[pyo3(signature = (max=16, wait=1.0))]
     fn take(&self, py: Python<'_>, max: u32, wait: f64) -> PyResult<Option<Vec<Task>>> {
         let wait = Duration::try_from_secs_f64(wait).map_err(|_| {
@@ -530,6 +542,9 @@ impl Writer {
         })?;
         let spec = self.feeder.spec();
         let tasks = py.detach(|| self.feeder.take(max, wait)).py_err()?;
+        if let Some(tasks) = &tasks {
+            self.note_idle(py, tasks.is_empty());
+        }
         Ok(tasks.map(|tasks| {
             tasks
                 .into_iter()
@@ -612,6 +627,60 @@ impl Writer {
 }
 
 impl Writer {
+    /// Keeps the idle time of `take`, and warns once per idle spell past
+    /// [`WRITER_TELL_AFTER`].
+    fn note_idle(&self, py: Python<'_>, empty: bool) {
+        let mut idle = self.idle.lock().unwrap_or_else(|e| e.into_inner());
+        if !empty {
+            *idle = None;
+            return;
+        }
+        let (since, told) = idle.get_or_insert((Instant::now(), false));
+        if *told || since.elapsed() < WRITER_TELL_AFTER {
+            return;
+        }
+        *told = true;
+        let waited = since.elapsed();
+        drop(idle);
+        let text = self.why_idle(py, waited);
+        let warning = py.get_type::<pyo3::exceptions::PyUserWarning>();
+        // (Warnings turned into errors must not end the writer's loop.)
+        if let Ok(text) = std::ffi::CString::new(text) {
+            let _ = PyErr::warn(py, &warning, &text, 1);
+        }
+    }
+
+    /// What a writer that finds no task waits for, from the daemon's list of streams.
+    fn why_idle(&self, py: Python<'_>, waited: Duration) -> String {
+        let name = &self.feeder.spec().name;
+        let info = py
+            .detach(|| self.client.streams())
+            .ok()
+            .and_then(|list| list.into_iter().find(|s| &s.name == name));
+        let head = format!(
+            "stream {name:?}: Writer.take found no task for {:.0} s",
+            waited.as_secs_f64()
+        );
+        let Some(info) = info else {
+            return format!("{head}, and the daemon no longer lists the stream");
+        };
+        if info.consumers == 0 {
+            return format!(
+                "{head}: no reader is attached, and {} samples made wait for one (each \
+                 rank's window holds {}); start the readers, or close the writer if they \
+                 are done",
+                info.ready, info.depth
+            );
+        }
+        format!(
+            "{head}: {} of {} ranks have a reader attached, and the windows are full ({} \
+             samples made and not returned; {} per rank at most). take() goes on when readers \
+             return samples; a reader that stopped before the end of its share holds its \
+             window until it closes its stream",
+            info.consumers, info.ranks, info.ready, info.depth
+        )
+    }
+
     fn deliver(&self, py: Python<'_>, task: &Task, made: Made) -> PyResult<()> {
         let delivery = Delivery {
             task: StreamTask {

@@ -498,6 +498,22 @@ def test_a_stream_reports_what_it_measured(daemon):
     del samples
 
 
+def test_a_writer_finding_no_task_says_what_it_waits_for(daemon):
+    writer = feedstore.Writer("stalled", 8, shuffle="none", socket=daemon.socket, depth=2)
+    stream = feedstore.Stream("stalled", 8, shuffle="none", socket=daemon.socket, wait=30)
+    with pytest.warns(UserWarning, match="1 of 1 ranks have a reader attached") as told:
+        for _ in range(20):  # a bound: the warning comes after 5 s of empty takes
+            tasks = writer.take(max=4, wait=0.5)
+            for task in tasks:
+                writer.put(task, np.zeros((8, 8, 3), dtype=np.uint8))
+            if any("Writer.take found no task" in str(w.message) for w in told):
+                break
+    (message,) = [str(w.message) for w in told if "stalled" in str(w.message)]
+    assert "2 samples made and not returned" in message, message
+    stream.close()
+    writer.close()
+
+
 def test_waiting_for_a_stream_nobody_made_says_so_while_it_waits(daemon):
     with pytest.warns(UserWarning, match="no producer of this user has created it") as told:
         with pytest.raises(feedstore.Timeout):
