@@ -17,7 +17,7 @@ mod top;
 /// `feedstored` (a separate binary) owns the node's shared memory; this tool inspects it and runs
 /// the end-to-end demo.
 #[derive(Debug, Parser)]
-#[command(name = "feedstore", version, about, long_about)]
+#[command(name = "feedstore", version, long_version = feedstore_proto::frame::LONG_VERSION, about, long_about)]
 struct Cli {
     #[command(subcommand)]
     command: Command,

@@ -515,7 +515,7 @@ fn check_batch_shape(args: &Args, config: &ProducerConfig, batch: u32) -> anyhow
         .map(|&d| u64::from(d))
         .product();
     let bytes = elements * config.transform.dtype.size_bytes();
-    if bytes % 64 != 0 {
+    if !bytes.is_multiple_of(64) {
         bail!(
             "--batch {batch}: a {width}x{height} image is {bytes} bytes at --dtype {}, not a \
              multiple of 64, so a batch's images cannot lie side by side aligned: pick \

@@ -24,8 +24,14 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let client = args.socket.inspect(Role::Reader, "feedstore-stat")?;
     let s = client.stats().context("reading statistics")?;
     let streams = client.streams().context("listing streams")?;
+    let daemon = client.daemon();
     if args.json {
-        println!("{}", as_json(&s, &streams));
+        let mut json = as_json(&s, &streams);
+        json["daemon"] = serde_json::json!({
+            "release": daemon.release, "protocol_min": daemon.min, "protocol_max": daemon.max,
+            "features": daemon.features, "protocol": client.protocol(),
+        });
+        println!("{json}");
         return Ok(());
     }
     println!(
@@ -33,6 +39,11 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         socket.display(),
         client.node_id(),
         client.epoch()
+    );
+    println!(
+        "  release         {}; this connection speaks protocol {}",
+        daemon.describe(),
+        client.protocol()
     );
     print_store(&s);
     if streams.is_empty() {

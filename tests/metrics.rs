@@ -270,6 +270,14 @@ fn a_ranks_wait_time_ratio_reaches_prometheus() {
         text.contains("rank 0: at ") && text.contains("its trainer waited"),
         "{text}"
     );
+    let release = format!(
+        "release         feedstore {} (protocols {}-{}); this connection speaks protocol {}",
+        env!("CARGO_PKG_VERSION"),
+        feedstore_proto::frame::MIN_VERSION,
+        feedstore_proto::frame::VERSION,
+        feedstore_proto::frame::VERSION
+    );
+    assert!(text.contains(&release), "{text}");
 
     // A real Prometheus scrapes the daemon every second and answers a query for the ratio.
     let prom_port = free_port();
@@ -369,7 +377,16 @@ fn the_metrics_server_answers_only_what_it_serves() {
     );
     let (_dir, port, _daemon) = daemon_with_metrics("metrics-http");
     assert!(get(port, "/").0.contains("404"));
-    assert!(get(port, "/metrics?x=1").0.contains("200"));
+    let (status, scrape) = get(port, "/metrics?x=1");
+    assert!(status.contains("200"), "{status}");
+    let build = format!(
+        r#"feedstore_build_info{{version="{}",protocol_min="{}",protocol="{}",peer_protocol="{}"}}"#,
+        env!("CARGO_PKG_VERSION"),
+        feedstore_proto::frame::MIN_VERSION,
+        feedstore_proto::frame::VERSION,
+        feedstore_proto::peer::PEER_VERSION
+    );
+    assert_eq!(sample(&scrape, &build), Some(1.0), "{build} in:\n{scrape}");
     let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
     s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
     s.write_all(b"POST /metrics HTTP/1.1\r\n\r\n").unwrap();
@@ -874,6 +891,16 @@ fn a_streams_producer_reports_its_stage_profile() {
         .output()
         .unwrap();
     let json: serde_json::Value = serde_json::from_slice(&stat.stdout).unwrap();
+    assert_eq!(
+        json["daemon"]["release"],
+        env!("CARGO_PKG_VERSION"),
+        "{json}"
+    );
+    assert_eq!(
+        json["daemon"]["protocol_max"],
+        feedstore_proto::frame::VERSION,
+        "{json}"
+    );
     let producer = &json["streams"][0]["producer"];
     assert_eq!(producer["stage_items"]["decode"], 8, "{producer}");
     assert!(

@@ -603,6 +603,7 @@ fn hello_bytes() -> Vec<u8> {
         role: Role::Writer,
         client_name: "raw".into(),
         max_frame_bytes: feedstore_proto::frame::MAX_PAYLOAD_BYTES,
+        speaks: feedstore_proto::frame::Speaks::ours(),
     }
     .encode(1, feedstore_proto::frame::MAX_PAYLOAD_BYTES, &mut out)
     .unwrap();
@@ -629,9 +630,9 @@ fn malformed_frames_are_rejected() {
         .unwrap();
     oversized[12..16].copy_from_slice(&(64u32 << 20).to_le_bytes());
     send_raw_expect_close(&daemon.socket, &oversized);
-    // Another protocol version.
+    // A protocol version older than any the daemon speaks.
     let mut version = hello_bytes();
-    version[2] = 99;
+    version[2..4].copy_from_slice(&(feedstore_proto::frame::MIN_VERSION - 1).to_le_bytes());
     send_raw_expect_close(&daemon.socket, &version);
     // A request before hello.
     let mut early = Vec::new();
@@ -675,7 +676,7 @@ fn malformed_frames_are_rejected() {
     for reason in [
         "bad magic",
         "exceeds the maximum",
-        "the client speaks protocol 99, this daemon",
+        "the client speaks protocol 8, this daemon 9-",
         "before hello",
         "truncated",
         "unknown opcode",
@@ -1044,55 +1045,132 @@ fn writers_killed_at_random_never_expose_partial_objects() {
     big.abort().unwrap();
 }
 
-/// A client of another protocol version is told why, in words naming both versions, before the
-/// daemon closes: not a silent `Disconnected` with the reason only in the daemon's log.
+/// A client that shares no protocol version with the daemon is told why, in words naming both
+/// sides' versions and which to upgrade, before the daemon closes: not a silent `Disconnected`
+/// with the reason only in the daemon's log.
 #[test]
-fn a_client_of_another_protocol_version_is_told_both_versions() {
-    use feedstore_proto::frame::{Frame, HEADER_BYTES, MAX_PAYLOAD_BYTES, VERSION};
-    let _w = watchdog("a_client_of_another_protocol_version", LIMIT);
+fn a_client_of_no_common_protocol_version_is_told_both_versions() {
+    use feedstore_proto::frame::{
+        Frame, HEADER_BYTES, MAX_PAYLOAD_BYTES, MIN_VERSION, Speaks, VERSION,
+    };
+    let _w = watchdog("a_client_of_no_common_protocol_version", LIMIT);
     let dir = scratch_dir("version");
     let daemon = DaemonProcess::start(&dir, &[]);
-    for old in [VERSION - 1, VERSION + 1, 1] {
+    let too_new = Speaks {
+        min: VERSION + 1,
+        max: VERSION + 2,
+        features: 0,
+        release: "9.9.0".into(),
+    };
+    // (header version, what the hello says it speaks, what to upgrade)
+    let cases = [
+        (
+            MIN_VERSION - 1,
+            Speaks::implied(MIN_VERSION - 1),
+            "the client",
+        ),
+        (1, Speaks::implied(1), "the client"),
+        (VERSION + 2, too_new, "this feedstored"),
+    ];
+    for (version, speaks, upgrade) in cases {
         let mut hello = Vec::new();
         Request::Hello {
             role: Role::Reader,
             client_name: "from another release".into(),
             max_frame_bytes: MAX_PAYLOAD_BYTES,
+            speaks: speaks.clone(),
         }
-        .encode(7, MAX_PAYLOAD_BYTES, &mut hello)
+        .encode_in(version.max(MIN_VERSION), 7, MAX_PAYLOAD_BYTES, &mut hello)
         .unwrap();
-        hello[2..4].copy_from_slice(&old.to_le_bytes());
+        hello[2..4].copy_from_slice(&version.to_le_bytes());
         let mut s = UnixStream::connect(&daemon.socket).unwrap();
         s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
         s.write_all(&hello).unwrap();
         let mut reply = Vec::new();
         s.read_to_end(&mut reply).unwrap();
         assert!(reply.len() > HEADER_BYTES, "an answer, then the close");
-        // What any client reads first: a header of the daemon's version.
+        // What any client reads first: a header of the daemon's newest version.
         assert_eq!(u16::from_le_bytes([reply[2], reply[3]]), VERSION);
         let frame = Frame::parse(&reply, MAX_PAYLOAD_BYTES).unwrap().unwrap();
         assert_eq!(frame.header.request_id, 7);
         let Response::Error { message, .. } = Response::decode(&frame).unwrap() else {
             panic!("an error reply")
         };
-        assert!(
-            message.contains(&format!("speaks protocol {VERSION}, this client {old}")),
-            "{message}"
+        let daemon_side = format!(
+            "feedstored is feedstore {} (protocols {MIN_VERSION}-{VERSION})",
+            env!("CARGO_PKG_VERSION")
         );
-        let upgrade = if old < VERSION {
-            "the client"
-        } else {
-            "this feedstored"
-        };
+        assert!(message.contains(&daemon_side), "{message}");
+        assert!(message.contains(&speaks.describe()), "{message}");
         assert!(message.contains(&format!("upgrade {upgrade}")), "{message}");
     }
     assert!(
-        daemon
-            .log_text()
-            .contains("client speaks protocol 9, this daemon 10"),
+        daemon.log_text().contains(&format!(
+            "client speaks protocol {}, this daemon {MIN_VERSION}-{VERSION}",
+            MIN_VERSION - 1
+        )),
         "{}",
         daemon.log_text()
     );
-    // This version's clients are served as ever.
-    assert!(daemon.reader().stats().is_ok());
+    // This version's clients are served as ever, in the newest version.
+    let reader = daemon.reader();
+    assert!(reader.stats().is_ok());
+    assert_eq!(reader.protocol(), VERSION);
+    assert_eq!(reader.daemon(), &Speaks::ours());
+}
+
+/// A client of the previous release (0.1.0: protocol 9, a hello that says nothing of versions)
+/// is served in its own version: every reply in the layout it reads.
+#[test]
+fn a_protocol_9_client_is_served_in_its_own_layout() {
+    use feedstore_proto::frame::{Got, MIN_VERSION, Speaks};
+    let _w = watchdog("a_protocol_9_client", LIMIT);
+    let dir = scratch_dir("protocol-9");
+    let daemon = DaemonProcess::start(&dir, &[]);
+    assert_eq!(MIN_VERSION, 9);
+    let (mut old, response, fds) = RawClient::hello_in(9, &daemon.socket, Role::Writer, "0.1.0");
+    let Response::Hello {
+        segments, speaks, ..
+    } = response
+    else {
+        panic!("a hello reply: {response:?}")
+    };
+    assert_eq!(fds.len(), segments.len());
+    assert_eq!(
+        speaks,
+        Speaks::implied(9),
+        "a protocol 9 reply says nothing more"
+    );
+    // A put and a get, as 0.1.0's client makes them.
+    let Response::Created(created) = old.call(&Request::Create {
+        sizes: vec![64],
+        timeout_ms: 0,
+        flags: 0,
+    }) else {
+        panic!("a create reply")
+    };
+    let handle = created[0].unwrap().handle;
+    assert!(matches!(
+        old.call(&Request::Seal { handles: vec![handle] }),
+        Response::Done(s) if s == [feedstore_proto::Status::Ok]
+    ));
+    let Response::Got(got) = old.call(&Request::Get {
+        handles: vec![handle],
+    }) else {
+        panic!("a get reply")
+    };
+    // Read in protocol 9, a result has no writer: its bytes were laid out without one.
+    assert_eq!(got[0].unwrap().writer, Got::UNKNOWN_WRITER);
+    let Response::Stats(stats) = old.call(&Request::Stats) else {
+        panic!("a stats reply")
+    };
+    assert_eq!(stats.leases, 1, "its own lease");
+    // Every reply came in protocol 9 (the raw client checks each header's version).
+    assert!(
+        daemon.log_text().contains("protocol=9"),
+        "{}",
+        daemon.log_text()
+    );
+    // A client of this release beside it speaks the newest version.
+    assert_eq!(daemon.reader().protocol(), feedstore_proto::frame::VERSION);
 }

@@ -11,7 +11,7 @@ use std::sync::{Arc, Condvar, Mutex, Once, Weak};
 use std::time::Duration;
 
 use feedstore_proto::frame::{
-    self, CacheEntry, Frame, HEADER_BYTES, Opcode, Request, Response, max_batch_items,
+    self, CacheEntry, Frame, HEADER_BYTES, Opcode, Request, Response, Speaks, max_batch_items,
 };
 use feedstore_proto::{Handle, Location, Role, SegmentInfo, Status, StoreStats};
 use feedstore_shm::{Access, Mapping};
@@ -24,8 +24,8 @@ mod releases;
 
 pub(crate) use io::unexpected;
 use io::{
-    RecvBuf, Welcome, check_daemon_uid, check_error, check_segment_id, encode_releases, hello,
-    read_frame, read_reply, recv_with_fds, send_all,
+    Greeted, RecvBuf, Welcome, check_daemon_uid, check_error, check_segment_id, encode_releases,
+    hello, read_frame, read_reply, recv_with_fds, send_all,
 };
 use releases::{MAX_QUEUED_RELEASES, PendingReleases, ReleaseQueue};
 
@@ -187,6 +187,24 @@ fn fork_generation() -> u64 {
     FORKS.load(Ordering::Relaxed)
 }
 
+/// Says that a client speaks an older protocol than its newest with its daemon: once per
+/// process at warn (every connection of a DataLoader's workers would repeat it), then at debug.
+fn note_downgrade(opts: &ConnectOptions, from: u16, to: u16, why: &str) {
+    static WARNED: AtomicBool = AtomicBool::new(false);
+    let socket = opts.socket.display();
+    if WARNED.swap(true, Ordering::Relaxed) {
+        tracing::debug!(%socket, from, to, "{why}: saying hello in protocol {to}");
+    } else {
+        tracing::warn!(
+            %socket,
+            from,
+            to,
+            "{why}: saying hello in protocol {to} (upgrade feedstored to the client's release \
+             for every feature; said once per process)"
+        );
+    }
+}
+
 pub(crate) struct Inner {
     stream: UnixStream,
     /// [`fork_generation`] at connect: the connection belongs to the process that made it.
@@ -201,6 +219,10 @@ pub(crate) struct Inner {
     role: Role,
     /// The largest request payload the daemon accepts (from its hello reply).
     request_limit: u32,
+    /// The protocol version agreed at hello.
+    version: u16,
+    /// What the daemon speaks (its versions, features and release), from its hello reply.
+    daemon: Speaks,
     /// The largest reply payload this client accepts (announced in hello).
     reply_limit: u32,
     pub(crate) create_timeout: Duration,
@@ -229,7 +251,7 @@ impl Drop for Inner {
         self.releases.wake.notify_all();
         if !due.is_empty() && !self.broken.load(Ordering::Relaxed) && !self.forked() {
             let mut buf = Vec::new();
-            if encode_releases(&due, self.request_limit, &mut buf).is_ok() {
+            if encode_releases(&due, self.request_limit, self.version, &mut buf).is_ok() {
                 let _ = send_all(&self.stream, &buf);
             }
         }
@@ -296,6 +318,48 @@ impl Client {
         ConnectOptions::new(Role::Writer).connect()
     }
 
+    /// Connects and says hello in the newest protocol version this client speaks, again in an
+    /// older one (on a new connection) while the daemon speaks only older ones: the socket, the
+    /// send buffer and the daemon's welcome.
+    fn greet(opts: &ConnectOptions) -> Result<(UnixStream, Vec<u8>, Welcome), Error> {
+        let mut version = frame::VERSION;
+        // A daemon that closes at hello without a word is 0.1.0's, or one that restarted just
+        // then: the first such close is tried again in the same version.
+        let mut silent_closes = 0;
+        loop {
+            let stream = UnixStream::connect(&opts.socket).map_err(|source| Error::Connect {
+                path: opts.socket.clone(),
+                source,
+            })?;
+            check_daemon_uid(&stream, opts)?;
+            let mut wbuf = Vec::with_capacity(256);
+            match hello(&stream, opts, &mut wbuf, version)? {
+                Greeted::Welcome(welcome) => return Ok((stream, wbuf, welcome)),
+                Greeted::Closed if silent_closes == 0 && version > frame::MIN_VERSION => {
+                    silent_closes += 1;
+                }
+                Greeted::Closed if version > frame::MIN_VERSION => {
+                    let why = "the daemon closed twice at hello without a word, as 0.1.0's does";
+                    note_downgrade(opts, version, frame::MIN_VERSION, why);
+                    version = frame::MIN_VERSION;
+                }
+                Greeted::Closed => return Err(Error::Disconnected { source: None }),
+                // (Each try is in an older version than the last: at most a few.)
+                Greeted::Older(older) if (frame::MIN_VERSION..version).contains(&older) => {
+                    note_downgrade(opts, version, older, "the daemon speaks an older protocol");
+                    version = older;
+                }
+                Greeted::Older(older) => {
+                    return Err(Error::VersionMismatch {
+                        daemon: older,
+                        client: frame::VERSION,
+                        detail: format!("it refused a hello in protocol {version}"),
+                    });
+                }
+            }
+        }
+    }
+
     /// Connects with explicit options.
     pub fn connect_with(opts: ConnectOptions) -> Result<Client, Error> {
         if opts.name.len() > feedstore_proto::MAX_CLIENT_NAME
@@ -307,20 +371,17 @@ impl Client {
             )));
         }
         let forks = fork_generation();
-        let stream = UnixStream::connect(&opts.socket).map_err(|source| Error::Connect {
-            path: opts.socket.clone(),
-            source,
-        })?;
-        check_daemon_uid(&stream, &opts)?;
-        let mut wbuf = Vec::with_capacity(256);
+        let (stream, wbuf, welcome) = Client::greet(&opts)?;
         let Welcome {
             node_id,
             epoch,
             segments: infos,
             fds,
             request_limit,
+            version,
+            daemon,
             rbuf,
-        } = hello(&stream, &opts, &mut wbuf)?;
+        } = welcome;
         let access = match opts.role {
             Role::Reader => Access::ReadOnly,
             Role::Writer => Access::ReadWrite,
@@ -336,7 +397,7 @@ impl Client {
                 (node_id, epoch, i as u32),
             )?);
         }
-        tracing::debug!(node_id, epoch, segments = segments.len(), role = ?opts.role, "connected");
+        tracing::debug!(node_id, epoch, segments = segments.len(), role = ?opts.role, protocol = version, daemon = %daemon.describe(), "connected");
         let releases = Arc::new(ReleaseQueue {
             state: Mutex::new(PendingReleases::default()),
             wake: Condvar::new(),
@@ -361,6 +422,8 @@ impl Client {
                 populate: opts.populate,
                 request_limit,
                 reply_limit: opts.max_frame_bytes,
+                version,
+                daemon,
                 create_timeout: opts.create_timeout,
                 broken: AtomicBool::new(false),
                 releases: releases.clone(),
@@ -375,6 +438,33 @@ impl Client {
                 .map_err(|e| Error::Protocol(format!("cannot start the release flusher: {e}")))?;
         }
         Ok(client)
+    }
+
+    /// What the daemon said of itself at hello: the protocol versions it speaks, its features
+    /// and its release (implied by its version for daemons before protocol 11).
+    pub fn daemon(&self) -> &Speaks {
+        &self.inner.daemon
+    }
+
+    /// The protocol version this connection speaks: the newest both sides do.
+    pub fn protocol(&self) -> u16 {
+        self.inner.version
+    }
+
+    /// Whether both this client and the daemon have `feature` (a bit of
+    /// [`feedstore_proto::frame::feature`]).
+    pub fn has_feature(&self, feature: u64) -> bool {
+        self.inner.daemon.features & frame::FEATURES & feature == feature
+    }
+
+    /// The writer uid the daemon named for an object, if it records writers
+    /// ([`frame::feature::WRITERS`]); else [`frame::Got::UNKNOWN_WRITER`], whatever it sent.
+    pub(crate) fn believed_writer(&self, named: u32) -> u32 {
+        if self.has_feature(frame::feature::WRITERS) {
+            named
+        } else {
+            frame::Got::UNKNOWN_WRITER
+        }
     }
 
     /// The daemon's node id.
@@ -563,8 +653,8 @@ impl Client {
         request: &Request,
     ) -> Result<(Response, Vec<OwnedFd>), Error> {
         let mut fds = Vec::new();
-        let response = self.exchange(request, |stream, rb, id, limit| {
-            read_frame(rb, id, limit, |buf| {
+        let response = self.exchange(request, |stream, rb, id, link| {
+            read_frame(rb, id, link, |buf| {
                 let (n, received) = recv_with_fds(stream, buf)?;
                 fds.extend(received);
                 Ok(n)
@@ -593,11 +683,11 @@ impl Client {
         state.wbuf.clear();
         // Encode the request first: a request over the daemon's limit fails here, before the
         // queued releases leave the queue, and the connection stays usable.
-        request.encode(id, inner.request_limit, &mut state.wbuf)?;
+        request.encode_in(inner.version, id, inner.request_limit, &mut state.wbuf)?;
         let queued = inner.releases.take();
         if !queued.is_empty() {
             let mut releases = Vec::new();
-            encode_releases(&queued, inner.request_limit, &mut releases)?;
+            encode_releases(&queued, inner.request_limit, inner.version, &mut releases)?;
             state.wbuf.splice(0..0, releases);
         }
         Ok(id)
@@ -607,7 +697,7 @@ impl Client {
     fn exchange(
         &self,
         request: &Request,
-        read: impl FnOnce(&UnixStream, &mut RecvBuf, u32, u32) -> Result<Response, Error>,
+        read: impl FnOnce(&UnixStream, &mut RecvBuf, u32, (u32, u16)) -> Result<Response, Error>,
     ) -> Result<Response, Error> {
         let inner = &*self.inner;
         self.usable()?;
@@ -619,9 +709,10 @@ impl Client {
             return Err(e);
         }
         let id = Self::encode_call(inner, state, request)?;
-        let result = self
-            .send(&state.wbuf)
-            .and_then(|()| read(&inner.stream, &mut state.rbuf, id, inner.reply_limit));
+        let result = self.send(&state.wbuf).and_then(|()| {
+            let link = (inner.reply_limit, inner.version);
+            read(&inner.stream, &mut state.rbuf, id, link)
+        });
         // After a socket, framing or decoding error the byte stream is no longer in step with
         // the daemon; fail every later call instead of misreading the next reply.
         if let Err(e) = &result
@@ -703,7 +794,8 @@ impl Client {
     ) -> Result<Option<Response>, Error> {
         let inner = &*self.inner;
         while let Some(id) = state.outstanding.pop_front() {
-            let response = read_reply(&inner.stream, &mut state.rbuf, id, inner.reply_limit)?;
+            let link = (inner.reply_limit, inner.version);
+            let response = read_reply(&inner.stream, &mut state.rbuf, id, link)?;
             if until == Some(id) {
                 return Ok(Some(response));
             }
@@ -717,10 +809,11 @@ impl Client {
         debug_assert!(!request.expects_reply());
         self.usable()?;
         let mut buf = Vec::with_capacity(64);
-        request.encode(0, self.inner.request_limit, &mut buf)?;
+        let (limit, version) = (self.inner.request_limit, self.inner.version);
+        request.encode_in(version, 0, limit, &mut buf)?;
         let queued = self.inner.releases.take();
         if !queued.is_empty() {
-            encode_releases(&queued, self.inner.request_limit, &mut buf)?;
+            encode_releases(&queued, limit, version, &mut buf)?;
         }
         self.send(&buf).inspect_err(|_| {
             self.inner.broken.store(true, Ordering::Relaxed);
@@ -763,7 +856,13 @@ impl Client {
             return;
         }
         let mut buf = Vec::with_capacity(frame::HEADER_BYTES + 4 + 16 * handles.len());
-        if encode_releases(handles, self.inner.request_limit, &mut buf).is_err()
+        if encode_releases(
+            handles,
+            self.inner.request_limit,
+            self.inner.version,
+            &mut buf,
+        )
+        .is_err()
             || self.send(&buf).is_err()
         {
             self.inner.broken.store(true, Ordering::Relaxed);

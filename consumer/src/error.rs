@@ -38,18 +38,19 @@ pub enum Error {
         /// The uids trusted.
         trusted: Vec<u32>,
     },
-    /// The daemon speaks another protocol version than this client: one of them must be
-    /// upgraded. Nothing was done.
+    /// The daemon and this client share no protocol version: one of them must be upgraded.
+    /// Nothing was done.
     #[error(
-        "feedstored speaks protocol {daemon}, this client {client}: upgrade {} so that both \
-         speak the same version{}",
+        "feedstored speaks protocol {daemon}, this client {}-{client}: upgrade {} so that both \
+         speak a version in common{}",
+        feedstore_proto::frame::MIN_VERSION,
         if daemon > client { "this client" } else { "feedstored" },
         if detail.is_empty() { String::new() } else { format!(" (the daemon says: {detail})") }
     )]
     VersionMismatch {
         /// The daemon's protocol version.
         daemon: u16,
-        /// This client's ([`feedstore_proto::frame::VERSION`]).
+        /// This client's newest ([`feedstore_proto::frame::VERSION`]).
         client: u16,
         /// What the daemon said, if its reply could be read.
         detail: String,

@@ -28,6 +28,11 @@ impl LeaseHold {
     pub(crate) fn handle(&self) -> Handle {
         self.handle
     }
+
+    /// Whether the connection holding the lease has `feature` (both sides do).
+    pub(crate) fn client_has(&self, feature: u64) -> bool {
+        self.client.has_feature(feature)
+    }
 }
 
 impl Drop for LeaseHold {
@@ -90,6 +95,8 @@ impl Lease {
     /// The uid of the client that wrote the object, as the daemon recorded it when the object
     /// was created (for a copy pulled from another node, as that node's daemon recorded it):
     /// check it before trusting the object's structure (a batch object's, say).
+    /// [`Got::UNKNOWN_WRITER`](feedstore_proto::frame::Got::UNKNOWN_WRITER) from a daemon that
+    /// records no writers (feedstore 0.1.0).
     pub fn writer(&self) -> u32 {
         self.writer
     }
@@ -173,7 +180,7 @@ impl Client {
                 .into_iter()
                 .zip(chunk)
                 .map(|(r, &handle)| match r {
-                    Ok(got) => self.lease(handle, got.location, got.writer),
+                    Ok(got) => self.lease(handle, got.location, self.believed_writer(got.writer)),
                     Err(status) => Err(Error::from_status(status, handle, 0, "")),
                 })
                 .collect())

@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use feedstore_proto::frame::{
     Opcode, ProducerFigures, RankAt, RankFigures, Request, Response, StreamItem, StreamTask,
-    TakeTasks,
+    TakeTasks, feature,
 };
 use feedstore_proto::ring::{ENTRY_FAILED, RingEntry, RingHeader, RingWords};
 use feedstore_proto::sample::{
@@ -597,9 +597,17 @@ impl StreamSample {
     }
 
     /// The uid that wrote the sample's object, as the daemon recorded it (see
-    /// [`crate::Lease::writer`]).
+    /// [`crate::Lease::writer`]); [`Got::UNKNOWN_WRITER`] from a daemon that records no
+    /// writers (feedstore 0.1.0, whose ring entries leave the field zero: root's uid, which
+    /// must not be believed).
+    ///
+    /// [`Got::UNKNOWN_WRITER`]: feedstore_proto::frame::Got::UNKNOWN_WRITER
     pub fn writer(&self) -> u32 {
-        self.entry.writer
+        if self.bytes.hold().lease.client_has(feature::WRITERS) {
+            self.entry.writer
+        } else {
+            feedstore_proto::frame::Got::UNKNOWN_WRITER
+        }
     }
 
     /// The sample, validated, with typed views of its tensors and tokens.

@@ -49,6 +49,7 @@ fn fake_daemon(name: &str, answer: fn(u32, &mut UnixStream)) -> PathBuf {
                     epoch: 1,
                     segments: vec![],
                     max_frame_bytes: MAX_PAYLOAD_BYTES,
+                    speaks: feedstore_proto::frame::Speaks::ours(),
                 }
                 .encode(
                     Opcode::Hello,
@@ -197,9 +198,90 @@ fn a_daemon_of_another_version_is_named_with_both_versions() {
     );
     let text = err.to_string();
     assert!(
-        text.contains(&format!("speaks protocol 99, this client {VERSION}"))
-            && text.contains("upgrade this client")
+        text.contains(&format!(
+            "speaks protocol 99, this client {}-{VERSION}",
+            feedstore_proto::frame::MIN_VERSION
+        )) && text.contains("upgrade this client")
             && text.contains("the daemon says"),
         "{text}"
     );
+}
+
+/// A daemon of protocol 9 (0.1.0's) closes without a word at a hello of a version it does not
+/// speak: the client tries its own version once more (a daemon restarting closes too), then
+/// says hello in 9 and speaks 9 from then on, believing no writer uid.
+#[test]
+fn a_daemon_that_closes_at_hello_is_greeted_in_protocol_9() {
+    use feedstore_proto::Location;
+    use feedstore_proto::frame::{Request, Speaks, VERSION};
+    let path =
+        std::env::temp_dir().join(format!("feedstore-fake-{}-silent.sock", std::process::id()));
+    let _ = std::fs::remove_file(&path);
+    let listener = UnixListener::bind(&path).unwrap();
+    let file = path.clone();
+    let daemon = std::thread::spawn(move || {
+        let mut versions = Vec::new();
+        for _ in 0..3 {
+            let (mut s, _) = listener.accept().unwrap();
+            let mut head = [0u8; HEADER_BYTES];
+            s.read_exact(&mut head).unwrap();
+            let version = u16::from_le_bytes([head[2], head[3]]);
+            versions.push(version);
+            let len = u32::from_le_bytes(head[12..16].try_into().unwrap()) as usize;
+            let mut payload = vec![0u8; len];
+            s.read_exact(&mut payload).unwrap();
+            if version != 9 {
+                continue; // closed without a word
+            }
+            let _ = std::fs::remove_file(&file);
+            let mut out = Vec::new();
+            Response::Hello {
+                node_id: 1,
+                epoch: 1,
+                segments: vec![],
+                max_frame_bytes: MAX_PAYLOAD_BYTES,
+                speaks: Speaks::implied(9),
+            }
+            .encode_in(9, Opcode::Hello, 0, MAX_PAYLOAD_BYTES, &mut out)
+            .unwrap();
+            s.write_all(&out).unwrap();
+            // Then one get, answered as 0.1.0 does (no writer), and the close.
+            let mut buf = Vec::new();
+            let mut chunk = [0u8; 4096];
+            let (id, request) = loop {
+                if let Some(f) = Frame::parse(&buf, MAX_PAYLOAD_BYTES).unwrap() {
+                    assert_eq!(f.header.version, 9, "every frame in the agreed version");
+                    break (f.header.request_id, Request::decode(&f).unwrap());
+                }
+                let n = s.read(&mut chunk).unwrap();
+                buf.extend_from_slice(&chunk[..n]);
+            };
+            assert!(matches!(request, Request::Get { .. }), "{request:?}");
+            let mut out = Vec::new();
+            // Location 0..0 of segment 0: the client refuses the range, after decoding it.
+            Response::Got(vec![Ok(feedstore_proto::frame::Got {
+                location: Location::default(),
+                writer: 0,
+            })])
+            .encode_in(9, Opcode::Get, id, MAX_PAYLOAD_BYTES, &mut out)
+            .unwrap();
+            s.write_all(&out).unwrap();
+            break;
+        }
+        versions
+    });
+    let client = ConnectOptions::new(Role::Reader)
+        .socket(&path)
+        .connect()
+        .unwrap();
+    assert_eq!(client.protocol(), 9);
+    assert_eq!(client.daemon(), &Speaks::implied(9));
+    assert!(!client.has_feature(feedstore_proto::frame::feature::WRITERS));
+    // The reply decodes in protocol 9's layout (a misread would be a decode error, not this).
+    let err = client.get(handle()).unwrap_err();
+    assert!(
+        matches!(&err, Error::Protocol(m) if m.contains("segment")),
+        "{err:?}"
+    );
+    assert_eq!(daemon.join().unwrap(), vec![VERSION, VERSION, 9]);
 }

@@ -8,6 +8,7 @@
 #include <inttypes.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "feedstore.h"
 
@@ -32,6 +33,16 @@ int main(int argc, char **argv) {
         .epochs = strtoull(argv[6], NULL, 10),
     };
     uint32_t rank = (uint32_t)strtoul(argv[7], NULL, 10);
+
+    /* The library linked must be the release the header came from. */
+    char header[32];
+    snprintf(header, sizeof header, "%d.%d.%d", FEEDSTORE_VERSION_MAJOR,
+             FEEDSTORE_VERSION_MINOR, FEEDSTORE_VERSION_PATCH);
+    if (strcmp(header, fs_version()) != 0) {
+        fprintf(stderr, "error: feedstore.h is %s, the library %s\n", header, fs_version());
+        return 2;
+    }
+    printf("feedstore %s\n", fs_version());
 
     FsStream *stream = NULL;
     if (fs_stream_open(argv[1], &spec, rank, NULL, 0, &stream) != FS_STATUS_OK) {

@@ -10,6 +10,23 @@
 #include <stdlib.h>
 
 /**
+ * The release this header belongs to: the workspace's version, as `feedstored --version`,
+ * `feedstore --version` and Python's `feedstore.__version__` print it. `fs_version()` gives
+ * the linked library's, to catch a header of another release.
+ */
+#define FEEDSTORE_VERSION_MAJOR 0
+
+/**
+ * See [`FEEDSTORE_VERSION_MAJOR`].
+ */
+#define FEEDSTORE_VERSION_MINOR 2
+
+/**
+ * See [`FEEDSTORE_VERSION_MAJOR`].
+ */
+#define FEEDSTORE_VERSION_PATCH 0
+
+/**
  * What a call did. Negative values are errors; `fs_last_error()` says more.
  */
 typedef enum FsStatus {
@@ -175,6 +192,11 @@ typedef struct FsTensor {
 #ifdef __cplusplus
 extern "C" {
 #endif // __cplusplus
+
+/**
+ * The linked library's version as text ("0.2.0"): static, never freed.
+ */
+const char *fs_version(void);
 
 /**
  * The message of the last failed call on this thread (empty if none). Valid until the next

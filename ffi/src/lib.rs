@@ -170,6 +170,42 @@ fn spec_from(spec: &FsStreamSpec, name: &str) -> Result<StreamSpec, FfiError> {
     })
 }
 
+/// The release this header belongs to: the workspace's version, as `feedstored --version`,
+/// `feedstore --version` and Python's `feedstore.__version__` print it. `fs_version()` gives
+/// the linked library's, to catch a header of another release.
+pub const FEEDSTORE_VERSION_MAJOR: u32 = 0;
+/// See [`FEEDSTORE_VERSION_MAJOR`].
+pub const FEEDSTORE_VERSION_MINOR: u32 = 2;
+/// See [`FEEDSTORE_VERSION_MAJOR`].
+pub const FEEDSTORE_VERSION_PATCH: u32 = 0;
+
+// The header's numbers are the crate's version, or the build fails.
+const _: () = assert!(
+    FEEDSTORE_VERSION_MAJOR == decimal(env!("CARGO_PKG_VERSION_MAJOR"))
+        && FEEDSTORE_VERSION_MINOR == decimal(env!("CARGO_PKG_VERSION_MINOR"))
+        && FEEDSTORE_VERSION_PATCH == decimal(env!("CARGO_PKG_VERSION_PATCH")),
+    "FEEDSTORE_VERSION_* must be the workspace version (Cargo.toml)"
+);
+
+/// A decimal number's value, at compile time.
+const fn decimal(text: &str) -> u32 {
+    let bytes = text.as_bytes();
+    let mut value = 0;
+    let mut i = 0;
+    while i < bytes.len() {
+        assert!(bytes[i].is_ascii_digit(), "not a decimal number");
+        value = value * 10 + (bytes[i] - b'0') as u32;
+        i += 1;
+    }
+    value
+}
+
+/// The linked library's version as text ("0.2.0"): static, never freed.
+#[unsafe(no_mangle)]
+pub extern "C" fn fs_version() -> *const c_char {
+    concat!(env!("CARGO_PKG_VERSION"), "\0").as_ptr().cast()
+}
+
 /// The message of the last failed call on this thread (empty if none). Valid until the next
 /// failing call on the same thread.
 #[unsafe(no_mangle)]

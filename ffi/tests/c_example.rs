@@ -139,6 +139,11 @@ fn the_c_example_reads_a_stream() {
         String::from_utf8_lossy(&out.stderr)
     );
     producer.join().unwrap();
+    assert_eq!(
+        stdout.lines().next(),
+        Some(format!("feedstore {}", env!("CARGO_PKG_VERSION")).as_str()),
+        "the header's version macros and fs_version() agree with the crate"
+    );
     let samples: Vec<&str> = stdout
         .lines()
         .filter(|l| l.starts_with("sample "))

@@ -383,7 +383,7 @@ pub fn parse(object: &[u8]) -> Result<(Value, u64), BatchError> {
 /// Encodes a skeleton.
 pub fn encode(value: &Value) -> Vec<u8> {
     let mut buf = Vec::with_capacity(256);
-    encode_into(value, &mut Writer { buf: &mut buf });
+    encode_into(value, &mut Writer::new(&mut buf));
     buf
 }
 

@@ -104,7 +104,7 @@ fn frame(id: u32, kind: u8, body: impl FnOnce(&mut Writer<'_>)) -> Vec<u8> {
     buf.extend_from_slice(&[0; 4]);
     buf.extend_from_slice(&id.to_le_bytes());
     buf.push(kind);
-    body(&mut Writer { buf: &mut buf });
+    body(&mut Writer::new(&mut buf));
     let len = (buf.len() - 4) as u32;
     buf[..4].copy_from_slice(&len.to_le_bytes());
     buf

@@ -387,7 +387,7 @@ impl SamplePlan {
 }
 
 fn check_buffer(buf: &[u8], need: u64) -> Result<(), SampleError> {
-    if (buf.as_ptr() as usize) % REGION_ALIGN_BYTES as usize != 0 {
+    if !(buf.as_ptr() as usize).is_multiple_of(REGION_ALIGN_BYTES as usize) {
         return Err(SampleError::Misaligned);
     }
     if (buf.len() as u64) < need {
@@ -655,7 +655,7 @@ fn le_u64(b: &[u8], at: usize) -> u64 {
 impl<'a> SampleView<'a> {
     /// Checks and opens a sample: header, archive (bytecheck), and every region.
     pub fn new(bytes: &'a [u8]) -> Result<SampleView<'a>, SampleError> {
-        if (bytes.as_ptr() as usize) % REGION_ALIGN_BYTES as usize != 0 {
+        if !(bytes.as_ptr() as usize).is_multiple_of(REGION_ALIGN_BYTES as usize) {
             return Err(SampleError::Misaligned);
         }
         if (bytes.len() as u64) < SAMPLE_HEADER_BYTES {
@@ -718,7 +718,7 @@ impl<'a> SampleView<'a> {
             check("image", &t.region, Some(expect))?;
         }
         let tokens = self.meta.tokens.len.to_native();
-        if tokens % 4 != 0 {
+        if !tokens.is_multiple_of(4) {
             return Err(SampleError::BadRegion {
                 what: "tokens",
                 problem: "not whole u32s",

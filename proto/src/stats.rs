@@ -7,7 +7,8 @@ macro_rules! store_stats {
         /// A snapshot of the store, as `feedstore stat` prints it.
         ///
         /// On the wire this is a count followed by that many `u64`s in field order. The count
-        /// must equal [`StoreStats::FIELDS`]: a new counter is a new protocol version.
+        /// must equal the connection's version's count ([`StoreStats::FIELDS`] in this one): a new
+        /// counter is a new protocol version, appended after the older ones.
         #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
         pub struct StoreStats {
             $($(#[doc = $doc])+ pub $name: u64,)+

@@ -14,12 +14,15 @@ pub enum DecodeError {
         /// What arrived.
         found: u16,
     },
-    /// The peer speaks another protocol version.
-    #[error("unsupported protocol version {found} (this side speaks {expected})")]
+    /// The peer speaks a protocol version older than any this side speaks.
+    #[error(
+        "unsupported protocol version {found}: older than any this side speaks (its newest is \
+         {expected})"
+    )]
     UnsupportedVersion {
         /// What arrived.
         found: u16,
-        /// What this side speaks.
+        /// The newest version this side speaks.
         expected: u16,
     },
     /// The opcode is unknown or not valid in this direction.
@@ -85,14 +88,32 @@ pub(crate) trait Wire: Sized {
 /// shorter (see their own limits); this only bounds the wire form.
 pub(crate) const MAX_STRING_BYTES: usize = u16::MAX as usize;
 
+/// Reads a message's parts; `version` is the control protocol version the sender spoke (parts
+/// whose layout changed between versions read it; everything else ignores it).
 pub(crate) struct Reader<'a> {
     buf: &'a [u8],
     pos: usize,
+    pub(crate) version: u16,
 }
 
+/// The control protocol version whose layout of the parts they share the peer protocol and the
+/// batch format use: pinned, so that a new control version never changes their bytes.
+pub(crate) const SHARED_LAYOUT: u16 = 11;
+
 impl<'a> Reader<'a> {
+    /// A reader of the parts' shared layout ([`SHARED_LAYOUT`]): for what reads the same in
+    /// every version (a frame header) and for the formats pinned to it.
     pub(crate) fn new(buf: &'a [u8]) -> Self {
-        Reader { buf, pos: 0 }
+        Reader::at(buf, SHARED_LAYOUT)
+    }
+
+    /// A reader of a sender that spoke `version`.
+    pub(crate) fn at(buf: &'a [u8], version: u16) -> Self {
+        Reader {
+            buf,
+            pos: 0,
+            version,
+        }
     }
 
     fn left(&self) -> usize {
@@ -168,6 +189,11 @@ impl<'a> Reader<'a> {
             .map_err(|_| DecodeError::InvalidValue { field: "string" })
     }
 
+    /// Skips what is left: fields a newer version appended to a hello.
+    pub(crate) fn skip_rest(&mut self) {
+        self.pos = self.buf.len();
+    }
+
     pub(crate) fn finish(self) -> Result<(), DecodeError> {
         let extra = self.left();
         if extra == 0 {
@@ -178,8 +204,21 @@ impl<'a> Reader<'a> {
     }
 }
 
+/// Appends a message's parts for a receiver of control protocol `version` (parts whose layout
+/// changed between versions read it; everything else ignores it).
 pub(crate) struct Writer<'a> {
     pub(crate) buf: &'a mut Vec<u8>,
+    pub(crate) version: u16,
+}
+
+impl<'a> Writer<'a> {
+    /// A writer of the parts' shared layout ([`SHARED_LAYOUT`]).
+    pub(crate) fn new(buf: &'a mut Vec<u8>) -> Self {
+        Writer {
+            buf,
+            version: SHARED_LAYOUT,
+        }
+    }
 }
 
 impl Writer<'_> {
@@ -268,7 +307,7 @@ pub(crate) mod testing {
     /// Encodes `value`, checks the bytes decode back to it and are at least `MIN_BYTES` long.
     pub(crate) fn round_trip<T: Wire + PartialEq + std::fmt::Debug>(value: &T) {
         let mut buf = Vec::new();
-        value.encode(&mut Writer { buf: &mut buf });
+        value.encode(&mut Writer::new(&mut buf));
         assert!(
             buf.len() >= T::MIN_BYTES,
             "{value:?} encodes to {} bytes, under MIN_BYTES {}",
@@ -282,8 +321,17 @@ pub(crate) mod testing {
 
     /// Checks that the smallest value encodes to exactly `MIN_BYTES`.
     pub(crate) fn min_bytes_is_tight<T: Wire>(smallest: &T) {
+        min_bytes_is_tight_at(super::SHARED_LAYOUT, smallest);
+    }
+
+    /// Checks that the smallest value, in the version where it is smallest, encodes to exactly
+    /// `MIN_BYTES`.
+    pub(crate) fn min_bytes_is_tight_at<T: Wire>(version: u16, smallest: &T) {
         let mut buf = Vec::new();
-        smallest.encode(&mut Writer { buf: &mut buf });
+        smallest.encode(&mut Writer {
+            buf: &mut buf,
+            version,
+        });
         assert_eq!(
             buf.len(),
             T::MIN_BYTES,

@@ -467,6 +467,15 @@ pub fn decode_batch<'py>(
     {
         // Memory of this process (no writer recorded) is not a batch object of the store's.
         let writer = s.writer().unwrap_or(u32::MAX);
+        if s.writer() == Some(feedstore_proto::frame::Got::UNKNOWN_WRITER) {
+            return Err(UntrustedBatch::new_err(format!(
+                "batch object {} came from a feedstored that does not record who wrote its \
+                 objects (feedstore 0.1.0, protocol 9, lacks the 'writers' feature), so this \
+                 reader cannot check that a trusted uid wrote it: upgrade feedstored to read \
+                 batches",
+                s.handle_text()
+            )));
+        }
         if writer != 0 && writer != me && !trusted.contains(&writer) {
             return Err(UntrustedBatch::new_err(format!(
                 "batch object {} was written by uid {writer}, which this reader (uid {me}) does \

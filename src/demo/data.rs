@@ -133,7 +133,7 @@ fn derive(
 ) -> anyhow::Result<(String, Vec<u8>, String)> {
     let r = |k: u64| mix(seed ^ mix(i.wrapping_mul(0x100) + k));
     let long = sides.0 + (r(1) % u64::from(sides.1 - sides.0 + 1)) as u32;
-    let (file, bytes, human, answer) = if i % 2 == 0 {
+    let (file, bytes, human, answer) = if i.is_multiple_of(2) {
         let (question, answer, image) = &vqa.questions[(i / 2) as usize % vqa.questions.len()];
         let img = vqa.images[*image].resize_exact(long, long, FilterType::Triangle);
         let mut bytes = Vec::new();

@@ -14,7 +14,7 @@ use crate::daemon::Daemon;
 /// Objects are written once into shared memory and read in place by handle. Stop it with
 /// SIGTERM or Ctrl-C; the socket file is removed on the way out.
 #[derive(Debug, Parser)]
-#[command(name = "feedstored", version, about, long_about)]
+#[command(name = "feedstored", version, long_version = feedstore_proto::frame::LONG_VERSION, about, long_about)]
 pub struct Args {
     /// The daemon's settings.
     #[command(flatten)]

@@ -204,6 +204,7 @@ type Figure<T> = (&'static str, &'static str, fn(&T) -> u64);
 /// The snapshot in the Prometheus text format.
 pub fn encode(stats: &StoreStats, streams: &[StreamInfo]) -> String {
     let mut registry = Registry::with_prefix("feedstore");
+    register_build(&mut registry);
     register_store(&mut registry, stats);
     register_streams(&mut registry, streams);
     register_ranks(&mut registry, streams);
@@ -211,6 +212,31 @@ pub fn encode(stats: &StoreStats, streams: &[StreamInfo]) -> String {
     let mut out = String::new();
     prometheus_text::encode(&mut out, &registry).expect("writing to a String");
     out
+}
+
+/// `feedstore_build_info`, always 1: the daemon's release and the protocols it speaks, as
+/// labels (`version`; `protocol_min` and `protocol`, the oldest and newest control protocols it
+/// serves; `peer_protocol`), to join on or alert on a skewed fleet.
+fn register_build(registry: &mut Registry) {
+    let build = Family::<Labels, Gauge>::default();
+    let labels = vec![
+        ("version", env!("CARGO_PKG_VERSION").to_string()),
+        (
+            "protocol_min",
+            feedstore_proto::frame::MIN_VERSION.to_string(),
+        ),
+        ("protocol", feedstore_proto::frame::VERSION.to_string()),
+        (
+            "peer_protocol",
+            feedstore_proto::peer::PEER_VERSION.to_string(),
+        ),
+    ];
+    build.get_or_create(&labels).set(1);
+    registry.register(
+        "build_info",
+        "The daemon's release and the protocol versions it speaks (always 1)",
+        build,
+    );
 }
 
 /// The store's own figures: counters where they only grow, gauges otherwise.

@@ -372,6 +372,8 @@ pub struct RawClient {
     pub stream: std::os::unix::net::UnixStream,
     next_id: u32,
     rbuf: Vec<u8>,
+    /// The protocol version its frames are in (a client of an older release speaks its own).
+    pub version: u16,
 }
 
 impl RawClient {
@@ -383,6 +385,7 @@ impl RawClient {
             stream,
             next_id: 1,
             rbuf: Vec::new(),
+            version: feedstore_proto::frame::VERSION,
         })
     }
 
@@ -396,11 +399,28 @@ impl RawClient {
         feedstore_proto::frame::Response,
         Vec<std::os::fd::OwnedFd>,
     ) {
+        RawClient::hello_in(feedstore_proto::frame::VERSION, socket, role, name)
+    }
+
+    /// [`RawClient::hello`] as a client of protocol `version` says it (one before 11 says
+    /// nothing of the versions it speaks), which its later frames are in too.
+    pub fn hello_in(
+        version: u16,
+        socket: &Path,
+        role: Role,
+        name: &str,
+    ) -> (
+        RawClient,
+        feedstore_proto::frame::Response,
+        Vec<std::os::fd::OwnedFd>,
+    ) {
         let mut raw = RawClient::connect(socket).unwrap();
+        raw.version = version;
         let (response, fds) = raw.call_with_fds(&feedstore_proto::frame::Request::Hello {
             role,
             client_name: name.into(),
             max_frame_bytes: feedstore_proto::frame::MAX_PAYLOAD_BYTES,
+            speaks: feedstore_proto::frame::Speaks::ours(),
         });
         (raw, response, fds)
     }
@@ -413,7 +433,9 @@ impl RawClient {
     /// Sends a request, reporting a socket error (the daemon closed the connection).
     pub fn try_send(&mut self, request: &feedstore_proto::frame::Request) -> std::io::Result<()> {
         let mut out = Vec::new();
-        request.encode(self.next_id, u32::MAX, &mut out).unwrap();
+        request
+            .encode_in(self.version, self.next_id, u32::MAX, &mut out)
+            .unwrap();
         self.next_id += 1;
         use std::io::Write;
         self.stream.write_all(&out)
@@ -443,6 +465,10 @@ impl RawClient {
         let mut fds = Vec::new();
         loop {
             if let Some(frame) = Frame::parse(&self.rbuf, u32::MAX).unwrap() {
+                assert_eq!(
+                    frame.header.version, self.version,
+                    "a reply in the client's protocol version"
+                );
                 let len = frame.len();
                 let response = Response::decode(&frame).unwrap();
                 self.rbuf.drain(..len);

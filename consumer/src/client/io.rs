@@ -5,17 +5,18 @@
 
 use super::*;
 
-/// Release frames for `handles`, split to fit the daemon's limit.
+/// Release frames for `handles` in protocol `version`, split to fit the daemon's limit.
 pub(super) fn encode_releases(
     handles: &[Handle],
     limit: u32,
+    version: u16,
     out: &mut Vec<u8>,
 ) -> Result<(), frame::EncodeError> {
     for chunk in handles.chunks(max_batch_items(Opcode::Release, limit, limit)) {
         Request::Release {
             handles: chunk.to_vec(),
         }
-        .encode(0, limit, out)?;
+        .encode_in(version, 0, limit, out)?;
     }
     Ok(())
 }
@@ -105,9 +106,9 @@ pub(super) fn read_reply(
     stream: &UnixStream,
     rb: &mut RecvBuf,
     id: u32,
-    limit: u32,
+    (limit, version): (u32, u16),
 ) -> Result<Response, Error> {
-    read_frame(rb, id, limit, |buf| {
+    read_frame(rb, id, (limit, version), |buf| {
         loop {
             match (&*stream).read(buf) {
                 Ok(0) => return Err(Error::Disconnected { source: None }),
@@ -124,11 +125,17 @@ pub(super) fn read_reply(
 pub(super) fn read_frame(
     rb: &mut RecvBuf,
     id: u32,
-    limit: u32,
+    (limit, version): (u32, u16),
     mut read: impl FnMut(&mut [u8]) -> Result<usize, Error>,
 ) -> Result<Response, Error> {
     loop {
         if let Some(frame) = Frame::parse(&rb.data[..rb.filled], limit)? {
+            if frame.header.version != version {
+                return Err(Error::Protocol(format!(
+                    "a reply in protocol {} on a connection that agreed on {version}",
+                    frame.header.version
+                )));
+            }
             if frame.header.request_id != id {
                 return Err(Error::Protocol(format!(
                     "reply for request {} while waiting for {id}",
@@ -150,9 +157,10 @@ pub(super) fn read_frame(
     }
 }
 
-/// Reads the hello reply, which carries the segment descriptors. A reply of another protocol
-/// version is [`Error::VersionMismatch`], with the daemon's own words when its error reply can
-/// be read (every version so far lays out a header, and an error reply, the same way).
+/// Reads the hello reply, which carries the segment descriptors. A reply of a protocol version
+/// older than any this client speaks is [`Error::VersionMismatch`], with the daemon's own words
+/// when its error reply can be read (every version so far lays out a header, and an error
+/// reply, the same way).
 pub(super) fn recv_hello(
     stream: &UnixStream,
     rbuf: &mut Vec<u8>,
@@ -189,9 +197,12 @@ pub(super) fn recv_hello(
         }
         let start = rbuf.len();
         rbuf.resize(start + 4096.max(HEADER_BYTES), 0);
-        let (n, received) = recv_with_fds(stream, &mut rbuf[start..])?;
+        let got = recv_with_fds(stream, &mut rbuf[start..]);
+        // (Only what arrived stays: the caller tells a close before any reply by an empty
+        // buffer.)
+        rbuf.truncate(start + got.as_ref().map_or(0, |(n, _)| *n));
+        let (_, received) = got?;
         fds.extend(received);
-        rbuf.truncate(start + n);
     }
 }
 
@@ -245,23 +256,44 @@ pub(super) struct Welcome {
     pub(super) fds: Vec<OwnedFd>,
     /// The largest request frame the daemon takes.
     pub(super) request_limit: u32,
+    /// The protocol version the connection speaks from now on.
+    pub(super) version: u16,
+    /// What the daemon speaks: its versions, features and release.
+    pub(super) daemon: Speaks,
     /// The receive buffer, holding what was read past the hello reply.
     pub(super) rbuf: RecvBuf,
 }
 
-/// Sends the hello (encoded into `wbuf`) and reads the daemon's answer, waiting at most
-/// `opts.hello_timeout`: its node, epoch and segments, each segment's descriptor alongside.
+/// How a hello in one protocol version went.
+pub(super) enum Greeted {
+    /// The daemon answered: the connection is up.
+    Welcome(Welcome),
+    /// The daemon speaks only older versions, the newest of them this one: say hello again in
+    /// it, on a new connection.
+    Older(u16),
+    /// The daemon closed the connection without a word: 0.1.0's does at a hello of a version
+    /// it does not speak (a daemon restarting just then does too).
+    Closed,
+}
+
+/// Sends the hello in protocol `version` (encoded into `wbuf`) and reads the daemon's answer,
+/// waiting at most `opts.hello_timeout`: its node, epoch and segments, each segment's
+/// descriptor alongside, and the version both speak. A daemon older than `version` refuses the
+/// hello with an error in its own version ([`Greeted::Older`]); one that speaks protocol 9
+/// (feedstore 0.1.0) closes the connection without a word ([`Greeted::Closed`]).
 pub(super) fn hello(
     stream: &UnixStream,
     opts: &ConnectOptions,
     wbuf: &mut Vec<u8>,
-) -> Result<Welcome, Error> {
+    version: u16,
+) -> Result<Greeted, Error> {
     Request::Hello {
         role: opts.role,
         client_name: opts.name.clone(),
         max_frame_bytes: opts.max_frame_bytes,
+        speaks: Speaks::ours(),
     }
-    .encode(0, frame::MIN_PAYLOAD_BYTES, wbuf)?;
+    .encode_in(version, 0, frame::MIN_PAYLOAD_BYTES, wbuf)?;
     // A daemon refusing the connection (at a connection limit) may answer and close before
     // the hello is sent: read its answer before reporting a broken pipe.
     let sent = send_all(stream, wbuf);
@@ -288,18 +320,43 @@ pub(super) fn hello(
         .map_err(disconnected)?;
     let (frame_len, fds) = match recv_hello(stream, &mut rbuf).map_err(hello_timeout) {
         Ok(hello) => hello,
+        // (A close with the hello unread reaches this side as a reset.)
+        Err(Error::Disconnected { source })
+            if rbuf.is_empty()
+                && source
+                    .as_ref()
+                    .is_none_or(|e| e.kind() == std::io::ErrorKind::ConnectionReset) =>
+        {
+            return Ok(Greeted::Closed);
+        }
         Err(e) => return Err(sent.err().unwrap_or(e)),
     };
     stream.set_read_timeout(None).map_err(disconnected)?;
     let frame = Frame::parse(&rbuf[..frame_len], opts.max_frame_bytes)?
         .ok_or_else(|| Error::Protocol("short hello reply".into()))?;
-    let (node_id, epoch, infos, request_limit) = match Response::decode(&frame)? {
+    let agreed = frame.header.version;
+    let (node_id, epoch, infos, request_limit, daemon) = match Response::decode(&frame)? {
+        Response::Hello { .. } if agreed > version => {
+            return Err(Error::Protocol(format!(
+                "the daemon answered a hello of protocol {version} in {agreed}"
+            )));
+        }
         Response::Hello {
             node_id,
             epoch,
             segments,
             max_frame_bytes,
-        } => (node_id, epoch, segments, max_frame_bytes),
+            speaks,
+        } => (node_id, epoch, segments, max_frame_bytes, speaks),
+        Response::Error { .. } if agreed < version => return Ok(Greeted::Older(agreed)),
+        // A daemon newer than anything this client speaks says why in its own version.
+        Response::Error { message, .. } if agreed > version => {
+            return Err(Error::VersionMismatch {
+                daemon: agreed,
+                client: frame::VERSION,
+                detail: message,
+            });
+        }
         Response::Error { status, message } => {
             return Err(Error::from_status(status, Handle::default(), 0, &message));
         }
@@ -318,12 +375,14 @@ pub(super) fn hello(
             fds.len()
         )));
     }
-    Ok(Welcome {
+    Ok(Greeted::Welcome(Welcome {
         node_id,
         epoch,
         segments: infos,
         fds,
         request_limit,
+        version: agreed,
+        daemon,
         rbuf: RecvBuf::new(&rbuf[frame_len..]),
-    })
+    }))
 }

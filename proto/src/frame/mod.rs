@@ -5,7 +5,7 @@
 //! | bytes  | field         | value                                                  |
 //! |--------|---------------|--------------------------------------------------------|
 //! | 0..2   | `magic`       | [`MAGIC`]                                              |
-//! | 2..4   | `version`     | [`VERSION`]; a daemon refuses other versions            |
+//! | 2..4   | `version`     | the version the connection agreed at hello ([`Speaks`]) |
 //! | 4..6   | `opcode`      | an [`Opcode`]; replies set [`REPLY_BIT`]                |
 //! | 6..8   | `flags`       | reserved, zero                                         |
 //! | 8..12  | `request_id`  | chosen by the client, echoed in the reply              |
@@ -15,6 +15,13 @@
 //! [`Request::ProducerReport`]) gets exactly one reply,
 //! in order. Batches are the unit: `Get`, `Seal`, `Delete`, ... carry a list of handles and the
 //! reply carries one result each, so a client amortises a round trip over many objects.
+//!
+//! **Versions are agreed at `Hello`** (from protocol 11 on): the client's hello, in a header
+//! of the newest version it speaks, says every version it speaks and its features
+//! ([`Speaks`]); the daemon answers in the newest version both speak, saying the same of itself,
+//! and both use that version and the features both have from then on. A daemon serves the
+//! hellos of older clients too, down to [`MIN_VERSION`] (0.1.0's), speaking their version; a
+//! client whose hello a daemon of an older version refuses says hello again in that version.
 //!
 //! **Frame limits are agreed at `Hello`:** each side says the largest payload it accepts, and
 //! every encoder checks the peer's limit before a byte is sent ([`EncodeError::TooLarge`]).
@@ -31,6 +38,7 @@ mod stats;
 mod streams;
 
 pub use objects::{CacheEntry, Created, Got};
+pub use session::{FEATURES, NEGOTIATED_SINCE, Speaks, feature};
 pub use streams::{
     PRODUCER_STAGES, ProducerFigures, RankAt, RankFigures, RankInfo, StreamInfo, StreamItem,
     StreamTask, TakeTasks,
@@ -55,8 +63,21 @@ pub const MAGIC: u16 = 0xFD5E;
 /// decode-once cache (a loader's workers share the samples they make). Version 10: handles carry
 /// a random 64-bit id instead of slot and generation; a get result and a ring entry name the
 /// uid that wrote the object; a daemon answers a hello of another version with an error naming
-/// both versions.
-pub const VERSION: u16 = 10;
+/// both versions. Version 11: hellos say which versions and features each side speaks
+/// ([`Speaks`]), and the connection speaks the newest both do; a daemon serves clients down to
+/// [`MIN_VERSION`].
+pub const VERSION: u16 = 11;
+/// The release and the protocols it speaks, as `--version` prints them.
+pub const LONG_VERSION: &str = concat!(
+    env!("CARGO_PKG_VERSION"),
+    " (protocols 9-11, peer protocol 3)"
+);
+// (The text names the numbers: a new version fails the build here until it says so too.)
+const _: () = assert!(MIN_VERSION == 9 && VERSION == 11 && crate::peer::PEER_VERSION == 3);
+
+/// The oldest protocol version this crate speaks: 0.1.0's, so that a daemon serves clients of
+/// the previous release (and a client reaches its daemon).
+pub const MIN_VERSION: u16 = 9;
 /// Size of the frame header.
 pub const HEADER_BYTES: usize = 16;
 /// Default maximum payload a side accepts (room for a batch of ~65k handles).
@@ -230,6 +251,8 @@ pub enum EncodeError {
 /// A parsed frame header.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Header {
+    /// The protocol version the frame is in.
+    pub version: u16,
     /// The raw opcode, [`REPLY_BIT`] included.
     pub opcode: u16,
     /// Echoed from the request.
@@ -239,7 +262,9 @@ pub struct Header {
 }
 
 impl Header {
-    /// Parses and checks a header against the receiver's maximum payload.
+    /// Parses and checks a header against the receiver's maximum payload. Any version from
+    /// [`MIN_VERSION`] on parses (a hello comes before the versions are agreed, perhaps from a
+    /// newer client); each side checks that later frames are in the version agreed.
     pub fn parse(b: &[u8; HEADER_BYTES], max_payload: u32) -> Result<Header, DecodeError> {
         let mut r = Reader::new(b);
         let magic = r.u16()?;
@@ -247,7 +272,7 @@ impl Header {
             return Err(DecodeError::BadMagic { found: magic });
         }
         let version = r.u16()?;
-        if version != VERSION {
+        if version < MIN_VERSION {
             return Err(DecodeError::UnsupportedVersion {
                 found: version,
                 expected: VERSION,
@@ -267,6 +292,7 @@ impl Header {
             });
         }
         Ok(Header {
+            version,
             opcode,
             request_id,
             payload_len,
@@ -321,6 +347,7 @@ impl<'a> Frame<'a> {
 /// On a payload over `max_payload` the output is left as it was and nothing is sent.
 fn framed(
     out: &mut Vec<u8>,
+    version: u16,
     opcode: Opcode,
     reply: bool,
     request_id: u32,
@@ -328,9 +355,9 @@ fn framed(
     body: impl FnOnce(&mut Writer<'_>),
 ) -> Result<(), EncodeError> {
     let start = out.len();
-    let mut w = Writer { buf: out };
+    let mut w = Writer { buf: out, version };
     w.u16(MAGIC);
-    w.u16(VERSION);
+    w.u16(version);
     w.u16(opcode as u16 | if reply { REPLY_BIT } else { 0 });
     w.u16(0);
     w.u32(request_id);
@@ -361,6 +388,9 @@ pub enum Request {
         client_name: String,
         /// The largest reply payload this client accepts.
         max_frame_bytes: u32,
+        /// The versions and features the client speaks (sent from protocol 11 on; implied by
+        /// the header's version before).
+        speaks: Speaks,
     },
     /// Reserve one writable object per size. The reservation is visible only to this connection
     /// until sealed.
@@ -576,17 +606,34 @@ impl Request {
             .map(|cost| cost.reply_bytes(self.batch_len()))
     }
 
-    /// Appends the encoded frame to `out`, or leaves `out` as it was if the payload exceeds
-    /// `max_payload` (the daemon's limit from hello).
+    /// Appends the encoded frame, in this crate's [`VERSION`], to `out`, or leaves `out` as it
+    /// was if the payload exceeds `max_payload` (the daemon's limit from hello).
     pub fn encode(
         &self,
         request_id: u32,
         max_payload: u32,
         out: &mut Vec<u8>,
     ) -> Result<(), EncodeError> {
-        framed(out, self.opcode(), false, request_id, max_payload, |w| {
-            self.encode_payload(w)
-        })
+        self.encode_in(VERSION, request_id, max_payload, out)
+    }
+
+    /// [`Request::encode`] in protocol `version` (the connection's, agreed at hello).
+    pub fn encode_in(
+        &self,
+        version: u16,
+        request_id: u32,
+        max_payload: u32,
+        out: &mut Vec<u8>,
+    ) -> Result<(), EncodeError> {
+        framed(
+            out,
+            version,
+            self.opcode(),
+            false,
+            request_id,
+            max_payload,
+            |w| self.encode_payload(w),
+        )
     }
 
     /// The request's payload, after the frame's header.
@@ -596,7 +643,8 @@ impl Request {
                 role,
                 client_name,
                 max_frame_bytes,
-            } => session::encode_hello(w, *role, client_name, *max_frame_bytes),
+                speaks,
+            } => session::encode_hello(w, *role, client_name, *max_frame_bytes, speaks),
             Request::Create {
                 sizes,
                 timeout_ms,
@@ -682,14 +730,15 @@ impl Request {
         let op = Opcode::from_u16(raw)
             .filter(|op| *op != Opcode::Error)
             .ok_or(DecodeError::UnknownOpcode { found: raw })?;
-        let mut r = Reader::new(frame.payload);
+        let mut r = Reader::at(frame.payload, frame.header.version);
         let req = match op {
             Opcode::Hello => {
-                let (role, client_name, max_frame_bytes) = session::decode_hello(&mut r)?;
+                let (role, client_name, max_frame_bytes, speaks) = session::decode_hello(&mut r)?;
                 Request::Hello {
                     role,
                     client_name,
                     max_frame_bytes,
+                    speaks,
                 }
             }
             Opcode::Create => Request::Create {
@@ -772,6 +821,9 @@ pub enum Response {
         segments: Vec<SegmentInfo>,
         /// The largest request payload the daemon accepts.
         max_frame_bytes: u32,
+        /// The versions and features the daemon speaks (sent from protocol 11 on; implied by
+        /// the reply's version before). The reply's version is the connection's.
+        speaks: Speaks,
     },
     /// Reply to [`Request::Create`]: per size, the reservation or why not.
     Created(Vec<Result<Created, Status>>),
@@ -817,10 +869,23 @@ pub enum Response {
 }
 
 impl Response {
-    /// Appends the encoded reply to `request_op` (an error reply has its own opcode), or leaves
-    /// `out` as it was if the payload exceeds `max_payload` (the client's limit from hello).
+    /// Appends the encoded reply to `request_op` (an error reply has its own opcode), in this
+    /// crate's [`VERSION`], or leaves `out` as it was if the payload exceeds `max_payload` (the
+    /// client's limit from hello).
     pub fn encode(
         &self,
+        request_op: Opcode,
+        request_id: u32,
+        max_payload: u32,
+        out: &mut Vec<u8>,
+    ) -> Result<(), EncodeError> {
+        self.encode_in(VERSION, request_op, request_id, max_payload, out)
+    }
+
+    /// [`Response::encode`] in protocol `version` (the connection's, agreed at hello).
+    pub fn encode_in(
+        &self,
+        version: u16,
         request_op: Opcode,
         request_id: u32,
         max_payload: u32,
@@ -830,43 +895,53 @@ impl Response {
             Response::Error { .. } => Opcode::Error,
             _ => request_op,
         };
-        framed(out, op, true, request_id, max_payload, |w| match self {
-            Response::Hello {
-                node_id,
-                epoch,
-                segments,
-                max_frame_bytes,
-            } => {
-                w.u32(*node_id);
-                w.u32(*epoch);
-                w.list(segments);
-                w.u32(*max_frame_bytes);
-            }
-            Response::Created(results) => w.list(results),
-            Response::Got(results) => w.list(results),
-            Response::Done(statuses) => w.list(statuses),
-            Response::Stats(stats) => stats.encode(w),
-            Response::Error { status, message } => {
-                status.encode(w);
-                w.string(message);
-            }
-            Response::StreamJoined { stream } => w.u32(*stream),
-            Response::StreamAttached {
-                stream,
-                capacity,
-                ring_bytes,
-            } => {
-                w.u32(*stream);
-                w.u32(*capacity);
-                w.u64(*ring_bytes);
-            }
-            Response::Tasks(tasks) => w.list(tasks),
-            Response::Cached(found) => w.list(found),
-            Response::Streams { streams, more } => {
-                w.list(streams);
-                w.bool(*more);
-            }
-        })
+        framed(
+            out,
+            version,
+            op,
+            true,
+            request_id,
+            max_payload,
+            |w| match self {
+                Response::Hello {
+                    node_id,
+                    epoch,
+                    segments,
+                    max_frame_bytes,
+                    speaks,
+                } => {
+                    w.u32(*node_id);
+                    w.u32(*epoch);
+                    w.list(segments);
+                    w.u32(*max_frame_bytes);
+                    session::encode_speaks(w, speaks);
+                }
+                Response::Created(results) => w.list(results),
+                Response::Got(results) => w.list(results),
+                Response::Done(statuses) => w.list(statuses),
+                Response::Stats(stats) => stats.encode(w),
+                Response::Error { status, message } => {
+                    status.encode(w);
+                    w.string(message);
+                }
+                Response::StreamJoined { stream } => w.u32(*stream),
+                Response::StreamAttached {
+                    stream,
+                    capacity,
+                    ring_bytes,
+                } => {
+                    w.u32(*stream);
+                    w.u32(*capacity);
+                    w.u64(*ring_bytes);
+                }
+                Response::Tasks(tasks) => w.list(tasks),
+                Response::Cached(found) => w.list(found),
+                Response::Streams { streams, more } => {
+                    w.list(streams);
+                    w.bool(*more);
+                }
+            },
+        )
     }
 
     /// Decodes a reply frame. The reply's kind follows from its opcode.
@@ -877,13 +952,14 @@ impl Response {
         }
         let op =
             Opcode::from_u16(raw & !REPLY_BIT).ok_or(DecodeError::UnknownOpcode { found: raw })?;
-        let mut r = Reader::new(frame.payload);
+        let mut r = Reader::at(frame.payload, frame.header.version);
         let resp = match op {
             Opcode::Hello => Response::Hello {
                 node_id: r.u32()?,
                 epoch: r.u32()?,
                 segments: r.list()?,
                 max_frame_bytes: r.u32()?,
+                speaks: Speaks::decode_since_negotiation(&mut r)?,
             },
             Opcode::Create => Response::Created(r.list()?),
             Opcode::Get => Response::Got(r.list()?),

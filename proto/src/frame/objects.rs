@@ -61,9 +61,20 @@ pub struct Got {
     pub writer: u32,
 }
 
+impl Got {
+    /// The writer of a get result from a daemon that does not record writers (protocol 9,
+    /// feedstore 0.1.0: no [`super::feature::WRITERS`]).
+    pub const UNKNOWN_WRITER: u32 = u32::MAX;
+}
+
+/// The first protocol version whose get results name the writer.
+const WRITERS_SINCE: u16 = 10;
+/// The first protocol version with [`Status::OverShare`] (no release spoke 10 without it).
+const OVER_SHARE_SINCE: u16 = 10;
+
 /// Bytes of a location: segment, offset, length.
 const LOCATION_BYTES: usize = 4 + 8 + 8;
-/// Bytes of one get result: status, location, writer.
+/// Bytes of one get result: status, location, writer (the most of any version).
 pub(super) const GOT_BYTES: usize = 2 + LOCATION_BYTES + 4;
 /// Bytes of one cache lookup result: present, handle.
 pub(super) const CACHED_BYTES: usize = 1 + Handle::WIRE_BYTES;
@@ -71,10 +82,20 @@ pub(super) const CACHED_BYTES: usize = 1 + Handle::WIRE_BYTES;
 impl Wire for Status {
     const MIN_BYTES: usize = 2;
     fn encode(&self, w: &mut Writer<'_>) {
-        w.u16(*self as u16);
+        // Protocol 9 has no `OverShare`: its clients hear of the reader share as the operator's
+        // limit it is.
+        let status = match self {
+            Status::OverShare if w.version < OVER_SHARE_SINCE => Status::LimitReached,
+            other => *other,
+        };
+        w.u16(status as u16);
     }
     fn decode(r: &mut Reader<'_>) -> Result<Self, DecodeError> {
-        Status::from_u16(r.u16()?).ok_or(DecodeError::InvalidValue { field: "status" })
+        match Status::from_u16(r.u16()?) {
+            Some(Status::OverShare) if r.version < OVER_SHARE_SINCE => None,
+            status => status,
+        }
+        .ok_or(DecodeError::InvalidValue { field: "status" })
     }
 }
 
@@ -129,16 +150,23 @@ fn decode_result<T: Wire + PartialEq>(
     }
 }
 
+/// The location, then (from protocol 10 on) the writer.
 impl Wire for Got {
-    const MIN_BYTES: usize = LOCATION_BYTES + 4;
+    const MIN_BYTES: usize = LOCATION_BYTES;
     fn encode(&self, w: &mut Writer<'_>) {
         self.location.encode(w);
-        w.u32(self.writer);
+        if w.version >= WRITERS_SINCE {
+            w.u32(self.writer);
+        }
     }
     fn decode(r: &mut Reader<'_>) -> Result<Self, DecodeError> {
         Ok(Got {
             location: Location::decode(r)?,
-            writer: r.u32()?,
+            writer: if r.version >= WRITERS_SINCE {
+                r.u32()?
+            } else {
+                Got::UNKNOWN_WRITER
+            },
         })
     }
 }
@@ -149,12 +177,20 @@ const NO_GOT: Got = Got {
 };
 
 impl Wire for Result<Got, Status> {
-    const MIN_BYTES: usize = GOT_BYTES;
+    const MIN_BYTES: usize = 2 + Got::MIN_BYTES;
     fn encode(&self, w: &mut Writer<'_>) {
         encode_result(w, self, &NO_GOT);
     }
     fn decode(r: &mut Reader<'_>) -> Result<Self, DecodeError> {
-        decode_result(r, &NO_GOT, "get result")
+        let no_got = Got {
+            writer: if r.version >= WRITERS_SINCE {
+                0
+            } else {
+                Got::UNKNOWN_WRITER
+            },
+            ..NO_GOT
+        };
+        decode_result(r, &no_got, "get result")
     }
 }
 

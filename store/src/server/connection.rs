@@ -64,6 +64,7 @@ pub async fn serve_connection(
         credentials,
         client_limit: MIN_PAYLOAD_BYTES,
         name: String::new(),
+        version: feedstore_proto::frame::VERSION,
     };
     let end = conn.run().await;
     if let Err(ConnEnd::Version { found, request_id }) = &end {
@@ -161,6 +162,12 @@ impl Connection {
             return Ok(None);
         };
         let (len, request_id) = (frame.len(), frame.header.request_id);
+        if self.id.is_some() && frame.header.version != self.version {
+            return Err(ConnEnd::Protocol(format!(
+                "a frame of protocol {} on a connection that agreed on {}",
+                frame.header.version, self.version
+            )));
+        }
         let request = Request::decode(&frame)?;
         self.rbuf.drain(..len);
         Ok(Some((request_id, request, len)))
@@ -176,8 +183,9 @@ impl Connection {
                     role,
                     client_name,
                     max_frame_bytes,
+                    speaks,
                 } => {
-                    self.hello(request_id, role, client_name, max_frame_bytes)
+                    self.hello(request_id, role, client_name, max_frame_bytes, speaks)
                         .await
                 }
                 _ => Err(ConnEnd::Protocol(format!("{op:?} before hello"))),
@@ -351,11 +359,12 @@ impl Connection {
     /// Encodes `response` into `wbuf` within the client's limit; one that does not fit (which
     /// the checks before each request rule out) becomes an error reply that does.
     pub(super) fn encode_reply(&mut self, op: Opcode, request_id: u32, response: &Response) {
-        if let Err(e) = response.encode(op, request_id, self.client_limit, &mut self.wbuf) {
+        let (version, limit) = (self.version, self.client_limit);
+        if let Err(e) = response.encode_in(version, op, request_id, limit, &mut self.wbuf) {
             tracing::error!(error = %e, "reply over the client's limit");
             let fallback = error(Status::LimitReached, e.to_string());
             fallback
-                .encode(op, request_id, self.client_limit, &mut self.wbuf)
+                .encode_in(version, op, request_id, limit, &mut self.wbuf)
                 .expect("an error reply fits any agreed limit");
         }
     }

@@ -47,7 +47,8 @@ enum ConnEnd {
     #[error("no hello within {0:?} (--hello-timeout-ms)")]
     HelloTimeout(Duration),
     #[error(
-        "the client speaks protocol {found}, this daemon {}",
+        "the client speaks protocol {found}, this daemon {}-{}",
+        feedstore_proto::frame::MIN_VERSION,
         feedstore_proto::frame::VERSION
     )]
     Version { found: u16, request_id: u32 },
@@ -73,6 +74,9 @@ struct Connection {
     /// The largest reply payload the client accepts (from its hello).
     client_limit: u32,
     name: String,
+    /// The protocol version agreed at hello (this daemon's own until then): every frame after
+    /// the hello is in it, both ways.
+    version: u16,
 }
 
 impl Drop for Connection {

@@ -3,7 +3,7 @@
 
 use std::os::fd::AsRawFd;
 
-use feedstore_proto::frame::{MIN_PAYLOAD_BYTES, Opcode, Response};
+use feedstore_proto::frame::{MIN_PAYLOAD_BYTES, Opcode, Response, Speaks};
 use feedstore_proto::{MAX_CLIENT_NAME, Role, Status};
 
 use super::{ConnEnd, Connection, error};
@@ -28,8 +28,16 @@ impl Connection {
         role: Role,
         name: String,
         max_frame_bytes: u32,
+        speaks: Speaks,
     ) -> Result<(), ConnEnd> {
         let shared = self.shared.clone();
+        let ours = Speaks::ours();
+        let Some(version) = ours.common(&speaks) else {
+            // (Told in this daemon's newest version: an error reply reads the same in all.)
+            let message = no_common_version(&ours, &speaks);
+            return self.refuse(request_id, Status::Protocol, message).await;
+        };
+        self.version = version;
         if let Some(message) = shared.policy.refusal(&self.credentials, role) {
             return self
                 .refuse(request_id, Status::PermissionDenied, message)
@@ -66,12 +74,13 @@ impl Connection {
         self.role = role;
         self.client_limit = max_frame_bytes;
         self.name = name;
-        tracing::info!(conn = id, pid = self.credentials.pid, uid = self.credentials.uid, ?role, name = ?self.name, "client connected");
+        tracing::info!(conn = id, pid = self.credentials.pid, uid = self.credentials.uid, ?role, name = ?self.name, protocol = version, client = %speaks.describe(), "client connected");
         let response = Response::Hello {
             node_id: shared.node_id,
             epoch: shared.epoch,
             segments: shared.segment_infos(role),
             max_frame_bytes: shared.max_frame_bytes,
+            speaks: ours,
         };
         self.wbuf.clear();
         self.encode_reply(Opcode::Hello, request_id, &response);
@@ -84,17 +93,23 @@ impl Connection {
     }
 }
 
-/// What a client of protocol `found` is told by this daemon.
+/// What a client of protocol `found`, older than any this daemon speaks, is told.
 pub(super) fn version_mismatch(found: u16) -> String {
-    let ours = feedstore_proto::frame::VERSION;
-    let upgrade = if found < ours {
+    no_common_version(&Speaks::ours(), &Speaks::implied(found))
+}
+
+/// What a client that shares no protocol version with this daemon is told: both sides'
+/// releases and versions, and which to upgrade.
+fn no_common_version(ours: &Speaks, client: &Speaks) -> String {
+    let upgrade = if client.max < ours.min {
         "the client"
     } else {
         "this feedstored"
     };
     format!(
-        "feedstored speaks protocol {ours}, this client {found}: upgrade {upgrade} (feedstore \
-         {}) so that both speak the same version",
-        env!("CARGO_PKG_VERSION")
+        "feedstored is {}, this client {}: no protocol version in common; upgrade {upgrade} \
+         (clients and daemons of adjacent releases work together)",
+        ours.describe(),
+        client.describe()
     )
 }

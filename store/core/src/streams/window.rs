@@ -47,7 +47,7 @@ fn claim(
 /// The part of an object from `offset` to its end, where a sample of a batch starts: a
 /// multiple of 64 (what a sample's alignment needs) inside the object. `None` otherwise.
 pub(super) fn within(l: Location, offset: u64) -> Option<Location> {
-    (offset % 64 == 0 && offset < l.len.max(1)).then(|| Location {
+    (offset.is_multiple_of(64) && offset < l.len.max(1)).then(|| Location {
         segment: l.segment,
         offset: l.offset + offset,
         len: l.len - offset,
