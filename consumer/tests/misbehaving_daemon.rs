@@ -43,27 +43,35 @@ fn fake_daemon(name: &str, answer: fn(u32, &mut UnixStream)) -> PathBuf {
             };
             buf.drain(..len);
             if opcode == Opcode::Hello as u16 {
-                let mut out = Vec::new();
-                Response::Hello {
-                    node_id: 1,
-                    epoch: 1,
-                    segments: vec![],
-                    max_frame_bytes: MAX_PAYLOAD_BYTES,
-                    speaks: feedstore_proto::frame::Speaks::ours(),
-                }
-                .encode(
-                    Opcode::Hello,
-                    request_id,
-                    feedstore_proto::frame::MAX_PAYLOAD_BYTES,
-                    &mut out,
-                )
-                .unwrap();
-                s.write_all(&out).unwrap();
+                let ours = feedstore_proto::frame::Speaks::ours();
+                s.write_all(&hello_reply(ours.max, ours, request_id))
+                    .unwrap();
             } else if opcode != Opcode::Release as u16 {
                 answer(request_id, &mut s);
             }
         }
     })
+}
+
+/// A hello reply in protocol `version` announcing no segments.
+fn hello_reply(version: u16, speaks: feedstore_proto::frame::Speaks, request_id: u32) -> Vec<u8> {
+    let mut out = Vec::new();
+    Response::Hello {
+        node_id: 1,
+        epoch: 1,
+        segments: vec![],
+        max_frame_bytes: MAX_PAYLOAD_BYTES,
+        speaks,
+    }
+    .encode_in(
+        version,
+        Opcode::Hello,
+        request_id,
+        MAX_PAYLOAD_BYTES,
+        &mut out,
+    )
+    .unwrap();
+    out
 }
 
 fn handle() -> Handle {
@@ -234,17 +242,7 @@ fn a_daemon_that_closes_at_hello_is_greeted_in_protocol_9() {
                 continue; // closed without a word
             }
             let _ = std::fs::remove_file(&file);
-            let mut out = Vec::new();
-            Response::Hello {
-                node_id: 1,
-                epoch: 1,
-                segments: vec![],
-                max_frame_bytes: MAX_PAYLOAD_BYTES,
-                speaks: Speaks::implied(9),
-            }
-            .encode_in(9, Opcode::Hello, 0, MAX_PAYLOAD_BYTES, &mut out)
-            .unwrap();
-            s.write_all(&out).unwrap();
+            s.write_all(&hello_reply(9, Speaks::implied(9), 0)).unwrap();
             // Then one get, answered as 0.1.0 does (no writer), and the close.
             let mut buf = Vec::new();
             let mut chunk = [0u8; 4096];

@@ -368,6 +368,13 @@ pub fn pattern(seed: u64, len: usize) -> Vec<u8> {
 
 /// A client speaking the protocol by hand, to do what the library never would (pipeline,
 /// forge, hold descriptors) the way an attacker's program could.
+/// A raw client after its hello: the client, the daemon's reply and the descriptors with it.
+pub type Greeted = (
+    RawClient,
+    feedstore_proto::frame::Response,
+    Vec<std::os::fd::OwnedFd>,
+);
+
 pub struct RawClient {
     pub stream: std::os::unix::net::UnixStream,
     next_id: u32,
@@ -390,30 +397,13 @@ impl RawClient {
     }
 
     /// Connects and says hello; returns the reply and the segment descriptors.
-    pub fn hello(
-        socket: &Path,
-        role: Role,
-        name: &str,
-    ) -> (
-        RawClient,
-        feedstore_proto::frame::Response,
-        Vec<std::os::fd::OwnedFd>,
-    ) {
+    pub fn hello(socket: &Path, role: Role, name: &str) -> Greeted {
         RawClient::hello_in(feedstore_proto::frame::VERSION, socket, role, name)
     }
 
     /// [`RawClient::hello`] as a client of protocol `version` says it (one before 11 says
     /// nothing of the versions it speaks), which its later frames are in too.
-    pub fn hello_in(
-        version: u16,
-        socket: &Path,
-        role: Role,
-        name: &str,
-    ) -> (
-        RawClient,
-        feedstore_proto::frame::Response,
-        Vec<std::os::fd::OwnedFd>,
-    ) {
+    pub fn hello_in(version: u16, socket: &Path, role: Role, name: &str) -> Greeted {
         let mut raw = RawClient::connect(socket).unwrap();
         raw.version = version;
         let (response, fds) = raw.call_with_fds(&feedstore_proto::frame::Request::Hello {
