@@ -28,11 +28,6 @@ impl LeaseHold {
     pub(crate) fn handle(&self) -> Handle {
         self.handle
     }
-
-    /// Whether the connection holding the lease has `feature` (both sides do).
-    pub(crate) fn client_has(&self, feature: u64) -> bool {
-        self.client.has_feature(feature)
-    }
 }
 
 impl Drop for LeaseHold {

@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use feedstore_proto::frame::{
     Opcode, ProducerFigures, RankAt, RankFigures, Request, Response, StreamItem, StreamTask,
-    TakeTasks, feature,
+    TakeTasks,
 };
 use feedstore_proto::ring::{ENTRY_FAILED, RingEntry, RingHeader, RingWords};
 use feedstore_proto::sample::{
@@ -398,6 +398,11 @@ impl Stream {
         }
         // The daemon took a lease for this connection when it published the entry; from here
         // it belongs to the sample.
+        // A writer only a daemon that records writers names is believed (as a get's).
+        let entry = RingEntry {
+            writer: self.client.believed_writer(entry.writer),
+            ..entry
+        };
         let hold = SampleHold {
             seq: entry.seq,
             returns: self.returns.clone(),
@@ -603,11 +608,7 @@ impl StreamSample {
     ///
     /// [`Got::UNKNOWN_WRITER`]: feedstore_proto::frame::Got::UNKNOWN_WRITER
     pub fn writer(&self) -> u32 {
-        if self.bytes.hold().lease.client_has(feature::WRITERS) {
-            self.entry.writer
-        } else {
-            feedstore_proto::frame::Got::UNKNOWN_WRITER
-        }
+        self.entry.writer
     }
 
     /// The sample, validated, with typed views of its tensors and tokens.

@@ -914,7 +914,7 @@ impl Response {
                     w.u32(*epoch);
                     w.list(segments);
                     w.u32(*max_frame_bytes);
-                    session::encode_speaks(w, speaks);
+                    speaks.encode_since_negotiation(w);
                 }
                 Response::Created(results) => w.list(results),
                 Response::Got(results) => w.list(results),

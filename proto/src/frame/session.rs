@@ -29,11 +29,6 @@ pub(super) fn decode_hello(r: &mut Reader<'_>) -> Result<(Role, String, u32, Spe
     ))
 }
 
-/// The daemon's side of the hello reply's [`Speaks`].
-pub(super) fn encode_speaks(w: &mut Writer<'_>, speaks: &Speaks) {
-    speaks.encode_since_negotiation(w);
-}
-
 /// The first protocol version whose hellos say what each side speaks ([`Speaks`]).
 pub const NEGOTIATED_SINCE: u16 = 11;
 
@@ -113,7 +108,7 @@ impl Speaks {
     /// Appended to a hello and its reply from [`NEGOTIATED_SINCE`] on. A release that is not
     /// [`Speaks::valid_release`] is sent empty (unknown), never as a hello the other side
     /// refuses.
-    fn encode_since_negotiation(&self, w: &mut Writer<'_>) {
+    pub(super) fn encode_since_negotiation(&self, w: &mut Writer<'_>) {
         if w.version >= NEGOTIATED_SINCE {
             w.u16(self.min);
             w.u16(self.max);
