@@ -19,6 +19,7 @@ use libfuzzer_sys::fuzz_target;
 fn hello(nonce: u8) -> PeerHello {
     PeerHello {
         version: feedstore_proto::peer::PEER_VERSION,
+        oldest: feedstore_proto::peer::PEER_OLDEST_VERSION,
         flags: feedstore_proto::peer::HELLO_SECRET,
         node_id: u32::from(nonce),
         epoch: 7,

@@ -9,9 +9,13 @@
 //! A connection starts with a symmetric handshake, each side sending the same three messages and
 //! reading the other's:
 //!
-//! 1. [`PeerHello`] (64 bytes): magic, protocol version, node id, epoch, a random instance id and
-//!    a random nonce. Its layout is fixed for every version, so two versions can still tell each
-//!    other why they part.
+//! 1. [`PeerHello`] (64 bytes): magic, the protocol versions the sender speaks (newest and
+//!    oldest), node id, epoch, a random instance id and a random nonce. Its layout is fixed for
+//!    every version, so two versions can still tell each other why they part. Both sides use
+//!    the newest version both speak ([`PeerHello::agreed_version`]), so daemons of adjacent
+//!    releases keep pulling from each other while a cluster is upgraded node by node; version 3
+//!    is the first to name a range (before it, the field was reserved and zero: a hello that
+//!    names no oldest speaks its version alone).
 //! 2. A proof (32 bytes): HMAC-SHA256 of both hellos under the cluster secret, labelled by the
 //!    side that sends it (all zeros when the cluster runs without a secret, in tests only).
 //! 3. [`Verdict`]: accepted, or refused with a code and a reason the other side logs.
@@ -33,10 +37,17 @@
 
 use crate::{Handle, Status};
 
-/// The daemon-to-daemon protocol version; a peer with another version is refused at handshake.
-/// Version 3: records authenticated by a per-connection key instead of a CRC-32C per range; a
-/// reply names the handle it answers and the uid that wrote the object.
+/// The newest daemon-to-daemon protocol version this crate speaks. Version 3: records
+/// authenticated by a per-connection key instead of a CRC-32C per range; a reply names the
+/// handle it answers and the uid that wrote the object.
 pub const PEER_VERSION: u16 = 3;
+
+/// The oldest peer protocol version this crate speaks; a peer that shares none with this range
+/// is refused at handshake. Version 2 (0.1.0) is not spoken: its records carry no
+/// authentication, so a node on the path could rewrite what it pulls (docs/SECURITY.md). The
+/// next version must keep speaking this one for a release, so that a cluster can be upgraded
+/// node by node.
+pub const PEER_OLDEST_VERSION: u16 = 3;
 
 /// First bytes of every hello.
 pub const PEER_MAGIC: [u8; 8] = *b"FSPEER\r\n";
@@ -83,8 +94,11 @@ pub enum PeerDecodeError {
 /// The first message each side sends.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct PeerHello {
-    /// The sender's protocol version ([`PEER_VERSION`]).
+    /// The newest protocol version the sender speaks ([`PEER_VERSION`]).
     pub version: u16,
+    /// The oldest protocol version the sender speaks ([`PEER_OLDEST_VERSION`]), at most
+    /// `version` (a hello of version 2 or older names none: it reads as `version`).
+    pub oldest: u16,
     /// [`HELLO_SECRET`] or 0.
     pub flags: u16,
     /// The sender's node id (what its handles carry).
@@ -110,7 +124,8 @@ impl PeerHello {
         b[10..12].copy_from_slice(&self.flags.to_le_bytes());
         b[12..16].copy_from_slice(&self.node_id.to_le_bytes());
         b[16..20].copy_from_slice(&self.epoch.to_le_bytes());
-        // 20..24 reserved, zero.
+        b[20..22].copy_from_slice(&self.oldest.to_le_bytes());
+        // 22..24 reserved, zero.
         b[24..32].copy_from_slice(&self.instance.to_le_bytes());
         b[32..64].copy_from_slice(&self.nonce);
         b
@@ -122,14 +137,44 @@ impl PeerHello {
         if magic != PEER_MAGIC {
             return Err(PeerDecodeError::Magic(magic));
         }
+        let version = u16::from_le_bytes([b[8], b[9]]);
+        let oldest = match u16::from_le_bytes([b[20], b[21]]) {
+            0 => version,
+            oldest if oldest > version => {
+                return Err(PeerDecodeError::Invalid {
+                    field: "oldest peer protocol version",
+                    value: u64::from(oldest),
+                });
+            }
+            oldest => oldest,
+        };
         Ok(PeerHello {
-            version: u16::from_le_bytes([b[8], b[9]]),
+            version,
+            oldest,
             flags: u16::from_le_bytes([b[10], b[11]]),
             node_id: le32(&b[12..16]),
             epoch: le32(&b[16..20]),
             instance: le64(&b[24..32]),
             nonce: b[32..64].try_into().expect("32 bytes"),
         })
+    }
+
+    /// The version two daemons speak once they have exchanged `self` and `other`: the newest
+    /// both speak, or `None` when their ranges do not meet. Both sides compute the same answer,
+    /// and under a cluster secret the proofs cover both hellos, so no one between them can talk
+    /// them down.
+    pub fn agreed_version(&self, other: &PeerHello) -> Option<u16> {
+        let newest = self.version.min(other.version);
+        (newest >= self.oldest.max(other.oldest)).then_some(newest)
+    }
+
+    /// The range it speaks, as a log line names it: `3` or `3-4`.
+    pub fn describe_versions(&self) -> String {
+        if self.oldest == self.version {
+            self.version.to_string()
+        } else {
+            format!("{}-{}", self.oldest, self.version)
+        }
     }
 }
 
@@ -356,8 +401,9 @@ mod tests {
 
     proptest! {
         #[test]
-        fn hello_round_trips(version: u16, flags: u16, node_id: u32, epoch: u32, instance: u64, nonce: [u8; 32]) {
-            let h = PeerHello { version, flags, node_id, epoch, instance, nonce };
+        fn hello_round_trips(version in 1u16.., oldest: u16, flags: u16, node_id: u32, epoch: u32, instance: u64, nonce: [u8; 32]) {
+            let oldest = 1 + oldest % version;
+            let h = PeerHello { version, oldest, flags, node_id, epoch, instance, nonce };
             prop_assert_eq!(PeerHello::from_bytes(&h.to_bytes()).unwrap(), h);
         }
 
@@ -413,6 +459,7 @@ mod tests {
         assert!(Verdict::parse_head(&long).is_err());
         let mut bad = PeerHello {
             version: 1,
+            oldest: 1,
             flags: 0,
             node_id: 1,
             epoch: 1,
@@ -425,6 +472,46 @@ mod tests {
             PeerHello::from_bytes(&bad),
             Err(PeerDecodeError::Magic(_))
         ));
+    }
+
+    fn speaking(oldest: u16, version: u16) -> PeerHello {
+        PeerHello {
+            version,
+            oldest,
+            flags: 0,
+            node_id: 1,
+            epoch: 1,
+            instance: 1,
+            nonce: [0; 32],
+        }
+    }
+
+    #[test]
+    fn two_hellos_agree_on_the_newest_version_both_speak() {
+        let ours = speaking(PEER_OLDEST_VERSION, PEER_VERSION);
+        assert_eq!(ours.agreed_version(&ours), Some(PEER_VERSION));
+        // A newer release that still speaks ours, either side first.
+        let next = speaking(PEER_VERSION, PEER_VERSION + 1);
+        assert_eq!(ours.agreed_version(&next), Some(PEER_VERSION));
+        assert_eq!(next.agreed_version(&ours), Some(PEER_VERSION));
+        // One that dropped it, and 0.1.0 (version 2, which names no oldest).
+        let later = speaking(PEER_VERSION + 1, PEER_VERSION + 2);
+        assert_eq!(ours.agreed_version(&later), None);
+        let mut v2 = speaking(0, 0).to_bytes();
+        v2[8..10].copy_from_slice(&2u16.to_le_bytes());
+        v2[20..22].copy_from_slice(&[0, 0]);
+        let v2 = PeerHello::from_bytes(&v2).unwrap();
+        assert_eq!((v2.oldest, v2.version), (2, 2));
+        assert_eq!(ours.agreed_version(&v2), None);
+        assert_eq!(v2.describe_versions(), "2");
+        assert_eq!(
+            next.describe_versions(),
+            format!("{}-{}", PEER_VERSION, PEER_VERSION + 1)
+        );
+        // An oldest newer than the newest is no hello at all.
+        let mut bad = speaking(1, 1).to_bytes();
+        bad[20..22].copy_from_slice(&2u16.to_le_bytes());
+        assert!(PeerHello::from_bytes(&bad).is_err());
     }
 
     #[test]

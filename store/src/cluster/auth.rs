@@ -206,6 +206,7 @@ mod tests {
     fn hello(nonce: u8) -> PeerHello {
         PeerHello {
             version: 1,
+            oldest: 1,
             flags: 1,
             node_id: 1,
             epoch: 2,

@@ -136,6 +136,7 @@ mod tests {
     fn hello(nonce: u8) -> PeerHello {
         PeerHello {
             version: 3,
+            oldest: 3,
             flags: 1,
             node_id: u32::from(nonce),
             epoch: 2,

@@ -13,8 +13,8 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use feedstore_proto::peer::{
-    HELLO_SECRET, HELLO_STREAMS, PEER_VERSION, PIECE_BYTES, PROOF_BYTES, PeerHello, ReadReply,
-    ReadRequest, TAG_BYTES, Verdict, VerdictCode,
+    HELLO_SECRET, HELLO_STREAMS, PEER_OLDEST_VERSION, PEER_VERSION, PIECE_BYTES, PROOF_BYTES,
+    PeerHello, ReadReply, ReadRequest, TAG_BYTES, Verdict, VerdictCode,
 };
 use feedstore_proto::{Handle, Status};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
@@ -482,6 +482,7 @@ pub(crate) async fn handshake<S: AsyncRead + AsyncWrite + Unpin>(
 ) -> Result<(PeerIdentity, Records), LinkError> {
     let mine = PeerHello {
         version: PEER_VERSION,
+        oldest: PEER_OLDEST_VERSION,
         flags: purpose
             | if local.secret.is_some() {
                 HELLO_SECRET
@@ -526,7 +527,7 @@ pub(crate) async fn handshake<S: AsyncRead + AsyncWrite + Unpin>(
             "waiting for the peer's proof of the cluster secret",
         ))?;
 
-    let (code, reason) = judge(local, &theirs, |secret| {
+    let (code, reason) = judge(local, &mine, &theirs, |secret| {
         secret.verify(side.other(), connector, acceptor, &their_proof)
     });
     let (their_code, their_reason) = exchange_verdicts(stream, code, &reason).await?;
@@ -607,16 +608,26 @@ fn broke_off(step: &'static str) -> impl Fn(std::io::Error) -> LinkError {
 /// echoes this daemon's instance id is refused like any stranger, not taken for itself.
 fn judge(
     local: &LocalIdentity,
+    mine: &PeerHello,
     theirs: &PeerHello,
     proof_ok: impl FnOnce(&Secret) -> bool,
 ) -> (VerdictCode, String) {
-    if theirs.version != PEER_VERSION {
+    if mine.agreed_version(theirs).is_none() {
         return (
             VerdictCode::Version,
             format!(
-                "peer protocol versions differ: node {:08x} speaks {}, node {:08x} speaks {} \
-                 (run one feedstore release on every node)",
-                local.node_id, PEER_VERSION, theirs.node_id, theirs.version
+                "no common peer protocol: node {:08x} (feedstore {}) speaks {}, node {:08x} \
+                 speaks {} (adjacent releases share one; upgrade the older node{})",
+                local.node_id,
+                env!("CARGO_PKG_VERSION"),
+                mine.describe_versions(),
+                theirs.node_id,
+                theirs.describe_versions(),
+                if theirs.version < PEER_OLDEST_VERSION {
+                    ", which predates authenticated pulls"
+                } else {
+                    ""
+                }
             ),
         );
     }
@@ -703,6 +714,82 @@ mod tests {
                 handshake(&mut y, &b, Side::Acceptor, 0)
             )
         })
+    }
+
+    /// A daemon of another release, as its bytes reach this one: a peer that says hello
+    /// speaking `oldest..=version` (no secret) and accepts whatever comes. Returns this
+    /// daemon's result and the verdict it sent that peer.
+    fn shake_with_release(oldest: u16, version: u16) -> (Result<PeerIdentity, LinkError>, Verdict) {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        rt.block_on(async {
+            let (mut x, mut y) = tokio::net::UnixStream::pair().unwrap();
+            let other = async move {
+                let hello = PeerHello {
+                    version,
+                    oldest,
+                    flags: 0,
+                    node_id: 9,
+                    epoch: 1,
+                    instance: 9 << 8,
+                    nonce: [7; 32],
+                };
+                y.write_all(&hello.to_bytes()).await.unwrap();
+                let mut theirs = [0u8; PeerHello::BYTES + PROOF_BYTES];
+                y.read_exact(&mut theirs).await.unwrap();
+                y.write_all(&[0u8; PROOF_BYTES]).await.unwrap();
+                let accept = Verdict {
+                    code: VerdictCode::Accepted,
+                    reason: String::new(),
+                };
+                y.write_all(&accept.to_bytes()).await.unwrap();
+                let mut head = [0u8; Verdict::HEAD_BYTES];
+                y.read_exact(&mut head).await.unwrap();
+                let (code, len) = Verdict::parse_head(&head).unwrap();
+                let mut reason = vec![0u8; len];
+                y.read_exact(&mut reason).await.unwrap();
+                Verdict {
+                    code,
+                    reason: String::from_utf8(reason).unwrap(),
+                }
+            };
+            let me = local(1, None);
+            let (ours, sent) = tokio::join!(handshake(&mut x, &me, Side::Acceptor, 0), other);
+            (ours.map(|(peer, _)| peer), sent)
+        })
+    }
+
+    #[test]
+    fn a_peer_of_an_adjacent_release_is_spoken_to_in_the_version_both_speak() {
+        // The next release, still speaking this one's version: accepted.
+        let (ours, sent) = shake_with_release(PEER_VERSION, PEER_VERSION + 1);
+        assert_eq!(ours.unwrap().node_id, 9);
+        assert_eq!(sent.code, VerdictCode::Accepted);
+        // One that speaks only newer versions: refused, both ranges named.
+        let (ours, sent) = shake_with_release(PEER_VERSION + 1, PEER_VERSION + 2);
+        assert_eq!(sent.code, VerdictCode::Version);
+        let ours = ours.unwrap_err().to_string();
+        assert!(
+            ours.contains(&format!("speaks {}-{}", PEER_VERSION + 1, PEER_VERSION + 2)),
+            "{ours}"
+        );
+        assert_eq!(
+            sent.reason,
+            ours.split_once(": ").map_or("", |(_, r)| r),
+            "{ours}"
+        );
+        // 0.1.0 (version 2, unauthenticated records): refused, saying why.
+        let (ours, sent) = shake_with_release(0, 2);
+        assert_eq!(sent.code, VerdictCode::Version);
+        assert!(sent.reason.contains("speaks 2"), "{}", sent.reason);
+        assert!(
+            sent.reason.contains("predates authenticated pulls"),
+            "{}",
+            sent.reason
+        );
+        assert!(ours.is_err());
     }
 
     const S1: &[u8] = b"first-cluster-secret";
