@@ -30,9 +30,10 @@ Placements (the seed's comparison, one argument): ``"spread"`` (a producer actor
 ``"relay"`` (spread, with every sample for another node passing through the driver's node first,
 as a coordinator relaying samples does).
 
-The binaries (``feedstored``, ``feedstore``) must be installed on every node: on ``PATH``, or in
-``bin_dir`` / ``$FEEDSTORE_BIN_DIR``; so must this Python package (``pip install ./python``
-builds it, with a Rust toolchain; or install a wheel built once with maturin). The manifest, images and tokenizer must be readable from
+The binaries (``feedstored``, ``feedstore``) must be installed on every node: the wheel
+(``./scripts/wheel``) carries them into the environment's ``bin`` with this package, and
+``bin_dir`` / ``$FEEDSTORE_BIN_DIR`` or ``PATH`` name others (``pip install ./python`` builds the
+package alone, with a Rust toolchain). The manifest, images and tokenizer must be readable from
 every node that runs a producer (a shared file system, or S3 through ``--s3-endpoint`` and the
 other ``feedstore produce`` flags passed in ``args``). Nodes that join the Ray cluster after
 ``start`` get no daemon.
@@ -45,6 +46,7 @@ import secrets
 import shutil
 import signal
 import subprocess
+import sysconfig
 import tempfile
 import time
 from typing import Dict, List, Mapping, Optional, Sequence, Union
@@ -187,7 +189,9 @@ def _binary(name: str, bin_dir: Optional[str]) -> str:
     for d in [bin_dir, os.environ.get("FEEDSTORE_BIN_DIR")]:
         if d and os.path.exists(os.path.join(d, name)):
             return os.path.join(d, name)
-    found = shutil.which(name)
+    # Then PATH, then where pip put the wheel's binaries: this environment's scripts directory
+    # (on PATH only when the venv is activated).
+    found = shutil.which(name) or shutil.which(name, path=sysconfig.get_path("scripts"))
     if not found:
         raise RuntimeError(
             f"{name} is not installed on node {ray.util.get_node_ip_address()}: put it on PATH, "

@@ -10,7 +10,6 @@ use feedstore_proto::sample::{
     BatchPlan, DType, KeyValue, SampleInfo, SamplePlan, SampleRegions, TensorLayout,
 };
 use numpy::{PyUntypedArray, PyUntypedArrayMethods};
-use pyo3::buffer::PyBuffer;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 
@@ -71,16 +70,33 @@ impl Reservation {
     /// Copies `data` (bytes, a bytearray, a C-contiguous uint8 numpy array or memoryview) into
     /// the object at byte `offset`.
     fn write(&self, py: Python<'_>, offset: usize, data: &Bound<'_, PyAny>) -> PyResult<()> {
-        let buffer = PyBuffer::<u8>::get(data).map_err(|e| {
-            InvalidArgument::new_err(format!("write takes a buffer of bytes (uint8): {e}"))
-        })?;
-        if !buffer.is_c_contiguous() {
+        // Through numpy rather than the buffer protocol, which the stable ABI (abi3) lacks
+        // before CPython 3.11: `frombuffer` views any buffer's bytes and holds its export (a
+        // bytearray cannot be resized) for as long as the view lives.
+        let array = match data.cast::<PyUntypedArray>() {
+            Ok(array) => array.clone(),
+            Err(_) => py
+                .import("numpy")?
+                .call_method1("frombuffer", (data, "uint8"))
+                .and_then(|a| Ok(a.cast_into::<PyUntypedArray>()?))
+                .map_err(|e| {
+                    InvalidArgument::new_err(format!("write takes a buffer of bytes (uint8): {e}"))
+                })?,
+        };
+        if array.dtype().str()?.to_string() != "uint8" {
+            return Err(InvalidArgument::new_err(format!(
+                "write takes a buffer of bytes (uint8), not {}",
+                array.dtype().str()?
+            )));
+        }
+        if !array.is_c_contiguous() {
             return Err(InvalidArgument::new_err(
                 "write takes a C-contiguous buffer (use numpy.ascontiguousarray)",
             ));
         }
-        let len = buffer.len_bytes();
-        let src = buffer.buf_ptr() as usize;
+        let len = array.len();
+        // SAFETY: a live ndarray object; reading its data pointer.
+        let src = unsafe { (*array.as_array_ptr()).fields.data } as usize;
         let copy = || {
             // The lock is taken where the copy runs: a large copy runs without the GIL, and a
             // thread holding the lock never waits for the GIL (another thread waiting for the
@@ -96,8 +112,8 @@ impl Reservation {
                         "{len} bytes at offset {offset} do not fit an object of {size} bytes"
                     )));
                 };
-                // SAFETY: `buffer` is a C-contiguous export of `len` bytes, kept alive (and its
-                // memory with it, unresizable) until `buffer` drops after this call; `dst` is
+                // SAFETY: `array` is a C-contiguous view of `len` bytes, kept alive (and the
+                // memory it views with it) until `array` drops after this call; `dst` is
                 // `len` bytes of this reservation, writable by this connection alone, and no
                 // Python buffer views it, so the two cannot overlap.
                 let src = unsafe { std::slice::from_raw_parts(src as *const u8, len) };
@@ -110,7 +126,7 @@ impl Reservation {
         } else {
             copy()
         };
-        drop(buffer);
+        drop(array);
         result
     }
 

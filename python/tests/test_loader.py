@@ -664,6 +664,41 @@ def test_reservation_writes_from_two_threads_do_not_deadlock(daemon):
     assert feedstore.Client(daemon.socket).get(handle).data[-1] == 1
 
 
+def test_a_reservation_takes_any_buffer_of_bytes_and_refuses_the_rest(daemon):
+    # The extension is built on the stable ABI, which has no buffer protocol before CPython
+    # 3.11: write views other buffers through numpy. Each kind lands byte for byte.
+    import array
+
+    client = feedstore.Client(daemon.socket, writer=True)
+    reservation = client.reserve(40)
+    pieces = [
+        b"0123",
+        bytearray(b"4567"),
+        memoryview(bytearray(b"89ab")),
+        np.frombuffer(b"cdef", dtype=np.uint8),
+        np.arange(16, dtype=np.uint8)[4:8],
+        array.array("B", b"ghij"),
+        memoryview(b"xxklmnxx")[2:6],
+    ]
+    expected = b""
+    for piece in pieces:
+        reservation.write(len(expected), piece)
+        expected += bytes(piece)
+    refused = [
+        (np.zeros(2, dtype=np.float32), "uint8"),
+        (np.zeros(8, dtype=np.uint8)[::2], "C-contiguous"),
+        (memoryview(b"abcdefgh")[::2], "buffer of bytes"),
+        ("text", "buffer of bytes"),
+        (b"x" * 41, "do not fit"),
+    ]
+    for data, why in refused:
+        with pytest.raises(feedstore.InvalidArgument, match=why):
+            reservation.write(0, data)
+    reservation.write(len(expected), bytes(40 - len(expected)))
+    handle = reservation.seal()
+    assert bytes(feedstore.Client(daemon.socket).get(handle).data) == expected.ljust(40, b"\0")
+
+
 def test_a_trainer_exiting_with_a_live_iterator_stops_its_workers_without_restarting_them(
     daemon, tmp_path
 ):
