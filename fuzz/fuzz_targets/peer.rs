@@ -20,6 +20,7 @@ fn hello(nonce: u8) -> PeerHello {
     PeerHello {
         version: feedstore_proto::peer::PEER_VERSION,
         oldest: feedstore_proto::peer::PEER_OLDEST_VERSION,
+        reserved: 0,
         flags: feedstore_proto::peer::HELLO_SECRET,
         node_id: u32::from(nonce),
         epoch: 7,

@@ -97,8 +97,13 @@ pub struct PeerHello {
     /// The newest protocol version the sender speaks ([`PEER_VERSION`]).
     pub version: u16,
     /// The oldest protocol version the sender speaks ([`PEER_OLDEST_VERSION`]), at most
-    /// `version` (a hello of version 2 or older names none: it reads as `version`).
+    /// `version`; 0 names none (hellos of version 2 and older): the sender speaks `version`
+    /// alone ([`PeerHello::oldest_version`]).
     pub oldest: u16,
+    /// Bytes 22..24, zero from this version on. Every field is kept as it came, so a parsed
+    /// hello encodes to the very bytes received, which the handshake's proofs and record keys
+    /// cover: a later release may use these bytes without breaking the proofs.
+    pub reserved: u16,
     /// [`HELLO_SECRET`] or 0.
     pub flags: u16,
     /// The sender's node id (what its handles carry).
@@ -125,7 +130,7 @@ impl PeerHello {
         b[12..16].copy_from_slice(&self.node_id.to_le_bytes());
         b[16..20].copy_from_slice(&self.epoch.to_le_bytes());
         b[20..22].copy_from_slice(&self.oldest.to_le_bytes());
-        // 22..24 reserved, zero.
+        b[22..24].copy_from_slice(&self.reserved.to_le_bytes());
         b[24..32].copy_from_slice(&self.instance.to_le_bytes());
         b[32..64].copy_from_slice(&self.nonce);
         b
@@ -138,19 +143,17 @@ impl PeerHello {
             return Err(PeerDecodeError::Magic(magic));
         }
         let version = u16::from_le_bytes([b[8], b[9]]);
-        let oldest = match u16::from_le_bytes([b[20], b[21]]) {
-            0 => version,
-            oldest if oldest > version => {
-                return Err(PeerDecodeError::Invalid {
-                    field: "oldest peer protocol version",
-                    value: u64::from(oldest),
-                });
-            }
-            oldest => oldest,
-        };
+        let oldest = u16::from_le_bytes([b[20], b[21]]);
+        if oldest > version {
+            return Err(PeerDecodeError::Invalid {
+                field: "oldest peer protocol version",
+                value: u64::from(oldest),
+            });
+        }
         Ok(PeerHello {
             version,
             oldest,
+            reserved: u16::from_le_bytes([b[22], b[23]]),
             flags: u16::from_le_bytes([b[10], b[11]]),
             node_id: le32(&b[12..16]),
             epoch: le32(&b[16..20]),
@@ -165,15 +168,24 @@ impl PeerHello {
     /// them down.
     pub fn agreed_version(&self, other: &PeerHello) -> Option<u16> {
         let newest = self.version.min(other.version);
-        (newest >= self.oldest.max(other.oldest)).then_some(newest)
+        (newest >= self.oldest_version().max(other.oldest_version())).then_some(newest)
+    }
+
+    /// The oldest version the sender speaks: `oldest`, or `version` where it names none.
+    pub fn oldest_version(&self) -> u16 {
+        if self.oldest == 0 {
+            self.version
+        } else {
+            self.oldest
+        }
     }
 
     /// The range it speaks, as a log line names it: `3` or `3-4`.
     pub fn describe_versions(&self) -> String {
-        if self.oldest == self.version {
+        if self.oldest_version() == self.version {
             self.version.to_string()
         } else {
-            format!("{}-{}", self.oldest, self.version)
+            format!("{}-{}", self.oldest_version(), self.version)
         }
     }
 }
@@ -401,10 +413,20 @@ mod tests {
 
     proptest! {
         #[test]
-        fn hello_round_trips(version in 1u16.., oldest: u16, flags: u16, node_id: u32, epoch: u32, instance: u64, nonce: [u8; 32]) {
-            let oldest = 1 + oldest % version;
-            let h = PeerHello { version, oldest, flags, node_id, epoch, instance, nonce };
+        fn hello_round_trips(version in 1u16.., oldest: u16, reserved: u16, flags: u16, node_id: u32, epoch: u32, instance: u64, nonce: [u8; 32]) {
+            let oldest = oldest % (version + 1);
+            let h = PeerHello { version, oldest, reserved, flags, node_id, epoch, instance, nonce };
             prop_assert_eq!(PeerHello::from_bytes(&h.to_bytes()).unwrap(), h);
+        }
+
+        /// The proofs and record keys are computed over a parsed hello's encoding: it must be
+        /// the bytes that came, whatever they hold.
+        #[test]
+        fn a_parsed_hello_encodes_to_the_bytes_received(b in proptest::collection::vec(any::<u8>(), 64)) {
+            let raw: [u8; 64] = b.try_into().unwrap();
+            if let Ok(h) = PeerHello::from_bytes(&raw) {
+                prop_assert_eq!(h.to_bytes(), raw);
+            }
         }
 
         #[test]
@@ -460,6 +482,7 @@ mod tests {
         let mut bad = PeerHello {
             version: 1,
             oldest: 1,
+            reserved: 0,
             flags: 0,
             node_id: 1,
             epoch: 1,
@@ -478,6 +501,7 @@ mod tests {
         PeerHello {
             version,
             oldest,
+            reserved: 0,
             flags: 0,
             node_id: 1,
             epoch: 1,
@@ -501,7 +525,7 @@ mod tests {
         v2[8..10].copy_from_slice(&2u16.to_le_bytes());
         v2[20..22].copy_from_slice(&[0, 0]);
         let v2 = PeerHello::from_bytes(&v2).unwrap();
-        assert_eq!((v2.oldest, v2.version), (2, 2));
+        assert_eq!((v2.oldest_version(), v2.version), (2, 2));
         assert_eq!(ours.agreed_version(&v2), None);
         assert_eq!(v2.describe_versions(), "2");
         assert_eq!(

@@ -207,6 +207,7 @@ mod tests {
         PeerHello {
             version: 1,
             oldest: 1,
+            reserved: 0,
             flags: 1,
             node_id: 1,
             epoch: 2,

@@ -137,6 +137,7 @@ mod tests {
         PeerHello {
             version: 3,
             oldest: 3,
+            reserved: 0,
             flags: 1,
             node_id: u32::from(nonce),
             epoch: 2,

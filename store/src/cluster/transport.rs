@@ -40,6 +40,9 @@ pub struct PeerIdentity {
     pub instance: u64,
     /// It opened a stream session ([`feedstore_proto::peer_stream`]), not a range channel.
     pub streams: bool,
+    /// The peer protocol version both speak ([`PeerHello::agreed_version`]): what this
+    /// connection's messages follow (only [`PEER_VERSION`] so far).
+    pub protocol: u16,
 }
 
 /// What this daemon says of itself at handshake, and the secret it proves.
@@ -483,6 +486,7 @@ pub(crate) async fn handshake<S: AsyncRead + AsyncWrite + Unpin>(
     let mine = PeerHello {
         version: PEER_VERSION,
         oldest: PEER_OLDEST_VERSION,
+        reserved: 0,
         flags: purpose
             | if local.secret.is_some() {
                 HELLO_SECRET
@@ -542,6 +546,7 @@ pub(crate) async fn handshake<S: AsyncRead + AsyncWrite + Unpin>(
                 epoch: theirs.epoch,
                 instance: theirs.instance,
                 streams: side == Side::Acceptor && theirs.flags & HELLO_STREAMS != 0,
+                protocol: agreed(&mine, &theirs),
             },
             Records::new(local.secret.as_ref(), side, connector, acceptor),
         )),
@@ -551,6 +556,19 @@ pub(crate) async fn handshake<S: AsyncRead + AsyncWrite + Unpin>(
         }),
         (code, _) => Err(LinkError::Refused { code, reason }),
     }
+}
+
+/// The peer protocol version of an accepted handshake. Every version this daemon could agree
+/// on is [`PEER_VERSION`] today; the next version must read the messages of the one agreed.
+fn agreed(mine: &PeerHello, theirs: &PeerHello) -> u16 {
+    let version = mine
+        .agreed_version(theirs)
+        .expect("an accepted handshake has a common version");
+    debug_assert_eq!(
+        version, PEER_VERSION,
+        "only one peer protocol is spoken yet"
+    );
+    version
 }
 
 /// Sends this side's verdict on the handshake and reads the peer's: its code and reason.
@@ -616,10 +634,9 @@ fn judge(
         return (
             VerdictCode::Version,
             format!(
-                "no common peer protocol: node {:08x} (feedstore {}) speaks {}, node {:08x} \
-                 speaks {} (adjacent releases share one; upgrade the older node{})",
+                "no common peer protocol: node {:08x} speaks {}, node {:08x} speaks {} \
+                 (adjacent releases share one; upgrade the older node{})",
                 local.node_id,
-                env!("CARGO_PKG_VERSION"),
                 mine.describe_versions(),
                 theirs.node_id,
                 theirs.describe_versions(),
@@ -730,6 +747,7 @@ mod tests {
                 let hello = PeerHello {
                     version,
                     oldest,
+                    reserved: 0,
                     flags: 0,
                     node_id: 9,
                     epoch: 1,
@@ -765,7 +783,8 @@ mod tests {
     fn a_peer_of_an_adjacent_release_is_spoken_to_in_the_version_both_speak() {
         // The next release, still speaking this one's version: accepted.
         let (ours, sent) = shake_with_release(PEER_VERSION, PEER_VERSION + 1);
-        assert_eq!(ours.unwrap().node_id, 9);
+        let peer = ours.unwrap();
+        assert_eq!((peer.node_id, peer.protocol), (9, PEER_VERSION));
         assert_eq!(sent.code, VerdictCode::Accepted);
         // One that speaks only newer versions: refused, both ranges named.
         let (ours, sent) = shake_with_release(PEER_VERSION + 1, PEER_VERSION + 2);
