@@ -11,7 +11,8 @@ use feedstore_proto::sample::{
 };
 use numpy::{PyUntypedArray, PyUntypedArrayMethods};
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyDict};
+use pyo3::sync::PyOnceLock;
+use pyo3::types::{PyBytes, PyDict, PyMemoryView};
 
 use crate::errors::{IntoPy, InvalidArgument};
 
@@ -70,33 +71,7 @@ impl Reservation {
     /// Copies `data` (bytes, a bytearray, a C-contiguous uint8 numpy array or memoryview) into
     /// the object at byte `offset`.
     fn write(&self, py: Python<'_>, offset: usize, data: &Bound<'_, PyAny>) -> PyResult<()> {
-        // Through numpy rather than the buffer protocol, which the stable ABI (abi3) lacks
-        // before CPython 3.11: `frombuffer` views any buffer's bytes and holds its export (a
-        // bytearray cannot be resized) for as long as the view lives.
-        let array = match data.cast::<PyUntypedArray>() {
-            Ok(array) => array.clone(),
-            Err(_) => py
-                .import("numpy")?
-                .call_method1("frombuffer", (data, "uint8"))
-                .and_then(|a| Ok(a.cast_into::<PyUntypedArray>()?))
-                .map_err(|e| {
-                    InvalidArgument::new_err(format!("write takes a buffer of bytes (uint8): {e}"))
-                })?,
-        };
-        if array.dtype().str()?.to_string() != "uint8" {
-            return Err(InvalidArgument::new_err(format!(
-                "write takes a buffer of bytes (uint8), not {}",
-                array.dtype().str()?
-            )));
-        }
-        if !array.is_c_contiguous() {
-            return Err(InvalidArgument::new_err(
-                "write takes a C-contiguous buffer (use numpy.ascontiguousarray)",
-            ));
-        }
-        let len = array.len();
-        // SAFETY: a live ndarray object; reading its data pointer.
-        let src = unsafe { (*array.as_array_ptr()).fields.data } as usize;
+        let (view, src, len) = bytes_of(py, data)?;
         let copy = || {
             // The lock is taken where the copy runs: a large copy runs without the GIL, and a
             // thread holding the lock never waits for the GIL (another thread waiting for the
@@ -112,12 +87,15 @@ impl Reservation {
                         "{len} bytes at offset {offset} do not fit an object of {size} bytes"
                     )));
                 };
-                // SAFETY: `array` is a C-contiguous view of `len` bytes, kept alive (and the
-                // memory it views with it) until `array` drops after this call; `dst` is
-                // `len` bytes of this reservation, writable by this connection alone, and no
-                // Python buffer views it, so the two cannot overlap.
-                let src = unsafe { std::slice::from_raw_parts(src as *const u8, len) };
-                dst.copy_from_slice(src);
+                // SAFETY: `src` is `len` readable bytes that stay where they are until `view`
+                // drops after this call (`bytes_of`); `dst` is `len` bytes of this
+                // reservation, writable by this connection alone, and no Python buffer views
+                // it, so the two cannot overlap. (A raw copy, not a slice over `src`: another
+                // Python thread may write the source meanwhile, which tears the copy but
+                // reads no memory outside it.)
+                unsafe {
+                    std::ptr::copy_nonoverlapping(src as *const u8, dst.as_mut_ptr(), len);
+                }
                 Ok(())
             })
         };
@@ -126,7 +104,7 @@ impl Reservation {
         } else {
             copy()
         };
-        drop(array);
+        drop(view);
         result
     }
 
@@ -156,6 +134,45 @@ impl Reservation {
             None => Ok(()),
         }
     }
+}
+
+/// `numpy.frombuffer`, looked up once.
+static FROMBUFFER: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
+
+/// The bytes of a buffer of bytes (bytes, bytearray, memoryview, array.array, a uint8 numpy
+/// array; C-contiguous): a memoryview over it, which holds the buffer's export for as long as
+/// it lives (the memory cannot move or go: a bytearray with an export cannot be resized), and
+/// the address and length of its bytes. The address comes through numpy, since the stable ABI
+/// (abi3) has no buffer protocol before CPython 3.11.
+fn bytes_of<'py>(
+    py: Python<'py>,
+    data: &Bound<'py, PyAny>,
+) -> PyResult<(Bound<'py, PyMemoryView>, usize, usize)> {
+    let not_bytes = |why: String| {
+        InvalidArgument::new_err(format!("write takes a buffer of bytes (uint8): {why}"))
+    };
+    let view = PyMemoryView::from(data).map_err(|e| not_bytes(e.to_string()))?;
+    let format: String = view.getattr("format")?.extract()?;
+    if !matches!(format.as_str(), "B" | "b" | "c") {
+        return Err(not_bytes(format!("its items have format '{format}'")));
+    }
+    if !view.getattr("c_contiguous")?.is_truthy()? {
+        return Err(InvalidArgument::new_err(
+            "write takes a C-contiguous buffer (use numpy.ascontiguousarray)",
+        ));
+    }
+    let len: usize = view.getattr("nbytes")?.extract()?;
+    if len == 0 {
+        return Ok((view, 0, 0));
+    }
+    let frombuffer = FROMBUFFER.get_or_try_init(py, || {
+        PyResult::Ok(py.import("numpy")?.getattr("frombuffer")?.unbind())
+    })?;
+    let array = frombuffer.bind(py).call1((&view, "uint8"))?;
+    let array = array.cast::<PyUntypedArray>()?;
+    // SAFETY: a live ndarray object over the view's bytes; reading its data pointer.
+    let src = unsafe { (*array.as_array_ptr()).fields.data } as usize;
+    Ok((view, src, len))
 }
 
 /// An array's bytes, dtype and shape (C-contiguous arrays only: they are copied as they lie).

@@ -666,7 +666,8 @@ def test_reservation_writes_from_two_threads_do_not_deadlock(daemon):
 
 def test_a_reservation_takes_any_buffer_of_bytes_and_refuses_the_rest(daemon):
     # The extension is built on the stable ABI, which has no buffer protocol before CPython
-    # 3.11: write views other buffers through numpy. Each kind lands byte for byte.
+    # 3.11: write holds a memoryview of its data and finds the bytes through numpy. Each kind
+    # of buffer of bytes lands byte for byte; buffers of other items are refused.
     import array
 
     client = feedstore.Client(daemon.socket, writer=True)
@@ -687,7 +688,9 @@ def test_a_reservation_takes_any_buffer_of_bytes_and_refuses_the_rest(daemon):
     refused = [
         (np.zeros(2, dtype=np.float32), "uint8"),
         (np.zeros(8, dtype=np.uint8)[::2], "C-contiguous"),
-        (memoryview(b"abcdefgh")[::2], "buffer of bytes"),
+        (memoryview(b"abcdefgh")[::2], "C-contiguous"),
+        (memoryview(np.zeros(2, dtype=np.float32)), "format 'f'"),
+        (array.array("f", [1.0]), "format 'f'"),
         ("text", "buffer of bytes"),
         (b"x" * 41, "do not fit"),
     ]
