@@ -301,7 +301,10 @@ fn gather(
     ranks: u32,
 ) -> (RungResult, Vec<Vec<u64>>, Option<anyhow::Error>) {
     let mut result = RungResult {
-        name: format!("3 feedstore: shared memory, by handle ({ranks} rank(s))"),
+        name: match ranks {
+            1 => "3 feedstore: shared memory, by handle".to_string(),
+            n => format!("3 feedstore, shared memory, {n} ranks"),
+        },
         steps: Vec::new(),
         samples: 0,
         wall: 0.0,
