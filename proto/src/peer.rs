@@ -479,17 +479,7 @@ mod tests {
         assert!(ReadReply::from_bytes(&error_with_bytes.to_bytes()).is_err());
         let long = [0u8, 0, 0xff, 0xff];
         assert!(Verdict::parse_head(&long).is_err());
-        let mut bad = PeerHello {
-            version: 1,
-            oldest: 1,
-            reserved: 0,
-            flags: 0,
-            node_id: 1,
-            epoch: 1,
-            instance: 1,
-            nonce: [0; 32],
-        }
-        .to_bytes();
+        let mut bad = speaking(1, 1).to_bytes();
         bad[0] = b'X';
         assert!(matches!(
             PeerHello::from_bytes(&bad),

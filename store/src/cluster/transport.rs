@@ -718,14 +718,25 @@ mod tests {
 
     type Shaken = Result<(PeerIdentity, Records), LinkError>;
 
-    /// Both sides of a handshake, with their record layers.
-    fn shake_records(a: LocalIdentity, b: LocalIdentity) -> (Shaken, Shaken) {
+    /// `talk` run on a runtime of its own with both ends of a fresh socket pair.
+    fn on_a_socket_pair<Talk, Done>(talk: Talk) -> Done::Output
+    where
+        Talk: FnOnce(tokio::net::UnixStream, tokio::net::UnixStream) -> Done,
+        Done: std::future::Future,
+    {
         let rt = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()
             .unwrap();
         rt.block_on(async {
-            let (mut x, mut y) = tokio::net::UnixStream::pair().unwrap();
+            let (x, y) = tokio::net::UnixStream::pair().unwrap();
+            talk(x, y).await
+        })
+    }
+
+    /// Both sides of a handshake, with their record layers.
+    fn shake_records(a: LocalIdentity, b: LocalIdentity) -> (Shaken, Shaken) {
+        on_a_socket_pair(|mut x, mut y| async move {
             tokio::join!(
                 handshake(&mut x, &a, Side::Connector, 0),
                 handshake(&mut y, &b, Side::Acceptor, 0)
@@ -737,12 +748,7 @@ mod tests {
     /// speaking `oldest..=version` (no secret) and accepts whatever comes. Returns this
     /// daemon's result and the verdict it sent that peer.
     fn shake_with_release(oldest: u16, version: u16) -> (Result<PeerIdentity, LinkError>, Verdict) {
-        let rt = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .unwrap();
-        rt.block_on(async {
-            let (mut x, mut y) = tokio::net::UnixStream::pair().unwrap();
+        on_a_socket_pair(|mut x, mut y| async move {
             let other = async move {
                 let hello = PeerHello {
                     version,
