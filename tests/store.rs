@@ -9,7 +9,7 @@ use std::os::unix::net::UnixStream;
 use std::time::Duration;
 
 use common::*;
-use feedstore_consumer::{CreateOptions, Error, Handle, Role};
+use feedstore_consumer::{ConnectOptions, CreateOptions, Error, Handle, Role};
 use feedstore_proto::frame::{Request, Response};
 use feedstore_shm::{Access, Mapping};
 use nix::sys::signal::Signal;
@@ -721,6 +721,77 @@ fn daemon_restart_is_seen_as_disconnected() {
     assert_eq!(&*reader2.get(h2).unwrap(), b"after");
 }
 
+/// A client that reconnects, through a kill -9 of its daemon and a new daemon started on the
+/// same socket 0.3 s later: the call that found the daemon gone waits for the new one and goes
+/// through; the old daemon's objects are gone (`Stale`), a view taken before still reads its
+/// bytes and its release goes nowhere; and a daemon that does not come back is an error that
+/// says so, once the timeout is over.
+#[test]
+fn a_client_that_reconnects_goes_on_with_a_daemon_started_again() {
+    let _w = watchdog("a_client_that_reconnects_goes_on", LIMIT);
+    let dir = scratch_dir("reconnect");
+    let daemon = DaemonProcess::start(&dir, &[]);
+    let socket = daemon.socket.clone();
+    let connect = |role, timeout| {
+        ConnectOptions::new(role)
+            .socket(&socket)
+            .reconnect_timeout(timeout)
+            .connect()
+            .unwrap()
+    };
+    let writer = connect(Role::Writer, Duration::from_secs(20));
+    let reader = connect(Role::Reader, Duration::from_secs(20));
+    let h = writer.put(b"before the kill").unwrap();
+    let lease = reader.get(h).unwrap();
+    let epoch = reader.epoch();
+    let kill9 = |mut d: DaemonProcess| {
+        let pid = nix::unistd::Pid::from_raw(d.child.id() as i32);
+        nix::sys::signal::kill(pid, Signal::SIGKILL).unwrap();
+        d.child.wait().unwrap();
+    };
+    kill9(daemon);
+    let restarted = std::thread::spawn({
+        let dir = dir.clone();
+        move || {
+            std::thread::sleep(Duration::from_millis(300));
+            DaemonProcess::start(&dir, &[])
+        }
+    });
+    // Sent to the dead daemon, it waits for the new one and goes through there.
+    let h2 = writer.put(b"after").unwrap();
+    let daemon2 = restarted.join().unwrap();
+    assert_eq!(writer.reconnects(), 1);
+    assert!(
+        matches!(reader.get(h), Err(Error::Stale { .. })),
+        "the old daemon's objects went with it"
+    );
+    assert_eq!(reader.reconnects(), 1);
+    assert_ne!(reader.epoch(), epoch);
+    assert_eq!(&*reader.get(h2).unwrap(), b"after");
+    assert_eq!(
+        &*lease, b"before the kill",
+        "a view from before reads its own bytes"
+    );
+    drop(lease);
+    reader.flush_releases();
+    let stats = reader.stats().unwrap();
+    assert_eq!(stats.leases, 0, "{stats:?}");
+    assert!(
+        !daemon2.log_text().contains("release of a lease not held"),
+        "the old daemon's lease is not returned to the new one"
+    );
+
+    let quick = connect(Role::Reader, Duration::from_millis(300));
+    kill9(daemon2);
+    let e = quick.stats().unwrap_err();
+    assert!(matches!(e, Error::Disconnected { .. }), "{e}");
+    let text = feedstore_proto::error_chain(&e);
+    assert!(
+        text.contains("did not come back within 300ms"),
+        "the error says it gave up: {text}"
+    );
+}
+
 #[test]
 fn daemon_command_line_errors_are_one_clear_line() {
     let _w = watchdog("daemon_command_line_errors_are_one_clear_line", LIMIT);
@@ -1116,7 +1187,7 @@ fn a_client_of_no_common_protocol_version_is_told_both_versions() {
     let reader = daemon.reader();
     assert!(reader.stats().is_ok());
     assert_eq!(reader.protocol(), VERSION);
-    assert_eq!(reader.daemon(), &Speaks::ours());
+    assert_eq!(reader.daemon(), Speaks::ours());
 }
 
 /// A client of the previous release (0.1.0: protocol 9, a hello that says nothing of versions)

@@ -8,7 +8,7 @@
 mod common;
 
 use std::collections::BTreeSet;
-use std::io::Write;
+use std::io::{BufRead, Write};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
@@ -285,6 +285,9 @@ fn child_process() {
             let path = PathBuf::from(words.next().unwrap());
             let every: usize = words.next().unwrap().parse().unwrap();
             let pause = Duration::from_micros(words.next().unwrap().parse().unwrap());
+            // "hold": keep the first sample read to the end, and check it reads the same then.
+            let hold = words.next() == Some("hold");
+            let mut held = None;
             let mut checkpoint = Checkpoint::read(&path);
             let mut stream = Stream::open(
                 &socket,
@@ -307,7 +310,9 @@ fn child_process() {
                     "bytes of {sample:?}"
                 );
                 checkpoint.records.push(sample.record());
-                drop(sample);
+                if hold && held.is_none() {
+                    held = Some(sample);
+                }
                 std::thread::sleep(pause);
                 since += 1;
                 if since == every {
@@ -319,19 +324,34 @@ fn child_process() {
             checkpoint.state = Some(stream.state());
             checkpoint.done = true;
             checkpoint.write(&path);
+            if let Some(sample) = held {
+                assert!(
+                    *sample == pattern(sample.record(), PAYLOAD)[..],
+                    "the sample held from the start reads its own bytes at the end: {sample:?}"
+                );
+            }
+            println!("reattached {}", stream.reattached());
         }
         other => panic!("unknown child task {other:?}"),
     }
 }
 
-/// Starts the producers and one consumer per rank from their checkpoints.
+/// Starts the producers and one consumer per rank from their checkpoints; `reconnect`: all of
+/// them reconnect when the daemon goes away, and each consumer holds its first sample to its
+/// end.
 fn start_all(
     socket: &Path,
     spec: &StreamSpec,
     producers: usize,
     dir: &Path,
     pause_us: u64,
+    reconnect: bool,
 ) -> Vec<ClientProcess> {
+    let env: &[(&str, &str)] = if reconnect {
+        &[(feedstore_proto::RECONNECT_ENV, "30")]
+    } else {
+        &[]
+    };
     let starts: Vec<String> = (0..spec.world)
         .map(|r| {
             let seq = Checkpoint::read(&dir.join(format!("rank{r}")))
@@ -342,9 +362,10 @@ fn start_all(
         .collect();
     let mut procs = Vec::new();
     for _ in 0..producers {
-        let mut p = ClientProcess::spawn(
+        let mut p = ClientProcess::spawn_with(
             socket,
             &format!("produce {} {}", spec_args(spec), starts.join(" ")),
+            env,
         );
         p.ready();
         procs.push(p);
@@ -354,13 +375,15 @@ fn start_all(
         if Checkpoint::read(&path).done {
             continue;
         }
-        let mut c = ClientProcess::spawn(
+        let mut c = ClientProcess::spawn_with(
             socket,
             &format!(
-                "consume {} {rank} {} 5 {pause_us}",
+                "consume {} {rank} {} 5 {pause_us}{}",
                 spec_args(spec),
-                path.display()
+                path.display(),
+                if reconnect { " hold" } else { "" }
             ),
+            env,
         );
         c.ready();
         procs.push(c);
@@ -372,7 +395,7 @@ fn start_all(
 fn run(spec: &StreamSpec, producers: usize) -> Vec<Vec<u64>> {
     let dir = scratch_dir(&format!("stream-{}", spec.seed));
     let daemon = DaemonProcess::start(&dir, &[]);
-    let procs = start_all(&daemon.socket, spec, producers, &dir, 0);
+    let procs = start_all(&daemon.socket, spec, producers, &dir, 0, false);
     for mut p in procs {
         let status = wait_child(&mut p.child, Duration::from_secs(120));
         assert!(status.success(), "{status}");
@@ -469,7 +492,7 @@ fn kill_everything_and_resume_exactly() {
             rounds += 1;
             assert!(rounds < 60, "no progress after {rounds} restarts");
             let mut daemon = DaemonProcess::start(&dir, &[]);
-            let procs = start_all(&daemon.socket, &s, 2, &dir, 3000);
+            let procs = start_all(&daemon.socket, &s, 2, &dir, 3000, false);
             rng ^= rng << 13;
             rng ^= rng >> 7;
             rng ^= rng << 17;
@@ -526,6 +549,62 @@ fn kill_everything_and_resume_exactly() {
             "trial {trial}: after {rounds} rounds of kill -9 and resume, every rank read exactly the uninterrupted sequence"
         );
     }
+}
+
+/// kill -9 on the daemon alone, three times mid-epoch, each time started again on the same
+/// socket (at once, after 0.3 s, after 1 s): the producers and consumers, which reconnect, go
+/// on by themselves, and every rank reads exactly the uninterrupted sequence; a sample each
+/// consumer held from its start still reads its own bytes at the end.
+#[test]
+fn a_daemon_killed_and_started_again_loses_and_repeats_no_sample() {
+    let _w = watchdog(
+        "a_daemon_killed_and_started_again",
+        Duration::from_secs(600),
+    );
+    let s = spec("restart", 96, 9, 2, 3);
+    let reference = run(&s, 1);
+    let dir = scratch_dir("stream-daemon-restart");
+    let mut daemon = DaemonProcess::start(&dir, &[]);
+    let mut procs = start_all(&daemon.socket, &s, 2, &dir, 20_000, true);
+    let mut unfinished_at_kills = Vec::new();
+    for pause_ms in [0, 300, 1000] {
+        std::thread::sleep(Duration::from_millis(150));
+        unfinished_at_kills.push(
+            (0..s.world)
+                .filter(|r| !Checkpoint::read(&dir.join(format!("rank{r}"))).done)
+                .count(),
+        );
+        let pid = nix::unistd::Pid::from_raw(daemon.child.id() as i32);
+        nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGKILL).unwrap();
+        daemon.child.wait().unwrap();
+        std::thread::sleep(Duration::from_millis(pause_ms));
+        daemon = DaemonProcess::start(&dir, &[]);
+    }
+    let mut reattached = 0;
+    for p in &mut procs {
+        let status = wait_child(&mut p.child, Duration::from_secs(120));
+        assert!(status.success(), "a process failed: {status}");
+        for line in p.take_stdout().lines() {
+            if let Some(n) = line.unwrap().strip_prefix("reattached ") {
+                reattached += n.parse::<u64>().unwrap();
+            }
+        }
+    }
+    assert!(
+        unfinished_at_kills.iter().all(|&n| n == s.world as usize),
+        "every kill landed mid-run (unfinished ranks at each: {unfinished_at_kills:?})"
+    );
+    assert!(
+        reattached >= 3,
+        "the consumers attached again ({reattached} times in all)"
+    );
+    let resumed: Vec<Vec<u64>> = (0..s.world)
+        .map(|r| Checkpoint::read(&dir.join(format!("rank{r}"))).records)
+        .collect();
+    assert_eq!(
+        resumed, reference,
+        "after three kill -9s of the daemon alone, every rank read exactly the uninterrupted sequence"
+    );
 }
 
 #[test]

@@ -7,8 +7,8 @@ use std::os::unix::io::AsRawFd;
 use std::os::unix::net::UnixStream;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex, Once, Weak};
-use std::time::Duration;
+use std::sync::{Arc, Condvar, Mutex, Once, RwLock, Weak};
+use std::time::{Duration, Instant};
 
 use feedstore_proto::frame::{
     self, CacheEntry, Frame, HEADER_BYTES, Opcode, Request, Response, Speaks, max_batch_items,
@@ -65,6 +65,16 @@ pub struct ConnectOptions {
     /// How long a dropped lease's release may wait to ride along with the next request instead
     /// of costing the daemon a wake-up of its own. Zero sends each release at once.
     pub release_delay: Duration,
+    /// How long to try to reconnect when the daemon goes away (killed, crashed, restarted)
+    /// before failing with [`Error::Disconnected`], which then says so [default:
+    /// `$FEEDSTORE_RECONNECT_TIMEOUT` seconds, else zero: no reconnecting]. Tries come 10 ms
+    /// apart at first, doubling to 1 s, jittered. A connection to the daemon started again on
+    /// the same socket goes on where the call that found the old one gone left off: that call
+    /// is sent again, unless it named a stream (the [`crate::Stream`] or
+    /// [`crate::StreamFeeder`] attaches or joins again first); what lived only in the old
+    /// daemon is gone (a `get` of one of its handles fails with [`Error::Stale`]), and views
+    /// taken before stay readable and unchanged until dropped.
+    pub reconnect_timeout: Duration,
 }
 
 impl ConnectOptions {
@@ -82,6 +92,11 @@ impl ConnectOptions {
             populate: true,
             create_timeout: Duration::from_secs(10),
             release_delay: Duration::from_millis(1),
+            reconnect_timeout: std::env::var(feedstore_proto::RECONNECT_ENV)
+                .ok()
+                .and_then(|v| v.trim().parse::<f64>().ok())
+                .and_then(|s| Duration::try_from_secs_f64(s).ok())
+                .unwrap_or(Duration::ZERO),
         }
     }
 
@@ -126,6 +141,12 @@ impl ConnectOptions {
     /// Sets the release delay.
     pub fn release_delay(mut self, delay: Duration) -> Self {
         self.release_delay = delay;
+        self
+    }
+
+    /// Sets how long to try to reconnect to a daemon that went away (zero: never).
+    pub fn reconnect_timeout(mut self, timeout: Duration) -> Self {
+        self.reconnect_timeout = timeout;
         self
     }
 
@@ -189,6 +210,17 @@ fn fork_generation() -> u64 {
 
 /// Says that a client speaks an older protocol than its newest with its daemon: once per
 /// process at warn (every connection of a DataLoader's workers would repeat it), then at debug.
+/// `pause`, moved by up to half of it either way (clients that lost one daemon do not all
+/// knock on its successor at the same instant).
+fn jittered(pause: Duration) -> Duration {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.subsec_nanos());
+    // A cheap spread of the clock's low bits over [0.5, 1.5).
+    let spread = f64::from(nanos.wrapping_mul(2_654_435_761) % 1_000_000) / 1_000_000.0;
+    pause.mul_f64(0.5 + spread)
+}
+
 fn note_downgrade(opts: &ConnectOptions, from: u16, to: u16, why: &str) {
     static WARNED: AtomicBool = AtomicBool::new(false);
     let socket = opts.socket.display();
@@ -205,28 +237,86 @@ fn note_downgrade(opts: &ConnectOptions, from: u16, to: u16, why: &str) {
     }
 }
 
-pub(crate) struct Inner {
+/// One connection to one daemon: the socket and what its hello said. A client has one at a
+/// time; a daemon that went away and came back on the same socket gets a new one
+/// ([`ConnectOptions::reconnect_timeout`]), and whatever came through the old one (a lease's
+/// mapping, a stream's ring) keeps the old one's mappings.
+pub(crate) struct Link {
     stream: UnixStream,
-    /// [`fork_generation`] at connect: the connection belongs to the process that made it.
-    forks: u64,
-    /// Serialises request/reply pairs, and owns the receive buffer.
-    call: Mutex<CallState>,
-    /// Serialises writes to the socket: calls and one-way releases.
-    send: Mutex<()>,
     segments: Vec<Arc<Mapping>>,
     node_id: u32,
     epoch: u32,
-    role: Role,
     /// The largest request payload the daemon accepts (from its hello reply).
     request_limit: u32,
     /// The protocol version agreed at hello.
     version: u16,
     /// What the daemon speaks (its versions, features and release), from its hello reply.
     daemon: Speaks,
+    /// Out of step with the daemon, or the daemon gone: no call goes through it any more.
+    broken: AtomicBool,
+    /// How many links the client had before this one.
+    generation: u64,
+}
+
+impl Link {
+    /// The mapping of the segment holding `loc`, which a reply on this link named; an error if
+    /// the range lies outside it.
+    pub(crate) fn mapping(&self, loc: Location) -> Result<&Arc<Mapping>, Error> {
+        let mapping = self.segments.get(loc.segment as usize).ok_or_else(|| {
+            Error::Protocol(format!("daemon named unknown segment {}", loc.segment))
+        })?;
+        if mapping.range_ptr(loc.offset, loc.len).is_none() {
+            return Err(Error::Protocol(format!(
+                "daemon named a range outside segment {}",
+                loc.segment
+            )));
+        }
+        Ok(mapping)
+    }
+
+    pub(crate) fn generation(&self) -> u64 {
+        self.generation
+    }
+
+    /// Whether the daemon at the other end has `feature` (and so does this client).
+    pub(crate) fn has_feature(&self, feature: u64) -> bool {
+        self.daemon.features & frame::FEATURES & feature == feature
+    }
+
+    /// The writer uid the daemon named for an object, if it records writers
+    /// ([`frame::feature::WRITERS`]); else [`frame::Got::UNKNOWN_WRITER`], whatever it sent.
+    pub(crate) fn believed_writer(&self, named: u32) -> u32 {
+        if self.has_feature(frame::feature::WRITERS) {
+            named
+        } else {
+            frame::Got::UNKNOWN_WRITER
+        }
+    }
+
+    fn breaks(&self) {
+        self.broken.store(true, Ordering::Relaxed);
+    }
+}
+
+pub(crate) struct Inner {
+    /// The connection in use; replaced when the daemon comes back after going away.
+    link: RwLock<Arc<Link>>,
+    /// The current link's generation, for the paths that only compare it.
+    generation: AtomicU64,
+    /// How this client connected: how it connects again.
+    opts: ConnectOptions,
+    /// Times this client connected again after its daemon went away.
+    reconnects: AtomicU64,
+    /// [`fork_generation`] at connect: the connection belongs to the process that made it.
+    forks: u64,
+    /// Serialises request/reply pairs, and owns the receive buffer.
+    call: Mutex<CallState>,
+    /// Serialises writes to the socket: calls and one-way releases.
+    send: Mutex<()>,
+    role: Role,
     /// The largest reply payload this client accepts (announced in hello).
     reply_limit: u32,
     pub(crate) create_timeout: Duration,
-    broken: AtomicBool,
     releases: Arc<ReleaseQueue>,
     /// Whether writers build an object's page tables when they reserve it.
     pub(crate) populate: bool,
@@ -249,10 +339,11 @@ impl Drop for Inner {
         let due = std::mem::take(&mut state.handles);
         drop(state);
         self.releases.wake.notify_all();
-        if !due.is_empty() && !self.broken.load(Ordering::Relaxed) && !self.forked() {
+        let link = self.link.read().unwrap_or_else(|e| e.into_inner());
+        if !due.is_empty() && !link.broken.load(Ordering::Relaxed) && !self.forked() {
             let mut buf = Vec::new();
-            if encode_releases(&due, self.request_limit, self.version, &mut buf).is_ok() {
-                let _ = send_all(&self.stream, &buf);
+            if encode_releases(&due, link.request_limit, link.version, &mut buf).is_ok() {
+                let _ = send_all(&link.stream, &buf);
             }
         }
     }
@@ -278,9 +369,22 @@ const MAX_OUTSTANDING: usize = 64;
 /// The most replies read aside and not collected, per connection.
 const MAX_ARRIVED: usize = 1024;
 
-/// A request sent with [`Client::submit`], whose reply [`Client::collect`] reads.
+/// A request sent with [`Client::submit`] (its id, on the link of that generation), whose reply
+/// [`Client::collect`] reads.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct Ticket(u32);
+pub(crate) struct Ticket(u32, u64);
+
+/// The first pause between tries to reconnect, and the longest.
+const RECONNECT_FIRST: Duration = Duration::from_millis(10);
+const RECONNECT_MAX: Duration = Duration::from_secs(1);
+
+/// How many times one call is sent again on new links before its error stands.
+const MAX_RESENDS: u32 = 3;
+
+/// Whether `e` means the daemon went away (or is going): a reconnecting client tries again.
+pub(crate) fn gone(e: &Error) -> bool {
+    matches!(e, Error::Disconnected { .. } | Error::ShuttingDown)
+}
 
 /// A connection to the node's `feedstored`.
 ///
@@ -289,8 +393,10 @@ pub(crate) struct Ticket(u32);
 /// on the same client (lease releases still go through); give a thread that must not wait its
 /// own client. Leases and writers keep the connection alive.
 ///
-/// When the daemon goes away every call fails with [`Error::Disconnected`]; make a new client.
-/// Existing leases keep their mappings valid (the memory stays until the last mapping goes).
+/// When the daemon goes away every call fails with [`Error::Disconnected`]; make a new client,
+/// or connect with a [`ConnectOptions::reconnect_timeout`] and the client reconnects by itself
+/// to the daemon started again on the same socket. Existing leases keep their mappings valid
+/// either way (the memory stays until the last mapping goes).
 #[derive(Clone)]
 pub struct Client {
     pub(crate) inner: Arc<Inner>,
@@ -299,10 +405,10 @@ pub struct Client {
 impl std::fmt::Debug for Client {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Client")
-            .field("node_id", &self.inner.node_id)
-            .field("epoch", &self.inner.epoch)
+            .field("node_id", &self.node_id())
+            .field("epoch", &self.epoch())
             .field("role", &self.inner.role)
-            .field("segments", &self.inner.segments.len())
+            .field("reconnects", &self.reconnects())
             .finish()
     }
 }
@@ -320,8 +426,10 @@ impl Client {
 
     /// Connects and says hello in the newest protocol version this client speaks, again in an
     /// older one (on a new connection) while the daemon speaks only older ones: the socket, the
-    /// send buffer and the daemon's welcome.
-    fn greet(opts: &ConnectOptions) -> Result<(UnixStream, Vec<u8>, Welcome), Error> {
+    /// send buffer and the daemon's welcome. `again`: a reconnect, for which a close at hello
+    /// is a daemon still starting (tried again later), never a reason to speak an older
+    /// version.
+    fn greet(opts: &ConnectOptions, again: bool) -> Result<(UnixStream, Vec<u8>, Welcome), Error> {
         let mut version = frame::VERSION;
         // A daemon that closes at hello without a word is 0.1.0's, or one that restarted just
         // then: the first such close is tried again in the same version.
@@ -335,6 +443,7 @@ impl Client {
             let mut wbuf = Vec::with_capacity(256);
             match hello(&stream, opts, &mut wbuf, version)? {
                 Greeted::Welcome(welcome) => return Ok((stream, wbuf, welcome)),
+                Greeted::Closed if again => return Err(Error::Disconnected { source: None }),
                 Greeted::Closed if silent_closes == 0 && version > frame::MIN_VERSION => {
                     silent_closes += 1;
                 }
@@ -360,18 +469,13 @@ impl Client {
         }
     }
 
-    /// Connects with explicit options.
-    pub fn connect_with(opts: ConnectOptions) -> Result<Client, Error> {
-        if opts.name.len() > feedstore_proto::MAX_CLIENT_NAME
-            || opts.name.chars().any(char::is_control)
-        {
-            return Err(Error::InvalidArgument(format!(
-                "client name must be at most {} bytes of printable text",
-                feedstore_proto::MAX_CLIENT_NAME
-            )));
-        }
-        let forks = fork_generation();
-        let (stream, wbuf, welcome) = Client::greet(&opts)?;
+    /// A link to the daemon at `opts.socket`: hello said, the store mapped. Also the send
+    /// buffer and the bytes read past the hello, for the call state.
+    fn establish(
+        opts: &ConnectOptions,
+        generation: u64,
+    ) -> Result<(Link, Vec<u8>, RecvBuf), Error> {
+        let (stream, wbuf, welcome) = Client::greet(opts, generation > 0)?;
         let Welcome {
             node_id,
             epoch,
@@ -397,7 +501,33 @@ impl Client {
                 (node_id, epoch, i as u32),
             )?);
         }
-        tracing::debug!(node_id, epoch, segments = segments.len(), role = ?opts.role, protocol = version, daemon = %daemon.describe(), "connected");
+        tracing::debug!(node_id, epoch, segments = segments.len(), role = ?opts.role, protocol = version, daemon = %daemon.describe(), generation, "connected");
+        let link = Link {
+            stream,
+            segments,
+            node_id,
+            epoch,
+            request_limit,
+            version,
+            daemon,
+            broken: AtomicBool::new(false),
+            generation,
+        };
+        Ok((link, wbuf, rbuf))
+    }
+
+    /// Connects with explicit options.
+    pub fn connect_with(opts: ConnectOptions) -> Result<Client, Error> {
+        if opts.name.len() > feedstore_proto::MAX_CLIENT_NAME
+            || opts.name.chars().any(char::is_control)
+        {
+            return Err(Error::InvalidArgument(format!(
+                "client name must be at most {} bytes of printable text",
+                feedstore_proto::MAX_CLIENT_NAME
+            )));
+        }
+        let forks = fork_generation();
+        let (link, wbuf, rbuf) = Client::establish(&opts, 0)?;
         let releases = Arc::new(ReleaseQueue {
             state: Mutex::new(PendingReleases::default()),
             wake: Condvar::new(),
@@ -405,7 +535,9 @@ impl Client {
         });
         let client = Client {
             inner: Arc::new(Inner {
-                stream,
+                link: RwLock::new(Arc::new(link)),
+                generation: AtomicU64::new(0),
+                reconnects: AtomicU64::new(0),
                 forks,
                 call: Mutex::new(CallState {
                     next_id: 1,
@@ -415,19 +547,13 @@ impl Client {
                     arrived: Vec::new(),
                 }),
                 send: Mutex::new(()),
-                segments,
-                node_id,
-                epoch,
                 role: opts.role,
                 populate: opts.populate,
-                request_limit,
                 reply_limit: opts.max_frame_bytes,
-                version,
-                daemon,
                 create_timeout: opts.create_timeout,
-                broken: AtomicBool::new(false),
                 releases: releases.clone(),
                 writers: Mutex::new(std::collections::HashSet::new()),
+                opts: opts.clone(),
             }),
         };
         if !opts.release_delay.is_zero() {
@@ -440,41 +566,138 @@ impl Client {
         Ok(client)
     }
 
+    /// The link in use now.
+    pub(crate) fn link(&self) -> Arc<Link> {
+        self.inner
+            .link
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    /// The current link's generation: how many times this client reconnected.
+    pub(crate) fn generation(&self) -> u64 {
+        self.inner.generation.load(Ordering::Acquire)
+    }
+
+    /// How many times this client connected again after its daemon went away.
+    pub fn reconnects(&self) -> u64 {
+        self.inner.reconnects.load(Ordering::Relaxed)
+    }
+
+    /// Whether this client reconnects when its daemon goes away.
+    pub(crate) fn reconnecting(&self) -> bool {
+        !self.inner.opts.reconnect_timeout.is_zero()
+    }
+
+    /// After `dead` broke: a link to the daemon on the same socket (one started again), tried
+    /// with backoff for [`ConnectOptions::reconnect_timeout`]; the one in place if another
+    /// thread made it already. Called with the call lock held (`state`), which it resets.
+    fn relink(&self, state: &mut CallState, dead: &Arc<Link>) -> Result<Arc<Link>, Error> {
+        let current = self.link();
+        if !Arc::ptr_eq(&current, dead) {
+            return Ok(current);
+        }
+        let limit = self.inner.opts.reconnect_timeout;
+        if limit.is_zero() {
+            return Err(Error::Disconnected { source: None });
+        }
+        let started = Instant::now();
+        let mut pause = RECONNECT_FIRST;
+        let mut tries = 0u32;
+        let last = loop {
+            tries += 1;
+            let left = limit.saturating_sub(started.elapsed());
+            let mut opts = self.inner.opts.clone();
+            opts.hello_timeout = opts.hello_timeout.min(left).max(RECONNECT_FIRST);
+            let failure = match Client::establish(&opts, dead.generation + 1) {
+                Ok((link, wbuf, rbuf)) => {
+                    let link = Arc::new(link);
+                    *state = CallState {
+                        next_id: state.next_id,
+                        wbuf,
+                        rbuf,
+                        outstanding: VecDeque::new(),
+                        arrived: Vec::new(),
+                    };
+                    // Releases queued for the old daemon's leases mean nothing to this one.
+                    drop(self.inner.releases.take());
+                    *self.inner.link.write().unwrap_or_else(|e| e.into_inner()) = link.clone();
+                    self.inner
+                        .generation
+                        .store(link.generation, Ordering::Release);
+                    self.inner.reconnects.fetch_add(1, Ordering::Relaxed);
+                    tracing::warn!(
+                        socket = %opts.socket.display(),
+                        epoch_before = %format!("{:08x}", dead.epoch),
+                        epoch = %format!("{:08x}", link.epoch),
+                        after_ms = started.elapsed().as_millis() as u64,
+                        tries,
+                        "feedstored went away and is back: reconnected (what only the old daemon held is gone)"
+                    );
+                    return Ok(link);
+                }
+                // A daemon this client must not talk to, or cannot: no point waiting.
+                Err(
+                    e @ (Error::UntrustedDaemon { .. }
+                    | Error::VersionMismatch { .. }
+                    | Error::InvalidArgument(_)),
+                ) => return Err(e),
+                Err(e) => e,
+            };
+            let left = limit.saturating_sub(started.elapsed());
+            if left.is_zero() {
+                break failure;
+            }
+            std::thread::sleep(jittered(pause).min(left));
+            pause = (pause * 2).min(RECONNECT_MAX);
+        };
+        Err(Error::Disconnected {
+            source: Some(std::io::Error::other(format!(
+                "feedstored at {} went away and did not come back within {limit:?} ({tries} \
+                 tries to reconnect; the last: {last})",
+                self.inner.opts.socket.display()
+            ))),
+        })
+    }
+
+    /// Moves to a new link if the one in use broke (see [`Client::relink`]): the link to use.
+    pub(crate) fn reconnect(&self) -> Result<Arc<Link>, Error> {
+        let mut guard = self.inner.call.lock().unwrap_or_else(|e| e.into_inner());
+        let link = self.link();
+        if link.broken.load(Ordering::Relaxed) {
+            self.relink(&mut guard, &link)
+        } else {
+            Ok(link)
+        }
+    }
+
     /// What the daemon said of itself at hello: the protocol versions it speaks, its features
     /// and its release (implied by its version for daemons before protocol 11).
-    pub fn daemon(&self) -> &Speaks {
-        &self.inner.daemon
+    pub fn daemon(&self) -> Speaks {
+        self.link().daemon.clone()
     }
 
     /// The protocol version this connection speaks: the newest both sides do.
     pub fn protocol(&self) -> u16 {
-        self.inner.version
+        self.link().version
     }
 
     /// Whether both this client and the daemon have `feature` (a bit of
     /// [`feedstore_proto::frame::feature`]).
     pub fn has_feature(&self, feature: u64) -> bool {
-        self.inner.daemon.features & frame::FEATURES & feature == feature
-    }
-
-    /// The writer uid the daemon named for an object, if it records writers
-    /// ([`frame::feature::WRITERS`]); else [`frame::Got::UNKNOWN_WRITER`], whatever it sent.
-    pub(crate) fn believed_writer(&self, named: u32) -> u32 {
-        if self.has_feature(frame::feature::WRITERS) {
-            named
-        } else {
-            frame::Got::UNKNOWN_WRITER
-        }
+        self.link().has_feature(feature)
     }
 
     /// The daemon's node id.
     pub fn node_id(&self) -> u32 {
-        self.inner.node_id
+        self.link().node_id
     }
 
-    /// The daemon's start epoch; it changes when the daemon restarts.
+    /// The daemon's start epoch; it changes when the daemon restarts (and this client
+    /// reconnects).
     pub fn epoch(&self) -> u32 {
-        self.inner.epoch
+        self.link().epoch
     }
 
     /// This connection's role.
@@ -575,7 +798,7 @@ impl Client {
 
     /// Whether `ptr` points into one of this client's segment mappings (for zero-copy checks).
     pub fn maps(&self, ptr: *const u8) -> bool {
-        self.inner.segments.iter().any(|m| m.contains(ptr))
+        self.link().segments.iter().any(|m| m.contains(ptr))
     }
 
     /// A batch of per-handle operations (`make` builds the request for a chunk), split into
@@ -607,7 +830,7 @@ impl Client {
 
     /// The most items one batch of `op` may carry on this connection.
     pub(crate) fn batch_items(&self, op: Opcode) -> usize {
-        max_batch_items(op, self.inner.request_limit, self.inner.reply_limit)
+        max_batch_items(op, self.link().request_limit, self.inner.reply_limit)
     }
 
     /// Runs `call` on chunks of `items` small enough that each request fits the daemon's frame
@@ -625,124 +848,179 @@ impl Client {
         Ok(out)
     }
 
-    pub(crate) fn mapping(&self, loc: Location) -> Result<&Arc<Mapping>, Error> {
-        let mapping = self
-            .inner
-            .segments
-            .get(loc.segment as usize)
-            .ok_or_else(|| {
-                Error::Protocol(format!("daemon named unknown segment {}", loc.segment))
-            })?;
-        if mapping.range_ptr(loc.offset, loc.len).is_none() {
-            return Err(Error::Protocol(format!(
-                "daemon named a range outside segment {}",
-                loc.segment
-            )));
-        }
-        Ok(mapping)
-    }
-
-    /// Sends a request and waits for its reply.
+    /// Sends a request and waits for its reply (sent again on a new link if the daemon went
+    /// away and this client reconnects).
     pub(crate) fn call(&self, request: &Request) -> Result<Response, Error> {
-        self.exchange(request, read_reply).and_then(check_error)
+        self.call_linked(request).map(|(response, _)| response)
     }
 
-    /// Sends a request whose reply carries descriptors, and waits for both.
+    /// [`Client::call`], and the link the reply came on: the one whose mappings the locations
+    /// it names are in.
+    pub(crate) fn call_linked(&self, request: &Request) -> Result<(Response, Arc<Link>), Error> {
+        self.exchange(request, None, read_reply)
+            .and_then(|(response, link)| Ok((check_error(response)?, link)))
+    }
+
+    /// A call that names something only the daemon of link `generation` knows (a stream by
+    /// id): never sent on another link. If that one is gone, a reconnecting client moves to
+    /// a new link before failing, so the caller sees [`Client::generation`] move on and can
+    /// set itself up there.
+    pub(crate) fn call_bound(&self, generation: u64, request: &Request) -> Result<Response, Error> {
+        self.exchange(request, Some(generation), read_reply)
+            .and_then(|(response, _)| check_error(response))
+    }
+
+    /// Sends a request whose reply carries descriptors, and waits for both (and the link they
+    /// came on).
     pub(crate) fn call_with_fds(
         &self,
         request: &Request,
-    ) -> Result<(Response, Vec<OwnedFd>), Error> {
+    ) -> Result<(Response, Vec<OwnedFd>, Arc<Link>), Error> {
         let mut fds = Vec::new();
-        let response = self.exchange(request, |stream, rb, id, link| {
+        let (response, link) = self.exchange(request, None, |stream, rb, id, link| {
+            // (A reply read on a link that then broke leaves its descriptors here: dropped.)
+            fds.clear();
             read_frame(rb, id, link, |buf| {
                 let (n, received) = recv_with_fds(stream, buf)?;
                 fds.extend(received);
                 Ok(n)
             })
         })?;
-        Ok((check_error(response)?, fds))
+        Ok((check_error(response)?, fds, link))
     }
 
-    /// Refuses a connection that is this process's parent's (after a fork) or out of step with
-    /// the daemon (after a socket, framing or decoding error).
+    /// Refuses a connection that is this process's parent's (after a fork).
     fn usable(&self) -> Result<(), Error> {
         if self.inner.forked() {
             return Err(Error::Forked);
         }
-        if self.inner.broken.load(Ordering::Relaxed) {
-            return Err(Error::Disconnected { source: None });
-        }
         Ok(())
+    }
+
+    /// The link to send on: the current one, or a new one if it broke and this client
+    /// reconnects (else `Disconnected`); refused if the call is `bound` to another.
+    fn sendable(&self, state: &mut CallState, bound: Option<u64>) -> Result<Arc<Link>, Error> {
+        let mut link = self.link();
+        if link.broken.load(Ordering::Relaxed) {
+            link = self.relink(state, &link)?;
+        }
+        if bound.is_some_and(|g| g != link.generation) {
+            return Err(Error::Disconnected {
+                source: Some(std::io::Error::other(
+                    "feedstored restarted since this stream was set up",
+                )),
+            });
+        }
+        Ok(link)
     }
 
     /// Encodes `request` under the next request id into the call buffer, the queued releases
     /// in front of it, and returns the id.
-    fn encode_call(inner: &Inner, state: &mut CallState, request: &Request) -> Result<u32, Error> {
+    fn encode_call(
+        link: &Link,
+        releases: &ReleaseQueue,
+        state: &mut CallState,
+        request: &Request,
+    ) -> Result<u32, Error> {
         let id = state.next_id;
         state.next_id = state.next_id.wrapping_add(1);
         state.wbuf.clear();
         // Encode the request first: a request over the daemon's limit fails here, before the
         // queued releases leave the queue, and the connection stays usable.
-        request.encode_in(inner.version, id, inner.request_limit, &mut state.wbuf)?;
-        let queued = inner.releases.take();
+        request.encode_in(link.version, id, link.request_limit, &mut state.wbuf)?;
+        let queued = releases.take();
         if !queued.is_empty() {
-            let mut releases = Vec::new();
-            encode_releases(&queued, inner.request_limit, inner.version, &mut releases)?;
-            state.wbuf.splice(0..0, releases);
+            let mut released = Vec::new();
+            encode_releases(&queued, link.request_limit, link.version, &mut released)?;
+            state.wbuf.splice(0..0, released);
         }
         Ok(id)
     }
 
-    /// One request/reply exchange, queued releases riding along; `read` reads the reply.
+    /// One request/reply exchange, queued releases riding along; `read` reads the reply. A
+    /// reconnecting client whose daemon went away sends it again on a new link (at most
+    /// [`MAX_RESENDS`] times), unless it is `bound` to the link of that generation: then it
+    /// moves to a new link and fails.
     fn exchange(
         &self,
         request: &Request,
-        read: impl FnOnce(&UnixStream, &mut RecvBuf, u32, (u32, u16)) -> Result<Response, Error>,
-    ) -> Result<Response, Error> {
+        bound: Option<u64>,
+        mut read: impl FnMut(&UnixStream, &mut RecvBuf, u32, (u32, u16)) -> Result<Response, Error>,
+    ) -> Result<(Response, Arc<Link>), Error> {
         let inner = &*self.inner;
         self.usable()?;
         let mut guard = inner.call.lock().unwrap_or_else(|e| e.into_inner());
         let state = &mut *guard;
-        // Replies to submitted requests come first on the socket: read them aside.
-        if let Err(e) = self.read_outstanding(state, None) {
-            inner.broken.store(true, Ordering::Relaxed);
-            return Err(e);
+        let mut resends = 0;
+        loop {
+            let link = self.sendable(state, bound)?;
+            // Replies to submitted requests come first on the socket: read them aside.
+            let result = self.read_outstanding(state, None, &link).and_then(|_| {
+                let id = Self::encode_call(&link, &inner.releases, state, request)?;
+                self.send_on(&link, &state.wbuf)?;
+                read(
+                    &link.stream,
+                    &mut state.rbuf,
+                    id,
+                    (inner.reply_limit, link.version),
+                )
+            });
+            // A daemon that says it is shutting down has gone as far as this client goes.
+            let result = match result {
+                Ok(Response::Error {
+                    status: Status::ShuttingDown,
+                    ..
+                }) if self.reconnecting() => Err(Error::ShuttingDown),
+                other => other,
+            };
+            match result {
+                Ok(response) => return Ok((response, link)),
+                // After a socket, framing or decoding error the byte stream is no longer in
+                // step with the daemon; fail every later call instead of misreading the next
+                // reply.
+                Err(
+                    e @ (Error::Disconnected { .. }
+                    | Error::Protocol(_)
+                    | Error::Decode(_)
+                    | Error::ShuttingDown),
+                ) => {
+                    if !matches!(e, Error::ShuttingDown) || self.reconnecting() {
+                        link.breaks();
+                    }
+                    if !(gone(&e) && self.reconnecting()) {
+                        return Err(e);
+                    }
+                    if bound.is_some() || resends == MAX_RESENDS {
+                        // Moved on now, so the caller finds a new generation (or why not).
+                        self.relink(state, &link)?;
+                        return Err(e);
+                    }
+                    resends += 1;
+                }
+                Err(e) => return Err(e),
+            }
         }
-        let id = Self::encode_call(inner, state, request)?;
-        let result = self.send(&state.wbuf).and_then(|()| {
-            let link = (inner.reply_limit, inner.version);
-            read(&inner.stream, &mut state.rbuf, id, link)
-        });
-        // After a socket, framing or decoding error the byte stream is no longer in step with
-        // the daemon; fail every later call instead of misreading the next reply.
-        if let Err(e) = &result
-            && matches!(
-                e,
-                Error::Disconnected { .. } | Error::Protocol(_) | Error::Decode(_)
-            )
-        {
-            inner.broken.store(true, Ordering::Relaxed);
-        }
-        result
     }
 
     /// Sends a request without waiting for its reply (queued releases riding along); the reply
     /// is read by [`Client::collect`], or read aside by the next call that needs the socket.
-    /// Up to [`MAX_OUTSTANDING`] may be unread; past that, the oldest is read aside.
-    pub(crate) fn submit(&self, request: &Request) -> Result<Ticket, Error> {
+    /// Up to [`MAX_OUTSTANDING`] may be unread; past that, the oldest is read aside. `bound`:
+    /// as for [`Client::call_bound`].
+    pub(crate) fn submit(&self, request: &Request, bound: Option<u64>) -> Result<Ticket, Error> {
         let inner = &*self.inner;
         self.usable()?;
         let mut guard = inner.call.lock().unwrap_or_else(|e| e.into_inner());
         let state = &mut *guard;
+        let link = self.sendable(state, bound)?;
         // At the limit the oldest reply is read aside (replies come in order, so this always
         // moves); the replies read aside and not collected yet have a bound of their own.
         while let Some(&oldest) = state.outstanding.front()
             && state.outstanding.len() >= MAX_OUTSTANDING
         {
-            match self.read_outstanding(state, Some(oldest)) {
+            match self.read_outstanding(state, Some(oldest), &link) {
                 Ok(reply) => state.arrived.extend(reply.map(|r| (oldest, r))),
                 Err(e) => {
-                    inner.broken.store(true, Ordering::Relaxed);
+                    link.breaks();
                     return Err(e);
                 }
             }
@@ -753,36 +1031,52 @@ impl Client {
                  sharing one client that do not wait for their requests)"
             )));
         }
-        let id = Self::encode_call(inner, state, request)?;
-        if let Err(e) = self.send(&state.wbuf) {
-            inner.broken.store(true, Ordering::Relaxed);
+        let id = Self::encode_call(&link, &inner.releases, state, request)?;
+        if let Err(e) = self.send_on(&link, &state.wbuf) {
+            link.breaks();
             return Err(e);
         }
         state.outstanding.push_back(id);
-        Ok(Ticket(id))
+        Ok(Ticket(id, link.generation))
     }
 
     /// The reply to a submitted request: read aside already, or read now (with the replies
-    /// before it, read aside).
-    pub(crate) fn collect(&self, ticket: Ticket) -> Result<Response, Error> {
+    /// before it, read aside); and the link it came on. `Disconnected` if that link is gone.
+    pub(crate) fn collect_linked(&self, ticket: Ticket) -> Result<(Response, Arc<Link>), Error> {
         let inner = &*self.inner;
         let mut guard = inner.call.lock().unwrap_or_else(|e| e.into_inner());
         let state = &mut *guard;
+        let link = self.link();
+        if link.generation != ticket.1 {
+            return Err(Error::Disconnected {
+                source: Some(std::io::Error::other(
+                    "feedstored went away before it answered (the client reconnected since)",
+                )),
+            });
+        }
         if let Some(i) = state.arrived.iter().position(|(id, _)| *id == ticket.0) {
-            return check_error(state.arrived.swap_remove(i).1);
+            return Ok((check_error(state.arrived.swap_remove(i).1)?, link));
         }
         self.usable()?;
-        match self.read_outstanding(state, Some(ticket.0)) {
-            Ok(Some(response)) => check_error(response),
+        if link.broken.load(Ordering::Relaxed) {
+            return Err(Error::Disconnected { source: None });
+        }
+        match self.read_outstanding(state, Some(ticket.0), &link) {
+            Ok(Some(response)) => Ok((check_error(response)?, link)),
             Ok(None) => Err(Error::Protocol(format!(
                 "no request {} outstanding",
                 ticket.0
             ))),
             Err(e) => {
-                inner.broken.store(true, Ordering::Relaxed);
+                link.breaks();
                 Err(e)
             }
         }
+    }
+
+    /// [`Client::collect_linked`] without the link.
+    pub(crate) fn collect(&self, ticket: Ticket) -> Result<Response, Error> {
+        self.collect_linked(ticket).map(|(response, _)| response)
     }
 
     /// Reads the outstanding replies in order, setting each aside, until `until`'s, which is
@@ -791,11 +1085,11 @@ impl Client {
         &self,
         state: &mut CallState,
         until: Option<u32>,
+        link: &Link,
     ) -> Result<Option<Response>, Error> {
-        let inner = &*self.inner;
         while let Some(id) = state.outstanding.pop_front() {
-            let link = (inner.reply_limit, inner.version);
-            let response = read_reply(&inner.stream, &mut state.rbuf, id, link)?;
+            let limits = (self.inner.reply_limit, link.version);
+            let response = read_reply(&link.stream, &mut state.rbuf, id, limits)?;
             if until == Some(id) {
                 return Ok(Some(response));
             }
@@ -804,27 +1098,32 @@ impl Client {
         Ok(None)
     }
 
-    /// Sends a request that has no reply, with the queued lease releases riding along.
-    pub(crate) fn send_one_way(&self, request: &Request) -> Result<(), Error> {
+    /// Sends a request that has no reply, with the queued lease releases riding along, on the
+    /// link of `generation` only (a one-way message names a stream: it means nothing to
+    /// another daemon).
+    pub(crate) fn send_one_way(&self, request: &Request, generation: u64) -> Result<(), Error> {
         debug_assert!(!request.expects_reply());
         self.usable()?;
+        let link = self.link();
+        if link.broken.load(Ordering::Relaxed) || link.generation != generation {
+            return Err(Error::Disconnected { source: None });
+        }
         let mut buf = Vec::with_capacity(64);
-        let (limit, version) = (self.inner.request_limit, self.inner.version);
+        let (limit, version) = (link.request_limit, link.version);
         request.encode_in(version, 0, limit, &mut buf)?;
         let queued = self.inner.releases.take();
         if !queued.is_empty() {
             encode_releases(&queued, limit, version, &mut buf)?;
         }
-        self.send(&buf).inspect_err(|_| {
-            self.inner.broken.store(true, Ordering::Relaxed);
-        })
+        self.send_on(&link, &buf).inspect_err(|_| link.breaks())
     }
 
-    /// Returns a lease: queued to ride with the next request, or sent at once when the queue is
-    /// long or the connection has no release delay.
-    pub(crate) fn release(&self, handle: Handle) {
-        if self.inner.forked() {
-            return; // the parent's lease, not this child's to return
+    /// Returns a lease taken on the link of `generation`: queued to ride with the next
+    /// request, or sent at once when the queue is long or the connection has no release delay.
+    /// A lease from a daemon this client has left since went with it: nothing to send.
+    pub(crate) fn release(&self, handle: Handle, generation: u64) {
+        if self.inner.forked() || generation != self.generation() {
+            return; // the parent's lease, not this child's to return; or the old daemon's
         }
         let queue = &self.inner.releases;
         if queue.delay.is_zero() {
@@ -852,25 +1151,20 @@ impl Client {
 
     /// Sends a one-way release of the given leases.
     fn send_release(&self, handles: &[Handle]) {
-        if self.inner.broken.load(Ordering::Relaxed) || self.inner.forked() {
+        let link = self.link();
+        if link.broken.load(Ordering::Relaxed) || self.inner.forked() {
             return;
         }
         let mut buf = Vec::with_capacity(frame::HEADER_BYTES + 4 + 16 * handles.len());
-        if encode_releases(
-            handles,
-            self.inner.request_limit,
-            self.inner.version,
-            &mut buf,
-        )
-        .is_err()
-            || self.send(&buf).is_err()
+        if encode_releases(handles, link.request_limit, link.version, &mut buf).is_err()
+            || self.send_on(&link, &buf).is_err()
         {
-            self.inner.broken.store(true, Ordering::Relaxed);
+            link.breaks();
         }
     }
 
-    fn send(&self, bytes: &[u8]) -> Result<(), Error> {
+    fn send_on(&self, link: &Link, bytes: &[u8]) -> Result<(), Error> {
         let _guard = self.inner.send.lock().unwrap_or_else(|e| e.into_inner());
-        send_all(&self.inner.stream, bytes)
+        send_all(&link.stream, bytes)
     }
 }

@@ -7,7 +7,7 @@ use feedstore_proto::frame::{Opcode, Request, Response};
 use feedstore_proto::{Handle, Location};
 use feedstore_shm::{Mapping, PrivateBytes, SharedBytes};
 
-use crate::client::unexpected;
+use crate::client::{Link, unexpected};
 use crate::{Client, Error};
 
 /// One lease this connection holds on an object, returned to the daemon when dropped (with the
@@ -17,12 +17,20 @@ use crate::{Client, Error};
 pub(crate) struct LeaseHold {
     client: Client,
     handle: Handle,
+    /// The generation of the client's link the lease came on: a lease from a daemon the
+    /// client has left since is not returned to the new one.
+    generation: u64,
 }
 
 impl LeaseHold {
-    /// Takes ownership of a lease the daemon granted `client`'s connection on `handle`.
-    pub(crate) fn new(client: Client, handle: Handle) -> LeaseHold {
-        LeaseHold { client, handle }
+    /// Takes ownership of a lease the daemon granted `client`'s connection (its link of
+    /// `generation`) on `handle`.
+    pub(crate) fn new(client: Client, handle: Handle, generation: u64) -> LeaseHold {
+        LeaseHold {
+            client,
+            handle,
+            generation,
+        }
     }
 
     pub(crate) fn handle(&self) -> Handle {
@@ -32,7 +40,7 @@ impl LeaseHold {
 
 impl Drop for LeaseHold {
     fn drop(&mut self) {
-        self.client.release(self.handle);
+        self.client.release(self.handle, self.generation);
     }
 }
 
@@ -164,31 +172,41 @@ impl Client {
     /// ~47k handles).
     pub fn get_batch(&self, handles: &[Handle]) -> Result<Vec<Result<Lease, Error>>, Error> {
         self.batched(Opcode::Get, handles, |chunk| {
-            let results = match self.call(&Request::Get {
+            let (results, link) = match self.call_linked(&Request::Get {
                 handles: chunk.to_vec(),
             })? {
-                Response::Got(r) if r.len() == chunk.len() => r,
-                other => return Err(unexpected(other)),
+                (Response::Got(r), link) if r.len() == chunk.len() => (r, link),
+                (other, _) => return Err(unexpected(other)),
             };
             // Every lease taken becomes a `Lease` (released on drop) before any error returns.
             Ok(results
                 .into_iter()
                 .zip(chunk)
                 .map(|(r, &handle)| match r {
-                    Ok(got) => self.lease(handle, got.location, self.believed_writer(got.writer)),
+                    Ok(got) => {
+                        let writer = link.believed_writer(got.writer);
+                        self.lease(&link, handle, got.location, writer)
+                    }
                     Err(status) => Err(Error::from_status(status, handle, 0, "")),
                 })
                 .collect())
         })
     }
 
-    /// Wraps the lease the daemon just granted this connection on `handle` at `loc` (on an
-    /// error the lease is returned).
-    fn lease(&self, handle: Handle, loc: Location, writer: u32) -> Result<Lease, Error> {
-        let hold = LeaseHold::new(self.clone(), handle);
-        let mapping = self.mapping(loc)?.clone();
-        // SAFETY: the daemon answered this connection's get of `handle` with `loc`: a lease on
-        // the sealed object there, now owned by `hold` alone.
+    /// Wraps the lease the daemon just granted this connection on `link` on `handle` at `loc`
+    /// (on an error the lease is returned).
+    fn lease(
+        &self,
+        link: &Link,
+        handle: Handle,
+        loc: Location,
+        writer: u32,
+    ) -> Result<Lease, Error> {
+        let hold = LeaseHold::new(self.clone(), handle, link.generation());
+        let mapping = link.mapping(loc)?.clone();
+        // SAFETY: the daemon answered this connection's get of `handle` on `link` with `loc`:
+        // a lease on the sealed object there (in that link's mapping), now owned by `hold`
+        // alone.
         unsafe { Lease::new(mapping, loc, hold, writer) }
     }
 }

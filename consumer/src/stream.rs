@@ -23,6 +23,7 @@ use feedstore_proto::stream::{StreamSpec, StreamState};
 use feedstore_proto::{Handle, Status};
 use feedstore_shm::{Access, Mapping, SharedBytes};
 
+use crate::client::{Link, gone};
 use crate::lease::{LeaseHold, leased_bytes};
 use crate::{Client, ConnectOptions, Error, ObjectWriter, Role};
 
@@ -143,6 +144,9 @@ impl Returns {
 /// connection it keeps open.
 pub struct Stream {
     client: Client,
+    /// The link the ring came on: its daemon filled the ring, and the locations it names are
+    /// in this link's mappings.
+    link: Arc<Link>,
     spec: StreamSpec,
     id: u32,
     rank: u32,
@@ -169,6 +173,64 @@ pub struct Stream {
     /// Samples taken, and how many the daemon was last told of.
     taken: u64,
     reported: u64,
+    /// Times this rank attached again, to a daemon started again after the last went away.
+    reattached: u64,
+}
+
+/// A rank's ring, as an attach hands it over.
+struct Attached {
+    id: u32,
+    ring: RingMap,
+    header: RingHeader,
+    link: Arc<Link>,
+}
+
+/// Attaches `client` to `rank` of the stream at `seq`, asking again every 100 ms (calling
+/// `interrupt` between) until the stream exists or `wait` is over.
+fn attach(
+    client: &Client,
+    spec: &StreamSpec,
+    rank: u32,
+    seq: u64,
+    wait: Duration,
+    mut interrupt: impl FnMut() -> Result<(), Error>,
+) -> Result<Attached, Error> {
+    let deadline = Instant::now() + wait;
+    let (response, mut fds, link) = loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        let attach = Request::StreamAttach {
+            spec: spec.clone(),
+            rank,
+            seq,
+            timeout_ms: left.min(ATTACH_SLICE).as_millis() as u32,
+        };
+        match client.call_with_fds(&attach) {
+            Err(Error::Timeout(_)) if !left.is_zero() => interrupt()?,
+            other => break other?,
+        }
+    };
+    let Response::StreamAttached {
+        stream, ring_bytes, ..
+    } = response
+    else {
+        return Err(Error::Protocol(format!("unexpected reply {response:?}")));
+    };
+    let fd = fds
+        .pop()
+        .filter(|_| fds.is_empty())
+        .ok_or_else(|| Error::Protocol("stream attach reply without one ring descriptor".into()))?;
+    let ring =
+        RingMap(Mapping::new(fd, ring_bytes, Access::ReadOnly, true)?.without_private_views());
+    let header = RingHeader::read(&ring).map_err(|e| Error::Protocol(format!("bad ring: {e}")))?;
+    if header.rank != rank || header.spec_digest != spec.digest() {
+        return Err(Error::Protocol("ring for another rank or stream".into()));
+    }
+    Ok(Attached {
+        id: stream,
+        ring,
+        header,
+        link,
+    })
 }
 
 /// A consumer reports its figures to the daemon at least every this many samples (riding on a
@@ -208,7 +270,7 @@ impl Stream {
         rank: u32,
         from: Option<StreamState>,
         opts: StreamOptions,
-        mut interrupt: impl FnMut() -> Result<(), Error>,
+        interrupt: impl FnMut() -> Result<(), Error>,
     ) -> Result<Stream, Error> {
         // Time to first sample counts from here: a wait for the stream to exist is cold start too.
         let opened = Instant::now();
@@ -238,41 +300,18 @@ impl Stream {
                 feedstore_proto::MAX_CLIENT_NAME,
             ))
             .connect()?;
-        let deadline = Instant::now() + opts.wait;
-        let (response, mut fds) = loop {
-            let left = deadline.saturating_duration_since(Instant::now());
-            let attach = Request::StreamAttach {
-                spec: spec.clone(),
-                rank,
-                seq,
-                timeout_ms: left.min(ATTACH_SLICE).as_millis() as u32,
-            };
-            match client.call_with_fds(&attach) {
-                Err(Error::Timeout(_)) if !left.is_zero() => interrupt()?,
-                other => break other?,
-            }
-        };
-        let Response::StreamAttached {
-            stream, ring_bytes, ..
-        } = response
-        else {
-            return Err(Error::Protocol(format!("unexpected reply {response:?}")));
-        };
-        let fd = fds.pop().filter(|_| fds.is_empty()).ok_or_else(|| {
-            Error::Protocol("stream attach reply without one ring descriptor".into())
-        })?;
-        let ring =
-            RingMap(Mapping::new(fd, ring_bytes, Access::ReadOnly, true)?.without_private_views());
-        let header =
-            RingHeader::read(&ring).map_err(|e| Error::Protocol(format!("bad ring: {e}")))?;
-        if header.rank != rank || header.spec_digest != spec.digest() {
-            return Err(Error::Protocol("ring for another rank or stream".into()));
-        }
+        let Attached {
+            id,
+            ring,
+            header,
+            link,
+        } = attach(&client, spec, rank, seq, opts.wait, interrupt)?;
         let depth = header.capacity;
         Ok(Stream {
             client,
+            link,
             spec: spec.clone(),
-            id: stream,
+            id,
             rank,
             ring,
             header,
@@ -290,7 +329,50 @@ impl Stream {
             waited: Duration::ZERO,
             taken: 0,
             reported: 0,
+            reattached: 0,
         })
+    }
+
+    /// How many times this rank attached again after its daemon went away and came back (a
+    /// client that reconnects: [`crate::ConnectOptions::reconnect_timeout`]).
+    pub fn reattached(&self) -> u64 {
+        self.reattached
+    }
+
+    /// Whether `e` says the daemon this rank is attached to went away and the client moved to
+    /// its successor: time to attach again there.
+    fn moved_on(&self, e: &Error) -> bool {
+        gone(e) && self.client.generation() != self.link.generation()
+    }
+
+    /// Attaches again, to the daemon the client reconnected to, at the next sample: it makes
+    /// that sample and the rest again, while the samples read before stay as they are (their
+    /// leases went with the old daemon; their mappings keep their bytes). Waits for a
+    /// producer to join the stream there until `deadline` (a [`Error::Timeout`] then: the
+    /// next call tries again).
+    fn reattach(&mut self, deadline: Instant) -> Result<(), Error> {
+        let wait = deadline.saturating_duration_since(Instant::now());
+        let Attached {
+            id,
+            ring,
+            header,
+            link,
+        } = attach(&self.client, &self.spec, self.rank, self.next, wait, || {
+            Ok(())
+        })?;
+        tracing::warn!(
+            stream = %self.spec.name,
+            rank = self.rank,
+            seq = self.next,
+            "feedstored restarted: attached to the stream again at the next sample"
+        );
+        *self.returns.lock().unwrap_or_else(|e| e.into_inner()) =
+            Returns::new(self.next, header.capacity);
+        (self.id, self.ring, self.header, self.link) = (id, ring, header, link);
+        self.sent = self.next;
+        self.told_end = false;
+        self.reattached += 1;
+        Ok(())
     }
 
     /// The cold start this consumer saw: from opening the stream to its first sample (`None`
@@ -358,12 +440,13 @@ impl Stream {
                 // Tell the daemon this rank has read its share, even if some samples are still
                 // held: its producers may stop. Best effort: a daemon that is gone needs no news.
                 self.told_end = true;
-                let _ = self.client.call(&Request::StreamWait {
+                let request = Request::StreamWait {
                     stream: self.id,
                     rank: self.rank,
                     seq: self.next,
                     timeout_ms: 0,
-                });
+                };
+                let _ = self.client.call_bound(self.link.generation(), &request);
             }
             return Ok(None);
         }
@@ -400,15 +483,15 @@ impl Stream {
         // it belongs to the sample.
         // A writer only a daemon that records writers names is believed (as a get's).
         let entry = RingEntry {
-            writer: self.client.believed_writer(entry.writer),
+            writer: self.link.believed_writer(entry.writer),
             ..entry
         };
         let hold = SampleHold {
             seq: entry.seq,
             returns: self.returns.clone(),
-            lease: LeaseHold::new(self.client.clone(), entry.handle),
+            lease: LeaseHold::new(self.client.clone(), entry.handle, self.link.generation()),
         };
-        let mapping = self.client.mapping(entry.location)?.clone();
+        let mapping = self.link.mapping(entry.location)?.clone();
         // SAFETY: the daemon publishes an entry into this connection's ring only after taking a
         // lease on its sealed object for this connection, and returns that lease only when this
         // sample's hold releases it (or the connection, which the hold keeps open, closes).
@@ -460,7 +543,11 @@ impl Stream {
                 upto: upto.max(self.sent),
                 figures: self.figures(),
             };
-            if self.client.send_one_way(&release).is_ok() {
+            if self
+                .client
+                .send_one_way(&release, self.link.generation())
+                .is_ok()
+            {
                 self.sent = upto.max(self.sent);
                 self.reported = self.taken;
             }
@@ -490,12 +577,22 @@ impl Stream {
         let deadline = Instant::now() + limit;
         loop {
             let left = deadline.saturating_duration_since(Instant::now());
-            let reply = self.client.call(&Request::StreamWait {
+            let request = Request::StreamWait {
                 stream: self.id,
                 rank: self.rank,
                 seq: self.next,
                 timeout_ms: left.as_millis().min(u128::from(u32::MAX)) as u32,
-            })?;
+            };
+            let reply = match self.client.call_bound(self.link.generation(), &request) {
+                Err(e) if self.moved_on(&e) => {
+                    self.reattach(deadline)?;
+                    if let Some(entry) = self.header.read_entry(&self.ring, self.next) {
+                        return Ok(Some(entry));
+                    }
+                    continue;
+                }
+                other => other?,
+            };
             match reply {
                 Response::Done(s) if s == [Status::Ok] => {
                     if let Some(entry) = self.header.read_entry(&self.ring, self.next) {
@@ -541,7 +638,7 @@ impl Drop for Stream {
             next: self.next,
         };
         // Best effort: a daemon that is gone has reclaimed everything already.
-        if let Err(e) = self.client.call(&detach) {
+        if let Err(e) = self.client.call_bound(self.link.generation(), &detach) {
             tracing::debug!(stream = %self.spec.name, rank = self.rank, error = %e, "detach failed");
         }
     }

@@ -8,8 +8,8 @@ use feedstore_proto::frame::{CREATE_AHEAD, CREATE_PIN, Created, Opcode, Request,
 use feedstore_proto::{Handle, Location};
 use feedstore_shm::Mapping;
 
-use crate::client::Ticket;
 use crate::client::unexpected;
+use crate::client::{Link, Ticket};
 use crate::{Client, CreateOptions, Error};
 
 /// A reserved, unsealed object: writable by this client only, invisible to everyone else.
@@ -109,9 +109,12 @@ impl ObjectWriter {
     /// cannot be sent the object is given back and `wait` says why.
     pub fn seal_later(mut self) -> PendingSeal {
         let handle = self.handle;
-        let sent = self.client.submit(&Request::Seal {
-            handles: vec![handle],
-        });
+        let sent = self.client.submit(
+            &Request::Seal {
+                handles: vec![handle],
+            },
+            None,
+        );
         // Sent: the daemon owns the outcome. Not sent: dropping the writer gives it back.
         if sent.is_ok() {
             self.done = true;
@@ -329,14 +332,17 @@ impl PutPipeline {
             timeout_ms: 0,
             flags: CREATE_AHEAD,
         };
-        self.ahead = self.client.submit(&next).ok().map(|t| (t, size));
+        self.ahead = self.client.submit(&next, None).ok().map(|t| (t, size));
         writer.as_mut_slice().copy_from_slice(bytes);
         // Sent before the writer lets go: if the seal cannot be sent, dropping the writer gives
         // the object back.
         let handle = writer.handle();
-        let ticket = self.client.submit(&Request::Seal {
-            handles: vec![handle],
-        })?;
+        let ticket = self.client.submit(
+            &Request::Seal {
+                handles: vec![handle],
+            },
+            None,
+        )?;
         writer.hand_over();
         self.unconfirmed.push_back((ticket, Some(handle)));
         Ok(handle)
@@ -352,20 +358,22 @@ impl PutPipeline {
     /// is given back (without waiting for the reply).
     fn take_ahead(&mut self, size: u64) -> Option<ObjectWriter> {
         let (ticket, _) = self.ahead.take()?;
-        let created = match self.client.collect(ticket) {
-            Ok(Response::Created(mut results)) if results.len() == 1 => results.pop()?.ok()?,
+        let (created, link) = match self.client.collect_linked(ticket) {
+            Ok((Response::Created(mut results), link)) if results.len() == 1 => {
+                (results.pop()?.ok()?, link)
+            }
             _ => return None,
         };
         if created.location.len == size {
-            return self.client.writer(created).ok();
+            return self.client.writer(&link, created).ok();
         }
         let abort = Request::Abort {
             handles: vec![created.handle],
         };
-        match self.client.submit(&abort) {
+        match self.client.submit(&abort, None) {
             Ok(ticket) => self.unconfirmed.push_back((ticket, None)),
             // Given back in a round trip, then (or by the daemon when the connection closes).
-            Err(_) => drop(self.client.writer_with(created, false)),
+            Err(_) => drop(self.client.writer_with(&link, created, false)),
         }
         None
     }
@@ -433,9 +441,9 @@ impl Client {
                 timeout_ms: u32::try_from(timeout.as_millis()).unwrap_or(u32::MAX),
                 flags: if opts.pin { CREATE_PIN } else { 0 },
             };
-            let results = match self.call(&request)? {
-                Response::Created(r) if r.len() == sizes.len() => r,
-                other => return Err(unexpected(other)),
+            let (results, link) = match self.call_linked(&request)? {
+                (Response::Created(r), link) if r.len() == sizes.len() => (r, link),
+                (other, _) => return Err(unexpected(other)),
             };
             // Each reservation becomes a writer (aborted on drop) at once, so a later chunk that
             // fails as a whole aborts the earlier chunks' reservations as they are dropped.
@@ -443,27 +451,28 @@ impl Client {
                 .into_iter()
                 .zip(sizes)
                 .map(|(r, &size)| match r {
-                    Ok(created) => self.writer(created),
+                    Ok(created) => self.writer(&link, created),
                     Err(status) => Err(Error::from_status(status, Handle::default(), size, "")),
                 })
                 .collect())
         })
     }
 
-    /// The writer of a reservation the daemon just made for this connection (aborted if the
-    /// daemon named a range outside its segments).
-    pub(crate) fn writer(&self, created: Created) -> Result<ObjectWriter, Error> {
-        self.writer_with(created, self.inner.populate)
+    /// The writer of a reservation the daemon just made for this connection on `link`
+    /// (aborted if the daemon named a range outside its segments).
+    pub(crate) fn writer(&self, link: &Link, created: Created) -> Result<ObjectWriter, Error> {
+        self.writer_with(link, created, self.inner.populate)
     }
 
     /// [`Client::writer`], building the object's page tables or not (not for one about to be
     /// aborted).
     pub(crate) fn writer_with(
         &self,
+        link: &Link,
         created: Created,
         populate: bool,
     ) -> Result<ObjectWriter, Error> {
-        match self.mapping(created.location) {
+        match link.mapping(created.location) {
             Ok(mapping) => Ok(ObjectWriter::new(
                 populate,
                 self.clone(),

@@ -273,7 +273,7 @@ fn a_daemon_that_closes_at_hello_is_greeted_in_protocol_9() {
         .connect()
         .unwrap();
     assert_eq!(client.protocol(), 9);
-    assert_eq!(client.daemon(), &Speaks::implied(9));
+    assert_eq!(client.daemon(), Speaks::implied(9));
     assert!(!client.has_feature(feedstore_proto::frame::feature::WRITERS));
     // The reply decodes in protocol 9's layout (a misread would be a decode error, not this).
     let err = client.get(handle()).unwrap_err();

@@ -435,9 +435,11 @@ pub fn feed(
         &feed.relay,
     )
     .map_err(ProducerError::Stream)?;
+    // (With the stream's batch size too: a put-only join that finds the stream gone, after a
+    // daemon restart, may create it before the taker joins again, and must create the same.)
     let feeders = clients
         .iter()
-        .map(|c| StreamFeeder::join(c, &feed.spec, feed.depth, &[]))
+        .map(|c| StreamFeeder::join_batched(c, &feed.spec, feed.depth, feed.batch, &[]))
         .collect::<Result<Vec<_>, _>>()
         .map_err(ProducerError::Stream)?;
     skeleton.started_now();

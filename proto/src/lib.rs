@@ -62,6 +62,11 @@ pub const SOCKET_ENV: &str = "FEEDSTORE_SOCKET";
 /// neither the client's own nor root.
 pub const DAEMON_UID_ENV: &str = "FEEDSTORE_DAEMON_UID";
 
+/// Environment variable giving, in seconds, how long a client whose daemon went away tries to
+/// reconnect to a daemon started again on the same socket before it gives up (0, the default
+/// when unset: it does not try).
+pub const RECONNECT_ENV: &str = "FEEDSTORE_RECONNECT_TIMEOUT";
+
 /// The socket of a daemon run by root (a system service): in `/run/feedstore`, a directory
 /// only root (and the configured socket group) can write.
 pub const SYSTEM_SOCKET: &str = "/run/feedstore/feedstore.sock";

@@ -244,6 +244,11 @@ pub const CHILD_ENV: &str = "FEEDSTORE_TEST_CHILD";
 
 impl ClientProcess {
     pub fn spawn(socket: &Path, role_args: &str) -> ClientProcess {
+        ClientProcess::spawn_with(socket, role_args, &[])
+    }
+
+    /// [`ClientProcess::spawn`] with more environment variables.
+    pub fn spawn_with(socket: &Path, role_args: &str, env: &[(&str, &str)]) -> ClientProcess {
         let mut child = Command::new(std::env::current_exe().unwrap())
             .args([
                 "--ignored",
@@ -254,6 +259,7 @@ impl ClientProcess {
             ])
             .env(CHILD_ENV, role_args)
             .env("FEEDSTORE_SOCKET", socket)
+            .envs(env.iter().copied())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
             .spawn()

@@ -2,13 +2,39 @@
 //! put them, one at a time or pipelined ([`PendingPut`]).
 
 use super::*;
+use crate::client::gone;
 
 /// A producer's handle on a stream: take tasks, make samples, put them.
+///
+/// On a client that reconnects ([`crate::ConnectOptions::reconnect_timeout`]), a feeder whose
+/// daemon went away joins the stream again on the daemon started in its place, as it joined
+/// the first time (the same ranks, starting where they were given: each rank's consumer,
+/// attaching again at its next sample, moves it there, and the tasks handed out before that
+/// are refused as [`Error::Stale`] when put). A put sent to the daemon that went away reports
+/// each of its samples as [`Error::Stale`]: the new daemon hands their tasks out again.
 #[derive(Debug, Clone)]
 pub struct StreamFeeder {
     client: Client,
     spec: StreamSpec,
+    /// How it joined: how it joins again.
+    join: Arc<Join>,
+    /// The stream's id on the daemon of the client's link of that generation.
+    joined: Arc<Mutex<Joined>>,
+}
+
+#[derive(Debug)]
+struct Join {
+    depth: u32,
+    batch: u32,
+    ranks: Vec<StreamTask>,
+    at: Vec<RankAt>,
+    relay: String,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Joined {
     id: u32,
+    generation: u64,
 }
 
 /// A sample for a task, ready to put.
@@ -52,6 +78,8 @@ pub enum Made {
 #[must_use = "a put's outcome is only known once waited for"]
 pub struct PendingPut {
     client: Client,
+    /// The generation of the client's link it was sent on.
+    generation: u64,
     items: Vec<StreamItem>,
     /// Per item: its object is a reservation of this client (aborted if no item takes it).
     reserved: Vec<bool>,
@@ -103,8 +131,14 @@ impl PendingPut {
         while !self.sent.is_empty() {
             self.read_oldest();
         }
-        let statuses = std::mem::take(&mut self.statuses);
-        let failure = self.failure.take();
+        let mut statuses = std::mem::take(&mut self.statuses);
+        let mut failure = self.failure.take();
+        if failure.as_ref().is_some_and(gone) && self.client.generation() != self.generation {
+            // Sent to a daemon that went away: whatever it took went with it, and its
+            // successor hands the tasks out again.
+            failure = None;
+            statuses = vec![Some(Status::Stale); self.items.len()];
+        }
         // An object no item of which was taken (several items share a batch's object).
         let taken: HashSet<Handle> = self
             .items
@@ -220,20 +254,76 @@ impl StreamFeeder {
         at: &[RankAt],
         relay: &str,
     ) -> Result<StreamFeeder, Error> {
-        match client.call(&Request::StreamJoin {
-            spec: spec.clone(),
+        let join = Join {
             depth,
             batch,
             ranks: ranks.to_vec(),
             at: at.to_vec(),
             relay: relay.to_owned(),
-        })? {
-            Response::StreamJoined { stream } => Ok(StreamFeeder {
-                client: client.clone(),
-                spec: spec.clone(),
+        };
+        let joined = Self::join_with(client, spec, &join)?;
+        Ok(StreamFeeder {
+            client: client.clone(),
+            spec: spec.clone(),
+            join: Arc::new(join),
+            joined: Arc::new(Mutex::new(joined)),
+        })
+    }
+
+    fn join_with(client: &Client, spec: &StreamSpec, join: &Join) -> Result<Joined, Error> {
+        let request = Request::StreamJoin {
+            spec: spec.clone(),
+            depth: join.depth,
+            batch: join.batch,
+            ranks: join.ranks.clone(),
+            at: join.at.clone(),
+            relay: join.relay.clone(),
+        };
+        match client.call_linked(&request)? {
+            (Response::StreamJoined { stream }, link) => Ok(Joined {
                 id: stream,
+                generation: link.generation(),
             }),
-            other => Err(Error::Protocol(format!("unexpected reply {other:?}"))),
+            (other, _) => Err(Error::Protocol(format!("unexpected reply {other:?}"))),
+        }
+    }
+
+    fn joined(&self) -> Joined {
+        *self.joined.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Joins the stream again on the client's new link, once per link for all the clones of
+    /// this feeder: the stream joined on the link of `generation` went away with its daemon.
+    fn rejoin(&self, generation: u64) -> Result<(), Error> {
+        let mut joined = self.joined.lock().unwrap_or_else(|e| e.into_inner());
+        if joined.generation != generation {
+            return Ok(()); // another clone did
+        }
+        self.client.reconnect()?;
+        *joined = Self::join_with(&self.client, &self.spec, &self.join)?;
+        tracing::warn!(stream = %self.spec.name, id = joined.id, ranks = self.join.ranks.len(), "feedstored restarted: joined the stream again");
+        Ok(())
+    }
+
+    /// Whether `e`, from a call on the link of `generation`, says the client has moved to a
+    /// new daemon since: the stream must be joined again there.
+    fn moved_on(&self, e: &Error, generation: u64) -> bool {
+        gone(e) && self.client.generation() != generation
+    }
+
+    /// A call naming the stream (`make` builds it for the stream's id), joining the stream
+    /// again first if the daemon went away and the client reconnected.
+    fn on_stream(&self, make: impl Fn(u32) -> Request) -> Result<Response, Error> {
+        let mut tries = 0;
+        loop {
+            let Joined { id, generation } = self.joined();
+            match self.client.call_bound(generation, &make(id)) {
+                Err(e) if tries < 3 && self.moved_on(&e, generation) => {
+                    tries += 1;
+                    self.rejoin(generation)?;
+                }
+                other => return other,
+            }
         }
     }
 
@@ -250,12 +340,15 @@ impl StreamFeeder {
     /// Up to `max` tasks, waiting up to `wait` while every prefetch window is full. `None`
     /// once the stream has no work left.
     pub fn take(&self, max: u32, wait: Duration) -> Result<Option<Vec<StreamTask>>, Error> {
-        let request = Request::StreamTake(TakeTasks {
-            stream: self.id,
-            max,
-            timeout_ms: wait.as_millis().min(u128::from(u32::MAX)) as u32,
-        });
-        match self.client.call(&request) {
+        let timeout_ms = wait.as_millis().min(u128::from(u32::MAX)) as u32;
+        let request = |stream| {
+            Request::StreamTake(TakeTasks {
+                stream,
+                max,
+                timeout_ms,
+            })
+        };
+        match self.on_stream(request) {
             Ok(Response::Tasks(tasks)) => Ok(Some(tasks)),
             Ok(other) => Err(Error::Protocol(format!("unexpected reply {other:?}"))),
             Err(Error::Ended) => Ok(None),
@@ -266,10 +359,12 @@ impl StreamFeeder {
     /// Reports the producer's figures to the daemon (one-way: no round trip), for `feedstore
     /// top` and the metrics.
     pub fn report(&self, figures: &ProducerFigures) -> Result<(), Error> {
-        self.client.send_one_way(&Request::ProducerReport {
-            stream: self.id,
+        let Joined { id, generation } = self.joined();
+        let request = Request::ProducerReport {
+            stream: id,
             figures: *figures,
-        })
+        };
+        self.client.send_one_way(&request, generation)
     }
 
     /// Looks samples up in the daemon's decode-once cache: per key, the handle of the sample if
@@ -355,8 +450,11 @@ impl StreamFeeder {
         }
         // One request per chunk that fits a frame. A chunk that cannot be sent leaves its own
         // and the later chunks' reservations unput: `wait` aborts them.
+        let mut joined = self.joined();
+        let mut rejoins = 0;
         let mut pending = PendingPut {
             client: self.client.clone(),
+            generation: joined.generation,
             items,
             reserved,
             sent: VecDeque::new(),
@@ -376,11 +474,25 @@ impl StreamFeeder {
             }
             let chunk = &pending.items[at..pending.items.len().min(at + per_chunk)];
             let request = Request::StreamPut {
-                stream: self.id,
+                stream: joined.id,
                 items: chunk.to_vec(),
             };
-            match self.client.submit(&request) {
+            match self.client.submit(&request, Some(joined.generation)) {
                 Ok(ticket) => pending.sent.push_back((ticket, chunk.len())),
+                // The daemon went away before any of it was sent: join its successor and put
+                // there (the objects made on the old one it refuses, as its tasks are new).
+                Err(e)
+                    if at == 0
+                        && rejoins < 3
+                        && pending.sent.is_empty()
+                        && self.moved_on(&e, joined.generation) =>
+                {
+                    rejoins += 1;
+                    self.rejoin(joined.generation)?;
+                    joined = self.joined();
+                    pending.generation = joined.generation;
+                    continue;
+                }
                 Err(e) => {
                     pending.failure.get_or_insert(e);
                     break;
@@ -433,10 +545,7 @@ impl StreamFeeder {
     /// still hold keep their own leases). Only writers of the uid that created the stream (or
     /// root) may.
     pub fn close(&self) -> Result<(), Error> {
-        match self
-            .client
-            .call(&Request::StreamClose { stream: self.id })?
-        {
+        match self.on_stream(|stream| Request::StreamClose { stream })? {
             Response::Done(_) => Ok(()),
             other => Err(Error::Protocol(format!("unexpected reply {other:?}"))),
         }
