@@ -361,6 +361,14 @@ impl Stream {
         self.with(|s| Ok(s.time_to_first_sample().map(|d| d.as_secs_f64())))
     }
 
+    /// How many times this rank attached again after its daemon went away and came back on
+    /// the same socket (with ``FEEDSTORE_RECONNECT_TIMEOUT`` set): it went on from its next
+    /// sample each time.
+    #[getter]
+    fn reattached(&self) -> PyResult<u64> {
+        self.with(|s| Ok(s.reattached()))
+    }
+
     /// The stream's name.
     #[getter]
     fn name(&self) -> &str {

@@ -31,10 +31,40 @@ def binary(name: str) -> pathlib.Path:
     raise RuntimeError(f"{name} is not built: run `cargo build --release --bins`")
 
 
+def start_daemon(socket: pathlib.Path, log: pathlib.Path) -> subprocess.Popen:
+    """Starts feedstored on `socket` (its log appended to `log`) and waits until it answers
+    there: a socket file left by a daemon killed with kill -9 refuses connections until then."""
+    import socket as sockets
+
+    with open(log, "ab") as stderr:
+        process = subprocess.Popen(
+            [binary("feedstored"), "--socket", socket, "--capacity", "256MiB", "--prefault", "false"],
+            stderr=stderr,
+        )
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            with sockets.socket(sockets.AF_UNIX) as probe:
+                probe.connect(str(socket))
+            return process
+        except OSError:
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"feedstored did not start: {log.read_text()}") from None
+            time.sleep(0.01)
+
+
 class Daemon:
-    def __init__(self, socket: pathlib.Path, process: subprocess.Popen):
+    def __init__(self, socket: pathlib.Path, process: subprocess.Popen, log: pathlib.Path):
         self.socket = str(socket)
         self.process = process
+        self.log = log
+
+    def kill_and_start_again(self, pause: float = 0.0) -> None:
+        """kill -9 on the daemon, then a new one on the same socket `pause` seconds later."""
+        self.process.kill()
+        self.process.wait(timeout=30)
+        time.sleep(pause)
+        self.process = start_daemon(pathlib.Path(self.socket), self.log)
 
     def stats(self) -> dict:
         import feedstore
@@ -60,17 +90,7 @@ def daemon(tmp_path):
     # The daemon's log goes to a file: a pipe nobody reads would fill (a line per connection)
     # and block the daemon.
     log = tmp_path / "feedstored.log"
-    with open(log, "wb") as stderr:
-        process = subprocess.Popen(
-            [binary("feedstored"), "--socket", socket, "--capacity", "256MiB", "--prefault", "false"],
-            stderr=stderr,
-        )
-    deadline = time.monotonic() + 30
-    while not socket.exists():
-        if process.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError(f"feedstored did not start: {log.read_text()}")
-        time.sleep(0.01)
-    daemon = Daemon(socket, process)
+    daemon = Daemon(socket, start_daemon(socket, log), log)
     yield daemon
     # (The daemon a test started again in its place, if it did.)
     daemon.process.send_signal(signal.SIGTERM)

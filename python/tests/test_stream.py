@@ -441,6 +441,27 @@ def test_a_held_array_outlives_a_reopen_and_a_refilled_store(daemon):
     daemon.wait_for("every lease back", lambda s: s["leases"] == 0)
 
 
+def test_a_stream_goes_on_across_a_daemon_killed_and_started_again(daemon, tmp_path, monkeypatch):
+    """Issue 37: with FEEDSTORE_RECONNECT_TIMEOUT set, a reader and a producer whose daemon is
+    killed (kill -9) and started again on the same socket 0.2 s later go on by themselves: the
+    reader gets every sample once, and an array it read before the kill still reads its own
+    bytes after it."""
+    monkeypatch.setenv("FEEDSTORE_RECONNECT_TIMEOUT", "30")
+    records = 24
+    producer = produce(daemon, tmp_path, "restart", records, "--world", "1")
+    stream = feedstore.Stream("restart", records, socket=daemon.socket, wait=60)
+    first = next(stream)
+    kept, expected = first.images[0], first.images[0].copy()
+    seen = [first.record] + [next(stream).record for _ in range(7)]
+    del first
+    daemon.kill_and_start_again(pause=0.2)
+    seen += [sample.record for sample in stream]
+    finish(producer)
+    assert sorted(seen) == list(range(records)), seen
+    assert stream.reattached == 1
+    assert np.array_equal(kept, expected)
+
+
 def test_a_forked_child_leaves_the_parents_leases_alone(daemon):
     """A process forked from a reader (a DataLoader worker, say) cannot use its parent's client,
     and dropping an inherited sample does not return the parent's lease."""
