@@ -700,6 +700,14 @@ impl Client {
         self.link().epoch
     }
 
+    /// Whether `handle` names an object of this node's daemon from before the one this client
+    /// talks to now (one that went away: the client reconnected since, or connected after):
+    /// that object went with it.
+    pub fn predates(&self, handle: Handle) -> bool {
+        let link = self.link();
+        handle.node_id == link.node_id && handle.epoch != link.epoch
+    }
+
     /// This connection's role.
     pub fn role(&self) -> Role {
         self.inner.role

@@ -429,9 +429,14 @@ class _StoreIter(_Workers, _LoaderIter):
         while worker.deletes_confirmed < deleted and worker.unconfirmed:
             worker.unconfirmed.popleft()
             worker.deletes_confirmed += 1
-        if kind != "stop" and rng is not None:
-            worker.rng = rng  # the worker's state after this batch, wanted or not
         task = self._tasks.get(task_id)
+        made_from = worker.rng  # (the state this batch was made from)
+        if task is not None and task.remade_rng is not None:
+            # A batch made again: the worker's state did not move, and the batch's own state
+            # after it is the one its first making said.
+            reply = (*reply[:3], task.remade_rng, *reply[4:])
+        elif kind != "stop" and rng is not None:
+            worker.rng = rng  # the worker's state after this batch, wanted or not
         if task is None or task.worker != w or task.reply is not None:
             if kind == "ok":
                 self._give_back(w, payload)  # a stale reply (an earlier epoch); nobody reads it
@@ -449,6 +454,18 @@ class _StoreIter(_Workers, _LoaderIter):
                 )
                 if self._pin_memory:
                     batch = _pin(batch)
+            except feedstore.NotFound as e:
+                if self._iterable or not self._client.predates(payload) or task.remade_rng:
+                    reply = ("error", task_id, e, *reply[3:])
+                else:
+                    # Its object went with a daemon that went away (killed, then started
+                    # again): the worker makes the same batch again, into the new one.
+                    self._give_back(w, payload)
+                    task.remade_rng = reply[3]
+                    self._outbox.send(worker.conn, ("remake", task_id, task.index, made_from))
+                    self._loader._feedstore_counts.batches_remade += 1
+                    return
+                batch = None
             except Exception as e:  # noqa: BLE001 (raised when the trainer takes it)
                 reply = ("error", task_id, e, *reply[3:])
                 batch = None

@@ -29,6 +29,9 @@ class _Task:
     reply: Optional[tuple] = None
     # The batch, mapped by the pump as the reply came.
     batch: Any = None
+    # Made again (its object went with a daemon that went away): the random state after the
+    # batch, as its first making said.
+    remade_rng: Any = None
 
 
 

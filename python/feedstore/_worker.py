@@ -358,6 +358,20 @@ class _WorkerLoop:
             if self.init_error is None:
                 self.fetcher = _Fetcher(self.args, client=self.client)
             self.conn.send(("epoch", None if self.args.iterable else _rng_state()))
+        elif message[0] == "remake":
+            # A batch whose object went with a daemon that went away (killed, then started
+            # again): made again from the random state it was first made from, so it is the
+            # same batch, while this worker's own state goes on as it stood.
+            _, task, index, rng = message
+            saved = _rng_state()
+            if rng is not None:
+                _set_rng_state(rng)
+            try:
+                reply = self.make(task, index)
+            finally:
+                _set_rng_state(saved)
+            self.conn.send(reply)
+            _trim()
         elif not self.stop_queued():
             self.conn.send(self.make(*message))
             _trim()  # (the batch's samples are gone by now)
@@ -366,15 +380,25 @@ class _WorkerLoop:
     def write(self, batch: Any) -> str:
         """The batch as one object, pinned: the store never evicts a batch the trainer has not
         mapped yet (it waits for room instead), and the trainer has it deleted."""
+        reserved = []
+
         def reserve(nbytes: int) -> "feedstore.Reservation":
             reservation = self.client.reserve(nbytes, pin=True)
             # Announced before it is sealed: if this process is killed between the seal and
             # the reply, the trainer has the pinned object deleted all the same.
             self.conn.send(("reserved", reservation.handle))
+            reserved.append(reservation.handle)
             return reservation
 
         try:
-            return _batch.fill(reserve, batch, self.args.classes).seal()
+            for attempt in range(MAX_WRITES):
+                try:
+                    return _batch.fill(reserve, batch, self.args.classes).seal()
+                except feedstore.NotFound:
+                    # Reserved in a daemon that went away before the seal (the client
+                    # reconnected to the one started in its place): written again there.
+                    if attempt + 1 == MAX_WRITES or not self.client.predates(reserved[-1]):
+                        raise
         except feedstore.Full as e:
             raise feedstore.Full(
                 f"{e}. The store needs room for prefetch_factor x num_workers batches and the "
@@ -407,6 +431,11 @@ class _WorkerLoop:
         rng = None if self.args.iterable else _rng_state()
         skipped = fetcher.skipped - skipped_before
         return (kind, task, payload, rng, skipped, fetcher.counts, self.deleted)
+
+
+# Writes of one batch, each into a daemon started after the last went away, before its error
+# stands.
+MAX_WRITES = 3
 
 
 def _libc_trim():

@@ -60,6 +60,8 @@ STATE_VERSION = 1
 class _Counters:
     batches: int = 0
     worker_restarts: int = 0
+    # Batches made again because their object went with a daemon that went away.
+    batches_remade: int = 0
     skipped_samples: int = 0
     failed_batches: int = 0
     handoff_seconds: float = 0.0

@@ -124,6 +124,19 @@ impl Client {
         })
     }
 
+    /// Whether `handle` names an object of this node's daemon from before the one this client
+    /// talks to now (it went away, and the client reconnected): that object went with it.
+    fn predates(&self, handle: &str) -> PyResult<bool> {
+        Ok(self.inner.predates(self::handle(handle)?))
+    }
+
+    /// How many times this client reconnected after its daemon went away (with
+    /// `FEEDSTORE_RECONNECT_TIMEOUT` set).
+    #[getter]
+    fn reconnects(&self) -> u64 {
+        self.inner.reconnects()
+    }
+
     /// Deletes an object (once its leases are returned).
     fn delete(&self, py: Python<'_>, handle: &str) -> PyResult<()> {
         let handle = self::handle(handle)?;

@@ -416,6 +416,43 @@ def test_a_pool_lingering_across_a_daemon_restart_connects_to_the_new_daemon(
             os.kill(pid, signal.SIGTERM)
 
 
+class Slow(Augmented):
+    """`Augmented`, 50 ms a sample."""
+
+    def __getitem__(self, i):
+        time.sleep(0.05)
+        return super().__getitem__(i)
+
+
+def test_a_loader_goes_on_across_its_daemon_killed_and_started_again(
+    daemon, pools, monkeypatch
+):
+    """Issue 37: the daemon killed (kill -9) mid-epoch and started again on the same socket,
+    with FEEDSTORE_RECONNECT_TIMEOUT set: the trainer and the pool's processes reconnect, the
+    batches that went with the old daemon are made again (from the random state they were
+    first made from), and the epoch is torch's, batch for batch; the batches taken before the
+    kill still read their own bytes after it."""
+    monkeypatch.setenv("FEEDSTORE_RECONNECT_TIMEOUT", "30")
+    theirs = torchs(Slow(), batch_size=4, shuffle=True, num_workers=2)
+    seeded(7)
+    loader = pooled(Slow(), daemon, batch_size=4, shuffle=True, num_workers=2)
+    iterator = iter(loader)
+    served_by = pids(iterator)
+    ours = [next(iterator) for _ in range(3)]
+    with iterator._cond:
+        # The trainer's pump held off: the workers seal the batches they are making (0.2 s
+        # each) into the old daemon, and their replies wait; the kill lands on those batches
+        # (made again) and on the ones being made (written again into the new daemon).
+        time.sleep(1.0)
+        daemon.kill_and_start_again(pause=0.2)
+    ours += list(iterator)
+    assert_same_batches(ours, theirs)
+    assert loader.feedstore_counters.batches_remade > 0
+    assert pids(iterator) == served_by, "the same pool processes, on the new daemon"
+    del ours, iterator
+    store_empty(daemon)
+
+
 TENSORS = """
 import sys, torch, torch.utils.data as tud
 sys.path.insert(0, {tests!r})
