@@ -296,6 +296,24 @@ impl Link {
     fn breaks(&self) {
         self.broken.store(true, Ordering::Relaxed);
     }
+
+    /// This link, broken, without the store's mappings: what a client or a stream keeps of a
+    /// daemon that went away, so that the old store's memory goes as soon as the views taken
+    /// from it do (a daemon started in its place may need that memory to start at all). `None`
+    /// if the socket cannot be duplicated (then the link stays as it is).
+    pub(crate) fn tombstone(&self) -> Option<Link> {
+        Some(Link {
+            stream: self.stream.try_clone().ok()?,
+            segments: Vec::new(),
+            node_id: self.node_id,
+            epoch: self.epoch,
+            request_limit: self.request_limit,
+            version: self.version,
+            daemon: self.daemon.clone(),
+            broken: AtomicBool::new(true),
+            generation: self.generation,
+        })
+    }
 }
 
 pub(crate) struct Inner {
@@ -595,7 +613,7 @@ impl Client {
     /// thread made it already. Called with the call lock held (`state`), which it resets.
     fn relink(&self, state: &mut CallState, dead: &Arc<Link>) -> Result<Arc<Link>, Error> {
         let current = self.link();
-        if !Arc::ptr_eq(&current, dead) {
+        if current.generation != dead.generation {
             return Ok(current);
         }
         let limit = self.inner.opts.reconnect_timeout;
@@ -661,7 +679,22 @@ impl Client {
         })
     }
 
+    /// Marks `link` broken (the daemon gone, or out of step) and, if it is still the one in
+    /// use, puts its tombstone in its place: the client lets go of that store's mappings now,
+    /// not when it reconnects.
+    fn broke(&self, link: &Arc<Link>) {
+        link.breaks();
+        let mut current = self.inner.link.write().unwrap_or_else(|e| e.into_inner());
+        if Arc::ptr_eq(&current, link)
+            && let Some(tombstone) = link.tombstone()
+        {
+            *current = Arc::new(tombstone);
+        }
+    }
+
     /// Moves to a new link if the one in use broke (see [`Client::relink`]): the link to use.
+    /// What only the old daemon knew (a stream joined or attached there) is the caller's to
+    /// set up again.
     pub(crate) fn reconnect(&self) -> Result<Arc<Link>, Error> {
         let mut guard = self.inner.call.lock().unwrap_or_else(|e| e.into_inner());
         let link = self.link();
@@ -870,9 +903,9 @@ impl Client {
     }
 
     /// A call that names something only the daemon of link `generation` knows (a stream by
-    /// id): never sent on another link. If that one is gone, a reconnecting client moves to
-    /// a new link before failing, so the caller sees [`Client::generation`] move on and can
-    /// set itself up there.
+    /// id): never sent on another link. If that one is gone it fails (`Disconnected`), and the
+    /// caller of a reconnecting client lets go of what it holds of the old daemon, moves to a
+    /// new link ([`Client::reconnect`]) and sets itself up there.
     pub(crate) fn call_bound(&self, generation: u64, request: &Request) -> Result<Response, Error> {
         self.exchange(request, Some(generation), read_reply)
             .and_then(|(response, _)| check_error(response))
@@ -948,7 +981,7 @@ impl Client {
     /// One request/reply exchange, queued releases riding along; `read` reads the reply. A
     /// reconnecting client whose daemon went away sends it again on a new link (at most
     /// [`MAX_RESENDS`] times), unless it is `bound` to the link of that generation: then it
-    /// moves to a new link and fails.
+    /// fails.
     fn exchange(
         &self,
         request: &Request,
@@ -993,14 +1026,14 @@ impl Client {
                     | Error::ShuttingDown),
                 ) => {
                     if !matches!(e, Error::ShuttingDown) || self.reconnecting() {
-                        link.breaks();
+                        self.broke(&link);
                     }
                     if !(gone(&e) && self.reconnecting()) {
                         return Err(e);
                     }
+                    // A bound call's owner sets itself up again on the next link itself
+                    // (`Client::reconnect`), having let go of what it held of this one.
                     if bound.is_some() || resends == MAX_RESENDS {
-                        // Moved on now, so the caller finds a new generation (or why not).
-                        self.relink(state, &link)?;
                         return Err(e);
                     }
                     resends += 1;
@@ -1028,7 +1061,7 @@ impl Client {
             match self.read_outstanding(state, Some(oldest), &link) {
                 Ok(reply) => state.arrived.extend(reply.map(|r| (oldest, r))),
                 Err(e) => {
-                    link.breaks();
+                    self.broke(&link);
                     return Err(e);
                 }
             }
@@ -1041,7 +1074,7 @@ impl Client {
         }
         let id = Self::encode_call(&link, &inner.releases, state, request)?;
         if let Err(e) = self.send_on(&link, &state.wbuf) {
-            link.breaks();
+            self.broke(&link);
             return Err(e);
         }
         state.outstanding.push_back(id);
@@ -1076,7 +1109,7 @@ impl Client {
                 ticket.0
             ))),
             Err(e) => {
-                link.breaks();
+                self.broke(&link);
                 Err(e)
             }
         }
@@ -1123,7 +1156,7 @@ impl Client {
         if !queued.is_empty() {
             encode_releases(&queued, limit, version, &mut buf)?;
         }
-        self.send_on(&link, &buf).inspect_err(|_| link.breaks())
+        self.send_on(&link, &buf).inspect_err(|_| self.broke(&link))
     }
 
     /// Returns a lease taken on the link of `generation`: queued to ride with the next
@@ -1167,7 +1200,7 @@ impl Client {
         if encode_releases(handles, link.request_limit, link.version, &mut buf).is_err()
             || self.send_on(&link, &buf).is_err()
         {
-            link.breaks();
+            self.broke(&link);
         }
     }
 

@@ -339,10 +339,10 @@ impl Stream {
         self.reattached
     }
 
-    /// Whether `e` says the daemon this rank is attached to went away and the client moved to
-    /// its successor: time to attach again there.
+    /// Whether `e` says the daemon this rank is attached to went away (or the client left it
+    /// already) and the client reconnects: time to attach again to its successor.
     fn moved_on(&self, e: &Error) -> bool {
-        gone(e) && self.client.generation() != self.link.generation()
+        gone(e) && self.client.reconnecting()
     }
 
     /// Attaches again, to the daemon the client reconnected to, at the next sample: it makes
@@ -585,6 +585,13 @@ impl Stream {
             };
             let reply = match self.client.call_bound(self.link.generation(), &request) {
                 Err(e) if self.moved_on(&e) => {
+                    // The old daemon's store mapping goes now (the samples taken from it keep
+                    // their own), while the new daemon may still be starting: it may need the
+                    // memory. Its generation stays: nothing bound to it reaches the new one.
+                    if let Some(tombstone) = self.link.tombstone() {
+                        self.link = Arc::new(tombstone);
+                    }
+                    self.client.reconnect()?;
                     self.reattach(deadline)?;
                     if let Some(entry) = self.header.read_entry(&self.ring, self.next) {
                         return Ok(Some(entry));

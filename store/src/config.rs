@@ -26,7 +26,8 @@ pub struct DaemonConfig {
     pub segment_bytes: u64,
     /// Huge page policy.
     pub huge_pages: HugePages,
-    /// Allocate and zero every page at start so producers write into warm memory.
+    /// Allocate and zero every page (huge pages at start, shmem once the daemon serves) so
+    /// producers write into warm memory.
     pub prefault: bool,
     /// This node's id in handles.
     pub node_id: u32,
@@ -177,8 +178,9 @@ pub struct Settings {
     #[arg(long, value_name = "MODE")]
     pub huge_pages: Option<String>,
 
-    /// Allocate and zero all shared memory at start (about 1 s per GiB on a small VM), so
-    /// writers never pay for it [default: true].
+    /// Allocate and zero all shared memory (about 1 s per GiB on a small VM), so writers never
+    /// pay for it: huge pages before the daemon answers, other memory on a thread of its own
+    /// once it does [default: true].
     #[arg(long, value_name = "BOOL")]
     pub prefault: Option<bool>,
 

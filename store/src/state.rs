@@ -183,12 +183,38 @@ pub struct ServeConfig {
     /// Whether this node is part of a cluster: then the daemon maps each segment read-write for
     /// the pulls (sending ranges to peers, landing copies).
     pub cluster: bool,
-    /// Whether the segments were pre-faulted (then the daemon's own mappings are populated
-    /// too, at no memory cost).
+    /// Whether the segments are pre-faulted (`Shared::prefault`, then the daemon's own
+    /// mappings are populated too, at no memory cost).
     pub prefault: bool,
 }
 
 impl Shared {
+    /// Allocates and zeroes the segments' memory that is not yet (shmem: hugetlbfs segments
+    /// were at creation), and builds the page tables of the daemon's own mappings for pulls;
+    /// on a thread of its own, while the daemon serves (`Segment::prefault` is safe under
+    /// writers). A failure is logged: the pages are then allocated as they are first written,
+    /// as with `--prefault false`.
+    pub fn prefault(&self) {
+        let started = std::time::Instant::now();
+        for (i, segment) in self.segments.iter().enumerate() {
+            if segment.is_hugetlb() {
+                continue;
+            }
+            // One thread: the daemon serves meanwhile, and its clients need the cores.
+            if let Err(e) = segment.prefault(1) {
+                tracing::error!(segment = i, error = %feedstore_proto::error_chain(&e), "cannot pre-fault the store's memory: its pages are allocated as they are first written");
+                return;
+            }
+        }
+        for mapping in &self.mappings {
+            mapping.populate_write(0, mapping.len() as u64);
+        }
+        tracing::info!(
+            elapsed_ms = started.elapsed().as_millis() as u64,
+            "shared memory pre-faulted"
+        );
+    }
+
     /// Wraps the daemon's segments and object state.
     pub fn new(
         objects: Objects,
@@ -214,7 +240,8 @@ impl Shared {
                             access: Access::ReadWrite,
                             source,
                         })?;
-                Mapping::new(fd, s.size_bytes(), Access::ReadWrite, config.prefault)
+                // (Populated with the pre-fault, once the pages exist: `Shared::prefault`.)
+                Mapping::new(fd, s.size_bytes(), Access::ReadWrite, false)
                     .map(|m| Arc::new(m.without_private_views()))
             })
             .collect::<Result<_, _>>()?;

@@ -133,7 +133,7 @@ impl PendingPut {
         }
         let mut statuses = std::mem::take(&mut self.statuses);
         let mut failure = self.failure.take();
-        if failure.as_ref().is_some_and(gone) && self.client.generation() != self.generation {
+        if failure.as_ref().is_some_and(gone) && self.client.reconnecting() {
             // Sent to a daemon that went away: whatever it took went with it, and its
             // successor hands the tasks out again.
             failure = None;
@@ -305,10 +305,10 @@ impl StreamFeeder {
         Ok(())
     }
 
-    /// Whether `e`, from a call on the link of `generation`, says the client has moved to a
-    /// new daemon since: the stream must be joined again there.
-    fn moved_on(&self, e: &Error, generation: u64) -> bool {
-        gone(e) && self.client.generation() != generation
+    /// Whether `e` says the daemon of the stream's join went away (or the client left it
+    /// already) and the client reconnects: the stream must be joined again on its successor.
+    fn moved_on(&self, e: &Error) -> bool {
+        gone(e) && self.client.reconnecting()
     }
 
     /// A call naming the stream (`make` builds it for the stream's id), joining the stream
@@ -318,7 +318,7 @@ impl StreamFeeder {
         loop {
             let Joined { id, generation } = self.joined();
             match self.client.call_bound(generation, &make(id)) {
-                Err(e) if tries < 3 && self.moved_on(&e, generation) => {
+                Err(e) if tries < 3 && self.moved_on(&e) => {
                     tries += 1;
                     self.rejoin(generation)?;
                 }
@@ -482,10 +482,7 @@ impl StreamFeeder {
                 // The daemon went away before any of it was sent: join its successor and put
                 // there (the objects made on the old one it refuses, as its tasks are new).
                 Err(e)
-                    if at == 0
-                        && rejoins < 3
-                        && pending.sent.is_empty()
-                        && self.moved_on(&e, joined.generation) =>
+                    if at == 0 && rejoins < 3 && pending.sent.is_empty() && self.moved_on(&e) =>
                 {
                     rejoins += 1;
                     self.rejoin(joined.generation)?;

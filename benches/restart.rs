@@ -1,0 +1,269 @@
+//! The pause a trainer sees when its node's daemon is killed (kill -9) and started again on the
+//! same socket, with clients that reconnect (`FEEDSTORE_RECONNECT_TIMEOUT`): a producer thread
+//! making 2 MiB samples into a stream, and a reader taking them as they come and dropping each
+//! at once, in this process on connections of their own. The store holds `capacity` less
+//! 512 MiB of pinned objects when the daemon is killed (a store in use), and the daemon is
+//! started again the moment the old one is gone, and again 100 ms after each start that fails
+//! (systemd's `Restart=always` with its default `RestartSec`).
+//!
+//! Per store size: how long the daemon takes to start (to answering on its socket; the default
+//! `--prefault true` allocates and zeroes the store after that, on a thread of its own), the
+//! mean time between two samples in steady state, and the pause across each restart: the
+//! longest time between two samples from the kill on.
+//!
+//! Run: `cargo bench --bench restart` (1 GiB and 16 GiB stores; `-- --quick`: 1 GiB only). The
+//! 16 GiB store needs some 17 GiB of memory free: the old store's memory goes only when every
+//! mapping of it does (each client lets go of its own the moment it finds the daemon gone).
+
+use std::os::unix::net::UnixStream;
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use feedstore_consumer::{
+    Client, ConnectOptions, CreateOptions, Delivery, Made, Role, Stream, StreamFeeder,
+    StreamOptions,
+};
+use feedstore_proto::frame::StreamTask;
+use feedstore_proto::stream::{Shuffle, StreamSpec, Tail};
+
+const SAMPLE_BYTES: usize = 2 << 20;
+const FILL_OBJECT_BYTES: u64 = 64 << 20;
+const KILLS: usize = 3;
+const STEADY: Duration = Duration::from_secs(2);
+const RECONNECT_TIMEOUT_S: &str = "120";
+
+fn main() {
+    // SAFETY: set before any other thread of this process starts (none reads the environment
+    // meanwhile); every client this bench makes, the stream's included, reads it.
+    unsafe { std::env::set_var(feedstore_proto::RECONNECT_ENV, RECONNECT_TIMEOUT_S) };
+    let quick = std::env::args().any(|a| a == "--quick");
+    let dir = std::env::temp_dir().join(format!("feedstore-restart-bench-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    println!(
+        "kill -9 of feedstored mid-stream, started again on the same socket: 2 MiB samples, \
+         {KILLS} kills per store"
+    );
+    println!();
+    println!(
+        "| store | daemon start (first, then each restart) | steady time between samples (mean) | pause across a restart (each) | starts refused |"
+    );
+    println!("|---|---|---|---|---|");
+    let sizes: &[u64] = if quick { &[1] } else { &[1, 16] };
+    for &gib in sizes {
+        run(&dir, gib << 30);
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A daemon started on `socket` (again every 100 ms while it refuses to start); how long its
+/// last start took, and how many starts it refused before.
+struct Daemon {
+    child: Child,
+    started_in: Duration,
+    refused: u32,
+}
+
+fn start(socket: &Path, log: &Path, capacity: u64) -> Daemon {
+    let mut refused = 0;
+    loop {
+        let began = Instant::now();
+        let mut child = Command::new(env!("CARGO_BIN_EXE_feedstored"))
+            .arg("--socket")
+            .arg(socket)
+            .args(["--capacity", &format!("{}MiB", capacity >> 20)])
+            .env("FEEDSTORE_LOG", "info")
+            .stdout(Stdio::null())
+            .stderr(
+                std::fs::OpenOptions::new()
+                    .create(true)
+                    .append(true)
+                    .open(log)
+                    .unwrap(),
+            )
+            .spawn()
+            .expect("spawning feedstored");
+        loop {
+            if UnixStream::connect(socket).is_ok() {
+                return Daemon {
+                    child,
+                    started_in: began.elapsed(),
+                    refused,
+                };
+            }
+            if child.try_wait().unwrap().is_some() {
+                refused += 1;
+                assert!(
+                    refused < 600,
+                    "feedstored did not start: see {}",
+                    log.display()
+                );
+                std::thread::sleep(Duration::from_millis(100));
+                break;
+            }
+            assert!(
+                began.elapsed() < Duration::from_secs(120),
+                "feedstored hangs"
+            );
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+}
+
+fn writer(socket: &Path) -> Client {
+    ConnectOptions::new(Role::Writer)
+        .socket(socket)
+        .name("restart bench")
+        .connect()
+        .expect("connecting to feedstored")
+}
+
+fn run(dir: &Path, capacity: u64) {
+    let socket = dir.join("feedstored.sock");
+    let log = dir.join(format!("feedstored-{}g.log", capacity >> 30));
+    let mut daemon = start(&socket, &log, capacity);
+    let first_start = daemon.started_in;
+    let spec = StreamSpec {
+        name: format!("restart-{}", capacity >> 30),
+        records: 1 << 30,
+        seed: 1,
+        world: 1,
+        shuffle: Shuffle::None,
+        tail: Tail::Drop,
+        epochs: Some(1),
+    };
+    let stop = Arc::new(AtomicBool::new(false));
+    let producer = {
+        let (socket, spec, stop) = (socket.clone(), spec.clone(), stop.clone());
+        std::thread::spawn(move || produce(&socket, &spec, &stop))
+    };
+    let mut stream = Stream::open(
+        &socket,
+        &spec,
+        0,
+        None,
+        StreamOptions {
+            wait: Duration::from_secs(120),
+            ..StreamOptions::default()
+        },
+    )
+    .unwrap();
+    let mut times = Vec::new();
+    let read_for = |stream: &mut Stream, how_long: Duration, times: &mut Vec<Instant>| {
+        let until = Instant::now() + how_long;
+        while Instant::now() < until {
+            let sample = stream.next_sample().unwrap().expect("an endless stream");
+            assert_eq!(sample.len(), SAMPLE_BYTES);
+            times.push(Instant::now());
+        }
+    };
+    read_for(&mut stream, STEADY, &mut times);
+    let steady = mean_gap(&times);
+    let mut pauses = Vec::new();
+    let mut starts = Vec::new();
+    let mut refused = 0;
+    for _ in 0..KILLS {
+        fill(&socket, capacity - (512 << 20));
+        read_for(&mut stream, Duration::from_millis(200), &mut times);
+        let from = times.len() - 1;
+        // The kill and the start again on a thread of their own, as the reader goes on asking
+        // for samples (a trainer waiting on its next one is what lets go of the old store).
+        let restart = {
+            let (socket, log) = (socket.clone(), log.clone());
+            let mut old = daemon;
+            std::thread::spawn(move || {
+                old.child.kill().unwrap();
+                old.child.wait().unwrap();
+                start(&socket, &log, capacity)
+            })
+        };
+        while !restart.is_finished() {
+            read_for(&mut stream, Duration::from_millis(10), &mut times);
+        }
+        daemon = restart.join().unwrap();
+        starts.push(daemon.started_in);
+        refused += daemon.refused;
+        read_for(&mut stream, STEADY, &mut times);
+        let pause = times[from..].windows(2).map(|w| w[1] - w[0]).max().unwrap();
+        pauses.push(pause);
+    }
+    assert_eq!(stream.reattached(), KILLS as u64);
+    stop.store(true, Ordering::Relaxed);
+    drop(stream);
+    producer.join().unwrap();
+    let _ = daemon.child.kill();
+    let _ = daemon.child.wait();
+    println!(
+        "| {} GiB | {:.2} s (then {}) | {:.0} µs | {} | {} |",
+        capacity >> 30,
+        first_start.as_secs_f64(),
+        starts
+            .iter()
+            .map(|d| format!("{:.2} s", d.as_secs_f64()))
+            .collect::<Vec<_>>()
+            .join(", "),
+        steady.as_secs_f64() * 1e6,
+        pauses
+            .iter()
+            .map(|d| format!("{:.2} s", d.as_secs_f64()))
+            .collect::<Vec<_>>()
+            .join(", "),
+        refused
+    );
+}
+
+/// Pins objects of 64 MiB until `bytes` of the store are used (what a store in use holds).
+fn fill(socket: &Path, bytes: u64) {
+    let client = writer(socket);
+    let mut used = client.stats().unwrap().used_bytes;
+    let pinned = CreateOptions {
+        pin: true,
+        ..CreateOptions::default()
+    };
+    while used + FILL_OBJECT_BYTES <= bytes {
+        let mut w = client.create_with(FILL_OBJECT_BYTES, pinned).unwrap();
+        w.as_mut_slice().fill(0x5a);
+        w.seal().unwrap();
+        used += FILL_OBJECT_BYTES;
+    }
+}
+
+/// Makes rank 0's samples until `stop`, going on by itself across restarts.
+fn produce(socket: &Path, spec: &StreamSpec, stop: &AtomicBool) {
+    let client = writer(socket);
+    let feeder = StreamFeeder::join(&client, spec, 16, &[StreamTask { rank: 0, seq: 0 }]).unwrap();
+    while !stop.load(Ordering::Relaxed) {
+        let Some(tasks) = feeder.take(16, Duration::from_millis(100)).unwrap() else {
+            return;
+        };
+        let mut made = Vec::new();
+        for task in tasks {
+            let mut w = match client.create(SAMPLE_BYTES as u64) {
+                Ok(w) => w,
+                Err(e) => panic!("create: {e}"),
+            };
+            w.as_mut_slice().fill(task.seq as u8);
+            made.push(Delivery {
+                task,
+                record: spec.record_at(task.rank, task.seq),
+                key: 0,
+                made: Made::Written(w),
+            });
+        }
+        // Per sample Ok, or Stale (the daemon that handed it out is gone): anything else stops.
+        for r in feeder.put(made).unwrap() {
+            if let Err(e) = r {
+                assert!(matches!(e, feedstore_consumer::Error::Stale { .. }), "{e}");
+            }
+        }
+    }
+}
+
+/// The mean time between two consecutive samples (they come in bursts: the producer puts 16
+/// at a time).
+fn mean_gap(times: &[Instant]) -> Duration {
+    (times[times.len() - 1] - times[0]) / (times.len() as u32 - 1)
+}
