@@ -11,7 +11,11 @@
 //! mean time between two samples in steady state, and the pause across each restart: the
 //! longest time between two samples from the kill on.
 //!
-//! Run: `cargo bench --bench restart` (1 GiB and 16 GiB stores; `-- --quick`: 1 GiB only). The
+//! Before the kills, the same store is taken over three times (`feedstored --takeover`): the
+//! pause across each.
+//!
+//! Run: `cargo bench --bench restart` (1 GiB and 16 GiB stores; `-- --quick`: 1 GiB only;
+//! `-- --gib N`: N GiB only; `-- --takeover-only`: no kills). The
 //! 16 GiB store needs some 17 GiB of memory free: the old store's memory goes only when every
 //! mapping of it does (each client lets go of its own the moment it finds the daemon gone).
 
@@ -39,7 +43,17 @@ fn main() {
     // SAFETY: set before any other thread of this process starts (none reads the environment
     // meanwhile); every client this bench makes, the stream's included, reads it.
     unsafe { std::env::set_var(feedstore_proto::RECONNECT_ENV, RECONNECT_TIMEOUT_S) };
-    let quick = std::env::args().any(|a| a == "--quick");
+    let args: Vec<String> = std::env::args().collect();
+    let quick = args.iter().any(|a| a == "--quick");
+    let kills = if args.iter().any(|a| a == "--takeover-only") {
+        0
+    } else {
+        KILLS
+    };
+    let only: Option<u64> = args
+        .iter()
+        .position(|a| a == "--gib")
+        .and_then(|i| args.get(i + 1)?.parse().ok());
     let dir = std::env::temp_dir().join(format!("feedstore-restart-bench-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
@@ -49,12 +63,16 @@ fn main() {
     );
     println!();
     println!(
-        "| store | daemon start (first, then each restart) | steady time between samples (mean) | pause across a restart (each) | starts refused |"
+        "| store | daemon start (first, then each restart) | steady time between samples (mean) | pause across a takeover (each) | pause across a restart (each) | starts refused |"
     );
-    println!("|---|---|---|---|---|");
-    let sizes: &[u64] = if quick { &[1] } else { &[1, 16] };
-    for &gib in sizes {
-        run(&dir, gib << 30);
+    println!("|---|---|---|---|---|---|");
+    let sizes: Vec<u64> = match (only, quick) {
+        (Some(gib), _) => vec![gib],
+        (None, true) => vec![1],
+        (None, false) => vec![1, 16],
+    };
+    for gib in sizes {
+        run(&dir, gib << 30, kills);
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
@@ -71,21 +89,7 @@ fn start(socket: &Path, log: &Path, capacity: u64) -> Daemon {
     let mut refused = 0;
     loop {
         let began = Instant::now();
-        let mut child = Command::new(env!("CARGO_BIN_EXE_feedstored"))
-            .arg("--socket")
-            .arg(socket)
-            .args(["--capacity", &format!("{}MiB", capacity >> 20)])
-            .env("FEEDSTORE_LOG", "info")
-            .stdout(Stdio::null())
-            .stderr(
-                std::fs::OpenOptions::new()
-                    .create(true)
-                    .append(true)
-                    .open(log)
-                    .unwrap(),
-            )
-            .spawn()
-            .expect("spawning feedstored");
+        let mut child = spawn(socket, log, capacity, &[]);
         loop {
             if UnixStream::connect(socket).is_ok() {
                 return Daemon {
@@ -113,6 +117,26 @@ fn start(socket: &Path, log: &Path, capacity: u64) -> Daemon {
     }
 }
 
+/// `feedstored` on `socket` with `capacity` and `extra` flags, its log appended to `log`.
+fn spawn(socket: &Path, log: &Path, capacity: u64, extra: &[&str]) -> Child {
+    Command::new(env!("CARGO_BIN_EXE_feedstored"))
+        .arg("--socket")
+        .arg(socket)
+        .args(["--capacity", &format!("{}MiB", capacity >> 20)])
+        .args(extra)
+        .env("FEEDSTORE_LOG", "info")
+        .stdout(Stdio::null())
+        .stderr(
+            std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(log)
+                .unwrap(),
+        )
+        .spawn()
+        .expect("spawning feedstored")
+}
+
 fn writer(socket: &Path) -> Client {
     ConnectOptions::new(Role::Writer)
         .socket(socket)
@@ -121,7 +145,7 @@ fn writer(socket: &Path) -> Client {
         .expect("connecting to feedstored")
 }
 
-fn run(dir: &Path, capacity: u64) {
+fn run(dir: &Path, capacity: u64, kills: usize) {
     let socket = dir.join("feedstored.sock");
     let log = dir.join(format!("feedstored-{}g.log", capacity >> 30));
     let mut daemon = start(&socket, &log, capacity);
@@ -162,10 +186,28 @@ fn run(dir: &Path, capacity: u64) {
     };
     read_for(&mut stream, STEADY, &mut times);
     let steady = mean_gap(&times);
+    // `feedstored --takeover` first: the memory, objects and sockets handed over.
+    let mut takeover_pauses = Vec::new();
+    for _ in 0..KILLS {
+        fill(&socket, capacity - (512 << 20));
+        read_for(&mut stream, Duration::from_millis(200), &mut times);
+        let from = times.len() - 1;
+        let handover = {
+            let (socket, log) = (socket.clone(), log.clone());
+            let old = daemon;
+            std::thread::spawn(move || take_over(&socket, &log, capacity, old))
+        };
+        while !handover.is_finished() {
+            read_for(&mut stream, Duration::from_millis(10), &mut times);
+        }
+        daemon = handover.join().unwrap();
+        read_for(&mut stream, STEADY, &mut times);
+        takeover_pauses.push(longest_gap(&times[from..]));
+    }
     let mut pauses = Vec::new();
     let mut starts = Vec::new();
     let mut refused = 0;
-    for _ in 0..KILLS {
+    for _ in 0..kills {
         fill(&socket, capacity - (512 << 20));
         read_for(&mut stream, Duration::from_millis(200), &mut times);
         let from = times.len() - 1;
@@ -187,32 +229,55 @@ fn run(dir: &Path, capacity: u64) {
         starts.push(daemon.started_in);
         refused += daemon.refused;
         read_for(&mut stream, STEADY, &mut times);
-        let pause = times[from..].windows(2).map(|w| w[1] - w[0]).max().unwrap();
-        pauses.push(pause);
+        pauses.push(longest_gap(&times[from..]));
     }
-    assert_eq!(stream.reattached(), KILLS as u64);
+    assert_eq!(stream.reattached(), (KILLS + kills) as u64);
     stop.store(true, Ordering::Relaxed);
     drop(stream);
     producer.join().unwrap();
     let _ = daemon.child.kill();
     let _ = daemon.child.wait();
+    let seconds = |ds: &[Duration]| {
+        ds.iter()
+            .map(|d| format!("{:.2} s", d.as_secs_f64()))
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
     println!(
-        "| {} GiB | {:.2} s (then {}) | {:.0} µs | {} | {} |",
+        "| {} GiB | {:.2} s (then {}) | {:.0} µs | {} | {} | {} |",
         capacity >> 30,
         first_start.as_secs_f64(),
-        starts
-            .iter()
-            .map(|d| format!("{:.2} s", d.as_secs_f64()))
-            .collect::<Vec<_>>()
-            .join(", "),
+        seconds(&starts),
         steady.as_secs_f64() * 1e6,
-        pauses
-            .iter()
-            .map(|d| format!("{:.2} s", d.as_secs_f64()))
-            .collect::<Vec<_>>()
-            .join(", "),
+        seconds(&takeover_pauses),
+        seconds(&pauses),
         refused
     );
+}
+
+/// The longest time between two consecutive samples.
+fn longest_gap(times: &[Instant]) -> Duration {
+    times
+        .windows(2)
+        .map(|w| w[1] - w[0])
+        .max()
+        .unwrap_or_default()
+}
+
+/// `feedstored --takeover` in place of `old`: returns once the old one exited (cleanly).
+fn take_over(socket: &Path, log: &Path, capacity: u64, mut old: Daemon) -> Daemon {
+    let child = spawn(socket, log, capacity, &["--takeover"]);
+    let status = old.child.wait().unwrap();
+    assert!(
+        status.success(),
+        "the daemon taken over exits cleanly: see {}",
+        log.display()
+    );
+    Daemon {
+        child,
+        started_in: Duration::ZERO,
+        refused: 0,
+    }
 }
 
 /// Pins objects of 64 MiB until `bytes` of the store are used (what a store in use holds).

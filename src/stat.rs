@@ -143,8 +143,8 @@ fn print_store(s: &StoreStats) {
         s.creates_waited, s.creates_full
     );
     println!(
-        "  crash recovery  {} unsealed objects aborted, {} leases reclaimed",
-        s.aborted_on_disconnect, s.leases_reclaimed
+        "  crash recovery  {} unsealed objects aborted, {} leases reclaimed; {} reconnects of clients whose daemon went away ({} connected now)",
+        s.aborted_on_disconnect, s.leases_reclaimed, s.reconnects, s.reconnected_clients
     );
     println!(
         "  limits          {} refusals (connections, streams, rings, leases, queued requests, silent connections; {} gets over a reader's share), {} in rings, {} idle streams expired",

@@ -41,13 +41,36 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         anyhow::bail!("--count must be at least 1");
     }
     let socket = args.socket.path();
-    let client = args.socket.inspect(Role::Reader, "feedstore-top")?;
+    let connect = || args.socket.inspect(Role::Reader, "feedstore-top");
+    let mut client = Some(connect()?);
     let terminal = std::io::stdout().is_terminal();
     let mut previous = Previous::default();
     let mut shown = 0u64;
+    // Since when the daemon is gone: top says so and connects again at each view until one
+    // answers on the socket (a daemon restarted, its clients reconnecting).
+    let mut gone_since: Option<Instant> = None;
     loop {
         let started = Instant::now();
-        let view = render(&client, &socket.display().to_string(), &mut previous)?;
+        if client.is_none() {
+            client = connect().ok();
+        }
+        let rendered = match &client {
+            Some(c) => render(c, &socket.display().to_string(), &mut previous).map(Some),
+            None => Ok(None),
+        };
+        let view = match rendered {
+            Ok(Some(view)) => {
+                gone_since = None;
+                view
+            }
+            Ok(None) => gone_view(&socket, *gone_since.get_or_insert(started)),
+            Err(e) if daemon_gone(&e) => {
+                client = None;
+                previous = Previous::default();
+                gone_view(&socket, *gone_since.get_or_insert(started))
+            }
+            Err(e) => return Err(e),
+        };
         let mut out = std::io::stdout().lock();
         if terminal {
             // Home and clear, then the view: one write, so the screen never shows half of it.
@@ -67,6 +90,27 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     }
 }
 
+/// Whether `e` says the daemon went away (killed, crashed, restarting).
+fn daemon_gone(e: &anyhow::Error) -> bool {
+    matches!(
+        e.downcast_ref::<feedstore_consumer::Error>(),
+        Some(
+            feedstore_consumer::Error::Disconnected { .. }
+                | feedstore_consumer::Error::ShuttingDown
+        )
+    )
+}
+
+/// The view while no daemon answers on the socket.
+fn gone_view(socket: &std::path::Path, since: Instant) -> String {
+    format!(
+        "feedstored at {} went away {:.0} s ago: connecting again at each view (its clients \
+         reconnect if FEEDSTORE_RECONNECT_TIMEOUT is set)\n",
+        socket.display(),
+        since.elapsed().as_secs_f64()
+    )
+}
+
 /// What the last view read, for the figures over the interval.
 #[derive(Debug, Default)]
 struct Previous {
@@ -82,7 +126,7 @@ fn render(client: &Client, socket: &str, previous: &mut Previous) -> anyhow::Res
     let s = client.stats().context("reading statistics")?;
     let streams = client.streams().context("listing streams")?;
     let mut v = String::new();
-    writeln!(
+    write!(
         v,
         "feedstored at {socket}: {} of {} used, {} objects, {} clients, {} evictions, {} stream(s)",
         format_bytes(s.used_bytes),
@@ -92,6 +136,14 @@ fn render(client: &Client, socket: &str, previous: &mut Previous) -> anyhow::Res
         s.evictions,
         streams.len()
     )?;
+    if s.reconnects > 0 {
+        write!(
+            v,
+            "; {} reconnects of clients whose daemon went away ({} connected now)",
+            s.reconnects, s.reconnected_clients
+        )?;
+    }
+    writeln!(v)?;
     if s.attaches_waiting > 0 {
         writeln!(
             v,

@@ -438,6 +438,43 @@ fn faults_end_in_clear_errors_and_leak_nothing() {
     drop(b);
 }
 
+/// A node in a cluster cannot be taken over yet (`feedstored --takeover`, issue 37: its pulls
+/// and peer sessions would go on writing into the memory handed over): the successor is
+/// refused with the reason, and the node goes on serving its peers and clients, untouched.
+#[test]
+fn a_node_in_a_cluster_refuses_a_takeover_and_serves_on() {
+    let _w = watchdog("a_node_in_a_cluster_refuses_a_takeover", LIMIT);
+    let dir = scratch_dir("cluster-takeover");
+    let secret = secret_file(&dir, "secret", "the-cluster-secret-of-this-test\n");
+    let common = ["--capacity", "128MiB", "--cluster-secret-file", &secret].map(String::from);
+    let (a, la) = DaemonProcess::start_listening(&dir, "a", |_| {
+        [&["--node-id".into(), "1".into()][..], &common].concat()
+    });
+    let (b, _) = DaemonProcess::start_listening(&dir, "b", |lb| {
+        let peers = format!("{la},{lb}");
+        [
+            &["--node-id", "2", "--peers", &peers].map(String::from)[..],
+            &common,
+        ]
+        .concat()
+    });
+    let (wa, rb) = (a.writer(), b.reader());
+    let before = make(&wa, 3 << 20, 1);
+    assert!(pattern_matches(&rb.get(before).unwrap(), 1));
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_feedstored"))
+        .args(["--takeover", "--node-id", "1", "--listen", &la, "--socket"])
+        .arg(&a.socket)
+        .args(&common)
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("part of a cluster"), "{err}");
+    let after = make(&wa, 5 << 20, 2);
+    assert!(pattern_matches(&rb.get(after).unwrap(), 2));
+    assert_eq!(wa.reconnects(), 0, "the node served on without a break");
+}
+
 /// Two daemons on loopback, no namespaces: runs as any user, so every CI run covers the pull
 /// path. Strangers holding 300 silent connections from 30 addresses, none of which ever proves
 /// the secret, cannot lock a real peer out: they only ever hold the handshake budget, and the

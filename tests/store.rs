@@ -604,6 +604,7 @@ fn hello_bytes() -> Vec<u8> {
         client_name: "raw".into(),
         max_frame_bytes: feedstore_proto::frame::MAX_PAYLOAD_BYTES,
         speaks: feedstore_proto::frame::Speaks::ours(),
+        reconnects: 0,
     }
     .encode(1, feedstore_proto::frame::MAX_PAYLOAD_BYTES, &mut out)
     .unwrap();
@@ -780,15 +781,159 @@ fn a_client_that_reconnects_goes_on_with_a_daemon_started_again() {
         !daemon2.log_text().contains("release of a lease not held"),
         "the old daemon's lease is not returned to the new one"
     );
+    // The new daemon counts and logs the clients that came back.
+    assert_eq!((stats.reconnects, stats.reconnected_clients), (2, 2));
+    assert!(
+        daemon2
+            .log_text()
+            .contains("client connected again after its daemon went away"),
+        "{}",
+        daemon2.log_text()
+    );
+
+    // `feedstore top` says the daemon went away, and goes on with the next one.
+    let mut top = std::process::Command::new(env!("CARGO_BIN_EXE_feedstore"))
+        .args(["top", "--interval", "0.1", "--count", "3000", "--socket"])
+        .arg(&socket)
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut lines = std::io::BufRead::lines(std::io::BufReader::new(top.stdout.take().unwrap()));
+    let mut until = |what: &str| {
+        let mut seen = Vec::new();
+        for line in lines.by_ref() {
+            let line = line.unwrap();
+            if line.contains(what) {
+                return;
+            }
+            seen.push(line);
+        }
+        panic!("top ended before {what:?}: {seen:#?}");
+    };
+    until("2 reconnects of clients whose daemon went away (2 connected now)");
+    kill9(daemon2);
+    until("went away");
+    let daemon3 = DaemonProcess::start(&dir, &[]);
+    writer.put(b"on the third").unwrap();
+    until("1 reconnects of clients whose daemon went away (1 connected now)");
+    top.kill().unwrap();
+    top.wait().unwrap();
 
     let quick = connect(Role::Reader, Duration::from_millis(300));
-    kill9(daemon2);
+    kill9(daemon3);
     let e = quick.stats().unwrap_err();
     assert!(matches!(e, Error::Disconnected { .. }), "{e}");
     let text = feedstore_proto::error_chain(&e);
     assert!(
         text.contains("did not come back within 300ms"),
         "the error says it gave up: {text}"
+    );
+}
+
+/// `feedstored --takeover` in place of a running daemon: the old one exits, the same handles
+/// read the same bytes, a view held across it is untouched, a reservation made before is
+/// sealed after, leases taken before are returned to the successor, and what a process that
+/// never came back held is dropped when it dies.
+#[test]
+fn a_daemon_taken_over_keeps_every_object_lease_and_reservation() {
+    let _w = watchdog("a_daemon_taken_over_keeps_every_object", LIMIT);
+    let dir = scratch_dir("takeover");
+    // (Streams idle for 1 s expire: the sweep that also drops what gone processes held runs
+    // every 250 ms.)
+    let flags = ["--stream-idle-secs", "1"];
+    let daemon = DaemonProcess::start(&dir, &flags);
+    let socket = daemon.socket.clone();
+    let connect = |role| {
+        ConnectOptions::new(role)
+            .socket(&socket)
+            .reconnect_timeout(Duration::from_secs(20))
+            .connect()
+            .unwrap()
+    };
+    let writer = connect(Role::Writer);
+    let reader = connect(Role::Reader);
+    let h = writer.put(b"before the takeover").unwrap();
+    let view = reader.get(h).unwrap();
+    let mut reserved = writer.create(4096).unwrap();
+    reserved.as_mut_slice().fill(0x42);
+    let held = writer
+        .put(b"held by a process that never reconnects")
+        .unwrap();
+    let mut holder = ClientProcess::spawn(&socket, &format!("hold-leases {held}"));
+    assert_eq!(holder.ready(), "3");
+    let epoch = reader.epoch();
+    let before = reader.stats().unwrap();
+
+    let daemon = daemon.take_over(&dir, &flags);
+    assert!(
+        daemon
+            .log_text()
+            .contains("took over the running daemon's memory, objects and sockets"),
+        "{}",
+        daemon.log_text()
+    );
+    // The reservation made before is sealed by the successor, and reads back.
+    let sealed = reserved.seal().unwrap();
+    assert_eq!(writer.reconnects(), 1);
+    assert_eq!(&*reader.get(sealed).unwrap(), &[0x42; 4096][..]);
+    assert_eq!(
+        reader.epoch(),
+        epoch,
+        "the same epoch: every handle stays valid"
+    );
+    assert_eq!(&*reader.get(h).unwrap(), b"before the takeover");
+    assert_eq!(
+        &*view, b"before the takeover",
+        "a view from before is untouched"
+    );
+    let after = reader.stats().unwrap();
+    assert_eq!(after.used_bytes, before.used_bytes);
+    assert_eq!(after.objects_sealed, before.objects_sealed + 1);
+    // The view's lease, taken before, is returned to the successor.
+    let leases_with_view = after.leases;
+    drop(view);
+    reader.flush_releases();
+    assert_eq!(reader.stats().unwrap().leases, leases_with_view - 1);
+    assert!(
+        !daemon.log_text().contains("release of a lease not held"),
+        "{}",
+        daemon.log_text()
+    );
+    // The holder never came back: its three leases go when it dies.
+    assert!(reader.stats().unwrap().leases >= 3);
+    holder.kill9();
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while reader.stats().unwrap().leases != 0 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{}",
+            daemon.log_text()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert!(
+        daemon
+            .log_text()
+            .contains("a client process gone since the hand-over")
+    );
+
+    // A takeover that cannot happen leaves the daemon serving: another node id.
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_feedstored"))
+        .args(["--takeover", "--node-id", "12345", "--socket"])
+        .arg(&socket)
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("cannot take over") && err.contains("--node-id"),
+        "{err}"
+    );
+    assert_eq!(&*reader.get(h).unwrap(), b"before the takeover");
+    assert_eq!(
+        reader.reconnects(),
+        1,
+        "the daemon served on without a break"
     );
 }
 
@@ -1150,6 +1295,7 @@ fn a_client_of_no_common_protocol_version_is_told_both_versions() {
             client_name: "from another release".into(),
             max_frame_bytes: MAX_PAYLOAD_BYTES,
             speaks: speaks.clone(),
+            reconnects: 0,
         }
         .encode_in(version.max(MIN_VERSION), 7, MAX_PAYLOAD_BYTES, &mut hello)
         .unwrap();

@@ -551,10 +551,11 @@ fn kill_everything_and_resume_exactly() {
     }
 }
 
-/// kill -9 on the daemon alone, three times mid-epoch, each time started again on the same
-/// socket (at once, after 0.3 s, after 1 s): the producers and consumers, which reconnect, go
-/// on by themselves, and every rank reads exactly the uninterrupted sequence; a sample each
-/// consumer held from its start still reads its own bytes at the end.
+/// `feedstored --takeover` mid-epoch, then kill -9 on the daemon alone, three times, each time
+/// started again on the same socket (at once, after 0.3 s, after 1 s): the producers and
+/// consumers, which reconnect, go on by themselves, and every rank reads exactly the
+/// uninterrupted sequence; a sample each consumer held from its start, before all four, still
+/// reads its own bytes at the end.
 #[test]
 fn a_daemon_killed_and_started_again_loses_and_repeats_no_sample() {
     let _w = watchdog(
@@ -567,13 +568,18 @@ fn a_daemon_killed_and_started_again_loses_and_repeats_no_sample() {
     let mut daemon = DaemonProcess::start(&dir, &[]);
     let mut procs = start_all(&daemon.socket, &s, 2, &dir, 20_000, true);
     let mut unfinished_at_kills = Vec::new();
-    for pause_ms in [0, 300, 1000] {
+    // First a takeover (`feedstored --takeover`: the old daemon exits), then three kill -9s.
+    for pause_ms in [None, Some(0), Some(300), Some(1000)] {
         std::thread::sleep(Duration::from_millis(150));
         unfinished_at_kills.push(
             (0..s.world)
                 .filter(|r| !Checkpoint::read(&dir.join(format!("rank{r}"))).done)
                 .count(),
         );
+        let Some(pause_ms) = pause_ms else {
+            daemon = daemon.take_over(&dir, &[]);
+            continue;
+        };
         let pid = nix::unistd::Pid::from_raw(daemon.child.id() as i32);
         nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGKILL).unwrap();
         daemon.child.wait().unwrap();
@@ -595,7 +601,7 @@ fn a_daemon_killed_and_started_again_loses_and_repeats_no_sample() {
         "every kill landed mid-run (unfinished ranks at each: {unfinished_at_kills:?})"
     );
     assert!(
-        reattached >= 3,
+        reattached >= 4,
         "the consumers attached again ({reattached} times in all)"
     );
     let resumed: Vec<Vec<u64>> = (0..s.world)
@@ -603,7 +609,7 @@ fn a_daemon_killed_and_started_again_loses_and_repeats_no_sample() {
         .collect();
     assert_eq!(
         resumed, reference,
-        "after three kill -9s of the daemon alone, every rank read exactly the uninterrupted sequence"
+        "after a takeover and three kill -9s of the daemon alone, every rank read exactly the uninterrupted sequence"
     );
 }
 

@@ -92,11 +92,7 @@ impl ConnectOptions {
             populate: true,
             create_timeout: Duration::from_secs(10),
             release_delay: Duration::from_millis(1),
-            reconnect_timeout: std::env::var(feedstore_proto::RECONNECT_ENV)
-                .ok()
-                .and_then(|v| v.trim().parse::<f64>().ok())
-                .and_then(|s| Duration::try_from_secs_f64(s).ok())
-                .unwrap_or(Duration::ZERO),
+            reconnect_timeout: reconnect_timeout_from_env(),
         }
     }
 
@@ -208,8 +204,30 @@ fn fork_generation() -> u64 {
     FORKS.load(Ordering::Relaxed)
 }
 
-/// Says that a client speaks an older protocol than its newest with its daemon: once per
-/// process at warn (every connection of a DataLoader's workers would repeat it), then at debug.
+/// [`feedstore_proto::RECONNECT_ENV`] in seconds; unset, or not a number of seconds (warned
+/// once), 0: no reconnect.
+fn reconnect_timeout_from_env() -> Duration {
+    let Ok(text) = std::env::var(feedstore_proto::RECONNECT_ENV) else {
+        return Duration::ZERO;
+    };
+    let parsed = text
+        .trim()
+        .parse::<f64>()
+        .ok()
+        .and_then(|s| Duration::try_from_secs_f64(s).ok());
+    parsed.unwrap_or_else(|| {
+        static WARNED: AtomicBool = AtomicBool::new(false);
+        if !WARNED.swap(true, Ordering::Relaxed) {
+            tracing::warn!(
+                value = %text,
+                "{} is not a number of seconds; clients do not reconnect",
+                feedstore_proto::RECONNECT_ENV
+            );
+        }
+        Duration::ZERO
+    })
+}
+
 /// `pause`, moved by up to half of it either way (clients that lost one daemon do not all
 /// knock on its successor at the same instant).
 fn jittered(pause: Duration) -> Duration {
@@ -221,6 +239,8 @@ fn jittered(pause: Duration) -> Duration {
     pause.mul_f64(0.5 + spread)
 }
 
+/// Says that a client speaks an older protocol than its newest with its daemon: once per
+/// process at warn (every connection of a DataLoader's workers would repeat it), then at debug.
 fn note_downgrade(opts: &ConnectOptions, from: u16, to: u16, why: &str) {
     static WARNED: AtomicBool = AtomicBool::new(false);
     let socket = opts.socket.display();
@@ -254,8 +274,16 @@ pub(crate) struct Link {
     daemon: Speaks,
     /// Out of step with the daemon, or the daemon gone: no call goes through it any more.
     broken: AtomicBool,
+    /// Broken because the daemon went away (end of stream, a reset, `ShuttingDown`): only
+    /// then does a reconnecting client connect again. (Out of step with a daemon still there,
+    /// it must not: the daemon would reclaim the leases of views still in use.)
+    gone: AtomicBool,
     /// How many links the client had before this one.
     generation: u64,
+    /// The generation of the first link to this daemon's memory: a daemon that took over
+    /// from the one before (`feedstored --takeover`, the same epoch) holds the leases taken
+    /// on its predecessor, so they are returned to it; one started afresh does not.
+    lineage: u64,
 }
 
 impl Link {
@@ -276,6 +304,10 @@ impl Link {
 
     pub(crate) fn generation(&self) -> u64 {
         self.generation
+    }
+
+    pub(crate) fn lineage(&self) -> u64 {
+        self.lineage
     }
 
     /// Whether the daemon at the other end has `feature` (and so does this client).
@@ -311,7 +343,9 @@ impl Link {
             version: self.version,
             daemon: self.daemon.clone(),
             broken: AtomicBool::new(true),
+            gone: AtomicBool::new(true),
             generation: self.generation,
+            lineage: self.lineage,
         })
     }
 }
@@ -321,6 +355,8 @@ pub(crate) struct Inner {
     link: RwLock<Arc<Link>>,
     /// The current link's generation, for the paths that only compare it.
     generation: AtomicU64,
+    /// The current link's lineage (leases of that lineage are returned to it).
+    lineage: AtomicU64,
     /// How this client connected: how it connects again.
     opts: ConnectOptions,
     /// Times this client connected again after its daemon went away.
@@ -444,10 +480,16 @@ impl Client {
 
     /// Connects and says hello in the newest protocol version this client speaks, again in an
     /// older one (on a new connection) while the daemon speaks only older ones: the socket, the
-    /// send buffer and the daemon's welcome. `again`: a reconnect, for which a close at hello
+    /// send buffer and the daemon's welcome. `reconnects`: how many times the client connected
+    /// again after its daemon went away (the hello says so); on a reconnect, a close at hello
     /// is a daemon still starting (tried again later), never a reason to speak an older
     /// version.
-    fn greet(opts: &ConnectOptions, again: bool) -> Result<(UnixStream, Vec<u8>, Welcome), Error> {
+    fn greet(
+        opts: &ConnectOptions,
+        reconnects: u64,
+    ) -> Result<(UnixStream, Vec<u8>, Welcome), Error> {
+        let again = reconnects > 0;
+        let reconnects = u32::try_from(reconnects).unwrap_or(u32::MAX);
         let mut version = frame::VERSION;
         // A daemon that closes at hello without a word is 0.1.0's, or one that restarted just
         // then: the first such close is tried again in the same version.
@@ -459,7 +501,7 @@ impl Client {
             })?;
             check_daemon_uid(&stream, opts)?;
             let mut wbuf = Vec::with_capacity(256);
-            match hello(&stream, opts, &mut wbuf, version)? {
+            match hello(&stream, opts, &mut wbuf, version, reconnects)? {
                 Greeted::Welcome(welcome) => return Ok((stream, wbuf, welcome)),
                 Greeted::Closed if again => return Err(Error::Disconnected { source: None }),
                 Greeted::Closed if silent_closes == 0 && version > frame::MIN_VERSION => {
@@ -493,7 +535,7 @@ impl Client {
         opts: &ConnectOptions,
         generation: u64,
     ) -> Result<(Link, Vec<u8>, RecvBuf), Error> {
-        let (stream, wbuf, welcome) = Client::greet(opts, generation > 0)?;
+        let (stream, wbuf, welcome) = Client::greet(opts, generation)?;
         let Welcome {
             node_id,
             epoch,
@@ -529,7 +571,9 @@ impl Client {
             version,
             daemon,
             broken: AtomicBool::new(false),
+            gone: AtomicBool::new(false),
             generation,
+            lineage: generation,
         };
         Ok((link, wbuf, rbuf))
     }
@@ -555,6 +599,7 @@ impl Client {
             inner: Arc::new(Inner {
                 link: RwLock::new(Arc::new(link)),
                 generation: AtomicU64::new(0),
+                lineage: AtomicU64::new(0),
                 reconnects: AtomicU64::new(0),
                 forks,
                 call: Mutex::new(CallState {
@@ -603,6 +648,11 @@ impl Client {
         self.inner.reconnects.load(Ordering::Relaxed)
     }
 
+    /// Whether the link in use is broken (the daemon gone, or out of step).
+    pub(crate) fn link_broken(&self) -> bool {
+        self.link().broken.load(Ordering::Relaxed)
+    }
+
     /// Whether this client reconnects when its daemon goes away.
     pub(crate) fn reconnecting(&self) -> bool {
         !self.inner.opts.reconnect_timeout.is_zero()
@@ -617,7 +667,7 @@ impl Client {
             return Ok(current);
         }
         let limit = self.inner.opts.reconnect_timeout;
-        if limit.is_zero() {
+        if limit.is_zero() || !dead.gone.load(Ordering::Relaxed) {
             return Err(Error::Disconnected { source: None });
         }
         let started = Instant::now();
@@ -629,7 +679,12 @@ impl Client {
             let mut opts = self.inner.opts.clone();
             opts.hello_timeout = opts.hello_timeout.min(left).max(RECONNECT_FIRST);
             let failure = match Client::establish(&opts, dead.generation + 1) {
-                Ok((link, wbuf, rbuf)) => {
+                Ok((mut link, wbuf, rbuf)) => {
+                    // The same memory and epoch: a successor that took the daemon over.
+                    let taken_over = link.node_id == dead.node_id && link.epoch == dead.epoch;
+                    if taken_over {
+                        link.lineage = dead.lineage;
+                    }
                     let link = Arc::new(link);
                     *state = CallState {
                         next_id: state.next_id,
@@ -638,12 +693,16 @@ impl Client {
                         outstanding: VecDeque::new(),
                         arrived: Vec::new(),
                     };
-                    // Releases queued for the old daemon's leases mean nothing to this one.
-                    drop(self.inner.releases.take());
+                    // Releases queued for the old daemon's leases mean nothing to a daemon
+                    // started afresh; a successor holds those leases and takes them back.
+                    if !taken_over {
+                        drop(self.inner.releases.take());
+                    }
                     *self.inner.link.write().unwrap_or_else(|e| e.into_inner()) = link.clone();
                     self.inner
                         .generation
                         .store(link.generation, Ordering::Release);
+                    self.inner.lineage.store(link.lineage, Ordering::Release);
                     self.inner.reconnects.fetch_add(1, Ordering::Relaxed);
                     tracing::warn!(
                         socket = %opts.socket.display(),
@@ -682,8 +741,12 @@ impl Client {
     /// Marks `link` broken (the daemon gone, or out of step) and, if it is still the one in
     /// use, puts its tombstone in its place: the client lets go of that store's mappings now,
     /// not when it reconnects.
-    fn broke(&self, link: &Arc<Link>) {
+    fn broke(&self, link: &Arc<Link>, why: &Error) {
         link.breaks();
+        if !gone(why) {
+            return;
+        }
+        link.gone.store(true, Ordering::Relaxed);
         let mut current = self.inner.link.write().unwrap_or_else(|e| e.into_inner());
         if Arc::ptr_eq(&current, link)
             && let Some(tombstone) = link.tombstone()
@@ -803,12 +866,24 @@ impl Client {
         }
     }
 
-    /// Every open stream on the daemon (asked for in pages that fit the frame limits).
+    /// Every open stream on the daemon (asked for in pages that fit the frame limits; the
+    /// pages after the first are asked of the daemon that answered the first, never of one
+    /// started since: stream ids are numbered per daemon).
     pub fn streams(&self) -> Result<Vec<feedstore_proto::frame::StreamInfo>, Error> {
         let mut all = Vec::new();
         let mut after = 0;
+        let mut generation = None;
         loop {
-            match self.call(&Request::StreamList { after })? {
+            let request = Request::StreamList { after };
+            let response = match generation {
+                None => {
+                    let (response, link) = self.call_linked(&request)?;
+                    generation = Some(link.generation());
+                    response
+                }
+                Some(g) => self.call_bound(g, &request)?,
+            };
+            match response {
                 Response::Streams { streams, more } => {
                     let last = streams.last().map(|s| s.id);
                     all.extend(streams);
@@ -829,9 +904,11 @@ impl Client {
 
     /// Closes stream `id` (from [`Client::streams`]) for everyone: its held samples go back to
     /// the store, its producers and consumers see it end. Needs a writer of the uid that made
-    /// the stream, root or the daemon's uid.
+    /// the stream, root or the daemon's uid. Sent only to the daemon this client is connected
+    /// to now (never again to one started since: ids are numbered per daemon): after
+    /// [`Client::reconnects`] moved, list the streams again.
     pub fn close_stream(&self, id: u32) -> Result<(), Error> {
-        match self.call(&Request::StreamClose { stream: id })? {
+        match self.call_bound(self.generation(), &Request::StreamClose { stream: id })? {
             Response::Done(_) => Ok(()),
             other => Err(unexpected(other)),
         }
@@ -942,15 +1019,17 @@ impl Client {
     /// reconnects (else `Disconnected`); refused if the call is `bound` to another.
     fn sendable(&self, state: &mut CallState, bound: Option<u64>) -> Result<Arc<Link>, Error> {
         let mut link = self.link();
-        if link.broken.load(Ordering::Relaxed) {
-            link = self.relink(state, &link)?;
-        }
-        if bound.is_some_and(|g| g != link.generation) {
+        // A call bound to a link that is gone fails at once: its owner sets itself up again
+        // (and a `Drop` that detaches never waits for a daemon to come back).
+        if bound.is_some_and(|g| g != link.generation || link.broken.load(Ordering::Relaxed)) {
             return Err(Error::Disconnected {
                 source: Some(std::io::Error::other(
-                    "feedstored restarted since this stream was set up",
+                    "feedstored went away since this stream was set up",
                 )),
             });
+        }
+        if link.broken.load(Ordering::Relaxed) {
+            link = self.relink(state, &link)?;
         }
         Ok(link)
     }
@@ -1026,7 +1105,7 @@ impl Client {
                     | Error::ShuttingDown),
                 ) => {
                     if !matches!(e, Error::ShuttingDown) || self.reconnecting() {
-                        self.broke(&link);
+                        self.broke(&link, &e);
                     }
                     if !(gone(&e) && self.reconnecting()) {
                         return Err(e);
@@ -1061,7 +1140,7 @@ impl Client {
             match self.read_outstanding(state, Some(oldest), &link) {
                 Ok(reply) => state.arrived.extend(reply.map(|r| (oldest, r))),
                 Err(e) => {
-                    self.broke(&link);
+                    self.broke(&link, &e);
                     return Err(e);
                 }
             }
@@ -1074,7 +1153,7 @@ impl Client {
         }
         let id = Self::encode_call(&link, &inner.releases, state, request)?;
         if let Err(e) = self.send_on(&link, &state.wbuf) {
-            self.broke(&link);
+            self.broke(&link, &e);
             return Err(e);
         }
         state.outstanding.push_back(id);
@@ -1109,7 +1188,7 @@ impl Client {
                 ticket.0
             ))),
             Err(e) => {
-                self.broke(&link);
+                self.broke(&link, &e);
                 Err(e)
             }
         }
@@ -1156,14 +1235,16 @@ impl Client {
         if !queued.is_empty() {
             encode_releases(&queued, limit, version, &mut buf)?;
         }
-        self.send_on(&link, &buf).inspect_err(|_| self.broke(&link))
+        self.send_on(&link, &buf)
+            .inspect_err(|e| self.broke(&link, e))
     }
 
-    /// Returns a lease taken on the link of `generation`: queued to ride with the next
-    /// request, or sent at once when the queue is long or the connection has no release delay.
-    /// A lease from a daemon this client has left since went with it: nothing to send.
-    pub(crate) fn release(&self, handle: Handle, generation: u64) {
-        if self.inner.forked() || generation != self.generation() {
+    /// Returns a lease taken on a link of `lineage`: queued to ride with the next request, or
+    /// sent at once when the queue is long or the connection has no release delay. A lease
+    /// from a daemon this client has left since went with it, unless the daemon it is linked
+    /// to now took that one over: nothing to send.
+    pub(crate) fn release(&self, handle: Handle, lineage: u64) {
+        if self.inner.forked() || lineage != self.inner.lineage.load(Ordering::Acquire) {
             return; // the parent's lease, not this child's to return; or the old daemon's
         }
         let queue = &self.inner.releases;
@@ -1197,10 +1278,11 @@ impl Client {
             return;
         }
         let mut buf = Vec::with_capacity(frame::HEADER_BYTES + 4 + 16 * handles.len());
-        if encode_releases(handles, link.request_limit, link.version, &mut buf).is_err()
-            || self.send_on(&link, &buf).is_err()
-        {
-            self.broke(&link);
+        let sent = encode_releases(handles, link.request_limit, link.version, &mut buf)
+            .map_err(Error::from)
+            .and_then(|()| self.send_on(&link, &buf));
+        if let Err(e) = sent {
+            self.broke(&link, &e);
         }
     }
 

@@ -17,19 +17,20 @@ use crate::{Client, Error};
 pub(crate) struct LeaseHold {
     client: Client,
     handle: Handle,
-    /// The generation of the client's link the lease came on: a lease from a daemon the
-    /// client has left since is not returned to the new one.
-    generation: u64,
+    /// The lineage of the client's link the lease came on: a lease from a daemon the client
+    /// has left since is not returned to a daemon started afresh (only to one that took that
+    /// one over).
+    lineage: u64,
 }
 
 impl LeaseHold {
     /// Takes ownership of a lease the daemon granted `client`'s connection (its link of
-    /// `generation`) on `handle`.
-    pub(crate) fn new(client: Client, handle: Handle, generation: u64) -> LeaseHold {
+    /// `lineage`) on `handle`.
+    pub(crate) fn new(client: Client, handle: Handle, lineage: u64) -> LeaseHold {
         LeaseHold {
             client,
             handle,
-            generation,
+            lineage,
         }
     }
 
@@ -40,7 +41,7 @@ impl LeaseHold {
 
 impl Drop for LeaseHold {
     fn drop(&mut self) {
-        self.client.release(self.handle, self.generation);
+        self.client.release(self.handle, self.lineage);
     }
 }
 
@@ -202,7 +203,7 @@ impl Client {
         loc: Location,
         writer: u32,
     ) -> Result<Lease, Error> {
-        let hold = LeaseHold::new(self.clone(), handle, link.generation());
+        let hold = LeaseHold::new(self.clone(), handle, link.lineage());
         let mapping = link.mapping(loc)?.clone();
         // SAFETY: the daemon answered this connection's get of `handle` on `link` with `loc`:
         // a lease on the sealed object there (in that link's mapping), now owned by `hold`

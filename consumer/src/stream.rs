@@ -489,7 +489,7 @@ impl Stream {
         let hold = SampleHold {
             seq: entry.seq,
             returns: self.returns.clone(),
-            lease: LeaseHold::new(self.client.clone(), entry.handle, self.link.generation()),
+            lease: LeaseHold::new(self.client.clone(), entry.handle, self.link.lineage()),
         };
         let mapping = self.link.mapping(entry.location)?.clone();
         // SAFETY: the daemon publishes an entry into this connection's ring only after taking a

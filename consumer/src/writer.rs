@@ -187,7 +187,9 @@ impl Drop for ObjectWriter {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .remove(&self.handle);
-        if !self.done {
+        // (Never waits for a daemon that went away to come back: its reservations went with
+        // it, or its successor drops them with this process.)
+        if !self.done && !self.client.link_broken() {
             let handle = self.handle;
             if let Err(e) = self
                 .client

@@ -5,7 +5,7 @@
 //!
 //! Every opcode is reached: the input's first two bytes choose an opcode, a direction and a
 //! version this crate speaks, and the rest is taken as that frame's payload; the whole input is
-//! also parsed as raw frames.
+//! also parsed as raw frames, and as a daemon's hand-over to its successor.
 
 #![no_main]
 
@@ -43,6 +43,11 @@ fn check(frame: &Frame<'_>, bytes: &[u8]) {
 }
 
 fuzz_target!(|data: &[u8]| {
+    // A daemon's hand-over to its successor (`feedstored --takeover`) decodes or fails, and
+    // re-encodes to the same bytes.
+    if let Ok(handover) = feedstore_proto::handover::Handover::decode(data) {
+        assert_eq!(handover.encode(), data, "a hand-over re-encodes to the same bytes");
+    }
     if let [op, direction, payload @ ..] = data {
         let op = Opcode::ALL[*op as usize % Opcode::ALL.len()];
         let reply = if direction & 1 == 1 { REPLY_BIT } else { 0 };

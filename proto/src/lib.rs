@@ -37,6 +37,7 @@
 pub mod batch;
 pub mod frame;
 mod handle;
+pub mod handover;
 pub mod peer;
 pub mod peer_stream;
 pub mod ring;

@@ -133,6 +133,11 @@ store_stats! {
     /// Peer connections closed before they proved the cluster secret: the handshake budget was
     /// full (the oldest goes), their address held its share, or the handshake deadline passed.
     peer_handshakes_dropped,
+    /// Connections, since this daemon started, of clients that connected again after the
+    /// daemon before it went away (killed, crashed, restarted: their hello says so).
+    reconnects,
+    /// Connected clients that came back that way.
+    reconnected_clients,
 }
 
 impl StoreStats {

@@ -397,7 +397,11 @@ class _WorkerLoop:
                 except feedstore.NotFound:
                     # Reserved in a daemon that went away before the seal (the client
                     # reconnected to the one started in its place): written again there.
-                    if attempt + 1 == MAX_WRITES or not self.client.predates(reserved[-1]):
+                    if (
+                        attempt + 1 == MAX_WRITES
+                        or not reserved
+                        or not self.client.predates(reserved[-1])
+                    ):
                         raise
         except feedstore.Full as e:
             raise feedstore.Full(

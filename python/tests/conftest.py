@@ -31,14 +31,15 @@ def binary(name: str) -> pathlib.Path:
     raise RuntimeError(f"{name} is not built: run `cargo build --release --bins`")
 
 
-def start_daemon(socket: pathlib.Path, log: pathlib.Path) -> subprocess.Popen:
+def start_daemon(socket: pathlib.Path, log: pathlib.Path, *extra: str) -> subprocess.Popen:
     """Starts feedstored on `socket` (its log appended to `log`) and waits until it answers
     there: a socket file left by a daemon killed with kill -9 refuses connections until then."""
     import socket as sockets
 
     with open(log, "ab") as stderr:
         process = subprocess.Popen(
-            [binary("feedstored"), "--socket", socket, "--capacity", "256MiB", "--prefault", "false"],
+            [binary("feedstored"), "--socket", socket, "--capacity", "256MiB", "--prefault", "false",
+             *extra],
             stderr=stderr,
         )
     deadline = time.monotonic() + 30
@@ -65,6 +66,13 @@ class Daemon:
         self.process.wait(timeout=30)
         time.sleep(pause)
         self.process = start_daemon(pathlib.Path(self.socket), self.log)
+
+    def take_over(self) -> None:
+        """`feedstored --takeover` in place of the daemon: returns once the old one exited
+        (cleanly) and the new one serves."""
+        successor = start_daemon(pathlib.Path(self.socket), self.log, "--takeover")
+        assert self.process.wait(timeout=60) == 0, self.log.read_text()
+        self.process = successor
 
     def stats(self) -> dict:
         import feedstore

@@ -424,14 +424,16 @@ class Slow(Augmented):
         return super().__getitem__(i)
 
 
+@pytest.mark.parametrize("event", ["kill -9", "takeover"])
 def test_a_loader_goes_on_across_its_daemon_killed_and_started_again(
-    daemon, pools, monkeypatch
+    daemon, pools, monkeypatch, event
 ):
     """Issue 37: the daemon killed (kill -9) mid-epoch and started again on the same socket,
     with FEEDSTORE_RECONNECT_TIMEOUT set: the trainer and the pool's processes reconnect, the
     batches that went with the old daemon are made again (from the random state they were
     first made from), and the epoch is torch's, batch for batch; the batches taken before the
-    kill still read their own bytes after it."""
+    kill still read their own bytes after it. Taken over instead (`feedstored --takeover`),
+    no batch is lost: none is made again."""
     monkeypatch.setenv("FEEDSTORE_RECONNECT_TIMEOUT", "30")
     theirs = torchs(Slow(), batch_size=4, shuffle=True, num_workers=2)
     seeded(7)
@@ -444,10 +446,16 @@ def test_a_loader_goes_on_across_its_daemon_killed_and_started_again(
         # each) into the old daemon, and their replies wait; the kill lands on those batches
         # (made again) and on the ones being made (written again into the new daemon).
         time.sleep(1.0)
-        daemon.kill_and_start_again(pause=0.2)
+        if event == "takeover":
+            daemon.take_over()
+        else:
+            daemon.kill_and_start_again(pause=0.2)
     ours += list(iterator)
     assert_same_batches(ours, theirs)
-    assert loader.feedstore_counters.batches_remade > 0
+    if event == "takeover":
+        assert loader.feedstore_counters.batches_remade == 0
+    else:
+        assert loader.feedstore_counters.batches_remade > 0
     assert pids(iterator) == served_by, "the same pool processes, on the new daemon"
     del ours, iterator
     store_empty(daemon)

@@ -195,6 +195,18 @@ impl Segment {
         self.fd.as_fd()
     }
 
+    /// A segment another daemon made, from its read-write descriptor (a daemon taking over
+    /// from it): checked to be sealed against shrinking, and at least `size_bytes` long.
+    pub fn adopt(fd: OwnedFd, size_bytes: u64, hugetlb: bool) -> Result<Segment, ShmError> {
+        use std::os::fd::AsFd;
+        crate::mapping::check_sealed(fd.as_fd(), size_bytes)?;
+        Ok(Segment {
+            fd,
+            size_bytes,
+            hugetlb,
+        })
+    }
+
     /// A new descriptor for the same memory opened `O_RDONLY` (for readers): mapping it writable
     /// fails with `EACCES`, and `mprotect` cannot upgrade a mapping of it either.
     pub fn reopen_readonly(&self) -> Result<OwnedFd, ShmError> {

@@ -24,6 +24,17 @@ pub struct Args {
     /// flags override it.
     #[arg(long, value_name = "FILE")]
     pub config: Option<PathBuf>,
+
+    /// Take over from the feedstored serving on the socket (an upgrade, a reload): receive its
+    /// shared memory, objects and listening sockets, then it exits. Every handle, view and
+    /// reservation stays valid; clients reconnect by themselves (FEEDSTORE_RECONNECT_TIMEOUT)
+    /// and their streams go on. Run it as the running daemon's uid or root, with the same node
+    /// id; the memory (--capacity, --segment-size, huge pages) is the running daemon's, the
+    /// other settings this one's. Refused, with the running daemon serving on, when no daemon
+    /// answers, it runs as another uid, the node id differs, it is part of a cluster (not yet
+    /// supported), or it cannot hand over to this build.
+    #[arg(long)]
+    pub takeover: bool,
 }
 
 impl Args {
@@ -83,6 +94,7 @@ pub fn main() -> ExitCode {
 pub fn main_from(args: impl IntoIterator<Item = std::ffi::OsString>) -> ExitCode {
     let args = Args::parse_from(args);
     init_logging();
+    let takeover = args.takeover;
     let config = match args.resolve() {
         Ok(c) => c,
         Err(e) => {
@@ -90,7 +102,12 @@ pub fn main_from(args: impl IntoIterator<Item = std::ffi::OsString>) -> ExitCode
             return ExitCode::from(2);
         }
     };
-    let daemon = match Daemon::bind(&config) {
+    let started = if takeover {
+        Daemon::take_over(&config)
+    } else {
+        Daemon::bind(&config)
+    };
+    let daemon = match started {
         Ok(d) => d,
         Err(e) => {
             eprintln!("feedstored: error: {}", error_line(&e));

@@ -1,5 +1,6 @@
 //! Starting, running and stopping a daemon.
 
+use std::os::fd::AsRawFd;
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -88,6 +89,9 @@ pub enum StartError {
     /// The async runtime could not start.
     #[error("cannot start the runtime")]
     Runtime(#[source] std::io::Error),
+    /// `--takeover` could not take the running daemon over (it serves on, untouched).
+    #[error("cannot take over: {0}")]
+    Takeover(String),
 }
 
 /// A daemon whose segments exist and whose socket is bound, ready to serve.
@@ -102,6 +106,8 @@ pub struct Daemon {
     metrics_listener: Option<std::net::TcpListener>,
     socket: PathBuf,
     worker_threads: usize,
+    /// The daemon this one took over (`--takeover`), told once this one serves, and its pid.
+    predecessor: Option<(std::os::unix::net::UnixStream, i32)>,
 }
 
 impl Daemon {
@@ -109,17 +115,7 @@ impl Daemon {
     /// [`Daemon::spawn`].
     pub fn bind(config: &DaemonConfig) -> Result<Daemon, StartError> {
         check_capacity(config)?;
-        let gid = match &config.socket_group {
-            Some(name) => Some(
-                nix::unistd::Group::from_name(name)
-                    .ok()
-                    .flatten()
-                    .ok_or_else(|| StartError::UnknownGroup { name: name.clone() })?
-                    .gid
-                    .as_raw(),
-            ),
-            None => None,
-        };
+        let gid = socket_gid(config)?;
         // Everything about the socket that can fail is checked before seconds go into shared
         // memory: its length, its directory, another daemon on it.
         let daemon_uid = nix::unistd::geteuid().as_raw();
@@ -137,12 +133,7 @@ impl Daemon {
         };
         let manage_dir = config.socket == feedstore_proto::own_socket_path();
         prepare_socket(&config.socket, access, manage_dir)?;
-        let secret = config
-            .cluster
-            .secret_file
-            .as_deref()
-            .map(crate::cluster::auth::Secret::load)
-            .transpose()?;
+        let secret = load_secret(config)?;
         let peer_listener = config
             .cluster
             .listen
@@ -157,19 +148,13 @@ impl Daemon {
             })
             .transpose()?;
         let segments = create_segments(config)?;
-        let (shared, cluster) = shared_state(config, segments, secret, daemon_uid, gid)?;
+        let (shared, cluster) = shared_state(config, segments, None, secret, daemon_uid, gid)?;
         // Bound last, when everything is mapped: a client that finds the socket is answered
         // at once. (The pre-fault of shmem, about 0.7 s per GiB, runs after, while the daemon
         // serves: its clients, waiting to reconnect after a restart, are not kept waiting.)
         let listener = bind_socket(&config.socket, access)?;
         let shared = Arc::new(shared);
-        if config.prefault {
-            let shared = shared.clone();
-            std::thread::Builder::new()
-                .name("feedstore-prefault".into())
-                .spawn(move || shared.prefault())
-                .map_err(StartError::Runtime)?;
-        }
+        spawn_prefault(config, &shared)?;
         tracing::info!(
             socket = %config.socket.display(),
             node = %format!("{:08x}", config.node_id),
@@ -197,6 +182,82 @@ impl Daemon {
             metrics_listener,
             socket: config.socket.clone(),
             worker_threads: config.worker_threads,
+            predecessor: None,
+        })
+    }
+
+    /// Takes over from the daemon serving on `config.socket` (`--takeover`): its segments, its
+    /// object table and its listeners, received over its socket (`crate::handoff`). The
+    /// memory and the epoch are the predecessor's, so `--capacity` and `--segment-size` are
+    /// whatever it had; the node id must be the same. Nothing is served until
+    /// [`Daemon::serve`], which tells the predecessor to exit.
+    pub fn take_over(config: &DaemonConfig) -> Result<Daemon, StartError> {
+        let received = crate::handoff::receive(&config.socket).map_err(StartError::Takeover)?;
+        let handed = &received.handover;
+        // Everything the predecessor cannot help with is checked before it is told to go.
+        if handed.node_id != config.node_id {
+            return Err(StartError::Takeover(format!(
+                "the running daemon is node {:08x} and this one would be node {:08x}: pass \
+                 --node-id {} (its id in decimal)",
+                handed.node_id, config.node_id, handed.node_id
+            )));
+        }
+        let capacity: u64 = handed.segments.iter().sum();
+        if capacity != config.capacity_bytes {
+            tracing::warn!(
+                running = %format_bytes(capacity),
+                configured = %format_bytes(config.capacity_bytes),
+                "--capacity differs from the running daemon's: its memory is taken over as it is"
+            );
+        }
+        let objects =
+            Objects::take_over(handed).map_err(|e| StartError::Takeover(e.to_string()))?;
+        let segments = received
+            .segments
+            .into_iter()
+            .zip(&handed.segments)
+            .map(|(fd, &size)| Segment::adopt(fd, size, handed.hugetlb))
+            .collect::<Result<Vec<_>, _>>()?;
+        let daemon_uid = nix::unistd::geteuid().as_raw();
+        let gid = socket_gid(config)?;
+        let secret = load_secret(config)?;
+        let peer_listener = match (received.peers, config.cluster.listen) {
+            (Some(l), Some(_)) => Some(l),
+            (_, Some(addr)) => {
+                Some(tcp_listener(addr).map_err(|source| StartError::PeerListen { addr, source })?)
+            }
+            (_, None) => None,
+        };
+        let metrics_listener = match (received.metrics, config.metrics_addr) {
+            (Some(l), Some(_)) => Some(l),
+            (_, Some(addr)) => Some(
+                tcp_listener(addr).map_err(|source| StartError::MetricsListen { addr, source })?,
+            ),
+            (_, None) => None,
+        };
+        let objects_handed = handed.objects.len();
+        let (shared, cluster) =
+            shared_state(config, segments, Some(objects), secret, daemon_uid, gid)?;
+        tracing::info!(
+            socket = %config.socket.display(),
+            node = %format!("{:08x}", config.node_id),
+            epoch = %format!("{:08x}", shared.epoch()),
+            predecessor_pid = handed.pid,
+            objects = objects_handed,
+            "took over the running daemon's memory, objects and sockets"
+        );
+        // (What the predecessor had not pre-faulted yet; what it had is skipped at once.)
+        let shared = Arc::new(shared);
+        spawn_prefault(config, &shared)?;
+        Ok(Daemon {
+            shared,
+            cluster,
+            listener: received.clients,
+            peer_listener,
+            metrics_listener,
+            socket: config.socket.clone(),
+            worker_threads: config.worker_threads,
+            predecessor: Some((received.daemon, handed.pid as i32)),
         })
     }
 
@@ -231,8 +292,14 @@ impl Daemon {
             peer_listener,
             metrics_listener,
             socket,
+            predecessor,
             ..
         } = self;
+        shared.handoff.serving_on(crate::handoff::Listeners {
+            clients: listener.as_raw_fd(),
+            peers: peer_listener.as_ref().map(AsRawFd::as_raw_fd),
+            metrics: metrics_listener.as_ref().map(AsRawFd::as_raw_fd),
+        });
         runtime.block_on(async move {
             listener
                 .set_nonblocking(true)
@@ -246,6 +313,15 @@ impl Daemon {
                     source,
                 })?;
             tokio::pin!(shutdown);
+            if let Some((predecessor, pid)) = predecessor {
+                // Nothing is served (no task started, nothing accepted) until the daemon
+                // taken over has stopped: two daemons never serve the same memory.
+                crate::handoff::commit(predecessor).map_err(StartError::Takeover)?;
+                tracing::info!(
+                    predecessor_pid = pid,
+                    "the daemon taken over stopped: serving in its place"
+                );
+            }
             let sweeper = {
                 let shared = shared.clone();
                 tokio::spawn(async move {
@@ -254,6 +330,7 @@ impl Daemon {
                     loop {
                         tick.tick().await;
                         shared.expire_streams();
+                        shared.drop_what_gone_processes_held();
                     }
                 })
             };
@@ -271,9 +348,24 @@ impl Daemon {
                     Err(e) => tracing::error!(error = %e, "cannot serve the metrics listener"),
                 }
             }
+            let mut thawed = shared.handoff.thawed_watch();
+            let mut done = shared.handoff.done_watch();
+            let mut handed_over = false;
+            // A stop asked for while handing over waits for the hand-over's end: the daemon
+            // either handed over (and stops) or serves on (and then stops).
+            let mut stop_asked = false;
             loop {
                 tokio::select! {
-                    accepted = listener.accept() => match accepted {
+                    // (None accepted while handing over: they wait in the backlog, which
+                    // the successor accepts from.)
+                    _ = thawed.changed() => if stop_asked && !shared.handoff.is_frozen() {
+                        break;
+                    },
+                    _ = done.changed() => if *done.borrow() {
+                        handed_over = true;
+                        break;
+                    },
+                    accepted = listener.accept(), if !shared.handoff.is_frozen() => match accepted {
                         Ok((stream, _)) => {
                             tokio::spawn(serve_connection(shared.clone(), cluster.clone(), stream));
                         }
@@ -285,21 +377,34 @@ impl Daemon {
                             tokio::time::sleep(std::time::Duration::from_millis(100)).await;
                         }
                     },
-                    _ = &mut shutdown => break,
+                    _ = &mut shutdown, if !stop_asked => {
+                        if !shared.handoff.is_frozen() {
+                            break;
+                        }
+                        stop_asked = true;
+                    },
                 }
             }
             sweeper.abort();
             for task in cluster_tasks {
                 task.abort();
             }
-            let _ = std::fs::remove_file(&socket);
             let stats = shared.with_objects(|o| o.stats());
-            tracing::info!(
-                objects = stats.objects_sealed,
-                clients = stats.clients,
-                used = %format_bytes(stats.used_bytes),
-                "shutting down; socket removed"
-            );
+            if handed_over {
+                tracing::info!(
+                    objects = stats.objects_sealed,
+                    clients = stats.clients,
+                    "handed over; exiting (the socket and the memory are the successor's)"
+                );
+            } else {
+                let _ = std::fs::remove_file(&socket);
+                tracing::info!(
+                    objects = stats.objects_sealed,
+                    clients = stats.clients,
+                    used = %format_bytes(stats.used_bytes),
+                    "shutting down; socket removed"
+                );
+            }
             Ok::<(), StartError>(())
         })?;
         // Dropping the runtime cancels every connection task; clients see end of stream.
@@ -480,6 +585,41 @@ fn check_capacity(config: &DaemonConfig) -> Result<(), StartError> {
     Ok(())
 }
 
+/// The group `--socket-group` names, if any.
+fn socket_gid(config: &DaemonConfig) -> Result<Option<u32>, StartError> {
+    let Some(name) = &config.socket_group else {
+        return Ok(None);
+    };
+    let group = nix::unistd::Group::from_name(name)
+        .ok()
+        .flatten()
+        .ok_or_else(|| StartError::UnknownGroup { name: name.clone() })?;
+    Ok(Some(group.gid.as_raw()))
+}
+
+/// The cluster secret (`--cluster-secret-file`), if any.
+fn load_secret(config: &DaemonConfig) -> Result<Option<crate::cluster::auth::Secret>, StartError> {
+    Ok(config
+        .cluster
+        .secret_file
+        .as_deref()
+        .map(crate::cluster::auth::Secret::load)
+        .transpose()?)
+}
+
+/// With `--prefault`, pre-faults the store's shmem on a thread of its own while the daemon
+/// serves ([`Shared::prefault`]).
+fn spawn_prefault(config: &DaemonConfig, shared: &Arc<Shared>) -> Result<(), StartError> {
+    if config.prefault {
+        let shared = shared.clone();
+        std::thread::Builder::new()
+            .name("feedstore-prefault".into())
+            .spawn(move || shared.prefault())
+            .map_err(StartError::Runtime)?;
+    }
+    Ok(())
+}
+
 /// A non-blocking TCP listener on `addr` (peers, metrics).
 fn tcp_listener(addr: std::net::SocketAddr) -> std::io::Result<std::net::TcpListener> {
     let listener = std::net::TcpListener::bind(addr)?;
@@ -526,18 +666,23 @@ fn create_segments(config: &DaemonConfig) -> Result<Vec<Segment>, StartError> {
 fn shared_state(
     config: &DaemonConfig,
     segments: Vec<Segment>,
+    handed: Option<Objects>,
     secret: Option<crate::cluster::auth::Secret>,
     daemon_uid: u32,
     gid: Option<u32>,
 ) -> Result<(Shared, Option<Arc<Cluster>>), StartError> {
     let hugetlb = segments.iter().all(Segment::is_hugetlb);
     let sizes: Vec<u64> = segments.iter().map(Segment::size_bytes).collect();
-    let epoch = random_epoch();
     let mut uids: std::collections::HashSet<u32> = config.allow_uids.iter().copied().collect();
     uids.insert(daemon_uid);
     let reader_uids = config.allow_reader_uids.iter().copied().collect();
     let limits = fit_connections_to_descriptors(config.limits.clone());
-    let mut objects = Objects::new(config.node_id, epoch, &sizes, hugetlb);
+    // A daemon taken over keeps its epoch: its handles stay valid.
+    let mut objects = match handed {
+        Some(objects) => objects,
+        None => Objects::new(config.node_id, random_epoch(), &sizes, hugetlb),
+    };
+    let epoch = objects.epoch();
     let cluster = config.cluster.enabled().then(|| {
         let engine_conn = objects.connect(crate::objects::ClientInfo {
             role: feedstore_proto::Role::Writer,
@@ -571,7 +716,6 @@ fn shared_state(
             limits,
             daemon_uid,
             cluster: cluster.is_some(),
-            prefault: config.prefault,
         },
     )?;
     Ok((shared, cluster))

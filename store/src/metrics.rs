@@ -50,7 +50,7 @@ use crate::cluster::Cluster;
 use crate::state::Shared;
 
 /// The store counters that only grow (since the daemon started); every other one is a gauge.
-const COUNTERS: [&str; 23] = [
+const COUNTERS: [&str; 24] = [
     "evictions",
     "evicted_bytes",
     "creates_waited",
@@ -74,6 +74,7 @@ const COUNTERS: [&str; 23] = [
     "lease_share_refusals",
     "peer_frames_rejected",
     "peer_handshakes_dropped",
+    "reconnects",
 ];
 
 const MAX_CONNECTIONS: usize = 16;

@@ -144,6 +144,10 @@ pub struct Shared {
     pub(crate) stream_events: watch::Sender<u64>,
     /// Consumers waiting for their stream to be created.
     pub(crate) attaches_waiting: AtomicU64,
+    /// The daemon's uid (it and root may take the daemon over).
+    pub(crate) daemon_uid: u32,
+    /// A hand-over to a successor under way, or done.
+    pub(crate) handoff: crate::handoff::Handoff,
 }
 
 /// Counts a consumer waiting for its stream to be created, for as long as it lives (the wait
@@ -183,9 +187,6 @@ pub struct ServeConfig {
     /// Whether this node is part of a cluster: then the daemon maps each segment read-write for
     /// the pulls (sending ranges to peers, landing copies).
     pub cluster: bool,
-    /// Whether the segments are pre-faulted (`Shared::prefault`, then the daemon's own
-    /// mappings are populated too, at no memory cost).
-    pub prefault: bool,
 }
 
 impl Shared {
@@ -269,6 +270,8 @@ impl Shared {
             space: watch::Sender::new(0),
             stream_events: watch::Sender::new(0),
             attaches_waiting: AtomicU64::new(0),
+            daemon_uid: config.daemon_uid,
+            handoff: crate::handoff::Handoff::default(),
         })
     }
 
@@ -367,6 +370,28 @@ impl Shared {
         let expired = self.with_streams(|s, o| s.expire(o, std::time::Instant::now()));
         if expired > 0 {
             tracing::info!(expired, "idle streams closed");
+        }
+    }
+
+    /// Drops what client processes held on the daemon this one took over from once they are
+    /// gone (`kill(pid, 0)` says no such process): their reservations aborted, their leases
+    /// returned. A process in another pid namespace (pid 0 here) cannot be watched: what it
+    /// held stays until this daemon stops.
+    pub fn drop_what_gone_processes_held(&self) {
+        let orphans = self.with_objects(|o| o.orphans());
+        for (pid, conn) in orphans {
+            let gone = pid > 0
+                && nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), None)
+                    == Err(nix::errno::Errno::ESRCH);
+            if gone {
+                let reclaimed = self.with_objects(|o| o.disconnect(conn));
+                tracing::info!(
+                    pid,
+                    aborted_objects = reclaimed.aborted,
+                    released_leases = reclaimed.leases,
+                    "a client process gone since the hand-over: what it held is reclaimed"
+                );
+            }
         }
     }
 

@@ -68,9 +68,11 @@ impl DaemonProcess {
     /// (`ip netns exec NS`, say) when it is not empty.
     pub fn start_named(dir: &Path, name: &str, prefix: &[&str], extra: &[&str]) -> DaemonProcess {
         let socket = dir.join(format!("{name}.sock"));
+        // One log per start (a daemon started again, or taking over, keeps its predecessor's).
+        static STARTS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
         let log = dir.join(format!(
             "{name}-{}.log",
-            Instant::now().elapsed().as_nanos()
+            STARTS.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
         ));
         let mut cmd = match prefix.split_first() {
             Some((program, args)) => {
@@ -129,6 +131,27 @@ impl DaemonProcess {
             }
         }
         panic!("no free port for {name} after 10 tries");
+    }
+
+    /// Starts `feedstored --takeover` with the same socket (and `extra` flags) in place of
+    /// this daemon, and waits until this one exited (successfully) and the successor serves.
+    pub fn take_over(mut self, dir: &Path, extra: &[&str]) -> DaemonProcess {
+        let mut flags = vec!["--takeover"];
+        flags.extend_from_slice(extra);
+        let name = self
+            .socket
+            .file_stem()
+            .and_then(|s| s.to_str())
+            .unwrap_or("feedstored")
+            .to_owned();
+        let successor = DaemonProcess::start_named(dir, &name, &[], &flags);
+        let status = wait_child(&mut self.child, Duration::from_secs(60));
+        assert!(
+            status.success(),
+            "the daemon taken over exits cleanly ({status}):\n{}",
+            self.log_text()
+        );
+        successor
     }
 
     fn wait_ready(&mut self) -> Result<(), String> {
@@ -417,6 +440,7 @@ impl RawClient {
             client_name: name.into(),
             max_frame_bytes: feedstore_proto::frame::MAX_PAYLOAD_BYTES,
             speaks: feedstore_proto::frame::Speaks::ours(),
+            reconnects: 0,
         });
         (raw, response, fds)
     }

@@ -286,12 +286,14 @@ pub(super) fn hello(
     opts: &ConnectOptions,
     wbuf: &mut Vec<u8>,
     version: u16,
+    reconnects: u32,
 ) -> Result<Greeted, Error> {
     Request::Hello {
         role: opts.role,
         client_name: opts.name.clone(),
         max_frame_bytes: opts.max_frame_bytes,
         speaks: Speaks::ours(),
+        reconnects,
     }
     .encode_in(version, 0, frame::MIN_PAYLOAD_BYTES, wbuf)?;
     // A daemon refusing the connection (at a connection limit) may answer and close before

@@ -65,15 +65,16 @@ pub const MAGIC: u16 = 0xFD5E;
 /// uid that wrote the object; a daemon answers a hello of another version with an error naming
 /// both versions. Version 11: hellos say which versions and features each side speaks
 /// ([`Speaks`]), and the connection speaks the newest both do; a daemon serves clients down to
-/// [`MIN_VERSION`].
-pub const VERSION: u16 = 11;
+/// [`MIN_VERSION`]. Version 12: a hello says how many times the client connected again after
+/// its daemon went away; statistics count such clients (`reconnects`, `reconnected_clients`).
+pub const VERSION: u16 = 12;
 /// The release and the protocols it speaks, as `--version` prints them.
 pub const LONG_VERSION: &str = concat!(
     env!("CARGO_PKG_VERSION"),
-    " (protocols 9-11, peer protocol 3)"
+    " (protocols 9-12, peer protocol 3)"
 );
 // (The text names the numbers: a new version fails the build here until it says so too.)
-const _: () = assert!(MIN_VERSION == 9 && VERSION == 11 && crate::peer::PEER_VERSION == 3);
+const _: () = assert!(MIN_VERSION == 9 && VERSION == 12 && crate::peer::PEER_VERSION == 3);
 
 /// The oldest protocol version this crate speaks: 0.1.0's, so that a daemon serves clients of
 /// the previous release (and a client reaches its daemon).
@@ -138,13 +139,15 @@ pub enum Opcode {
     ProducerReport = 19,
     /// [`Request::CacheInsert`]
     CacheInsert = 20,
+    /// [`Request::Takeover`]
+    Takeover = 21,
     /// [`Response::Error`] (reply only).
     Error = 0x7FFF,
 }
 
 impl Opcode {
     /// Every opcode, for tests and fuzzers that must cover them all.
-    pub const ALL: [Opcode; 21] = [
+    pub const ALL: [Opcode; 22] = [
         Opcode::Hello,
         Opcode::Create,
         Opcode::Seal,
@@ -165,6 +168,7 @@ impl Opcode {
         Opcode::StreamDetach,
         Opcode::ProducerReport,
         Opcode::CacheInsert,
+        Opcode::Takeover,
         Opcode::Error,
     ];
 
@@ -391,6 +395,9 @@ pub enum Request {
         /// The versions and features the client speaks (sent from protocol 11 on; implied by
         /// the header's version before).
         speaks: Speaks,
+        /// How many times this client connected again after its daemon went away (0 on its
+        /// first connection; sent from protocol [`session::RECONNECTS_SINCE`] on, 0 before).
+        reconnects: u32,
     },
     /// Reserve one writable object per size. The reservation is visible only to this connection
     /// until sealed.
@@ -541,6 +548,15 @@ pub enum Request {
         /// The keys and the objects holding their samples.
         entries: Vec<CacheEntry>,
     },
+    /// A daemon started with `--takeover` asks the one serving to hand over (instead of a
+    /// hello, from the daemon's uid or root; protocol 12 on). No reply frame: the daemon
+    /// answers with a [`crate::handover::Handover`] (a `u64` length, then its bytes) with the
+    /// segments' and listeners' descriptors on its first byte, or with an error frame saying
+    /// why not; the successor answers one byte once it serves, and the daemon exits.
+    Takeover {
+        /// The successor's [`crate::handover::HANDOVER_FORMAT`].
+        format: u32,
+    },
 }
 
 impl Request {
@@ -567,6 +583,7 @@ impl Request {
             Request::StreamDetach { .. } => Opcode::StreamDetach,
             Request::ProducerReport { .. } => Opcode::ProducerReport,
             Request::CacheInsert { .. } => Opcode::CacheInsert,
+            Request::Takeover { .. } => Opcode::Takeover,
         }
     }
 
@@ -644,7 +661,10 @@ impl Request {
                 client_name,
                 max_frame_bytes,
                 speaks,
-            } => session::encode_hello(w, *role, client_name, *max_frame_bytes, speaks),
+                reconnects,
+            } => {
+                session::encode_hello(w, *role, client_name, *max_frame_bytes, speaks, *reconnects)
+            }
             Request::Create {
                 sizes,
                 timeout_ms,
@@ -720,6 +740,7 @@ impl Request {
                 figures.encode(w);
             }
             Request::CacheInsert { entries } => w.list(entries),
+            Request::Takeover { format } => w.u32(*format),
         }
     }
 
@@ -732,15 +753,7 @@ impl Request {
             .ok_or(DecodeError::UnknownOpcode { found: raw })?;
         let mut r = Reader::at(frame.payload, frame.header.version);
         let req = match op {
-            Opcode::Hello => {
-                let (role, client_name, max_frame_bytes, speaks) = session::decode_hello(&mut r)?;
-                Request::Hello {
-                    role,
-                    client_name,
-                    max_frame_bytes,
-                    speaks,
-                }
-            }
+            Opcode::Hello => session::decode_hello(&mut r)?,
             Opcode::Create => Request::Create {
                 timeout_ms: r.u32()?,
                 flags: r.u32()?,
@@ -801,6 +814,7 @@ impl Request {
                 figures: ProducerFigures::decode(&mut r)?,
             },
             Opcode::CacheInsert => Request::CacheInsert { entries: r.list()? },
+            Opcode::Takeover => Request::Takeover { format: r.u32()? },
             Opcode::Error => unreachable!("filtered above"),
         };
         r.finish()?;
@@ -959,7 +973,11 @@ impl Response {
                 epoch: r.u32()?,
                 segments: r.list()?,
                 max_frame_bytes: r.u32()?,
-                speaks: Speaks::decode_since_negotiation(&mut r)?,
+                speaks: {
+                    let speaks = Speaks::decode_since_negotiation(&mut r)?;
+                    session::skip_newer(&mut r);
+                    speaks
+                },
             },
             Opcode::Create => Response::Created(r.list()?),
             Opcode::Get => Response::Got(r.list()?),
@@ -988,7 +1006,7 @@ impl Response {
                 streams: r.list()?,
                 more: r.bool("more")?,
             },
-            Opcode::Release | Opcode::StreamRelease | Opcode::ProducerReport => {
+            Opcode::Release | Opcode::StreamRelease | Opcode::ProducerReport | Opcode::Takeover => {
                 return Err(DecodeError::UnknownOpcode { found: raw });
             }
         };

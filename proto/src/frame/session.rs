@@ -3,30 +3,54 @@
 use crate::wire::{DecodeError, Reader, Wire, Writer};
 use crate::{Role, SegmentInfo};
 
-/// Hello request: role byte, client name, the client's frame limit, and from protocol 11 on
-/// what it speaks.
+/// The first protocol version whose hellos say how many times the client connected again.
+pub const RECONNECTS_SINCE: u16 = 12;
+
+/// Hello request: role byte, client name, the client's frame limit, from protocol 11 on what it
+/// speaks, and from protocol 12 on how many times it connected again.
 pub(super) fn encode_hello(
     w: &mut Writer<'_>,
     role: Role,
     name: &str,
     max_frame_bytes: u32,
     speaks: &Speaks,
+    reconnects: u32,
 ) {
     w.u8(role as u8);
     w.string(name);
     w.u32(max_frame_bytes);
     speaks.encode_since_negotiation(w);
+    if w.version >= RECONNECTS_SINCE {
+        w.u32(reconnects);
+    }
 }
 
-pub(super) fn decode_hello(r: &mut Reader<'_>) -> Result<(Role, String, u32, Speaks), DecodeError> {
+pub(super) fn decode_hello(r: &mut Reader<'_>) -> Result<super::Request, DecodeError> {
     let role = Role::from_u8(r.u8()?).ok_or(DecodeError::InvalidValue { field: "role" })?;
-    let (name, max_frame_bytes) = (r.string()?, r.u32()?);
-    Ok((
+    let (client_name, max_frame_bytes) = (r.string()?, r.u32()?);
+    let speaks = Speaks::decode_since_negotiation(r)?;
+    let reconnects = if r.version >= RECONNECTS_SINCE {
+        r.u32()?
+    } else {
+        0
+    };
+    skip_newer(r);
+    Ok(super::Request::Hello {
         role,
-        name,
+        client_name,
         max_frame_bytes,
-        Speaks::decode_since_negotiation(r)?,
-    ))
+        speaks,
+        reconnects,
+    })
+}
+
+/// Skips the fields a version newer than this crate's appended to a hello or its reply (a
+/// hello is read before the versions are agreed); in a version this side speaks, the hello is
+/// exactly what it reads (one encoding per value).
+pub(super) fn skip_newer(r: &mut Reader<'_>) {
+    if r.version > super::VERSION {
+        r.skip_rest();
+    }
 }
 
 /// The first protocol version whose hellos say what each side speaks ([`Speaks`]).
@@ -130,9 +154,8 @@ impl Speaks {
                 .all(|b| b.is_ascii_alphanumeric() || b"+-.".contains(&b))
     }
 
-    /// Read from a hello or its reply of [`NEGOTIATED_SINCE`] on, then, in a version newer
-    /// than this crate's, anything that version appended skipped (a hello is read before the
-    /// versions are agreed); implied before.
+    /// Read from a hello or its reply of [`NEGOTIATED_SINCE`] on; implied before. (The caller
+    /// skips what a newer version appended after: [`skip_newer`].)
     pub(super) fn decode_since_negotiation(r: &mut Reader<'_>) -> Result<Speaks, DecodeError> {
         if r.version < NEGOTIATED_SINCE {
             return Ok(Speaks::implied(r.version));
@@ -147,11 +170,6 @@ impl Speaks {
             return Err(DecodeError::InvalidValue {
                 field: "versions spoken",
             });
-        }
-        // Fields a newer version appended are skipped; in a version this side speaks, the
-        // hello is exactly this (one encoding per value).
-        if r.version > super::VERSION {
-            r.skip_rest();
         }
         Ok(speaks)
     }

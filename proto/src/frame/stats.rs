@@ -7,14 +7,19 @@
 use crate::StoreStats;
 use crate::wire::{DecodeError, Reader, Wire, Writer};
 
-/// The fields of protocol 9 (feedstore 0.1.0): the first ones, before the reader share's and
-/// the authenticated peers' counters.
-const FIELDS_BEFORE_10: usize = StoreStats::FIELDS - 3;
+/// The fields of protocols 10 and 11: the first ones, before the reconnects' counters.
+const FIELDS_BEFORE_12: usize = StoreStats::FIELDS - 2;
+
+/// The fields of protocol 9 (feedstore 0.1.0): before the reader share's and the authenticated
+/// peers' counters too.
+const FIELDS_BEFORE_10: usize = FIELDS_BEFORE_12 - 3;
 
 /// How many fields a stats reply of `version` carries.
 fn fields_in(version: u16) -> usize {
     if version < 10 {
         FIELDS_BEFORE_10
+    } else if version < 12 {
+        FIELDS_BEFORE_12
     } else {
         StoreStats::FIELDS
     }

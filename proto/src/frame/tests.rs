@@ -167,14 +167,18 @@ fn request() -> impl Strategy<Value = Request> {
         (
             prop_oneof![Just(Role::Reader), Just(Role::Writer)],
             text(256),
+            any::<u32>(),
             any::<u32>()
         )
-            .prop_map(|(role, client_name, max_frame_bytes)| Request::Hello {
-                role,
-                client_name,
-                max_frame_bytes,
-                speaks: Speaks::ours(),
-            }),
+            .prop_map(
+                |(role, client_name, max_frame_bytes, reconnects)| Request::Hello {
+                    role,
+                    client_name,
+                    max_frame_bytes,
+                    speaks: Speaks::ours(),
+                    reconnects,
+                }
+            ),
         (
             prop::collection::vec(any::<u64>(), 0..40),
             any::<u32>(),
@@ -256,6 +260,7 @@ fn request() -> impl Strategy<Value = Request> {
             0..20
         )
         .prop_map(|entries| Request::CacheInsert { entries }),
+        any::<u32>().prop_map(|format| Request::Takeover { format }),
     ]
 }
 
@@ -452,7 +457,13 @@ proptest! {
         round_trip(&t);
         round_trip(&i);
         round_trip(&inf);
-        round_trip(&st);
+        // (In the parts' shared layout, protocol 11's, which has no reconnect counters; a
+        // stats reply of this version carries them: `replies_round_trip`.)
+        round_trip(&StoreStats {
+            reconnects: 0,
+            reconnected_clients: 0,
+            ..st
+        });
         let mut buf = Vec::new();
         inf.encode(&mut crate::wire::Writer::new(&mut buf));
         prop_assert_eq!(buf.len(), inf.wire_bytes());
@@ -721,11 +732,28 @@ fn replies_to_a_protocol_9_client_are_in_its_layout() {
         .encode_in(9, Opcode::Stats, 6, MAX_PAYLOAD_BYTES, &mut v9)
         .unwrap();
     let frame = Frame::parse(&v9, MAX_PAYLOAD_BYTES).unwrap().unwrap();
-    assert_eq!(frame.payload.len(), 4 + 8 * (StoreStats::FIELDS - 3));
+    assert_eq!(frame.payload.len(), 4 + 8 * (StoreStats::FIELDS - 5));
     let Response::Stats(back) = Response::decode(&frame).unwrap() else {
         panic!("a stats reply");
     };
     assert_eq!((back.leases, back.peer_handshakes_dropped), (3, 0));
+
+    // Protocol 11 has every counter but the reconnects'.
+    let stats = Response::Stats(Box::new(StoreStats {
+        peer_handshakes_dropped: 7,
+        reconnects: 2,
+        ..StoreStats::default()
+    }));
+    let mut v11 = Vec::new();
+    stats
+        .encode_in(11, Opcode::Stats, 7, MAX_PAYLOAD_BYTES, &mut v11)
+        .unwrap();
+    let frame = Frame::parse(&v11, MAX_PAYLOAD_BYTES).unwrap().unwrap();
+    assert_eq!(frame.payload.len(), 4 + 8 * (StoreStats::FIELDS - 2));
+    let Response::Stats(back) = Response::decode(&frame).unwrap() else {
+        panic!("a stats reply");
+    };
+    assert_eq!((back.peer_handshakes_dropped, back.reconnects), (7, 0));
 }
 
 /// A hello says what each side speaks from protocol 11 on; before, its version says it.
@@ -759,6 +787,7 @@ fn hellos_say_what_each_side_speaks() {
         client_name: "next".into(),
         max_frame_bytes: MAX_PAYLOAD_BYTES,
         speaks: overlapping.clone(),
+        reconnects: 3,
     };
     let mut wire = Vec::new();
     hello
@@ -778,11 +807,26 @@ fn hellos_say_what_each_side_speaks() {
         client_name: "0.1.0".into(),
         max_frame_bytes: MAX_PAYLOAD_BYTES,
         speaks: Speaks::implied(9),
+        reconnects: 0,
     };
     hello9.encode_in(9, 1, MAX_PAYLOAD_BYTES, &mut old).unwrap();
     assert_eq!(old.len(), HEADER_BYTES + 1 + 2 + 5 + 4);
     let frame = Frame::parse(&old, MAX_PAYLOAD_BYTES).unwrap().unwrap();
     assert_eq!(Request::decode(&frame).unwrap(), hello9);
+    // Protocol 11 says what it speaks but not how many times it reconnected: read as 0.
+    let hello11 = |reconnects| Request::Hello {
+        role: Role::Reader,
+        client_name: "11".into(),
+        max_frame_bytes: MAX_PAYLOAD_BYTES,
+        speaks: Speaks::ours(),
+        reconnects,
+    };
+    let mut v11 = Vec::new();
+    hello11(4)
+        .encode_in(11, 1, MAX_PAYLOAD_BYTES, &mut v11)
+        .unwrap();
+    let frame = Frame::parse(&v11, MAX_PAYLOAD_BYTES).unwrap().unwrap();
+    assert_eq!(Request::decode(&frame).unwrap(), hello11(0));
     // Older than any version spoken: refused from the header.
     old[2..4].copy_from_slice(&(MIN_VERSION - 1).to_le_bytes());
     assert!(matches!(

@@ -64,6 +64,32 @@ impl Allocator {
         Some(Block { offset, len })
     }
 
+    /// Reserves exactly `block` (an object a daemon handed over lives there): false, and
+    /// nothing reserved, unless it is aligned and lies wholly in one free range.
+    pub fn claim(&mut self, block: Block) -> bool {
+        let aligned = block.offset.is_multiple_of(OBJECT_ALIGN_BYTES)
+            && block.len.is_multiple_of(OBJECT_ALIGN_BYTES)
+            && block.len > 0;
+        let Some(end) = block.offset.checked_add(block.len) else {
+            return false;
+        };
+        let Some((&free_offset, &free_len)) = self.by_offset.range(..=block.offset).next_back()
+        else {
+            return false;
+        };
+        if !aligned || end > free_offset + free_len {
+            return false;
+        }
+        self.remove_free(free_offset, free_len);
+        if block.offset > free_offset {
+            self.insert_free(free_offset, block.offset - free_offset);
+        }
+        if free_offset + free_len > end {
+            self.insert_free(end, free_offset + free_len - end);
+        }
+        true
+    }
+
     /// Returns a block to the free set, merging it with free neighbours.
     ///
     /// # Panics

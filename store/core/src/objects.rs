@@ -69,6 +69,8 @@ impl Object {
 /// nothing of the others), and never 0.
 struct Ids {
     mac: Hmac<Sha256>,
+    /// The key, for a successor that goes on drawing ([`Objects::hand_over`]).
+    key: [u8; 32],
     counter: u64,
 }
 
@@ -80,9 +82,15 @@ impl std::fmt::Debug for Ids {
 
 impl Ids {
     fn new(key: &[u8; 32]) -> Ids {
+        Ids::resume(key, 0)
+    }
+
+    /// Draws after the first `counter` ids of `key`.
+    fn resume(key: &[u8; 32], counter: u64) -> Ids {
         Ids {
             mac: <Hmac<Sha256> as Mac>::new_from_slice(key).expect("HMAC takes keys of any length"),
-            counter: 0,
+            key: *key,
+            counter,
         }
     }
 
@@ -135,6 +143,8 @@ struct Conn {
     leases: HashMap<u32, u32>,
     /// Leases held, summed over slots.
     lease_count: u64,
+    /// Whether the client came back after the daemon before this one went away.
+    reconnected: bool,
 }
 
 /// What a disconnect reclaimed.
@@ -157,6 +167,8 @@ struct Counters {
     limits_hit: u64,
     /// Gets refused because a capped uid held its share.
     capped_refusals: u64,
+    /// Connections of clients that came back after the daemon before this one went away.
+    reconnects: u64,
 }
 
 /// All objects and clients of one daemon.
@@ -189,6 +201,10 @@ pub struct Objects {
     capped_lease_bytes: u64,
     /// Leases of capped uids, by uid.
     capped: HashMap<u32, UidLeases>,
+    /// What client processes held on the daemon this one took over from, by pid: a
+    /// connection of its own each, whose leases and reservations that process's new
+    /// connections return and seal ([`Objects::take_over`]).
+    orphans: HashMap<i32, ConnId>,
 }
 
 impl Objects {
@@ -213,7 +229,13 @@ impl Objects {
             copies: HashMap::new(),
             capped_lease_bytes: u64::MAX,
             capped: HashMap::new(),
+            orphans: HashMap::new(),
         }
+    }
+
+    /// The epoch its handles carry.
+    pub fn epoch(&self) -> u32 {
+        self.epoch
     }
 
     /// Bytes of all segments.
@@ -251,9 +273,19 @@ impl Objects {
                 writing: HashSet::new(),
                 leases: HashMap::new(),
                 lease_count: 0,
+                reconnected: false,
             },
         );
         id
+    }
+
+    /// Notes that the client of `conn` connected again after the daemon before this one went
+    /// away (its hello said so), for `reconnects` and `reconnected_clients`.
+    pub fn note_reconnected(&mut self, conn: ConnId) {
+        if let Some(c) = self.conns.get_mut(&conn) {
+            c.reconnected = true;
+            self.counters.reconnects += 1;
+        }
     }
 
     /// The client behind a connection.
@@ -266,6 +298,9 @@ impl Objects {
         let Some(c) = self.conns.remove(&conn) else {
             return Reclaimed::default();
         };
+        if self.orphans.get(&c.info.pid) == Some(&conn) {
+            self.orphans.remove(&c.info.pid);
+        }
         let mut reclaimed = Reclaimed::default();
         for slot in c.writing {
             self.free(slot);
@@ -411,14 +446,15 @@ impl Objects {
     fn end_reservation(&mut self, conn: ConnId, handle: Handle) -> Result<u32, Status> {
         self.require_writer(conn)?;
         let slot = self.resolve(handle)?;
-        match self.object_mut(slot).state {
-            State::Writing { owner } if owner == conn => {}
+        let orphan = self.orphan_of(conn);
+        let owner = match self.object_mut(slot).state {
+            State::Writing { owner } if owner == conn || orphan == Some(owner) => owner,
             State::Writing { .. } => return Err(Status::NotOwner),
             State::Sealed => return Err(Status::InvalidState),
-        }
+        };
         self.conns
-            .get_mut(&conn)
-            .expect("writer checked")
+            .get_mut(&owner)
+            .expect("a reservation's owner is connected")
             .writing
             .remove(&slot);
         Ok(slot)
@@ -533,9 +569,19 @@ impl Objects {
         }
     }
 
-    /// Returns one lease `conn` holds on `handle`.
+    /// Returns one lease `conn` holds on `handle` (or its process held on the daemon this one
+    /// took over from).
     pub fn release(&mut self, conn: ConnId, handle: Handle) -> Result<(), Status> {
         let slot = self.resolve(handle)?;
+        let held = |c: &Conn| c.leases.get(&slot).is_some_and(|&n| n > 0);
+        let conn = match self.conns.get(&conn) {
+            None => return Err(Status::Protocol),
+            Some(c) if held(c) => conn,
+            Some(_) => match self.orphan_of(conn) {
+                Some(orphan) if self.conns.get(&orphan).is_some_and(held) => orphan,
+                _ => conn,
+            },
+        };
         let c = self.conns.get_mut(&conn).ok_or(Status::Protocol)?;
         match c.leases.get_mut(&slot) {
             Some(n) if *n > 1 => *n -= 1,
@@ -596,6 +642,8 @@ impl Objects {
             leases_reclaimed: self.counters.leases_reclaimed,
             limits_hit: self.counters.limits_hit,
             lease_share_refusals: self.counters.capped_refusals,
+            reconnects: self.counters.reconnects,
+            reconnected_clients: self.conns.values().filter(|c| c.reconnected).count() as u64,
             segments: self.segments.len() as u64,
             huge_pages: u64::from(self.hugetlb),
             ..StoreStats::default()
@@ -744,5 +792,6 @@ pub(crate) fn test_client(o: &mut Objects, role: Role, uid: u32) -> ConnId {
     })
 }
 
+mod handover;
 #[cfg(test)]
 mod tests;

@@ -121,6 +121,10 @@ impl Connection {
                     }
                 },
             };
+            // (While the daemon hands over to a successor nothing is served: what it would
+            // change would not reach the successor. Its clients ask the successor again.)
+            let shared = self.shared.clone();
+            let _busy = shared.handoff.enter().await;
             self.dispatch(request_id, request).await?;
         }
     }
@@ -184,10 +188,19 @@ impl Connection {
                     client_name,
                     max_frame_bytes,
                     speaks,
+                    reconnects,
                 } => {
-                    self.hello(request_id, role, client_name, max_frame_bytes, speaks)
-                        .await
+                    self.hello(
+                        request_id,
+                        role,
+                        client_name,
+                        max_frame_bytes,
+                        speaks,
+                        reconnects,
+                    )
+                    .await
                 }
+                Request::Takeover { format } => self.hand_over(request_id, format).await,
                 _ => Err(ConnEnd::Protocol(format!("{op:?} before hello"))),
             };
         };
@@ -295,7 +308,10 @@ impl Connection {
     ) -> Result<(), ConnEnd> {
         // Frames that arrived with the waiting request are taken in first.
         self.absorb(id)?;
+        // A hand-over beginning wakes the wait, which parks until it is over.
+        let mut thawed = self.shared.handoff.thawed_watch();
         tokio::select! {
+            _ = thawed.changed() => {}
             _ = events.changed() => {}
             _ = tokio::time::sleep_until(deadline) => {}
             read = self.stream.read_buf(&mut self.rbuf) => {
@@ -305,6 +321,7 @@ impl Connection {
                 self.absorb(id)?;
             }
         }
+        self.shared.handoff.park().await;
         Ok(())
     }
 
@@ -335,6 +352,12 @@ impl Connection {
 
     /// Sends the encoded reply in `wbuf` with descriptors riding on its first byte.
     pub(super) async fn send_with_fds(&mut self, fds: &[i32]) -> Result<(), ConnEnd> {
+        self.shared.handoff.park().await;
+        self.send_with_fds_now(fds).await
+    }
+
+    /// [`Connection::send_with_fds`], even while the daemon hands over (the hand-over's own).
+    pub(super) async fn send_with_fds_now(&mut self, fds: &[i32]) -> Result<(), ConnEnd> {
         let wbuf = std::mem::take(&mut self.wbuf);
         let sock = self.stream.as_raw_fd();
         let sent = self
@@ -377,6 +400,9 @@ impl Connection {
     ) -> Result<(), ConnEnd> {
         self.wbuf.clear();
         self.encode_reply(op, request_id, response);
+        // (A request that was under way when a hand-over began is not answered by this
+        // daemon: the client asks the successor again.)
+        self.shared.handoff.park().await;
         self.stream.write_all(&self.wbuf).await?;
         Ok(())
     }

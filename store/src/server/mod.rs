@@ -84,6 +84,11 @@ impl Drop for Connection {
         let Some(id) = self.id else {
             return;
         };
+        if self.shared.handoff.is_done() {
+            // Handed over: what the client held is its successor's to keep, not this one's
+            // to reclaim (this daemon is exiting).
+            return;
+        }
         let reclaimed = self.shared.with_streams(|s, o| {
             s.disconnect(id);
             o.disconnect(id)
@@ -106,6 +111,7 @@ mod connection;
 mod objects;
 mod session;
 mod streams;
+mod takeover;
 
 pub use connection::serve_connection;
 

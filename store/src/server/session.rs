@@ -11,7 +11,7 @@ use crate::objects::ClientInfo;
 
 impl Connection {
     /// Refuses the hello with a reply the client can show, then ends the connection.
-    async fn refuse(
+    pub(super) async fn refuse(
         &mut self,
         request_id: u32,
         status: Status,
@@ -29,6 +29,7 @@ impl Connection {
         name: String,
         max_frame_bytes: u32,
         speaks: Speaks,
+        reconnects: u32,
     ) -> Result<(), ConnEnd> {
         let shared = self.shared.clone();
         let ours = Speaks::ours();
@@ -69,12 +70,22 @@ impl Connection {
             // A uid allowed only to read holds at most its share of the store leased.
             capped: !shared.policy.may_write(&self.credentials),
         };
-        let id = shared.with_objects(|o| o.connect(info));
+        let id = shared.with_objects(|o| {
+            let id = o.connect(info);
+            if reconnects > 0 {
+                o.note_reconnected(id);
+            }
+            id
+        });
         self.id = Some(id);
         self.role = role;
         self.client_limit = max_frame_bytes;
         self.name = name;
-        tracing::info!(conn = id, pid = self.credentials.pid, uid = self.credentials.uid, ?role, name = ?self.name, protocol = version, client = %speaks.describe(), "client connected");
+        if reconnects > 0 {
+            tracing::info!(conn = id, pid = self.credentials.pid, uid = self.credentials.uid, ?role, name = ?self.name, protocol = version, client = %speaks.describe(), reconnects, "client connected again after its daemon went away");
+        } else {
+            tracing::info!(conn = id, pid = self.credentials.pid, uid = self.credentials.uid, ?role, name = ?self.name, protocol = version, client = %speaks.describe(), "client connected");
+        }
         let response = Response::Hello {
             node_id: shared.node_id,
             epoch: shared.epoch,

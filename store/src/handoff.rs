@@ -1,0 +1,364 @@
+//! Handing a running daemon over to its successor (`feedstored --takeover`), both sides.
+//!
+//! The successor connects to the daemon's own socket and asks for the state
+//! ([`Request::Takeover`], from the daemon's uid or root). The daemon stops serving (no request
+//! is answered, no connection accepted: [`Handoff::freeze`]), writes its object table
+//! ([`Handover`]) with the descriptors of its segments and listeners beside it (`SCM_RIGHTS`),
+//! and waits. The successor maps the same memory, takes the same epoch (so every handle stays
+//! valid), accepts on the same listening socket and says one byte; the daemon then exits
+//! without removing the socket file, its connections close, and its clients connect again — to
+//! the successor, which holds each client process's leases and reservations for it until it
+//! comes back ([`feedstore_core::objects::Objects::take_over`]). If the successor fails
+//! before that byte, the daemon serves on as if nothing happened.
+//!
+//! From Envoy's hot restart and HAProxy's seamless reload: the listening socket itself passes
+//! between the processes, so no connection is refused meanwhile (clients that connect while
+//! the daemon is frozen wait in the listen backlog for the successor's first accept).
+
+use std::io::{Read, Write};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::unix::net::UnixStream;
+use std::path::Path;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::time::Duration;
+
+use feedstore_proto::frame::{self, Frame, Request, Response};
+use feedstore_proto::handover::{HANDOVER_FORMAT, Handover};
+use tokio::sync::watch;
+
+/// What precedes a hand-over's length on the socket: never the start of a frame (an error
+/// frame's magic is `0xFD5E`).
+pub(crate) const HANDOVER_MAGIC: &[u8; 8] = b"FSHANDOV";
+
+/// The largest hand-over a successor reads (some 70 bytes an object: millions of objects).
+const MAX_HANDOVER_BYTES: u64 = 1 << 30;
+
+/// How long a daemon that handed over waits for its successor to be ready before it serves on.
+pub(crate) const SUCCESSOR_DEADLINE: Duration = Duration::from_secs(60);
+
+/// How long a successor waits for the daemon it takes over to stop before it gives up (and
+/// does not serve).
+const PREDECESSOR_DEADLINE: Duration = Duration::from_secs(30);
+
+/// How long a daemon asked to hand over waits for the requests under way to finish or wait.
+pub(crate) const QUIESCE_DEADLINE: Duration = Duration::from_secs(5);
+
+/// The successor's word: its state is built, it serves once the daemon has stopped.
+pub(crate) const READY: u8 = 1;
+/// The daemon's answer: it stops now (the successor serves once the connection closes).
+pub(crate) const STOPPING: u8 = 2;
+
+/// The most descriptors a hand-over carries: the segments and three listeners.
+const MAX_HANDED_FDS: usize = 256;
+
+/// The listeners a daemon serves on, as their descriptors (valid while it serves).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Listeners {
+    pub(crate) clients: RawFd,
+    pub(crate) peers: Option<RawFd>,
+    pub(crate) metrics: Option<RawFd>,
+}
+
+/// A daemon's side of a hand-over: whether it is frozen, whether it is done.
+pub struct Handoff {
+    frozen: AtomicBool,
+    /// Requests being handled and not parked (each connection's, the hand-over's own too).
+    busy: AtomicUsize,
+    /// Follows `frozen`, for the tasks that wait for it to clear.
+    thawed: watch::Sender<bool>,
+    /// Set once a successor serves: the daemon stops, leaving the socket file to it.
+    pub(crate) done: watch::Sender<bool>,
+    listeners: Mutex<Option<Listeners>>,
+}
+
+impl Default for Handoff {
+    fn default() -> Self {
+        Handoff {
+            frozen: AtomicBool::new(false),
+            busy: AtomicUsize::new(0),
+            thawed: watch::Sender::new(true),
+            done: watch::Sender::new(false),
+            listeners: Mutex::new(None),
+        }
+    }
+}
+
+impl Handoff {
+    /// Notes the listeners, once the daemon serves on them.
+    pub(crate) fn serving_on(&self, listeners: Listeners) {
+        *self.listeners.lock().unwrap_or_else(|e| e.into_inner()) = Some(listeners);
+    }
+
+    pub(crate) fn listeners(&self) -> Option<Listeners> {
+        *self.listeners.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Stops serving for a hand-over: false if one is under way already.
+    pub(crate) fn freeze(&self) -> bool {
+        if self.frozen.swap(true, Ordering::SeqCst) {
+            return false;
+        }
+        self.thawed.send_replace(false);
+        true
+    }
+
+    /// Serves on (the successor failed).
+    pub(crate) fn thaw(&self) {
+        self.frozen.store(false, Ordering::SeqCst);
+        self.thawed.send_replace(true);
+    }
+
+    /// Whether a hand-over is under way.
+    pub(crate) fn is_frozen(&self) -> bool {
+        self.frozen.load(Ordering::SeqCst)
+    }
+
+    /// Counts a request as being handled (until the guard drops), first waiting while a
+    /// hand-over is under way: nothing is handled meanwhile.
+    pub(crate) async fn enter(&self) -> Busy<'_> {
+        // (Counted before the look at `frozen`, which a hand-over sets before it counts: one of
+        // the two sees the other.)
+        self.busy.fetch_add(1, Ordering::SeqCst);
+        self.park().await;
+        Busy(&self.busy)
+    }
+
+    /// While a hand-over is under way, waits uncounted (the hand-over's snapshot does not wait
+    /// for a request parked here, which changes nothing until it is over).
+    pub(crate) async fn park(&self) {
+        if !self.is_frozen() {
+            return;
+        }
+        self.busy.fetch_sub(1, Ordering::SeqCst);
+        let mut thawed = self.thawed.subscribe();
+        let _ = thawed.wait_for(|t| *t).await;
+        self.busy.fetch_add(1, Ordering::SeqCst);
+    }
+
+    /// Requests being handled and not parked.
+    pub(crate) fn busy(&self) -> usize {
+        self.busy.load(Ordering::SeqCst)
+    }
+
+    /// Whether the daemon handed over to a successor that serves.
+    pub(crate) fn is_done(&self) -> bool {
+        *self.done.borrow()
+    }
+
+    /// A receiver that sees every freeze and thaw.
+    pub(crate) fn thawed_watch(&self) -> watch::Receiver<bool> {
+        self.thawed.subscribe()
+    }
+
+    /// A receiver that sees the hand-over end (the successor serves).
+    pub(crate) fn done_watch(&self) -> watch::Receiver<bool> {
+        self.done.subscribe()
+    }
+}
+
+/// A request being handled ([`Handoff::enter`]).
+pub(crate) struct Busy<'a>(&'a AtomicUsize);
+
+impl Drop for Busy<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+/// What a successor received from the daemon it takes over.
+pub(crate) struct Received {
+    pub(crate) handover: Handover,
+    pub(crate) segments: Vec<OwnedFd>,
+    pub(crate) clients: std::os::unix::net::UnixListener,
+    pub(crate) peers: Option<std::net::TcpListener>,
+    pub(crate) metrics: Option<std::net::TcpListener>,
+    /// The connection to the daemon: one byte on it once the successor serves.
+    pub(crate) daemon: UnixStream,
+}
+
+/// Asks the daemon on `socket` for its state. Refused before anything is touched when no
+/// daemon answers, when it runs as another uid, or when its format is not this build's: why,
+/// as a sentence.
+pub(crate) fn receive(socket: &Path) -> Result<Received, String> {
+    let failed = |why: String| why;
+    let mut daemon = UnixStream::connect(socket).map_err(|e| {
+        failed(format!(
+            "no feedstored answers on {} ({e}): there is nothing to take over; start without \
+             --takeover",
+            socket.display()
+        ))
+    })?;
+    // (The uid of whoever bound the socket: the first daemon of a chain of takeovers, of the
+    // same uid. Its pid too, so the daemon's own pid comes in the hand-over.)
+    let creds = nix::sys::socket::getsockopt(&daemon, nix::sys::socket::sockopt::PeerCredentials)
+        .map_err(|e| failed(format!("cannot read the daemon's credentials: {e}")))?;
+    let me = nix::unistd::geteuid().as_raw();
+    if creds.uid() != me && creds.uid() != 0 && me != 0 {
+        return Err(failed(format!(
+            "the feedstored on {} runs as uid {}, this one as uid {me}: take over as its uid",
+            socket.display(),
+            creds.uid()
+        )));
+    }
+    daemon
+        .set_read_timeout(Some(SUCCESSOR_DEADLINE))
+        .map_err(|e| failed(e.to_string()))?;
+    let mut request = Vec::new();
+    Request::Takeover {
+        format: HANDOVER_FORMAT,
+    }
+    .encode_in(frame::VERSION, 1, frame::MIN_PAYLOAD_BYTES, &mut request)
+    .map_err(|e| failed(e.to_string()))?;
+    daemon
+        .write_all(&request)
+        .map_err(|e| failed(format!("cannot ask the daemon to hand over: {e}")))?;
+    let (first, fds) = recv_with_fds(&daemon).map_err(|e| {
+        failed(format!(
+            "the daemon closed without handing over ({e}): a release before takeover existed"
+        ))
+    })?;
+    let mut head = first;
+    if !head.starts_with(HANDOVER_MAGIC) {
+        return Err(failed(refusal(&daemon, head)));
+    }
+    while head.len() < 16 {
+        let mut more = [0u8; 16];
+        let n = (&daemon)
+            .read(&mut more[..16 - head.len()])
+            .map_err(|e| failed(format!("reading the hand-over: {e}")))?;
+        if n == 0 {
+            return Err(failed("the daemon closed mid-hand-over".into()));
+        }
+        head.extend_from_slice(&more[..n]);
+    }
+    let len = u64::from_le_bytes(head[8..16].try_into().expect("8 bytes"));
+    if len > MAX_HANDOVER_BYTES {
+        return Err(failed(format!("a hand-over of {len} bytes is refused")));
+    }
+    let mut bytes = head.split_off(16);
+    if bytes.len() as u64 > len {
+        return Err(failed("the daemon sent more than its hand-over".into()));
+    }
+    let missing = len as usize - bytes.len();
+    let start = bytes.len();
+    bytes.resize(len as usize, 0);
+    (&daemon)
+        .read_exact(&mut bytes[start..start + missing])
+        .map_err(|e| failed(format!("reading the hand-over: {e}")))?;
+    let handover = Handover::decode(&bytes).map_err(|e| failed(e.to_string()))?;
+    let wanted = handover.segments.len()
+        + 1
+        + usize::from(handover.peer_listener)
+        + usize::from(handover.metrics_listener);
+    if fds.len() != wanted {
+        return Err(failed(format!(
+            "the daemon passed {} descriptors, its hand-over names {wanted}",
+            fds.len()
+        )));
+    }
+    let mut fds = fds.into_iter();
+    let segments: Vec<OwnedFd> = fds.by_ref().take(handover.segments.len()).collect();
+    let clients = std::os::unix::net::UnixListener::from(fds.next().expect("counted"));
+    let peers = handover
+        .peer_listener
+        .then(|| std::net::TcpListener::from(fds.next().expect("counted")));
+    let metrics = handover
+        .metrics_listener
+        .then(|| std::net::TcpListener::from(fds.next().expect("counted")));
+    Ok(Received {
+        handover,
+        segments,
+        clients,
+        peers,
+        metrics,
+        daemon,
+    })
+}
+
+/// The successor's side of the commit, before it serves anything: says it is ready, then waits
+/// for the daemon's word that it stops and for its connection to close (its runtime gone: it
+/// touches nothing any more). Anything else, and the successor must not serve: the daemon
+/// serves on, or is in an unknown state.
+pub(crate) fn commit(mut daemon: UnixStream) -> Result<(), String> {
+    daemon
+        .set_read_timeout(Some(PREDECESSOR_DEADLINE))
+        .map_err(|e| e.to_string())?;
+    daemon
+        .write_all(&[READY])
+        .map_err(|e| format!("the daemon taken over went away before it stopped: {e}"))?;
+    let mut word = [0u8; 1];
+    match (&daemon).read(&mut word) {
+        Ok(1) if word[0] == STOPPING => {}
+        Ok(_) => return Err("the daemon taken over refused to stop: it serves on".into()),
+        Err(e) => return Err(format!("no word from the daemon taken over: {e}")),
+    }
+    match (&daemon).read(&mut word) {
+        Ok(0) => Ok(()),
+        Ok(_) => Err("the daemon taken over said more than it should".into()),
+        Err(e) => Err(format!(
+            "the daemon taken over did not stop within {PREDECESSOR_DEADLINE:?}: {e}"
+        )),
+    }
+}
+
+/// What the daemon said instead of handing over (an error frame), as a sentence.
+fn refusal(daemon: &UnixStream, mut bytes: Vec<u8>) -> String {
+    loop {
+        match Frame::parse(&bytes, frame::MAX_PAYLOAD_BYTES) {
+            Ok(Some(frame)) => {
+                return match Response::decode(&frame) {
+                    Ok(Response::Error { status, message }) => {
+                        format!("the running daemon refuses: {message} ({status:?})")
+                    }
+                    _ => "the running daemon answered something else than a hand-over".into(),
+                };
+            }
+            Ok(None) => {
+                let mut more = [0u8; 4096];
+                match (&mut &*daemon).read(&mut more) {
+                    Ok(n) if n > 0 => bytes.extend_from_slice(&more[..n]),
+                    _ => return "the daemon closed mid-answer".into(),
+                }
+            }
+            Err(e) => {
+                return format!("the running daemon does not hand over (an older release?): {e}");
+            }
+        }
+    }
+}
+
+/// One read with the descriptors that come with it.
+fn recv_with_fds(sock: &UnixStream) -> std::io::Result<(Vec<u8>, Vec<OwnedFd>)> {
+    use nix::sys::socket::{ControlMessageOwned, MsgFlags, recvmsg};
+    let mut buf = vec![0u8; 64 << 10];
+    let mut space = nix::cmsg_space!([RawFd; MAX_HANDED_FDS]);
+    let mut iov = [std::io::IoSliceMut::new(&mut buf)];
+    let msg = recvmsg::<()>(
+        sock.as_raw_fd(),
+        &mut iov,
+        Some(&mut space),
+        MsgFlags::MSG_CMSG_CLOEXEC,
+    )?;
+    let mut fds = Vec::new();
+    for cmsg in msg.cmsgs()? {
+        if let ControlMessageOwned::ScmRights(raw) = cmsg {
+            // SAFETY: the kernel just installed these descriptors in this process for this
+            // message; nothing else owns them.
+            fds.extend(
+                raw.into_iter()
+                    .map(|fd| unsafe { OwnedFd::from_raw_fd(fd) }),
+            );
+        }
+    }
+    let truncated = msg.flags.contains(MsgFlags::MSG_CTRUNC);
+    let n = msg.bytes;
+    if truncated {
+        return Err(std::io::Error::other("descriptors were cut off"));
+    }
+    if n == 0 {
+        return Err(std::io::Error::from(std::io::ErrorKind::UnexpectedEof));
+    }
+    buf.truncate(n);
+    Ok((buf, fds))
+}

@@ -1,0 +1,122 @@
+//! The daemon's side of `feedstored --takeover` (see `crate::handoff`): a connection whose
+//! first request is [`Request::Takeover`] gets the daemon's state and descriptors, and the
+//! daemon stops once the successor is ready (a two-step commit: the successor serves only once
+//! the daemon said it stops and its connection closed).
+//!
+//! [`Request::Takeover`]: feedstore_proto::frame::Request::Takeover
+
+use std::os::fd::AsRawFd;
+
+use feedstore_proto::Status;
+use feedstore_proto::handover::HANDOVER_FORMAT;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+use super::{ConnEnd, Connection};
+use crate::handoff::{HANDOVER_MAGIC, QUIESCE_DEADLINE, READY, STOPPING, SUCCESSOR_DEADLINE};
+
+impl Connection {
+    pub(super) async fn hand_over(&mut self, request_id: u32, format: u32) -> Result<(), ConnEnd> {
+        let (uid, pid) = (self.credentials.uid, self.credentials.pid);
+        if uid != self.shared.daemon_uid && uid != 0 {
+            let message = format!(
+                "uid {uid} may not take over this feedstored (it runs as uid {}): only its uid \
+                 and root may",
+                self.shared.daemon_uid
+            );
+            return self
+                .refuse(request_id, Status::PermissionDenied, message)
+                .await;
+        }
+        if format != HANDOVER_FORMAT {
+            let message = format!(
+                "this feedstored hands over in format {HANDOVER_FORMAT}, the successor reads \
+                 format {format}: stop this one and start the other instead (its clients \
+                 reconnect; the objects it holds are lost)"
+            );
+            return self.refuse(request_id, Status::Protocol, message).await;
+        }
+        let shared = self.shared.clone();
+        let handoff = &shared.handoff;
+        if self.cluster.is_some() {
+            let message = "this feedstored is part of a cluster, which cannot be taken over yet \
+                           (its pulls and peer sessions would go on writing into the memory \
+                           handed over): restart it instead; its clients reconnect"
+                .to_string();
+            return self.refuse(request_id, Status::InvalidState, message).await;
+        }
+        let Some(listeners) = handoff.listeners() else {
+            let message = "this feedstored is not serving yet".to_string();
+            return self.refuse(request_id, Status::InvalidState, message).await;
+        };
+        if !handoff.freeze() {
+            let message = "another successor is taking this feedstored over".to_string();
+            return self.refuse(request_id, Status::InUse, message).await;
+        }
+        // Frozen: no request starts, and each under way finishes or parks where it waits (a
+        // bounded wait): then nothing changes the table or the memory until this is over, so
+        // the table handed over is the last.
+        let quiet_by = tokio::time::Instant::now() + QUIESCE_DEADLINE;
+        while handoff.busy() > 1 {
+            if tokio::time::Instant::now() >= quiet_by {
+                handoff.thaw();
+                let message = format!(
+                    "requests under way did not finish or wait within {QUIESCE_DEADLINE:?}: try \
+                     again"
+                );
+                return self.refuse(request_id, Status::InUse, message).await;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+        }
+        let state = self
+            .shared
+            .with_objects(|o| o.hand_over(listeners.peers.is_some(), listeners.metrics.is_some()));
+        let bytes = state.encode();
+        self.wbuf.clear();
+        self.wbuf.extend_from_slice(HANDOVER_MAGIC);
+        self.wbuf
+            .extend_from_slice(&(bytes.len() as u64).to_le_bytes());
+        self.wbuf.extend_from_slice(&bytes);
+        let mut fds: Vec<i32> = self
+            .shared
+            .segments
+            .iter()
+            .map(|s| s.fd().as_raw_fd())
+            .collect();
+        fds.push(listeners.clients);
+        fds.extend(listeners.peers);
+        fds.extend(listeners.metrics);
+        tracing::info!(
+            successor_pid = pid,
+            objects = state.objects.len(),
+            bytes = bytes.len(),
+            "handing over to a successor (feedstored --takeover): serving nothing meanwhile"
+        );
+        let sent = self.send_with_fds_now(&fds).await;
+        // The successor says it is ready (its state built, nothing served yet); this daemon
+        // answers that it stops, and stops. Anything else, and it serves on.
+        let mut word = [0u8; 1];
+        let answered = match sent {
+            Ok(()) => tokio::time::timeout(SUCCESSOR_DEADLINE, self.stream.read(&mut word)).await,
+            Err(e) => Ok(Err(std::io::Error::other(e.to_string()))),
+        };
+        let ready = matches!(answered, Ok(Ok(1))) && word[0] == READY;
+        if ready && self.stream.write_all(&[STOPPING]).await.is_ok() {
+            tracing::info!(
+                successor_pid = pid,
+                "the successor is ready: this feedstored stops (the socket is the successor's)"
+            );
+            handoff.done.send_replace(true);
+            return Ok(());
+        }
+        let why = match answered {
+            Err(_) => format!("no word within {SUCCESSOR_DEADLINE:?}"),
+            Ok(Ok(0)) => "it closed (see its own log for why)".into(),
+            Ok(Ok(_)) if ready => "it closed before this one's answer".into(),
+            Ok(Ok(_)) => format!("it said {} instead of being ready", word[0]),
+            Ok(Err(e)) => e.to_string(),
+        };
+        tracing::warn!(successor_pid = pid, reason = %why, "the successor did not take over: serving on");
+        handoff.thaw();
+        Err(ConnEnd::Closed)
+    }
+}
