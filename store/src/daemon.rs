@@ -316,7 +316,7 @@ impl Daemon {
             if let Some((predecessor, pid)) = predecessor {
                 // Nothing is served (no task started, nothing accepted) until the daemon
                 // taken over has stopped: two daemons never serve the same memory.
-                crate::handoff::commit(predecessor).map_err(StartError::Takeover)?;
+                crate::handoff::commit(predecessor, pid as u32).map_err(StartError::Takeover)?;
                 tracing::info!(
                     predecessor_pid = pid,
                     "the daemon taken over stopped: serving in its place"

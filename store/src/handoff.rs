@@ -37,8 +37,9 @@ const MAX_HANDOVER_BYTES: u64 = 1 << 30;
 /// How long a daemon that handed over waits for its successor to be ready before it serves on.
 pub(crate) const SUCCESSOR_DEADLINE: Duration = Duration::from_secs(60);
 
-/// How long a successor waits for the daemon it takes over to stop before it gives up (and
-/// does not serve).
+/// How long a successor waits for the daemon it takes over to answer that it stops (then it
+/// does not serve); once it has, the successor waits for it to stop however long it takes,
+/// saying so this often.
 const PREDECESSOR_DEADLINE: Duration = Duration::from_secs(30);
 
 /// How long a daemon asked to hand over waits for the requests under way to finish or wait.
@@ -67,6 +68,8 @@ pub struct Handoff {
     busy: AtomicUsize,
     /// Follows `frozen`, for the tasks that wait for it to clear.
     thawed: watch::Sender<bool>,
+    /// Held while `frozen` and `thawed` change together (a freeze racing a thaw).
+    switch: Mutex<()>,
     /// Set once a successor serves: the daemon stops, leaving the socket file to it.
     pub(crate) done: watch::Sender<bool>,
     listeners: Mutex<Option<Listeners>>,
@@ -78,6 +81,7 @@ impl Default for Handoff {
             frozen: AtomicBool::new(false),
             busy: AtomicUsize::new(0),
             thawed: watch::Sender::new(true),
+            switch: Mutex::new(()),
             done: watch::Sender::new(false),
             listeners: Mutex::new(None),
         }
@@ -96,6 +100,7 @@ impl Handoff {
 
     /// Stops serving for a hand-over: false if one is under way already.
     pub(crate) fn freeze(&self) -> bool {
+        let _switch = self.switch.lock().unwrap_or_else(|e| e.into_inner());
         if self.frozen.swap(true, Ordering::SeqCst) {
             return false;
         }
@@ -105,6 +110,7 @@ impl Handoff {
 
     /// Serves on (the successor failed).
     pub(crate) fn thaw(&self) {
+        let _switch = self.switch.lock().unwrap_or_else(|e| e.into_inner());
         self.frozen.store(false, Ordering::SeqCst);
         self.thawed.send_replace(true);
     }
@@ -127,13 +133,20 @@ impl Handoff {
     /// While a hand-over is under way, waits uncounted (the hand-over's snapshot does not wait
     /// for a request parked here, which changes nothing until it is over).
     pub(crate) async fn park(&self) {
-        if !self.is_frozen() {
-            return;
+        // (Looked at again after each wake-up: another hand-over may have begun since.)
+        while self.is_frozen() {
+            self.busy.fetch_sub(1, Ordering::SeqCst);
+            let mut thawed = self.thawed.subscribe();
+            let _ = thawed.wait_for(|t| *t).await;
+            self.busy.fetch_add(1, Ordering::SeqCst);
         }
+    }
+
+    /// Leaves the count while a reply is written (a request's changes are all made by then,
+    /// so the snapshot need not wait for a client slow to read): counted again on drop.
+    pub(crate) fn writing(&self) -> Writing<'_> {
         self.busy.fetch_sub(1, Ordering::SeqCst);
-        let mut thawed = self.thawed.subscribe();
-        let _ = thawed.wait_for(|t| *t).await;
-        self.busy.fetch_add(1, Ordering::SeqCst);
+        Writing(&self.busy)
     }
 
     /// Requests being handled and not parked.
@@ -154,6 +167,15 @@ impl Handoff {
     /// A receiver that sees the hand-over end (the successor serves).
     pub(crate) fn done_watch(&self) -> watch::Receiver<bool> {
         self.done.subscribe()
+    }
+}
+
+/// A reply being written, uncounted ([`Handoff::writing`]).
+pub(crate) struct Writing<'a>(&'a AtomicUsize);
+
+impl Drop for Writing<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_add(1, Ordering::SeqCst);
     }
 }
 
@@ -280,7 +302,7 @@ pub(crate) fn receive(socket: &Path) -> Result<Received, String> {
 /// for the daemon's word that it stops and for its connection to close (its runtime gone: it
 /// touches nothing any more). Anything else, and the successor must not serve: the daemon
 /// serves on, or is in an unknown state.
-pub(crate) fn commit(mut daemon: UnixStream) -> Result<(), String> {
+pub(crate) fn commit(mut daemon: UnixStream, pid: u32) -> Result<(), String> {
     daemon
         .set_read_timeout(Some(PREDECESSOR_DEADLINE))
         .map_err(|e| e.to_string())?;
@@ -290,15 +312,36 @@ pub(crate) fn commit(mut daemon: UnixStream) -> Result<(), String> {
     let mut word = [0u8; 1];
     match (&daemon).read(&mut word) {
         Ok(1) if word[0] == STOPPING => {}
-        Ok(_) => return Err("the daemon taken over refused to stop: it serves on".into()),
+        Ok(1) => return Err("the daemon taken over refused to stop: it serves on".into()),
+        Ok(_) => {
+            return Err(format!(
+                "the daemon taken over (pid {pid}) closed before it said it stops: not serving \
+                 (if it died, no daemon serves: start feedstored again)"
+            ));
+        }
         Err(e) => return Err(format!("no word from the daemon taken over: {e}")),
     }
-    match (&daemon).read(&mut word) {
-        Ok(0) => Ok(()),
-        Ok(_) => Err("the daemon taken over said more than it should".into()),
-        Err(e) => Err(format!(
-            "the daemon taken over did not stop within {PREDECESSOR_DEADLINE:?}: {e}"
-        )),
+    // It stops, committed: wait for it however long it takes (it touches the memory until its
+    // runtime is gone), never serve beside it.
+    loop {
+        match (&daemon).read(&mut word) {
+            Ok(0) => return Ok(()),
+            Ok(_) => return Err("the daemon taken over said more than it should".into()),
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::WouldBlock
+                        | std::io::ErrorKind::TimedOut
+                        | std::io::ErrorKind::Interrupted
+                ) =>
+            {
+                tracing::warn!(
+                    predecessor_pid = pid,
+                    "the daemon taken over said it stops and has not yet: waiting for it"
+                );
+            }
+            Err(e) => return Err(format!("waiting for the daemon taken over to stop: {e}")),
+        }
     }
 }
 

@@ -308,10 +308,10 @@ impl Connection {
     ) -> Result<(), ConnEnd> {
         // Frames that arrived with the waiting request are taken in first.
         self.absorb(id)?;
-        // A hand-over beginning wakes the wait, which parks until it is over.
+        // A hand-over beginning (or under way) wakes the wait, which parks until it is over.
         let mut thawed = self.shared.handoff.thawed_watch();
         tokio::select! {
-            _ = thawed.changed() => {}
+            _ = thawed.wait_for(|t| !*t) => {}
             _ = events.changed() => {}
             _ = tokio::time::sleep_until(deadline) => {}
             read = self.stream.read_buf(&mut self.rbuf) => {
@@ -352,11 +352,12 @@ impl Connection {
 
     /// Sends the encoded reply in `wbuf` with descriptors riding on its first byte.
     pub(super) async fn send_with_fds(&mut self, fds: &[i32]) -> Result<(), ConnEnd> {
-        self.shared.handoff.park().await;
+        let shared = self.shared.clone();
+        let _writing = shared.handoff.writing();
         self.send_with_fds_now(fds).await
     }
 
-    /// [`Connection::send_with_fds`], even while the daemon hands over (the hand-over's own).
+    /// [`Connection::send_with_fds`], counted as busy all along (the hand-over's own).
     pub(super) async fn send_with_fds_now(&mut self, fds: &[i32]) -> Result<(), ConnEnd> {
         let wbuf = std::mem::take(&mut self.wbuf);
         let sock = self.stream.as_raw_fd();
@@ -400,9 +401,10 @@ impl Connection {
     ) -> Result<(), ConnEnd> {
         self.wbuf.clear();
         self.encode_reply(op, request_id, response);
-        // (A request that was under way when a hand-over began is not answered by this
-        // daemon: the client asks the successor again.)
-        self.shared.handoff.park().await;
+        // (Uncounted while written: its changes are made, in the snapshot of a hand-over that
+        // begins meanwhile, which need not wait for a client slow to read.)
+        let shared = self.shared.clone();
+        let _writing = shared.handoff.writing();
         self.stream.write_all(&self.wbuf).await?;
         Ok(())
     }

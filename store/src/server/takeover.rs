@@ -106,7 +106,9 @@ impl Connection {
                 "the successor is ready: this feedstored stops (the socket is the successor's)"
             );
             handoff.done.send_replace(true);
-            return Ok(());
+            // Held open until this daemon's runtime is gone: its close is the successor's
+            // sign that nothing here touches the memory any more.
+            std::future::pending::<()>().await;
         }
         let why = match answered {
             Err(_) => format!("no word within {SUCCESSOR_DEADLINE:?}"),
