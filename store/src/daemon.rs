@@ -106,7 +106,8 @@ pub struct Daemon {
     metrics_listener: Option<std::net::TcpListener>,
     socket: PathBuf,
     worker_threads: usize,
-    /// The daemon this one took over (`--takeover`), told once this one serves, and its pid.
+    /// The daemon this one took over (`--takeover`), and its pid: the two-step commit with it
+    /// comes before this one serves anything.
     predecessor: Option<(std::os::unix::net::UnixStream, i32)>,
 }
 

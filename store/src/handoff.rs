@@ -1,15 +1,17 @@
 //! Handing a running daemon over to its successor (`feedstored --takeover`), both sides.
 //!
 //! The successor connects to the daemon's own socket and asks for the state
-//! ([`Request::Takeover`], from the daemon's uid or root). The daemon stops serving (no request
-//! is answered, no connection accepted: [`Handoff::freeze`]), writes its object table
-//! ([`Handover`]) with the descriptors of its segments and listeners beside it (`SCM_RIGHTS`),
-//! and waits. The successor maps the same memory, takes the same epoch (so every handle stays
-//! valid), accepts on the same listening socket and says one byte; the daemon then exits
-//! without removing the socket file, its connections close, and its clients connect again — to
+//! ([`Request::Takeover`], from the daemon's uid or root). The daemon freezes (no request
+//! starts, those under way finish or park, no connection is accepted: [`Handoff::freeze`],
+//! [`Handoff::enter`]), writes its object table ([`Handover`]) with the descriptors of its
+//! segments and listeners beside it (`SCM_RIGHTS`), and waits. The successor maps the same
+//! memory and takes the same epoch (so every handle stays valid), then commits in two steps
+//! ([`commit`]): it says [`READY`], the daemon answers [`STOPPING`] and stops (its runtime
+//! dropped, its connections closed, the socket file left), and only once that connection has
+//! closed does the successor accept on the same listening socket. Clients connect again — to
 //! the successor, which holds each client process's leases and reservations for it until it
-//! comes back ([`feedstore_core::objects::Objects::take_over`]). If the successor fails
-//! before that byte, the daemon serves on as if nothing happened.
+//! comes back ([`feedstore_core::objects::Objects::take_over`]). If the successor fails before
+//! its `READY`, the daemon thaws and serves on as if nothing happened.
 //!
 //! From Envoy's hot restart and HAProxy's seamless reload: the listening socket itself passes
 //! between the processes, so no connection is refused meanwhile (clients that connect while
@@ -70,7 +72,7 @@ pub struct Handoff {
     thawed: watch::Sender<bool>,
     /// Held while `frozen` and `thawed` change together (a freeze racing a thaw).
     switch: Mutex<()>,
-    /// Set once a successor serves: the daemon stops, leaving the socket file to it.
+    /// Set once the successor is ready: the daemon stops, leaving the socket file to it.
     pub(crate) done: watch::Sender<bool>,
     listeners: Mutex<Option<Listeners>>,
 }
@@ -195,7 +197,7 @@ pub(crate) struct Received {
     pub(crate) clients: std::os::unix::net::UnixListener,
     pub(crate) peers: Option<std::net::TcpListener>,
     pub(crate) metrics: Option<std::net::TcpListener>,
-    /// The connection to the daemon: one byte on it once the successor serves.
+    /// The connection to the daemon, for the two-step commit ([`commit`]).
     pub(crate) daemon: UnixStream,
 }
 
