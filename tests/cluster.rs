@@ -20,7 +20,7 @@ use std::time::Duration;
 
 use common::netns::Lan;
 use common::*;
-use feedstore_consumer::{Client, Error, Handle, StoreStats};
+use feedstore_consumer::{Client, ConnectOptions, Error, Handle, Role, StoreStats};
 
 const LIMIT: Duration = Duration::from_secs(240);
 
@@ -438,41 +438,85 @@ fn faults_end_in_clear_errors_and_leak_nothing() {
     drop(b);
 }
 
-/// A node in a cluster cannot be taken over yet (`feedstored --takeover`, issue 37: its pulls
-/// and peer sessions would go on writing into the memory handed over): the successor is
-/// refused with the reason, and the node goes on serving its peers and clients, untouched.
+/// Both nodes of a cluster are taken over in turn (`feedstored --takeover`): the owner's
+/// successor serves the objects made before it (the same handles) and after it to its peer;
+/// the puller's successor keeps the copies it pulled (not pulled again), and a view of one held
+/// across both takeovers reads its bytes.
 #[test]
-fn a_node_in_a_cluster_refuses_a_takeover_and_serves_on() {
-    let _w = watchdog("a_node_in_a_cluster_refuses_a_takeover", LIMIT);
+fn nodes_in_a_cluster_are_taken_over_and_serve_on() {
+    let _w = watchdog("nodes_in_a_cluster_are_taken_over", LIMIT);
     let dir = scratch_dir("cluster-takeover");
     let secret = secret_file(&dir, "secret", "the-cluster-secret-of-this-test\n");
     let common = ["--capacity", "128MiB", "--cluster-secret-file", &secret].map(String::from);
     let (a, la) = DaemonProcess::start_listening(&dir, "a", |_| {
         [&["--node-id".into(), "1".into()][..], &common].concat()
     });
-    let (b, _) = DaemonProcess::start_listening(&dir, "b", |lb| {
-        let peers = format!("{la},{lb}");
+    let (b, lb) = DaemonProcess::start_listening(&dir, "b", |addr| {
+        let peers = format!("{la},{addr}");
         [
             &["--node-id", "2", "--peers", &peers].map(String::from)[..],
             &common,
         ]
         .concat()
     });
-    let (wa, rb) = (a.writer(), b.reader());
-    let before = make(&wa, 3 << 20, 1);
-    assert!(pattern_matches(&rb.get(before).unwrap(), 1));
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_feedstored"))
-        .args(["--takeover", "--node-id", "1", "--listen", &la, "--socket"])
-        .arg(&a.socket)
-        .args(&common)
-        .output()
-        .unwrap();
-    assert!(!out.status.success());
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(err.contains("part of a cluster"), "{err}");
-    let after = make(&wa, 5 << 20, 2);
-    assert!(pattern_matches(&rb.get(after).unwrap(), 2));
-    assert_eq!(wa.reconnects(), 0, "the node served on without a break");
+    let args = |id: &str, listen: &str| -> Vec<String> {
+        let peers = format!("{la},{lb}");
+        [
+            &["--node-id", id, "--listen", listen, "--peers", &peers].map(String::from)[..],
+            &common,
+        ]
+        .concat()
+    };
+    let reconnecting = |d: &DaemonProcess, role| {
+        ConnectOptions::new(role)
+            .socket(&d.socket)
+            .reconnect_timeout(Duration::from_secs(30))
+            .connect()
+            .unwrap()
+    };
+    let (wa, rb) = (
+        reconnecting(&a, Role::Writer),
+        reconnecting(&b, Role::Reader),
+    );
+    let pulled = make(&wa, 3 << 20, 1);
+    let held = rb.get(pulled).unwrap();
+    assert!(pattern_matches(&held, 1));
+    let unpulled = make(&wa, 2 << 20, 2);
+
+    let flags = args("1", &la);
+    let a = a.take_over(&dir, &flags.iter().map(String::as_str).collect::<Vec<_>>());
+    assert!(
+        pattern_matches(&rb.get(unpulled).unwrap(), 2),
+        "made before the owner's takeover, pulled from its successor"
+    );
+    let after = make(&wa, 5 << 20, 3);
+    assert!(
+        wa.reconnects() >= 1,
+        "the writer went on with the successor"
+    );
+    assert!(pattern_matches(&rb.get(after).unwrap(), 3));
+    let pulls = b.reader().stats().unwrap().pulls;
+
+    let flags = args("2", &lb);
+    let b = b.take_over(&dir, &flags.iter().map(String::as_str).collect::<Vec<_>>());
+    for (h, seed) in [(pulled, 1), (unpulled, 2), (after, 3)] {
+        assert!(pattern_matches(&rb.get(h).unwrap(), seed));
+    }
+    let stats = b.reader().stats().unwrap();
+    assert_eq!(
+        stats.pulls, 0,
+        "the puller's successor kept every copy: {stats:?}"
+    );
+    assert!(rb.reconnects() >= 1);
+    assert!(
+        pattern_matches(&held, 1),
+        "a view held across both takeovers reads its bytes"
+    );
+    let last = make(&wa, 1 << 20, 4);
+    assert!(pattern_matches(&rb.get(last).unwrap(), 4));
+    assert_eq!(b.reader().stats().unwrap().pulls, 1);
+    assert!(pulls >= 3, "{pulls}");
+    drop(a);
 }
 
 /// Two daemons on loopback, no namespaces: runs as any user, so every CI run covers the pull

@@ -927,6 +927,9 @@ struct Nodes {
     lan: common::netns::Lan,
     nodes: Vec<DaemonProcess>,
     dir: PathBuf,
+    /// Whether the clients started from now on reconnect when their daemon goes away (and each
+    /// consumer holds its first sample to its end).
+    reconnect: bool,
 }
 
 impl Nodes {
@@ -943,19 +946,8 @@ impl Nodes {
             .join(",");
         let nodes = (0..n)
             .map(|i| {
-                let (listen, id) = (format!("{}:7070", lan.ip(i)), format!("{}", 0xB0 + i));
-                let args = [
-                    "--node-id",
-                    &id,
-                    "--listen",
-                    &listen,
-                    "--peers",
-                    &peers,
-                    "--cluster-secret-file",
-                    secret.to_str().unwrap(),
-                    "--peer-refresh-secs",
-                    "1",
-                ];
+                let args = Self::args(&lan, i, &peers, &secret);
+                let args: Vec<&str> = args.iter().map(String::as_str).collect();
                 DaemonProcess::start_named(&dir, &format!("node{i}"), &lan.exec(i), &args)
             })
             .collect::<Vec<_>>();
@@ -964,7 +956,62 @@ impl Nodes {
                 s.peers_up == n as u64 - 1
             });
         }
-        Nodes { lan, nodes, dir }
+        Nodes {
+            lan,
+            nodes,
+            dir,
+            reconnect: false,
+        }
+    }
+
+    /// The flags of node `i`'s daemon.
+    fn args(lan: &common::netns::Lan, i: usize, peers: &str, secret: &Path) -> Vec<String> {
+        let listen = format!("{}:7070", lan.ip(i));
+        [
+            "--node-id",
+            &format!("{}", 0xB0 + i),
+            "--listen",
+            &listen,
+            "--peers",
+            peers,
+            "--cluster-secret-file",
+            secret.to_str().unwrap(),
+            "--peer-refresh-secs",
+            "1",
+        ]
+        .map(String::from)
+        .to_vec()
+    }
+
+    /// Replaces node `i`'s daemon by `feedstored --takeover` (the old one exits).
+    fn take_over(&mut self, i: usize) {
+        let peers = (0..self.nodes.len())
+            .map(|j| self.addr(j))
+            .collect::<Vec<_>>()
+            .join(",");
+        let args = Self::args(&self.lan, i, &peers, &self.dir.join("secret"));
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let old = self.nodes.remove(i);
+        let successor = old.take_over_via(&self.dir, &self.lan.exec(i), &args);
+        self.nodes.insert(i, successor);
+    }
+
+    /// Kills node `i`'s daemon with `kill -9` and starts it again (a new epoch: what it held
+    /// is lost).
+    fn kill_and_restart(&mut self, i: usize) {
+        let peers = (0..self.nodes.len())
+            .map(|j| self.addr(j))
+            .collect::<Vec<_>>()
+            .join(",");
+        let args = Self::args(&self.lan, i, &peers, &self.dir.join("secret"));
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let mut old = self.nodes.remove(i);
+        let pid = nix::unistd::Pid::from_raw(old.child.id() as i32);
+        nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGKILL).unwrap();
+        old.child.wait().unwrap();
+        let name = format!("node{i}");
+        let again = DaemonProcess::start_named(&self.dir, &name, &self.lan.exec(i), &args);
+        self.nodes.insert(i, again);
     }
 
     /// The node whose consumers read `rank`.
@@ -1009,7 +1056,7 @@ impl Nodes {
                 format!("{r}:{seq}")
             })
             .collect();
-        let mut p = ClientProcess::spawn(
+        let mut p = ClientProcess::spawn_with(
             &self.nodes[i].socket,
             &format!(
                 "produce {} {} {} {extra}",
@@ -1017,6 +1064,7 @@ impl Nodes {
                 starts.join(" "),
                 self.placement(spec)
             ),
+            self.env(),
         );
         p.ready();
         p
@@ -1025,16 +1073,26 @@ impl Nodes {
     /// The consumer of `rank` on its node, from its checkpoint.
     fn consumer(&self, spec: &StreamSpec, rank: u32, pause_us: u64) -> ClientProcess {
         let path = self.dir.join(format!("rank{rank}"));
-        let mut c = ClientProcess::spawn(
+        let mut c = ClientProcess::spawn_with(
             &self.nodes[Self::home(rank)].socket,
             &format!(
-                "consume {} {rank} {} 5 {pause_us}",
+                "consume {} {rank} {} 5 {pause_us}{}",
                 spec_args(spec),
-                path.display()
+                path.display(),
+                if self.reconnect { " hold" } else { "" }
             ),
+            self.env(),
         );
         c.ready();
         c
+    }
+
+    fn env(&self) -> &'static [(&'static str, &'static str)] {
+        if self.reconnect {
+            &[(feedstore_proto::RECONNECT_ENV, "30")]
+        } else {
+            &[]
+        }
     }
 
     fn records(&self, spec: &StreamSpec) -> Vec<Vec<u64>> {
@@ -1110,6 +1168,71 @@ fn ranks_on_another_node_are_fed_by_pulls_in_the_seeds_order() {
     assert!(b.cache_lookup(&keys).unwrap().iter().any(Option::is_some));
     assert!(a.cache_lookup(&keys).unwrap().iter().all(Option::is_none));
     assert_eq!(a.stats().unwrap().cache_entries, 0);
+    nodes.assert_at_rest(2);
+}
+
+/// A pulled stream survives the takeover of either node (`feedstored --takeover`, the old
+/// daemon exits): the producers' node first, whose samples node 0 pulls, then the ranks' node,
+/// whose windows, rings and pulls live in the memory handed over; then that node's daemon is
+/// killed with `kill -9` and started again. Every rank reads exactly its uninterrupted
+/// sequence, and a sample each consumer held from its start (node 0's: a pulled copy) still
+/// reads its own bytes at the end.
+#[test]
+fn a_pulled_stream_survives_the_takeover_of_either_node() {
+    if skip_unless_root("a_pulled_stream_survives_the_takeover_of_either_node") {
+        return;
+    }
+    let _w = watchdog(
+        "a_pulled_stream_survives_takeovers",
+        Duration::from_secs(300),
+    );
+    let mut nodes = Nodes::start("sf", 2);
+    nodes.reconnect = true;
+    let s = spec("takeover", 256, 23, 4, 2);
+    let producer = nodes.producer(1, &s, "");
+    let consumers: Vec<ClientProcess> = (0..4).map(|r| nodes.consumer(&s, r, 20_000)).collect();
+    let unfinished = |nodes: &Nodes| {
+        (0..s.world)
+            .filter(|r| !Checkpoint::read(&nodes.dir.join(format!("rank{r}"))).done)
+            .count()
+    };
+    wait_for_stats(
+        &nodes.nodes[0].reader(),
+        "samples pulled from node 1",
+        |s| s.pulls >= 8,
+    );
+    assert_eq!(unfinished(&nodes), 4, "the first takeover lands mid-run");
+    nodes.take_over(1);
+    let pulled = nodes.nodes[0].reader().stats().unwrap().pulls;
+    wait_for_stats(
+        &nodes.nodes[0].reader(),
+        "pulls from node 1's successor",
+        |s| s.pulls >= pulled + 8,
+    );
+    assert_eq!(unfinished(&nodes), 4, "the second takeover lands mid-run");
+    nodes.take_over(0);
+    std::thread::sleep(Duration::from_millis(300));
+    assert_eq!(unfinished(&nodes), 4, "the kill lands mid-run");
+    nodes.kill_and_restart(0);
+    let mut reattached = 0;
+    for mut p in consumers.into_iter().chain([producer]) {
+        let status = wait_child(&mut p.child, Duration::from_secs(180));
+        assert!(status.success(), "{status}");
+        for line in p.take_stdout().lines() {
+            if let Some(n) = line.unwrap().strip_prefix("reattached ") {
+                reattached += n.parse::<u64>().unwrap();
+            }
+        }
+    }
+    assert_eq!(
+        nodes.records(&s),
+        expected(&s),
+        "no sample lost or duplicated across the takeover of either node and a kill -9"
+    );
+    assert!(
+        reattached >= 4,
+        "every consumer attached again ({reattached} times in all)"
+    );
     nodes.assert_at_rest(2);
 }
 

@@ -296,6 +296,7 @@ impl Daemon {
             predecessor,
             ..
         } = self;
+        let kept = shared.clone();
         shared.handoff.serving_on(crate::handoff::Listeners {
             clients: listener.as_raw_fd(),
             peers: peer_listener.as_ref().map(AsRawFd::as_raw_fd),
@@ -330,6 +331,8 @@ impl Daemon {
                     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
                     loop {
                         tick.tick().await;
+                        // (Parked while the daemon is handed over, like every request.)
+                        let _busy = shared.handoff.enter().await;
                         shared.expire_streams();
                         shared.drop_what_gone_processes_held();
                     }
@@ -408,8 +411,10 @@ impl Daemon {
             }
             Ok::<(), StartError>(())
         })?;
-        // Dropping the runtime cancels every connection task; clients see end of stream.
+        // Dropping the runtime cancels every connection task (clients see end of stream) and
+        // joins its worker threads; only then may a successor serve the same memory.
         drop(runtime);
+        kept.handoff.release_successor();
         Ok(())
     }
 

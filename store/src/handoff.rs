@@ -75,6 +75,10 @@ pub struct Handoff {
     /// Set once the successor is ready: the daemon stops, leaving the socket file to it.
     pub(crate) done: watch::Sender<bool>,
     listeners: Mutex<Option<Listeners>>,
+    /// The successor's connection, once the daemon said it stops: closed only after the
+    /// daemon's runtime is gone (no worker thread left that could touch the memory), which is
+    /// the successor's sign to serve ([`Handoff::release_successor`]).
+    successor: Mutex<Option<OwnedFd>>,
 }
 
 impl Default for Handoff {
@@ -86,6 +90,7 @@ impl Default for Handoff {
             switch: Mutex::new(()),
             done: watch::Sender::new(false),
             listeners: Mutex::new(None),
+            successor: Mutex::new(None),
         }
     }
 }
@@ -154,6 +159,24 @@ impl Handoff {
     /// Requests being handled and not parked.
     pub(crate) fn busy(&self) -> usize {
         self.busy.load(Ordering::SeqCst)
+    }
+
+    /// Keeps the successor's connection open (its close says this daemon stopped) and marks
+    /// the hand-over done: the daemon stops.
+    pub(crate) fn stop_for(&self, successor: OwnedFd) {
+        *self.successor.lock().unwrap_or_else(|e| e.into_inner()) = Some(successor);
+        self.done.send_replace(true);
+    }
+
+    /// Closes the successor's connection, letting it serve: called once the daemon's runtime
+    /// is dropped (every task gone, every worker thread joined).
+    pub(crate) fn release_successor(&self) {
+        drop(
+            self.successor
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .take(),
+        );
     }
 
     /// Whether the daemon handed over to a successor that serves.

@@ -135,7 +135,12 @@ impl DaemonProcess {
 
     /// Starts `feedstored --takeover` with the same socket (and `extra` flags) in place of
     /// this daemon, and waits until this one exited (successfully) and the successor serves.
-    pub fn take_over(mut self, dir: &Path, extra: &[&str]) -> DaemonProcess {
+    pub fn take_over(self, dir: &Path, extra: &[&str]) -> DaemonProcess {
+        self.take_over_via(dir, &[], extra)
+    }
+
+    /// [`DaemonProcess::take_over`], the successor run through `prefix` (`ip netns exec NS`).
+    pub fn take_over_via(mut self, dir: &Path, prefix: &[&str], extra: &[&str]) -> DaemonProcess {
         let mut flags = vec!["--takeover"];
         flags.extend_from_slice(extra);
         let name = self
@@ -144,7 +149,7 @@ impl DaemonProcess {
             .and_then(|s| s.to_str())
             .unwrap_or("feedstored")
             .to_owned();
-        let successor = DaemonProcess::start_named(dir, &name, &[], &flags);
+        let successor = DaemonProcess::start_named(dir, &name, prefix, &flags);
         let status = wait_child(&mut self.child, Duration::from_secs(60));
         assert!(
             status.success(),

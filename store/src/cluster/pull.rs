@@ -154,7 +154,8 @@ impl Cluster {
             .inspect_err(|e| self.on_error(&peer, e))?;
         // No connection is held while waiting for room: the pulls that would make room may need
         // it. Without room now, this one lets go of its connection and asks again later.
-        let (mut copy, first) = match Reservation::now(shared, self.engine_conn, head.total)? {
+        let reserved = Reservation::now(shared, self.engine_conn, head.total).await?;
+        let (mut copy, first) = match reserved {
             Some(copy) => (copy, Some(first)),
             None => {
                 drop(first);
@@ -189,6 +190,9 @@ impl Cluster {
             });
         tokio::try_join!(lead, futures_util::future::try_join_all(rest))
             .inspect_err(|e| self.on_error(&peer, e))?;
+        // (Not while the daemon is handed over: a copy sealed after its table was sent would
+        // be one the successor does not know, in memory it may reuse.)
+        let _busy = shared.handoff.enter().await;
         copy.seal_as(handle, head.writer)?;
         Ok(head.total)
     }
@@ -357,12 +361,15 @@ struct Reservation {
 }
 
 impl Reservation {
-    /// Reserves `size` bytes if there is room now (evicting if need be); `None` if not.
-    pub(super) fn now(
+    /// Reserves `size` bytes if there is room now (evicting if need be); `None` if not. Waits
+    /// while the daemon is handed over: memory reserved (or an object evicted) after its
+    /// table was sent would be memory the successor hands out again.
+    pub(super) async fn now(
         shared: &Arc<Shared>,
         conn: ConnId,
         size: u64,
     ) -> Result<Option<Reservation>, PullError> {
+        let _busy = shared.handoff.enter().await;
         match shared.with_objects(|o| o.create(conn, size, false)) {
             Ok(created) => Ok(Some(Reservation {
                 shared: shared.clone(),
@@ -388,7 +395,7 @@ impl Reservation {
         let mut space = shared.space_events();
         loop {
             space.borrow_and_update();
-            if let Some(copy) = Reservation::now(shared, conn, size)? {
+            if let Some(copy) = Reservation::now(shared, conn, size).await? {
                 return Ok(copy);
             }
             if tokio::time::timeout_at(deadline, space.changed())

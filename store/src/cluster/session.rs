@@ -841,6 +841,9 @@ async fn put_pulled(
         .filter(|(_, p)| p.is_ok())
         .map(|(i, _)| *i)
         .collect();
+    // (Not while the daemon is handed over: a sample published now would give its consumer a
+    // lease the successor does not know.)
+    let busy = shared.handoff.enter().await;
     let put = shared.with_streams(|s, o| {
         for (item, p) in items.iter().zip(&pulled) {
             if p.is_err() {
@@ -849,6 +852,7 @@ async fn put_pulled(
         }
         s.put(o, conn, stream, &ok, false)
     });
+    drop(busy);
     let mut put = match put {
         Ok(statuses) => statuses.into_iter(),
         Err(e) => {

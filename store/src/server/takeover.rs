@@ -37,13 +37,6 @@ impl Connection {
         }
         let shared = self.shared.clone();
         let handoff = &shared.handoff;
-        if self.cluster.is_some() {
-            let message = "this feedstored is part of a cluster, which cannot be taken over yet \
-                           (its pulls and peer sessions would go on writing into the memory \
-                           handed over): restart it instead; its clients reconnect"
-                .to_string();
-            return self.refuse(request_id, Status::InvalidState, message).await;
-        }
         let Some(listeners) = handoff.listeners() else {
             let message = "this feedstored is not serving yet".to_string();
             return self.refuse(request_id, Status::InvalidState, message).await;
@@ -53,8 +46,11 @@ impl Connection {
             return self.refuse(request_id, Status::InUse, message).await;
         }
         // Frozen: no request starts, and each under way finishes or parks where it waits (a
-        // bounded wait): then nothing changes the table or the memory until this is over, so
-        // the table handed over is the last.
+        // bounded wait); so do the sweeper and, in a cluster, every pull before it reserves
+        // memory or seals its copy and every peer's put before it publishes. What still runs
+        // (pulls landing bytes in reservations of the daemon's own, peers served bytes of
+        // objects they lease) changes nothing the table handed over says is in use, and ends
+        // before the successor serves: the table handed over is the last.
         let quiet_by = tokio::time::Instant::now() + QUIESCE_DEADLINE;
         while handoff.busy() > 1 {
             if tokio::time::Instant::now() >= quiet_by {
@@ -105,9 +101,19 @@ impl Connection {
                 successor_pid = pid,
                 "the successor is ready: this feedstored stops (the socket is the successor's)"
             );
-            handoff.done.send_replace(true);
-            // Held open until this daemon's runtime is gone: its close is the successor's
-            // sign that nothing here touches the memory any more.
+            // Held open until this daemon's runtime is gone (every task dropped, every worker
+            // thread joined): its close is the successor's sign that nothing here touches the
+            // memory any more.
+            match std::os::fd::AsFd::as_fd(&self.stream).try_clone_to_owned() {
+                Ok(held) => handoff.stop_for(held),
+                Err(e) => {
+                    // (Without a copy the connection closes with this task, before the runtime
+                    // is gone: stop anyway, the successor was promised it; pulls and sessions
+                    // are parked, so nothing writes meanwhile.)
+                    tracing::warn!(error = %e, "cannot keep the successor's connection open until this daemon is gone");
+                    handoff.done.send_replace(true);
+                }
+            }
             std::future::pending::<()>().await;
         }
         let why = match answered {
