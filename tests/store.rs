@@ -1391,3 +1391,231 @@ fn a_protocol_9_client_is_served_in_its_own_layout() {
     // A client of this release beside it speaks the newest version.
     assert_eq!(daemon.reader().protocol(), feedstore_proto::frame::VERSION);
 }
+
+/// A service manager of the test's own: a user instance of systemd, in a mount namespace where
+/// `/run` is a fresh tmpfs holding `/run/systemd/system` (systemd's sign that it is the init
+/// system), so nothing on the host changes and PID 1 need not be systemd. Dropped, it stops
+/// its services and exits.
+struct ServiceManager {
+    child: std::process::Child,
+    runtime: std::path::PathBuf,
+}
+
+impl ServiceManager {
+    fn start(dir: &std::path::Path) -> ServiceManager {
+        let runtime = dir.join("runtime");
+        std::fs::create_dir_all(&runtime).unwrap();
+        std::fs::set_permissions(&runtime, std::fs::Permissions::from_mode(0o700)).unwrap();
+        let child = std::process::Command::new("unshare")
+            .args(["--mount", "--propagation", "private", "sh", "-c"])
+            .arg("mount -t tmpfs tmpfs /run && mkdir -p /run/systemd/system && exec /lib/systemd/systemd --user")
+            .env("XDG_RUNTIME_DIR", &runtime)
+            .env("XDG_CONFIG_HOME", dir.join("config"))
+            .stdout(std::process::Stdio::null())
+            .stderr(std::fs::File::create(dir.join("systemd.log")).unwrap())
+            .spawn()
+            .expect("starting a user instance of systemd");
+        let manager = ServiceManager { child, runtime };
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        while !manager.systemctl(&["is-system-running"]).status.success()
+            && !manager.runtime.join("systemd/private").exists()
+        {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "systemd --user did not come up: {}",
+                std::fs::read_to_string(dir.join("systemd.log")).unwrap_or_default()
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        manager
+    }
+
+    fn systemctl(&self, args: &[&str]) -> std::process::Output {
+        std::process::Command::new("systemctl")
+            .arg("--user")
+            .args(args)
+            .env("XDG_RUNTIME_DIR", &self.runtime)
+            .output()
+            .unwrap()
+    }
+
+    /// `systemctl` that must succeed.
+    fn must(&self, args: &[&str]) {
+        let out = self.systemctl(args);
+        assert!(
+            out.status.success(),
+            "systemctl --user {args:?}: {}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+
+    /// One property of a unit.
+    fn show(&self, unit: &str, property: &str) -> String {
+        let out = self.systemctl(&["show", "--value", "-p", property, unit]);
+        String::from_utf8_lossy(&out.stdout).trim().to_owned()
+    }
+
+    /// Waits until the unit's `property` satisfies `ok`.
+    fn wait(&self, unit: &str, property: &str, ok: impl Fn(&str) -> bool) -> String {
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        loop {
+            let value = self.show(unit, property);
+            if ok(&value) {
+                return value;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "{unit}'s {property} stayed {value:?}"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+impl Drop for ServiceManager {
+    fn drop(&mut self) {
+        let _ = self.systemctl(&["exit"]);
+        let deadline = std::time::Instant::now() + Duration::from_secs(20);
+        while self.child.try_wait().ok().flatten().is_none() {
+            if std::time::Instant::now() >= deadline {
+                let _ = self.child.kill();
+                let _ = self.child.wait();
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+/// The unit in deploy/systemd, run by a real systemd: `systemctl start` waits for the daemon's
+/// READY=1; `systemctl reload` (twice) hands the daemon over to a successor, which becomes the
+/// service's main process, with the clients' objects, views and handles kept; a `kill -9` of
+/// the daemon is restarted by systemd and its clients go on with the new one; `systemctl stop`
+/// leaves nothing running.
+#[test]
+fn the_systemd_unit_starts_reloads_by_takeover_restarts_and_stops() {
+    if !is_root() || !std::path::Path::new("/lib/systemd/systemd").exists() {
+        eprintln!("SKIPPED the_systemd_unit: needs root and systemd installed");
+        return;
+    }
+    let _w = watchdog("the_systemd_unit", Duration::from_secs(240));
+    let dir = scratch_dir("systemd");
+    let manager = ServiceManager::start(&dir);
+    // Under a user instance, ConfigurationDirectory= and RuntimeDirectory= live in
+    // $XDG_CONFIG_HOME and $XDG_RUNTIME_DIR: the unit's /etc/feedstore and /run/feedstore.
+    let (etc, run) = (
+        dir.join("config/feedstore"),
+        manager.runtime.join("feedstore"),
+    );
+    let units = dir.join("config/systemd/user");
+    std::fs::create_dir_all(units.join("feedstored.service.d")).unwrap();
+    std::fs::create_dir_all(&etc).unwrap();
+    let shipped = std::fs::read_to_string(
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("deploy/systemd/feedstored.service"),
+    )
+    .unwrap();
+    let unit = shipped
+        .replace(
+            "/usr/local/bin/feedstored",
+            env!("CARGO_BIN_EXE_feedstored"),
+        )
+        .replace("/etc/feedstore/", &format!("{}/", etc.display()));
+    assert_ne!(unit, shipped);
+    std::fs::write(units.join("feedstored.service"), unit).unwrap();
+    let log = dir.join("feedstored.log");
+    std::fs::write(
+        units.join("feedstored.service.d/test.conf"),
+        format!(
+            "[Service]\n\
+             # A user instance of systemd hides its own notify socket from a service in a\n\
+             # mount namespace, and cannot build ProtectHome='s here; the system manager the\n\
+             # unit is written for does both. The rest is the unit as shipped.\n\
+             ProtectSystem=no\nProtectHome=no\nPrivateTmp=no\nProtectKernelModules=no\n\
+             ProtectControlGroups=no\nRestartSec=100ms\nEnvironment=FEEDSTORE_LOG=debug\n\
+             StandardError=append:{}\n",
+            log.display()
+        ),
+    )
+    .unwrap();
+    let socket = run.join("feedstore.sock");
+    std::fs::write(
+        etc.join("feedstore.toml"),
+        format!("socket = \"{}\"\ncapacity = \"64MiB\"\n", socket.display()),
+    )
+    .unwrap();
+    let unit = "feedstored.service";
+    manager.must(&["daemon-reload"]);
+    manager.must(&["start", unit]);
+    // `start` returned: the daemon said READY=1, so it serves.
+    assert_eq!(manager.show(unit, "ActiveState"), "active");
+    assert_eq!(manager.show(unit, "StatusText"), "serving");
+    let first = manager.show(unit, "MainPID");
+    let connect = |role| {
+        ConnectOptions::new(role)
+            .socket(&socket)
+            .reconnect_timeout(Duration::from_secs(30))
+            .connect()
+            .unwrap()
+    };
+    let (writer, reader) = (connect(Role::Writer), connect(Role::Reader));
+    let mut bytes = vec![0u8; 3 << 20];
+    fill_pattern(&mut bytes, 37);
+    let h = writer.put(&bytes).unwrap();
+    let view = reader.get(h).unwrap();
+
+    let mut main = first.clone();
+    for reload in 1..=2 {
+        manager.must(&["reload", unit]);
+        let now = manager.show(unit, "MainPID");
+        assert_ne!(
+            now, main,
+            "reload {reload}: the successor is the main process"
+        );
+        assert_eq!(manager.show(unit, "ActiveState"), "active");
+        assert!(
+            manager
+                .show(unit, "StatusText")
+                .contains("took over from the daemon before")
+        );
+        let old = nix::unistd::Pid::from_raw(main.parse().unwrap());
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        while nix::sys::signal::kill(old, None).is_ok() {
+            assert!(std::time::Instant::now() < deadline, "the old daemon exits");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        main = now;
+        assert!(
+            pattern_matches(&reader.get(h).unwrap(), 37),
+            "reload {reload}"
+        );
+        assert!(writer.put(b"after a reload").is_ok());
+    }
+    assert_eq!(writer.reconnects(), 2);
+    assert!(
+        pattern_matches(&view, 37),
+        "a view held across both reloads"
+    );
+    assert_eq!(manager.show(unit, "NRestarts"), "0");
+
+    // A crash: systemd starts it again (Restart=on-failure), and the clients go on with it.
+    let pid = nix::unistd::Pid::from_raw(main.parse().unwrap());
+    nix::sys::signal::kill(pid, Signal::SIGKILL).unwrap();
+    manager.wait(unit, "NRestarts", |n| n == "1");
+    manager.wait(unit, "ActiveState", |s| s == "active");
+    assert!(
+        matches!(reader.get(h), Err(Error::Stale { .. })),
+        "the crashed daemon's objects went with it"
+    );
+    let after = writer.put(b"after the crash").unwrap();
+    assert_eq!(&*reader.get(after).unwrap(), b"after the crash");
+    assert!(pattern_matches(&view, 37), "a view from before the crash");
+    drop(view);
+
+    manager.must(&["stop", unit]);
+    assert_eq!(manager.show(unit, "ActiveState"), "inactive");
+    assert_eq!(manager.show(unit, "MainPID"), "0");
+    assert!(!socket.exists(), "the socket is removed");
+    let text = std::fs::read_to_string(&log).unwrap();
+    assert!(text.contains("handed over; exiting"), "{text}");
+}

@@ -30,11 +30,18 @@ pub struct Args {
     /// reservation stays valid; clients reconnect by themselves (FEEDSTORE_RECONNECT_TIMEOUT)
     /// and their streams go on. Run it as the running daemon's uid or root, with the same node
     /// id; the memory (--capacity, --segment-size, huge pages) is the running daemon's, the
-    /// other settings this one's. Refused, with the running daemon serving on, when no daemon
-    /// answers, it runs as another uid, the node id differs, it is part of a cluster (not yet
-    /// supported), or it cannot hand over to this build.
+    /// other settings this one's; in a cluster, give it the same --listen, --peers and secret.
+    /// Refused, with the running daemon serving on, when no daemon answers, it runs as another
+    /// uid, the node id differs, or it cannot hand over to this build.
     #[arg(long)]
     pub takeover: bool,
+
+    /// Serve in the background: the command returns once the daemon serves (exit status 0,
+    /// its pid printed) or failed to (1, with the reason). For `ExecReload=feedstored
+    /// --takeover --detach` under systemd, whose reload waits for the command to end; the
+    /// daemon's log goes where this command's standard error goes.
+    #[arg(long)]
+    pub detach: bool,
 }
 
 impl Args {
@@ -93,8 +100,7 @@ pub fn main() -> ExitCode {
 /// runs its nodes' daemons through it.
 pub fn main_from(args: impl IntoIterator<Item = std::ffi::OsString>) -> ExitCode {
     let args = Args::parse_from(args);
-    init_logging();
-    let takeover = args.takeover;
+    let (takeover, detach) = (args.takeover, args.detach);
     let config = match args.resolve() {
         Ok(c) => c,
         Err(e) => {
@@ -102,6 +108,19 @@ pub fn main_from(args: impl IntoIterator<Item = std::ffi::OsString>) -> ExitCode
             return ExitCode::from(2);
         }
     };
+    // Before anything starts a thread: the parent waits for the child's word and exits.
+    let mut detached = None;
+    if detach {
+        match detach::fork() {
+            Ok(detach::Side::Parent(code)) => return code,
+            Ok(detach::Side::Child(word)) => detached = Some(word),
+            Err(e) => {
+                eprintln!("feedstored: error: cannot detach: {e}");
+                return ExitCode::FAILURE;
+            }
+        }
+    }
+    init_logging();
     let started = if takeover {
         Daemon::take_over(&config)
     } else {
@@ -110,10 +129,25 @@ pub fn main_from(args: impl IntoIterator<Item = std::ffi::OsString>) -> ExitCode
     let daemon = match started {
         Ok(d) => d,
         Err(e) => {
-            eprintln!("feedstored: error: {}", error_line(&e));
+            let line = error_line(&e);
+            eprintln!("feedstored: error: {line}");
+            if let Some(word) = detached {
+                word.failed(&line);
+            }
             return ExitCode::FAILURE;
         }
     };
+    let daemon = daemon.on_serving(move || {
+        let status = if takeover {
+            "serving (took over from the daemon before)"
+        } else {
+            "serving"
+        };
+        crate::notify::ready(status);
+        if let Some(word) = detached {
+            word.serving();
+        }
+    });
     let result = daemon.serve(async {
         use tokio::signal::unix::{SignalKind, signal};
         let (Ok(mut term), Ok(mut int)) = (
@@ -133,6 +167,85 @@ pub fn main_from(args: impl IntoIterator<Item = std::ffi::OsString>) -> ExitCode
         Err(e) => {
             eprintln!("feedstored: error: {}", error_line(&e));
             ExitCode::FAILURE
+        }
+    }
+}
+
+/// `--detach`: the command forks before anything else starts; the parent waits for the child's
+/// word through a pipe (serving, or why not) and exits with it.
+mod detach {
+    use std::io::{Read, Write};
+    use std::os::fd::OwnedFd;
+    use std::process::ExitCode;
+
+    /// Which side of the fork this is.
+    pub(super) enum Side {
+        /// The command's process: its exit status, once the child said how it went.
+        Parent(ExitCode),
+        /// The daemon: says how it went through this.
+        Child(Word),
+    }
+
+    /// The child's end of the pipe.
+    pub(super) struct Word(OwnedFd);
+
+    impl Word {
+        pub(super) fn serving(self) {
+            let _ = std::fs::File::from(self.0).write_all(b"serving");
+        }
+
+        pub(super) fn failed(self, why: &str) {
+            let _ = std::fs::File::from(self.0).write_all(why.as_bytes());
+        }
+    }
+
+    pub(super) fn fork() -> nix::Result<Side> {
+        let (read, write) = nix::unistd::pipe()?;
+        // SAFETY: called from `main` before any thread is started (no logging, no runtime
+        // yet), so the child is a copy of a single-threaded process and may go on as it likes.
+        match unsafe { nix::unistd::fork() }? {
+            nix::unistd::ForkResult::Parent { child } => {
+                drop(write);
+                let mut said = String::new();
+                // (Bounded: the child writes one short line, then closes.)
+                let _ = std::fs::File::from(read)
+                    .take(64 << 10)
+                    .read_to_string(&mut said);
+                Ok(Side::Parent(if said == "serving" {
+                    println!("feedstored serving (pid {child})");
+                    ExitCode::SUCCESS
+                } else if said.is_empty() {
+                    eprintln!(
+                        "feedstored: error: the daemon (pid {child}) exited before it served \
+                         (its log says why)"
+                    );
+                    ExitCode::FAILURE
+                } else {
+                    eprintln!("feedstored: error: {said}");
+                    ExitCode::FAILURE
+                }))
+            }
+            nix::unistd::ForkResult::Child => {
+                drop(read);
+                // Its own session: a terminal closing after the command returned does not
+                // take the daemon with it. Nothing to read, nothing printed: standard input
+                // and output go to /dev/null (a caller reading the command's output sees it
+                // end when the command does); the log stays on standard error.
+                let _ = nix::unistd::setsid();
+                if let Ok(null) = std::fs::OpenOptions::new()
+                    .read(true)
+                    .write(true)
+                    .open("/dev/null")
+                {
+                    use std::os::fd::AsRawFd;
+                    for fd in [0, 1] {
+                        // SAFETY: dup2 onto the standard descriptors of this process, which
+                        // nothing else holds as an owned descriptor.
+                        unsafe { libc::dup2(null.as_raw_fd(), fd) };
+                    }
+                }
+                Ok(Side::Child(Word(write)))
+            }
         }
     }
 }

@@ -109,6 +109,9 @@ pub struct Daemon {
     /// The daemon this one took over (`--takeover`), and its pid: the two-step commit with it
     /// comes before this one serves anything.
     predecessor: Option<(std::os::unix::net::UnixStream, i32)>,
+    /// Called once the daemon serves (its predecessor, if any, gone): `feedstored` tells the
+    /// service manager and a waiting `--detach` parent.
+    on_serving: Option<Box<dyn FnOnce() + Send>>,
 }
 
 impl Daemon {
@@ -184,6 +187,7 @@ impl Daemon {
             socket: config.socket.clone(),
             worker_threads: config.worker_threads,
             predecessor: None,
+            on_serving: None,
         })
     }
 
@@ -259,7 +263,14 @@ impl Daemon {
             socket: config.socket.clone(),
             worker_threads: config.worker_threads,
             predecessor: Some((received.daemon, handed.pid as i32)),
+            on_serving: None,
         })
+    }
+
+    /// Calls `f` once the daemon serves (after the daemon it takes over has stopped).
+    pub fn on_serving(mut self, f: impl FnOnce() + Send + 'static) -> Daemon {
+        self.on_serving = Some(Box::new(f));
+        self
     }
 
     /// The socket clients connect to.
@@ -294,6 +305,7 @@ impl Daemon {
             metrics_listener,
             socket,
             predecessor,
+            on_serving,
             ..
         } = self;
         let kept = shared.clone();
@@ -323,6 +335,9 @@ impl Daemon {
                     predecessor_pid = pid,
                     "the daemon taken over stopped: serving in its place"
                 );
+            }
+            if let Some(serving) = on_serving {
+                serving();
             }
             let sweeper = {
                 let shared = shared.clone();

@@ -48,5 +48,6 @@ pub mod credentials;
 pub mod daemon;
 mod handoff;
 pub mod metrics;
+pub mod notify;
 pub mod server;
 pub mod state;

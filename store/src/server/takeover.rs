@@ -101,6 +101,13 @@ impl Connection {
                 successor_pid = pid,
                 "the successor is ready: this feedstored stops (the socket is the successor's)"
             );
+            // Under systemd: the successor is the service's main process from now on, told
+            // before this one exits (the manager reads it before it learns of the exit).
+            if pid > 0 {
+                crate::notify::notify(&format!(
+                    "MAINPID={pid}\nSTATUS=handed over to pid {pid} (feedstored --takeover)"
+                ));
+            }
             // Held open until this daemon's runtime is gone (every task dropped, every worker
             // thread joined): its close is the successor's sign that nothing here touches the
             // memory any more.
