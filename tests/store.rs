@@ -55,6 +55,29 @@ fn child_process() {
             std::thread::sleep(Duration::from_secs(3600));
             drop(leases);
         }
+        // Lease every handle given three times; once told (a line on standard input), return
+        // the leases (through a new connection if the daemon changed) and say so; then wait
+        // for another line before exiting.
+        Some("hold-until-told") => {
+            let client = feedstore_consumer::Client::connect_reader().unwrap();
+            let mut leases = Vec::new();
+            for h in words {
+                let h: Handle = h.parse().unwrap();
+                for _ in 0..3 {
+                    leases.push(client.get(h).unwrap());
+                }
+            }
+            say(format!("{} {}", leases.len(), std::process::id()));
+            let mut line = String::new();
+            std::io::stdin().read_line(&mut line).unwrap();
+            drop(leases);
+            client.flush_releases();
+            // (A call that goes through: the releases before it were sent.)
+            client.stats().unwrap();
+            say(format!("released after {} reconnects", client.reconnects()));
+            line.clear();
+            std::io::stdin().read_line(&mut line).unwrap();
+        }
         // Put self-describing objects forever, printing each sealed handle; the parent kills
         // this process at a random moment, often mid-write.
         Some("put-loop") => {
@@ -1618,4 +1641,77 @@ fn the_systemd_unit_starts_reloads_by_takeover_restarts_and_stops() {
     assert!(!socket.exists(), "the socket is removed");
     let text = std::fs::read_to_string(&log).unwrap();
     assert!(text.contains("handed over; exiting"), "{text}");
+}
+
+/// Clients in another pid namespace than the daemon's (the daemon in a container of its own:
+/// their pid reads 0 to it) get back at a takeover what they held, as any client: the daemon
+/// names each process by its pidfd (`SO_PEERPIDFD`), hands the pidfds over, and the successor
+/// returns a process's leases to its new connections and drops them once its pidfd says it
+/// exited.
+#[test]
+fn clients_in_another_pid_namespace_get_back_what_they_held_at_a_takeover() {
+    if !is_root() {
+        eprintln!("SKIPPED clients_in_another_pid_namespace: needs root to make pid namespaces");
+        return;
+    }
+    let _w = watchdog("clients_in_another_pid_namespace", LIMIT);
+    let dir = scratch_dir("takeover-pidns");
+    let flags = ["--stream-idle-secs", "1"];
+    // The daemon, and later its successor, each in a pid namespace of its own.
+    let ns = ["unshare", "--pid", "--fork", "--kill-child"];
+    let daemon = DaemonProcess::start_named(&dir, "feedstored", &ns, &flags);
+    let writer = daemon.writer();
+    let h = writer.put(b"held from another pid namespace").unwrap();
+    let reconnect = [(feedstore_proto::RECONNECT_ENV, "20")];
+    let spawn =
+        |task: String| ClientProcess::spawn_via(&["env"], &daemon.socket, &task, &reconnect);
+    let mut returning = Killed(spawn(format!("hold-until-told {h}")));
+    let mut dying = spawn(format!("hold-leases {h}"));
+    assert!(returning.0.ready().starts_with("3 "));
+    assert_eq!(dying.ready(), "3");
+    let log = daemon.log_text();
+    assert!(
+        log.contains("pid=0") && !log.contains(&format!("pid={}", std::process::id())),
+        "the daemon sees its clients as pid 0: {log}"
+    );
+    let reader = daemon.reader();
+    assert_eq!(reader.stats().unwrap().leases, 6);
+
+    let daemon = daemon.take_over_via(&dir, &ns, &flags);
+    let reader = daemon.reader();
+    assert_eq!(reader.stats().unwrap().leases, 6, "held for both processes");
+    // One dies without coming back: its pidfd says so, and what it held goes.
+    dying.kill9();
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while reader.stats().unwrap().leases != 3 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{}",
+            daemon.log_text()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    // The other returns its leases through a new connection, and is still running.
+    returning.0.tell("release");
+    assert_eq!(returning.0.ready(), "released after 1 reconnects");
+    assert_eq!(reader.stats().unwrap().leases, 0);
+    let log = daemon.log_text();
+    assert!(!log.contains("release of a lease not held"), "{log}");
+    assert!(
+        log.contains("a client process gone since the hand-over"),
+        "{log}"
+    );
+    returning.0.tell("exit");
+    assert!(wait_child(&mut returning.0.child, Duration::from_secs(20)).success());
+    assert_eq!(&*reader.get(h).unwrap(), b"held from another pid namespace");
+}
+
+/// A child process killed when the test ends, however it ends.
+struct Killed(ClientProcess);
+
+impl Drop for Killed {
+    fn drop(&mut self) {
+        let _ = self.0.child.kill();
+        let _ = self.0.child.wait();
+    }
 }

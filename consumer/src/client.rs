@@ -25,7 +25,7 @@ mod releases;
 pub(crate) use io::unexpected;
 use io::{
     Greeted, RecvBuf, Welcome, check_daemon_uid, check_error, check_segment_id, encode_releases,
-    hello, read_frame, read_reply, recv_with_fds, send_all,
+    hello, read_frame, read_reply, recv_with_fds, send_all, send_all_or_none,
 };
 use releases::{MAX_QUEUED_RELEASES, PendingReleases, ReleaseQueue};
 
@@ -1035,13 +1035,13 @@ impl Client {
     }
 
     /// Encodes `request` under the next request id into the call buffer, the queued releases
-    /// in front of it, and returns the id.
+    /// in front of it, and returns the id and those releases.
     fn encode_call(
         link: &Link,
         releases: &ReleaseQueue,
         state: &mut CallState,
         request: &Request,
-    ) -> Result<u32, Error> {
+    ) -> Result<(u32, Vec<Handle>), Error> {
         let id = state.next_id;
         state.next_id = state.next_id.wrapping_add(1);
         state.wbuf.clear();
@@ -1054,7 +1054,7 @@ impl Client {
             encode_releases(&queued, link.request_limit, link.version, &mut released)?;
             state.wbuf.splice(0..0, released);
         }
-        Ok(id)
+        Ok((id, queued))
     }
 
     /// One request/reply exchange, queued releases riding along; `read` reads the reply. A
@@ -1076,8 +1076,8 @@ impl Client {
             let link = self.sendable(state, bound)?;
             // Replies to submitted requests come first on the socket: read them aside.
             let result = self.read_outstanding(state, None, &link).and_then(|_| {
-                let id = Self::encode_call(&link, &inner.releases, state, request)?;
-                self.send_on(&link, &state.wbuf)?;
+                let (id, released) = Self::encode_call(&link, &inner.releases, state, request)?;
+                self.send_releasing(&link, &state.wbuf, released)?;
                 read(
                     &link.stream,
                     &mut state.rbuf,
@@ -1151,8 +1151,8 @@ impl Client {
                  sharing one client that do not wait for their requests)"
             )));
         }
-        let id = Self::encode_call(&link, &inner.releases, state, request)?;
-        if let Err(e) = self.send_on(&link, &state.wbuf) {
+        let (id, released) = Self::encode_call(&link, &inner.releases, state, request)?;
+        if let Err(e) = self.send_releasing(&link, &state.wbuf, released) {
             self.broke(&link, &e);
             return Err(e);
         }
@@ -1235,7 +1235,7 @@ impl Client {
         if !queued.is_empty() {
             encode_releases(&queued, limit, version, &mut buf)?;
         }
-        self.send_on(&link, &buf)
+        self.send_releasing(&link, &buf, queued)
             .inspect_err(|e| self.broke(&link, e))
     }
 
@@ -1274,20 +1274,42 @@ impl Client {
     /// Sends a one-way release of the given leases.
     fn send_release(&self, handles: &[Handle]) {
         let link = self.link();
-        if link.broken.load(Ordering::Relaxed) || self.inner.forked() {
+        if self.inner.forked() {
+            return;
+        }
+        if link.broken.load(Ordering::Relaxed) {
+            // For the link that replaces it, if that is a successor's.
+            if self.reconnecting() {
+                self.inner.releases.put_back(handles.to_vec());
+            }
             return;
         }
         let mut buf = Vec::with_capacity(frame::HEADER_BYTES + 4 + 16 * handles.len());
         let sent = encode_releases(handles, link.request_limit, link.version, &mut buf)
             .map_err(Error::from)
-            .and_then(|()| self.send_on(&link, &buf));
+            .and_then(|()| self.send_releasing(&link, &buf, handles.to_vec()));
         if let Err(e) = sent {
             self.broke(&link, &e);
         }
     }
 
-    fn send_on(&self, link: &Link, bytes: &[u8]) -> Result<(), Error> {
+    /// [`Client::send_on`] for bytes carrying the releases `released`: when none of the bytes
+    /// left (the daemon had gone before), a reconnecting client queues the releases again, for
+    /// a successor that took the daemon over and holds those leases (see
+    /// [`ReleaseQueue::put_back`]). Bytes that partly left may have been read, so their
+    /// releases are never sent twice.
+    fn send_releasing(
+        &self,
+        link: &Link,
+        bytes: &[u8],
+        released: Vec<Handle>,
+    ) -> Result<(), Error> {
         let _guard = self.inner.send.lock().unwrap_or_else(|e| e.into_inner());
-        send_all(&link.stream, bytes)
+        send_all_or_none(&link.stream, bytes).map_err(|(e, none_left)| {
+            if none_left && !released.is_empty() && self.reconnecting() {
+                self.inner.releases.put_back(released);
+            }
+            e
+        })
     }
 }

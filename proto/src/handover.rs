@@ -6,8 +6,9 @@
 //!
 //! What is handed over is what clients hold by handle: every live object (sealed or being
 //! written), where it lives, who wrote it, and the leases and reservations of each client
-//! process (by pid: the successor gives them back to that process's new connections, and
-//! drops them when it exits). Streams are not: their readers and producers set them up again
+//! process (by its [process key](HandedProcess::key): the successor gives them back to that
+//! process's new connections, and drops them when it exits; the pidfds that tell it so follow
+//! the hand-over, a process in another pid namespace included). Streams are not: their readers and producers set them up again
 //! on the successor as after a crash (a rank attaches at its next sample), so their samples
 //! made ahead are made again.
 
@@ -16,7 +17,7 @@ use crate::wire::{DecodeError, Reader, Wire, Writer};
 
 /// This build's format of the hand-over. A successor refuses any other (before the daemon it
 /// would replace stops serving anything), naming both.
-pub const HANDOVER_FORMAT: u32 = 1;
+pub const HANDOVER_FORMAT: u32 = 2;
 
 /// One daemon's state, as its successor needs it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -44,6 +45,38 @@ pub struct Handover {
     pub metrics_listener: bool,
     /// Every live object, evictable ones in the order they would be evicted.
     pub objects: Vec<HandedObject>,
+    /// Every client process holding a lease or a reservation; the pidfds of those that have
+    /// one follow the hand-over's bytes, in this order.
+    pub processes: Vec<HandedProcess>,
+}
+
+/// A client process the successor holds leases or reservations for.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HandedProcess {
+    /// What names the process on this node while it runs, whatever its pid namespace (the
+    /// inode of its pidfd where the kernel has pidfs, else its pid with bit 62 set); what
+    /// [`HandedObject::leases`] and [`HandedObject::writer`] refer to. Never 0.
+    pub key: u64,
+    /// Its pid in the daemon's pid namespace (0 in another), for the log.
+    pub pid: i32,
+    /// Whether its pidfd follows (the successor polls it to learn that the process exited).
+    pub pidfd: bool,
+}
+
+impl Wire for HandedProcess {
+    const MIN_BYTES: usize = 8 + 4 + 1;
+    fn encode(&self, w: &mut Writer<'_>) {
+        w.u64(self.key);
+        w.u32(self.pid as u32);
+        w.bool(self.pidfd);
+    }
+    fn decode(r: &mut Reader<'_>) -> Result<Self, DecodeError> {
+        Ok(HandedProcess {
+            key: r.u64()?,
+            pid: r.u32()? as i32,
+            pidfd: r.bool("pidfd")?,
+        })
+    }
 }
 
 /// One live object.
@@ -59,9 +92,9 @@ pub struct HandedObject {
     pub reserved: u64,
     /// The object's length.
     pub len: u64,
-    /// Being written by a process (its pid; 0 for one in another pid namespace): it may seal
-    /// or abort it from a new connection. `None`: sealed.
-    pub writer_pid: Option<i32>,
+    /// Being written by a process (its [key](HandedProcess::key)): it may seal or abort it
+    /// from a new connection. `None`: sealed.
+    pub writer: Option<u64>,
     /// Never evicted.
     pub pinned: bool,
     /// Deleted, freed when the last lease goes.
@@ -70,8 +103,8 @@ pub struct HandedObject {
     pub origin: Option<Handle>,
     /// The uid that wrote it.
     pub creator: u32,
-    /// Leases held, by client process: (pid, count). 0 for a process in another pid namespace.
-    pub leases: Vec<(i32, u32)>,
+    /// Leases held, by client process: ([key](HandedProcess::key), count).
+    pub leases: Vec<(u64, u32)>,
 }
 
 impl Wire for HandedObject {
@@ -82,10 +115,10 @@ impl Wire for HandedObject {
         w.u64(self.offset);
         w.u64(self.reserved);
         w.u64(self.len);
-        match self.writer_pid {
-            Some(pid) => {
+        match self.writer {
+            Some(key) => {
                 w.bool(true);
-                w.u32(pid as u32);
+                w.u64(key);
             }
             None => w.bool(false),
         }
@@ -100,16 +133,16 @@ impl Wire for HandedObject {
         }
         w.u32(self.creator);
         w.count(self.leases.len());
-        for &(pid, count) in &self.leases {
-            w.u32(pid as u32);
+        for &(key, count) in &self.leases {
+            w.u64(key);
             w.u32(count);
         }
     }
     fn decode(r: &mut Reader<'_>) -> Result<Self, DecodeError> {
         let (id, segment, offset, reserved, len) =
             (r.u64()?, r.u32()?, r.u64()?, r.u64()?, r.u64()?);
-        let writer_pid = if r.bool("writer")? {
-            Some(r.u32()? as i32)
+        let writer = if r.bool("writer")? {
+            Some(r.u64()?)
         } else {
             None
         };
@@ -120,9 +153,9 @@ impl Wire for HandedObject {
             None
         };
         let creator = r.u32()?;
-        let n = r.count(8)?;
+        let n = r.count(12)?;
         let leases = (0..n)
-            .map(|_| Ok((r.u32()? as i32, r.u32()?)))
+            .map(|_| Ok((r.u64()?, r.u32()?)))
             .collect::<Result<_, DecodeError>>()?;
         Ok(HandedObject {
             id,
@@ -130,7 +163,7 @@ impl Wire for HandedObject {
             offset,
             reserved,
             len,
-            writer_pid,
+            writer,
             pinned,
             delete_pending,
             origin,
@@ -160,6 +193,7 @@ impl Handover {
         w.bool(self.peer_listener);
         w.bool(self.metrics_listener);
         w.list(&self.objects);
+        w.list(&self.processes);
         buf
     }
 
@@ -182,6 +216,7 @@ impl Handover {
         let peer_listener = r.bool("peer listener")?;
         let metrics_listener = r.bool("metrics listener")?;
         let objects = r.list()?;
+        let processes = r.list()?;
         r.finish()?;
         Ok(Handover {
             format,
@@ -195,6 +230,7 @@ impl Handover {
             peer_listener,
             metrics_listener,
             objects,
+            processes,
         })
     }
 }
@@ -243,7 +279,7 @@ mod tests {
                     offset: 4096,
                     reserved: 8192,
                     len: 5000,
-                    writer_pid: None,
+                    writer: None,
                     pinned: true,
                     delete_pending: false,
                     origin: Some(Handle {
@@ -252,7 +288,7 @@ mod tests {
                         id: 4,
                     }),
                     creator: 1000,
-                    leases: vec![(1234, 2), (0, 1)],
+                    leases: vec![(1234, 2), (1 << 40, 1)],
                 },
                 HandedObject {
                     id: 10,
@@ -260,12 +296,24 @@ mod tests {
                     offset: 0,
                     reserved: 64,
                     len: 1,
-                    writer_pid: Some(99),
+                    writer: Some(99),
                     pinned: false,
                     delete_pending: false,
                     origin: None,
                     creator: 0,
                     leases: vec![],
+                },
+            ],
+            processes: vec![
+                HandedProcess {
+                    key: 1234,
+                    pid: 77,
+                    pidfd: true,
+                },
+                HandedProcess {
+                    key: 1 << 40,
+                    pid: 0,
+                    pidfd: false,
                 },
             ],
         };
@@ -275,10 +323,10 @@ mod tests {
             assert!(Handover::decode(&bytes[..cut]).is_err(), "cut at {cut}");
         }
         let mut other = bytes.clone();
-        other[0] = 2;
+        other[0] = 1;
         let e = Handover::decode(&other).unwrap_err();
         assert!(
-            matches!(e, HandoverError::Format { theirs: 2, ours: 1 }),
+            matches!(e, HandoverError::Format { theirs: 1, ours: 2 }),
             "{e}"
         );
     }

@@ -1,13 +1,17 @@
 //! Who is on the other end of a client's Unix-socket connection, as the kernel recorded it when
 //! the client connected (in feedstore a *peer* is another node's daemon; this is not about them):
-//! uid, primary gid and pid (`SO_PEERCRED`) and every supplementary group (`SO_PEERGROUPS`, Linux
-//! 4.13+), so `--socket-group` admits a member however it belongs to the group.
+//! uid, primary gid and pid (`SO_PEERCRED`), every supplementary group (`SO_PEERGROUPS`, Linux
+//! 4.13+), so `--socket-group` admits a member however it belongs to the group, and the process
+//! itself (`SO_PEERPIDFD`, Linux 6.5+), which names it across pid namespaces.
 
 use std::io;
-use std::os::fd::{AsRawFd, RawFd};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::sync::Arc;
+
+use feedstore_core::objects::Process;
 
 /// A connected client's credentials, as the kernel recorded them.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone)]
 pub struct Credentials {
     /// Effective uid at connect.
     pub uid: u32,
@@ -17,6 +21,8 @@ pub struct Credentials {
     pub pid: i32,
     /// The primary gid and every supplementary group.
     pub groups: Vec<u32>,
+    /// The process (its key 0 when the kernel cannot name it).
+    pub process: Process,
 }
 
 impl Credentials {
@@ -27,13 +33,87 @@ impl Credentials {
         groups.push(cred.gid());
         groups.sort_unstable();
         groups.dedup();
+        let pid = cred.pid().unwrap_or(0);
         Ok(Credentials {
             uid: cred.uid(),
             gid: cred.gid(),
-            pid: cred.pid().unwrap_or(0),
+            pid,
             groups,
+            process: process_of(stream.as_raw_fd(), pid),
         })
     }
+}
+
+/// `SO_PEERPIDFD` (asm-generic value, Linux 6.5+).
+const SO_PEERPIDFD: libc::c_int = 77;
+/// The file system pidfds live on from Linux 6.9 (`PIDFS_MAGIC`): each process's pidfds share
+/// one inode number, never reused while the node runs.
+const PIDFS_MAGIC: i64 = 0x5049_4446;
+/// Marks a key made of a pid (no pidfs), apart from pidfs inode numbers.
+const PID_KEY: u64 = 1 << 62;
+
+/// The process at the other end of `fd`: its pidfd where the kernel gives one (it says when
+/// the process exited, whatever its pid namespace), and a key naming it — its pidfs inode,
+/// else its pid (in this pid namespace; 0, unknown, in another).
+fn process_of(fd: RawFd, pid: i32) -> Process {
+    let pidfd = peer_pidfd(fd);
+    let inode = pidfd.as_ref().and_then(pidfs_inode);
+    let key = match inode {
+        Some(ino) if ino != 0 && ino < PID_KEY => ino,
+        _ if pid > 0 => PID_KEY | pid as u64,
+        _ => 0,
+    };
+    Process {
+        key,
+        pidfd: pidfd.map(Arc::new),
+    }
+}
+
+fn peer_pidfd(fd: RawFd) -> Option<OwnedFd> {
+    let mut pidfd: libc::c_int = -1;
+    let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+    // SAFETY: `pidfd` and `len` are valid, writable and sized for the option's `int`; on
+    // success the kernel installed a new descriptor in this process, owned by nothing else.
+    let rc = unsafe {
+        libc::getsockopt(
+            fd,
+            libc::SOL_SOCKET,
+            SO_PEERPIDFD,
+            (&mut pidfd as *mut libc::c_int).cast(),
+            &mut len,
+        )
+    };
+    // SAFETY: see above: a fresh descriptor this process now owns.
+    (rc == 0 && pidfd >= 0).then(|| unsafe { OwnedFd::from_raw_fd(pidfd) })
+}
+
+/// The inode number of a pidfd on pidfs (one per process); `None` before Linux 6.9, where
+/// every pidfd shares one anonymous inode.
+fn pidfs_inode(pidfd: &OwnedFd) -> Option<u64> {
+    let fs = nix::sys::statfs::fstatfs(pidfd).ok()?;
+    if fs.filesystem_type().0 as i64 != PIDFS_MAGIC {
+        return None;
+    }
+    Some(nix::sys::stat::fstat(pidfd).ok()?.st_ino)
+}
+
+/// Whether the process `pidfd` (or else `pid`, in this pid namespace) has exited: `false`
+/// when neither can tell.
+pub fn exited(process: &Process, pid: i32) -> bool {
+    if let Some(pidfd) = &process.pidfd {
+        let mut fds = [nix::poll::PollFd::new(
+            std::os::fd::AsFd::as_fd(&**pidfd),
+            nix::poll::PollFlags::POLLIN,
+        )];
+        // A pidfd polls readable once its process exited.
+        return matches!(
+            nix::poll::poll(&mut fds, nix::poll::PollTimeout::ZERO),
+            Ok(n) if n > 0
+        );
+    }
+    pid > 0
+        && nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), None)
+            == Err(nix::errno::Errno::ESRCH)
 }
 
 /// `SO_PEERGROUPS` (asm-generic value; the architectures this is built for use it).
@@ -81,6 +161,8 @@ mod tests {
         let client = Credentials::of(&a).unwrap();
         assert_eq!(client.uid, nix::unistd::geteuid().as_raw());
         assert_eq!(client.pid, std::process::id() as i32);
+        assert_ne!(client.process.key, 0, "this process is named");
+        assert!(!exited(&client.process, client.pid), "and it runs");
         let mut ours: Vec<u32> = nix::unistd::getgroups()
             .unwrap()
             .into_iter()
@@ -90,5 +172,45 @@ mod tests {
         ours.sort_unstable();
         ours.dedup();
         assert_eq!(client.groups, ours);
+    }
+}
+
+#[cfg(test)]
+mod process_tests {
+    use super::*;
+
+    /// A process another namespace cannot see by pid is still named and seen to exit: two
+    /// connections from one child process share its key, another process's differs, and once
+    /// the child exited its pidfd says so.
+    #[tokio::test]
+    async fn a_process_is_named_by_its_pidfd_and_seen_to_exit() {
+        let dir = std::env::temp_dir().join(format!("feedstore-cred-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("s");
+        let listener = tokio::net::UnixListener::bind(&path).unwrap();
+        let mut child = std::process::Command::new("python3")
+            .arg("-c")
+            .arg(format!(
+                "import socket,sys,time\n\
+                 a=socket.socket(socket.AF_UNIX); a.connect('{p}')\n\
+                 b=socket.socket(socket.AF_UNIX); b.connect('{p}')\n\
+                 sys.stdin.read()",
+                p = path.display()
+            ))
+            .stdin(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let (a, _) = listener.accept().await.unwrap();
+        let (b, _) = listener.accept().await.unwrap();
+        let (ca, cb) = (Credentials::of(&a).unwrap(), Credentials::of(&b).unwrap());
+        let (mine, _other) = tokio::net::UnixStream::pair().unwrap();
+        let me = Credentials::of(&mine).unwrap();
+        assert_eq!(ca.process.key, cb.process.key);
+        assert_ne!(ca.process.key, me.process.key);
+        assert!(!exited(&ca.process, 0), "running");
+        drop(child.stdin.take());
+        child.wait().unwrap();
+        assert!(exited(&ca.process, 0), "exited, told by its pidfd alone");
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -215,8 +215,8 @@ impl Daemon {
                 "--capacity differs from the running daemon's: its memory is taken over as it is"
             );
         }
-        let objects =
-            Objects::take_over(handed).map_err(|e| StartError::Takeover(e.to_string()))?;
+        let objects = Objects::take_over(handed, received.pidfds)
+            .map_err(|e| StartError::Takeover(e.to_string()))?;
         let segments = received
             .segments
             .into_iter()
@@ -709,6 +709,7 @@ fn shared_state(
             role: feedstore_proto::Role::Writer,
             uid: daemon_uid,
             pid: std::process::id() as i32,
+            process: crate::objects::Process::default(),
             name: "pull engine".into(),
             internal: true,
             capped: false,

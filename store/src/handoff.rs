@@ -52,8 +52,13 @@ pub(crate) const READY: u8 = 1;
 /// The daemon's answer: it stops now (the successor serves once the connection closes).
 pub(crate) const STOPPING: u8 = 2;
 
-/// The most descriptors a hand-over carries: the segments and three listeners.
+/// The most descriptors a hand-over's first message carries: the segments and three listeners.
 const MAX_HANDED_FDS: usize = 256;
+
+/// The byte each message of client processes' pidfds carries (after the hand-over's bytes).
+pub(crate) const PIDFDS: u8 = b'P';
+/// Pidfds per message (the kernel passes at most 253 at once).
+pub(crate) const PIDFDS_PER_MESSAGE: usize = 200;
 
 /// The listeners a daemon serves on, as their descriptors (valid while it serves).
 #[derive(Debug, Clone, Copy)]
@@ -220,6 +225,8 @@ pub(crate) struct Received {
     pub(crate) clients: std::os::unix::net::UnixListener,
     pub(crate) peers: Option<std::net::TcpListener>,
     pub(crate) metrics: Option<std::net::TcpListener>,
+    /// The pidfds of the client processes the hand-over names as having one, in its order.
+    pub(crate) pidfds: Vec<OwnedFd>,
     /// The connection to the daemon, for the two-step commit ([`commit`]).
     pub(crate) daemon: UnixStream,
 }
@@ -260,7 +267,7 @@ pub(crate) fn receive(socket: &Path) -> Result<Received, String> {
     daemon
         .write_all(&request)
         .map_err(|e| failed(format!("cannot ask the daemon to hand over: {e}")))?;
-    let (first, fds) = recv_with_fds(&daemon).map_err(|e| {
+    let (first, fds) = recv_with_fds(&daemon, 64 << 10).map_err(|e| {
         failed(format!(
             "the daemon closed without handing over ({e}): a release before takeover existed"
         ))
@@ -313,12 +320,25 @@ pub(crate) fn receive(socket: &Path) -> Result<Received, String> {
     let metrics = handover
         .metrics_listener
         .then(|| std::net::TcpListener::from(fds.next().expect("counted")));
+    let wanted = handover.processes.iter().filter(|p| p.pidfd).count();
+    let mut pidfds = Vec::with_capacity(wanted);
+    while pidfds.len() < wanted {
+        let (byte, fds) = recv_with_fds(&daemon, 1)
+            .map_err(|e| failed(format!("reading the client processes' pidfds: {e}")))?;
+        if byte != [PIDFDS] || fds.is_empty() || pidfds.len() + fds.len() > wanted {
+            return Err(failed(format!(
+                "the daemon passed other pidfds than its hand-over names ({wanted})"
+            )));
+        }
+        pidfds.extend(fds);
+    }
     Ok(Received {
         handover,
         segments,
         clients,
         peers,
         metrics,
+        pidfds,
         daemon,
     })
 }
@@ -396,10 +416,10 @@ fn refusal(daemon: &UnixStream, mut bytes: Vec<u8>) -> String {
     }
 }
 
-/// One read with the descriptors that come with it.
-fn recv_with_fds(sock: &UnixStream) -> std::io::Result<(Vec<u8>, Vec<OwnedFd>)> {
+/// One read of at most `max` bytes with the descriptors that come with them.
+fn recv_with_fds(sock: &UnixStream, max: usize) -> std::io::Result<(Vec<u8>, Vec<OwnedFd>)> {
     use nix::sys::socket::{ControlMessageOwned, MsgFlags, recvmsg};
-    let mut buf = vec![0u8; 64 << 10];
+    let mut buf = vec![0u8; max];
     let mut space = nix::cmsg_space!([RawFd; MAX_HANDED_FDS]);
     let mut iov = [std::io::IoSliceMut::new(&mut buf)];
     let msg = recvmsg::<()>(

@@ -374,16 +374,14 @@ impl Shared {
     }
 
     /// Drops what client processes held on the daemon this one took over from once they are
-    /// gone (`kill(pid, 0)` says no such process): their reservations aborted, their leases
-    /// returned. A process in another pid namespace (pid 0 here) cannot be watched: what it
-    /// held stays until this daemon stops.
+    /// gone (their pidfd polls readable, or, where the kernel gave none, `kill(pid, 0)` says
+    /// no such process): their reservations aborted, their leases returned. A process neither
+    /// can watch (another pid namespace on a kernel before 6.5) keeps what it held until this
+    /// daemon stops.
     pub fn drop_what_gone_processes_held(&self) {
         let orphans = self.with_objects(|o| o.orphans());
-        for (pid, conn) in orphans {
-            let gone = pid > 0
-                && nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), None)
-                    == Err(nix::errno::Errno::ESRCH);
-            if gone {
+        for (conn, pid, process) in orphans {
+            if crate::credentials::exited(&process, pid) {
                 let reclaimed = self.with_objects(|o| o.disconnect(conn));
                 tracing::info!(
                     pid,

@@ -296,6 +296,45 @@ impl ClientProcess {
         ClientProcess { child, stdout }
     }
 
+    /// [`ClientProcess::spawn_with`] run through `prefix` (`unshare --pid --fork`, say), its
+    /// standard input a pipe the test writes lines to ([`ClientProcess::tell`]).
+    pub fn spawn_via(
+        prefix: &[&str],
+        socket: &Path,
+        role_args: &str,
+        env: &[(&str, &str)],
+    ) -> ClientProcess {
+        let (program, args) = prefix.split_first().expect("a prefix");
+        let mut child = Command::new(program)
+            .args(args)
+            .arg(std::env::current_exe().unwrap())
+            .args([
+                "--ignored",
+                "--exact",
+                "child_process",
+                "--nocapture",
+                "--test-threads=1",
+            ])
+            .env(CHILD_ENV, role_args)
+            .env("FEEDSTORE_SOCKET", socket)
+            .envs(env.iter().copied())
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .unwrap();
+        let stdout = Some(BufReader::new(child.stdout.take().unwrap()));
+        ClientProcess { child, stdout }
+    }
+
+    /// Writes a line to the child's standard input ([`ClientProcess::spawn_via`]).
+    pub fn tell(&mut self, line: &str) {
+        use std::io::Write;
+        let stdin = self.child.stdin.as_mut().expect("spawned with a pipe");
+        writeln!(stdin, "{line}").unwrap();
+        stdin.flush().unwrap();
+    }
+
     /// Waits for the child's `READY` line and returns what follows it.
     pub fn ready(&mut self) -> String {
         let mut line = String::new();

@@ -73,12 +73,19 @@ pub(super) fn disconnected(e: std::io::Error) -> Error {
 
 /// Writes all of `bytes`; `MSG_NOSIGNAL` so a dead daemon is an error, not a `SIGPIPE` that kills
 /// a Python or C host process.
-pub(super) fn send_all(stream: &UnixStream, mut bytes: &[u8]) -> Result<(), Error> {
+pub(super) fn send_all(stream: &UnixStream, bytes: &[u8]) -> Result<(), Error> {
+    send_all_or_none(stream, bytes).map_err(|(e, _)| e)
+}
+
+/// [`send_all`], saying on failure whether none of the bytes left (then the daemon saw none
+/// of them).
+pub(super) fn send_all_or_none(stream: &UnixStream, mut bytes: &[u8]) -> Result<(), (Error, bool)> {
+    let whole = bytes.len();
     while !bytes.is_empty() {
         match nix::sys::socket::send(stream.as_raw_fd(), bytes, MsgFlags::MSG_NOSIGNAL) {
             Ok(n) => bytes = &bytes[n..],
             Err(nix::Error::EINTR) => {}
-            Err(e) => return Err(disconnected(e.into())),
+            Err(e) => return Err((disconnected(e.into()), bytes.len() == whole)),
         }
     }
     Ok(())

@@ -34,6 +34,17 @@ impl ReleaseQueue {
         std::mem::take(&mut self.lock().handles)
     }
 
+    /// Queues again releases whose send never left (the daemon had gone): they ride with the
+    /// next request, on a link to the daemon's successor, which holds those leases; a relink
+    /// to any other daemon drops them. Not while closing, and without waking the flusher
+    /// (which would only find the link broken again).
+    pub(super) fn put_back(&self, handles: Vec<Handle>) {
+        let mut state = self.lock();
+        if !state.closed {
+            state.handles.extend(handles);
+        }
+    }
+
     /// The flusher thread's body.
     pub(super) fn run_flusher(self: Arc<Self>, client: Weak<Inner>) {
         let mut state = self.lock();

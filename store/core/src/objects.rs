@@ -14,6 +14,8 @@
 //!   handle once sealed, and is leased, evicted and deleted like any local object.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
+use std::os::fd::OwnedFd;
+use std::sync::Arc;
 
 use feedstore_proto::frame::{Created, Got};
 use feedstore_proto::{Handle, Location, Role, Status, StoreStats};
@@ -115,6 +117,18 @@ struct UidLeases {
     bytes: u64,
 }
 
+/// Which process a client connection comes from, for what the daemon holds for that process
+/// across a hand-over ([`Objects::take_over`]).
+#[derive(Debug, Clone, Default)]
+pub struct Process {
+    /// Names the process on this node while it runs, whatever its pid namespace (see
+    /// [`feedstore_proto::handover::HandedProcess::key`]); 0 when unknown (the process is then
+    /// never given back what it held).
+    pub key: u64,
+    /// A pidfd of the process (`SO_PEERPIDFD`), readable once it exited.
+    pub pidfd: Option<Arc<OwnedFd>>,
+}
+
 /// What the daemon knows about one connected client.
 #[derive(Debug)]
 pub struct ClientInfo {
@@ -124,6 +138,8 @@ pub struct ClientInfo {
     pub uid: u32,
     /// The peer's pid (`SO_PEERCRED`; 0 when it lives in another pid namespace).
     pub pid: i32,
+    /// The peer's process.
+    pub process: Process,
     /// The name the client gave in its hello.
     pub name: String,
     /// One of the daemon's own connections (a stream holding its samples' leases): not a
@@ -201,10 +217,10 @@ pub struct Objects {
     capped_lease_bytes: u64,
     /// Leases of capped uids, by uid.
     capped: HashMap<u32, UidLeases>,
-    /// What client processes held on the daemon this one took over from, by pid: a
+    /// What client processes held on the daemon this one took over from, by process key: a
     /// connection of its own each, whose leases and reservations that process's new
     /// connections return and seal ([`Objects::take_over`]).
-    orphans: HashMap<i32, ConnId>,
+    orphans: HashMap<u64, ConnId>,
 }
 
 impl Objects {
@@ -298,8 +314,8 @@ impl Objects {
         let Some(c) = self.conns.remove(&conn) else {
             return Reclaimed::default();
         };
-        if self.orphans.get(&c.info.pid) == Some(&conn) {
-            self.orphans.remove(&c.info.pid);
+        if self.orphans.get(&c.info.process.key) == Some(&conn) {
+            self.orphans.remove(&c.info.process.key);
         }
         let mut reclaimed = Reclaimed::default();
         for slot in c.writing {
@@ -786,6 +802,7 @@ pub(crate) fn test_client(o: &mut Objects, role: Role, uid: u32) -> ConnId {
         role,
         uid,
         pid: 1,
+        process: Process::default(),
         name: String::new(),
         internal: false,
         capped: false,

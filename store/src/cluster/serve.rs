@@ -95,6 +95,7 @@ async fn serve_peer(
             role: Role::Reader,
             uid: 0,
             pid: 0,
+            process: crate::objects::Process::default(),
             name: format!("peer {addr} (node {:08x})", peer.node_id),
             // Holds one lease at a time, while it sends.
             internal: true,

@@ -615,6 +615,7 @@ impl Producers {
                 role: Role::Writer,
                 uid,
                 pid: 0,
+                process: crate::objects::Process::default(),
                 name: format!("producers of node {:08x}", self.node),
                 internal: true,
                 capped: false,

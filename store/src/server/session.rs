@@ -65,6 +65,7 @@ impl Connection {
             role,
             uid: self.credentials.uid,
             pid: self.credentials.pid,
+            process: self.credentials.process.clone(),
             name: name.clone(),
             internal: false,
             // A uid allowed only to read holds at most its share of the store leased.

@@ -12,7 +12,10 @@ use feedstore_proto::handover::HANDOVER_FORMAT;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 use super::{ConnEnd, Connection};
-use crate::handoff::{HANDOVER_MAGIC, QUIESCE_DEADLINE, READY, STOPPING, SUCCESSOR_DEADLINE};
+use crate::handoff::{
+    HANDOVER_MAGIC, PIDFDS, PIDFDS_PER_MESSAGE, QUIESCE_DEADLINE, READY, STOPPING,
+    SUCCESSOR_DEADLINE,
+};
 
 impl Connection {
     pub(super) async fn hand_over(&mut self, request_id: u32, format: u32) -> Result<(), ConnEnd> {
@@ -63,7 +66,7 @@ impl Connection {
             }
             tokio::time::sleep(std::time::Duration::from_millis(1)).await;
         }
-        let state = self
+        let (state, pidfds) = self
             .shared
             .with_objects(|o| o.hand_over(listeners.peers.is_some(), listeners.metrics.is_some()));
         let bytes = state.encode();
@@ -84,10 +87,21 @@ impl Connection {
         tracing::info!(
             successor_pid = pid,
             objects = state.objects.len(),
+            processes = state.processes.len(),
             bytes = bytes.len(),
             "handing over to a successor (feedstored --takeover): serving nothing meanwhile"
         );
-        let sent = self.send_with_fds_now(&fds).await;
+        let mut sent = self.send_with_fds_now(&fds).await;
+        // Then the client processes' pidfds, a batch to a one-byte message.
+        for batch in pidfds.chunks(PIDFDS_PER_MESSAGE) {
+            if sent.is_err() {
+                break;
+            }
+            let raw: Vec<i32> = batch.iter().map(|fd| fd.as_raw_fd()).collect();
+            self.wbuf.clear();
+            self.wbuf.push(PIDFDS);
+            sent = self.send_with_fds_now(&raw).await;
+        }
         // The successor says it is ready (its state built, nothing served yet); this daemon
         // answers that it stops, and stops. Anything else, and it serves on.
         let mut word = [0u8; 1];

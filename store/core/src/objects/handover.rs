@@ -1,12 +1,14 @@
 //! Handing the object table to a successor daemon and taking it over
 //! ([`feedstore_proto::handover`]).
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
+use std::os::fd::OwnedFd;
+use std::sync::Arc;
 
 use feedstore_proto::Role;
-use feedstore_proto::handover::{HANDOVER_FORMAT, HandedObject, Handover};
+use feedstore_proto::handover::{HANDOVER_FORMAT, HandedObject, HandedProcess, Handover};
 
-use super::{ClientInfo, ConnId, Ids, Object, Objects, State};
+use super::{ClientInfo, ConnId, Ids, Object, Objects, Process, State};
 use crate::alloc::{Allocator, Block};
 
 /// Why a hand-over cannot be taken over: it contradicts itself (never the case between two
@@ -17,26 +19,35 @@ pub struct Inconsistent(String);
 
 impl Objects {
     /// This table as a successor takes it over: every live object with the leases and
-    /// reservations of each client process, by pid. What the daemon's own connections hold
-    /// (streams' samples, pulls being written) is not handed over: a stream is set up again
-    /// by its clients on the successor, a pull is made again.
-    pub fn hand_over(&self, peer_listener: bool, metrics_listener: bool) -> Handover {
+    /// reservations of each client process, by process key, and the pidfds of those processes
+    /// (to pass beside it, in [`Handover::processes`] order). What the daemon's own
+    /// connections hold (streams' samples, pulls being written) is not handed over: a stream is
+    /// set up again by its clients on the successor, a pull is made again.
+    pub fn hand_over(
+        &self,
+        peer_listener: bool,
+        metrics_listener: bool,
+    ) -> (Handover, Vec<Arc<OwnedFd>>) {
         let client = |conn: &ConnId| {
-            self.conns
-                .get(conn)
-                .is_some_and(|c| !c.info.internal || self.orphans.get(&c.info.pid) == Some(conn))
+            self.conns.get(conn).is_some_and(|c| {
+                !c.info.internal || self.orphans.get(&c.info.process.key) == Some(conn)
+            })
         };
-        let mut leases: HashMap<u32, HashMap<i32, u32>> = HashMap::new();
+        let mut leases: HashMap<u32, HashMap<u64, u32>> = HashMap::new();
+        let mut processes: BTreeMap<u64, (i32, Option<Arc<OwnedFd>>)> = BTreeMap::new();
         for (id, c) in &self.conns {
             if !client(id) {
                 continue;
             }
+            let key = c.info.process.key;
+            if key != 0 && (!c.leases.is_empty() || !c.writing.is_empty()) {
+                let known = processes.entry(key).or_insert((c.info.pid, None));
+                if known.1.is_none() {
+                    known.1 = c.info.process.pidfd.clone();
+                }
+            }
             for (&slot, &n) in &c.leases {
-                *leases
-                    .entry(slot)
-                    .or_default()
-                    .entry(c.info.pid)
-                    .or_default() += n;
+                *leases.entry(slot).or_default().entry(key).or_default() += n;
             }
         }
         // Evictable objects first, in the order they would go; then the rest.
@@ -52,12 +63,14 @@ impl Objects {
         let mut objects = Vec::with_capacity(self.by_id.len());
         for slot in order {
             let o = self.slots[slot as usize].as_ref().expect("a live slot");
-            let writer_pid = match o.state {
+            let writer = match o.state {
                 State::Sealed => None,
-                State::Writing { owner } if client(&owner) => Some(self.conns[&owner].info.pid),
+                State::Writing { owner } if client(&owner) => {
+                    Some(self.conns[&owner].info.process.key)
+                }
                 State::Writing { .. } => continue,
             };
-            let mut held: Vec<(i32, u32)> = leases
+            let mut held: Vec<(u64, u32)> = leases
                 .remove(&slot)
                 .map(|m| m.into_iter().collect())
                 .unwrap_or_default();
@@ -73,7 +86,7 @@ impl Objects {
                 offset: o.block.offset,
                 reserved: o.block.len,
                 len: o.len,
-                writer_pid,
+                writer,
                 pinned: o.pinned,
                 delete_pending: o.delete_pending,
                 origin: o.origin,
@@ -81,7 +94,20 @@ impl Objects {
                 leases: held,
             });
         }
-        Handover {
+        let mut pidfds = Vec::new();
+        let processes = processes
+            .into_iter()
+            .map(|(key, (pid, pidfd))| {
+                let has = pidfd.is_some();
+                pidfds.extend(pidfd);
+                HandedProcess {
+                    key,
+                    pid,
+                    pidfd: has,
+                }
+            })
+            .collect();
+        let handover = Handover {
             format: HANDOVER_FORMAT,
             pid: std::process::id(),
             node_id: self.node_id,
@@ -93,24 +119,49 @@ impl Objects {
             peer_listener,
             metrics_listener,
             objects,
-        }
+            processes,
+        };
+        (handover, pidfds)
     }
 
-    /// The table a predecessor handed over, on the same memory: the same handles, each client
-    /// process's leases and reservations held for it by a connection of the daemon's own (see
-    /// [`Objects::orphans`]), which its new connections return, seal and abort through, and
-    /// which is dropped when the process is gone. Checked first: every object lies in its
-    /// segment, apart from every other.
-    pub fn take_over(h: &Handover) -> Result<Objects, Inconsistent> {
+    /// The table a predecessor handed over, on the same memory, with the pidfds that came
+    /// beside it: the same handles, each client process's leases and reservations held for it
+    /// by a connection of the daemon's own (see [`Objects::orphans`]), which its new
+    /// connections return, seal and abort through, and which is dropped when the process is
+    /// gone. Checked first: every object lies in its segment, apart from every other, and
+    /// the pidfds are those the hand-over names.
+    pub fn take_over(h: &Handover, pidfds: Vec<OwnedFd>) -> Result<Objects, Inconsistent> {
         let mut o = Objects::new(h.node_id, h.epoch, &h.segments, h.hugetlb);
         o.ids = Ids::resume(&h.id_key, h.id_counter);
+        let named = h.processes.iter().filter(|p| p.pidfd).count();
+        if named != pidfds.len() {
+            return Err(Inconsistent(format!(
+                "{named} processes with a pidfd, {} pidfds",
+                pidfds.len()
+            )));
+        }
+        let mut pidfds = pidfds.into_iter();
+        let mut processes = HashMap::new();
+        for p in &h.processes {
+            let pidfd = p.pidfd.then(|| Arc::new(pidfds.next().expect("counted")));
+            if p.key == 0 || processes.insert(p.key, (p.pid, pidfd)).is_some() {
+                return Err(Inconsistent(format!(
+                    "process key {:x} is 0 or named twice",
+                    p.key
+                )));
+            }
+        }
         for handed in &h.objects {
-            o.adopt(handed)?;
+            o.adopt(handed, &processes)?;
         }
         Ok(o)
     }
 
-    fn adopt(&mut self, h: &HandedObject) -> Result<(), Inconsistent> {
+    fn adopt(
+        &mut self,
+        h: &HandedObject,
+        processes: &HashMap<u64, (i32, Option<Arc<OwnedFd>>)>,
+    ) -> Result<(), Inconsistent> {
         let bad = |why: &str| Inconsistent(format!("object {:016x}: {why}", h.id));
         let block = Block {
             offset: h.offset,
@@ -130,10 +181,10 @@ impl Objects {
             return Err(bad("its block is outside its segment or overlaps another"));
         }
         let slot = self.slots.len() as u32;
-        let state = match h.writer_pid {
+        let state = match h.writer {
             None => State::Sealed,
-            Some(pid) => {
-                let owner = self.orphan(pid);
+            Some(key) => {
+                let owner = self.orphan(key, processes);
                 self.conns
                     .get_mut(&owner)
                     .expect("just made")
@@ -143,8 +194,8 @@ impl Objects {
             }
         };
         let mut leases = 0u32;
-        for &(pid, n) in &h.leases {
-            let owner = self.orphan(pid);
+        for &(key, n) in &h.leases {
+            let owner = self.orphan(key, processes);
             let c = self.conns.get_mut(&owner).expect("just made");
             *c.leases.entry(slot).or_insert(0) += n;
             c.lease_count += u64::from(n);
@@ -175,39 +226,51 @@ impl Objects {
         Ok(())
     }
 
-    /// The connection holding what process `pid` held on the predecessor.
-    fn orphan(&mut self, pid: i32) -> ConnId {
-        if let Some(&conn) = self.orphans.get(&pid) {
+    /// The connection holding what process `key` held on the predecessor. Key 0 (a process
+    /// the predecessor could not name) has one too, which nothing returns to and nothing
+    /// drops: what it holds stays held until the daemon stops.
+    fn orphan(
+        &mut self,
+        key: u64,
+        processes: &HashMap<u64, (i32, Option<Arc<OwnedFd>>)>,
+    ) -> ConnId {
+        if let Some(&conn) = self.orphans.get(&key) {
             return conn;
         }
+        let (pid, pidfd) = processes.get(&key).cloned().unwrap_or((0, None));
         let conn = self.connect(ClientInfo {
             role: Role::Writer,
             uid: 0,
             pid,
+            process: Process { key, pidfd },
             name: format!("held for pid {pid} since the hand-over"),
             internal: true,
             capped: false,
         });
-        self.orphans.insert(pid, conn);
+        self.orphans.insert(key, conn);
         conn
     }
 
     /// The connection holding what the process behind `conn` held on the predecessor, if any
-    /// (never for a process in another pid namespace: its pid reads 0).
+    /// (never for a process the daemon cannot name: its key is 0).
     pub(super) fn orphan_of(&self, conn: ConnId) -> Option<ConnId> {
-        let pid = self.conns.get(&conn)?.info.pid;
-        (pid != 0)
-            .then(|| self.orphans.get(&pid).copied())
+        let key = self.conns.get(&conn)?.info.process.key;
+        (key != 0)
+            .then(|| self.orphans.get(&key).copied())
             .flatten()
             .filter(|&o| o != conn)
     }
 
-    /// The processes something is held for since the hand-over, with the connection holding
-    /// it: the daemon drops it ([`Objects::disconnect`]) once the process is gone.
-    pub fn orphans(&self) -> Vec<(i32, ConnId)> {
+    /// The processes something is held for since the hand-over: the connection holding it,
+    /// the process's pid (0 in another pid namespace) and what names it. The daemon drops the
+    /// connection ([`Objects::disconnect`]) once the process is gone.
+    pub fn orphans(&self) -> Vec<(ConnId, i32, Process)> {
         self.orphans
-            .iter()
-            .map(|(&pid, &conn)| (pid, conn))
+            .values()
+            .filter_map(|&conn| {
+                let info = &self.conns.get(&conn)?.info;
+                Some((conn, info.pid, info.process.clone()))
+            })
             .collect()
     }
 }
@@ -223,6 +286,10 @@ mod tests {
             role,
             uid: 1000,
             pid,
+            process: Process {
+                key: if internal { 0 } else { pid as u64 },
+                pidfd: None,
+            },
             name: format!("pid {pid}"),
             internal,
             capped: false,
@@ -250,15 +317,23 @@ mod tests {
         o.get(stream, b).unwrap();
         let before = o.stats();
 
-        let h = o.hand_over(true, false);
+        let (h, pidfds) = o.hand_over(true, false);
+        assert!(pidfds.is_empty());
+        assert_eq!(
+            h.processes.iter().map(|p| p.key).collect::<Vec<_>>(),
+            [10, 20],
+            "the writer (a reservation) and the reader (leases); not the stream"
+        );
         assert_eq!(h.objects.len(), 4);
         assert_eq!(
             h.objects[0].id, evictable.id,
             "evictable first, in LRU order"
         );
-        let mut n =
-            Objects::take_over(&feedstore_proto::handover::Handover::decode(&h.encode()).unwrap())
-                .unwrap();
+        let mut n = Objects::take_over(
+            &feedstore_proto::handover::Handover::decode(&h.encode()).unwrap(),
+            Vec::new(),
+        )
+        .unwrap();
         let after = n.stats();
         assert_eq!(after.used_bytes, before.used_bytes);
         assert_eq!(after.objects_writing, 1);
@@ -307,11 +382,11 @@ mod tests {
         let sealed = o.create(w, 100, false).unwrap().handle;
         o.seal(w, sealed).unwrap();
         o.get(w, sealed).unwrap();
-        let mut n = Objects::take_over(&o.hand_over(false, false)).unwrap();
+        let mut n = Objects::take_over(&o.hand_over(false, false).0, Vec::new()).unwrap();
         let orphans = n.orphans();
         assert_eq!(orphans.len(), 1);
-        assert_eq!(orphans[0].0, 10);
-        let reclaimed = n.disconnect(orphans[0].1);
+        assert_eq!((orphans[0].1, orphans[0].2.key), (10, 10));
+        let reclaimed = n.disconnect(orphans[0].0);
         assert_eq!((reclaimed.aborted, reclaimed.leases), (1, 1));
         assert!(n.orphans().is_empty());
         let s = n.stats();
@@ -327,7 +402,8 @@ mod tests {
         let w = client(&mut o, Role::Writer, 10, false);
         let a = o.create(w, 100, false).unwrap().handle;
         o.seal(w, a).unwrap();
-        let good = o.hand_over(false, false);
+        o.get(w, a).unwrap();
+        let good = o.hand_over(false, false).0;
         let mut overlapping = good.clone();
         let mut twin = overlapping.objects[0].clone();
         twin.id += 1;
@@ -340,9 +416,20 @@ mod tests {
         let mut second = same_id.objects[0].clone();
         second.offset += second.reserved;
         same_id.objects.push(second);
-        for bad in [overlapping, outside, wrong_len, same_id] {
-            assert!(Objects::take_over(&bad).is_err(), "{bad:?}");
+        let mut claims_a_pidfd = good.clone();
+        claims_a_pidfd.processes[0].pidfd = true;
+        let mut key_zero = good.clone();
+        key_zero.processes[0].key = 0;
+        for bad in [
+            overlapping,
+            outside,
+            wrong_len,
+            same_id,
+            claims_a_pidfd,
+            key_zero,
+        ] {
+            assert!(Objects::take_over(&bad, Vec::new()).is_err(), "{bad:?}");
         }
-        assert!(Objects::take_over(&good).is_ok());
+        assert!(Objects::take_over(&good, Vec::new()).is_ok());
     }
 }

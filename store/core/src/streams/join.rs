@@ -200,6 +200,7 @@ impl Streams {
             role: Role::Reader,
             uid: 0,
             pid: 0,
+            process: crate::objects::Process::default(),
             name: format!("stream {}", spec.name),
             internal: true,
             capped: false,
