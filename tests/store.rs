@@ -1715,3 +1715,69 @@ impl Drop for Killed {
         let _ = self.0.child.wait();
     }
 }
+
+/// What a Kubernetes DaemonSet's rolling update runs, each pod's daemon started alike:
+/// `--takeover=auto` starts afresh where no daemon answers and takes over where one does;
+/// the daemon handed over stays (`--stay-after-handover`), holding nothing, until SIGTERM,
+/// instead of exiting for its supervisor to start it again; `--ready-file` is there exactly
+/// while this daemon serves.
+#[test]
+fn a_daemon_started_alike_each_time_takes_over_or_starts_and_stays_until_told() {
+    let _w = watchdog("a_daemon_started_alike_each_time", LIMIT);
+    let dir = scratch_dir("takeover-auto");
+    let (ready_a, ready_b) = (dir.join("a.ready"), dir.join("b.ready"));
+    let flags = |ready: &std::path::Path| {
+        vec![
+            "--takeover=auto".to_owned(),
+            "--stay-after-handover".to_owned(),
+            "--ready-file".to_owned(),
+            ready.display().to_string(),
+        ]
+    };
+    let a_flags = flags(&ready_a);
+    let a_flags: Vec<&str> = a_flags.iter().map(String::as_str).collect();
+    let mut a = DaemonProcess::start(&dir, &a_flags);
+    assert!(
+        a.log_text()
+            .contains("no daemon answers on the socket; starting afresh"),
+        "{}",
+        a.log_text()
+    );
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    while !ready_a.exists() {
+        assert!(std::time::Instant::now() < deadline, "a's ready file");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let writer = ConnectOptions::new(Role::Writer)
+        .socket(&a.socket)
+        .reconnect_timeout(Duration::from_secs(20))
+        .connect()
+        .unwrap();
+    let h = writer.put(b"kept across the rolling update").unwrap();
+
+    let b_flags = flags(&ready_b);
+    let b_flags: Vec<&str> = b_flags.iter().map(String::as_str).collect();
+    let mut b = DaemonProcess::start(&dir, &b_flags);
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    while !ready_b.exists() || ready_a.exists() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "b ready, a not: {}",
+            a.log_text()
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert_eq!(&*writer.get(h).unwrap(), b"kept across the rolling update");
+    assert_eq!(writer.reconnects(), 1);
+    assert!(
+        a.child.try_wait().unwrap().is_none(),
+        "the daemon handed over stays until told"
+    );
+    assert!(a.log_text().contains("staying until SIGTERM"));
+    let status = a.signal_and_wait(Signal::SIGTERM);
+    assert!(status.success(), "{status}");
+    assert!(b.socket.exists(), "the successor's socket is left alone");
+    assert_eq!(&*writer.get(h).unwrap(), b"kept across the rolling update");
+    assert!(b.signal_and_wait(Signal::SIGTERM).success());
+    assert!(!ready_b.exists(), "removed when the daemon stops");
+}

@@ -29,14 +29,22 @@ def test_the_daemonset_and_trainer_pod_agree_with_each_other_and_feedstored():
     help_text = subprocess.run(
         [binary("feedstored"), "--help"], capture_output=True, check=True
     ).stdout.decode()
-    flags = dict(a.split("=", 1) for a in daemon["args"])
+    flags = dict((a.split("=", 1) + [None])[:2] for a in daemon["args"])
     for flag in flags:
-        assert f"{flag} " in help_text or f"{flag}=" in help_text, f"feedstored has no {flag}"
+        assert (
+            f"{flag} " in help_text or f"{flag}=" in help_text or f"{flag}\n" in help_text
+        ), f"feedstored has no {flag}"
     assert flags["--peers"].startswith(service["metadata"]["name"] + ".")
     metrics_port = flags["--metrics-addr"].rsplit(":", 1)[1]
     assert pod["metadata"]["annotations"]["prometheus.io/port"] == metrics_port
-    ports = {p["name"]: p["containerPort"] for p in daemon["ports"]}
-    assert str(ports["metrics"]) == metrics_port
+    # A rolling update starts the new pod beside the old one, which the pod allows: its daemon
+    # takes the old one over or starts afresh, and no host port is declared twice.
+    update = daemonset["spec"]["updateStrategy"]["rollingUpdate"]
+    assert (update["maxSurge"], update["maxUnavailable"]) == (1, 0)
+    assert flags["--takeover"] == "auto" and "--stay-after-handover" in flags
+    assert "ports" not in daemon, "on the node's network a port would be a host port"
+    probe = daemon["readinessProbe"]["exec"]["command"]
+    assert probe == ["test", "-e", flags["--ready-file"]]
 
     volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
     mounts = {m["name"]: m["mountPath"] for m in daemon["volumeMounts"]}
@@ -72,7 +80,11 @@ def test_the_network_policy_guards_the_daemonsets_ports():
     assert policy["spec"]["podSelector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
     assert policy["spec"]["policyTypes"] == ["Ingress"]
     (daemon,) = pod["spec"]["containers"]
-    ports = {p["name"]: p["containerPort"] for p in daemon["ports"]}
+    flags = dict((a.split("=", 1) + [None])[:2] for a in daemon["args"])
+    ports = {
+        "peer": int(flags["--listen"].rsplit(":", 1)[1]),
+        "metrics": int(flags["--metrics-addr"].rsplit(":", 1)[1]),
+    }
     rules = {r["ports"][0]["port"]: r["from"] for r in policy["spec"]["ingress"]}
     # Exactly the daemon's two ports are admitted, the peer port from node addresses only.
     assert set(rules) == {ports["peer"], ports["metrics"]}

@@ -32,9 +32,31 @@ pub struct Args {
     /// id; the memory (--capacity, --segment-size, huge pages) is the running daemon's, the
     /// other settings this one's; in a cluster, give it the same --listen, --peers and secret.
     /// Refused, with the running daemon serving on, when no daemon answers, it runs as another
-    /// uid, the node id differs, or it cannot hand over to this build.
+    /// uid, the node id differs, or it cannot hand over to this build. `--takeover=auto` takes
+    /// over a daemon that answers on the socket and otherwise starts afresh (a container whose
+    /// every start should do whichever applies: a Kubernetes DaemonSet's pods).
+    #[arg(
+        long,
+        value_enum,
+        num_args = 0..=1,
+        require_equals = true,
+        default_missing_value = "always",
+        value_name = "WHEN"
+    )]
+    pub takeover: Option<Takeover>,
+
+    /// After handing over to a successor, stay (idle, holding nothing) until SIGTERM or
+    /// SIGINT, then exit 0, instead of exiting at once: for a supervisor that would start an
+    /// exited daemon again (a Kubernetes pod's container), which here would take the store
+    /// back from the successor.
     #[arg(long)]
-    pub takeover: bool,
+    pub stay_after_handover: bool,
+
+    /// Create this file once the daemon serves, and remove it when it stops serving (handed
+    /// over or stopped): a readiness check for this daemon rather than whichever serves on the
+    /// socket (`test -e FILE` in a Kubernetes readiness probe).
+    #[arg(long, value_name = "FILE")]
+    pub ready_file: Option<PathBuf>,
 
     /// Serve in the background: the command returns once the daemon serves (exit status 0,
     /// its pid printed) or failed to (1, with the reason). For `ExecReload=feedstored
@@ -100,7 +122,8 @@ pub fn main() -> ExitCode {
 /// runs its nodes' daemons through it.
 pub fn main_from(args: impl IntoIterator<Item = std::ffi::OsString>) -> ExitCode {
     let args = Args::parse_from(args);
-    let (takeover, detach) = (args.takeover, args.detach);
+    let (takeover, detach, stay) = (args.takeover, args.detach, args.stay_after_handover);
+    let ready_file = args.ready_file.clone();
     let config = match args.resolve() {
         Ok(c) => c,
         Err(e) => {
@@ -121,6 +144,17 @@ pub fn main_from(args: impl IntoIterator<Item = std::ffi::OsString>) -> ExitCode
         }
     }
     init_logging();
+    let takeover = match takeover {
+        Some(Takeover::Auto) => {
+            let answers = std::os::unix::net::UnixStream::connect(&config.socket).is_ok();
+            if !answers {
+                tracing::info!(socket = %config.socket.display(), "--takeover=auto: no daemon answers on the socket; starting afresh");
+            }
+            answers
+        }
+        Some(Takeover::Always) => true,
+        None => false,
+    };
     let started = if takeover {
         Daemon::take_over(&config)
     } else {
@@ -137,6 +171,8 @@ pub fn main_from(args: impl IntoIterator<Item = std::ffi::OsString>) -> ExitCode
             return ExitCode::FAILURE;
         }
     };
+    let handed_over = daemon.shared().handoff.done_watch();
+    let ready = ready_file.clone();
     let daemon = daemon.on_serving(move || {
         let status = if takeover {
             "serving (took over from the daemon before)"
@@ -146,6 +182,11 @@ pub fn main_from(args: impl IntoIterator<Item = std::ffi::OsString>) -> ExitCode
         crate::notify::ready(status);
         if let Some(word) = detached {
             word.serving();
+        }
+        if let Some(path) = &ready
+            && let Err(e) = std::fs::write(path, b"")
+        {
+            tracing::error!(path = %path.display(), error = %e, "cannot create the --ready-file");
         }
     });
     let result = daemon.serve(async {
@@ -162,12 +203,45 @@ pub fn main_from(args: impl IntoIterator<Item = std::ffi::OsString>) -> ExitCode
             _ = int.recv() => tracing::info!("SIGINT received"),
         }
     });
+    if let Some(path) = &ready_file {
+        let _ = std::fs::remove_file(path);
+    }
     match result {
+        Ok(()) if stay && *handed_over.borrow() => {
+            tracing::info!("handed over: staying until SIGTERM or SIGINT (--stay-after-handover)");
+            wait_for_stop_signal();
+            ExitCode::SUCCESS
+        }
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("feedstored: error: {}", error_line(&e));
             ExitCode::FAILURE
         }
+    }
+}
+
+/// When `--takeover` takes the running daemon over.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Takeover {
+    /// Always: refused when no daemon answers.
+    Always,
+    /// When a daemon answers on the socket; otherwise start afresh.
+    Auto,
+}
+
+/// Blocks until SIGTERM or SIGINT arrives (the daemon's runtime, and its handlers' use, are
+/// gone by then: the signals are blocked and taken synchronously).
+fn wait_for_stop_signal() {
+    use nix::sys::signal::{SigSet, Signal};
+    let mut set = SigSet::empty();
+    set.add(Signal::SIGTERM);
+    set.add(Signal::SIGINT);
+    if set.thread_block().is_err() {
+        return;
+    }
+    match set.wait() {
+        Ok(signal) => tracing::info!(%signal, "stopping"),
+        Err(e) => tracing::error!(error = %e, "cannot wait for a signal; stopping"),
     }
 }
 
