@@ -44,13 +44,7 @@ fn child_process() {
         // Lease every handle given (each several times) and hold the leases.
         Some("hold-leases") => {
             let client = feedstore_consumer::Client::connect_reader().unwrap();
-            let mut leases = Vec::new();
-            for h in words {
-                let h: Handle = h.parse().unwrap();
-                for _ in 0..3 {
-                    leases.push(client.get(h).unwrap());
-                }
-            }
+            let leases = lease_three_times(&client, words);
             say(format!("{}", leases.len()));
             std::thread::sleep(Duration::from_secs(3600));
             drop(leases);
@@ -60,13 +54,7 @@ fn child_process() {
         // for another line before exiting.
         Some("hold-until-told") => {
             let client = feedstore_consumer::Client::connect_reader().unwrap();
-            let mut leases = Vec::new();
-            for h in words {
-                let h: Handle = h.parse().unwrap();
-                for _ in 0..3 {
-                    leases.push(client.get(h).unwrap());
-                }
-            }
+            let leases = lease_three_times(&client, words);
             say(format!("{} {}", leases.len(), std::process::id()));
             let mut line = String::new();
             std::io::stdin().read_line(&mut line).unwrap();
@@ -925,15 +913,7 @@ fn a_daemon_taken_over_keeps_every_object_lease_and_reservation() {
     // The holder never came back: its three leases go when it dies.
     assert!(reader.stats().unwrap().leases >= 3);
     holder.kill9();
-    let deadline = std::time::Instant::now() + Duration::from_secs(30);
-    while reader.stats().unwrap().leases != 0 {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "{}",
-            daemon.log_text()
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    wait_for_leases(&reader, &daemon, 0);
     assert!(
         daemon
             .log_text()
@@ -1682,15 +1662,7 @@ fn clients_in_another_pid_namespace_get_back_what_they_held_at_a_takeover() {
     assert_eq!(reader.stats().unwrap().leases, 6, "held for both processes");
     // One dies without coming back: its pidfd says so, and what it held goes.
     dying.kill9();
-    let deadline = std::time::Instant::now() + Duration::from_secs(30);
-    while reader.stats().unwrap().leases != 3 {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "{}",
-            daemon.log_text()
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    wait_for_leases(&reader, &daemon, 3);
     // The other returns its leases through a new connection, and is still running.
     returning.0.tell("release");
     assert_eq!(returning.0.ready(), "released after 1 reconnects");
@@ -1780,4 +1752,32 @@ fn a_daemon_started_alike_each_time_takes_over_or_starts_and_stays_until_told() 
     assert_eq!(&*writer.get(h).unwrap(), b"kept across the rolling update");
     assert!(b.signal_and_wait(Signal::SIGTERM).success());
     assert!(!ready_b.exists(), "removed when the daemon stops");
+}
+
+/// Waits (at most 30 s) until `daemon` counts `leases` leases in all.
+fn wait_for_leases(reader: &feedstore_consumer::Client, daemon: &DaemonProcess, leases: u64) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while reader.stats().unwrap().leases != leases {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{}",
+            daemon.log_text()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// Leases each handle in `words` three times (a child's task).
+fn lease_three_times<'a>(
+    client: &feedstore_consumer::Client,
+    words: impl Iterator<Item = &'a str>,
+) -> Vec<feedstore_consumer::Lease> {
+    let mut leases = Vec::new();
+    for h in words {
+        let h: Handle = h.parse().unwrap();
+        for _ in 0..3 {
+            leases.push(client.get(h).unwrap());
+        }
+    }
+    leases
 }

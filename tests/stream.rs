@@ -8,7 +8,7 @@
 mod common;
 
 use std::collections::BTreeSet;
-use std::io::{BufRead, Write};
+use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
@@ -586,16 +586,10 @@ fn a_daemon_killed_and_started_again_loses_and_repeats_no_sample() {
         std::thread::sleep(Duration::from_millis(pause_ms));
         daemon = DaemonProcess::start(&dir, &[]);
     }
-    let mut reattached = 0;
-    for p in &mut procs {
-        let status = wait_child(&mut p.child, Duration::from_secs(120));
-        assert!(status.success(), "a process failed: {status}");
-        for line in p.take_stdout().lines() {
-            if let Some(n) = line.unwrap().strip_prefix("reattached ") {
-                reattached += n.parse::<u64>().unwrap();
-            }
-        }
-    }
+    let reattached: u64 = procs
+        .iter_mut()
+        .map(|p| p.finish_reattached(Duration::from_secs(120)))
+        .sum();
     assert!(
         unfinished_at_kills.iter().all(|&n| n == s.world as usize),
         "every kill landed mid-run (unfinished ranks at each: {unfinished_at_kills:?})"
@@ -1214,16 +1208,11 @@ fn a_pulled_stream_survives_the_takeover_of_either_node() {
     std::thread::sleep(Duration::from_millis(300));
     assert_eq!(unfinished(&nodes), 4, "the kill lands mid-run");
     nodes.kill_and_restart(0);
-    let mut reattached = 0;
-    for mut p in consumers.into_iter().chain([producer]) {
-        let status = wait_child(&mut p.child, Duration::from_secs(180));
-        assert!(status.success(), "{status}");
-        for line in p.take_stdout().lines() {
-            if let Some(n) = line.unwrap().strip_prefix("reattached ") {
-                reattached += n.parse::<u64>().unwrap();
-            }
-        }
-    }
+    let reattached: u64 = consumers
+        .into_iter()
+        .chain([producer])
+        .map(|mut p| p.finish_reattached(Duration::from_secs(180)))
+        .sum();
     assert_eq!(
         nodes.records(&s),
         expected(&s),

@@ -277,23 +277,8 @@ impl ClientProcess {
 
     /// [`ClientProcess::spawn`] with more environment variables.
     pub fn spawn_with(socket: &Path, role_args: &str, env: &[(&str, &str)]) -> ClientProcess {
-        let mut child = Command::new(std::env::current_exe().unwrap())
-            .args([
-                "--ignored",
-                "--exact",
-                "child_process",
-                "--nocapture",
-                "--test-threads=1",
-            ])
-            .env(CHILD_ENV, role_args)
-            .env("FEEDSTORE_SOCKET", socket)
-            .envs(env.iter().copied())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .unwrap();
-        let stdout = Some(BufReader::new(child.stdout.take().unwrap()));
-        ClientProcess { child, stdout }
+        let cmd = Command::new(std::env::current_exe().unwrap());
+        ClientProcess::run(cmd, socket, role_args, env, Stdio::inherit())
     }
 
     /// [`ClientProcess::spawn_with`] run through `prefix` (`unshare --pid --fork`, say), its
@@ -305,9 +290,20 @@ impl ClientProcess {
         env: &[(&str, &str)],
     ) -> ClientProcess {
         let (program, args) = prefix.split_first().expect("a prefix");
-        let mut child = Command::new(program)
-            .args(args)
-            .arg(std::env::current_exe().unwrap())
+        let mut cmd = Command::new(program);
+        cmd.args(args).arg(std::env::current_exe().unwrap());
+        ClientProcess::run(cmd, socket, role_args, env, Stdio::piped())
+    }
+
+    /// Runs `cmd` (this test binary, maybe behind a prefix) as the child entry point.
+    fn run(
+        mut cmd: Command,
+        socket: &Path,
+        role_args: &str,
+        env: &[(&str, &str)],
+        stdin: Stdio,
+    ) -> ClientProcess {
+        let mut child = cmd
             .args([
                 "--ignored",
                 "--exact",
@@ -318,13 +314,28 @@ impl ClientProcess {
             .env(CHILD_ENV, role_args)
             .env("FEEDSTORE_SOCKET", socket)
             .envs(env.iter().copied())
-            .stdin(Stdio::piped())
+            .stdin(stdin)
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
             .spawn()
             .unwrap();
         let stdout = Some(BufReader::new(child.stdout.take().unwrap()));
         ClientProcess { child, stdout }
+    }
+
+    /// Waits until the child exits successfully and returns the sum of the numbers it printed
+    /// after `reattached ` (a stream's consumer says how often it attached again).
+    pub fn finish_reattached(&mut self, limit: Duration) -> u64 {
+        let status = wait_child(&mut self.child, limit);
+        assert!(status.success(), "a process failed: {status}");
+        self.take_stdout()
+            .lines()
+            .filter_map(|line| {
+                line.unwrap()
+                    .strip_prefix("reattached ")
+                    .map(|n| n.parse::<u64>().unwrap())
+            })
+            .sum()
     }
 
     /// Writes a line to the child's standard input ([`ClientProcess::spawn_via`]).
