@@ -695,7 +695,9 @@ impl Client {
                     };
                     // Releases queued for the old daemon's leases mean nothing to a daemon
                     // started afresh; a successor holds those leases and takes them back.
-                    if !taken_over {
+                    if taken_over {
+                        self.inner.releases.unpark();
+                    } else {
                         drop(self.inner.releases.take());
                     }
                     *self.inner.link.write().unwrap_or_else(|e| e.into_inner()) = link.clone();
@@ -729,6 +731,8 @@ impl Client {
             std::thread::sleep(jittered(pause).min(left));
             pause = (pause * 2).min(RECONNECT_MAX);
         };
+        // (Given up: releases kept for a successor are not kept any longer.)
+        drop(self.inner.releases.take());
         Err(Error::Disconnected {
             source: Some(std::io::Error::other(format!(
                 "feedstored at {} went away and did not come back within {limit:?} ({tries} \
@@ -1253,6 +1257,10 @@ impl Client {
         }
         let mut state = queue.lock();
         state.handles.push(handle);
+        if state.parked {
+            // (Waiting for the daemon's successor: sending now would only find it gone.)
+            return;
+        }
         if state.handles.len() >= MAX_QUEUED_RELEASES {
             let due = std::mem::take(&mut state.handles);
             drop(state);

@@ -19,6 +19,12 @@ use crate::wire::{DecodeError, Reader, Wire, Writer};
 /// would replace stops serving anything), naming both.
 pub const HANDOVER_FORMAT: u32 = 2;
 
+/// Bit 62 of a [process key](HandedProcess::key): the rest is a pid (no pidfs here).
+pub const PID_KEY: u64 = 1 << 62;
+/// Bit 63 of a process key: the rest numbers a process no new connection can be recognised as
+/// (held for until it exits, where its pidfd says so, or until the daemon stops).
+pub const UNNAMED_KEY: u64 = 1 << 63;
+
 /// One daemon's state, as its successor needs it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Handover {
@@ -26,6 +32,9 @@ pub struct Handover {
     pub format: u32,
     /// The pid of the daemon that wrote it.
     pub pid: u32,
+    /// Its pid namespace (the inode of `/proc/self/ns/pid`; 0 unknown): pids, and keys made of
+    /// pids, mean the same to the successor only in the same one.
+    pub pid_namespace: u64,
     /// The node's id in handles.
     pub node_id: u32,
     /// The epoch handles carry: the successor keeps it, so handles stay valid.
@@ -53,11 +62,14 @@ pub struct Handover {
 /// A client process the successor holds leases or reservations for.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct HandedProcess {
-    /// What names the process on this node while it runs, whatever its pid namespace (the
-    /// inode of its pidfd where the kernel has pidfs, else its pid with bit 62 set); what
-    /// [`HandedObject::leases`] and [`HandedObject::writer`] refer to. Never 0.
+    /// What names the process on this node while it runs (the inode of its pidfd where the
+    /// kernel has pidfs, whatever its pid namespace; else its pid with bit 62 set, which means
+    /// the same only in the daemon's pid namespace; else, bit 63 set, a number that names no
+    /// process a new connection could come from); what [`HandedObject::leases`] and
+    /// [`HandedObject::writer`] refer to. Never 0.
     pub key: u64,
-    /// Its pid in the daemon's pid namespace (0 in another), for the log.
+    /// Its pid in the daemon's pid namespace (0 in another): the successor watches it with
+    /// `kill(pid, 0)` when there is no pidfd, in the same pid namespace only.
     pub pid: i32,
     /// Whether its pidfd follows (the successor polls it to learn that the process exited).
     pub pidfd: bool,
@@ -181,6 +193,7 @@ impl Handover {
         let mut w = Writer::new(&mut buf);
         w.u32(self.format);
         w.u32(self.pid);
+        w.u64(self.pid_namespace);
         w.u32(self.node_id);
         w.u32(self.epoch);
         w.buf.extend_from_slice(&self.id_key);
@@ -207,7 +220,8 @@ impl Handover {
                 ours: HANDOVER_FORMAT,
             });
         }
-        let (pid, node_id, epoch) = (r.u32()?, r.u32()?, r.u32()?);
+        let (pid, pid_namespace) = (r.u32()?, r.u64()?);
+        let (node_id, epoch) = (r.u32()?, r.u32()?);
         let id_key = r.bytes(32)?.try_into().expect("32 bytes");
         let id_counter = r.u64()?;
         let n = r.count(8)?;
@@ -221,6 +235,7 @@ impl Handover {
         Ok(Handover {
             format,
             pid,
+            pid_namespace,
             node_id,
             epoch,
             id_key,
@@ -264,6 +279,7 @@ mod tests {
         let h = Handover {
             format: HANDOVER_FORMAT,
             pid: 4242,
+            pid_namespace: 4026531836,
             node_id: 7,
             epoch: 0xdead_beef,
             id_key: [3; 32],

@@ -80,3 +80,29 @@ __all__ = [
     "__version__",
     "state_at",
 ]
+
+
+def _check_reconnect_timeout():
+    """Warns once, at import, about a ``FEEDSTORE_RECONNECT_TIMEOUT`` the clients ignore (the
+    Rust half logs it, where Python shows nothing): it is a number of seconds."""
+    import math
+    import os
+    import warnings
+
+    text = os.environ.get("FEEDSTORE_RECONNECT_TIMEOUT")
+    if text is None:
+        return
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = math.nan
+    if not (math.isfinite(seconds) and seconds >= 0):
+        warnings.warn(
+            f"FEEDSTORE_RECONNECT_TIMEOUT={text!r} is not a number of seconds (such as 60): "
+            "clients do not reconnect when their daemon goes away",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+
+
+_check_reconnect_timeout()

@@ -60,6 +60,7 @@ def test_the_daemonset_and_trainer_pod_agree_with_each_other_and_feedstored():
         trainer_volumes["socket-dir"]["hostPath"]["path"]
         == volumes["socket-dir"]["hostPath"]["path"]
     )
+    assert int(env["FEEDSTORE_RECONNECT_TIMEOUT"]) > 0, "a trainer goes on across an update"
     socket_in_trainer = env["FEEDSTORE_SOCKET"]
     assert socket_in_trainer.startswith(trainer_mounts["socket-dir"] + "/")
     assert socket_in_trainer.rsplit("/", 1)[1] == flags["--socket"].rsplit("/", 1)[1]

@@ -540,3 +540,26 @@ def test_waiting_for_a_stream_nobody_made_says_so_while_it_waits(daemon):
         with pytest.raises(feedstore.Timeout):
             feedstore.Stream("nobody-yet", 10, socket=daemon.socket, wait=4.5)
     assert sum("nobody-yet" in str(w.message) for w in told) == 1, "said once"
+
+
+@pytest.mark.parametrize("value", ["30s", "abc", "-1"])
+def test_a_reconnect_timeout_that_is_not_seconds_is_warned_about_at_import(value):
+    import os
+
+    env = dict(os.environ, FEEDSTORE_RECONNECT_TIMEOUT=value)
+    out = subprocess.run(
+        [sys.executable, "-W", "always", "-c", "import feedstore"],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert "is not a number of seconds" in out.stderr, out.stderr
+    fine = subprocess.run(
+        [sys.executable, "-W", "always", "-c", "import feedstore"],
+        env=dict(os.environ, FEEDSTORE_RECONNECT_TIMEOUT="60"),
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert "FEEDSTORE_RECONNECT_TIMEOUT" not in fine.stderr

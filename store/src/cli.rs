@@ -32,7 +32,8 @@ pub struct Args {
     /// id; the memory (--capacity, --segment-size, huge pages) is the running daemon's, the
     /// other settings this one's; in a cluster, give it the same --listen, --peers and secret.
     /// Refused, with the running daemon serving on, when no daemon answers, it runs as another
-    /// uid, the node id differs, or it cannot hand over to this build. `--takeover=auto` takes
+    /// uid, the node id differs, it cannot hand over to this build, another takeover is under
+    /// way, or its requests under way do not finish or wait within 5 s (try again). `--takeover=auto` takes
     /// over a daemon that answers on the socket and otherwise starts afresh (a container whose
     /// every start should do whichever applies: a Kubernetes DaemonSet's pods).
     #[arg(
@@ -131,22 +132,68 @@ pub fn main_from(args: impl IntoIterator<Item = std::ffi::OsString>) -> ExitCode
             return ExitCode::from(2);
         }
     };
+    if let Some(path) = &ready_file {
+        let dir = match path.parent() {
+            Some(d) if !d.as_os_str().is_empty() => d,
+            _ => std::path::Path::new("."),
+        };
+        if !dir.is_dir() {
+            eprintln!(
+                "feedstored: error: --ready-file {}: {} is not a directory",
+                path.display(),
+                dir.display()
+            );
+            return ExitCode::from(2);
+        }
+        // (One left by a daemon killed before it could remove it says nothing about this one.)
+        let _ = std::fs::remove_file(path);
+    }
     // Before anything starts a thread: the parent waits for the child's word and exits.
-    let mut detached = None;
-    if detach {
+    let detached = if detach {
         match detach::fork() {
             Ok(detach::Side::Parent(code)) => return code,
-            Ok(detach::Side::Child(word)) => detached = Some(word),
+            Ok(detach::Side::Child(word)) => Some(word),
             Err(e) => {
-                eprintln!("feedstored: error: cannot detach: {e}");
+                let why = if e == nix::errno::Errno::EBUSY {
+                    "this process runs threads already (--detach is for feedstored's own command \
+                     line, not an embedding)"
+                        .to_owned()
+                } else {
+                    e.to_string()
+                };
+                eprintln!("feedstored: error: cannot detach: {why}");
                 return ExitCode::FAILURE;
             }
         }
-    }
+    } else {
+        None
+    };
+    // Said once: serving, or why not (a failure before serving included).
+    let word = std::sync::Arc::new(std::sync::Mutex::new(detached));
+    let say = {
+        let word = word.clone();
+        move |outcome: Result<(), &str>| {
+            let taken = word.lock().unwrap_or_else(|e| e.into_inner()).take();
+            match (taken, outcome) {
+                (Some(w), Ok(())) => w.serving(),
+                (Some(w), Err(why)) => w.failed(why),
+                (None, Err(why)) => eprintln!("feedstored: error: {why}"),
+                (None, Ok(())) => {}
+            }
+        }
+    };
     init_logging();
     let takeover = match takeover {
         Some(Takeover::Auto) => {
-            let answers = std::os::unix::net::UnixStream::connect(&config.socket).is_ok();
+            // Only nothing listening is "no daemon": another refusal (permission) goes to the
+            // takeover, which says why.
+            let answers = match std::os::unix::net::UnixStream::connect(&config.socket) {
+                Ok(_) => true,
+                Err(e) => !matches!(
+                    e.kind(),
+                    std::io::ErrorKind::NotFound | std::io::ErrorKind::ConnectionRefused
+                ),
+            };
             if !answers {
                 tracing::info!(socket = %config.socket.display(), "--takeover=auto: no daemon answers on the socket; starting afresh");
             }
@@ -163,16 +210,14 @@ pub fn main_from(args: impl IntoIterator<Item = std::ffi::OsString>) -> ExitCode
     let daemon = match started {
         Ok(d) => d,
         Err(e) => {
-            let line = error_line(&e);
-            eprintln!("feedstored: error: {line}");
-            if let Some(word) = detached {
-                word.failed(&line);
-            }
+            // (Detached, the waiting command says it.)
+            say(Err(&error_line(&e)));
             return ExitCode::FAILURE;
         }
     };
     let handed_over = daemon.shared().handoff.done_watch();
     let ready = ready_file.clone();
+    let serving = say.clone();
     let daemon = daemon.on_serving(move || {
         let status = if takeover {
             "serving (took over from the daemon before)"
@@ -180,9 +225,7 @@ pub fn main_from(args: impl IntoIterator<Item = std::ffi::OsString>) -> ExitCode
             "serving"
         };
         crate::notify::ready(status);
-        if let Some(word) = detached {
-            word.serving();
-        }
+        serving(Ok(()));
         if let Some(path) = &ready
             && let Err(e) = std::fs::write(path, b"")
         {
@@ -208,13 +251,15 @@ pub fn main_from(args: impl IntoIterator<Item = std::ffi::OsString>) -> ExitCode
     }
     match result {
         Ok(()) if stay && *handed_over.borrow() => {
-            tracing::info!("handed over: staying until SIGTERM or SIGINT (--stay-after-handover)");
-            wait_for_stop_signal();
-            ExitCode::SUCCESS
+            tracing::info!(
+                "handed over: staying until SIGTERM or SIGINT (--stay-after-handover), or \
+                 until no daemon answers on the socket"
+            );
+            stay_until_stopped(&config.socket)
         }
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("feedstored: error: {}", error_line(&e));
+            say(Err(&error_line(&e)));
             ExitCode::FAILURE
         }
     }
@@ -229,19 +274,46 @@ pub enum Takeover {
     Auto,
 }
 
-/// Blocks until SIGTERM or SIGINT arrives (the daemon's runtime, and its handlers' use, are
-/// gone by then: the signals are blocked and taken synchronously).
-fn wait_for_stop_signal() {
-    use nix::sys::signal::{SigSet, Signal};
+/// A daemon handed over, staying: exits 0 at SIGTERM or SIGINT, or 1 once no daemon answers on
+/// `socket` (its successor went: a supervisor starting this one again gets a daemon serving).
+/// The daemon's runtime is gone; the signals get their default action back (so one that
+/// reaches another thread still ends the process) and are taken synchronously here.
+fn stay_until_stopped(socket: &std::path::Path) -> ExitCode {
+    use nix::sys::signal::{SigHandler, SigSet, Signal, signal};
     let mut set = SigSet::empty();
-    set.add(Signal::SIGTERM);
-    set.add(Signal::SIGINT);
-    if set.thread_block().is_err() {
-        return;
+    for s in [Signal::SIGTERM, Signal::SIGINT] {
+        set.add(s);
+        // SAFETY: the default action, installed from the one thread that runs code now.
+        let _ = unsafe { signal(s, SigHandler::SigDfl) };
     }
-    match set.wait() {
-        Ok(signal) => tracing::info!(%signal, "stopping"),
-        Err(e) => tracing::error!(error = %e, "cannot wait for a signal; stopping"),
+    if set.thread_block().is_err() {
+        return ExitCode::FAILURE;
+    }
+    let every = libc::timespec {
+        tv_sec: 5,
+        tv_nsec: 0,
+    };
+    loop {
+        // SAFETY: `set` and `every` are valid for the call; no siginfo is asked for.
+        let got = unsafe { libc::sigtimedwait(set.as_ref(), std::ptr::null_mut(), &every) };
+        if got > 0 {
+            tracing::info!(signal = got, "stopping");
+            return ExitCode::SUCCESS;
+        }
+        let answered = std::os::unix::net::UnixStream::connect(socket);
+        if let Err(e) = answered
+            && matches!(
+                e.kind(),
+                std::io::ErrorKind::NotFound | std::io::ErrorKind::ConnectionRefused
+            )
+        {
+            tracing::warn!(
+                socket = %socket.display(),
+                "no daemon answers on the socket any more (the successor went): exiting so \
+                 that this one is started again"
+            );
+            return ExitCode::FAILURE;
+        }
     }
 }
 
@@ -274,6 +346,12 @@ mod detach {
     }
 
     pub(super) fn fork() -> nix::Result<Side> {
+        // Only a process of one thread may go on after a fork: `feedstored`'s main is one
+        // here; an embedding that calls `main_from` from a threaded program gets an error.
+        let threads = std::fs::read_dir("/proc/self/task").map_or(0, |d| d.count());
+        if threads != 1 {
+            return Err(nix::errno::Errno::EBUSY);
+        }
         let (read, write) = nix::unistd::pipe()?;
         // SAFETY: called from `main` before any thread is started (no logging, no runtime
         // yet), so the child is a copy of a single-threaded process and may go on as it likes.

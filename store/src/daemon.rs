@@ -20,7 +20,10 @@ use crate::state::{AccessPolicy, ServeConfig, Shared};
 #[non_exhaustive]
 pub enum StartError {
     /// A live daemon already answers on the socket.
-    #[error("socket {path} is in use by another feedstored (pid {pid}); stop it or pass --socket")]
+    #[error(
+        "socket {path} is in use by another feedstored (pid {pid}); stop it, pass --socket, or \
+         replace it keeping its store: feedstored --takeover"
+    )]
     SocketInUse {
         /// The socket path.
         path: PathBuf,
@@ -197,6 +200,9 @@ impl Daemon {
     /// whatever it had; the node id must be the same. Nothing is served until
     /// [`Daemon::serve`], which tells the predecessor to exit.
     pub fn take_over(config: &DaemonConfig) -> Result<Daemon, StartError> {
+        // (Before the hand-over's pidfds arrive: one for each client process the daemon holds
+        // something for, possibly more than a default soft limit of 1024.)
+        raise_open_file_limit();
         let received = crate::handoff::receive(&config.socket).map_err(StartError::Takeover)?;
         let handed = &received.handover;
         // Everything the predecessor cannot help with is checked before it is told to go.
@@ -209,11 +215,33 @@ impl Daemon {
         }
         let capacity: u64 = handed.segments.iter().sum();
         if capacity != config.capacity_bytes {
-            tracing::warn!(
+            tracing::info!(
                 running = %format_bytes(capacity),
                 configured = %format_bytes(config.capacity_bytes),
-                "--capacity differs from the running daemon's: its memory is taken over as it is"
+                "the memory is the running daemon's, taken over as it is (its capacity, segment \
+                 size and huge pages): another capacity takes a restart, not a takeover"
             );
+        }
+        for (what, handed, flag, kept) in [
+            (
+                "peer",
+                received.peers.is_some(),
+                "--listen",
+                config.cluster.listen.is_some(),
+            ),
+            (
+                "metrics",
+                received.metrics.is_some(),
+                "--metrics-addr",
+                config.metrics_addr.is_some(),
+            ),
+        ] {
+            if handed && !kept {
+                tracing::warn!(
+                    "the running daemon served a {what} port and this one is given no {flag}: \
+                     that port closes (pass the same {flag} to keep it)"
+                );
+            }
         }
         let objects = Objects::take_over(handed, received.pidfds)
             .map_err(|e| StartError::Takeover(e.to_string()))?;
@@ -413,7 +441,8 @@ impl Daemon {
                 tracing::info!(
                     objects = stats.objects_sealed,
                     clients = stats.clients,
-                    "handed over; exiting (the socket and the memory are the successor's)"
+                    "handed over: this daemon stops serving (the socket and the memory are the \
+                     successor's)"
                 );
             } else {
                 let _ = std::fs::remove_file(&socket);
@@ -856,30 +885,38 @@ fn warn_if_unreachable(dir: &Path, access: SocketAccess) {
 /// Keeps connections and attached rings (a descriptor each) under the descriptors this process
 /// may open, raising the soft limit to the hard one first, so a client over a limit gets a clear
 /// refusal rather than an accept or a ring that fails for want of a descriptor.
-fn fit_connections_to_descriptors(mut limits: crate::config::Limits) -> crate::config::Limits {
+/// Raises the soft open-file limit to the hard one; the soft limit in force after.
+fn raise_open_file_limit() -> Option<u64> {
     use nix::sys::resource::{Resource, getrlimit, setrlimit};
-    let Ok((soft, hard)) = getrlimit(Resource::RLIMIT_NOFILE) else {
+    let (soft, hard) = getrlimit(Resource::RLIMIT_NOFILE).ok()?;
+    Some(
+        if soft < hard && setrlimit(Resource::RLIMIT_NOFILE, hard, hard).is_ok() {
+            hard
+        } else {
+            soft
+        },
+    )
+}
+
+fn fit_connections_to_descriptors(mut limits: crate::config::Limits) -> crate::config::Limits {
+    let Some(soft) = raise_open_file_limit() else {
         return limits;
     };
-    let soft = if soft < hard && setrlimit(Resource::RLIMIT_NOFILE, hard, hard).is_ok() {
-        hard
-    } else {
-        soft
-    };
     // Room for segments, the listener, logs and the runtime; the rest is shared by connections
-    // and rings, half each at most.
+    // and rings, half each at most. A connection holds two: its socket and its client's pidfd
+    // (so do the processes held for since a takeover, at most as many as connections then).
     let room = usize::try_from(soft.saturating_sub(512))
         .unwrap_or(usize::MAX)
         .max(32);
-    if limits.max_connections > room / 2 {
+    if limits.max_connections > room / 4 {
         tracing::warn!(
             asked = limits.max_connections,
-            using = room / 2,
+            using = room / 4,
             open_files = soft,
             "lowering --max-connections to fit the open-file limit"
         );
-        limits.max_connections = room / 2;
-        limits.max_connections_per_uid = limits.max_connections_per_uid.min(room / 2);
+        limits.max_connections = room / 4;
+        limits.max_connections_per_uid = limits.max_connections_per_uid.min(room / 4);
     }
     limits.max_rings = limits.max_rings.min(room / 2);
     limits

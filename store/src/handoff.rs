@@ -78,7 +78,7 @@ pub struct Handoff {
     /// Held while `frozen` and `thawed` change together (a freeze racing a thaw).
     switch: Mutex<()>,
     /// Set once the successor is ready: the daemon stops, leaving the socket file to it.
-    pub(crate) done: watch::Sender<bool>,
+    done: watch::Sender<bool>,
     listeners: Mutex<Option<Listeners>>,
     /// The successor's connection, once the daemon said it stops: closed only after the
     /// daemon's runtime is gone (no worker thread left that could touch the memory), which is
@@ -237,9 +237,20 @@ pub(crate) struct Received {
 pub(crate) fn receive(socket: &Path) -> Result<Received, String> {
     let failed = |why: String| why;
     let mut daemon = UnixStream::connect(socket).map_err(|e| {
+        if e.kind() == std::io::ErrorKind::PermissionDenied {
+            let owner = std::fs::metadata(socket).map_or_else(
+                |_| "unknown".to_owned(),
+                |m| format!("uid {}", std::os::unix::fs::MetadataExt::uid(&m)),
+            );
+            return failed(format!(
+                "cannot reach the feedstored on {} (permission denied): it runs as another uid \
+                 (the socket's owner: {owner}); take over as that uid or root",
+                socket.display()
+            ));
+        }
         failed(format!(
             "no feedstored answers on {} ({e}): there is nothing to take over; start without \
-             --takeover",
+             --takeover (or with --takeover=auto, which starts afresh when none answers)",
             socket.display()
         ))
     })?;
@@ -269,7 +280,9 @@ pub(crate) fn receive(socket: &Path) -> Result<Received, String> {
         .map_err(|e| failed(format!("cannot ask the daemon to hand over: {e}")))?;
     let (first, fds) = recv_with_fds(&daemon, 64 << 10).map_err(|e| {
         failed(format!(
-            "the daemon closed without handing over ({e}): a release before takeover existed"
+            "the daemon closed without handing over ({e}): another takeover was under way \
+             (retry once it is over), the daemon was stopping, or it is a release without \
+             takeover (0.1.x: restart it instead)"
         ))
     })?;
     let mut head = first;

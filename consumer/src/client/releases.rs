@@ -20,6 +20,10 @@ pub(super) struct PendingReleases {
     /// The flusher is in its timed wait and will look at the queue without being woken.
     pub(super) armed: bool,
     pub(super) closed: bool,
+    /// The queue holds releases put back because the daemon had gone: they wait for a link to
+    /// its successor (the next request, or [`ReleaseQueue::unpark`] at a relink), and nothing
+    /// flushes them meanwhile.
+    pub(super) parked: bool,
 }
 
 /// Flush at once past this many queued releases.
@@ -31,7 +35,9 @@ impl ReleaseQueue {
     }
 
     pub(super) fn take(&self) -> Vec<Handle> {
-        std::mem::take(&mut self.lock().handles)
+        let mut state = self.lock();
+        state.parked = false;
+        std::mem::take(&mut state.handles)
     }
 
     /// Queues again releases whose send never left (the daemon had gone): they ride with the
@@ -42,6 +48,16 @@ impl ReleaseQueue {
         let mut state = self.lock();
         if !state.closed {
             state.handles.extend(handles);
+            state.parked = true;
+        }
+    }
+
+    /// A link to the daemon's successor is up: what was put back may be flushed again.
+    pub(super) fn unpark(&self) {
+        let mut state = self.lock();
+        state.parked = false;
+        if !state.handles.is_empty() {
+            self.wake.notify_all();
         }
     }
 
@@ -50,7 +66,7 @@ impl ReleaseQueue {
         let mut state = self.lock();
         loop {
             state.armed = false;
-            while state.handles.is_empty() && !state.closed {
+            while (state.handles.is_empty() || state.parked) && !state.closed {
                 state = self.wake.wait(state).unwrap_or_else(|e| e.into_inner());
             }
             if state.closed {

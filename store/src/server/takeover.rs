@@ -110,7 +110,19 @@ impl Connection {
             Err(e) => Ok(Err(std::io::Error::other(e.to_string()))),
         };
         let ready = matches!(answered, Ok(Ok(1))) && word[0] == READY;
-        if ready && self.stream.write_all(&[STOPPING]).await.is_ok() {
+        // The successor's connection is held open until this daemon's runtime is gone (every
+        // task dropped, every worker thread joined, a pull landing bytes included): its close
+        // is the successor's sign that nothing here touches the memory any more. Copied before
+        // the daemon commits, so that a failure to copy it leaves the daemon serving.
+        let (held, uncopied) =
+            match ready.then(|| std::os::fd::AsFd::as_fd(&self.stream).try_clone_to_owned()) {
+                Some(Ok(fd)) => (Some(fd), None),
+                Some(Err(e)) => (None, Some(e)),
+                None => (None, None),
+            };
+        if let Some(held) = held
+            && self.stream.write_all(&[STOPPING]).await.is_ok()
+        {
             tracing::info!(
                 successor_pid = pid,
                 "the successor is ready: this feedstored stops (the socket is the successor's)"
@@ -122,27 +134,16 @@ impl Connection {
                     "MAINPID={pid}\nSTATUS=handed over to pid {pid} (feedstored --takeover)"
                 ));
             }
-            // Held open until this daemon's runtime is gone (every task dropped, every worker
-            // thread joined): its close is the successor's sign that nothing here touches the
-            // memory any more.
-            match std::os::fd::AsFd::as_fd(&self.stream).try_clone_to_owned() {
-                Ok(held) => handoff.stop_for(held),
-                Err(e) => {
-                    // (Without a copy the connection closes with this task, before the runtime
-                    // is gone: stop anyway, the successor was promised it; pulls and sessions
-                    // are parked, so nothing writes meanwhile.)
-                    tracing::warn!(error = %e, "cannot keep the successor's connection open until this daemon is gone");
-                    handoff.done.send_replace(true);
-                }
-            }
+            handoff.stop_for(held);
             std::future::pending::<()>().await;
         }
-        let why = match answered {
-            Err(_) => format!("no word within {SUCCESSOR_DEADLINE:?}"),
-            Ok(Ok(0)) => "it closed (see its own log for why)".into(),
-            Ok(Ok(_)) if ready => "it closed before this one's answer".into(),
-            Ok(Ok(_)) => format!("it said {} instead of being ready", word[0]),
-            Ok(Err(e)) => e.to_string(),
+        let why = match (answered, uncopied) {
+            (_, Some(e)) => format!("cannot keep its connection open: {e}"),
+            (Err(_), None) => format!("no word within {SUCCESSOR_DEADLINE:?}"),
+            (Ok(Ok(0)), None) => "it closed (see its own log for why)".into(),
+            (Ok(Ok(_)), None) if ready => "it closed before this one's answer".into(),
+            (Ok(Ok(_)), None) => format!("it said {} instead of being ready", word[0]),
+            (Ok(Err(e)), None) => e.to_string(),
         };
         tracing::warn!(successor_pid = pid, reason = %why, "the successor did not take over: serving on");
         handoff.thaw();

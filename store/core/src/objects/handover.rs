@@ -6,7 +6,9 @@ use std::os::fd::OwnedFd;
 use std::sync::Arc;
 
 use feedstore_proto::Role;
-use feedstore_proto::handover::{HANDOVER_FORMAT, HandedObject, HandedProcess, Handover};
+use feedstore_proto::handover::{
+    HANDOVER_FORMAT, HandedObject, HandedProcess, Handover, PID_KEY, UNNAMED_KEY,
+};
 
 use super::{ClientInfo, ConnId, Ids, Object, Objects, Process, State};
 use crate::alloc::{Allocator, Block};
@@ -33,13 +35,20 @@ impl Objects {
                 !c.info.internal || self.orphans.get(&c.info.process.key) == Some(conn)
             })
         };
+        // A connection whose process has no key but a pidfd (no pidfs: a kernel before 6.9, in
+        // another pid namespace) is a process of its own, unnamed: what it holds is held until
+        // its pidfd says it exited.
+        let key_of = |id: &ConnId, c: &super::Conn| match c.info.process.key {
+            0 if c.info.process.pidfd.is_some() => UNNAMED_KEY | *id,
+            key => key,
+        };
         let mut leases: HashMap<u32, HashMap<u64, u32>> = HashMap::new();
         let mut processes: BTreeMap<u64, (i32, Option<Arc<OwnedFd>>)> = BTreeMap::new();
         for (id, c) in &self.conns {
             if !client(id) {
                 continue;
             }
-            let key = c.info.process.key;
+            let key = key_of(id, c);
             if key != 0 && (!c.leases.is_empty() || !c.writing.is_empty()) {
                 let known = processes.entry(key).or_insert((c.info.pid, None));
                 if known.1.is_none() {
@@ -66,7 +75,7 @@ impl Objects {
             let writer = match o.state {
                 State::Sealed => None,
                 State::Writing { owner } if client(&owner) => {
-                    Some(self.conns[&owner].info.process.key)
+                    Some(key_of(&owner, &self.conns[&owner]))
                 }
                 State::Writing { .. } => continue,
             };
@@ -110,6 +119,7 @@ impl Objects {
         let handover = Handover {
             format: HANDOVER_FORMAT,
             pid: std::process::id(),
+            pid_namespace: pid_namespace(),
             node_id: self.node_id,
             epoch: self.epoch,
             id_key: self.ids.key,
@@ -140,19 +150,39 @@ impl Objects {
                 pidfds.len()
             )));
         }
+        // Pids mean the same only in the predecessor's pid namespace: from another, a key
+        // made of a pid names no process here (it could name another one), and no pid is
+        // watched with kill().
+        let same_pids = h.pid_namespace != 0 && h.pid_namespace == pid_namespace();
         let mut pidfds = pidfds.into_iter();
         let mut processes = HashMap::new();
-        for p in &h.processes {
+        let mut rekeyed = HashMap::new();
+        for (i, p) in h.processes.iter().enumerate() {
             let pidfd = p.pidfd.then(|| Arc::new(pidfds.next().expect("counted")));
-            if p.key == 0 || processes.insert(p.key, (p.pid, pidfd)).is_some() {
+            let (key, pid) = if !same_pids && p.key & (PID_KEY | UNNAMED_KEY) == PID_KEY {
+                let unnamed = UNNAMED_KEY | PID_KEY | i as u64;
+                rekeyed.insert(p.key, unnamed);
+                (unnamed, 0)
+            } else if same_pids {
+                (p.key, p.pid)
+            } else {
+                (p.key, 0)
+            };
+            if p.key == 0 || processes.insert(key, (pid, pidfd)).is_some() {
                 return Err(Inconsistent(format!(
                     "process key {:x} is 0 or named twice",
                     p.key
                 )));
             }
         }
+        let key = |k: u64| rekeyed.get(&k).copied().unwrap_or(k);
         for handed in &h.objects {
-            o.adopt(handed, &processes)?;
+            let mut handed = handed.clone();
+            handed.writer = handed.writer.map(key);
+            for lease in &mut handed.leases {
+                lease.0 = key(lease.0);
+            }
+            o.adopt(&handed, &processes)?;
         }
         Ok(o)
     }
@@ -275,6 +305,11 @@ impl Objects {
     }
 }
 
+/// This process's pid namespace: the inode of `/proc/self/ns/pid` (0 where it cannot be read).
+fn pid_namespace() -> u64 {
+    std::fs::metadata("/proc/self/ns/pid").map_or(0, |m| std::os::unix::fs::MetadataExt::ino(&m))
+}
+
 #[cfg(test)]
 mod tests {
     use feedstore_proto::Status;
@@ -393,6 +428,63 @@ mod tests {
         assert_eq!((s.objects_writing, s.leases, s.objects_sealed), (0, 0, 1));
         let w2 = client(&mut n, Role::Writer, 10, false);
         assert_eq!(n.seal(w2, c.handle), Err(Status::NotFound));
+    }
+
+    /// From a daemon in another pid namespace, a key made of a pid names nobody here: what
+    /// that process held stays held (a process here with that pid gets none of it back), and
+    /// its pid is not watched; a pidfs key still names its process.
+    #[test]
+    fn pids_from_another_pid_namespace_name_nobody() {
+        let mut o = Objects::new(1, 2, &[1 << 20], false);
+        let by_pid = client(&mut o, Role::Reader, 10, false);
+        let by_inode = client(&mut o, Role::Reader, 20, false);
+        let w = client(&mut o, Role::Writer, 30, false);
+        let a = o.create(w, 100, false).unwrap().handle;
+        o.seal(w, a).unwrap();
+        o.get(by_pid, a).unwrap();
+        o.get(by_inode, a).unwrap();
+        let (mut h, _) = o.hand_over(false, false);
+        for p in &mut h.processes {
+            if p.key == 10 {
+                p.key = PID_KEY | 10;
+            }
+        }
+        for object in &mut h.objects {
+            for lease in &mut object.leases {
+                if lease.0 == 10 {
+                    lease.0 = PID_KEY | 10;
+                }
+            }
+        }
+        h.pid_namespace = pid_namespace() + 1;
+        let mut n = Objects::take_over(&h, Vec::new()).unwrap();
+        assert!(
+            n.orphans().iter().all(|(_, pid, _)| *pid == 0),
+            "no pid watched"
+        );
+        let same_pid = n.connect(ClientInfo {
+            role: Role::Reader,
+            uid: 1000,
+            pid: 10,
+            process: Process {
+                key: PID_KEY | 10,
+                pidfd: None,
+            },
+            name: "pid 10 here".into(),
+            internal: false,
+            capped: false,
+        });
+        assert!(
+            n.release(same_pid, a).is_err(),
+            "not the process that held it"
+        );
+        let same_inode = client(&mut n, Role::Reader, 20, false);
+        n.release(same_inode, a).unwrap();
+        assert_eq!(
+            n.stats().leases,
+            1,
+            "the pid-named process's lease stays held"
+        );
     }
 
     /// A hand-over that contradicts itself is refused, not trusted.
