@@ -693,18 +693,19 @@ impl Client {
                         outstanding: VecDeque::new(),
                         arrived: Vec::new(),
                     };
-                    // Releases queued for the old daemon's leases mean nothing to a daemon
-                    // started afresh; a successor holds those leases and takes them back.
-                    if taken_over {
-                        self.inner.releases.unpark();
-                    } else {
-                        drop(self.inner.releases.take());
-                    }
                     *self.inner.link.write().unwrap_or_else(|e| e.into_inner()) = link.clone();
                     self.inner
                         .generation
                         .store(link.generation, Ordering::Release);
                     self.inner.lineage.store(link.lineage, Ordering::Release);
+                    // Releases queued for the old daemon's leases mean nothing to a daemon
+                    // started afresh; a successor holds those leases and takes them back
+                    // (now that the link to it is in place).
+                    if taken_over {
+                        self.inner.releases.unpark();
+                    } else {
+                        drop(self.inner.releases.take());
+                    }
                     self.inner.reconnects.fetch_add(1, Ordering::Relaxed);
                     tracing::warn!(
                         socket = %opts.socket.display(),
@@ -731,8 +732,6 @@ impl Client {
             std::thread::sleep(jittered(pause).min(left));
             pause = (pause * 2).min(RECONNECT_MAX);
         };
-        // (Given up: releases kept for a successor are not kept any longer.)
-        drop(self.inner.releases.take());
         Err(Error::Disconnected {
             source: Some(std::io::Error::other(format!(
                 "feedstored at {} went away and did not come back within {limit:?} ({tries} \
@@ -1287,9 +1286,7 @@ impl Client {
         }
         if link.broken.load(Ordering::Relaxed) {
             // For the link that replaces it, if that is a successor's.
-            if self.reconnecting() {
-                self.inner.releases.put_back(handles.to_vec());
-            }
+            self.keep_releases(&link, handles.to_vec());
             return;
         }
         let mut buf = Vec::with_capacity(frame::HEADER_BYTES + 4 + 16 * handles.len());
@@ -1314,10 +1311,24 @@ impl Client {
     ) -> Result<(), Error> {
         let _guard = self.inner.send.lock().unwrap_or_else(|e| e.into_inner());
         send_all_or_none(&link.stream, bytes).map_err(|(e, none_left)| {
-            if none_left && !released.is_empty() && self.reconnecting() {
-                self.inner.releases.put_back(released);
+            if none_left && !released.is_empty() {
+                self.keep_releases(link, released);
             }
             e
         })
+    }
+
+    /// Releases meant for `link` that never left: kept for the daemon that took it over. If
+    /// the client already moved to another link (another thread reconnected meanwhile), they
+    /// go there when it is that successor's (the same lineage), and nowhere otherwise.
+    fn keep_releases(&self, link: &Link, handles: Vec<Handle>) {
+        if !self.reconnecting() {
+            return;
+        }
+        if self.inner.generation.load(Ordering::Acquire) == link.generation {
+            self.inner.releases.put_back(handles);
+        } else if self.inner.lineage.load(Ordering::Acquire) == link.lineage {
+            self.inner.releases.requeue(handles);
+        }
     }
 }

@@ -59,10 +59,7 @@ pub enum Error {
     /// handles from before a restart are stale.
     ///
     /// [`Client`]: crate::Client
-    #[error(
-        "disconnected from feedstored (it stopped, restarted or was taken over; a client with \
-         FEEDSTORE_RECONNECT_TIMEOUT set waits for it to come back)"
-    )]
+    #[error("disconnected from feedstored (it stopped, restarted or was taken over)")]
     Disconnected {
         /// The socket error, if there was one (none for a clean end of stream).
         #[source]

@@ -17,7 +17,7 @@ use crate::wire::{DecodeError, Reader, Wire, Writer};
 
 /// This build's format of the hand-over. A successor refuses any other (before the daemon it
 /// would replace stops serving anything), naming both.
-pub const HANDOVER_FORMAT: u32 = 2;
+pub const HANDOVER_FORMAT: u32 = 3;
 
 /// Bit 62 of a [process key](HandedProcess::key): the rest is a pid (no pidfs here).
 pub const PID_KEY: u64 = 1 << 62;
@@ -339,10 +339,10 @@ mod tests {
             assert!(Handover::decode(&bytes[..cut]).is_err(), "cut at {cut}");
         }
         let mut other = bytes.clone();
-        other[0] = 1;
+        other[0] = 2;
         let e = Handover::decode(&other).unwrap_err();
         assert!(
-            matches!(e, HandoverError::Format { theirs: 1, ours: 2 }),
+            matches!(e, HandoverError::Format { theirs: 2, ours: 3 }),
             "{e}"
         );
     }

@@ -49,13 +49,15 @@ pub struct Args {
     /// After handing over to a successor, stay (idle, holding nothing) until SIGTERM or
     /// SIGINT, then exit 0, instead of exiting at once: for a supervisor that would start an
     /// exited daemon again (a Kubernetes pod's container), which here would take the store
-    /// back from the successor.
+    /// back from the successor. Exits 1 if nothing listens on the socket any more (the
+    /// successor went), so that the supervisor starts a daemon again.
     #[arg(long)]
     pub stay_after_handover: bool,
 
     /// Create this file once the daemon serves, and remove it when it stops serving (handed
     /// over or stopped): a readiness check for this daemon rather than whichever serves on the
-    /// socket (`test -e FILE` in a Kubernetes readiness probe).
+    /// socket (`test -e FILE` in a Kubernetes readiness probe). A file of its own: it is
+    /// removed at start too, one left by a daemon killed before it could.
     #[arg(long, value_name = "FILE")]
     pub ready_file: Option<PathBuf>,
 
@@ -187,13 +189,7 @@ pub fn main_from(args: impl IntoIterator<Item = std::ffi::OsString>) -> ExitCode
         Some(Takeover::Auto) => {
             // Only nothing listening is "no daemon": another refusal (permission) goes to the
             // takeover, which says why.
-            let answers = match std::os::unix::net::UnixStream::connect(&config.socket) {
-                Ok(_) => true,
-                Err(e) => !matches!(
-                    e.kind(),
-                    std::io::ErrorKind::NotFound | std::io::ErrorKind::ConnectionRefused
-                ),
-            };
+            let answers = listened_on(&config.socket);
             if !answers {
                 tracing::info!(socket = %config.socket.display(), "--takeover=auto: no daemon answers on the socket; starting afresh");
             }
@@ -274,20 +270,44 @@ pub enum Takeover {
     Auto,
 }
 
-/// A daemon handed over, staying: exits 0 at SIGTERM or SIGINT, or 1 once no daemon answers on
-/// `socket` (its successor went: a supervisor starting this one again gets a daemon serving).
-/// The daemon's runtime is gone; the signals get their default action back (so one that
-/// reaches another thread still ends the process) and are taken synchronously here.
+/// Whether something listens on `socket`: a daemon serving, or one whose backlog is full (a
+/// connect that would wait). Only no such file or a refusal say no; the connect never blocks.
+fn listened_on(socket: &std::path::Path) -> bool {
+    use nix::sys::socket::{AddressFamily, SockFlag, SockType, UnixAddr, connect, socket as open};
+    let Ok(addr) = UnixAddr::new(socket) else {
+        return false;
+    };
+    let Ok(fd) = open(
+        AddressFamily::Unix,
+        SockType::Stream,
+        SockFlag::SOCK_NONBLOCK | SockFlag::SOCK_CLOEXEC,
+        None,
+    ) else {
+        return true;
+    };
+    !matches!(
+        connect(std::os::fd::AsRawFd::as_raw_fd(&fd), &addr),
+        Err(nix::errno::Errno::ENOENT | nix::errno::Errno::ECONNREFUSED)
+    )
+}
+
+/// A daemon handed over, staying: exits 0 at SIGTERM or SIGINT taken here, or 1 once nothing
+/// listens on `socket` (its successor went: a supervisor starting this one again gets a daemon
+/// serving). The daemon's runtime is gone; the signals are blocked in this thread and taken
+/// synchronously, and get their default action back, so one that reaches another thread still
+/// alive (a pre-fault finishing) ends the process by the signal instead of being lost.
 fn stay_until_stopped(socket: &std::path::Path) -> ExitCode {
     use nix::sys::signal::{SigHandler, SigSet, Signal, signal};
     let mut set = SigSet::empty();
-    for s in [Signal::SIGTERM, Signal::SIGINT] {
-        set.add(s);
-        // SAFETY: the default action, installed from the one thread that runs code now.
-        let _ = unsafe { signal(s, SigHandler::SigDfl) };
-    }
+    set.add(Signal::SIGTERM);
+    set.add(Signal::SIGINT);
     if set.thread_block().is_err() {
         return ExitCode::FAILURE;
+    }
+    for s in [Signal::SIGTERM, Signal::SIGINT] {
+        // SAFETY: the default action; no handler of this process runs any more (its runtime,
+        // which installed them, is gone).
+        let _ = unsafe { signal(s, SigHandler::SigDfl) };
     }
     let every = libc::timespec {
         tv_sec: 5,
@@ -300,13 +320,7 @@ fn stay_until_stopped(socket: &std::path::Path) -> ExitCode {
             tracing::info!(signal = got, "stopping");
             return ExitCode::SUCCESS;
         }
-        let answered = std::os::unix::net::UnixStream::connect(socket);
-        if let Err(e) = answered
-            && matches!(
-                e.kind(),
-                std::io::ErrorKind::NotFound | std::io::ErrorKind::ConnectionRefused
-            )
-        {
+        if !listened_on(socket) {
             tracing::warn!(
                 socket = %socket.display(),
                 "no daemon answers on the socket any more (the successor went): exiting so \
@@ -348,7 +362,7 @@ mod detach {
     pub(super) fn fork() -> nix::Result<Side> {
         // Only a process of one thread may go on after a fork: `feedstored`'s main is one
         // here; an embedding that calls `main_from` from a threaded program gets an error.
-        let threads = std::fs::read_dir("/proc/self/task").map_or(0, |d| d.count());
+        let threads = std::fs::read_dir("/proc/self/task").map_or(1, |d| d.count());
         if threads != 1 {
             return Err(nix::errno::Errno::EBUSY);
         }

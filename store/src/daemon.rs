@@ -903,8 +903,9 @@ fn fit_connections_to_descriptors(mut limits: crate::config::Limits) -> crate::c
         return limits;
     };
     // Room for segments, the listener, logs and the runtime; the rest is shared by connections
-    // and rings, half each at most. A connection holds two: its socket and its client's pidfd
-    // (so do the processes held for since a takeover, at most as many as connections then).
+    // and rings, half each at most. A connection holds two: its socket and its client's pidfd.
+    // (The pidfds of the processes held for since a takeover come on top: one for each process
+    // that held something then and has not exited since.)
     let room = usize::try_from(soft.saturating_sub(512))
         .unwrap_or(usize::MAX)
         .max(32);

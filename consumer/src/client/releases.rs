@@ -52,6 +52,15 @@ impl ReleaseQueue {
         }
     }
 
+    /// Queues releases (unparked) for the link in place, and wakes the flusher.
+    pub(super) fn requeue(&self, handles: Vec<Handle>) {
+        let mut state = self.lock();
+        if !state.closed {
+            state.handles.extend(handles);
+            self.wake.notify_all();
+        }
+    }
+
     /// A link to the daemon's successor is up: what was put back may be flushed again.
     pub(super) fn unpark(&self) {
         let mut state = self.lock();

@@ -37,9 +37,12 @@ impl Objects {
         };
         // A connection whose process has no key but a pidfd (no pidfs: a kernel before 6.9, in
         // another pid namespace) is a process of its own, unnamed: what it holds is held until
-        // its pidfd says it exited.
+        // its pidfd says it exited. Unnamed keys never match a new connection, so they are
+        // numbered afresh at each hand-over, by this daemon's connection ids (unique here; a
+        // predecessor's numbers could clash with them).
         let key_of = |id: &ConnId, c: &super::Conn| match c.info.process.key {
             0 if c.info.process.pidfd.is_some() => UNNAMED_KEY | *id,
+            key if key & UNNAMED_KEY != 0 => UNNAMED_KEY | *id,
             key => key,
         };
         let mut leases: HashMap<u32, HashMap<u64, u32>> = HashMap::new();
@@ -159,15 +162,22 @@ impl Objects {
         let mut rekeyed = HashMap::new();
         for (i, p) in h.processes.iter().enumerate() {
             let pidfd = p.pidfd.then(|| Arc::new(pidfds.next().expect("counted")));
-            let (key, pid) = if !same_pids && p.key & (PID_KEY | UNNAMED_KEY) == PID_KEY {
-                let unnamed = UNNAMED_KEY | PID_KEY | i as u64;
-                rekeyed.insert(p.key, unnamed);
-                (unnamed, 0)
-            } else if same_pids {
-                (p.key, p.pid)
-            } else {
-                (p.key, 0)
+            let foreign_pid = !same_pids && p.key & (PID_KEY | UNNAMED_KEY) == PID_KEY;
+            let (key, pid) = match (foreign_pid, &pidfd) {
+                // Watched by its pidfd, recognised by nothing (bit 62 kept apart from the
+                // predecessor's unnamed keys, which are its connection ids).
+                (true, Some(_)) => (UNNAMED_KEY | PID_KEY | i as u64, 0),
+                // Neither: held for with what no process can be found for (key 0).
+                (true, None) => (0, 0),
+                (false, _) if same_pids => (p.key, p.pid),
+                (false, _) => (p.key, 0),
             };
+            if foreign_pid {
+                rekeyed.insert(p.key, key);
+                if key == 0 {
+                    continue;
+                }
+            }
             if p.key == 0 || processes.insert(key, (pid, pidfd)).is_some() {
                 return Err(Inconsistent(format!(
                     "process key {:x} is 0 or named twice",
@@ -257,8 +267,9 @@ impl Objects {
     }
 
     /// The connection holding what process `key` held on the predecessor. Key 0 (a process
-    /// the predecessor could not name) has one too, which nothing returns to and nothing
-    /// drops: what it holds stays held until the daemon stops.
+    /// the predecessor could neither name nor watch) has one too, which nothing returns to and
+    /// nothing drops: what it holds stays held, takeover after takeover, until a daemon starts
+    /// afresh.
     fn orphan(
         &mut self,
         key: u64,
@@ -485,6 +496,63 @@ mod tests {
             1,
             "the pid-named process's lease stays held"
         );
+    }
+
+    /// Processes that cannot be named (a pidfd, no pidfs) stay apart through a chain of
+    /// takeovers: each is held for on its own, watched by its own pidfd, however the daemons
+    /// numbered their connections.
+    #[test]
+    fn unnamed_processes_stay_apart_through_takeovers() {
+        let pidfd = || {
+            Some(Arc::new(OwnedFd::from(
+                std::fs::File::open("/dev/null").unwrap(),
+            )))
+        };
+        let unnamed = |o: &mut Objects| {
+            o.connect(ClientInfo {
+                role: Role::Reader,
+                uid: 1000,
+                pid: 0,
+                process: Process {
+                    key: 0,
+                    pidfd: pidfd(),
+                },
+                name: "unnamed".into(),
+                internal: false,
+                capped: false,
+            })
+        };
+        let mut o = Objects::new(1, 2, &[1 << 20], false);
+        let w = client(&mut o, Role::Writer, 30, false);
+        let a = o.create(w, 100, false).unwrap().handle;
+        o.seal(w, a).unwrap();
+        let first = unnamed(&mut o);
+        o.get(first, a).unwrap();
+        let (h, fds) = o.hand_over(false, false);
+        let fds = fds.iter().map(|f| f.try_clone().unwrap()).collect();
+        let mut n = Objects::take_over(&h, fds).unwrap();
+        // A new unnamed process in the successor, whose connection ids start again.
+        let second = unnamed(&mut n);
+        n.get(second, a).unwrap();
+        n.get(second, a).unwrap();
+        let (h2, fds2) = n.hand_over(false, false);
+        let unnamed_keys: Vec<u64> = h2
+            .processes
+            .iter()
+            .map(|p| p.key)
+            .filter(|k| k & UNNAMED_KEY != 0)
+            .collect();
+        assert_eq!(unnamed_keys.len(), 2, "two processes, not one: {h2:?}");
+        let fds2 = fds2.iter().map(|f| f.try_clone().unwrap()).collect();
+        let mut n2 = Objects::take_over(&h2, fds2).unwrap();
+        let mut held: Vec<u64> = n2
+            .orphans()
+            .iter()
+            .filter(|(_, _, p)| p.key & UNNAMED_KEY != 0)
+            .map(|(conn, _, _)| n2.disconnect(*conn).leases)
+            .collect();
+        held.sort_unstable();
+        assert_eq!(held, [1, 2], "each process's own leases");
     }
 
     /// A hand-over that contradicts itself is refused, not trusted.
