@@ -1810,3 +1810,44 @@ fn lease_three_times<'a>(
     }
     leases
 }
+
+/// A daemon started in place of one that went away (a stale socket left at its path), on a
+/// node short of the memory its store needs (the old daemon's clients hold the old store until
+/// they reconnect), starts anyway and pre-faults later, instead of refusing the clients that
+/// wait for it; the same capacity without a stale socket is refused.
+#[test]
+fn a_daemon_replacing_one_that_went_away_starts_short_of_memory() {
+    let _w = watchdog("a_daemon_replacing_one_that_went_away", LIMIT);
+    let dir = scratch_dir("short-of-memory");
+    let meminfo = std::fs::read_to_string("/proc/meminfo").unwrap();
+    let available_kib: u64 = meminfo
+        .lines()
+        .find_map(|l| l.strip_prefix("MemAvailable:"))
+        .and_then(|v| v.split_whitespace().next()?.parse().ok())
+        .unwrap();
+    // More than the node has (never touched: the memory is not pre-faulted meanwhile).
+    let capacity = format!("{}MiB", available_kib / 1024 + 2048);
+    let socket = dir.join("feedstored.sock");
+    let refused = std::process::Command::new(env!("CARGO_BIN_EXE_feedstored"))
+        .args(["--capacity", &capacity, "--huge-pages", "off", "--socket"])
+        .arg(&socket)
+        .output()
+        .unwrap();
+    assert!(!refused.status.success());
+    assert!(
+        String::from_utf8_lossy(&refused.stderr).contains("of memory available on this node"),
+        "{}",
+        String::from_utf8_lossy(&refused.stderr)
+    );
+    // The socket a daemon killed with kill -9 leaves: bound, nobody listening.
+    drop(std::os::unix::net::UnixListener::bind(&socket).unwrap());
+    let daemon = DaemonProcess::start(&dir, &["--capacity", &capacity, "--huge-pages", "off"]);
+    assert!(
+        daemon.log_text().contains("starting anyway"),
+        "{}",
+        daemon.log_text()
+    );
+    let writer = daemon.writer();
+    let h = writer.put(b"served short of memory").unwrap();
+    assert_eq!(&*daemon.reader().get(h).unwrap(), b"served short of memory");
+}

@@ -121,7 +121,28 @@ impl Daemon {
     /// Creates the segments and binds the socket. Nothing is served until [`Daemon::serve`] or
     /// [`Daemon::spawn`].
     pub fn bind(config: &DaemonConfig) -> Result<Daemon, StartError> {
-        check_capacity(config)?;
+        // A stale socket: the daemon before this one went away without removing it (a crash,
+        // a kill -9). Its memory may still be held by its clients, which let go of it as they
+        // reconnect to this one: refusing to start for want of that memory would keep them
+        // waiting for a daemon that never comes. So this one starts, and pre-faults once the
+        // memory is back.
+        let short = match check_capacity(config) {
+            Ok(()) => None,
+            Err(StartError::CapacityTooLarge {
+                capacity_bytes,
+                available_bytes,
+            }) if stale_socket(&config.socket) => {
+                tracing::warn!(
+                    capacity = %format_bytes(capacity_bytes),
+                    available = %format_bytes(available_bytes),
+                    "more capacity than MemAvailable, and a stale socket: the daemon before this \
+                     one still holds memory through its clients, which let go of it as they \
+                     reconnect; starting anyway, pre-faulting once the memory is available"
+                );
+                Some(capacity_bytes)
+            }
+            Err(e) => return Err(e),
+        };
         let gid = socket_gid(config)?;
         // Everything about the socket that can fail is checked before seconds go into shared
         // memory: its length, its directory, another daemon on it.
@@ -161,7 +182,7 @@ impl Daemon {
         // serves: its clients, waiting to reconnect after a restart, are not kept waiting.)
         let listener = bind_socket(&config.socket, access)?;
         let shared = Arc::new(shared);
-        spawn_prefault(config, &shared)?;
+        spawn_prefault(config, &shared, short)?;
         tracing::info!(
             socket = %config.socket.display(),
             node = %format!("{:08x}", config.node_id),
@@ -281,7 +302,7 @@ impl Daemon {
         );
         // (What the predecessor had not pre-faulted yet; what it had is skipped at once.)
         let shared = Arc::new(shared);
-        spawn_prefault(config, &shared)?;
+        spawn_prefault(config, &shared, None)?;
         Ok(Daemon {
             shared,
             cluster,
@@ -659,15 +680,55 @@ fn load_secret(config: &DaemonConfig) -> Result<Option<crate::cluster::auth::Sec
 
 /// With `--prefault`, pre-faults the store's shmem on a thread of its own while the daemon
 /// serves ([`Shared::prefault`]).
-fn spawn_prefault(config: &DaemonConfig, shared: &Arc<Shared>) -> Result<(), StartError> {
+/// Pre-faults the shared memory on a thread of its own (`--prefault`); with `wait_for`, only
+/// once `MemAvailable` reaches that many bytes (the memory a crashed predecessor's clients
+/// still held), for at most [`PREFAULT_WAIT`]: after that the pages are allocated as they are
+/// first written.
+fn spawn_prefault(
+    config: &DaemonConfig,
+    shared: &Arc<Shared>,
+    wait_for: Option<u64>,
+) -> Result<(), StartError> {
     if config.prefault {
         let shared = shared.clone();
         std::thread::Builder::new()
             .name("feedstore-prefault".into())
-            .spawn(move || shared.prefault())
+            .spawn(move || {
+                if let Some(bytes) = wait_for {
+                    let started = Instant::now();
+                    while meminfo_bytes("MemAvailable").is_some_and(|a| a < bytes) {
+                        if started.elapsed() >= PREFAULT_WAIT {
+                            tracing::warn!(
+                                waited_s = PREFAULT_WAIT.as_secs(),
+                                "memory did not become available: not pre-faulting (pages are \
+                                 allocated as they are first written, and writes may fail if \
+                                 the node has no memory for them)"
+                            );
+                            return;
+                        }
+                        std::thread::sleep(std::time::Duration::from_millis(100));
+                    }
+                    tracing::info!(
+                        waited_ms = started.elapsed().as_millis() as u64,
+                        "memory available again: pre-faulting"
+                    );
+                }
+                shared.prefault()
+            })
             .map_err(StartError::Runtime)?;
     }
     Ok(())
+}
+
+/// How long a daemon started short of memory waits for it before it gives up pre-faulting.
+const PREFAULT_WAIT: std::time::Duration = std::time::Duration::from_secs(120);
+
+/// Whether `path` is a socket nobody answers on (left by a daemon that went away).
+fn stale_socket(path: &Path) -> bool {
+    use std::os::unix::fs::FileTypeExt;
+    std::fs::symlink_metadata(path).is_ok_and(|m| m.file_type().is_socket())
+        && std::os::unix::net::UnixStream::connect(path)
+            .is_err_and(|e| e.kind() == std::io::ErrorKind::ConnectionRefused)
 }
 
 /// A non-blocking TCP listener on `addr` (peers, metrics).
