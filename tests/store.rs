@@ -1640,7 +1640,7 @@ fn the_systemd_unit_starts_reloads_by_takeover_restarts_and_stops() {
 /// exited.
 #[test]
 fn clients_in_another_pid_namespace_get_back_what_they_held_at_a_takeover() {
-    if !is_root() || !pidfs() {
+    if !is_root() || !feedstore_store::credentials::pidfs_names_processes() {
         eprintln!(
             "SKIPPED clients_in_another_pid_namespace: needs root to make pid namespaces, and \
              pidfs (Linux 6.9+) to name processes across them"

@@ -189,7 +189,7 @@ pub fn main_from(args: impl IntoIterator<Item = std::ffi::OsString>) -> ExitCode
         Some(Takeover::Auto) => {
             // Only nothing listening is "no daemon": another refusal (permission) goes to the
             // takeover, which says why.
-            let answers = listened_on(&config.socket);
+            let answers = crate::daemon::listened_on(&config.socket);
             if !answers {
                 tracing::info!(socket = %config.socket.display(), "--takeover=auto: no daemon answers on the socket; starting afresh");
             }
@@ -270,27 +270,6 @@ pub enum Takeover {
     Auto,
 }
 
-/// Whether something listens on `socket`: a daemon serving, or one whose backlog is full (a
-/// connect that would wait). Only no such file or a refusal say no; the connect never blocks.
-fn listened_on(socket: &std::path::Path) -> bool {
-    use nix::sys::socket::{AddressFamily, SockFlag, SockType, UnixAddr, connect, socket as open};
-    let Ok(addr) = UnixAddr::new(socket) else {
-        return false;
-    };
-    let Ok(fd) = open(
-        AddressFamily::Unix,
-        SockType::Stream,
-        SockFlag::SOCK_NONBLOCK | SockFlag::SOCK_CLOEXEC,
-        None,
-    ) else {
-        return true;
-    };
-    !matches!(
-        connect(std::os::fd::AsRawFd::as_raw_fd(&fd), &addr),
-        Err(nix::errno::Errno::ENOENT | nix::errno::Errno::ECONNREFUSED)
-    )
-}
-
 /// A daemon handed over, staying: exits 0 at SIGTERM or SIGINT taken here, or 1 once nothing
 /// listens on `socket` (its successor went: a supervisor starting this one again gets a daemon
 /// serving). The daemon's runtime is gone; the signals are blocked in this thread and taken
@@ -320,7 +299,7 @@ fn stay_until_stopped(socket: &std::path::Path) -> ExitCode {
             tracing::info!(signal = got, "stopping");
             return ExitCode::SUCCESS;
         }
-        if !listened_on(socket) {
+        if !crate::daemon::listened_on(socket) {
             tracing::warn!(
                 socket = %socket.display(),
                 "no daemon answers on the socket any more (the successor went): exiting so \

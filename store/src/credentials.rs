@@ -10,6 +10,7 @@ use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::sync::Arc;
 
 use feedstore_core::objects::Process;
+use feedstore_proto::handover::PID_KEY;
 
 /// A connected client's credentials, as the kernel recorded them.
 #[derive(Debug, Clone)]
@@ -50,7 +51,16 @@ const SO_PEERPIDFD: libc::c_int = 77;
 /// The file system pidfds live on from Linux 6.9 (`PIDFS_MAGIC`): each process's pidfds share
 /// one inode number, never reused while the node runs.
 const PIDFS_MAGIC: nix::sys::statfs::FsType = nix::sys::statfs::FsType(0x5049_4446);
-use feedstore_proto::handover::PID_KEY;
+
+/// Whether this kernel names processes by their pidfd's inode (pidfs, Linux 6.9+), which is
+/// what recognises a client in another pid namespace across a takeover.
+pub fn pidfs_names_processes() -> bool {
+    let me = std::process::id() as libc::pid_t;
+    // SAFETY: pidfd_open of this process's own pid, no flags.
+    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, me, 0) };
+    // SAFETY: on success, a fresh descriptor this process now owns.
+    fd >= 0 && pidfs_inode(&unsafe { OwnedFd::from_raw_fd(fd as RawFd) }).is_some()
+}
 
 /// The process at the other end of `fd`: its pidfd where the kernel gives one (it says when
 /// the process exited, whatever its pid namespace), and a key naming it — its pidfs inode,

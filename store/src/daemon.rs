@@ -678,9 +678,8 @@ fn load_secret(config: &DaemonConfig) -> Result<Option<crate::cluster::auth::Sec
         .transpose()?)
 }
 
-/// With `--prefault`, pre-faults the store's shmem on a thread of its own while the daemon
-/// serves ([`Shared::prefault`]).
-/// Pre-faults the shared memory on a thread of its own (`--prefault`); with `wait_for`, only
+/// Pre-faults the shared memory on a thread of its own (`--prefault`, [`Shared::prefault`])
+/// while the daemon serves; with `wait_for`, only
 /// once `MemAvailable` reaches that many bytes (the memory a crashed predecessor's clients
 /// still held), for at most [`PREFAULT_WAIT`]: after that the pages are allocated as they are
 /// first written.
@@ -726,9 +725,28 @@ const PREFAULT_WAIT: std::time::Duration = std::time::Duration::from_secs(120);
 /// Whether `path` is a socket nobody answers on (left by a daemon that went away).
 fn stale_socket(path: &Path) -> bool {
     use std::os::unix::fs::FileTypeExt;
-    std::fs::symlink_metadata(path).is_ok_and(|m| m.file_type().is_socket())
-        && std::os::unix::net::UnixStream::connect(path)
-            .is_err_and(|e| e.kind() == std::io::ErrorKind::ConnectionRefused)
+    std::fs::symlink_metadata(path).is_ok_and(|m| m.file_type().is_socket()) && !listened_on(path)
+}
+
+/// Whether something listens on `socket`: a daemon serving, or one whose backlog is full (a
+/// connect that would wait). Only no such file or a refusal say no; the connect never blocks.
+pub(crate) fn listened_on(socket: &Path) -> bool {
+    use nix::sys::socket::{AddressFamily, SockFlag, SockType, UnixAddr, connect, socket as open};
+    let Ok(addr) = UnixAddr::new(socket) else {
+        return false;
+    };
+    let Ok(fd) = open(
+        AddressFamily::Unix,
+        SockType::Stream,
+        SockFlag::SOCK_NONBLOCK | SockFlag::SOCK_CLOEXEC,
+        None,
+    ) else {
+        return true;
+    };
+    !matches!(
+        connect(fd.as_raw_fd(), &addr),
+        Err(nix::errno::Errno::ENOENT | nix::errno::Errno::ECONNREFUSED)
+    )
 }
 
 /// A non-blocking TCP listener on `addr` (peers, metrics).
@@ -943,9 +961,6 @@ fn warn_if_unreachable(dir: &Path, access: SocketAccess) {
     }
 }
 
-/// Keeps connections and attached rings (a descriptor each) under the descriptors this process
-/// may open, raising the soft limit to the hard one first, so a client over a limit gets a clear
-/// refusal rather than an accept or a ring that fails for want of a descriptor.
 /// Raises the soft open-file limit to the hard one; the soft limit in force after.
 fn raise_open_file_limit() -> Option<u64> {
     use nix::sys::resource::{Resource, getrlimit, setrlimit};
@@ -959,6 +974,9 @@ fn raise_open_file_limit() -> Option<u64> {
     )
 }
 
+/// Keeps connections (two descriptors each) and attached rings (one) under the descriptors this
+/// process may open, raising the soft limit to the hard one first, so a client over a limit
+/// gets a clear refusal rather than an accept or a ring that fails for want of a descriptor.
 fn fit_connections_to_descriptors(mut limits: crate::config::Limits) -> crate::config::Limits {
     let Some(soft) = raise_open_file_limit() else {
         return limits;

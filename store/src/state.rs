@@ -376,8 +376,8 @@ impl Shared {
     /// Drops what client processes held on the daemon this one took over from once they are
     /// gone (their pidfd polls readable, or, where the kernel gave none, `kill(pid, 0)` says
     /// no such process): their reservations aborted, their leases returned. A process neither
-    /// can watch (another pid namespace on a kernel before 6.5) keeps what it held until this
-    /// daemon stops.
+    /// can watch (another pid namespace on a kernel before 6.5) keeps what it held until a
+    /// daemon starts afresh (a takeover hands it on).
     pub fn drop_what_gone_processes_held(&self) {
         let orphans = self.with_objects(|o| o.orphans());
         for (conn, pid, process) in orphans {

@@ -453,21 +453,6 @@ pub fn churn(writer: &Client, total: u64, each: u64) {
     }
 }
 
-/// Whether the kernel names processes by their pidfd's inode (pidfs, Linux 6.9+): what
-/// recognises a client in another pid namespace.
-pub fn pidfs() -> bool {
-    let me = std::process::id() as libc::pid_t;
-    // SAFETY: pidfd_open on this process's own pid; the descriptor is owned right after.
-    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, me, 0) };
-    if fd < 0 {
-        return false;
-    }
-    // SAFETY: a fresh descriptor this process owns.
-    let fd = unsafe { <std::os::fd::OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd as i32) };
-    let pidfs = nix::sys::statfs::FsType(0x5049_4446);
-    nix::sys::statfs::fstatfs(&fd).is_ok_and(|fs| fs.filesystem_type() == pidfs)
-}
-
 /// Deterministic bytes for object `seed`.
 pub fn pattern(seed: u64, len: usize) -> Vec<u8> {
     let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
