@@ -22,7 +22,7 @@ pub const HANDOVER_FORMAT: u32 = 3;
 /// Bit 62 of a [process key](HandedProcess::key): the rest is a pid (no pidfs here).
 pub const PID_KEY: u64 = 1 << 62;
 /// Bit 63 of a process key: the rest numbers a process no new connection can be recognised as
-/// (held for until it exits, where its pidfd says so, or until the daemon stops).
+/// (held for until it exits, where its pidfd says so, or else until a daemon starts afresh).
 pub const UNNAMED_KEY: u64 = 1 << 63;
 
 /// One daemon's state, as its successor needs it.
