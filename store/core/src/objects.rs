@@ -221,6 +221,9 @@ pub struct Objects {
     /// connection of its own each, whose leases and reservations that process's new
     /// connections return and seal ([`Objects::take_over`]).
     orphans: HashMap<u64, ConnId>,
+    /// The table as kept for a daemon started after this one is killed
+    /// ([`Objects::keep_ledger`]).
+    ledger: Option<ledger::Kept>,
 }
 
 impl Objects {
@@ -246,6 +249,7 @@ impl Objects {
             capped_lease_bytes: u64::MAX,
             capped: HashMap::new(),
             orphans: HashMap::new(),
+            ledger: None,
         }
     }
 
@@ -311,6 +315,7 @@ impl Objects {
 
     /// Forgets a connection: aborts what it was writing and returns its leases.
     pub fn disconnect(&mut self, conn: ConnId) -> Reclaimed {
+        let holder = self.holder(conn);
         let Some(c) = self.conns.remove(&conn) else {
             return Reclaimed::default();
         };
@@ -327,6 +332,7 @@ impl Objects {
             if c.info.capped {
                 self.uncount_capped(c.info.uid, slot, count);
             }
+            self.ledger_lease(holder, slot, -i64::from(count));
             self.drop_leases(slot, count);
         }
         self.counters.aborted_on_disconnect += reclaimed.aborted;
@@ -407,6 +413,7 @@ impl Objects {
             .expect("writer checked above")
             .writing
             .insert(slot);
+        self.ledger_object(slot);
         let location = self.object_mut(slot).location();
         tracing::debug!(%handle, size, segment, offset = block.offset, "object created");
         Ok(Created { handle, location })
@@ -417,6 +424,7 @@ impl Objects {
         let slot = self.end_reservation(conn, handle)?;
         self.object_mut(slot).state = State::Sealed;
         self.touch(slot);
+        self.ledger_object(slot);
         tracing::debug!(%handle, "object sealed");
         Ok(())
     }
@@ -446,6 +454,7 @@ impl Objects {
         obj.creator = writer;
         self.copies.insert(origin, slot);
         self.touch(slot);
+        self.ledger_object(slot);
         tracing::debug!(%handle, %origin, "copy of a remote object sealed");
         Ok(())
     }
@@ -560,6 +569,8 @@ impl Objects {
         *c.leases.entry(slot).or_insert(0) += 1;
         c.lease_count += 1;
         self.touch(slot);
+        let holder = self.holder(conn);
+        self.ledger_lease(holder, slot, 1);
         Ok(location)
     }
 
@@ -611,6 +622,8 @@ impl Objects {
         if capped {
             self.uncount_capped(uid, slot, 1);
         }
+        let holder = self.holder(conn);
+        self.ledger_lease(holder, slot, -1);
         self.drop_leases(slot, 1);
         Ok(())
     }
@@ -629,6 +642,7 @@ impl Objects {
                 obj.delete_pending = true;
                 let leases = obj.leases;
                 self.touch(slot);
+                self.ledger_object(slot);
                 tracing::debug!(%handle, leases, "delete deferred until leases are released");
             }
             State::Sealed => {
@@ -792,6 +806,7 @@ impl Objects {
         self.segments[obj.segment as usize].free(obj.block);
         self.free_slots.push(slot);
         self.space_epoch += 1;
+        self.ledger_object(slot);
     }
 }
 
@@ -810,5 +825,7 @@ pub(crate) fn test_client(o: &mut Objects, role: Role, uid: u32) -> ConnId {
 }
 
 mod handover;
+pub mod ledger;
+pub use handover::pid_namespace;
 #[cfg(test)]
 mod tests;

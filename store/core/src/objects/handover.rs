@@ -17,7 +17,7 @@ use crate::alloc::{Allocator, Block};
 /// daemons of one build; refused rather than trusted).
 #[derive(Debug, thiserror::Error)]
 #[error("the hand-over is inconsistent: {0}")]
-pub struct Inconsistent(String);
+pub struct Inconsistent(pub(super) String);
 
 impl Objects {
     /// This table as a successor takes it over: every live object with the leases and
@@ -30,28 +30,12 @@ impl Objects {
         peer_listener: bool,
         metrics_listener: bool,
     ) -> (Handover, Vec<Arc<OwnedFd>>) {
-        let client = |conn: &ConnId| {
-            self.conns.get(conn).is_some_and(|c| {
-                !c.info.internal || self.orphans.get(&c.info.process.key) == Some(conn)
-            })
-        };
-        // A connection whose process has no key but a pidfd (no pidfs: a kernel before 6.9, in
-        // another pid namespace) is a process of its own, unnamed: what it holds is held until
-        // its pidfd says it exited. Unnamed keys never match a new connection, so they are
-        // numbered afresh at each hand-over, by this daemon's connection ids (unique here; a
-        // predecessor's numbers could clash with them).
-        let key_of = |id: &ConnId, c: &super::Conn| match c.info.process.key {
-            0 if c.info.process.pidfd.is_some() => UNNAMED_KEY | *id,
-            key if key & UNNAMED_KEY != 0 => UNNAMED_KEY | *id,
-            key => key,
-        };
         let mut leases: HashMap<u32, HashMap<u64, u32>> = HashMap::new();
         let mut processes: BTreeMap<u64, (i32, Option<Arc<OwnedFd>>)> = BTreeMap::new();
         for (id, c) in &self.conns {
-            if !client(id) {
+            let Some((key, _)) = self.process_key(*id, c) else {
                 continue;
-            }
-            let key = key_of(id, c);
+            };
             if key != 0 && (!c.leases.is_empty() || !c.writing.is_empty()) {
                 let known = processes.entry(key).or_insert((c.info.pid, None));
                 if known.1.is_none() {
@@ -77,10 +61,10 @@ impl Objects {
             let o = self.slots[slot as usize].as_ref().expect("a live slot");
             let writer = match o.state {
                 State::Sealed => None,
-                State::Writing { owner } if client(&owner) => {
-                    Some(key_of(&owner, &self.conns[&owner]))
-                }
-                State::Writing { .. } => continue,
+                State::Writing { owner } => match self.process_key(owner, &self.conns[&owner]) {
+                    Some((key, _)) => Some(key),
+                    None => continue,
+                },
             };
             let mut held: Vec<(u64, u32)> = leases
                 .remove(&slot)
@@ -317,7 +301,7 @@ impl Objects {
 }
 
 /// This process's pid namespace: the inode of `/proc/self/ns/pid` (0 where it cannot be read).
-fn pid_namespace() -> u64 {
+pub fn pid_namespace() -> u64 {
     std::fs::metadata("/proc/self/ns/pid").map_or(0, |m| std::os::unix::fs::MetadataExt::ino(&m))
 }
 
