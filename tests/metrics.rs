@@ -21,26 +21,6 @@ use common::*;
 use feedstore_consumer::{Delivery, Made, Stream, StreamFeeder, StreamOptions, StreamTask};
 use feedstore_proto::stream::{Shuffle, StreamSpec, Tail};
 
-/// `GET path` on 127.0.0.1:`port`: the status line and the body.
-fn get(port: u16, path: &str) -> (String, String) {
-    let mut stream = TcpStream::connect(("127.0.0.1", port)).unwrap();
-    stream
-        .set_read_timeout(Some(Duration::from_secs(10)))
-        .unwrap();
-    write!(
-        stream,
-        "GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n"
-    )
-    .unwrap();
-    let mut reply = String::new();
-    stream.read_to_string(&mut reply).unwrap();
-    let (head, body) = reply.split_once("\r\n\r\n").unwrap_or((&reply, ""));
-    (
-        head.lines().next().unwrap_or("").to_owned(),
-        body.to_owned(),
-    )
-}
-
 /// `text` as a URL query value.
 fn url_encode(text: &str) -> String {
     text.bytes()
@@ -227,7 +207,7 @@ fn a_ranks_wait_time_ratio_reaches_prometheus() {
         "the set-up makes the trainer wait part of its time: {own:.3}"
     );
 
-    let (status, scrape) = get(port, "/metrics");
+    let (status, scrape) = http_get(port, "/metrics");
     assert!(status.contains("200"), "{status}");
     let labels = r#"{stream="metrics \"run\" 1",uid="0",rank="0"}"#;
     let exported = sample(&scrape, &format!("feedstore_rank_wait_ratio{labels}"))
@@ -322,7 +302,7 @@ fn a_ranks_wait_time_ratio_reaches_prometheus() {
     let deadline = Instant::now() + Duration::from_secs(60);
     let answered = loop {
         if TcpStream::connect(("127.0.0.1", prom_port)).is_ok() {
-            let (_, body) = get(prom_port, query);
+            let (_, body) = http_get(prom_port, query);
             if body.contains("\"value\"") {
                 break body;
             }
@@ -354,7 +334,7 @@ fn a_ranks_wait_time_ratio_reaches_prometheus() {
         let expr = expr
             .replace("$__rate_interval", "10s")
             .replace("$instance", ".*");
-        let (_, body) = get(
+        let (_, body) = http_get(
             prom_port,
             &format!("/api/v1/query?query={}", url_encode(&expr)),
         );
@@ -376,8 +356,8 @@ fn the_metrics_server_answers_only_what_it_serves() {
         Duration::from_secs(60),
     );
     let (_dir, port, _daemon) = daemon_with_metrics("metrics-http");
-    assert!(get(port, "/").0.contains("404"));
-    let (status, scrape) = get(port, "/metrics?x=1");
+    assert!(http_get(port, "/").0.contains("404"));
+    let (status, scrape) = http_get(port, "/metrics?x=1");
     assert!(status.contains("200"), "{status}");
     let build = format!(
         r#"feedstore_build_info{{version="{}",protocol_min="{}",protocol="{}",peer_protocol="{}"}}"#,
@@ -387,6 +367,11 @@ fn the_metrics_server_answers_only_what_it_serves() {
         feedstore_proto::peer::PEER_VERSION
     );
     assert_eq!(sample(&scrape, &build), Some(1.0), "{build} in:\n{scrape}");
+    assert_eq!(
+        sample(&scrape, r#"feedstore_daemon_start_info{how="fresh"}"#),
+        Some(1.0),
+        "{scrape}"
+    );
     let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
     s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
     s.write_all(b"POST /metrics HTTP/1.1\r\n\r\n").unwrap();
@@ -407,7 +392,7 @@ fn the_metrics_server_answers_only_what_it_serves() {
         .map(|_| TcpStream::connect(("127.0.0.1", port)).unwrap())
         .collect();
     std::thread::sleep(Duration::from_millis(200));
-    assert!(get(port, "/metrics").0.contains("503"));
+    assert!(http_get(port, "/metrics").0.contains("503"));
     // One more that says nothing is answered all the same, and closed: it holds nothing.
     let mut over = TcpStream::connect(("127.0.0.1", port)).unwrap();
     over.set_read_timeout(Some(Duration::from_secs(10)))
@@ -416,7 +401,7 @@ fn the_metrics_server_answers_only_what_it_serves() {
     over.read_to_string(&mut reply).unwrap();
     assert!(reply.starts_with("HTTP/1.1 503"), "{reply}");
     let deadline = std::time::Instant::now() + Duration::from_secs(20);
-    while !get(port, "/metrics").0.contains("200") {
+    while !http_get(port, "/metrics").0.contains("200") {
         assert!(
             std::time::Instant::now() < deadline,
             "the slots never came back"
@@ -458,7 +443,7 @@ fn a_starving_rank_shows_as_waiting_before_it_reports() {
         assert!(Instant::now() < deadline, "the waiting open never showed");
         std::thread::sleep(Duration::from_millis(20));
     }
-    let (_, scrape) = get(port, "/metrics");
+    let (_, scrape) = http_get(port, "/metrics");
     assert_eq!(
         sample(&scrape, "feedstore_attaches_waiting"),
         Some(1.0),
@@ -488,7 +473,7 @@ fn a_starving_rank_shows_as_waiting_before_it_reports() {
         "{waited:?}"
     );
     assert_eq!(stream.figures().taken, 0);
-    let (_, scrape) = get(port, "/metrics");
+    let (_, scrape) = http_get(port, "/metrics");
     let labels = r#"{stream="starving",uid="0",rank="0"}"#;
     let ratio = sample(&scrape, &format!("feedstore_rank_wait_ratio{labels}")).unwrap();
     assert!(ratio > 0.99, "{ratio}: {scrape}");
@@ -515,7 +500,7 @@ fn a_starving_rank_shows_as_waiting_before_it_reports() {
     // The report with its return: from here the daemon's estimate runs on from a report.
     stream.flush_returns();
     let counters = || {
-        let (_, scrape) = get(port, "/metrics");
+        let (_, scrape) = http_get(port, "/metrics");
         let counter = |name: &str| sample(&scrape, &format!("{name}{labels}")).unwrap();
         (
             counter("feedstore_rank_wait_seconds_total"),
@@ -661,7 +646,7 @@ fn rank_counters_never_go_back() {
     let mut last = (0.0, 0.0);
     let mut scrapes = 0;
     while !trainer.is_finished() {
-        let (_, scrape) = get(port, "/metrics");
+        let (_, scrape) = http_get(port, "/metrics");
         let waited = sample(
             &scrape,
             &format!("feedstore_rank_wait_seconds_total{labels}"),
@@ -689,7 +674,7 @@ fn rank_counters_never_go_back() {
     // Growing never meant over-counting: once the trainer's last report is in, the daemon shows
     // what the trainer measured.
     let own = stream.figures();
-    let (_, scrape) = get(port, "/metrics");
+    let (_, scrape) = http_get(port, "/metrics");
     let exported = sample(&scrape, &format!("feedstore_rank_wait_ratio{labels}")).unwrap();
     assert!(
         (exported - own.wait_ratio()).abs() < 0.03,
@@ -746,7 +731,7 @@ fn the_systemd_unit_and_config_are_valid() {
             &format!("127.0.0.1:{port}"),
         ],
     );
-    assert!(get(port, "/metrics").0.contains("200"));
+    assert!(http_get(port, "/metrics").0.contains("200"));
 }
 
 /// A stream fed by a real `feedstore produce` and read by a slow trainer: the producer reports
@@ -834,7 +819,7 @@ fn a_streams_producer_reports_its_stage_profile() {
 
     // The producer has gone; what it reported stays with the stream (its last report included
     // the CPU workers' last samples).
-    let (_, scrape) = get(port, "/metrics");
+    let (_, scrape) = http_get(port, "/metrics");
     let labels = |stage: &str| format!(r#"{{stream="prof",uid="0",stage="{stage}"}}"#);
     for stage in ["fetch", "decode", "resize", "tokenize", "write"] {
         assert_eq!(

@@ -12,6 +12,7 @@ use common::*;
 use feedstore_consumer::{ConnectOptions, CreateOptions, Error, Handle, Role};
 use feedstore_proto::frame::{Request, Response};
 use feedstore_shm::{Access, Mapping};
+use feedstore_testkit::systemd::{FeedstoredUnit, ServiceManager};
 use nix::sys::signal::Signal;
 
 const LIMIT: Duration = Duration::from_secs(120);
@@ -1395,107 +1396,12 @@ fn a_protocol_9_client_is_served_in_its_own_layout() {
     assert_eq!(daemon.reader().protocol(), feedstore_proto::frame::VERSION);
 }
 
-/// A service manager of the test's own: a user instance of systemd, in a mount namespace where
-/// `/run` is a fresh tmpfs holding `/run/systemd/system` (systemd's sign that it is the init
-/// system), so nothing on the host changes and PID 1 need not be systemd. Dropped, it stops
-/// its services and exits.
-struct ServiceManager {
-    child: std::process::Child,
-    runtime: std::path::PathBuf,
-}
-
-impl ServiceManager {
-    fn start(dir: &std::path::Path) -> ServiceManager {
-        let runtime = dir.join("runtime");
-        std::fs::create_dir_all(&runtime).unwrap();
-        std::fs::set_permissions(&runtime, std::fs::Permissions::from_mode(0o700)).unwrap();
-        let child = std::process::Command::new("unshare")
-            .args(["--mount", "--propagation", "private", "sh", "-c"])
-            .arg("mount -t tmpfs tmpfs /run && mkdir -p /run/systemd/system && exec /lib/systemd/systemd --user")
-            .env("XDG_RUNTIME_DIR", &runtime)
-            .env("XDG_CONFIG_HOME", dir.join("config"))
-            .stdout(std::process::Stdio::null())
-            .stderr(std::fs::File::create(dir.join("systemd.log")).unwrap())
-            .spawn()
-            .expect("starting a user instance of systemd");
-        let manager = ServiceManager { child, runtime };
-        let deadline = std::time::Instant::now() + Duration::from_secs(30);
-        while !manager.systemctl(&["is-system-running"]).status.success()
-            && !manager.runtime.join("systemd/private").exists()
-        {
-            assert!(
-                std::time::Instant::now() < deadline,
-                "systemd --user did not come up: {}",
-                std::fs::read_to_string(dir.join("systemd.log")).unwrap_or_default()
-            );
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        manager
-    }
-
-    fn systemctl(&self, args: &[&str]) -> std::process::Output {
-        std::process::Command::new("systemctl")
-            .arg("--user")
-            .args(args)
-            .env("XDG_RUNTIME_DIR", &self.runtime)
-            .output()
-            .unwrap()
-    }
-
-    /// `systemctl` that must succeed.
-    fn must(&self, args: &[&str]) {
-        let out = self.systemctl(args);
-        assert!(
-            out.status.success(),
-            "systemctl --user {args:?}: {}{}",
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        );
-    }
-
-    /// One property of a unit.
-    fn show(&self, unit: &str, property: &str) -> String {
-        let out = self.systemctl(&["show", "--value", "-p", property, unit]);
-        String::from_utf8_lossy(&out.stdout).trim().to_owned()
-    }
-
-    /// Waits until the unit's `property` satisfies `ok`.
-    fn wait(&self, unit: &str, property: &str, ok: impl Fn(&str) -> bool) -> String {
-        let deadline = std::time::Instant::now() + Duration::from_secs(30);
-        loop {
-            let value = self.show(unit, property);
-            if ok(&value) {
-                return value;
-            }
-            assert!(
-                std::time::Instant::now() < deadline,
-                "{unit}'s {property} stayed {value:?}"
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
-    }
-}
-
-impl Drop for ServiceManager {
-    fn drop(&mut self) {
-        let _ = self.systemctl(&["exit"]);
-        let deadline = std::time::Instant::now() + Duration::from_secs(20);
-        while self.child.try_wait().ok().flatten().is_none() {
-            if std::time::Instant::now() >= deadline {
-                let _ = self.child.kill();
-                let _ = self.child.wait();
-                return;
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-    }
-}
-
 /// The unit in deploy/systemd, run by a real systemd: `systemctl start` waits for the daemon's
 /// READY=1; `systemctl reload` (twice) hands the daemon over to a successor, which becomes the
 /// service's main process, with the clients' objects, views and handles kept; a `kill -9` of
-/// the daemon is restarted by systemd and its clients go on with the new one; `systemctl stop`
-/// leaves nothing running.
+/// the daemon is restarted by systemd with the memory and ledger it kept (`--fd-store`), and its
+/// clients go on with the same objects, views and reservations; `systemctl stop` leaves nothing
+/// running and nothing kept.
 #[test]
 fn the_systemd_unit_starts_reloads_by_takeover_restarts_and_stops() {
     if !is_root() || !std::path::Path::new("/lib/systemd/systemd").exists() {
@@ -1505,54 +1411,28 @@ fn the_systemd_unit_starts_reloads_by_takeover_restarts_and_stops() {
     let _w = watchdog("the_systemd_unit", Duration::from_secs(240));
     let dir = scratch_dir("systemd");
     let manager = ServiceManager::start(&dir);
-    // Under a user instance, ConfigurationDirectory= and RuntimeDirectory= live in
-    // $XDG_CONFIG_HOME and $XDG_RUNTIME_DIR: the unit's /etc/feedstore and /run/feedstore.
-    let (etc, run) = (
-        dir.join("config/feedstore"),
-        manager.runtime.join("feedstore"),
+    let metrics = free_port();
+    let FeedstoredUnit { socket, log } = FeedstoredUnit::install(
+        &manager,
+        &dir,
+        env!("CARGO_BIN_EXE_feedstored"),
+        &format!("capacity = \"64MiB\"\nmetrics-addr = \"127.0.0.1:{metrics}\""),
+        "RestartSec=100ms\nEnvironment=FEEDSTORE_LOG=debug",
     );
-    let units = dir.join("config/systemd/user");
-    std::fs::create_dir_all(units.join("feedstored.service.d")).unwrap();
-    std::fs::create_dir_all(&etc).unwrap();
-    let shipped = std::fs::read_to_string(
-        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("deploy/systemd/feedstored.service"),
-    )
-    .unwrap();
-    let unit = shipped
-        .replace(
-            "/usr/local/bin/feedstored",
-            env!("CARGO_BIN_EXE_feedstored"),
-        )
-        .replace("/etc/feedstore/", &format!("{}/", etc.display()));
-    assert_ne!(unit, shipped);
-    std::fs::write(units.join("feedstored.service"), unit).unwrap();
-    let log = dir.join("feedstored.log");
-    std::fs::write(
-        units.join("feedstored.service.d/test.conf"),
-        format!(
-            "[Service]\n\
-             # A user instance of systemd hides its own notify socket from a service in a\n\
-             # mount namespace, and cannot build ProtectHome='s here; the system manager the\n\
-             # unit is written for does both. The rest is the unit as shipped.\n\
-             ProtectSystem=no\nProtectHome=no\nPrivateTmp=no\nProtectKernelModules=no\n\
-             ProtectControlGroups=no\nRestartSec=100ms\nEnvironment=FEEDSTORE_LOG=debug\n\
-             StandardError=append:{}\n",
-            log.display()
-        ),
-    )
-    .unwrap();
-    let socket = run.join("feedstore.sock");
-    std::fs::write(
-        etc.join("feedstore.toml"),
-        format!("socket = \"{}\"\ncapacity = \"64MiB\"\n", socket.display()),
-    )
-    .unwrap();
-    let unit = "feedstored.service";
-    manager.must(&["daemon-reload"]);
+    let unit = FeedstoredUnit::NAME;
     manager.must(&["start", unit]);
     // `start` returned: the daemon said READY=1, so it serves.
     assert_eq!(manager.show(unit, "ActiveState"), "active");
     assert_eq!(manager.show(unit, "StatusText"), "serving");
+    // How each daemon came by its store, in the metrics: fresh, taken over, read back.
+    let started = |how: &str| {
+        let (_, scrape) = http_get(metrics, "/metrics");
+        assert!(
+            scrape.contains(&format!("feedstore_daemon_start_info{{how=\"{how}\"}} 1")),
+            "{how}: {scrape}"
+        );
+    };
+    started("fresh");
     let first = manager.show(unit, "MainPID");
     let connect = |role| {
         ConnectOptions::new(role)
@@ -1598,6 +1478,7 @@ fn the_systemd_unit_starts_reloads_by_takeover_restarts_and_stops() {
             "reload {reload}"
         );
         assert!(writer.put(b"after a reload").is_ok());
+        started("takeover");
     }
     assert_eq!(writer.reconnects(), 2);
     // Every block nothing holds written again: the view's lease came through both reloads.
@@ -1608,29 +1489,77 @@ fn the_systemd_unit_starts_reloads_by_takeover_restarts_and_stops() {
     );
     assert_eq!(manager.show(unit, "NRestarts"), "0");
 
-    // A crash: systemd starts it again (Restart=on-failure), and the clients go on with it.
+    // The service manager keeps the segment and one ledger (--fd-store), whichever daemon
+    // took over: a segment kept again is kept once, a successor's ledger replaces the last.
+    assert_eq!(manager.show(unit, "NFileDescriptorStore"), "2");
+
+    // A crash: systemd starts it again (Restart=on-failure) with the memory and the ledger it
+    // kept, and the clients go on with the same objects: the same handles, the view held
+    // across it, a reservation being written when it happened.
+    // What processes that exit while the daemon is down held is dropped when it comes back:
+    // three leases of one, a reservation of another (the daemon is stopped before they are
+    // killed, so it never sees them go).
+    let mut pending = writer.create(1 << 20).unwrap();
+    let half = pending.as_mut_slice().len() / 2;
+    fill_pattern(&mut pending.as_mut_slice()[..half], 41);
+    let mut holder = ClientProcess::spawn(&socket, &format!("hold-leases {h}"));
+    assert_eq!(holder.ready(), "3");
+    let mut half_writer = ClientProcess::spawn(&socket, "write-half 4096");
+    half_writer.ready();
+    let s = writer.stats().unwrap();
+    assert_eq!((s.leases, s.objects_writing), (4, 2), "{s:?}");
     let pid = nix::unistd::Pid::from_raw(main.parse().unwrap());
+    nix::sys::signal::kill(pid, Signal::SIGSTOP).unwrap();
+    holder.kill9();
+    half_writer.kill9();
     nix::sys::signal::kill(pid, Signal::SIGKILL).unwrap();
     manager.wait(unit, "NRestarts", |n| n == "1");
     manager.wait(unit, "ActiveState", |s| s == "active");
+    fill_pattern(&mut pending.as_mut_slice()[half..], 43);
+    let sealed = pending
+        .seal()
+        .expect("a reservation from before the crash seals after it");
+    let got = reader.get(sealed).unwrap();
+    assert!(pattern_matches(&got[..half], 41) && pattern_matches(&got[half..], 43));
+    drop(got);
     assert!(
-        matches!(reader.get(h), Err(Error::Stale { .. })),
-        "the crashed daemon's objects went with it"
+        pattern_matches(&reader.get(h).unwrap(), 37),
+        "the crashed daemon's objects are served again, by their handles"
     );
+    // Every block nothing holds written again: the view's lease came through the crash too.
+    churn(&writer, 128 << 20, 4 << 20);
+    assert!(pattern_matches(&view, 37), "a view from before the crash");
+    let s = writer.stats().unwrap();
+    assert_eq!(
+        (s.leases, s.objects_writing),
+        (1, 0),
+        "the view's lease, held since before the crash; nothing of the processes gone"
+    );
+    drop(view);
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while writer.stats().unwrap().leases != 0 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the view's lease is returned"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
     let after = writer.put(b"after the crash").unwrap();
     assert_eq!(&*reader.get(after).unwrap(), b"after the crash");
-    assert!(pattern_matches(&view, 37), "a view from before the crash");
-    drop(view);
+    assert_eq!(manager.show(unit, "NFileDescriptorStore"), "2");
+    started("restored");
 
     manager.must(&["stop", unit]);
     assert_eq!(manager.show(unit, "ActiveState"), "inactive");
     assert_eq!(manager.show(unit, "MainPID"), "0");
     assert!(!socket.exists(), "the socket is removed");
+    assert_eq!(manager.show(unit, "NFileDescriptorStore"), "0");
     let text = std::fs::read_to_string(&log).unwrap();
     assert!(
         text.contains("handed over: this daemon stops serving"),
         "{text}"
     );
+    assert!(text.contains("read the store back"), "{text}");
 }
 
 /// Clients in another pid namespace than the daemon's (the daemon in a container of its own:

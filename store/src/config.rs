@@ -29,6 +29,10 @@ pub struct DaemonConfig {
     /// Allocate and zero every page (huge pages at start, shmem once the daemon serves) so
     /// producers write into warm memory.
     pub prefault: bool,
+    /// Keep the segments and the object table in the service manager's file descriptor store
+    /// (`--fd-store`), so that a daemon systemd starts again after a crash serves the same
+    /// objects.
+    pub fd_store: bool,
     /// This node's id in handles.
     pub node_id: u32,
     /// Group given access to the socket (mode 0660 instead of 0600).
@@ -125,6 +129,10 @@ impl Default for DaemonConfig {
             segment_bytes: capacity_bytes,
             huge_pages: HugePages::Auto,
             prefault: true,
+            fd_store: std::env::var("FDSTORE")
+                .ok()
+                .and_then(|n| n.parse::<u32>().ok())
+                .is_some_and(|n| n > 0),
             node_id: default_node_id(),
             socket_group: None,
             allow_uids: Vec::new(),
@@ -183,6 +191,13 @@ pub struct Settings {
     /// once it does [default: true].
     #[arg(long, value_name = "BOOL")]
     pub prefault: Option<bool>,
+
+    /// Keep the shared memory and the object table in systemd's file descriptor store
+    /// (`FDSTORE=1`; the unit needs FileDescriptorStoreMax=), so that a daemon systemd starts
+    /// again after a crash serves the same objects, views held across the crash included
+    /// [default: true where systemd says the unit has such a store ($FDSTORE, systemd 254+)].
+    #[arg(long, value_name = "BOOL", num_args = 0..=1, default_missing_value = "true")]
+    pub fd_store: Option<bool>,
 
     /// This node's id in object handles, a decimal number up to 4294967295 (handles and logs
     /// show it in hex) [default: a hash of the host name].
@@ -378,6 +393,7 @@ impl Settings {
             cfg.huge_pages = parse_huge_pages(&v)?;
         }
         cfg.prefault = self.prefault.unwrap_or(cfg.prefault);
+        cfg.fd_store = self.fd_store.unwrap_or(cfg.fd_store);
         cfg.node_id = self.node_id.unwrap_or(cfg.node_id);
         cfg.socket_group = self.socket_group.or(cfg.socket_group.take());
         cfg.allow_uids = self

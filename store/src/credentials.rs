@@ -126,6 +126,44 @@ pub fn exited(process: &Process, pid: i32) -> bool {
             == Err(nix::errno::Errno::ESRCH)
 }
 
+/// What a pid and a process key recorded by an earlier daemon on this node say now.
+#[derive(Debug)]
+pub enum Found {
+    /// The same process runs: its pidfd.
+    Running(OwnedFd),
+    /// It exited (its pid names nothing, or another process).
+    Gone,
+    /// Nothing can tell (no pidfd_open, or a key that does not name by pidfs).
+    Unknown,
+}
+
+/// Finds the process `key` named with pid `pid` (in this pid namespace): a pidfs key must be
+/// the inode of the pid's pidfd now, else the pid names another process; a key made of a pid
+/// (no pidfs) is taken to name whatever runs with that pid.
+pub fn find(pid: i32, key: u64) -> Found {
+    if pid <= 0 {
+        return Found::Unknown;
+    }
+    // SAFETY: pidfd_open of a plain pid, no flags.
+    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
+    if fd < 0 {
+        return match nix::errno::Errno::last() {
+            nix::errno::Errno::ESRCH => Found::Gone,
+            _ => Found::Unknown,
+        };
+    }
+    // SAFETY: a fresh descriptor this process now owns.
+    let pidfd = unsafe { OwnedFd::from_raw_fd(fd as RawFd) };
+    if key & PID_KEY != 0 {
+        return Found::Running(pidfd);
+    }
+    match pidfs_inode(&pidfd) {
+        Some(inode) if inode == key => Found::Running(pidfd),
+        Some(_) => Found::Gone,
+        None => Found::Unknown,
+    }
+}
+
 /// `SO_PEERGROUPS` (asm-generic value; the architectures this is built for use it).
 const SO_PEERGROUPS: libc::c_int = 59;
 
@@ -228,5 +266,37 @@ mod process_tests {
         child.wait().unwrap();
         assert!(exited(&ca.process, 0), "exited, told by its pidfd alone");
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// A process recorded by pid and key is found again while it runs, and not once it
+    /// exited, nor where its pid names another process.
+    #[test]
+    fn a_recorded_process_is_found_again_only_while_it_runs() {
+        let mut child = std::process::Command::new("sleep")
+            .arg("60")
+            .spawn()
+            .unwrap();
+        let pid = child.id() as i32;
+        let Found::Running(pidfd) = find(pid, PID_KEY | pid as u64) else {
+            panic!("a running child, by pid");
+        };
+        let Some(key) = pidfs_inode(&pidfd) else {
+            eprintln!("SKIPPED: no pidfs before Linux 6.9");
+            child.kill().unwrap();
+            child.wait().unwrap();
+            return;
+        };
+        assert!(
+            matches!(find(pid, key), Found::Running(_)),
+            "by its pidfs key"
+        );
+        assert!(
+            matches!(find(pid, key ^ 1), Found::Gone),
+            "the pid names another process than the key"
+        );
+        assert!(matches!(find(0, key), Found::Unknown), "no pid to look for");
+        child.kill().unwrap();
+        child.wait().unwrap();
+        assert!(matches!(find(pid, key), Found::Gone), "exited");
     }
 }

@@ -13,7 +13,7 @@ use crate::cluster::Cluster;
 use crate::config::{DaemonConfig, format_bytes, meminfo_bytes};
 use crate::objects::Objects;
 use crate::server::serve_connection;
-use crate::state::{AccessPolicy, ServeConfig, Shared};
+use crate::state::{AccessPolicy, ServeConfig, Shared, Started};
 
 /// Why the daemon could not start. Each prints as one line a user can act on.
 #[derive(Debug, thiserror::Error)]
@@ -115,6 +115,10 @@ pub struct Daemon {
     /// Called once the daemon serves (its predecessor, if any, gone): `feedstored` tells the
     /// service manager and a waiting `--detach` parent.
     on_serving: Option<Box<dyn FnOnce() + Send>>,
+    /// Keep the segments and a ledger of the table in the service manager's descriptor store
+    /// (`--fd-store`), once serving; `Some(generation)`: in place of the ledger this daemon
+    /// read its table from.
+    fd_store: Option<Option<u64>>,
 }
 
 impl Daemon {
@@ -126,7 +130,14 @@ impl Daemon {
         // reconnect to this one: refusing to start for want of that memory would keep them
         // waiting for a daemon that never comes. So this one starts, and pre-faults once the
         // memory is back.
+        // Under systemd with --fd-store, the memory and the table of a daemon before this one
+        // that was killed, if the service manager kept them: served again.
+        let restored = config
+            .fd_store
+            .then(|| crate::fdstore::restore(config.node_id, crate::fdstore::Passed::take()))
+            .flatten();
         let short = match check_capacity(config) {
+            _ if restored.is_some() => None,
             Ok(()) => None,
             Err(StartError::CapacityTooLarge {
                 capacity_bytes,
@@ -175,8 +186,17 @@ impl Daemon {
                 tcp_listener(addr).map_err(|source| StartError::MetricsListen { addr, source })
             })
             .transpose()?;
-        let segments = create_segments(config)?;
-        let (shared, cluster) = shared_state(config, segments, None, secret, daemon_uid, gid)?;
+        let (segments, objects, restored_from) = match restored {
+            Some(r) => (r.segments, Some(r.objects), Some(r.generation)),
+            None => (create_segments(config)?, None, None),
+        };
+        let started = if objects.is_some() {
+            Started::Restored
+        } else {
+            Started::Fresh
+        };
+        let (shared, cluster) =
+            shared_state(config, segments, objects, started, secret, daemon_uid, gid)?;
         // Bound last, when everything is mapped: a client that finds the socket is answered
         // at once. (The pre-fault of shmem, about 0.7 s per GiB, runs after, while the daemon
         // serves: its clients, waiting to reconnect after a restart, are not kept waiting.)
@@ -212,6 +232,7 @@ impl Daemon {
             worker_threads: config.worker_threads,
             predecessor: None,
             on_serving: None,
+            fd_store: config.fd_store.then_some(restored_from),
         })
     }
 
@@ -290,8 +311,15 @@ impl Daemon {
             (_, None) => None,
         };
         let objects_handed = handed.objects.len();
-        let (shared, cluster) =
-            shared_state(config, segments, Some(objects), secret, daemon_uid, gid)?;
+        let (shared, cluster) = shared_state(
+            config,
+            segments,
+            Some(objects),
+            Started::TakenOver,
+            secret,
+            daemon_uid,
+            gid,
+        )?;
         tracing::info!(
             socket = %config.socket.display(),
             node = %format!("{:08x}", config.node_id),
@@ -313,6 +341,7 @@ impl Daemon {
             worker_threads: config.worker_threads,
             predecessor: Some((received.daemon, handed.pid as i32)),
             on_serving: None,
+            fd_store: config.fd_store.then_some(None),
         })
     }
 
@@ -355,6 +384,7 @@ impl Daemon {
             socket,
             predecessor,
             on_serving,
+            fd_store,
             ..
         } = self;
         let kept = shared.clone();
@@ -384,6 +414,9 @@ impl Daemon {
                     predecessor_pid = pid,
                     "the daemon taken over stopped: serving in its place"
                 );
+            }
+            if let Some(replaces) = fd_store {
+                crate::fdstore::keep_store(&shared, replaces);
             }
             if let Some(serving) = on_serving {
                 serving();
@@ -467,6 +500,9 @@ impl Daemon {
                 );
             } else {
                 let _ = std::fs::remove_file(&socket);
+                if fd_store.is_some() {
+                    crate::fdstore::let_go(&shared);
+                }
                 tracing::info!(
                     objects = stats.objects_sealed,
                     clients = stats.clients,
@@ -796,6 +832,7 @@ fn shared_state(
     config: &DaemonConfig,
     segments: Vec<Segment>,
     handed: Option<Objects>,
+    started: Started,
     secret: Option<crate::cluster::auth::Secret>,
     daemon_uid: u32,
     gid: Option<u32>,
@@ -846,6 +883,7 @@ fn shared_state(
             limits,
             daemon_uid,
             cluster: cluster.is_some(),
+            started,
         },
     )?;
     Ok((shared, cluster))

@@ -46,6 +46,7 @@ pub mod cluster;
 pub mod config;
 pub mod credentials;
 pub mod daemon;
+pub mod fdstore;
 mod handoff;
 pub mod metrics;
 pub mod notify;

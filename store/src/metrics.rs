@@ -47,7 +47,7 @@ use prometheus_client::registry::{Metric, Registry};
 use tokio::net::TcpListener;
 
 use crate::cluster::Cluster;
-use crate::state::Shared;
+use crate::state::{Shared, Started};
 
 /// The store counters that only grow (since the daemon started); every other one is a gauge.
 const COUNTERS: [&str; 24] = [
@@ -176,7 +176,7 @@ async fn answer<B>(
         if let Some(cluster) = &cluster {
             cluster.add_stats(&mut stats);
         }
-        encode(&stats, &streams)
+        encode(&stats, &streams, shared.started)
     })
     .await;
     match body {
@@ -203,9 +203,10 @@ type Labels = Vec<(&'static str, String)>;
 type Figure<T> = (&'static str, &'static str, fn(&T) -> u64);
 
 /// The snapshot in the Prometheus text format.
-pub fn encode(stats: &StoreStats, streams: &[StreamInfo]) -> String {
+pub fn encode(stats: &StoreStats, streams: &[StreamInfo], started: Started) -> String {
     let mut registry = Registry::with_prefix("feedstore");
     register_build(&mut registry);
+    register_start(&mut registry, started);
     register_store(&mut registry, stats);
     register_streams(&mut registry, streams);
     register_ranks(&mut registry, streams);
@@ -237,6 +238,22 @@ fn register_build(registry: &mut Registry) {
         "build_info",
         "The daemon's release and the protocol versions it speaks (always 1)",
         build,
+    );
+}
+
+/// `feedstore_daemon_start_info`, always 1: how this daemon came by its store (`how`: `fresh`,
+/// `takeover` from a running daemon, or `restored` after a crash from what systemd kept). The
+/// daemons of a node replace one another; counting the series by `how` over time counts the
+/// takeovers and the crashes.
+fn register_start(registry: &mut Registry, started: Started) {
+    let start = Family::<Labels, Gauge>::default();
+    start
+        .get_or_create(&vec![("how", started.as_str().to_string())])
+        .set(1);
+    registry.register(
+        "daemon_start_info",
+        "How this daemon came by its store: fresh, takeover or restored (always 1)",
+        start,
     );
 }
 

@@ -148,6 +148,8 @@ pub struct Shared {
     pub(crate) daemon_uid: u32,
     /// A hand-over to a successor under way, or done.
     pub(crate) handoff: crate::handoff::Handoff,
+    /// How it came by its store (for the metrics).
+    pub started: Started,
 }
 
 /// Counts a consumer waiting for its stream to be created, for as long as it lives (the wait
@@ -164,6 +166,28 @@ impl<'a> AttachWaiting<'a> {
 impl Drop for AttachWaiting<'_> {
     fn drop(&mut self) {
         self.0.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// How a daemon came by the store it serves.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Started {
+    /// Made afresh.
+    Fresh,
+    /// Taken over from a running daemon (`--takeover`).
+    TakenOver,
+    /// Read back from what the service manager kept for it after a crash (`--fd-store`).
+    Restored,
+}
+
+impl Started {
+    /// Its name in metrics.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Started::Fresh => "fresh",
+            Started::TakenOver => "takeover",
+            Started::Restored => "restored",
+        }
     }
 }
 
@@ -187,6 +211,8 @@ pub struct ServeConfig {
     /// Whether this node is part of a cluster: then the daemon maps each segment read-write for
     /// the pulls (sending ranges to peers, landing copies).
     pub cluster: bool,
+    /// How it came by its store.
+    pub started: Started,
 }
 
 impl Shared {
@@ -272,6 +298,7 @@ impl Shared {
             attaches_waiting: AtomicU64::new(0),
             daemon_uid: config.daemon_uid,
             handoff: crate::handoff::Handoff::default(),
+            started: config.started,
         })
     }
 

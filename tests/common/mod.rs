@@ -729,6 +729,26 @@ pub fn produce_command(socket: &Path, manifest: &Path, tokenizer: &Path) -> Comm
     cmd
 }
 
+/// `GET path` on 127.0.0.1:`port`: the status line and the body.
+pub fn http_get(port: u16, path: &str) -> (String, String) {
+    let mut stream = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+    stream
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    std::io::Write::write_fmt(
+        &mut stream,
+        format_args!("GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n"),
+    )
+    .unwrap();
+    let mut reply = String::new();
+    std::io::Read::read_to_string(&mut stream, &mut reply).unwrap();
+    let (head, body) = reply.split_once("\r\n\r\n").unwrap_or((&reply, ""));
+    (
+        head.lines().next().unwrap_or("").to_owned(),
+        body.to_owned(),
+    )
+}
+
 /// A port free on 127.0.0.1 now (a daemon binds it right after).
 pub fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")

@@ -127,6 +127,9 @@ impl Connection {
                 successor_pid = pid,
                 "the successor is ready: this feedstored stops (the socket is the successor's)"
             );
+            // The ledger kept for a daemon started after a crash is this one's no more: the
+            // successor keeps its own once it serves.
+            self.shared.with_objects(|o| o.abandon_ledger());
             // Under systemd: the successor is the service's main process from now on, told
             // before this one exits (the manager reads it before it learns of the exit).
             if pid > 0 {
