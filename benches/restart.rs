@@ -14,8 +14,13 @@
 //! Before the kills, the same store is taken over three times (`feedstored --takeover`): the
 //! pause across each.
 //!
+//! With `-- --systemd`, the daemon is the shipped unit run by a user instance of systemd of the
+//! bench's own (root only): the takeovers are `systemctl reload`, and after each kill systemd
+//! starts it again (`Restart=on-failure`, `RestartSec=0` here) with the memory and the object
+//! table it kept (`--fd-store`): the store is not freed and made again, and its objects stay.
+//!
 //! Run: `cargo bench --bench restart` (1 GiB and 16 GiB stores; `-- --quick`: 1 GiB only;
-//! `-- --gib N`: N GiB only; `-- --takeover-only`: no kills). The
+//! `-- --gib N`: N GiB only; `-- --takeover-only`: no kills; `-- --systemd`). The
 //! 16 GiB store needs some 17 GiB of memory free: the old store's memory goes only when every
 //! mapping of it does (each client lets go of its own the moment it finds the daemon gone).
 
@@ -32,6 +37,7 @@ use feedstore_consumer::{
 };
 use feedstore_proto::frame::StreamTask;
 use feedstore_proto::stream::{Shuffle, StreamSpec, Tail};
+use feedstore_testkit::systemd::{FeedstoredUnit, ServiceManager};
 
 const SAMPLE_BYTES: usize = 2 << 20;
 const FILL_OBJECT_BYTES: u64 = 64 << 20;
@@ -54,12 +60,18 @@ fn main() {
         .iter()
         .position(|a| a == "--gib")
         .and_then(|i| args.get(i + 1)?.parse().ok());
+    let systemd = args.iter().any(|a| a == "--systemd");
     let dir = std::env::temp_dir().join(format!("feedstore-restart-bench-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
     println!(
-        "kill -9 of feedstored mid-stream, started again on the same socket: 2 MiB samples, \
-         {KILLS} kills per store"
+        "kill -9 of feedstored mid-stream, started again on the same socket{}: 2 MiB samples, \
+         {KILLS} kills per store",
+        if systemd {
+            " by systemd, with the store it kept (--fd-store)"
+        } else {
+            ""
+        }
     );
     println!();
     println!(
@@ -72,7 +84,27 @@ fn main() {
         (None, false) => vec![1, 16],
     };
     for gib in sizes {
-        run(&dir, gib << 30, kills);
+        // The bench's own restarts first, then (with --systemd) systemd's with the store kept,
+        // side by side.
+        for under_systemd in [false, true] {
+            if under_systemd && !systemd {
+                continue;
+            }
+            let dir = dir.join(format!(
+                "{gib}g-{}",
+                if under_systemd { "systemd" } else { "direct" }
+            ));
+            std::fs::create_dir_all(&dir).unwrap();
+            let host = if under_systemd {
+                Host::systemd(&dir, gib << 30)
+            } else {
+                Host::Direct {
+                    socket: dir.join("feedstored.sock"),
+                    log: dir.join("feedstored.log"),
+                }
+            };
+            run(&host, gib << 30, kills);
+        }
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
@@ -80,9 +112,144 @@ fn main() {
 /// A daemon started on `socket` (again every 100 ms while it refuses to start); how long its
 /// last start took, and how many starts it refused before.
 struct Daemon {
-    child: Child,
+    /// The process, where the bench started it itself.
+    child: Option<Child>,
     started_in: Duration,
     refused: u32,
+}
+
+/// What runs the daemon.
+enum Host {
+    /// The bench, as a child process, started again by itself after a kill.
+    Direct {
+        socket: std::path::PathBuf,
+        log: std::path::PathBuf,
+    },
+    /// The shipped unit under systemd (a user instance of the bench's own).
+    Systemd {
+        manager: ServiceManager,
+        unit: FeedstoredUnit,
+    },
+}
+
+impl Host {
+    fn systemd(dir: &Path, capacity: u64) -> Host {
+        assert!(
+            nix::unistd::geteuid().is_root(),
+            "--systemd runs systemd in a mount namespace: root only"
+        );
+        let manager = ServiceManager::start(dir);
+        let unit = FeedstoredUnit::install(
+            &manager,
+            dir,
+            env!("CARGO_BIN_EXE_feedstored"),
+            &format!("capacity = \"{}MiB\"", capacity >> 20),
+            "RestartSec=0\nEnvironment=FEEDSTORE_LOG=info",
+        );
+        Host::Systemd { manager, unit }
+    }
+
+    fn socket(&self) -> &Path {
+        match self {
+            Host::Direct { socket, .. } => socket,
+            Host::Systemd { unit, .. } => &unit.socket,
+        }
+    }
+
+    /// The first daemon.
+    fn start(&self, capacity: u64) -> Daemon {
+        match self {
+            Host::Direct { socket, log } => start(socket, log, capacity),
+            Host::Systemd { manager, .. } => {
+                let began = Instant::now();
+                manager.must(&["start", FeedstoredUnit::NAME]);
+                Daemon {
+                    child: None,
+                    started_in: began.elapsed(),
+                    refused: 0,
+                }
+            }
+        }
+    }
+
+    /// `feedstored --takeover` in place of `old` (`systemctl reload` under systemd): returns
+    /// once the old one exited.
+    fn take_over(&self, capacity: u64, old: Daemon) -> Daemon {
+        match self {
+            Host::Direct { socket, log } => take_over(socket, log, capacity, old),
+            Host::Systemd { manager, .. } => {
+                let before = main_pid(manager);
+                manager.must(&["reload", FeedstoredUnit::NAME]);
+                wait_gone(before);
+                Daemon {
+                    child: None,
+                    started_in: Duration::ZERO,
+                    refused: 0,
+                }
+            }
+        }
+    }
+
+    /// `kill -9` of `old`, and a daemon started again (by systemd under it).
+    fn kill_and_start(&self, capacity: u64, old: Daemon) -> Daemon {
+        match self {
+            Host::Direct { socket, log } => {
+                let mut child = old.child.expect("started by the bench");
+                child.kill().unwrap();
+                child.wait().unwrap();
+                start(socket, log, capacity)
+            }
+            Host::Systemd { manager, unit } => {
+                let pid = main_pid(manager);
+                let restarts = manager.show(FeedstoredUnit::NAME, "NRestarts");
+                let began = Instant::now();
+                nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGKILL).unwrap();
+                manager.wait(FeedstoredUnit::NAME, "NRestarts", |n| n != restarts);
+                while UnixStream::connect(&unit.socket).is_err() {
+                    assert!(
+                        began.elapsed() < Duration::from_secs(120),
+                        "feedstored hangs"
+                    );
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+                Daemon {
+                    child: None,
+                    started_in: began.elapsed(),
+                    refused: 0,
+                }
+            }
+        }
+    }
+
+    /// Stops the daemon for good.
+    fn stop(&self, daemon: Daemon) {
+        match self {
+            Host::Direct { .. } => {
+                let mut child = daemon.child.expect("started by the bench");
+                let _ = child.kill();
+                let _ = child.wait();
+            }
+            Host::Systemd { manager, .. } => manager.must(&["stop", FeedstoredUnit::NAME]),
+        }
+    }
+}
+
+fn main_pid(manager: &ServiceManager) -> nix::unistd::Pid {
+    nix::unistd::Pid::from_raw(
+        manager
+            .show(FeedstoredUnit::NAME, "MainPID")
+            .parse()
+            .expect("a main pid"),
+    )
+}
+
+/// Waits until `pid` is gone.
+fn wait_gone(pid: nix::unistd::Pid) {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while nix::sys::signal::kill(pid, None).is_ok() {
+        assert!(Instant::now() < deadline, "the daemon taken over exits");
+        std::thread::sleep(Duration::from_millis(5));
+    }
 }
 
 fn start(socket: &Path, log: &Path, capacity: u64) -> Daemon {
@@ -93,7 +260,7 @@ fn start(socket: &Path, log: &Path, capacity: u64) -> Daemon {
         loop {
             if UnixStream::connect(socket).is_ok() {
                 return Daemon {
-                    child,
+                    child: Some(child),
                     started_in: began.elapsed(),
                     refused,
                 };
@@ -145,10 +312,9 @@ fn writer(socket: &Path) -> Client {
         .expect("connecting to feedstored")
 }
 
-fn run(dir: &Path, capacity: u64, kills: usize) {
-    let socket = dir.join("feedstored.sock");
-    let log = dir.join(format!("feedstored-{}g.log", capacity >> 30));
-    let mut daemon = start(&socket, &log, capacity);
+fn run(host: &Host, capacity: u64, kills: usize) {
+    let socket = host.socket().to_owned();
+    let mut daemon = host.start(capacity);
     let first_start = daemon.started_in;
     let spec = StreamSpec {
         name: format!("restart-{}", capacity >> 30),
@@ -192,15 +358,14 @@ fn run(dir: &Path, capacity: u64, kills: usize) {
         fill(&socket, capacity - (512 << 20));
         read_for(&mut stream, Duration::from_millis(200), &mut times);
         let from = times.len() - 1;
-        let handover = {
-            let (socket, log) = (socket.clone(), log.clone());
+        daemon = std::thread::scope(|s| {
             let old = daemon;
-            std::thread::spawn(move || take_over(&socket, &log, capacity, old))
-        };
-        while !handover.is_finished() {
-            read_for(&mut stream, Duration::from_millis(10), &mut times);
-        }
-        daemon = handover.join().unwrap();
+            let handover = s.spawn(|| host.take_over(capacity, old));
+            while !handover.is_finished() {
+                read_for(&mut stream, Duration::from_millis(10), &mut times);
+            }
+            handover.join().unwrap()
+        });
         read_for(&mut stream, STEADY, &mut times);
         takeover_pauses.push(longest_gap(&times[from..]));
     }
@@ -213,19 +378,14 @@ fn run(dir: &Path, capacity: u64, kills: usize) {
         let from = times.len() - 1;
         // The kill and the start again on a thread of their own, as the reader goes on asking
         // for samples (a trainer waiting on its next one is what lets go of the old store).
-        let restart = {
-            let (socket, log) = (socket.clone(), log.clone());
-            let mut old = daemon;
-            std::thread::spawn(move || {
-                old.child.kill().unwrap();
-                old.child.wait().unwrap();
-                start(&socket, &log, capacity)
-            })
-        };
-        while !restart.is_finished() {
-            read_for(&mut stream, Duration::from_millis(10), &mut times);
-        }
-        daemon = restart.join().unwrap();
+        daemon = std::thread::scope(|s| {
+            let old = daemon;
+            let restart = s.spawn(|| host.kill_and_start(capacity, old));
+            while !restart.is_finished() {
+                read_for(&mut stream, Duration::from_millis(10), &mut times);
+            }
+            restart.join().unwrap()
+        });
         starts.push(daemon.started_in);
         refused += daemon.refused;
         read_for(&mut stream, STEADY, &mut times);
@@ -235,8 +395,7 @@ fn run(dir: &Path, capacity: u64, kills: usize) {
     stop.store(true, Ordering::Relaxed);
     drop(stream);
     producer.join().unwrap();
-    let _ = daemon.child.kill();
-    let _ = daemon.child.wait();
+    host.stop(daemon);
     let seconds = |ds: &[Duration]| {
         ds.iter()
             .map(|d| format!("{:.2} s", d.as_secs_f64()))
@@ -244,8 +403,12 @@ fn run(dir: &Path, capacity: u64, kills: usize) {
             .join(", ")
     };
     println!(
-        "| {} GiB | {:.2} s (then {}) | {:.0} µs | {} | {} | {} |",
+        "| {} GiB{} | {:.2} s (then {}) | {:.0} µs | {} | {} | {} |",
         capacity >> 30,
+        match host {
+            Host::Direct { .. } => "",
+            Host::Systemd { .. } => ", systemd, --fd-store",
+        },
         first_start.as_secs_f64(),
         seconds(&starts),
         steady.as_secs_f64() * 1e6,
@@ -265,16 +428,16 @@ fn longest_gap(times: &[Instant]) -> Duration {
 }
 
 /// `feedstored --takeover` in place of `old`: returns once the old one exited (cleanly).
-fn take_over(socket: &Path, log: &Path, capacity: u64, mut old: Daemon) -> Daemon {
+fn take_over(socket: &Path, log: &Path, capacity: u64, old: Daemon) -> Daemon {
     let child = spawn(socket, log, capacity, &["--takeover"]);
-    let status = old.child.wait().unwrap();
+    let status = old.child.expect("started by the bench").wait().unwrap();
     assert!(
         status.success(),
         "the daemon taken over exits cleanly: see {}",
         log.display()
     );
     Daemon {
-        child,
+        child: Some(child),
         started_in: Duration::ZERO,
         refused: 0,
     }

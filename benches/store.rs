@@ -17,7 +17,11 @@
 //! The daemon is the real `feedstored` binary in its own process; the ping-pong server is this
 //! binary re-run in its own process. Run: `cargo bench --bench store` (add `-- --quick` for a
 //! short run, `-- --first-touch` for table 6 alone, `-- --put` for table 1 alone,
-//! `--no-write-through` to time the puts from a fresh store).
+//! `--no-write-through` to time the puts from a fresh store, `-- --ledger` for table 7 alone).
+//!
+//! 7. what keeping the object table in a ledger (`--fd-store`) costs the daemon: a lease and
+//!    its release, and a create, seal and delete, on the object table itself (no socket),
+//!    with a ledger and without, blocks interleaved.
 
 use std::hint::black_box;
 use std::io::{Read, Write};
@@ -46,6 +50,11 @@ fn main() {
     }
     let quick = args.iter().any(|a| a == "--quick");
     let scale = if quick { 10 } else { 1 };
+    if args.iter().any(|a| a == "--ledger") {
+        // That table alone (the object table in this process).
+        ledger_cost(quick);
+        return;
+    }
     if args.iter().any(|a| a == "--first-touch") {
         // That table alone (it needs no daemon).
         first_touch(quick);
@@ -604,6 +613,101 @@ fn human(b: u64) -> String {
     } else {
         format!("{} KiB", b >> 10)
     }
+}
+
+/// Where a ledger is kept in this table: held in this process (what the service manager's
+/// descriptor store does for the daemon, which it is told of only when a ledger is replaced,
+/// once per doubling; none happens in the timed loops).
+struct KeptHere(Vec<std::os::fd::OwnedFd>);
+
+impl feedstore_store::objects::ledger::LedgerStore for KeptHere {
+    fn generation(&self) -> u64 {
+        self.0.len() as u64 + 1
+    }
+    fn keep(
+        &mut self,
+        ledger: std::os::fd::BorrowedFd<'_>,
+        _generation: u64,
+        _replaces: Option<u64>,
+    ) -> std::io::Result<()> {
+        self.0.push(ledger.try_clone_to_owned()?);
+        Ok(())
+    }
+    fn forget(&mut self, _generation: u64) {}
+}
+
+/// Table 7: nanoseconds per lease + release and per create + seal + delete on the object
+/// table, with a ledger kept and without, in interleaved blocks (the daemon does these under
+/// its objects lock; a get's round trip over the socket is some 17-24 µs around them).
+fn ledger_cost(quick: bool) {
+    use feedstore_store::objects::{ClientInfo, Objects, Process};
+    let table = |ledger: bool| {
+        let mut o = Objects::new(1, 1, &[1 << 30], false);
+        if ledger {
+            o.keep_ledger(Box::new(KeptHere(Vec::new()))).unwrap();
+        }
+        let info = |role, key| ClientInfo {
+            role,
+            uid: 0,
+            pid: 1,
+            process: Process { key, pidfd: None },
+            name: String::new(),
+            internal: false,
+            capped: false,
+        };
+        let w = o.connect(info(Role::Writer, 10));
+        let r = o.connect(info(Role::Reader, 20));
+        let handles: Vec<Handle> = (0..1024)
+            .map(|_| {
+                let c = o.create(w, 4096, false).unwrap();
+                o.seal(w, c.handle).unwrap();
+                c.handle
+            })
+            .collect();
+        (o, w, r, handles)
+    };
+    let (mut plain, mut kept) = (table(false), table(true));
+    let rounds = if quick { 20 } else { 200 };
+    let block = 10_000;
+    let mut lease = [Duration::ZERO; 2];
+    let mut create = [Duration::ZERO; 2];
+    for _ in 0..rounds {
+        for (i, (o, w, r, handles)) in [&mut plain, &mut kept].into_iter().enumerate() {
+            let t = Instant::now();
+            for n in 0..block {
+                let h = handles[n % handles.len()];
+                o.get(*r, h).unwrap();
+                o.release(*r, h).unwrap();
+            }
+            lease[i] += t.elapsed();
+            let t = Instant::now();
+            for _ in 0..block {
+                let c = o.create(*w, 4096, false).unwrap();
+                o.seal(*w, c.handle).unwrap();
+                o.delete(*w, c.handle).unwrap();
+            }
+            create[i] += t.elapsed();
+        }
+    }
+    let ns = |d: Duration| d.as_nanos() as f64 / f64::from(rounds * block as u32);
+    println!(
+        "7. the object table with a ledger kept (--fd-store) and without ({rounds} x {block} each, interleaved)"
+    );
+    println!();
+    println!("| operation | without | with a ledger | added |");
+    println!("|---|---|---|---|");
+    for (what, d) in [
+        ("lease + release", lease),
+        ("create + seal + delete", create),
+    ] {
+        println!(
+            "| {what} | {:.0} ns | {:.0} ns | {:+.0} ns |",
+            ns(d[0]),
+            ns(d[1]),
+            ns(d[1]) - ns(d[0])
+        );
+    }
+    println!();
 }
 
 fn num_cpus() -> usize {
