@@ -58,37 +58,21 @@ impl Objects {
             }));
         let mut objects = Vec::with_capacity(self.by_id.len());
         for slot in order {
-            let o = self.slots[slot as usize].as_ref().expect("a live slot");
-            let writer = match o.state {
-                State::Sealed => None,
-                State::Writing { owner } => match self.process_key(owner, &self.conns[&owner]) {
-                    Some((key, _)) => Some(key),
-                    None => continue,
-                },
+            // (None: being written by the daemon's own connection, a pull.)
+            let Some(record) = self.record(slot) else {
+                continue;
             };
             let mut held: Vec<(u64, u32)> = leases
                 .remove(&slot)
                 .map(|m| m.into_iter().collect())
                 .unwrap_or_default();
             held.sort_unstable();
-            if o.delete_pending && held.is_empty() {
+            if record.delete_pending && held.is_empty() {
                 // Deleted, and held only by the daemon's own connections (not handed over):
                 // nobody can find or hold it any more.
                 continue;
             }
-            objects.push(HandedObject {
-                id: o.id,
-                segment: o.segment,
-                offset: o.block.offset,
-                reserved: o.block.len,
-                len: o.len,
-                writer,
-                pinned: o.pinned,
-                delete_pending: o.delete_pending,
-                origin: o.origin,
-                creator: o.creator,
-                leases: held,
-            });
+            objects.push(record.handed(held));
         }
         let mut pidfds = Vec::new();
         let processes = processes

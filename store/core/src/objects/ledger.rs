@@ -135,6 +135,25 @@ pub(super) struct Record {
     pub origin: Option<Handle>,
 }
 
+impl Record {
+    /// The object as a hand-over carries it, with the leases of each process.
+    pub(super) fn handed(self, leases: Vec<(u64, u32)>) -> HandedObject {
+        HandedObject {
+            id: self.id,
+            segment: self.segment,
+            offset: self.offset,
+            reserved: self.reserved,
+            len: self.len,
+            writer: self.writer.map(|(key, _)| key),
+            pinned: self.pinned,
+            delete_pending: self.delete_pending,
+            origin: self.origin,
+            creator: self.creator,
+            leases,
+        }
+    }
+}
+
 /// No room for one more record: the daemon writes a larger ledger.
 #[derive(Debug)]
 pub(super) struct NoRoom;
@@ -704,7 +723,7 @@ impl Objects {
 
     /// What a ledger says of the object in `slot`: `None` when there is none, or it is being
     /// written by the daemon's own connection (a pull: the successor pulls it again).
-    fn record(&self, slot: u32) -> Option<Record> {
+    pub(super) fn record(&self, slot: u32) -> Option<Record> {
         let o = self.slots.get(slot as usize)?.as_ref()?;
         let writer = match o.state {
             State::Sealed => None,
