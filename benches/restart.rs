@@ -396,6 +396,16 @@ fn run(host: &Host, capacity: u64, kills: usize) {
     drop(stream);
     producer.join().unwrap();
     host.stop(daemon);
+    if let Host::Systemd { unit, .. } = host {
+        // Each daemon systemd started after a kill served the store it kept, not a fresh one.
+        let log = std::fs::read_to_string(&unit.log).unwrap();
+        assert_eq!(
+            log.matches("read the store back").count(),
+            kills,
+            "every restart read the store back: see {}",
+            unit.log.display()
+        );
+    }
     let seconds = |ds: &[Duration]| {
         ds.iter()
             .map(|d| format!("{:.2} s", d.as_secs_f64()))

@@ -624,6 +624,9 @@ impl feedstore_store::objects::ledger::LedgerStore for KeptHere {
     fn generation(&self) -> u64 {
         self.0.len() as u64 + 1
     }
+    fn segment_ids(&self) -> Vec<u64> {
+        vec![1]
+    }
     fn keep(
         &mut self,
         ledger: std::os::fd::BorrowedFd<'_>,
@@ -650,7 +653,11 @@ fn ledger_cost(quick: bool) {
             role,
             uid: 0,
             pid: 1,
-            process: Process { key, pidfd: None },
+            process: Process {
+                key,
+                pidfd: None,
+                started: 0,
+            },
             name: String::new(),
             internal: false,
             capped: false,

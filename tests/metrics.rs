@@ -367,10 +367,18 @@ fn the_metrics_server_answers_only_what_it_serves() {
         feedstore_proto::peer::PEER_VERSION
     );
     assert_eq!(sample(&scrape, &build), Some(1.0), "{build} in:\n{scrape}");
-    assert_eq!(
-        sample(&scrape, r#"feedstore_daemon_start_info{how="fresh"}"#),
-        Some(1.0),
-        "{scrape}"
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs_f64();
+    let started = sample(
+        &scrape,
+        r#"feedstore_daemon_start_time_seconds{how="fresh"}"#,
+    )
+    .unwrap_or_else(|| panic!("a start time in:\n{scrape}"));
+    assert!(
+        started <= now && started > now - 600.0,
+        "{started} is this daemon's start"
     );
     let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
     s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();

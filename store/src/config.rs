@@ -129,10 +129,15 @@ impl Default for DaemonConfig {
             segment_bytes: capacity_bytes,
             huge_pages: HugePages::Auto,
             prefault: true,
+            // (Only where systemd started this very process: its children inherit both.)
             fd_store: std::env::var("FDSTORE")
                 .ok()
                 .and_then(|n| n.parse::<u32>().ok())
-                .is_some_and(|n| n > 0),
+                .is_some_and(|n| n > 0)
+                && std::env::var("SYSTEMD_EXEC_PID")
+                    .ok()
+                    .and_then(|p| p.parse::<u32>().ok())
+                    .is_some_and(|p| p == std::process::id()),
             node_id: default_node_id(),
             socket_group: None,
             allow_uids: Vec::new(),
@@ -193,9 +198,10 @@ pub struct Settings {
     pub prefault: Option<bool>,
 
     /// Keep the shared memory and the object table in systemd's file descriptor store
-    /// (`FDSTORE=1`; the unit needs FileDescriptorStoreMax=), so that a daemon systemd starts
-    /// again after a crash serves the same objects, views held across the crash included
-    /// [default: true where systemd says the unit has such a store ($FDSTORE, systemd 254+)].
+    /// (`FDSTORE=1`; the unit needs FileDescriptorStoreMax= of at least the segments plus 2, and
+    /// NotifyAccess=all), so that a daemon systemd starts again after a crash serves the same
+    /// objects, views held across the crash included; outside systemd it only warns [default:
+    /// true where systemd says the unit has such a store ($FDSTORE, systemd 254+)].
     #[arg(long, value_name = "BOOL", num_args = 0..=1, default_missing_value = "true")]
     pub fd_store: Option<bool>,
 

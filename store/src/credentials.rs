@@ -76,7 +76,25 @@ fn process_of(fd: RawFd, pid: i32) -> Process {
     Process {
         key,
         pidfd: pidfd.map(Arc::new),
+        started: start_time(pid),
     }
+}
+
+/// When process `pid` (in this pid namespace) started, in clock ticks after boot (field 22 of
+/// `/proc/<pid>/stat`); 0 when it cannot be read. With the pid, it names one process: a pid
+/// given to another process later comes with a later start.
+pub fn start_time(pid: i32) -> u64 {
+    if pid <= 0 {
+        return 0;
+    }
+    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+        return 0;
+    };
+    // The command name (field 2) is in parentheses and may hold spaces and parentheses: the
+    // fields after it follow the last ')'.
+    stat.rsplit_once(')')
+        .and_then(|(_, rest)| rest.split_whitespace().nth(19)?.parse().ok())
+        .unwrap_or(0)
 }
 
 fn peer_pidfd(fd: RawFd) -> Option<OwnedFd> {
@@ -137,10 +155,11 @@ pub enum Found {
     Unknown,
 }
 
-/// Finds the process `key` named with pid `pid` (in this pid namespace): a pidfs key must be
-/// the inode of the pid's pidfd now, else the pid names another process; a key made of a pid
-/// (no pidfs) is taken to name whatever runs with that pid.
-pub fn find(pid: i32, key: u64) -> Found {
+/// Finds the process `key` named with pid `pid` (in this pid namespace), which started at
+/// `started` (0 unknown): a pidfs key must be the inode of the pid's pidfd now, else the pid
+/// names another process; a key made of a pid (no pidfs) must come with the start time the
+/// pid's process has now.
+pub fn find(pid: i32, key: u64, started: u64) -> Found {
     if pid <= 0 {
         return Found::Unknown;
     }
@@ -155,7 +174,14 @@ pub fn find(pid: i32, key: u64) -> Found {
     // SAFETY: a fresh descriptor this process now owns.
     let pidfd = unsafe { OwnedFd::from_raw_fd(fd as RawFd) };
     if key & PID_KEY != 0 {
-        return Found::Running(pidfd);
+        // (Read after the pidfd is open: the pid cannot pass to another process meanwhile
+        // unless this one exits, which the pidfd then says.)
+        return match start_time(pid) {
+            _ if started == 0 => Found::Unknown,
+            now if now == started => Found::Running(pidfd),
+            0 => Found::Unknown,
+            _ => Found::Gone,
+        };
     }
     match pidfs_inode(&pidfd) {
         Some(inode) if inode == key => Found::Running(pidfd),
@@ -277,9 +303,19 @@ mod process_tests {
             .spawn()
             .unwrap();
         let pid = child.id() as i32;
-        let Found::Running(pidfd) = find(pid, PID_KEY | pid as u64) else {
-            panic!("a running child, by pid");
+        let started = start_time(pid);
+        assert_ne!(started, 0, "its start time");
+        let Found::Running(pidfd) = find(pid, PID_KEY | pid as u64, started) else {
+            panic!("a running child, by pid and start time");
         };
+        assert!(
+            matches!(find(pid, PID_KEY | pid as u64, started + 1), Found::Gone),
+            "the pid names a process started at another time"
+        );
+        assert!(
+            matches!(find(pid, PID_KEY | pid as u64, 0), Found::Unknown),
+            "a pid alone names nobody for sure"
+        );
         let Some(key) = pidfs_inode(&pidfd) else {
             eprintln!("SKIPPED: no pidfs before Linux 6.9");
             child.kill().unwrap();
@@ -287,16 +323,19 @@ mod process_tests {
             return;
         };
         assert!(
-            matches!(find(pid, key), Found::Running(_)),
+            matches!(find(pid, key, 0), Found::Running(_)),
             "by its pidfs key"
         );
         assert!(
-            matches!(find(pid, key ^ 1), Found::Gone),
+            matches!(find(pid, key ^ 1, 0), Found::Gone),
             "the pid names another process than the key"
         );
-        assert!(matches!(find(0, key), Found::Unknown), "no pid to look for");
+        assert!(
+            matches!(find(0, key, 0), Found::Unknown),
+            "no pid to look for"
+        );
         child.kill().unwrap();
         child.wait().unwrap();
-        assert!(matches!(find(pid, key), Found::Gone), "exited");
+        assert!(matches!(find(pid, key, 0), Found::Gone), "exited");
     }
 }

@@ -116,9 +116,9 @@ pub struct Daemon {
     /// service manager and a waiting `--detach` parent.
     on_serving: Option<Box<dyn FnOnce() + Send>>,
     /// Keep the segments and a ledger of the table in the service manager's descriptor store
-    /// (`--fd-store`), once serving; `Some(generation)`: in place of the ledger this daemon
-    /// read its table from.
-    fd_store: Option<Option<u64>>,
+    /// (`--fd-store`), once serving; `Some(name)`: in place of the ledger this daemon read its
+    /// table from.
+    fd_store: Option<Option<String>>,
 }
 
 impl Daemon {
@@ -132,10 +132,20 @@ impl Daemon {
         // memory is back.
         // Under systemd with --fd-store, the memory and the table of a daemon before this one
         // that was killed, if the service manager kept them: served again.
-        let restored = config
-            .fd_store
-            .then(|| crate::fdstore::restore(config.node_id, crate::fdstore::Passed::take()))
-            .flatten();
+        let passed = crate::fdstore::Passed::take();
+        let restored = if config.fd_store {
+            crate::fdstore::restore(config.node_id, passed)
+        } else {
+            if !passed.fds.is_empty() {
+                tracing::info!(
+                    descriptors = passed.fds.len(),
+                    "the service manager kept descriptors for this daemon, which runs without \
+                     --fd-store: it lets go of them"
+                );
+            }
+            crate::fdstore::forget_passed(passed);
+            None
+        };
         let short = match check_capacity(config) {
             _ if restored.is_some() => None,
             Ok(()) => None,
@@ -187,7 +197,7 @@ impl Daemon {
             })
             .transpose()?;
         let (segments, objects, restored_from) = match restored {
-            Some(r) => (r.segments, Some(r.objects), Some(r.generation)),
+            Some(r) => (r.segments, Some(r.objects), Some(r.ledger)),
             None => (create_segments(config)?, None, None),
         };
         let started = if objects.is_some() {
@@ -285,8 +295,15 @@ impl Daemon {
                 );
             }
         }
-        let objects = Objects::take_over(handed, received.pidfds)
+        let mut objects = Objects::take_over(handed, received.pidfds)
             .map_err(|e| StartError::Takeover(e.to_string()))?;
+        // When each process held for started, for a ledger (`--fd-store`) to name it by after a
+        // crash: read while its pidfd says it runs, so its pid is still its own.
+        for (orphan, pid, process) in objects.orphans() {
+            if pid > 0 && process.pidfd.is_some() && !crate::credentials::exited(&process, pid) {
+                objects.set_started(orphan, crate::credentials::start_time(pid));
+            }
+        }
         let segments = received
             .segments
             .into_iter()
@@ -415,9 +432,8 @@ impl Daemon {
                     "the daemon taken over stopped: serving in its place"
                 );
             }
-            if let Some(replaces) = fd_store {
-                crate::fdstore::keep_store(&shared, replaces);
-            }
+            let kept =
+                fd_store.is_some_and(|replaces| crate::fdstore::keep_store(&shared, replaces));
             if let Some(serving) = on_serving {
                 serving();
             }
@@ -500,7 +516,7 @@ impl Daemon {
                 );
             } else {
                 let _ = std::fs::remove_file(&socket);
-                if fd_store.is_some() {
+                if kept {
                     crate::fdstore::let_go(&shared);
                 }
                 tracing::info!(

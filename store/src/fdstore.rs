@@ -8,7 +8,7 @@
 //!
 //! Names: `segment-<i>` for segment `i`, `ledger-<generation>` for a ledger.
 
-use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::ffi::OsStrExt;
 
 use feedstore_core::objects::ledger::LedgerStore;
@@ -25,8 +25,13 @@ pub struct Passed {
 
 impl Passed {
     /// Takes the descriptors the service manager passed (none when `$LISTEN_PID` is not this
-    /// process). Each becomes close-on-exec.
+    /// process), once per process: a second call (a second daemon in one process) gets none.
+    /// Each becomes close-on-exec.
     pub fn take() -> Passed {
+        static TAKEN: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+        if TAKEN.swap(true, std::sync::atomic::Ordering::SeqCst) {
+            return Passed::default();
+        }
         let var = |name| std::env::var(name).ok();
         let mine = var("LISTEN_PID")
             .and_then(|p| p.parse::<u32>().ok())
@@ -44,27 +49,17 @@ impl Passed {
                 let raw = LISTEN_FDS_START + i;
                 let name = names.next().unwrap_or("unknown").to_string();
                 // Only a descriptor that is open: the variables could lie.
-                nix::fcntl::fcntl(
-                    // SAFETY: a plain number, borrowed only for this call.
-                    unsafe { BorrowedFd::borrow_raw(raw) },
-                    nix::fcntl::FcntlArg::F_SETFD(nix::fcntl::FdFlag::FD_CLOEXEC),
-                )
-                .ok()?;
+                // SAFETY: fcntl on a plain number touches no memory; a number that is not an
+                // open descriptor fails with EBADF.
+                if unsafe { libc::fcntl(raw, libc::F_SETFD, libc::FD_CLOEXEC) } != 0 {
+                    return None;
+                }
                 // SAFETY: the service manager passed this descriptor to this process (it is
                 // open, checked above); nothing else in the process owns it.
                 Some((name, unsafe { OwnedFd::from_raw_fd(raw) }))
             })
             .collect();
         Passed { fds }
-    }
-
-    /// Takes the descriptors named `name`.
-    pub fn named(&mut self, name: &str) -> Vec<OwnedFd> {
-        let (out, keep) = std::mem::take(&mut self.fds)
-            .into_iter()
-            .partition(|(n, _)| n == name);
-        self.fds = keep;
-        out.into_iter().map(|(_, fd)| fd).collect()
     }
 
     /// Takes the descriptors whose names start with `prefix`, with the rest of their names.
@@ -79,8 +74,7 @@ impl Passed {
     }
 }
 
-/// Sends `state` with `fds` to the service manager (`$NOTIFY_SOCKET`), waiting for room in
-/// its socket rather than dropping the message.
+/// Sends `state` with `fds` to the service manager (`$NOTIFY_SOCKET`).
 fn notify_with_fds(state: &str, fds: &[RawFd]) -> std::io::Result<()> {
     use nix::sys::socket::{
         AddressFamily, ControlMessage, MsgFlags, SockFlag, SockType, UnixAddr, sendmsg, socket,
@@ -154,13 +148,20 @@ fn boot_time_ns() -> u64 {
         .saturating_add(t.tv_nsec as u64)
 }
 
-/// The service manager, keeping a daemon's ledgers.
+/// The service manager, keeping a daemon's ledgers beside its segments.
 #[derive(Debug)]
-pub struct ServiceManager;
+pub struct ServiceManager {
+    /// The ids of the segments it keeps (their memfds' inodes), in order.
+    pub segment_ids: Vec<u64>,
+}
 
 impl LedgerStore for ServiceManager {
     fn generation(&self) -> u64 {
         boot_time_ns()
+    }
+
+    fn segment_ids(&self) -> Vec<u64> {
+        self.segment_ids.clone()
     }
 
     fn keep(
@@ -185,60 +186,68 @@ impl LedgerStore for ServiceManager {
 pub(crate) struct Restored {
     pub objects: feedstore_core::objects::Objects,
     pub segments: Vec<feedstore_shm::Segment>,
-    /// The ledger it was read from (let go of once the daemon keeps its own).
-    pub generation: u64,
+    /// The name the ledger it was read from is kept under (marked abandoned already; let go
+    /// of once the daemon keeps its own).
+    pub ledger: String,
+}
+
+/// The id a segment is known by in a ledger: its memfd's inode.
+pub(crate) fn segment_id(fd: BorrowedFd<'_>) -> u64 {
+    nix::sys::stat::fstat(fd).map_or(0, |s| s.st_ino)
+}
+
+/// Lets go of every descriptor the service manager passed (`--fd-store` is off, or what it
+/// kept is not served again).
+pub(crate) fn forget_passed(passed: Passed) {
+    let mut names: Vec<String> = passed.fds.into_iter().map(|(name, _)| name).collect();
+    names.sort();
+    names.dedup();
+    for name in names {
+        forget(&name);
+    }
 }
 
 /// Reads the store back from the descriptors the service manager passed (a daemon run with
-/// `--fd-store`, started again after it was killed): the segments and the latest complete
-/// ledger, with what processes that exited since held dropped. `None` when there is nothing
-/// to read back, or what there is cannot be trusted (said why): then everything passed is
-/// let go of, and the daemon starts afresh.
+/// `--fd-store`, started again after it was killed): the segments and the ledger of the
+/// highest generation, with what processes that exited since held dropped. `None` when there
+/// is nothing to read back, or what there is cannot be trusted (said why): then everything
+/// passed is let go of, and the daemon starts afresh. The ledger read is marked abandoned at
+/// once: from now on only a ledger this daemon keeps describes the store.
 pub(crate) fn restore(node_id: u32, mut passed: Passed) -> Option<Restored> {
     use feedstore_core::objects::ledger;
     if passed.fds.is_empty() {
         return None;
     }
-    // Names to let go of whatever happens: ledgers not read, descriptors of no known kind.
-    let mut stale = Vec::new();
-    let mut best: Option<(ledger::Recovered, String)> = None;
-    for (generation, fd) in passed.prefixed("ledger-") {
-        let name = ledger_name_of(&generation);
-        match ledger::read(fd) {
-            Ok(Some(r)) if best.as_ref().is_none_or(|b| b.0.generation < r.generation) => {
-                stale.extend(best.replace((r, name)).map(|(_, older)| older));
-            }
-            Ok(_) => stale.push(name),
-            Err(e) => {
-                tracing::warn!(error = %e, name, "a ledger the service manager kept is not read");
-                stale.push(name);
-            }
-        }
-    }
-    let segments = passed.prefixed("segment-");
-    stale.extend(passed.fds.drain(..).map(|(name, _)| name));
-    let mut segment_names: Vec<String> = segments
-        .iter()
-        .map(|(i, _)| format!("segment-{i}"))
-        .collect();
-    segment_names.sort();
-    segment_names.dedup();
-    let give_up = |why: &str, mine: Option<&str>| {
+    // What was passed goes back to the service manager's hands with `chosen` (the ledger
+    // read, if any) when the store is not served again.
+    let give_up = |why: &str, mut passed: Passed, chosen: Option<(String, OwnedFd)>| {
         tracing::warn!(
             "the store the service manager kept is not served again ({why}): starting afresh"
         );
-        for name in stale
-            .iter()
-            .chain(&segment_names)
-            .map(String::as_str)
-            .chain(mine)
-        {
-            forget(name);
-        }
+        passed.fds.extend(chosen);
+        forget_passed(passed);
         None
     };
-    let Some((recovered, name)) = best else {
-        return give_up("no complete ledger", None);
+    // Only the latest ledger can be the table: an older one may say less is held than is.
+    let latest = passed
+        .fds
+        .iter()
+        .enumerate()
+        .filter(|(_, (name, _))| name.starts_with("ledger-"))
+        .filter_map(|(i, (_, fd))| Some((ledger::generation(fd)?, i)))
+        .max();
+    let Some((generation, at)) = latest else {
+        return give_up("no ledger", passed, None);
+    };
+    let chosen = passed.fds.remove(at);
+    let recovered = match chosen.1.try_clone().map(ledger::read) {
+        Ok(Ok(Some(r))) => r,
+        Ok(Ok(None)) => {
+            let why = format!("ledger {generation} was abandoned");
+            return give_up(&why, passed, Some(chosen));
+        }
+        Ok(Err(e)) => return give_up(&e.to_string(), passed, Some(chosen)),
+        Err(e) => return give_up(&e.to_string(), passed, Some(chosen)),
     };
     let mut handover = recovered.handover;
     if handover.node_id != node_id {
@@ -246,43 +255,54 @@ pub(crate) fn restore(node_id: u32, mut passed: Passed) -> Option<Restored> {
             "it is node {:08x}'s, this daemon is node {node_id:08x}",
             handover.node_id
         );
-        return give_up(&why, Some(&name));
+        return give_up(&why, passed, Some(chosen));
     }
-    // The segments in order, each once (a name kept twice is one memory kept twice).
-    let mut by_index: std::collections::BTreeMap<usize, OwnedFd> = Default::default();
-    for (i, fd) in segments {
-        if let Ok(i) = i.parse::<usize>() {
-            by_index.entry(i).or_insert(fd);
-        }
-    }
+    // Each segment is the descriptor of its name whose memfd is the one the ledger names.
     let mut adopted = Vec::new();
-    for (i, &size) in handover.segments.iter().enumerate() {
-        let adopt = by_index
-            .remove(&i)
-            .ok_or_else(|| "it was not kept".to_string())
-            .and_then(|fd| {
+    for (i, (&size, &id)) in handover
+        .segments
+        .iter()
+        .zip(&recovered.segment_ids)
+        .enumerate()
+    {
+        let name = segment_name(i);
+        let found = passed
+            .fds
+            .iter()
+            .find(|(n, fd)| *n == name && segment_id(fd.as_fd()) == id);
+        let adopt = found
+            .ok_or_else(|| "its memory was not kept".to_string())
+            .and_then(|(_, fd)| {
+                let fd = fd.try_clone().map_err(|e| e.to_string())?;
                 feedstore_shm::Segment::adopt(fd, size, handover.hugetlb).map_err(|e| e.to_string())
             });
         match adopt {
             Ok(segment) => adopted.push(segment),
-            Err(e) => return give_up(&format!("segment {i}: {e}"), Some(&name)),
+            Err(e) => return give_up(&format!("segment {i}: {e}"), passed, Some(chosen)),
         }
     }
-    let pidfds = find_processes(&mut handover);
-    let objects = match feedstore_core::objects::Objects::take_over(&handover, pidfds) {
+    let pidfds = find_processes(&mut handover, &recovered.started);
+    let mut objects = match feedstore_core::objects::Objects::take_over(&handover, pidfds) {
         Ok(objects) => objects,
-        Err(e) => return give_up(&e.to_string(), Some(&name)),
+        Err(e) => return give_up(&e.to_string(), passed, Some(chosen)),
     };
-    // Segments the table does not have (a larger store before) go too.
-    for name in stale
-        .iter()
-        .cloned()
-        .chain(by_index.keys().map(|&i| segment_name(i)))
-    {
-        forget(&name);
+    for (orphan, pid, process) in objects.orphans() {
+        let started = recovered.started.get(&process.key).copied().unwrap_or(0);
+        if pid > 0 && started != 0 {
+            objects.set_started(orphan, started);
+        }
     }
+    // Read: no daemon reads that ledger again (if this one keeps none, the next starts afresh).
+    if let Err(e) = ledger::abandon(&chosen.1) {
+        let why = format!("cannot mark the ledger read: {e}");
+        return give_up(&why, passed, Some(chosen));
+    }
+    // The rest goes: older ledgers, other memory kept under a segment's name, and the
+    // segments themselves, which this daemon keeps again once it serves (systemd cannot let
+    // go of one of two descriptors of one name). The ledger read stays kept until then.
+    forget_passed(passed);
     tracing::info!(
-        generation = recovered.generation,
+        generation,
         objects = handover.objects.len(),
         processes = handover.processes.len(),
         crashed_pid = handover.pid,
@@ -293,19 +313,19 @@ pub(crate) fn restore(node_id: u32, mut passed: Passed) -> Option<Restored> {
     Some(Restored {
         objects,
         segments: adopted,
-        generation: recovered.generation,
+        ledger: chosen.0,
     })
 }
 
-fn ledger_name_of(rest: &str) -> String {
-    format!("ledger-{rest}")
-}
-
-/// Finds the processes a table read back names: those still running get their pidfds (in
-/// the table's order, for [`feedstore_core::objects::Objects::take_over`]); what those that
-/// exited held is dropped; the rest (another pid namespace's, unnamed) stay held for until
-/// a daemon starts afresh.
-fn find_processes(h: &mut feedstore_proto::handover::Handover) -> Vec<OwnedFd> {
+/// Finds the processes a table read back names (`started`: when each started, by key): those
+/// still running get their pidfds (in the table's order, for
+/// [`feedstore_core::objects::Objects::take_over`]); what those that exited held is dropped;
+/// the rest (another pid namespace's, unnamed, or a pid that cannot be told apart) stay held
+/// for until a daemon starts afresh.
+fn find_processes(
+    h: &mut feedstore_proto::handover::Handover,
+    started: &std::collections::HashMap<u64, u64>,
+) -> Vec<OwnedFd> {
     use feedstore_proto::handover::UNNAMED_KEY;
     let same_pids =
         h.pid_namespace != 0 && h.pid_namespace == feedstore_core::objects::pid_namespace();
@@ -315,7 +335,8 @@ fn find_processes(h: &mut feedstore_proto::handover::Handover) -> Vec<OwnedFd> {
         if !same_pids || p.key & UNNAMED_KEY != 0 {
             continue;
         }
-        match crate::credentials::find(p.pid, p.key) {
+        let since = started.get(&p.key).copied().unwrap_or(0);
+        match crate::credentials::find(p.pid, p.key, since) {
             crate::credentials::Found::Running(pidfd) => {
                 p.pidfd = true;
                 pidfds.push(pidfd);
@@ -332,29 +353,47 @@ fn find_processes(h: &mut feedstore_proto::handover::Handover) -> Vec<OwnedFd> {
 
 /// Keeps the daemon's segments and a ledger of its table in the service manager's store
 /// (once it serves: a daemon taking over keeps its ledger only once its predecessor stopped
-/// keeping its own), in place of the ledger of generation `replaces`.
-pub(crate) fn keep_store(shared: &crate::state::Shared, replaces: Option<u64>) {
+/// keeping its own), in place of the ledger kept under the name `replaces`. Whether it is kept.
+pub(crate) fn keep_store(shared: &crate::state::Shared, replaces: Option<String>) -> bool {
+    let why_not = |e: &dyn std::fmt::Display| {
+        tracing::warn!(
+            error = %e,
+            "--fd-store: cannot keep the store in the service manager's descriptor store (a \
+             daemon started after this one is killed starts afresh)"
+        );
+        false
+    };
+    if std::env::var_os("NOTIFY_SOCKET").is_none() {
+        return why_not(&"not run by systemd (no $NOTIFY_SOCKET)");
+    }
+    // (Room for every segment and two ledgers: a new one is kept before the old one goes.)
+    let needed = shared.segments.len() + 2;
+    if let Some(room) = std::env::var("FDSTORE")
+        .ok()
+        .and_then(|n| n.parse::<usize>().ok())
+        && room < needed
+    {
+        return why_not(&format!(
+            "the unit's FileDescriptorStoreMax={room} has no room for {needed} descriptors (the \
+             segments and two ledgers)"
+        ));
+    }
     for (i, segment) in shared.segments.iter().enumerate() {
         if let Err(e) = keep(&segment_name(i), segment.fd()) {
-            tracing::warn!(
-                error = %e,
-                "cannot keep the segments in the service manager's descriptor store: a daemon \
-                 started after this one is killed starts afresh"
-            );
-            return;
+            return why_not(&e);
         }
     }
-    match shared.with_objects(|o| o.keep_ledger(Box::new(ServiceManager))) {
+    let store = ServiceManager {
+        segment_ids: shared.segments.iter().map(|s| segment_id(s.fd())).collect(),
+    };
+    match shared.with_objects(|o| o.keep_ledger(Box::new(store))) {
         Ok(()) => {
             if let Some(old) = replaces {
-                forget(&ledger_name(old));
+                forget(&old);
             }
+            true
         }
-        Err(e) => tracing::warn!(
-            error = %e,
-            "cannot keep the object table in the service manager's descriptor store: a daemon \
-             started after this one is killed starts afresh"
-        ),
+        Err(e) => why_not(&e),
     }
 }
 

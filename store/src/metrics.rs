@@ -176,7 +176,7 @@ async fn answer<B>(
         if let Some(cluster) = &cluster {
             cluster.add_stats(&mut stats);
         }
-        encode(&stats, &streams, shared.started)
+        encode(&stats, &streams, shared.started, shared.started_at)
     })
     .await;
     match body {
@@ -203,10 +203,15 @@ type Labels = Vec<(&'static str, String)>;
 type Figure<T> = (&'static str, &'static str, fn(&T) -> u64);
 
 /// The snapshot in the Prometheus text format.
-pub fn encode(stats: &StoreStats, streams: &[StreamInfo], started: Started) -> String {
+pub fn encode(
+    stats: &StoreStats,
+    streams: &[StreamInfo],
+    started: Started,
+    started_at: u64,
+) -> String {
     let mut registry = Registry::with_prefix("feedstore");
     register_build(&mut registry);
-    register_start(&mut registry, started);
+    register_start(&mut registry, started, started_at);
     register_store(&mut registry, stats);
     register_streams(&mut registry, streams);
     register_ranks(&mut registry, streams);
@@ -241,18 +246,19 @@ fn register_build(registry: &mut Registry) {
     );
 }
 
-/// `feedstore_daemon_start_info`, always 1: how this daemon came by its store (`how`: `fresh`,
-/// `takeover` from a running daemon, or `restored` after a crash from what systemd kept). The
-/// daemons of a node replace one another; counting the series by `how` over time counts the
-/// takeovers and the crashes.
-fn register_start(registry: &mut Registry, started: Started) {
+/// `feedstore_daemon_start_time_seconds`: when this daemon started (Unix time), labelled with
+/// how it came by its store (`how`: `fresh`, `takeover` from a running daemon, or `restored`
+/// after a crash from what systemd kept). The daemons of a node replace one another: each
+/// start is a new value, so `changes(...)` over a window, by `how`, counts takeovers and
+/// restarts.
+fn register_start(registry: &mut Registry, started: Started, at: u64) {
     let start = Family::<Labels, Gauge>::default();
     start
         .get_or_create(&vec![("how", started.as_str().to_string())])
-        .set(1);
+        .set(saturating(at));
     registry.register(
-        "daemon_start_info",
-        "How this daemon came by its store: fresh, takeover or restored (always 1)",
+        "daemon_start_time_seconds",
+        "When this daemon started (Unix time), by how it came by its store: fresh, takeover or restored",
         start,
     );
 }

@@ -150,6 +150,8 @@ pub struct Shared {
     pub(crate) handoff: crate::handoff::Handoff,
     /// How it came by its store (for the metrics).
     pub started: Started,
+    /// When it started, in seconds since the Unix epoch (for the metrics).
+    pub started_at: u64,
 }
 
 /// Counts a consumer waiting for its stream to be created, for as long as it lives (the wait
@@ -299,6 +301,9 @@ impl Shared {
             daemon_uid: config.daemon_uid,
             handoff: crate::handoff::Handoff::default(),
             started: config.started,
+            started_at: std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_secs()),
         })
     }
 

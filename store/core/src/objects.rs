@@ -127,6 +127,10 @@ pub struct Process {
     pub key: u64,
     /// A pidfd of the process (`SO_PEERPIDFD`), readable once it exited.
     pub pidfd: Option<Arc<OwnedFd>>,
+    /// When it started, in clock ticks after boot (`/proc/<pid>/stat`; 0 unknown): with its
+    /// pid, names it after the daemon that knew it crashed ([`Objects::keep_ledger`]), where
+    /// no pidfd came across.
+    pub started: u64,
 }
 
 /// What the daemon knows about one connected client.

@@ -120,6 +120,16 @@ impl Connection {
                 Some(Err(e)) => (None, Some(e)),
                 None => (None, None),
             };
+        // The ledger kept for a daemon started after a crash stops being this one's before
+        // the successor is told this one stops (which the successor may serve on at once):
+        // killed in between, systemd's next daemon starts afresh rather than from a table the
+        // successor changed. Kept again if the word does not go.
+        let had_ledger = held.is_some()
+            && self.shared.with_objects(|o| {
+                let had = o.ledger_generation().is_some();
+                o.abandon_ledger();
+                had
+            });
         if let Some(held) = held
             && self.stream.write_all(&[STOPPING]).await.is_ok()
         {
@@ -127,9 +137,6 @@ impl Connection {
                 successor_pid = pid,
                 "the successor is ready: this feedstored stops (the socket is the successor's)"
             );
-            // The ledger kept for a daemon started after a crash is this one's no more: the
-            // successor keeps its own once it serves.
-            self.shared.with_objects(|o| o.abandon_ledger());
             // Under systemd: the successor is the service's main process from now on, told
             // before this one exits (the manager reads it before it learns of the exit).
             if pid > 0 {
@@ -149,6 +156,9 @@ impl Connection {
             (Ok(Err(e)), None) => e.to_string(),
         };
         tracing::warn!(successor_pid = pid, reason = %why, "the successor did not take over: serving on");
+        if had_ledger {
+            crate::fdstore::keep_store(&self.shared, None);
+        }
         handoff.thaw();
         Err(ConnEnd::Closed)
     }

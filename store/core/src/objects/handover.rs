@@ -33,7 +33,7 @@ impl Objects {
         let mut leases: HashMap<u32, HashMap<u64, u32>> = HashMap::new();
         let mut processes: BTreeMap<u64, (i32, Option<Arc<OwnedFd>>)> = BTreeMap::new();
         for (id, c) in &self.conns {
-            let Some((key, _)) = self.process_key(*id, c) else {
+            let Some(super::ledger::Holder { key, .. }) = self.process_key(*id, c) else {
                 continue;
             };
             if key != 0 && (!c.leases.is_empty() || !c.writing.is_empty()) {
@@ -251,7 +251,11 @@ impl Objects {
             role: Role::Writer,
             uid: 0,
             pid,
-            process: Process { key, pidfd },
+            process: Process {
+                key,
+                pidfd,
+                started: 0,
+            },
             name: format!("held for pid {pid} since the hand-over"),
             internal: true,
             capped: false,
@@ -268,6 +272,14 @@ impl Objects {
             .then(|| self.orphans.get(&key).copied())
             .flatten()
             .filter(|&o| o != conn)
+    }
+
+    /// Records when the process an orphan holds for started (see [`Process::started`]),
+    /// once the daemon found it running.
+    pub fn set_started(&mut self, orphan: ConnId, started: u64) {
+        if let Some(c) = self.conns.get_mut(&orphan) {
+            c.info.process.started = started;
+        }
     }
 
     /// The processes something is held for since the hand-over: the connection holding it,
@@ -303,6 +315,7 @@ mod tests {
             process: Process {
                 key: if internal { 0 } else { pid as u64 },
                 pidfd: None,
+                started: 0,
             },
             name: format!("pid {pid}"),
             internal,
@@ -448,6 +461,7 @@ mod tests {
             process: Process {
                 key: PID_KEY | 10,
                 pidfd: None,
+                started: 0,
             },
             name: "pid 10 here".into(),
             internal: false,
@@ -484,6 +498,7 @@ mod tests {
                 process: Process {
                     key: 0,
                     pidfd: pidfd(),
+                    started: 0,
                 },
                 name: "unnamed".into(),
                 internal: false,

@@ -70,8 +70,10 @@ const ABANDONED: u64 = 2;
 const OBJECT_WORDS: usize = 9;
 /// A lease record: slot | process index, count.
 const LEASE_WORDS: usize = 2;
-/// A process record: key, pid | tag.
-const PROCESS_WORDS: usize = 2;
+/// A process record: key, start time, pid | tag.
+const PROCESS_WORDS: usize = 3;
+/// A segment's entry in the header: its size and its id (the memfd's inode).
+const SEGMENT_WORDS: usize = 2;
 
 /// Object heads: what the record says (0: nothing).
 const WRITING: u64 = 1;
@@ -86,6 +88,8 @@ const NO_WRITER: u64 = u32::MAX as u64;
 pub trait LedgerStore: Send {
     /// A generation later than any ledger already kept (the node's boot-time clock).
     fn generation(&self) -> u64;
+    /// The ids of the segments kept beside the ledger (their memfds' inodes), in order.
+    fn segment_ids(&self) -> Vec<u64>;
     /// Keeps `ledger` (generation `generation`), then lets go of the ledger of generation
     /// `replaces`, if any. Done when this returns: the new ledger is kept even if the daemon is
     /// killed right after.
@@ -109,6 +113,9 @@ pub(super) struct Header {
     pub id_counter: u64,
     pub hugetlb: bool,
     pub segments: Vec<u64>,
+    /// Each segment's id (the inode of its memfd): the descriptors a daemon is passed after a
+    /// crash are its segments only if their ids match.
+    pub segment_ids: Vec<u64>,
 }
 
 /// How many records of each kind a ledger has room for.
@@ -119,6 +126,17 @@ pub(super) struct Room {
     pub processes: usize,
 }
 
+/// The client process a lease or a reservation is recorded for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct Holder {
+    /// Its key (see [`feedstore_proto::handover::HandedProcess::key`]).
+    pub key: u64,
+    /// Its pid in the daemon's pid namespace (0 in another).
+    pub pid: i32,
+    /// When it started (see [`super::Process::started`]; 0 unknown).
+    pub started: u64,
+}
+
 /// What one object record says.
 #[derive(Debug, Clone, Copy)]
 pub(super) struct Record {
@@ -127,8 +145,8 @@ pub(super) struct Record {
     pub offset: u64,
     pub reserved: u64,
     pub len: u64,
-    /// Being written by this process (its key and pid); `None`: sealed.
-    pub writer: Option<(u64, i32)>,
+    /// Being written by this process; `None`: sealed.
+    pub writer: Option<Holder>,
     pub pinned: bool,
     pub delete_pending: bool,
     pub creator: u32,
@@ -144,7 +162,7 @@ impl Record {
             offset: self.offset,
             reserved: self.reserved,
             len: self.len,
-            writer: self.writer.map(|(key, _)| key),
+            writer: self.writer.map(|h| h.key),
             pinned: self.pinned,
             delete_pending: self.delete_pending,
             origin: self.origin,
@@ -194,7 +212,7 @@ impl std::fmt::Debug for Ledger {
 }
 
 fn words_for(segments: usize, room: Room) -> (usize, usize, usize, usize) {
-    let objects_at = HEADER_WORDS + segments;
+    let objects_at = HEADER_WORDS + segments * SEGMENT_WORDS;
     let leases_at = objects_at + room.objects * OBJECT_WORDS;
     let processes_at = leases_at + room.leases * LEASE_WORDS;
     (
@@ -257,8 +275,9 @@ impl Ledger {
         set(H_LEASES, room.leases as u64);
         set(H_PROCESSES, room.processes as u64);
         set(H_PID, u64::from(std::process::id()));
-        for (i, &size) in header.segments.iter().enumerate() {
-            set(HEADER_WORDS + i, size);
+        for (i, (&size, &id)) in header.segments.iter().zip(&header.segment_ids).enumerate() {
+            set(HEADER_WORDS + i * SEGMENT_WORDS, size);
+            set(HEADER_WORDS + i * SEGMENT_WORDS + 1, id);
         }
         Ok(ledger)
     }
@@ -295,17 +314,22 @@ impl Ledger {
     }
 
     /// The process record for `key`, made if there is none; one more reference to it.
-    fn process(&mut self, key: u64, pid: i32) -> Result<u32, NoRoom> {
-        if let Some(p) = self.processes.get_mut(&key) {
+    fn process(&mut self, holder: Holder) -> Result<u32, NoRoom> {
+        if let Some(p) = self.processes.get_mut(&holder.key) {
             p.refs += 1;
             return Ok(p.index);
         }
         let index = self.free_processes.pop().ok_or(NoRoom)?;
         let at = self.processes_at + index as usize * PROCESS_WORDS;
         let w = self.words();
-        w[at].store(key, Ordering::Relaxed);
-        w[at + 1].store(u64::from(pid as u32) | PROCESS_LIVE, Ordering::Release);
-        self.processes.insert(key, Process { index, refs: 1 });
+        w[at].store(holder.key, Ordering::Relaxed);
+        w[at + 1].store(holder.started, Ordering::Relaxed);
+        w[at + 2].store(
+            u64::from(holder.pid as u32) | PROCESS_LIVE,
+            Ordering::Release,
+        );
+        self.processes
+            .insert(holder.key, Process { index, refs: 1 });
         Ok(index)
     }
 
@@ -319,7 +343,7 @@ impl Ledger {
             let index = p.index;
             self.processes.remove(&key);
             let at = self.processes_at + index as usize * PROCESS_WORDS;
-            self.words()[at + 1].store(0, Ordering::Release);
+            self.words()[at + 2].store(0, Ordering::Release);
             self.free_processes.push(index);
         }
     }
@@ -334,10 +358,10 @@ impl Ledger {
             return Err(NoRoom);
         }
         let writer = match r.writer {
-            Some((key, pid)) => match self.writers.get(&slot) {
-                Some(&index) if self.key_of(index) == key => Some(index),
+            Some(holder) => match self.writers.get(&slot) {
+                Some(&index) if self.key_of(index) == holder.key => Some(index),
                 _ => {
-                    let index = self.process(key, pid)?;
+                    let index = self.process(holder)?;
                     self.unset_writer(slot);
                     self.writers.insert(slot, index);
                     Some(index)
@@ -377,7 +401,8 @@ impl Ledger {
         }
         w[at].store(head, Ordering::Release);
         if writer.is_none() {
-            w[at + 2].store(segment_writer(None), Ordering::Relaxed);
+            // (Release: never before the head, which no longer reads it.)
+            w[at + 2].store(segment_writer(None), Ordering::Release);
             self.unset_writer(slot);
         }
         Ok(())
@@ -399,14 +424,9 @@ impl Ledger {
         self.unset_writer(slot);
     }
 
-    /// Adds `delta` to the leases process `key` (pid `pid`) holds on the object in `slot`.
-    pub(super) fn lease(
-        &mut self,
-        slot: u32,
-        key: u64,
-        pid: i32,
-        delta: i64,
-    ) -> Result<(), NoRoom> {
+    /// Adds `delta` to the leases `holder` holds on the object in `slot`.
+    pub(super) fn lease(&mut self, slot: u32, holder: Holder, delta: i64) -> Result<(), NoRoom> {
+        let key = holder.key;
         let index = self.processes.get(&key).map(|p| p.index);
         if let Some(index) = index
             && let Some((record, count)) = self.leases.get_mut(&(slot, index))
@@ -430,7 +450,7 @@ impl Ledger {
         let Some(&record) = self.free_leases.last() else {
             return Err(NoRoom);
         };
-        let index = self.process(key, pid)?;
+        let index = self.process(holder)?;
         self.free_leases.pop();
         let at = self.leases_at + record as usize * LEASE_WORDS;
         let w = self.words();
@@ -449,24 +469,51 @@ pub struct Recovered {
     pub handover: Handover,
     /// The ledger's generation (of several, the latest is the table).
     pub generation: u64,
+    /// Each segment's id (the inode of its memfd), in order.
+    pub segment_ids: Vec<u64>,
+    /// When each process named started (by key; 0 unknown): with its pid, what tells it from
+    /// another process given the same pid since.
+    pub started: HashMap<u64, u64>,
+}
+
+/// Maps a ledger (`access`), if it is one this build reads: its mapping and length.
+fn map_ledger(fd: OwnedFd, access: Access) -> Option<Mapping> {
+    let file = std::fs::File::from(fd);
+    let len = file.metadata().ok()?.len();
+    if len < (HEADER_WORDS * 8) as u64 {
+        return None;
+    }
+    let map = Mapping::new(OwnedFd::from(file), len, access, false).ok()?;
+    (map.load_word_relaxed(H_MAGIC) == MAGIC && map.load_word_relaxed(H_FORMAT) == LEDGER_FORMAT)
+        .then_some(map)
+}
+
+/// The generation of a ledger, complete or not; `None` when it is not one this build reads.
+/// Of the ledgers a daemon is passed, only the one of the highest generation may be its table.
+pub fn generation(fd: &OwnedFd) -> Option<u64> {
+    let map = map_ledger(fd.try_clone().ok()?, Access::ReadOnly)?;
+    Some(map.load_word_relaxed(H_GENERATION))
+}
+
+/// Marks a ledger another daemon kept abandoned: no daemon reads it any more (the daemon that
+/// read it back keeps its own, or none).
+pub fn abandon(fd: &OwnedFd) -> std::io::Result<()> {
+    let map = map_ledger(fd.try_clone()?, Access::ReadWrite)
+        .ok_or_else(|| std::io::Error::other("not a ledger"))?;
+    map.atomic_words().expect("mapped read-write")[H_STATE].store(ABANDONED, Ordering::Release);
+    Ok(())
 }
 
 /// Reads a ledger a daemon kept: `Ok(None)` when it is not one this build reads or was not
 /// complete (abandoned, or killed while being written), an error when it contradicts itself.
 pub fn read(fd: OwnedFd) -> Result<Option<Recovered>, Inconsistent> {
     let bad = |why: String| Inconsistent(format!("the ledger: {why}"));
-    let file = std::fs::File::from(fd);
-    let len = file
-        .metadata()
-        .map_err(|e| bad(format!("cannot stat it: {e}")))?
-        .len();
-    if len < (HEADER_WORDS * 8) as u64 {
+    let Some(map) = map_ledger(fd, Access::ReadOnly) else {
         return Ok(None);
-    }
-    let map = Mapping::new(OwnedFd::from(file), len, Access::ReadOnly, false)
-        .map_err(|e| bad(format!("cannot map it: {e}")))?;
+    };
+    let len = map.len() as u64;
     let r = |i: usize| map.load_word_relaxed(i);
-    if r(H_MAGIC) != MAGIC || r(H_FORMAT) != LEDGER_FORMAT || r(H_STATE) != LIVE {
+    if r(H_STATE) != LIVE {
         return Ok(None);
     }
     std::sync::atomic::fence(Ordering::Acquire);
@@ -483,16 +530,19 @@ pub fn read(fd: OwnedFd) -> Result<Option<Recovered>, Inconsistent> {
     let fits = [segments, room.objects, room.leases, room.processes]
         .iter()
         .all(|&n| n <= words);
+    // (Each count at most the words: the sum below cannot overflow.)
     if !fits || words_for(segments, room).3 > words {
         return Err(bad(format!("{len} bytes hold less than its header says")));
     }
     let (objects_at, leases_at, processes_at, _) = words_for(segments, room);
     let mut processes: HashMap<u32, (u64, i32)> = HashMap::new();
+    let mut started = HashMap::new();
     for i in 0..room.processes {
         let at = processes_at + i * PROCESS_WORDS;
-        let tag = r(at + 1);
+        let tag = r(at + 2);
         if tag & PROCESS_LIVE != 0 {
             processes.insert(i as u32, (r(at), tag as u32 as i32));
+            started.insert(r(at), r(at + 1));
         }
     }
     let mut leases: HashMap<u32, HashMap<u64, u32>> = HashMap::new();
@@ -571,7 +621,9 @@ pub fn read(fd: OwnedFd) -> Result<Option<Recovered>, Inconsistent> {
         epoch: (r(H_NODE_EPOCH) >> 32) as u32,
         id_key,
         id_counter: r(H_ID_COUNTER),
-        segments: (0..segments).map(|i| r(HEADER_WORDS + i)).collect(),
+        segments: (0..segments)
+            .map(|i| r(HEADER_WORDS + i * SEGMENT_WORDS))
+            .collect(),
         hugetlb: r(H_HUGETLB) != 0,
         peer_listener: false,
         metrics_listener: false,
@@ -589,6 +641,10 @@ pub fn read(fd: OwnedFd) -> Result<Option<Recovered>, Inconsistent> {
     Ok(Some(Recovered {
         handover,
         generation: r(H_GENERATION),
+        segment_ids: (0..segments)
+            .map(|i| r(HEADER_WORDS + i * SEGMENT_WORDS + 1))
+            .collect(),
+        started,
     }))
 }
 
@@ -601,6 +657,12 @@ pub fn forget_processes(h: &mut Handover, gone: &std::collections::HashSet<u64>)
         let aborted = o.writer.is_some_and(|key| gone.contains(&key));
         !(aborted || o.delete_pending && o.leases.is_empty())
     });
+}
+
+/// The most bytes a ledger may take for a store of `capacity` bytes: a sixteenth of it, at
+/// least 64 MiB.
+pub fn max_ledger_bytes(capacity: u64) -> u64 {
+    (capacity / 16).max(64 << 20)
 }
 
 /// A ledger and where it is kept.
@@ -619,7 +681,10 @@ impl Objects {
     /// Keeps a ledger of this table from now on, in `store` (the service manager's file
     /// descriptor store): a daemon started after this one is killed serves the same objects.
     pub fn keep_ledger(&mut self, mut store: Box<dyn LedgerStore>) -> std::io::Result<()> {
-        let replaces = self.ledger.take().map(|k| k.ledger.generation());
+        let replaces = self.ledger.take().map(|k| {
+            k.ledger.abandon();
+            k.ledger.generation()
+        });
         let ledger = self.write_ledger(&mut *store, replaces)?;
         tracing::info!(
             generation = ledger.generation(),
@@ -654,9 +719,9 @@ impl Objects {
         let mut pairs = 0usize;
         let mut processes = std::collections::HashSet::new();
         for (&id, c) in &self.conns {
-            if let Some((key, _)) = self.process_key(id, c) {
+            if let Some(holder) = self.process_key(id, c) {
                 pairs += c.leases.len();
-                processes.insert(key);
+                processes.insert(holder.key);
             }
         }
         let room = Room {
@@ -664,6 +729,19 @@ impl Objects {
             leases: (pairs * 2).max(1024),
             processes: (processes.len() * 2).max(64),
         };
+        // Bounded by the store: a table of many small objects would make a ledger as large
+        // as the memory it describes (72 bytes an object), so past a sixteenth of the store
+        // the daemon keeps none.
+        let bytes = words_for(self.segments.len(), room).3 as u64 * 8;
+        let most = max_ledger_bytes(self.capacity());
+        if bytes > most {
+            return Err(std::io::Error::other(format!(
+                "a ledger of {} objects would take {}, over a sixteenth of the store ({})",
+                self.slots.len(),
+                crate::format_bytes(bytes),
+                crate::format_bytes(most)
+            )));
+        }
         let generation = store
             .generation()
             .max(replaces.map_or(0, |g| g.saturating_add(1)));
@@ -679,7 +757,13 @@ impl Objects {
                 .iter()
                 .map(crate::alloc::Allocator::capacity)
                 .collect(),
+            segment_ids: store.segment_ids(),
         };
+        if header.segment_ids.len() != header.segments.len() {
+            return Err(std::io::Error::other(
+                "the segments kept are not the table's",
+            ));
+        }
         let mut ledger = Ledger::create(&header, room, generation)?;
         let no_room = |_| std::io::Error::other("a ledger sized for the table has no room for it");
         for slot in 0..self.slots.len() as u32 {
@@ -688,11 +772,9 @@ impl Objects {
             }
         }
         for (&id, c) in &self.conns {
-            if let Some((key, pid)) = self.process_key(id, c) {
+            if let Some(holder) = self.process_key(id, c) {
                 for (&slot, &n) in &c.leases {
-                    ledger
-                        .lease(slot, key, pid, i64::from(n))
-                        .map_err(no_room)?;
+                    ledger.lease(slot, holder, i64::from(n)).map_err(no_room)?;
                 }
             }
         }
@@ -701,10 +783,10 @@ impl Objects {
         Ok(ledger)
     }
 
-    /// The process a client connection's holdings are kept for in a ledger or a hand-over
-    /// (its key and pid); `None` for the daemon's own connections (but those holding for a
-    /// process since a hand-over).
-    pub(super) fn process_key(&self, id: ConnId, c: &Conn) -> Option<(u64, i32)> {
+    /// The process a client connection's holdings are kept for in a ledger or a hand-over;
+    /// `None` for the daemon's own connections (but those holding for a process since a
+    /// hand-over).
+    pub(super) fn process_key(&self, id: ConnId, c: &Conn) -> Option<Holder> {
         if c.info.internal && self.orphans.get(&c.info.process.key) != Some(&id) {
             return None;
         }
@@ -718,7 +800,11 @@ impl Objects {
             key if key & UNNAMED_KEY != 0 => UNNAMED_KEY | id,
             key => key,
         };
-        Some((key, c.info.pid))
+        Some(Holder {
+            key,
+            pid: c.info.pid,
+            started: c.info.process.started,
+        })
     }
 
     /// What a ledger says of the object in `slot`: `None` when there is none, or it is being
@@ -758,6 +844,8 @@ impl Objects {
         match self.write_ledger(&mut *kept.store, Some(replaces)) {
             Ok(ledger) => {
                 tracing::debug!(generation = ledger.generation(), "the ledger grew");
+                // (Kept no more: marked so, in case the store did not let go of it.)
+                kept.ledger.abandon();
                 kept.ledger = ledger;
                 self.ledger = Some(kept);
             }
@@ -791,14 +879,14 @@ impl Objects {
     }
 
     /// Records `delta` leases of `holder` (a process, from [`Objects::process_key`]) on `slot`.
-    pub(super) fn ledger_lease(&mut self, holder: Option<(u64, i32)>, slot: u32, delta: i64) {
-        if let (Some(_), Some((key, pid))) = (&self.ledger, holder) {
-            self.ledger_change(|l| l.lease(slot, key, pid, delta));
+    pub(super) fn ledger_lease(&mut self, holder: Option<Holder>, slot: u32, delta: i64) {
+        if let (Some(_), Some(holder)) = (&self.ledger, holder) {
+            self.ledger_change(|l| l.lease(slot, holder, delta));
         }
     }
 
     /// The holder [`Objects::ledger_lease`] records for `conn`.
-    pub(super) fn holder(&self, conn: ConnId) -> Option<(u64, i32)> {
+    pub(super) fn holder(&self, conn: ConnId) -> Option<Holder> {
         self.ledger.as_ref()?;
         self.process_key(conn, self.conns.get(&conn)?)
     }
@@ -814,12 +902,15 @@ mod tests {
     use crate::objects::{ClientInfo, Process};
 
     /// The service manager's store, as a test holds it: every ledger kept, by generation.
-    #[derive(Clone, Default)]
-    struct Kept(Arc<Mutex<Vec<(u64, OwnedFd)>>>);
+    #[derive(Clone)]
+    struct Kept(Arc<Mutex<Vec<(u64, OwnedFd)>>>, usize);
 
     impl LedgerStore for Kept {
         fn generation(&self) -> u64 {
             1000
+        }
+        fn segment_ids(&self) -> Vec<u64> {
+            (0..self.1 as u64).map(|i| 77 + i).collect()
         }
         fn keep(
             &mut self,
@@ -838,6 +929,11 @@ mod tests {
     }
 
     impl Kept {
+        /// A store for the ledger of a table over `segments` segments.
+        fn new(segments: usize) -> Kept {
+            Kept(Arc::default(), segments)
+        }
+
         /// The latest ledger, read back.
         fn read(&self) -> Recovered {
             let kept = self.0.lock().unwrap();
@@ -853,7 +949,11 @@ mod tests {
             role,
             uid: 0,
             pid: key as i32,
-            process: Process { key, pidfd: None },
+            process: Process {
+                key,
+                pidfd: None,
+                started: key * 3,
+            },
             name: String::new(),
             internal,
             capped: false,
@@ -871,7 +971,7 @@ mod tests {
     #[test]
     fn the_ledger_reads_back_as_the_table_hands_over() {
         let mut o = Objects::new(7, 99, &[1 << 20, 1 << 20], false);
-        let kept = Kept::default();
+        let kept = Kept::new(2);
         o.keep_ledger(Box::new(kept.clone())).unwrap();
         let check = |o: &Objects, what: &str| {
             let back = kept.read();
@@ -924,7 +1024,7 @@ mod tests {
     #[test]
     fn random_work_leaves_the_ledger_true() {
         let mut o = Objects::new(3, 4, &[1 << 16, 1 << 16], false);
-        let kept = Kept::default();
+        let kept = Kept::new(2);
         o.keep_ledger(Box::new(kept.clone())).unwrap();
         let mut seed = 0x9e37_79b9_7f4a_7c15u64;
         let mut next = move |n: usize| {
@@ -974,7 +1074,7 @@ mod tests {
     #[test]
     fn a_full_ledger_is_written_again_larger() {
         let mut o = Objects::new(1, 2, &[64 << 20], false);
-        let kept = Kept::default();
+        let kept = Kept::new(1);
         o.keep_ledger(Box::new(kept.clone())).unwrap();
         let first = o.ledger_generation().unwrap();
         let w = client(&mut o, Role::Writer, 10, false);
@@ -1015,6 +1115,7 @@ mod tests {
             id_counter: 0,
             hugetlb: false,
             segments: vec![1 << 20],
+            segment_ids: vec![42],
         };
         let room = Room {
             objects: 8,
@@ -1024,19 +1125,26 @@ mod tests {
         let ledger = Ledger::create(&header, room, 5).unwrap();
         let fd = || ledger.fd().try_clone_to_owned().unwrap();
         assert!(read(fd()).unwrap().is_none(), "being written");
+        assert_eq!(
+            generation(&fd()),
+            Some(5),
+            "its generation, complete or not"
+        );
         ledger.complete();
         let back = read(fd()).unwrap().unwrap();
         assert_eq!((back.generation, back.handover.epoch), (5, 2));
         assert_eq!(back.handover.id_key, [7; 32]);
-        ledger.abandon();
-        assert!(read(fd()).unwrap().is_none(), "abandoned");
+        assert_eq!(back.segment_ids, [42]);
+        abandon(&fd()).unwrap();
+        assert!(read(fd()).unwrap().is_none(), "abandoned by a daemon after");
+        assert_eq!(generation(&fd()), Some(5));
     }
 
     /// What gone processes held is dropped from a table read back.
     #[test]
     fn what_gone_processes_held_is_forgotten() {
         let mut o = Objects::new(1, 2, &[1 << 20], false);
-        let kept = Kept::default();
+        let kept = Kept::new(1);
         o.keep_ledger(Box::new(kept.clone())).unwrap();
         let (w, r, gone) = (
             client(&mut o, Role::Writer, 10, false),
