@@ -116,9 +116,9 @@ pub struct Daemon {
     /// service manager and a waiting `--detach` parent.
     on_serving: Option<Box<dyn FnOnce() + Send>>,
     /// Keep the segments and a ledger of the table in the service manager's descriptor store
-    /// (`--fd-store`), once serving; `Some(name)`: in place of the ledger this daemon read its
-    /// table from.
-    fd_store: Option<Option<String>>,
+    /// (`--fd-store`), once serving; `Some(read)`: in place of what this daemon read its
+    /// store back from.
+    fd_store: Option<Option<crate::fdstore::Read>>,
 }
 
 impl Daemon {
@@ -197,7 +197,7 @@ impl Daemon {
             })
             .transpose()?;
         let (segments, objects, restored_from) = match restored {
-            Some(r) => (r.segments, Some(r.objects), Some(r.ledger)),
+            Some(r) => (r.segments, Some(r.objects), Some(r.read)),
             None => (create_segments(config)?, None, None),
         };
         let started = if objects.is_some() {
@@ -300,8 +300,10 @@ impl Daemon {
         // When each process held for started, for a ledger (`--fd-store`) to name it by after a
         // crash: read while its pidfd says it runs, so its pid is still its own.
         for (orphan, pid, process) in objects.orphans() {
+            // (Read before the pidfd says it runs: the pid was its own when read.)
+            let started = crate::credentials::start_time(pid);
             if pid > 0 && process.pidfd.is_some() && !crate::credentials::exited(&process, pid) {
-                objects.set_started(orphan, crate::credentials::start_time(pid));
+                objects.set_started(orphan, started);
             }
         }
         let segments = received

@@ -100,11 +100,13 @@ fn notify_with_fds(state: &str, fds: &[RawFd]) -> std::io::Result<()> {
     let iov = [std::io::IoSlice::new(state.as_bytes())];
     let rights = [ControlMessage::ScmRights(fds)];
     let cmsgs: &[ControlMessage<'_>] = if fds.is_empty() { &[] } else { &rights };
+    // Never waits (some are sent under the objects lock): a service manager too busy to take
+    // it is a failure, and a ledger is then not kept.
     sendmsg(
         socket.as_raw_fd(),
         &iov,
         cmsgs,
-        MsgFlags::empty(),
+        MsgFlags::MSG_DONTWAIT,
         Some(&addr),
     )?;
     Ok(())
@@ -186,9 +188,16 @@ impl LedgerStore for ServiceManager {
 pub(crate) struct Restored {
     pub objects: feedstore_core::objects::Objects,
     pub segments: Vec<feedstore_shm::Segment>,
-    /// The name the ledger it was read from is kept under (marked abandoned already; let go
-    /// of once the daemon keeps its own).
-    pub ledger: String,
+    /// What it was read from, let go of once the daemon serves ([`keep_store`]).
+    pub read: Read,
+}
+
+/// What a daemon read its store back from: the ledger (its name and descriptor) and the rest
+/// the service manager passed. Until the daemon serves, they stay as they were: a daemon that
+/// fails to start leaves the next one the same store to read back.
+pub(crate) struct Read {
+    ledger: (String, OwnedFd),
+    rest: Passed,
 }
 
 /// The id a segment is known by in a ledger: its memfd's inode.
@@ -228,14 +237,19 @@ pub(crate) fn restore(node_id: u32, mut passed: Passed) -> Option<Restored> {
         forget_passed(passed);
         None
     };
-    // Only the latest ledger can be the table: an older one may say less is held than is.
-    let latest = passed
+    // Only the latest ledger can be the table: an older one may say less is held than is. So
+    // a ledger whose generation cannot be read leaves none to trust.
+    let ledgers: Vec<(usize, Option<u64>)> = passed
         .fds
         .iter()
         .enumerate()
         .filter(|(_, (name, _))| name.starts_with("ledger-"))
-        .filter_map(|(i, (_, fd))| Some((ledger::generation(fd)?, i)))
-        .max();
+        .map(|(i, (_, fd))| (i, ledger::generation(fd)))
+        .collect();
+    if ledgers.iter().any(|(_, g)| g.is_none()) {
+        return give_up("a ledger that cannot be read", passed, None);
+    }
+    let latest = ledgers.into_iter().filter_map(|(i, g)| Some((g?, i))).max();
     let Some((generation, at)) = latest else {
         return give_up("no ledger", passed, None);
     };
@@ -243,7 +257,7 @@ pub(crate) fn restore(node_id: u32, mut passed: Passed) -> Option<Restored> {
     let recovered = match chosen.1.try_clone().map(ledger::read) {
         Ok(Ok(Some(r))) => r,
         Ok(Ok(None)) => {
-            let why = format!("ledger {generation} was abandoned");
+            let why = format!("ledger {generation} is abandoned or incomplete");
             return give_up(&why, passed, Some(chosen));
         }
         Ok(Err(e)) => return give_up(&e.to_string(), passed, Some(chosen)),
@@ -269,7 +283,7 @@ pub(crate) fn restore(node_id: u32, mut passed: Passed) -> Option<Restored> {
         let found = passed
             .fds
             .iter()
-            .find(|(n, fd)| *n == name && segment_id(fd.as_fd()) == id);
+            .find(|(n, fd)| *n == name && id != 0 && segment_id(fd.as_fd()) == id);
         let adopt = found
             .ok_or_else(|| "its memory was not kept".to_string())
             .and_then(|(_, fd)| {
@@ -292,15 +306,6 @@ pub(crate) fn restore(node_id: u32, mut passed: Passed) -> Option<Restored> {
             objects.set_started(orphan, started);
         }
     }
-    // Read: no daemon reads that ledger again (if this one keeps none, the next starts afresh).
-    if let Err(e) = ledger::abandon(&chosen.1) {
-        let why = format!("cannot mark the ledger read: {e}");
-        return give_up(&why, passed, Some(chosen));
-    }
-    // The rest goes: older ledgers, other memory kept under a segment's name, and the
-    // segments themselves, which this daemon keeps again once it serves (systemd cannot let
-    // go of one of two descriptors of one name). The ledger read stays kept until then.
-    forget_passed(passed);
     tracing::info!(
         generation,
         objects = handover.objects.len(),
@@ -313,7 +318,10 @@ pub(crate) fn restore(node_id: u32, mut passed: Passed) -> Option<Restored> {
     Some(Restored {
         objects,
         segments: adopted,
-        ledger: chosen.0,
+        read: Read {
+            ledger: chosen,
+            rest: passed,
+        },
     })
 }
 
@@ -353,8 +361,21 @@ fn find_processes(
 
 /// Keeps the daemon's segments and a ledger of its table in the service manager's store
 /// (once it serves: a daemon taking over keeps its ledger only once its predecessor stopped
-/// keeping its own), in place of the ledger kept under the name `replaces`. Whether it is kept.
-pub(crate) fn keep_store(shared: &crate::state::Shared, replaces: Option<String>) -> bool {
+/// keeping its own), in place of what it read its store back from, if anything. Whether it is
+/// kept.
+pub(crate) fn keep_store(shared: &crate::state::Shared, read: Option<Read>) -> bool {
+    // The ledger read describes the store no more (this daemon changes it from now on): marked
+    // so before anything else, so that if this daemon keeps none, the next starts afresh. The
+    // rest passed goes (older ledgers, other memory kept under a segment's name, the segments,
+    // which are kept again below: systemd cannot let go of one of two descriptors of a name).
+    let replaces = read.map(|Read { ledger, rest }| {
+        if let Err(e) = feedstore_core::objects::ledger::abandon(&ledger.1) {
+            tracing::warn!(error = %e, name = ledger.0, "cannot mark the ledger read abandoned");
+            forget(&ledger.0);
+        }
+        forget_passed(rest);
+        ledger.0
+    });
     let why_not = |e: &dyn std::fmt::Display| {
         tracing::warn!(
             error = %e,

@@ -18,9 +18,9 @@
 //!   between two stores leaves each record wholly old or wholly new;
 //! - it is fixed in size; when a record finds no room, the daemon writes a new ledger twice
 //!   the size from its table, gives it to the service manager, and only then lets go of the
-//!   old one. Of the ledgers a daemon finds at its start, the latest complete one is the table
-//!   (its generation is the node's boot-time clock, which every daemon on the node reads
-//!   alike).
+//!   old one (then marks it abandoned). Of the ledgers a daemon finds at its start, only the
+//!   latest may be the table, and only if it is complete (its generation is the node's
+//!   boot-time clock, which every daemon on the node reads alike).
 //!
 //! Only the daemon maps a ledger (it holds the key object ids are drawn under); streams and
 //! what the daemon's own connections hold are not in it, as they are not in a hand-over.
@@ -180,6 +180,8 @@ struct Process {
     index: u32,
     /// Lease records and reservations naming it.
     refs: u32,
+    /// The start time its record says (0 unknown).
+    started: u64,
 }
 
 /// One ledger, mapped read-write by the daemon that keeps it.
@@ -315,6 +317,7 @@ impl Ledger {
 
     /// The process record for `key`, made if there is none; one more reference to it.
     fn process(&mut self, holder: Holder) -> Result<u32, NoRoom> {
+        self.same_start(holder);
         if let Some(p) = self.processes.get_mut(&holder.key) {
             p.refs += 1;
             return Ok(p.index);
@@ -328,9 +331,29 @@ impl Ledger {
             u64::from(holder.pid as u32) | PROCESS_LIVE,
             Ordering::Release,
         );
-        self.processes
-            .insert(holder.key, Process { index, refs: 1 });
+        self.processes.insert(
+            holder.key,
+            Process {
+                index,
+                refs: 1,
+                started: holder.started,
+            },
+        );
         Ok(index)
+    }
+
+    /// Where `holder` is not the process its key's record was made for (a pid given again
+    /// while the first one's connection is not yet gone), no start names the key's holdings:
+    /// the record's start becomes unknown.
+    fn same_start(&mut self, holder: Holder) {
+        if let Some(p) = self.processes.get_mut(&holder.key)
+            && p.started != holder.started
+            && p.started != 0
+        {
+            p.started = 0;
+            let at = self.processes_at + p.index as usize * PROCESS_WORDS;
+            self.map.atomic_words().expect("read-write")[at + 1].store(0, Ordering::Release);
+        }
     }
 
     /// One reference fewer to the process record at `index` (`key`): cleared at the last.
@@ -396,13 +419,18 @@ impl Ledger {
         w[at + 8].store(origin.id, Ordering::Relaxed);
         let segment_writer =
             |writer: Option<u32>| u64::from(r.segment) | writer.map_or(NO_WRITER, u64::from) << 32;
-        if writer.is_some() {
+        // A reservation's record, or a sealed one that was none (a new record: its segment is
+        // read once the head is): the word before the head. A reservation's sealing: after
+        // it, which no longer reads the writer (release: never moved before the head).
+        let sealing = writer.is_none() && self.writers.contains_key(&slot);
+        if !sealing {
             w[at + 2].store(segment_writer(writer), Ordering::Relaxed);
         }
         w[at].store(head, Ordering::Release);
-        if writer.is_none() {
-            // (Release: never before the head, which no longer reads it.)
+        if sealing {
             w[at + 2].store(segment_writer(None), Ordering::Release);
+        }
+        if writer.is_none() {
             self.unset_writer(slot);
         }
         Ok(())
@@ -427,6 +455,9 @@ impl Ledger {
     /// Adds `delta` to the leases `holder` holds on the object in `slot`.
     pub(super) fn lease(&mut self, slot: u32, holder: Holder, delta: i64) -> Result<(), NoRoom> {
         let key = holder.key;
+        if delta > 0 {
+            self.same_start(holder);
+        }
         let index = self.processes.get(&key).map(|p| p.index);
         if let Some(index) = index
             && let Some((record, count)) = self.leases.get_mut(&(slot, index))
@@ -730,8 +761,8 @@ impl Objects {
             processes: (processes.len() * 2).max(64),
         };
         // Bounded by the store: a table of many small objects would make a ledger as large
-        // as the memory it describes (72 bytes an object), so past a sixteenth of the store
-        // the daemon keeps none.
+        // as the memory it describes (a record of 72 bytes an object, room for twice as
+        // many), so past a sixteenth of the store the daemon keeps none.
         let bytes = words_for(self.segments.len(), room).3 as u64 * 8;
         let most = max_ledger_bytes(self.capacity());
         if bytes > most {
@@ -1001,6 +1032,30 @@ mod tests {
             &o,
             "leases of one process on two connections, and a stream's",
         );
+        let started = kept.read().started;
+        assert_eq!(
+            (started.get(&10), started.get(&20), started.get(&30)),
+            (None, Some(&60), None),
+            "when each process holding something started (the reader); not the writer's, \
+             which holds nothing now, nor the stream's"
+        );
+        // Another process under the same key (a pid given again): no start names the key.
+        let again = o.connect(ClientInfo {
+            role: Role::Reader,
+            uid: 0,
+            pid: 20,
+            process: Process {
+                key: 20,
+                pidfd: None,
+                started: 999,
+            },
+            name: String::new(),
+            internal: false,
+            capped: false,
+        });
+        o.get(again, b).unwrap();
+        assert_eq!(kept.read().started.get(&20), Some(&0));
+        o.release(again, b).unwrap();
         o.delete(w, a).unwrap();
         check(&o, "a deferred delete");
         o.release(r, a).unwrap();
