@@ -40,6 +40,7 @@ mod handle;
 pub mod handover;
 pub mod peer;
 pub mod peer_stream;
+pub mod reshard;
 pub mod ring;
 pub mod sample;
 mod stats;

@@ -1,0 +1,544 @@
+//! Resuming a stream at another world size: what the ranks of a run at world `W` left unread of
+//! their epochs, split over the ranks of a run at world `W'`, every sample once.
+//!
+//! An epoch's order is a permutation of its *slots*: rank `r` reads slot `p·W + r` at position
+//! `p` ([`StreamSpec::record_at`]). The ranks of a stopped run each read a prefix of their own
+//! slots (their [`StreamState`]s say how long, ranks' uneven progress and ranks already in the
+//! next epoch included), so what is left of an epoch is, row by row (`p`), the slots of the
+//! ranks that had not reached that row. A [`Reshard`] numbers those slots in slot order and
+//! deals them to the new ranks in turn: the `k`-th remaining slot goes to new rank `k mod W'`,
+//! as its `k div W'`-th sample of that epoch's remainder. After the last epoch any old rank had
+//! begun, the new world reads the stream's ordinary epochs at world `W'`.
+//!
+//! What it holds is the old spec and, per epoch left unfinished, one count per old rank: its
+//! size grows with the old world, never with the data set (see [`Reshard::to_text`]).
+
+use crate::stream::{StreamSpec, StreamState};
+
+/// Why states cannot be resharded.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ReshardError {
+    /// A state belongs to another stream.
+    #[error(
+        "a state belongs to another stream (spec digest {found:016x}, this one's {expected:016x})"
+    )]
+    OtherStream {
+        /// The stream's.
+        expected: u64,
+        /// The state's.
+        found: u64,
+    },
+    /// Not exactly one state per rank of the old world.
+    #[error("{found} states for a world of {world}: one per rank, each rank once")]
+    Ranks {
+        /// The old world.
+        world: u32,
+        /// States given.
+        found: usize,
+    },
+    /// A state past the stream's end, or the new world is empty.
+    #[error("{0}")]
+    Invalid(String),
+}
+
+/// One epoch's remainder: how many of its own slots each old rank had read.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Remainder {
+    epoch: u64,
+    /// Per old rank, slots read (at most `per_rank`).
+    read: Vec<u64>,
+    /// The same, sorted, with prefix sums, for counting the slots left before a row.
+    sorted: Vec<u64>,
+    prefix: Vec<u64>,
+    /// Slots left.
+    left: u64,
+}
+
+impl Remainder {
+    fn new(epoch: u64, read: Vec<u64>, per_rank: u64) -> Remainder {
+        let mut sorted = read.clone();
+        sorted.sort_unstable();
+        let mut prefix = Vec::with_capacity(sorted.len() + 1);
+        prefix.push(0u64);
+        for &c in &sorted {
+            prefix.push(prefix.last().copied().unwrap_or(0) + c);
+        }
+        let left = read.iter().map(|&c| per_rank - c).sum();
+        Remainder {
+            epoch,
+            read,
+            sorted,
+            prefix,
+            left,
+        }
+    }
+
+    /// Slots left in the rows before `row`: `Σ max(0, row − read_r)`.
+    fn left_before(&self, row: u64) -> u64 {
+        let below = self.sorted.partition_point(|&c| c < row);
+        below as u64 * row - self.prefix[below]
+    }
+
+    /// The `k`-th slot left (`k < left`), as (old rank, position).
+    fn nth(&self, k: u64, per_rank: u64) -> (u32, u64) {
+        // The row: the last one with fewer than k + 1 slots left before it.
+        let (mut lo, mut hi) = (self.sorted[0], per_rank);
+        while hi - lo > 1 {
+            let mid = lo + (hi - lo) / 2;
+            if self.left_before(mid) <= k {
+                lo = mid;
+            } else {
+                hi = mid;
+            }
+        }
+        let mut j = k - self.left_before(lo);
+        for (rank, &c) in self.read.iter().enumerate() {
+            if c <= lo {
+                if j == 0 {
+                    return (rank as u32, lo);
+                }
+                j -= 1;
+            }
+        }
+        unreachable!("row {lo} holds slot {k}")
+    }
+}
+
+/// What a run at one world size left unread, dealt to the ranks of another
+/// ([`Reshard::new`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Reshard {
+    /// The stream as the old run read it.
+    old: StreamSpec,
+    /// The new world's size.
+    world: u32,
+    /// The epochs some old rank had begun and not every one had finished, in order.
+    remainders: Vec<Remainder>,
+    /// The first epoch the new world reads whole.
+    next_epoch: u64,
+}
+
+impl Reshard {
+    /// Deals what the ranks of `old` left unread (their `states`, one per rank, in any order)
+    /// to `world` new ranks.
+    pub fn new(
+        old: &StreamSpec,
+        states: &[StreamState],
+        world: u32,
+    ) -> Result<Reshard, ReshardError> {
+        if world == 0 {
+            return Err(ReshardError::Invalid("the new world has no ranks".into()));
+        }
+        old.check(0)
+            .map_err(|e| ReshardError::Invalid(e.to_string()))?;
+        let expected = old.digest();
+        let mut by_rank: Vec<Option<&StreamState>> = vec![None; old.world as usize];
+        for s in states {
+            if s.spec_digest != expected {
+                return Err(ReshardError::OtherStream {
+                    expected,
+                    found: s.spec_digest,
+                });
+            }
+            match by_rank.get_mut(s.rank as usize) {
+                Some(slot @ None) => *slot = Some(s),
+                _ => {
+                    return Err(ReshardError::Ranks {
+                        world: old.world,
+                        found: states.len(),
+                    });
+                }
+            }
+        }
+        let Some(states) = by_rank.into_iter().collect::<Option<Vec<_>>>() else {
+            return Err(ReshardError::Ranks {
+                world: old.world,
+                found: states.len(),
+            });
+        };
+        let per_rank = old.per_rank();
+        if let Some(end) = old.end_seq()
+            && let Some(s) = states.iter().find(|s| s.seq(old) > end)
+        {
+            return Err(ReshardError::Invalid(format!(
+                "rank {} is past the stream's end",
+                s.rank
+            )));
+        }
+        let first = states.iter().map(|s| s.epoch).min().unwrap_or(0);
+        let last = states.iter().map(|s| s.epoch).max().unwrap_or(0);
+        // Past the last epoch some rank has begun, the new world reads whole epochs.
+        let next_epoch = last + u64::from(states.iter().any(|s| s.epoch == last && s.position > 0));
+        let mut remainders = Vec::new();
+        for epoch in first..next_epoch {
+            let read: Vec<u64> = states
+                .iter()
+                .map(|s| match s.epoch.cmp(&epoch) {
+                    std::cmp::Ordering::Greater => per_rank,
+                    std::cmp::Ordering::Equal => s.position.min(per_rank),
+                    std::cmp::Ordering::Less => 0,
+                })
+                .collect();
+            let r = Remainder::new(epoch, read, per_rank);
+            if r.left > 0 {
+                remainders.push(r);
+            }
+        }
+        Ok(Reshard {
+            old: old.clone(),
+            world,
+            remainders,
+            next_epoch,
+        })
+    }
+
+    /// The stream as the new world reads it after the remainders: the old spec at the new
+    /// world size.
+    pub fn spec(&self) -> StreamSpec {
+        StreamSpec {
+            world: self.world,
+            ..self.old.clone()
+        }
+    }
+
+    /// How many samples of the remainders new rank `rank` reads before the ordinary epochs.
+    pub fn share(&self, rank: u32) -> u64 {
+        self.remainders
+            .iter()
+            .map(|r| share_of(r.left, self.world, rank))
+            .sum()
+    }
+
+    /// The first epoch the new world reads whole.
+    pub fn next_epoch(&self) -> u64 {
+        self.next_epoch
+    }
+
+    /// The record new rank `rank` reads at its sequence number `seq`: from the remainders
+    /// while `seq < share(rank)`, then the new spec's epochs from [`Reshard::next_epoch`] on.
+    pub fn record_at(&self, rank: u32, seq: u64) -> u64 {
+        let mut seq = seq;
+        let per_rank = self.old.per_rank();
+        let world = u64::from(self.world);
+        for r in &self.remainders {
+            let n = share_of(r.left, self.world, rank);
+            if seq < n {
+                let (old_rank, position) = r.nth(seq * world + u64::from(rank), per_rank);
+                return self.old.record_at(old_rank, r.epoch * per_rank + position);
+            }
+            seq -= n;
+        }
+        let spec = self.spec();
+        spec.record_at(rank, self.next_epoch * spec.per_rank() + seq)
+    }
+}
+
+/// The most old ranks a reshard's text may name (a bound for text read from a checkpoint).
+pub const MAX_OLD_WORLD: u32 = 1 << 16;
+
+impl Reshard {
+    /// A one-line text form for checkpoints:
+    /// `r1:<old spec digest>:<old world>:<new world>:<first epoch>:<counts>` in hex, where
+    /// `<counts>` lists each unfinished epoch's counts (slots each old rank read) separated by
+    /// `;`, each as runs `value*times` separated by `,` (`*times` left out for one). Ranks that
+    /// stop together write one run: 1,024 ranks at one position take some 60 bytes, at 1,024
+    /// different positions near 10^9 records some 9 KiB; never more with the data set.
+    pub fn to_text(&self) -> String {
+        let epochs: Vec<String> = self
+            .remainders
+            .iter()
+            .map(|r| {
+                let mut runs: Vec<(u64, u64)> = Vec::new();
+                for &c in &r.read {
+                    match runs.last_mut() {
+                        Some((v, n)) if *v == c => *n += 1,
+                        _ => runs.push((c, 1)),
+                    }
+                }
+                runs.iter()
+                    .map(|&(v, n)| {
+                        if n == 1 {
+                            format!("{v:x}")
+                        } else {
+                            format!("{v:x}*{n:x}")
+                        }
+                    })
+                    .collect::<Vec<_>>()
+                    .join(",")
+            })
+            .collect();
+        let first = self.remainders.first().map_or(self.next_epoch, |r| r.epoch);
+        format!(
+            "r1:{:016x}:{:x}:{:x}:{:x}:{}",
+            self.old.digest(),
+            self.old.world,
+            self.world,
+            first,
+            epochs.join(";")
+        )
+    }
+
+    /// Parses [`Reshard::to_text`] for the stream `spec` (at either world size): `None` when it
+    /// is not one, names another stream, or lies (counts past an epoch, more than
+    /// [`MAX_OLD_WORLD`] ranks).
+    pub fn from_text(spec: &StreamSpec, text: &str) -> Option<Reshard> {
+        let mut parts = text.trim().split(':');
+        if parts.next()? != "r1" {
+            return None;
+        }
+        let hex = |s: Option<&str>| u64::from_str_radix(s?, 16).ok();
+        let digest = hex(parts.next())?;
+        let old_world = u32::try_from(hex(parts.next())?).ok()?;
+        let world = u32::try_from(hex(parts.next())?).ok()?;
+        let first = hex(parts.next())?;
+        let counts = parts.next()?;
+        if parts.next().is_some() || old_world == 0 || old_world > MAX_OLD_WORLD || world == 0 {
+            return None;
+        }
+        let old = StreamSpec {
+            world: old_world,
+            ..spec.clone()
+        };
+        if old.digest() != digest || old.check(0).is_err() {
+            return None;
+        }
+        let per_rank = old.per_rank();
+        let mut remainders = Vec::new();
+        let epochs: Vec<&str> = if counts.is_empty() {
+            Vec::new()
+        } else {
+            counts.split(';').collect()
+        };
+        for (i, epoch) in epochs.iter().enumerate() {
+            let mut read = Vec::with_capacity(old_world as usize);
+            for run in epoch.split(',') {
+                let (v, n) = match run.split_once('*') {
+                    Some((v, n)) => (hex(Some(v))?, hex(Some(n))?),
+                    None => (hex(Some(run))?, 1),
+                };
+                if v > per_rank || n == 0 || n > u64::from(old_world) - read.len() as u64 {
+                    return None;
+                }
+                read.extend(std::iter::repeat_n(v, n as usize));
+            }
+            if read.len() != old_world as usize {
+                return None;
+            }
+            let r = Remainder::new(first.checked_add(i as u64)?, read, per_rank);
+            if r.left == 0 {
+                return None;
+            }
+            remainders.push(r);
+        }
+        Some(Reshard {
+            old,
+            world,
+            next_epoch: first.checked_add(remainders.len() as u64)?,
+            remainders,
+        })
+    }
+}
+
+/// New rank `rank`'s part of `left` slots dealt in turn to `world` ranks.
+fn share_of(left: u64, world: u32, rank: u32) -> u64 {
+    let world = u64::from(world);
+    left / world + u64::from(u64::from(rank) < left % world)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::HashMap;
+
+    use super::*;
+    use crate::stream::{Shuffle, Tail};
+
+    fn spec(records: u64, world: u32, tail: Tail) -> StreamSpec {
+        StreamSpec {
+            name: "reshard".into(),
+            records,
+            seed: 11,
+            world,
+            shuffle: Shuffle::Full,
+            tail,
+            epochs: Some(4),
+        }
+    }
+
+    thread_local! {
+        /// The shuffle [`check`] runs with.
+        static SHUFFLE: std::cell::Cell<Shuffle> = const { std::cell::Cell::new(Shuffle::Full) };
+    }
+
+    /// The records each old rank read, its state, and what the new ranks read of the
+    /// remainders: together, each slot of the epochs begun exactly once, and then the new
+    /// world's epochs equal an uninterrupted run at the new world.
+    fn check(records: u64, tail: Tail, old_world: u32, seqs: &[u64], new_world: u32) {
+        assert_eq!(seqs.len(), old_world as usize);
+        let old = StreamSpec {
+            shuffle: SHUFFLE.get(),
+            ..spec(records, old_world, tail)
+        };
+        let per_rank = old.per_rank();
+        let states: Vec<StreamState> = seqs
+            .iter()
+            .enumerate()
+            .map(|(r, &seq)| StreamState::at(&old, r as u32, seq))
+            .collect();
+        let reshard = Reshard::new(&old, &states, new_world).unwrap();
+        // What each epoch's slots were read as: (epoch, record) counts.
+        let mut read: HashMap<(u64, u64), u32> = HashMap::new();
+        for (r, &seq) in seqs.iter().enumerate() {
+            for s in 0..seq {
+                *read
+                    .entry((s / per_rank, old.record_at(r as u32, s)))
+                    .or_default() += 1;
+            }
+        }
+        let last_epoch = seqs.iter().map(|s| s / per_rank).max().unwrap();
+        let new = reshard.spec();
+        for rank in 0..new_world {
+            let share = reshard.share(rank);
+            // The remainders' samples, by epoch: each new rank reads them in epoch order.
+            let mut seq = 0;
+            for r in &reshard.remainders {
+                for _ in 0..share_of(r.left, new_world, rank) {
+                    *read
+                        .entry((r.epoch, reshard.record_at(rank, seq)))
+                        .or_default() += 1;
+                    seq += 1;
+                }
+            }
+            assert_eq!(seq, share);
+            // Then the next epoch, as a run at the new world would read it.
+            for p in 0..new.per_rank() {
+                assert_eq!(
+                    reshard.record_at(rank, share + p),
+                    new.record_at(rank, reshard.next_epoch() * new.per_rank() + p),
+                    "rank {rank}, position {p} of the next epoch"
+                );
+            }
+        }
+        let first_epoch = seqs.iter().map(|s| s / per_rank).min().unwrap();
+        for epoch in first_epoch..=last_epoch {
+            // Every slot of the epoch once: its records as an uninterrupted run reads them.
+            let mut expected: HashMap<u64, u32> = HashMap::new();
+            for r in 0..old_world {
+                for p in 0..per_rank {
+                    *expected
+                        .entry(old.record_at(r, epoch * per_rank + p))
+                        .or_default() += 1;
+                }
+            }
+            if epoch >= reshard.next_epoch() {
+                continue;
+            }
+            let total: u32 = read
+                .iter()
+                .filter(|((e, _), _)| *e == epoch)
+                .map(|(_, n)| n)
+                .sum();
+            assert_eq!(
+                u64::from(total),
+                per_rank * u64::from(old_world),
+                "epoch {epoch}"
+            );
+            for (record, n) in expected {
+                let got = read.get(&(epoch, record)).copied().unwrap_or(0);
+                assert_eq!(got, n, "epoch {epoch}, record {record}");
+            }
+        }
+    }
+
+    /// The text form reads back as the same reshard, from the spec at either world, is small,
+    /// and what is not one (or lies) is refused in bounded time and memory.
+    #[test]
+    fn the_text_form_reads_back_and_stays_small() {
+        let old = spec(103, 4, Tail::Drop);
+        let states: Vec<StreamState> = [5u64, 9, 27, 11]
+            .iter()
+            .enumerate()
+            .map(|(r, &seq)| StreamState::at(&old, r as u32, seq))
+            .collect();
+        let reshard = Reshard::new(&old, &states, 3).unwrap();
+        let text = reshard.to_text();
+        assert_eq!(Reshard::from_text(&old, &text), Some(reshard.clone()));
+        assert_eq!(Reshard::from_text(&reshard.spec(), &text), Some(reshard));
+        let other = StreamSpec {
+            seed: 12,
+            ..old.clone()
+        };
+        assert_eq!(Reshard::from_text(&other, &text), None, "another stream");
+        for lie in [
+            "r1:0:4:3:0:",
+            "r2:0:4:3:0:1,2,3,4",
+            &text.replace(":4:3:", ":10000:3:"),
+            &text.replace(":4:3:", ":4:0:"),
+            &format!("{}*ffffffff", text),
+            &format!("{text},0"),
+        ] {
+            assert_eq!(Reshard::from_text(&old, lie), None, "{lie}");
+        }
+        // 1,024 ranks near the end of an epoch of 10^9 records: at one position, and at as
+        // many positions as ranks.
+        let big = StreamSpec {
+            records: 1_000_000_000,
+            world: 1024,
+            ..old.clone()
+        };
+        let at = |seq: &dyn Fn(u32) -> u64| -> String {
+            let states: Vec<StreamState> = (0..1024)
+                .map(|r| StreamState::at(&big, r, seq(r)))
+                .collect();
+            Reshard::new(&big, &states, 1000).unwrap().to_text()
+        };
+        let together = at(&|_| 976_000);
+        let apart = at(&|r| 975_000 + u64::from(r));
+        eprintln!(
+            "1,024 ranks: {} bytes together, {} apart",
+            together.len(),
+            apart.len()
+        );
+        assert!(together.len() < 80, "{} bytes", together.len());
+        assert!(apart.len() < 10 << 10, "{} bytes", apart.len());
+    }
+
+    /// Worlds 1 to 9 to worlds 1 to 9, every shuffle and tail, ranks anywhere in two epochs.
+    #[test]
+    fn any_world_to_any_world() {
+        let mut x = 0x2545_f491_4f6c_dd1du64;
+        let mut next = |n: u64| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x % n
+        };
+        for _ in 0..300 {
+            let old_world = 1 + next(9) as u32;
+            let new_world = 1 + next(9) as u32;
+            let records = u64::from(old_world) + next(60);
+            let tail = if next(2) == 0 { Tail::Drop } else { Tail::Pad };
+            SHUFFLE.set([Shuffle::None, Shuffle::Full, Shuffle::Block(4)][next(3) as usize]);
+            let per_rank = spec(records, old_world, tail).per_rank();
+            let base = next(2) * per_rank;
+            let seqs: Vec<u64> = (0..old_world)
+                .map(|_| base + next(per_rank + per_rank / 2 + 1))
+                .collect();
+            check(records, tail, old_world, &seqs, new_world);
+        }
+    }
+
+    #[test]
+    fn every_sample_left_is_read_once_by_the_new_world() {
+        // 2 → 3, a rank that read nothing.
+        check(100, Tail::Drop, 2, &[0, 17], 3);
+        // 4 → 2, uneven progress, one rank already in the next epoch.
+        check(103, Tail::Drop, 4, &[5, 9, 25 + 2, 11], 2);
+        // 3 → 1, in the last few samples of an epoch.
+        check(99, Tail::Pad, 3, &[31, 32, 33], 1);
+        // 1 → 4.
+        check(50, Tail::Drop, 1, &[7], 4);
+        // Same world, and growth past the records left.
+        check(40, Tail::Drop, 4, &[3, 3, 2, 3], 4);
+        check(40, Tail::Pad, 2, &[19, 19], 8);
+    }
+}
