@@ -52,25 +52,47 @@ struct Remainder {
     prefix: Vec<u64>,
     /// Slots left.
     left: u64,
+    /// Slots left in the remainders before this one: the deal goes on where the last one
+    /// stopped, so new ranks' shares differ by one at most.
+    offset: u64,
 }
 
 impl Remainder {
-    fn new(epoch: u64, read: Vec<u64>, per_rank: u64) -> Remainder {
+    /// `None` when the counts do not fit in 64 bits.
+    fn new(epoch: u64, read: Vec<u64>, per_rank: u64, offset: u64) -> Option<Remainder> {
         let mut sorted = read.clone();
         sorted.sort_unstable();
         let mut prefix = Vec::with_capacity(sorted.len() + 1);
         prefix.push(0u64);
         for &c in &sorted {
-            prefix.push(prefix.last().copied().unwrap_or(0) + c);
+            prefix.push(prefix.last().copied().unwrap_or(0).checked_add(c)?);
         }
-        let left = read.iter().map(|&c| per_rank - c).sum();
-        Remainder {
+        let mut left = 0u64;
+        for &c in &read {
+            left = left.checked_add(per_rank.checked_sub(c)?)?;
+        }
+        offset.checked_add(left)?;
+        Some(Remainder {
             epoch,
             read,
             sorted,
             prefix,
             left,
-        }
+            offset,
+        })
+    }
+
+    /// New rank `rank`'s part of this remainder, dealt in turn to `world` ranks from
+    /// [`Remainder::offset`] on: (its first slot's index, how many).
+    fn share(&self, world: u32, rank: u32) -> (u64, u64) {
+        let world = u64::from(world);
+        let first = (u64::from(rank) + world - self.offset % world) % world;
+        let n = if first < self.left {
+            (self.left - 1 - first) / world + 1
+        } else {
+            0
+        };
+        (first, n)
     }
 
     /// Slots left in the rows before `row`: `Σ max(0, row − read_r)`.
@@ -132,7 +154,8 @@ impl Reshard {
         old.check(0)
             .map_err(|e| ReshardError::Invalid(e.to_string()))?;
         let expected = old.digest();
-        let mut by_rank: Vec<Option<&StreamState>> = vec![None; old.world as usize];
+        let mut by_rank: Vec<Option<&StreamState>> =
+            vec![None; old.world.min(MAX_OLD_WORLD) as usize];
         for s in states {
             if s.spec_digest != expected {
                 return Err(ReshardError::OtherStream {
@@ -156,30 +179,56 @@ impl Reshard {
                 found: states.len(),
             });
         };
-        let per_rank = old.per_rank();
-        if let Some(end) = old.end_seq()
-            && let Some(s) = states.iter().find(|s| s.seq(old) > end)
-        {
+        if old.world > MAX_OLD_WORLD {
             return Err(ReshardError::Invalid(format!(
-                "rank {} is past the stream's end",
-                s.rank
+                "a world of {} is more than {MAX_OLD_WORLD} ranks",
+                old.world
             )));
         }
-        let first = states.iter().map(|s| s.epoch).min().unwrap_or(0);
-        let last = states.iter().map(|s| s.epoch).max().unwrap_or(0);
+        let new = StreamSpec {
+            world,
+            ..old.clone()
+        };
+        new.check(0)
+            .map_err(|e| ReshardError::Invalid(format!("at the new world size: {e}")))?;
+        let per_rank = old.per_rank();
+        // Each state as its sequence number says (a position past the rank's share is the next
+        // epoch's), within the stream.
+        let mut at = Vec::with_capacity(states.len());
+        for s in &states {
+            let seq = s
+                .epoch
+                .checked_mul(per_rank)
+                .and_then(|e| e.checked_add(s.position))
+                .filter(|&seq| old.end_seq().is_none_or(|end| seq <= end))
+                .ok_or_else(|| {
+                    ReshardError::Invalid(format!("rank {} is past the stream's end", s.rank))
+                })?;
+            at.push(StreamState::at(old, s.rank, seq));
+        }
+        let first = at.iter().map(|s| s.epoch).min().unwrap_or(0);
+        let last = at.iter().map(|s| s.epoch).max().unwrap_or(0);
+        if last - first >= MAX_EPOCHS_APART {
+            return Err(ReshardError::Invalid(format!(
+                "ranks {} epochs apart (at most {MAX_EPOCHS_APART})",
+                last - first
+            )));
+        }
         // Past the last epoch some rank has begun, the new world reads whole epochs.
-        let next_epoch = last + u64::from(states.iter().any(|s| s.epoch == last && s.position > 0));
-        let mut remainders = Vec::new();
+        let next_epoch = last + u64::from(at.iter().any(|s| s.epoch == last && s.position > 0));
+        let mut remainders: Vec<Remainder> = Vec::new();
         for epoch in first..next_epoch {
-            let read: Vec<u64> = states
+            let read: Vec<u64> = at
                 .iter()
                 .map(|s| match s.epoch.cmp(&epoch) {
                     std::cmp::Ordering::Greater => per_rank,
-                    std::cmp::Ordering::Equal => s.position.min(per_rank),
+                    std::cmp::Ordering::Equal => s.position,
                     std::cmp::Ordering::Less => 0,
                 })
                 .collect();
-            let r = Remainder::new(epoch, read, per_rank);
+            let offset = remainders.last().map_or(0, |r| r.offset + r.left);
+            let r = Remainder::new(epoch, read, per_rank, offset)
+                .ok_or_else(|| ReshardError::Invalid("more samples than 64 bits count".into()))?;
             if r.left > 0 {
                 remainders.push(r);
             }
@@ -201,11 +250,12 @@ impl Reshard {
         }
     }
 
-    /// How many samples of the remainders new rank `rank` reads before the ordinary epochs.
+    /// How many samples of the remainders new rank `rank` reads before the ordinary epochs
+    /// (the new ranks' shares differ by one at most).
     pub fn share(&self, rank: u32) -> u64 {
         self.remainders
             .iter()
-            .map(|r| share_of(r.left, self.world, rank))
+            .map(|r| r.share(self.world, rank).1)
             .sum()
     }
 
@@ -214,16 +264,21 @@ impl Reshard {
         self.next_epoch
     }
 
-    /// The record new rank `rank` reads at its sequence number `seq`: from the remainders
-    /// while `seq < share(rank)`, then the new spec's epochs from [`Reshard::next_epoch`] on.
+    /// The record new rank `rank` (below the new world) reads at its sequence number `seq`:
+    /// from the remainders while `seq < share(rank)`, then the new spec's epochs from
+    /// [`Reshard::next_epoch`] on.
     pub fn record_at(&self, rank: u32, seq: u64) -> u64 {
+        assert!(
+            rank < self.world,
+            "rank {rank} of a world of {}",
+            self.world
+        );
         let mut seq = seq;
         let per_rank = self.old.per_rank();
-        let world = u64::from(self.world);
         for r in &self.remainders {
-            let n = share_of(r.left, self.world, rank);
+            let (first, n) = r.share(self.world, rank);
             if seq < n {
-                let (old_rank, position) = r.nth(seq * world + u64::from(rank), per_rank);
+                let (old_rank, position) = r.nth(first + seq * u64::from(self.world), per_rank);
                 return self.old.record_at(old_rank, r.epoch * per_rank + position);
             }
             seq -= n;
@@ -233,16 +288,20 @@ impl Reshard {
     }
 }
 
-/// The most old ranks a reshard's text may name (a bound for text read from a checkpoint).
+/// The most old ranks a reshard may have (a bound for text read from a checkpoint).
 pub const MAX_OLD_WORLD: u32 = 1 << 16;
+/// The most epochs the old ranks may be apart (a rank that many epochs behind the others is a
+/// run gone wrong, not one to resume).
+pub const MAX_EPOCHS_APART: u64 = 16;
 
 impl Reshard {
     /// A one-line text form for checkpoints:
     /// `r1:<old spec digest>:<old world>:<new world>:<first epoch>:<counts>` in hex, where
     /// `<counts>` lists each unfinished epoch's counts (slots each old rank read) separated by
     /// `;`, each as runs `value*times` separated by `,` (`*times` left out for one). Ranks that
-    /// stop together write one run: 1,024 ranks at one position take some 60 bytes, at 1,024
-    /// different positions near 10^9 records some 9 KiB; never more with the data set.
+    /// stop together write one run: 1,024 ranks at one position of an epoch of 10^9 records
+    /// take 39 bytes, at 1,024 different positions 6 KiB. It grows with the old world and the
+    /// epochs its ranks are apart (at most [`MAX_EPOCHS_APART`]), never with the data set.
     pub fn to_text(&self) -> String {
         let epochs: Vec<String> = self
             .remainders
@@ -282,39 +341,58 @@ impl Reshard {
     /// is not one, names another stream, or lies (counts past an epoch, more than
     /// [`MAX_OLD_WORLD`] ranks).
     pub fn from_text(spec: &StreamSpec, text: &str) -> Option<Reshard> {
+        // Lowercase hex digits only, one to sixteen: one text per reshard.
+        let hex = |s: &str| {
+            (!s.is_empty()
+                && s.len() <= 16
+                && s.bytes()
+                    .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b)))
+            .then(|| u64::from_str_radix(s, 16).ok())
+            .flatten()
+        };
         let mut parts = text.trim().split(':');
         if parts.next()? != "r1" {
             return None;
         }
-        let hex = |s: Option<&str>| u64::from_str_radix(s?, 16).ok();
-        let digest = hex(parts.next())?;
-        let old_world = u32::try_from(hex(parts.next())?).ok()?;
-        let world = u32::try_from(hex(parts.next())?).ok()?;
-        let first = hex(parts.next())?;
+        let digest = hex(parts.next()?)?;
+        let old_world = u32::try_from(hex(parts.next()?)?).ok()?;
+        let world = u32::try_from(hex(parts.next()?)?).ok()?;
+        let first = hex(parts.next()?)?;
         let counts = parts.next()?;
-        if parts.next().is_some() || old_world == 0 || old_world > MAX_OLD_WORLD || world == 0 {
+        if parts.next().is_some() || old_world == 0 || old_world > MAX_OLD_WORLD {
             return None;
         }
         let old = StreamSpec {
             world: old_world,
             ..spec.clone()
         };
-        if old.digest() != digest || old.check(0).is_err() {
+        let new = StreamSpec {
+            world,
+            ..spec.clone()
+        };
+        if old.digest() != digest || old.check(0).is_err() || new.check(0).is_err() {
             return None;
         }
         let per_rank = old.per_rank();
-        let mut remainders = Vec::new();
         let epochs: Vec<&str> = if counts.is_empty() {
             Vec::new()
         } else {
             counts.split(';').collect()
         };
+        let next_epoch = first.checked_add(epochs.len() as u64)?;
+        if epochs.len() as u64 > MAX_EPOCHS_APART
+            || next_epoch.checked_mul(per_rank).is_none()
+            || old.epochs.is_some_and(|e| next_epoch > e)
+        {
+            return None;
+        }
+        let mut remainders: Vec<Remainder> = Vec::new();
         for (i, epoch) in epochs.iter().enumerate() {
             let mut read = Vec::with_capacity(old_world as usize);
             for run in epoch.split(',') {
                 let (v, n) = match run.split_once('*') {
-                    Some((v, n)) => (hex(Some(v))?, hex(Some(n))?),
-                    None => (hex(Some(run))?, 1),
+                    Some((v, n)) => (hex(v)?, hex(n)?),
+                    None => (hex(run)?, 1),
                 };
                 if v > per_rank || n == 0 || n > u64::from(old_world) - read.len() as u64 {
                     return None;
@@ -324,7 +402,22 @@ impl Reshard {
             if read.len() != old_world as usize {
                 return None;
             }
-            let r = Remainder::new(first.checked_add(i as u64)?, read, per_rank);
+            // What states could say: a rank that had not finished an epoch read nothing of
+            // the next, and some rank had begun the last.
+            if let Some(before) = remainders.last()
+                && before
+                    .read
+                    .iter()
+                    .zip(&read)
+                    .any(|(&b, &r)| b < per_rank && r > 0)
+            {
+                return None;
+            }
+            if i + 1 == epochs.len() && read.iter().all(|&r| r == 0) {
+                return None;
+            }
+            let offset = remainders.last().map_or(0, |r| r.offset + r.left);
+            let r = Remainder::new(first + i as u64, read, per_rank, offset)?;
             if r.left == 0 {
                 return None;
             }
@@ -333,16 +426,10 @@ impl Reshard {
         Some(Reshard {
             old,
             world,
-            next_epoch: first.checked_add(remainders.len() as u64)?,
+            next_epoch,
             remainders,
         })
     }
-}
-
-/// New rank `rank`'s part of `left` slots dealt in turn to `world` ranks.
-fn share_of(left: u64, world: u32, rank: u32) -> u64 {
-    let world = u64::from(world);
-    left / world + u64::from(u64::from(rank) < left % world)
 }
 
 #[cfg(test)]
@@ -396,12 +483,13 @@ mod tests {
         }
         let last_epoch = seqs.iter().map(|s| s / per_rank).max().unwrap();
         let new = reshard.spec();
+        let mut shares = Vec::new();
         for rank in 0..new_world {
             let share = reshard.share(rank);
             // The remainders' samples, by epoch: each new rank reads them in epoch order.
             let mut seq = 0;
             for r in &reshard.remainders {
-                for _ in 0..share_of(r.left, new_world, rank) {
+                for _ in 0..r.share(new_world, rank).1 {
                     *read
                         .entry((r.epoch, reshard.record_at(rank, seq)))
                         .or_default() += 1;
@@ -409,6 +497,7 @@ mod tests {
                 }
             }
             assert_eq!(seq, share);
+            shares.push(share);
             // Then the next epoch, as a run at the new world would read it.
             for p in 0..new.per_rank() {
                 assert_eq!(
@@ -418,6 +507,14 @@ mod tests {
                 );
             }
         }
+        let (most, least) = (shares.iter().max().unwrap(), shares.iter().min().unwrap());
+        assert!(most - least <= 1, "shares {shares:?} differ by one at most");
+        assert_eq!(
+            Reshard::from_text(&old, &reshard.to_text()).as_ref(),
+            Some(&reshard),
+            "{}",
+            reshard.to_text()
+        );
         let first_epoch = seqs.iter().map(|s| s / per_rank).min().unwrap();
         for epoch in first_epoch..=last_epoch {
             // Every slot of the epoch once: its records as an uninterrupted run reads them.
@@ -515,7 +612,7 @@ mod tests {
         for _ in 0..300 {
             let old_world = 1 + next(9) as u32;
             let new_world = 1 + next(9) as u32;
-            let records = u64::from(old_world) + next(60);
+            let records = u64::from(old_world.max(new_world)) + next(60);
             let tail = if next(2) == 0 { Tail::Drop } else { Tail::Pad };
             SHUFFLE.set([Shuffle::None, Shuffle::Full, Shuffle::Block(4)][next(3) as usize]);
             let per_rank = spec(records, old_world, tail).per_rank();
@@ -525,6 +622,109 @@ mod tests {
                 .collect();
             check(records, tail, old_world, &seqs, new_world);
         }
+    }
+
+    /// What cannot be resharded is refused, saying why.
+    #[test]
+    fn impossible_reshards_are_refused() {
+        let old = spec(10, 2, Tail::Drop);
+        let at = |seqs: &[(u64, u64)]| -> Vec<StreamState> {
+            seqs.iter()
+                .enumerate()
+                .map(|(r, &(epoch, position))| StreamState {
+                    spec_digest: old.digest(),
+                    rank: r as u32,
+                    epoch,
+                    position,
+                })
+                .collect()
+        };
+        let two = at(&[(0, 3), (0, 3)]);
+        assert!(
+            matches!(Reshard::new(&old, &two, 11), Err(ReshardError::Invalid(_))),
+            "10 records for 11 ranks"
+        );
+        assert!(matches!(
+            Reshard::new(&old, &two, 0),
+            Err(ReshardError::Invalid(_))
+        ));
+        assert!(matches!(
+            Reshard::new(&old, &two[..1], 3),
+            Err(ReshardError::Ranks { .. })
+        ));
+        assert!(matches!(
+            Reshard::new(&old, &[two[0], two[0]], 3),
+            Err(ReshardError::Ranks { .. })
+        ));
+        let other = StreamState {
+            spec_digest: 1,
+            ..two[1]
+        };
+        assert!(matches!(
+            Reshard::new(&old, &[two[0], other], 3),
+            Err(ReshardError::OtherStream { .. })
+        ));
+        assert!(
+            matches!(
+                Reshard::new(&old, &at(&[(0, 3), (4, 1)]), 3),
+                Err(ReshardError::Invalid(_))
+            ),
+            "past the end"
+        );
+        assert!(matches!(
+            Reshard::new(&old, &at(&[(u64::MAX / 2, 0), (0, 0)]), 3),
+            Err(ReshardError::Invalid(_))
+        ));
+        let endless = StreamSpec {
+            epochs: None,
+            ..old.clone()
+        };
+        let far: Vec<StreamState> = at(&[(0, 1), (1 << 40, 0)])
+            .into_iter()
+            .map(|s| StreamState {
+                spec_digest: endless.digest(),
+                ..s
+            })
+            .collect();
+        assert!(
+            matches!(
+                Reshard::new(&endless, &far, 3),
+                Err(ReshardError::Invalid(_))
+            ),
+            "epochs apart"
+        );
+        // A position past the rank's share is the next epoch's: nothing read twice.
+        let one = spec(40, 1, Tail::Drop);
+        let past = StreamState {
+            spec_digest: one.digest(),
+            rank: 0,
+            epoch: 0,
+            position: 45,
+        };
+        let r = Reshard::new(&one, &[past], 2).unwrap();
+        assert_eq!(r.share(0) + r.share(1), 35, "epoch 1 less the 5 read");
+        assert_eq!(r.next_epoch(), 2);
+    }
+
+    /// A hostile text is refused in bounded time and memory: too many epochs, counts no states
+    /// could give, digits that are not lowercase hex.
+    #[test]
+    fn hostile_texts_are_refused() {
+        let old = spec(103, 4, Tail::Drop);
+        let digest = format!("{:016x}", old.digest());
+        let many = format!("r1:{digest}:4:3:0:{}", vec!["0*4"; 100_000].join(";"));
+        assert_eq!(Reshard::from_text(&old, &many), None);
+        for lie in [
+            format!("r1:{digest}:4:3:0:1,1,1,1;0*4"),
+            format!("r1:{digest}:4:3:0:1,1,1,1;1,0,0,0"),
+            format!("r1:{digest}:4:3:0:+1,1,1,1"),
+            format!("r1:{digest}:4:3:0:1,1,1,A"),
+            format!("r1:{digest}:4:3:fffffffffffffff0:1,1,1,1"),
+            format!("r1:{digest}:4:3:4:1,1,1,1"),
+        ] {
+            assert_eq!(Reshard::from_text(&old, &lie), None, "{lie}");
+        }
+        assert!(Reshard::from_text(&old, &format!("r1:{digest}:4:3:0:1,1,1,1")).is_some());
     }
 
     #[test]
