@@ -9,7 +9,6 @@
 //! Names: `segment-<i>` for segment `i`, `ledger-<generation>` for a ledger.
 
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
-use std::os::unix::ffi::OsStrExt;
 
 use feedstore_core::objects::ledger::LedgerStore;
 
@@ -61,55 +60,13 @@ impl Passed {
             .collect();
         Passed { fds }
     }
-
-    /// Takes the descriptors whose names start with `prefix`, with the rest of their names.
-    pub fn prefixed(&mut self, prefix: &str) -> Vec<(String, OwnedFd)> {
-        let (out, keep): (Vec<_>, Vec<_>) = std::mem::take(&mut self.fds)
-            .into_iter()
-            .partition(|(n, _)| n.starts_with(prefix));
-        self.fds = keep;
-        out.into_iter()
-            .map(|(n, fd)| (n[prefix.len()..].to_string(), fd))
-            .collect()
-    }
 }
 
-/// Sends `state` with `fds` to the service manager (`$NOTIFY_SOCKET`).
+/// Sends `state` with `fds` to the service manager, never waiting (some are sent under the
+/// objects lock): a service manager too busy to take it is a failure, and a ledger is then not
+/// kept.
 fn notify_with_fds(state: &str, fds: &[RawFd]) -> std::io::Result<()> {
-    use nix::sys::socket::{
-        AddressFamily, ControlMessage, MsgFlags, SockFlag, SockType, UnixAddr, sendmsg, socket,
-    };
-    let path = std::env::var_os("NOTIFY_SOCKET")
-        .ok_or_else(|| std::io::Error::other("no $NOTIFY_SOCKET: not run by a service manager"))?;
-    let path = path.as_bytes();
-    let addr = match path.split_first() {
-        Some((b'@', name)) => UnixAddr::new_abstract(name)?,
-        Some((b'/', _)) => UnixAddr::new(path)?,
-        _ => {
-            return Err(std::io::Error::other(
-                "$NOTIFY_SOCKET is neither a path nor an abstract name",
-            ));
-        }
-    };
-    let socket = socket(
-        AddressFamily::Unix,
-        SockType::Datagram,
-        SockFlag::SOCK_CLOEXEC,
-        None,
-    )?;
-    let iov = [std::io::IoSlice::new(state.as_bytes())];
-    let rights = [ControlMessage::ScmRights(fds)];
-    let cmsgs: &[ControlMessage<'_>] = if fds.is_empty() { &[] } else { &rights };
-    // Never waits (some are sent under the objects lock): a service manager too busy to take
-    // it is a failure, and a ledger is then not kept.
-    sendmsg(
-        socket.as_raw_fd(),
-        &iov,
-        cmsgs,
-        MsgFlags::MSG_DONTWAIT,
-        Some(&addr),
-    )?;
-    Ok(())
+    crate::notify::send(state, fds, false)
 }
 
 /// Asks the service manager to keep `fd` under `name`.

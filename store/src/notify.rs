@@ -7,8 +7,12 @@
 //!
 //! Without `$NOTIFY_SOCKET` (not under systemd) every call does nothing.
 
+use std::os::fd::{AsRawFd, RawFd};
 use std::os::unix::ffi::OsStrExt;
-use std::os::unix::net::{SocketAddr, UnixDatagram};
+
+use nix::sys::socket::{
+    AddressFamily, ControlMessage, MsgFlags, SockFlag, SockType, UnixAddr, sendmsg, socket,
+};
 
 /// The variable naming the service manager's socket.
 const NOTIFY_SOCKET: &str = "NOTIFY_SOCKET";
@@ -17,15 +21,11 @@ const NOTIFY_SOCKET: &str = "NOTIFY_SOCKET";
 /// when there is none, or it could not be reached (logged at debug: a daemon run by hand
 /// under a stale variable serves on regardless).
 pub fn notify(state: &str) -> bool {
-    let Some(path) = std::env::var_os(NOTIFY_SOCKET) else {
+    if std::env::var_os(NOTIFY_SOCKET).is_none() {
         return false;
-    };
-    let sent = address(path.as_bytes()).and_then(|addr| {
-        let socket = UnixDatagram::unbound()?;
-        socket.send_to_addr(state.as_bytes(), &addr)
-    });
-    match sent {
-        Ok(_) => true,
+    }
+    match send(state, &[], true) {
+        Ok(()) => true,
         Err(e) => {
             tracing::debug!(error = %e, state, "cannot notify the service manager");
             false
@@ -33,12 +33,35 @@ pub fn notify(state: &str) -> bool {
     }
 }
 
+/// Sends `state` with the descriptors `fds` (`SCM_RIGHTS`, for `FDSTORE=1`) to the service
+/// manager; `wait`: for room in its socket, else a full socket is an error.
+pub fn send(state: &str, fds: &[RawFd], wait: bool) -> std::io::Result<()> {
+    let path = std::env::var_os(NOTIFY_SOCKET)
+        .ok_or_else(|| std::io::Error::other("no $NOTIFY_SOCKET: not run by a service manager"))?;
+    let addr = address(path.as_bytes())?;
+    let socket = socket(
+        AddressFamily::Unix,
+        SockType::Datagram,
+        SockFlag::SOCK_CLOEXEC,
+        None,
+    )?;
+    let iov = [std::io::IoSlice::new(state.as_bytes())];
+    let rights = [ControlMessage::ScmRights(fds)];
+    let cmsgs: &[ControlMessage<'_>] = if fds.is_empty() { &[] } else { &rights };
+    let flags = if wait {
+        MsgFlags::empty()
+    } else {
+        MsgFlags::MSG_DONTWAIT
+    };
+    sendmsg(socket.as_raw_fd(), &iov, cmsgs, flags, Some(&addr))?;
+    Ok(())
+}
+
 /// The socket `$NOTIFY_SOCKET` names: a path, or an abstract name after `@`.
-fn address(name: &[u8]) -> std::io::Result<SocketAddr> {
-    use std::os::linux::net::SocketAddrExt;
+fn address(name: &[u8]) -> std::io::Result<UnixAddr> {
     match name.split_first() {
-        Some((b'@', abstract_name)) => SocketAddr::from_abstract_name(abstract_name),
-        Some((b'/', _)) => SocketAddr::from_pathname(std::ffi::OsStr::from_bytes(name)),
+        Some((b'@', abstract_name)) => Ok(UnixAddr::new_abstract(abstract_name)?),
+        Some((b'/', _)) => Ok(UnixAddr::new(name)?),
         _ => Err(std::io::Error::new(
             std::io::ErrorKind::InvalidInput,
             "$NOTIFY_SOCKET is neither a path nor an abstract name",

@@ -397,8 +397,7 @@ impl Ledger {
         let head = if writer.is_some() { WRITING } else { SEALED }
             | if r.pinned { PINNED } else { 0 }
             | if r.delete_pending { DELETE_PENDING } else { 0 };
-        // Fields a sealed record's head makes valid are written before it; the writer, which
-        // only a reservation's head reads, after the head says sealed.
+        // Every field the head makes valid is written before it.
         w[at + 1].store(r.id, Ordering::Relaxed);
         w[at + 3].store(r.offset, Ordering::Relaxed);
         w[at + 4].store(r.reserved, Ordering::Relaxed);
