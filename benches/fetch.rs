@@ -259,6 +259,7 @@ fn main() {
             shuffle: Shuffle::Full,
             tail: Tail::Drop,
             epochs: Some(2),
+            reshard: None,
         };
         let per_epoch = spec.per_rank();
         let consumer = {

@@ -324,6 +324,7 @@ fn run(host: &Host, capacity: u64, kills: usize) {
         shuffle: Shuffle::None,
         tail: Tail::Drop,
         epochs: Some(1),
+        reshard: None,
     };
     let stop = Arc::new(AtomicBool::new(false));
     let producer = {

@@ -764,6 +764,7 @@ fn stream_spec(name: &str, world: u32) -> StreamSpec {
         shuffle: Shuffle::Full,
         tail: Tail::Drop,
         epochs: Some(1),
+        reshard: None,
     }
 }
 

@@ -12,6 +12,7 @@ use feedstore_producer::manifest::{IndexedManifest, Manifest};
 use feedstore_producer::pipeline::{Event, ProducerConfig, run};
 use feedstore_producer::profile::Profiler;
 use feedstore_producer::vision::ResizeMode;
+use feedstore_proto::reshard::{read_state, reshard_texts};
 use feedstore_proto::sample::{DType, TensorLayout};
 use feedstore_proto::stream::{Shuffle, StreamSpec, StreamState, Tail, default_depth};
 use feedstore_s3::{S3Fetcher, S3Options};
@@ -203,7 +204,10 @@ struct StreamArgs {
     #[arg(long, value_name = "N", requires = "stream")]
     batch: Option<u32>,
     /// Resume: a file of the consumers' saved states (one `Stream::state()` text per line);
-    /// their ranks start where those states say, the others at the beginning.
+    /// their ranks start where those states say, the others at the beginning. States of every
+    /// rank of a run at another world size are resharded to --world (as `feedstore.reshard`
+    /// does: every sample the old ranks left of the epochs they had begun read once, then
+    /// whole epochs at --world); give the trainers the same new states.
     #[arg(long, value_name = "FILE", requires = "stream")]
     resume: Option<PathBuf>,
     /// Make every sample again even when the store still holds it (by default a sample made
@@ -240,6 +244,7 @@ impl StreamArgs {
             shuffle,
             tail,
             epochs: (self.epochs > 0).then_some(self.epochs),
+            reshard: None,
         };
         spec.check(0)
             .map_err(|e| anyhow::anyhow!("--stream {name}: {e}"))?;
@@ -248,19 +253,11 @@ impl StreamArgs {
             Some(list) => parse_ranks(list, "--ranks")?,
         };
         let mut starts = std::collections::BTreeMap::new();
+        let mut spec = spec;
         if let Some(path) = &self.resume {
-            let text = std::fs::read_to_string(path)
-                .with_context(|| format!("reading {}", path.display()))?;
-            for line in text.lines().filter(|l| !l.trim().is_empty()) {
-                let state = StreamState::from_text(line).with_context(|| {
-                    format!("{}: {line:?} is not a stream state", path.display())
-                })?;
-                if state.spec_digest != spec.digest() {
-                    bail!(
-                        "{}: a state of another stream spec (seed, world, epochs, shuffle, tail and the manifest's record count must match)",
-                        path.display()
-                    );
-                }
+            let (resumed, states) = resume_states(path, &spec)?;
+            spec = resumed;
+            for state in states {
                 starts.insert(state.rank, state.seq(&spec));
             }
         }
@@ -286,6 +283,71 @@ impl StreamArgs {
             batch: self.batch.unwrap_or(0),
         })
     }
+}
+
+/// The most bytes a `--resume` file may hold: a state per rank of the largest world a reshard
+/// takes, each carrying the largest reshard.
+const MAX_RESUME_FILE: u64 = 256 << 20;
+
+/// The states in a `--resume` file for the stream `spec` (at --world): read as they are, or
+/// resharded from a run at another world size when they are every rank's of one. The spec
+/// they belong to comes back with them (with the reshard, if any).
+fn resume_states(
+    path: &std::path::Path,
+    spec: &StreamSpec,
+) -> anyhow::Result<(StreamSpec, Vec<StreamState>)> {
+    use std::io::Read;
+    let mut bytes = Vec::new();
+    feedstore_producer::input::open_regular(path)
+        .and_then(|f| f.take(MAX_RESUME_FILE + 1).read_to_end(&mut bytes))
+        .with_context(|| format!("reading {}", path.display()))?;
+    if bytes.len() as u64 > MAX_RESUME_FILE {
+        bail!(
+            "{}: larger than {} MiB",
+            path.display(),
+            MAX_RESUME_FILE >> 20
+        );
+    }
+    let text = String::from_utf8(bytes).with_context(|| format!("{}: not text", path.display()))?;
+    let lines: Vec<&str> = text.lines().filter(|l| !l.trim().is_empty()).collect();
+    let read: Result<Vec<_>, String> = lines.iter().map(|l| read_state(spec, l)).collect();
+    let pairs = match read {
+        Ok(pairs) => pairs,
+        Err(why) => {
+            let texts = reshard_texts(spec, &lines, spec.world).map_err(|e| {
+                anyhow::anyhow!(
+                    "{}: {why}; nor are they every rank's state of a run at another world size \
+                     ({e}); seed, epochs, shuffle, tail and the manifest's record count must \
+                     match",
+                    path.display()
+                )
+            })?;
+            eprintln!(
+                "feedstore produce: resharding the states of {} ranks in {} to --world {}",
+                lines.len(),
+                path.display(),
+                spec.world
+            );
+            texts
+                .iter()
+                .map(|t| read_state(spec, t))
+                .collect::<Result<_, _>>()
+                .map_err(|e| anyhow::anyhow!("{e}"))?
+        }
+    };
+    let mut resumed: Option<StreamSpec> = None;
+    let mut states = Vec::with_capacity(pairs.len());
+    for (s, state) in pairs {
+        if resumed.as_ref().is_some_and(|r| *r != s) {
+            bail!(
+                "{}: the states come from different runs (their reshards differ)",
+                path.display()
+            );
+        }
+        resumed = Some(s);
+        states.push(state);
+    }
+    Ok((resumed.unwrap_or_else(|| spec.clone()), states))
 }
 
 impl StreamArgs {

@@ -24,6 +24,7 @@ fn spec(name: &str, world: u32) -> StreamSpec {
         shuffle: Shuffle::None,
         tail: Tail::Drop,
         epochs: Some(1),
+        reshard: None,
     }
 }
 

@@ -168,6 +168,7 @@ fn a_ranks_wait_time_ratio_reaches_prometheus() {
         shuffle: Shuffle::Full,
         tail: Tail::Drop,
         epochs: Some(1),
+        reshard: None,
     };
     let producer = spawn_producer(
         daemon.socket.clone(),
@@ -436,6 +437,7 @@ fn a_starving_rank_shows_as_waiting_before_it_reports() {
         shuffle: Shuffle::None,
         tail: Tail::Drop,
         epochs: Some(1),
+        reshard: None,
     };
     // The trainer opens the stream before any producer created it: the daemon shows it
     // waiting (in the metrics, `feedstore stat` and `feedstore top`), not nothing.
@@ -544,6 +546,7 @@ fn feedstore_top_shows_a_running_stream_in_a_terminal() {
         tail: Tail::Drop,
         // Unbounded: the test stops the trainer itself, however slow the machine.
         epochs: None,
+        reshard: None,
     };
     let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
     let producer = spawn_producer(
@@ -630,6 +633,7 @@ fn rank_counters_never_go_back() {
         shuffle: Shuffle::None,
         tail: Tail::Drop,
         epochs: Some(1),
+        reshard: None,
     };
     let producer = spawn_producer(
         daemon.socket.clone(),
@@ -785,6 +789,7 @@ fn a_streams_producer_reports_its_stage_profile() {
         shuffle: Shuffle::Full,
         tail: Tail::Drop,
         epochs: Some(2),
+        reshard: None,
     };
     let mut stream = Stream::open(
         &daemon.socket,

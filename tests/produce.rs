@@ -1113,6 +1113,7 @@ fn produce_feeds_a_stream_that_ranks_read_in_order() {
         shuffle: Shuffle::Full,
         tail: Tail::Drop,
         epochs: Some(2),
+        reshard: None,
     };
     let id = |record: u64| -> String {
         let v: serde_json::Value = serde_json::from_str(&lines[record as usize]).unwrap();
@@ -1285,6 +1286,7 @@ fn produce_places_each_batch_in_one_object() {
         shuffle: Shuffle::Full,
         tail: Tail::Drop,
         epochs: Some(1),
+        reshard: None,
     };
     let id = |record: u64| -> String {
         let v: serde_json::Value = serde_json::from_str(&lines[record as usize]).unwrap();
@@ -1381,6 +1383,7 @@ fn produce_puts_a_large_unplaceable_batch_whole() {
         shuffle: Shuffle::Full,
         tail: Tail::Drop,
         epochs: Some(1),
+        reshard: None,
     };
     let mut stream =
         Stream::open(&daemon.socket, &spec, 0, None, StreamOptions::default()).unwrap();
@@ -1435,6 +1438,7 @@ fn produce_resumes_a_stream_from_saved_states() {
         shuffle: Shuffle::Full,
         tail: Tail::Drop,
         epochs: Some(2),
+        reshard: None,
     };
     let states = dir.join("states.txt");
     let produce = |socket: &std::path::Path, resume: bool| {
@@ -1504,6 +1508,126 @@ fn produce_resumes_a_stream_from_saved_states() {
     assert_eq!(read, expected, "none skipped, none repeated");
 }
 
+/// `feedstore produce --world 3 --resume` with the states of a run of 2 reshards them: the
+/// ranks of the new run (given the same resharded states) read every record the old run left
+/// of the epochs it began once, then the next epoch as a run of 3 does, and the samples the
+/// old run made come from the decode-once cache.
+#[test]
+fn produce_resumes_a_run_of_another_world_size() {
+    use feedstore_consumer::{Stream, StreamOptions};
+    use feedstore_proto::reshard::{read_state, reshard_texts};
+    use feedstore_proto::stream::{Shuffle, StreamSpec, Tail};
+    use std::collections::BTreeMap;
+
+    let _w = watchdog(
+        "produce_resumes_a_run_of_another_world_size",
+        Duration::from_secs(180),
+    );
+    let dir = scratch_dir("produce-reshard");
+    let tokenizer = tokenizer_file(&dir);
+    let manifest = text_manifest(&dir, 13);
+    let at = |world| StreamSpec {
+        name: "elastic".into(),
+        records: 13,
+        seed: 4,
+        world,
+        shuffle: Shuffle::Full,
+        tail: Tail::Drop,
+        epochs: Some(3),
+        reshard: None,
+    };
+    let states = dir.join("states.txt");
+    let daemon = DaemonProcess::start(&dir, &[]);
+    let produce = |world: u32, resume: bool| {
+        let mut cmd = produce_command(&daemon.socket, &manifest, &tokenizer);
+        cmd.args(["--workers", "1", "--stream", "elastic", "--seed", "4"])
+            .args([
+                "--epochs",
+                "3",
+                "--prefetch",
+                "4",
+                "--world",
+                &world.to_string(),
+            ])
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::piped());
+        if resume {
+            cmd.arg("--resume").arg(&states);
+        }
+        cmd.spawn().unwrap()
+    };
+    let options = || StreamOptions {
+        wait: Duration::from_secs(60),
+        ..StreamOptions::default()
+    };
+    let record = |sample: &feedstore_consumer::StreamSample| {
+        let id = sample.view().unwrap().id().to_owned();
+        assert_eq!(id, format!("t{}", sample.record()));
+        sample.record()
+    };
+
+    // The old run, 2 ranks: rank 0 reads 2 samples, rank 1 one past its first epoch (6 each).
+    let old = at(2);
+    let mut producer = produce(2, false);
+    let mut read: BTreeMap<u64, u32> = BTreeMap::new();
+    let mut saved = Vec::new();
+    for (rank, n) in [(0u32, 2), (1, 7)] {
+        let mut stream = Stream::open(&daemon.socket, &old, rank, None, options()).unwrap();
+        for _ in 0..n {
+            let sample = stream.next_sample().unwrap().unwrap();
+            *read.entry(record(&sample)).or_default() += 1;
+        }
+        saved.push(stream.state().to_text());
+    }
+    std::fs::write(&states, saved.join("\n") + "\n").unwrap();
+    let _ = producer.kill();
+    let _ = producer.wait();
+    let hits_before = daemon.reader().stats().unwrap().cache_hits;
+
+    // The new run, 3 ranks, on the same daemon: the producer reshards the file itself; the
+    // trainers reshard the same states.
+    let producer = produce(3, true);
+    let new = at(3);
+    let lines: Vec<&str> = saved.iter().map(String::as_str).collect();
+    let texts = reshard_texts(&new, &lines, 3).unwrap();
+    let plain_next = |rank: u32, k: u64| new.record_at(rank, 2 * new.per_rank() + k);
+    let mut shares = Vec::new();
+    for (rank, text) in texts.iter().enumerate() {
+        let rank = rank as u32;
+        let (spec, state) = read_state(&new, text).unwrap();
+        let mut stream = Stream::open(&daemon.socket, &spec, rank, Some(state), options()).unwrap();
+        let records: Vec<u64> = (&mut stream).map(|s| record(&s.unwrap())).collect();
+        let share = records.len() - new.per_rank() as usize;
+        for &r in &records[..share] {
+            *read.entry(r).or_default() += 1;
+        }
+        let next: Vec<u64> = (0..new.per_rank()).map(|k| plain_next(rank, k)).collect();
+        assert_eq!(
+            records[share..],
+            next[..],
+            "rank {rank}: the next epoch as a run of 3"
+        );
+        shares.push(share);
+    }
+    let out = producer.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("resharding the states of 2 ranks"),
+        "{stderr}"
+    );
+    assert!(shares.iter().max().unwrap() - shares.iter().min().unwrap() <= 1);
+    // Epochs 0 and 1, whole, once: as one run of 2 reads them.
+    let mut expected: BTreeMap<u64, u32> = BTreeMap::new();
+    for rank in 0..2 {
+        for p in 0..2 * old.per_rank() {
+            *expected.entry(old.record_at(rank, p)).or_default() += 1;
+        }
+    }
+    assert_eq!(read, expected);
+    assert!(daemon.reader().stats().unwrap().cache_hits > hits_before);
+}
+
 #[test]
 fn a_feeding_producer_reports_the_daemon_going_away() {
     use feedstore_consumer::{Stream, StreamOptions};
@@ -1532,6 +1656,7 @@ fn a_feeding_producer_reports_the_daemon_going_away() {
         shuffle: Shuffle::Full,
         tail: Tail::Drop,
         epochs: None,
+        reshard: None,
     };
     let mut stream =
         Stream::open(&daemon.socket, &spec, 0, None, StreamOptions::default()).unwrap();
@@ -1590,6 +1715,7 @@ fn produce_exits_once_its_readers_are_gone_for_idle_exit() {
         shuffle: Shuffle::Full,
         tail: Tail::Drop,
         epochs: None,
+        reshard: None,
     };
     // No trainer yet, its windows long full: the producer waits for one.
     std::thread::sleep(Duration::from_secs(5));

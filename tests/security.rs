@@ -30,6 +30,7 @@ fn spec() -> StreamSpec {
         shuffle: Shuffle::None,
         tail: Tail::Drop,
         epochs: Some(1),
+        reshard: None,
     }
 }
 

@@ -70,6 +70,7 @@ fn spec() -> StreamSpec {
         shuffle: Shuffle::Full,
         tail: Tail::Drop,
         epochs: None,
+        reshard: None,
     }
 }
 

@@ -28,6 +28,7 @@ fn spec(name: &str, records: u64) -> StreamSpec {
         shuffle: Shuffle::None,
         tail: Tail::Drop,
         epochs: Some(1),
+        reshard: None,
     }
 }
 

@@ -31,6 +31,7 @@ fn spec(name: &str, records: u64, seed: u64, world: u32, epochs: u64) -> StreamS
         shuffle: Shuffle::Full,
         tail: Tail::Drop,
         epochs: Some(epochs),
+        reshard: None,
     }
 }
 
@@ -1111,7 +1112,7 @@ impl Nodes {
 
 /// What an uninterrupted run delivers to each rank: the spec's records in sequence order.
 fn expected(spec: &StreamSpec) -> Vec<Vec<u64>> {
-    let end = spec.end_seq().unwrap();
+    let end = spec.end_seq(0).unwrap();
     (0..spec.world)
         .map(|r| (0..end).map(|seq| spec.record_at(r, seq)).collect())
         .collect()
@@ -1476,4 +1477,190 @@ fn batches_placed_in_one_object_read_as_one_stacked_view() {
     }
     live.as_mut_slice()[0] = 1;
     assert_eq!(writer.stats().unwrap().objects_writing, 1);
+}
+
+/// Feeds every task of `spec`'s `ranks` (starting where given) until `stop`: each sample the
+/// pattern of its record, filed in the decode-once cache under its record.
+fn feed_until(
+    daemon: &DaemonProcess,
+    spec: &StreamSpec,
+    ranks: &[StreamTask],
+    stop: &std::sync::atomic::AtomicBool,
+) {
+    let client = daemon.writer();
+    let feeder = StreamFeeder::join(&client, spec, 8, ranks).unwrap();
+    while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+        let Some(tasks) = feeder.take(16, Duration::from_millis(50)).unwrap() else {
+            break;
+        };
+        // As feedstore's producer does: what the store still holds is put again, not made.
+        let keys: Vec<u128> = tasks
+            .iter()
+            .map(|t| cache_key(spec.record_at(t.rank, t.seq)))
+            .collect();
+        let found = feeder.lookup(&keys).unwrap();
+        let items = tasks
+            .into_iter()
+            .zip(found)
+            .map(|(t, found)| match found {
+                Some(handle) => Delivery {
+                    task: t,
+                    record: spec.record_at(t.rank, t.seq),
+                    key: 0,
+                    made: Made::Existing(handle),
+                },
+                None => delivery(&client, spec, t),
+            })
+            .collect();
+        for put in feeder.put(items).unwrap() {
+            // (A task of a rank whose reader moved on is stale; nothing else fails.)
+            if let Err(e) = put {
+                assert!(matches!(e, feedstore_consumer::Error::Stale { .. }), "{e}");
+            }
+        }
+    }
+}
+
+/// Reads up to `n` samples of `rank` from `state` on: the records read (each checked against
+/// its bytes and the spec) and the state after them.
+fn read_some(
+    daemon: &DaemonProcess,
+    spec: &StreamSpec,
+    rank: u32,
+    state: Option<StreamState>,
+    n: u64,
+) -> (Vec<u64>, StreamState) {
+    let options = StreamOptions {
+        wait: Duration::from_secs(30),
+        ..StreamOptions::default()
+    };
+    let mut stream = Stream::open(&daemon.socket, spec, rank, state, options).unwrap();
+    let mut records = Vec::new();
+    while (records.len() as u64) < n {
+        let Some(sample) = stream.next_sample().unwrap() else {
+            break;
+        };
+        assert_eq!(sample.record(), spec.record_at(rank, sample.seq()));
+        assert_eq!(&sample[..], &pattern(sample.record(), PAYLOAD)[..]);
+        records.push(sample.record());
+    }
+    (records, stream.state())
+}
+
+/// A run stopped with its ranks at uneven places (one that read nothing, one in the last
+/// samples of an epoch, one already in the next) resumes at another world size through a real
+/// daemon: every sample of the epochs begun is read exactly once across both runs, the new
+/// ranks' shares differ by one at most, the epoch after is an uninterrupted run's at the new
+/// world, and the new run reuses the old run's decode-once cache entries.
+#[test]
+fn a_run_resumed_at_another_world_size_reads_every_sample_left_once() {
+    use feedstore_proto::reshard::Reshard;
+    use std::collections::BTreeMap;
+    use std::sync::atomic::{AtomicBool, Ordering};
+
+    let dir = scratch_dir("stream-reshard");
+    let daemon = DaemonProcess::start(&dir, &[]);
+    // (old world, what each old rank reads, new world); 37 records, 3 epochs: a rank that
+    // read nothing, one a sample short of its epoch's end, one in the next epoch.
+    let cases: [(u32, &[u64], u32); 4] = [
+        (2, &[7, 0], 3),
+        (4, &[3, 11, 8, 5], 2),
+        (3, &[11, 12, 9], 1),
+        (1, &[20], 4),
+    ];
+    for (case, &(old_world, reads, new_world)) in cases.iter().enumerate() {
+        let old = spec(
+            &format!("elastic-{case}"),
+            37,
+            40 + case as u64,
+            old_world,
+            3,
+        );
+        let per_rank = old.per_rank();
+        let stop = AtomicBool::new(false);
+        let starts: Vec<StreamTask> = (0..old_world)
+            .map(|rank| StreamTask { rank, seq: 0 })
+            .collect();
+        // The old run: each rank reads its part, saves its state, and the run stops.
+        let mut read: BTreeMap<u64, u32> = BTreeMap::new();
+        let states: Vec<StreamState> = std::thread::scope(|scope| {
+            scope.spawn(|| feed_until(&daemon, &old, &starts, &stop));
+            let states = (0..old_world)
+                .map(|rank| {
+                    let (records, state) =
+                        read_some(&daemon, &old, rank, None, reads[rank as usize]);
+                    assert_eq!(records.len() as u64, reads[rank as usize]);
+                    for r in records {
+                        *read.entry(r).or_default() += 1;
+                    }
+                    state
+                })
+                .collect();
+            stop.store(true, Ordering::Relaxed);
+            states
+        });
+        let hits_before = daemon.reader().stats().unwrap().cache_hits;
+
+        // The new run, at the new world: producers and ranks start from the resharded states
+        // (the old stream, idle now, gives way).
+        let reshard = Reshard::new(&old, &states, new_world).unwrap();
+        let (new, starts) = (reshard.spec(), reshard.states());
+        assert!(new.reshard.is_some(), "case {case}: something was left");
+        let tasks: Vec<StreamTask> = starts
+            .iter()
+            .map(|s| StreamTask {
+                rank: s.rank,
+                seq: s.seq(&new),
+            })
+            .collect();
+        let stop = AtomicBool::new(false);
+        let shares: Vec<u64> = (0..new_world).map(|r| reshard.share(r)).collect();
+        let plain = new.plain();
+        let mut later = Vec::new();
+        std::thread::scope(|scope| {
+            scope.spawn(|| feed_until(&daemon, &new, &tasks, &stop));
+            for rank in 0..new_world {
+                let (records, end) =
+                    read_some(&daemon, &new, rank, Some(starts[rank as usize]), u64::MAX);
+                assert_eq!(end.seq(&new), new.end_seq(rank).unwrap());
+                let share = shares[rank as usize] as usize;
+                for &r in &records[..share] {
+                    *read.entry(r).or_default() += 1;
+                }
+                // After its share, the rank reads the new world's epochs, as a run at that
+                // world from the start would.
+                let expected: Vec<u64> = (0..(records.len() - share) as u64)
+                    .map(|k| plain.record_at(rank, reshard.next_epoch() * plain.per_rank() + k))
+                    .collect();
+                assert_eq!(records[share..], expected[..], "case {case}, rank {rank}");
+                later.push(records.len() - share);
+            }
+            stop.store(true, Ordering::Relaxed);
+        });
+        let (most, least) = (shares.iter().max().unwrap(), shares.iter().min().unwrap());
+        assert!(most - least <= 1, "case {case}: shares {shares:?}");
+        // Every sample of the epochs begun once: as the old run would have read them whole.
+        let mut expected: BTreeMap<u64, u32> = BTreeMap::new();
+        for epoch in 0..reshard.next_epoch() {
+            for rank in 0..old_world {
+                for p in 0..per_rank {
+                    *expected
+                        .entry(old.record_at(rank, epoch * per_rank + p))
+                        .or_default() += 1;
+                }
+            }
+        }
+        assert_eq!(read, expected, "case {case}");
+        assert!(
+            later
+                .iter()
+                .all(|&n| n as u64 == (3 - reshard.next_epoch()) * plain.per_rank()),
+            "case {case}: {later:?}"
+        );
+        // Made once by the old run, found again by the new one.
+        assert!(
+            daemon.reader().stats().unwrap().cache_hits > hits_before,
+            "case {case}"
+        );
+    }
 }

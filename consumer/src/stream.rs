@@ -12,7 +12,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use feedstore_proto::frame::{
-    Opcode, ProducerFigures, RankAt, RankFigures, Request, Response, StreamItem, StreamTask,
+    self, Opcode, ProducerFigures, RankAt, RankFigures, Request, Response, StreamItem, StreamTask,
     TakeTasks,
 };
 use feedstore_proto::ring::{ENTRY_FAILED, RingEntry, RingHeader, RingWords};
@@ -185,6 +185,20 @@ struct Attached {
     link: Arc<Link>,
 }
 
+/// Refuses a resharded spec on a connection whose protocol cannot carry it (a daemon older
+/// than [`frame::RESHARD_SINCE`]).
+pub(crate) fn can_send(client: &Client, spec: &StreamSpec) -> Result<(), Error> {
+    let version = client.protocol();
+    if spec.reshard.is_some() && version < frame::RESHARD_SINCE {
+        return Err(Error::InvalidArgument(format!(
+            "this stream resumes a run at another world size, which feedstored speaks from \
+             protocol {} on; this one speaks {version}: upgrade feedstored",
+            frame::RESHARD_SINCE
+        )));
+    }
+    Ok(())
+}
+
 /// Attaches `client` to `rank` of the stream at `seq`, asking again every 100 ms (calling
 /// `interrupt` between) until the stream exists or `wait` is over.
 fn attach(
@@ -195,6 +209,7 @@ fn attach(
     wait: Duration,
     mut interrupt: impl FnMut() -> Result<(), Error>,
 ) -> Result<Attached, Error> {
+    can_send(client, spec)?;
     let deadline = Instant::now() + wait;
     let (response, mut fds, link) = loop {
         let left = deadline.saturating_duration_since(Instant::now());
@@ -316,7 +331,7 @@ impl Stream {
             ring,
             header,
             next: seq,
-            end: spec.end_seq(),
+            end: spec.end_seq(rank),
             returns: Arc::new(Mutex::new(Returns::new(seq, depth))),
             sent: seq,
             opts,

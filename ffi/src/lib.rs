@@ -167,6 +167,7 @@ fn spec_from(spec: &FsStreamSpec, name: &str) -> Result<StreamSpec, FfiError> {
         shuffle,
         tail,
         epochs: (spec.epochs > 0).then_some(spec.epochs),
+        reshard: None,
     })
 }
 

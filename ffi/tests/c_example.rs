@@ -124,6 +124,7 @@ fn the_c_example_reads_a_stream() {
         shuffle: Shuffle::Full,
         tail: Tail::Drop,
         epochs: Some(2),
+        reshard: None,
     };
     let producer = produce(&socket, &spec, [3, 4, 4], |record| record as u8);
 
@@ -188,6 +189,7 @@ fn a_held_c_sample_outlives_a_reopen_and_a_refill() {
         shuffle: Shuffle::None,
         tail: Tail::Drop,
         epochs: Some(1),
+        reshard: None,
     };
     let producer = produce(&socket, &spec, [3, 128, 128], |record| record as u8 + 1);
     let mut reader = Command::new(&binary)
@@ -301,6 +303,7 @@ fn c_reads_a_placed_batch_as_one_tensor() {
         shuffle: Shuffle::None,
         tail: Tail::Drop,
         epochs: Some(1),
+        reshard: None,
     };
     let run = |name: &str, skip: &str| {
         let producer = produce_batched(&socket, &spec(name), 4);

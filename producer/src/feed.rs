@@ -309,13 +309,8 @@ impl Shared {
     /// The record behind a task's `candidate`-th choice, or `None` when every candidate of the
     /// rank's share was tried.
     fn candidate(&self, work: Work) -> Option<u64> {
-        let per_rank = self.spec.per_rank();
-        if work.candidate >= per_rank {
-            return None;
-        }
-        let (epoch, position) = (work.task.seq / per_rank, work.task.seq % per_rank);
-        let seq = epoch * per_rank + (position + work.candidate) % per_rank;
-        Some(self.spec.record_at(work.task.rank, seq))
+        self.spec
+            .candidate(work.task.rank, work.task.seq, work.candidate)
     }
 
     /// A sample's decode-once cache key: its record (id, resolved image sources, content, line)

@@ -245,6 +245,7 @@ mod tests {
             shuffle: Shuffle::Full,
             tail: Tail::Drop,
             epochs: Some(2),
+            reshard: None,
         }
     }
 

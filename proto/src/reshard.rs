@@ -13,6 +13,8 @@
 //! What it holds is the old spec and, per epoch left unfinished, one count per old rank: its
 //! size grows with the old world, never with the data set (see [`Reshard::to_text`]).
 
+use std::sync::Arc;
+
 use crate::stream::{StreamSpec, StreamState};
 
 /// Why states cannot be resharded.
@@ -42,7 +44,7 @@ pub enum ReshardError {
 }
 
 /// One epoch's remainder: how many of its own slots each old rank had read.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
 struct Remainder {
     epoch: u64,
     /// Per old rank, slots read (at most `per_rank`).
@@ -128,10 +130,13 @@ impl Remainder {
 
 /// What a run at one world size left unread, dealt to the ranks of another
 /// ([`Reshard::new`]).
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct Reshard {
-    /// The stream as the old run read it.
+    /// The stream as the old run read it (its ordinary epochs: a reshard of a resharded
+    /// stream starts from where its ranks stand in those).
     old: StreamSpec,
+    /// The same at the new world size.
+    new: StreamSpec,
     /// The new world's size.
     world: u32,
     /// The epochs some old rank had begun and not every one had finished, in order.
@@ -153,6 +158,10 @@ impl Reshard {
         }
         old.check(0)
             .map_err(|e| ReshardError::Invalid(e.to_string()))?;
+        if let Some(before) = &old.reshard {
+            let states = before.in_ordinary_epochs(old, states)?;
+            return Reshard::new(&old.plain(), &states, world);
+        }
         let expected = old.digest();
         let mut by_rank: Vec<Option<&StreamState>> =
             vec![None; old.world.min(MAX_OLD_WORLD) as usize];
@@ -187,6 +196,7 @@ impl Reshard {
         }
         let new = StreamSpec {
             world,
+            reshard: None,
             ..old.clone()
         };
         new.check(0)
@@ -200,7 +210,7 @@ impl Reshard {
                 .epoch
                 .checked_mul(per_rank)
                 .and_then(|e| e.checked_add(s.position))
-                .filter(|&seq| old.end_seq().is_none_or(|end| seq <= end))
+                .filter(|&seq| old.end_seq(s.rank).is_none_or(|end| seq <= end))
                 .ok_or_else(|| {
                     ReshardError::Invalid(format!("rank {} is past the stream's end", s.rank))
                 })?;
@@ -233,21 +243,104 @@ impl Reshard {
                 remainders.push(r);
             }
         }
-        Ok(Reshard {
+        let reshard = Reshard {
             old: old.clone(),
+            new,
             world,
             remainders,
             next_epoch,
-        })
+        };
+        let text = reshard.to_text().len();
+        if text > MAX_RESHARD_TEXT {
+            return Err(ReshardError::Invalid(format!(
+                "what the ranks left takes {text} bytes to say, more than {MAX_RESHARD_TEXT}: \
+                 too many ranks stopped at different positions (resume at the same world size, \
+                 or from a checkpoint taken at an epoch's end)"
+            )));
+        }
+        Ok(reshard)
     }
 
-    /// The stream as the new world reads it after the remainders: the old spec at the new
-    /// world size.
+    /// The states of a resharded stream's ranks (`stream`'s, whose reshard this is) as states
+    /// of its ordinary epochs, for a reshard of those: refused while a rank still reads its
+    /// share of this reshard.
+    fn in_ordinary_epochs(
+        &self,
+        stream: &StreamSpec,
+        states: &[StreamState],
+    ) -> Result<Vec<StreamState>, ReshardError> {
+        let expected = stream.digest();
+        let plain = stream.plain();
+        states
+            .iter()
+            .map(|s| {
+                if s.spec_digest != expected {
+                    return Err(ReshardError::OtherStream {
+                        expected,
+                        found: s.spec_digest,
+                    });
+                }
+                if s.rank >= self.world {
+                    return Err(ReshardError::Ranks {
+                        world: self.world,
+                        found: states.len(),
+                    });
+                }
+                let (seq, share) = (s.seq(stream), self.share(s.rank));
+                if seq < share {
+                    return Err(ReshardError::Invalid(format!(
+                        "rank {} has read {seq} of the {share} samples that the run before the \
+                         last resize left it: resume at world {} until every rank has read its \
+                         share, then resize again",
+                        s.rank, self.world
+                    )));
+                }
+                Ok(StreamState::at(
+                    &plain,
+                    s.rank,
+                    seq - share + self.next_epoch * plain.per_rank(),
+                ))
+            })
+            .collect()
+    }
+
+    /// The stream the new world reads: the old spec at the new world size, resuming this
+    /// reshard (none when the old ranks left no epoch unfinished).
     pub fn spec(&self) -> StreamSpec {
         StreamSpec {
-            world: self.world,
-            ..self.old.clone()
+            reshard: (!self.remainders.is_empty()).then(|| Arc::new(self.clone())),
+            ..self.new.clone()
         }
+    }
+
+    /// Where each new rank starts, in rank order: states of [`Reshard::spec`].
+    pub fn states(&self) -> Vec<StreamState> {
+        let spec = self.spec();
+        let start = if spec.reshard.is_some() {
+            0
+        } else {
+            self.next_epoch * spec.per_rank()
+        };
+        (0..self.world)
+            .map(|rank| StreamState::at(&spec, rank, start))
+            .collect()
+    }
+
+    /// Whether `spec` is the stream at the new world size (its reshard aside).
+    pub(crate) fn resumed_by(&self, spec: &StreamSpec) -> bool {
+        spec.world == self.world && spec.plain() == self.new
+    }
+
+    /// In words, for a spec's differences: `nothing`, or the old world and what it left.
+    pub(crate) fn describe(reshard: Option<&Reshard>) -> String {
+        reshard.map_or_else(
+            || "nothing".into(),
+            |r| {
+                let left: u64 = r.remainders.iter().map(|e| e.left).sum();
+                let id = crate::stream::sample_key(&[r.to_text().as_bytes()]) as u32;
+                format!("a world of {} ({left} samples left, {id:08x})", r.old.world)
+            },
+        )
     }
 
     /// How many samples of the remainders new rank `rank` reads before the ordinary epochs
@@ -283,11 +376,15 @@ impl Reshard {
             }
             seq -= n;
         }
-        let spec = self.spec();
-        spec.record_at(rank, self.next_epoch * spec.per_rank() + seq)
+        self.new
+            .ordinary_record_at(rank, self.next_epoch * self.new.per_rank() + seq)
     }
 }
 
+/// The longest text a reshard may have ([`Reshard::to_text`]): it fits a frame of any size
+/// a side may agree to, with room to spare. 1,024 ranks at different positions take 6 KiB; a
+/// reshard that would take more is refused ([`Reshard::new`]).
+pub const MAX_RESHARD_TEXT: usize = 32 << 10;
 /// The most old ranks a reshard may have (a bound for text read from a checkpoint).
 pub const MAX_OLD_WORLD: u32 = 1 << 16;
 /// The most epochs the old ranks may be apart (a rank that many epochs behind the others is a
@@ -350,6 +447,9 @@ impl Reshard {
             .then(|| u64::from_str_radix(s, 16).ok())
             .flatten()
         };
+        if text.len() > MAX_RESHARD_TEXT {
+            return None;
+        }
         let mut parts = text.trim().split(':');
         if parts.next()? != "r1" {
             return None;
@@ -364,10 +464,12 @@ impl Reshard {
         }
         let old = StreamSpec {
             world: old_world,
+            reshard: None,
             ..spec.clone()
         };
         let new = StreamSpec {
             world,
+            reshard: None,
             ..spec.clone()
         };
         if old.digest() != digest || old.check(0).is_err() || new.check(0).is_err() {
@@ -425,11 +527,99 @@ impl Reshard {
         }
         Some(Reshard {
             old,
+            new,
             world,
             next_epoch,
             remainders,
         })
     }
+}
+
+/// A rank's state as a checkpoint keeps it in text: [`StreamState::to_text`], for a resharded
+/// stream prefixed by its reshard ([`Reshard::to_text`]) and `@`, so that the text and the
+/// stream's ordinary spec are all a resume needs.
+pub fn state_text(spec: &StreamSpec, state: &StreamState) -> String {
+    match &spec.reshard {
+        None => state.to_text(),
+        Some(r) => format!("{}@{}", r.to_text(), state.to_text()),
+    }
+}
+
+/// Reads [`state_text`] for the stream `spec` describes (its reshard aside): the spec the
+/// state belongs to (with the reshard its text carries, if any) and the state. Says why not
+/// when the text is not one, or belongs to another stream or world size.
+pub fn read_state(spec: &StreamSpec, text: &str) -> Result<(StreamSpec, StreamState), String> {
+    let (reshard, state) = match text.trim().rsplit_once('@') {
+        Some((reshard, state)) => (Some(reshard), state),
+        None => (None, text),
+    };
+    let state = StreamState::from_text(state)
+        .ok_or_else(|| format!("{:?} is not a stream state", crate::truncate(text, 80)))?;
+    let spec = match reshard {
+        None => spec.plain(),
+        Some(text) => {
+            let r = Reshard::from_text(spec, text).ok_or_else(|| {
+                "the state's reshard is not one, or is another stream's (name, records, seed, \
+                 shuffle, tail or epochs differ)"
+                    .to_string()
+            })?;
+            if r.world != spec.world {
+                return Err(format!(
+                    "the state was resharded for a world of {}, not {}",
+                    r.world, spec.world
+                ));
+            }
+            r.spec()
+        }
+    };
+    if state.spec_digest != spec.digest() {
+        return Err(format!(
+            "the state belongs to another stream spec (digest {:016x}, this one {:016x})",
+            state.spec_digest,
+            spec.digest()
+        ));
+    }
+    Ok((spec, state))
+}
+
+/// [`Reshard::new`] from states as checkpoints keep them ([`state_text`]), one per rank of the
+/// old run, for the stream `spec` describes (any world; its reshard aside): the new world's
+/// states, in rank order, in the same text form.
+pub fn reshard_texts(
+    spec: &StreamSpec,
+    texts: &[&str],
+    world: u32,
+) -> Result<Vec<String>, ReshardError> {
+    let old_world = u32::try_from(texts.len())
+        .ok()
+        .filter(|&w| w > 0)
+        .ok_or_else(|| ReshardError::Invalid("no states to reshard".into()))?;
+    let old = StreamSpec {
+        world: old_world,
+        ..spec.plain()
+    };
+    let mut old_spec: Option<StreamSpec> = None;
+    let mut states = Vec::with_capacity(texts.len());
+    for text in texts {
+        let (s, state) = read_state(&old, text).map_err(ReshardError::Invalid)?;
+        match &old_spec {
+            Some(o) if *o != s => {
+                return Err(ReshardError::Invalid(
+                    "the states come from different runs (their reshards differ)".into(),
+                ));
+            }
+            _ => old_spec = Some(s),
+        }
+        states.push(state);
+    }
+    let old = old_spec.unwrap_or(old);
+    let reshard = Reshard::new(&old, &states, world)?;
+    let new = reshard.spec();
+    Ok(reshard
+        .states()
+        .iter()
+        .map(|s| state_text(&new, s))
+        .collect())
 }
 
 #[cfg(test)]
@@ -448,6 +638,7 @@ mod tests {
             shuffle: Shuffle::Full,
             tail,
             epochs: Some(4),
+            reshard: None,
         }
     }
 
@@ -482,7 +673,11 @@ mod tests {
             }
         }
         let last_epoch = seqs.iter().map(|s| s / per_rank).max().unwrap();
-        let new = reshard.spec();
+        // The stream the new world reads: the reshard's records first, then the new spec's.
+        let resharded = reshard.spec();
+        let new = resharded.plain();
+        assert_eq!(resharded.reshard.is_some(), !reshard.remainders.is_empty());
+        resharded.check(new_world - 1).unwrap();
         let mut shares = Vec::new();
         for rank in 0..new_world {
             let share = reshard.share(rank);
@@ -491,17 +686,36 @@ mod tests {
             for r in &reshard.remainders {
                 for _ in 0..r.share(new_world, rank).1 {
                     *read
-                        .entry((r.epoch, reshard.record_at(rank, seq)))
+                        .entry((r.epoch, resharded.record_at(rank, seq)))
                         .or_default() += 1;
                     seq += 1;
                 }
             }
             assert_eq!(seq, share);
             shares.push(share);
+            // Each rank ends after its share and the epochs left, and starts where its state
+            // says.
+            assert_eq!(
+                resharded.end_seq(rank),
+                Some(share + (4 - reshard.next_epoch()) * new.per_rank())
+            );
+            let start = reshard.states()[rank as usize];
+            assert_eq!((start.rank, start.spec_digest), (rank, resharded.digest()));
+            if resharded.reshard.is_none() {
+                assert_eq!(start.seq(&new), reshard.next_epoch() * new.per_rank());
+            } else {
+                assert_eq!(start.seq(&resharded), 0);
+            }
+            if share > 0 {
+                // A rejected record is replaced from the rank's own share.
+                let stand_ins: Vec<u64> = resharded.candidates(rank, 0).collect();
+                let own: Vec<u64> = (0..share).map(|s| resharded.record_at(rank, s)).collect();
+                assert_eq!(stand_ins, own);
+            }
             // Then the next epoch, as a run at the new world would read it.
             for p in 0..new.per_rank() {
                 assert_eq!(
-                    reshard.record_at(rank, share + p),
+                    resharded.record_at(rank, share + p),
                     new.record_at(rank, reshard.next_epoch() * new.per_rank() + p),
                     "rank {rank}, position {p} of the next epoch"
                 );
@@ -708,6 +922,120 @@ mod tests {
 
     /// A hostile text is refused in bounded time and memory: too many epochs, counts no states
     /// could give, digits that are not lowercase hex.
+    /// A resharded spec crosses the socket whole from protocol 13 on; only a resharded spec's
+    /// digest changes; a forged reshard, or one for another world, is refused.
+    #[test]
+    fn a_resharded_spec_crosses_the_socket_with_a_digest_of_its_own() {
+        use crate::frame::RESHARD_SINCE;
+        use crate::wire::{Reader, Wire, Writer};
+        let old = spec(103, 4, Tail::Drop);
+        let states: Vec<StreamState> = [5u64, 9, 27, 11]
+            .iter()
+            .enumerate()
+            .map(|(r, &seq)| StreamState::at(&old, r as u32, seq))
+            .collect();
+        let new = Reshard::new(&old, &states, 3).unwrap().spec();
+        let plain = new.plain();
+        assert_ne!(new.digest(), plain.digest());
+        assert!(new.canonical_bytes().starts_with(&plain.canonical_bytes()));
+        let encode = |spec: &StreamSpec, version| {
+            let mut buf = Vec::new();
+            spec.encode(&mut Writer {
+                buf: &mut buf,
+                version,
+            });
+            buf
+        };
+        let decode = |buf: &[u8], version| StreamSpec::decode(&mut Reader::at(buf, version));
+        let wire = encode(&new, RESHARD_SINCE);
+        assert_eq!(decode(&wire, RESHARD_SINCE), Ok(new.clone()));
+        assert_eq!(
+            decode(&encode(&plain, RESHARD_SINCE), RESHARD_SINCE),
+            Ok(plain.clone())
+        );
+        let mut forged = wire.clone();
+        *forged.last_mut().unwrap() = b'g';
+        let elsewhere = encode(
+            &StreamSpec {
+                world: 2,
+                ..new.clone()
+            },
+            RESHARD_SINCE,
+        );
+        for bad in [forged, elsewhere] {
+            assert_eq!(
+                decode(&bad, RESHARD_SINCE),
+                Err(crate::wire::DecodeError::InvalidValue { field: "reshard" })
+            );
+        }
+    }
+
+    /// Checkpoint texts: resharded, read back at the new world (not another), resharded
+    /// again once every rank has read its share (not before), and plain when the ranks
+    /// stopped at an epoch's end.
+    #[test]
+    fn checkpoint_texts_reshard_and_read_back() {
+        let old = spec(103, 4, Tail::Drop);
+        let texts = |spec: &StreamSpec, seqs: &[u64]| -> Vec<String> {
+            seqs.iter()
+                .enumerate()
+                .map(|(r, &seq)| state_text(spec, &StreamState::at(spec, r as u32, seq)))
+                .collect()
+        };
+        fn refs(t: &[String]) -> Vec<&str> {
+            t.iter().map(String::as_str).collect()
+        }
+        let saved = texts(&old, &[5, 9, 27, 11]);
+        let three = reshard_texts(&old, &refs(&saved), 3).unwrap();
+        let at_three = StreamSpec {
+            world: 3,
+            ..old.clone()
+        };
+        let (resharded, first) = read_state(&at_three, &three[1]).unwrap();
+        assert!(resharded.reshard.is_some() && three[1].contains('@'));
+        assert_eq!((first.rank, first.seq(&resharded)), (1, 0));
+        let wrong = read_state(&old, &three[1]).unwrap_err();
+        assert!(wrong.contains("a world of 3, not 4"), "{wrong}");
+        assert!(read_state(&at_three, &saved[0]).is_err());
+        // Inside the shares: read back as it was, and not resharded again yet.
+        let reshard = resharded.reshard.clone().unwrap();
+        let shares: Vec<u64> = (0..3).map(|r| reshard.share(r)).collect();
+        let inside = texts(&resharded, &[shares[0] - 1, shares[1], shares[2] + 5]);
+        assert_eq!(
+            read_state(&at_three, &inside[0]).unwrap(),
+            (
+                resharded.clone(),
+                StreamState::at(&resharded, 0, shares[0] - 1)
+            )
+        );
+        let refused = reshard_texts(&at_three, &refs(&inside), 2).unwrap_err();
+        assert!(
+            refused.to_string().contains("resume at world 3"),
+            "{refused}"
+        );
+        // Past them: the same as resharding the ordinary states they stand for.
+        let past = texts(&resharded, &[shares[0], shares[1] + 3, shares[2] + 40]);
+        let base = reshard.next_epoch() * at_three.per_rank();
+        let ordinary = texts(&at_three, &[base, base + 3, base + 40]);
+        assert_eq!(
+            reshard_texts(&at_three, &refs(&past), 2).unwrap(),
+            reshard_texts(&at_three, &refs(&ordinary), 2).unwrap()
+        );
+        // At an epoch's end nothing is left: plain states of the next epoch.
+        let ends = texts(&old, &[old.per_rank(); 4]);
+        let two = reshard_texts(&old, &refs(&ends), 2).unwrap();
+        let at_two = StreamSpec {
+            world: 2,
+            ..old.clone()
+        };
+        for (r, t) in two.iter().enumerate() {
+            let (s, state) = read_state(&at_two, t).unwrap();
+            assert_eq!(s, at_two);
+            assert_eq!(state, StreamState::at(&at_two, r as u32, at_two.per_rank()));
+        }
+        assert!(reshard_texts(&old, &refs(&saved[..3]), 2).is_err());
+    }
+
     #[test]
     fn hostile_texts_are_refused() {
         let old = spec(103, 4, Tail::Drop);

@@ -17,6 +17,10 @@
 //! same count ([`Tail::Drop`] drops the last `n mod world` records of the epoch's order,
 //! [`Tail::Pad`] wraps around to its start), so data-parallel ranks never wait on an uneven tail.
 
+use std::sync::Arc;
+
+use crate::reshard::Reshard;
+
 /// Longest stream name, in bytes.
 pub const MAX_STREAM_NAME: usize = 128;
 
@@ -109,6 +113,11 @@ pub struct StreamSpec {
     pub tail: Tail,
     /// Epochs to run; `None` runs until the stream is closed.
     pub epochs: Option<u64>,
+    /// What a run at another world size left unread, when this stream resumes one
+    /// ([`crate::reshard`]): each rank first reads its share of it, then this spec's ordinary
+    /// epochs from [`Reshard::next_epoch`] on. `None` for a stream read from its start or
+    /// resumed at the world size it was saved at.
+    pub reshard: Option<Arc<Reshard>>,
 }
 
 /// Samples made ahead of each rank when a producer names no depth.
@@ -143,6 +152,11 @@ impl StreamSpec {
             ),
             ("tail", self.tail.to_string(), other.tail.to_string()),
             ("epochs", epochs(self.epochs), epochs(other.epochs)),
+            (
+                "resumed from",
+                Reshard::describe(self.reshard.as_deref()),
+                Reshard::describe(other.reshard.as_deref()),
+            ),
         ];
         fields
             .iter()
@@ -185,6 +199,9 @@ pub enum SpecError {
     /// Name empty, too long, or with control characters.
     #[error("stream name must be 1..={MAX_STREAM_NAME} bytes of printable text")]
     BadName,
+    /// A reshard of another stream, or to another world size.
+    #[error("the reshard the stream resumes belongs to another stream or world size")]
+    OtherReshard,
 }
 
 impl StreamSpec {
@@ -217,7 +234,18 @@ impl StreamSpec {
                 world: self.world,
             });
         }
+        if self.reshard.as_ref().is_some_and(|r| !r.resumed_by(self)) {
+            return Err(SpecError::OtherReshard);
+        }
         Ok(())
+    }
+
+    /// The spec without its reshard: the stream's ordinary epochs.
+    pub fn plain(&self) -> StreamSpec {
+        StreamSpec {
+            reshard: None,
+            ..self.clone()
+        }
     }
 
     /// Samples each rank gets per epoch.
@@ -229,14 +257,32 @@ impl StreamSpec {
         }
     }
 
-    /// The sequence number one past the last sample of a rank, if the stream ends.
-    pub fn end_seq(&self) -> Option<u64> {
-        self.epochs.map(|e| e.saturating_mul(self.per_rank()))
+    /// The sequence number one past the last sample of `rank`, if the stream ends. (Ranks of
+    /// a resharded stream may end one sample apart: see [`Reshard::share`].)
+    pub fn end_seq(&self, rank: u32) -> Option<u64> {
+        let epochs = self.epochs?;
+        Some(match &self.reshard {
+            None => epochs.saturating_mul(self.per_rank()),
+            Some(r) => r.share(rank).saturating_add(
+                epochs
+                    .saturating_sub(r.next_epoch())
+                    .saturating_mul(self.per_rank()),
+            ),
+        })
     }
 
     /// The record (manifest index) a rank gets at a sequence number (`epoch · per_rank +
-    /// position`). Call [`StreamSpec::check`] first.
+    /// position`; of a resharded stream, its share of the reshard first). Call
+    /// [`StreamSpec::check`] first.
     pub fn record_at(&self, rank: u32, seq: u64) -> u64 {
+        match &self.reshard {
+            None => self.ordinary_record_at(rank, seq),
+            Some(r) => r.record_at(rank, seq),
+        }
+    }
+
+    /// [`StreamSpec::record_at`] in the ordinary epochs, the reshard aside.
+    pub(crate) fn ordinary_record_at(&self, rank: u32, seq: u64) -> u64 {
         let per_rank = self.per_rank();
         let (epoch, position) = (seq / per_rank, seq % per_rank);
         let slot = position * u64::from(self.world) + u64::from(rank);
@@ -244,14 +290,31 @@ impl StreamSpec {
     }
 
     /// The records to try, in order, for a rank's sequence number: its own record, then the next
-    /// positions of the same rank's share of the epoch, wrapping. A producer uses the first that
-    /// makes a good sample, so a rejected record is replaced the same way on every run and every
-    /// rank still gets `per_rank` samples.
+    /// positions of the same rank's share of the epoch, wrapping (of a resharded stream's
+    /// remainder, the rank's share of that). A producer uses the first that makes a good
+    /// sample, so a rejected record is replaced the same way on every run and every rank
+    /// still gets its count of samples.
     pub fn candidates(&self, rank: u32, seq: u64) -> impl Iterator<Item = u64> + '_ {
+        (0..).map_while(move |k| self.candidate(rank, seq, k))
+    }
+
+    /// The `k`-th of [`StreamSpec::candidates`], or `None` past the last.
+    pub fn candidate(&self, rank: u32, seq: u64, k: u64) -> Option<u64> {
+        let (seq, base) = match &self.reshard {
+            Some(r) => {
+                let share = r.share(rank);
+                if seq < share {
+                    return (k < share).then(|| r.record_at(rank, (seq + k) % share));
+                }
+                (seq - share, r.next_epoch() * self.per_rank())
+            }
+            None => (seq, 0),
+        };
         let per_rank = self.per_rank();
         let (epoch, position) = (seq / per_rank, seq % per_rank);
-        (0..per_rank)
-            .map(move |k| self.record_at(rank, epoch * per_rank + (position + k) % per_rank))
+        (k < per_rank).then(|| {
+            self.ordinary_record_at(rank, base + epoch * per_rank + (position + k) % per_rank)
+        })
     }
 
     /// Position `i` of epoch `epoch`'s order, as a record index.
@@ -304,6 +367,10 @@ impl StreamSpec {
     /// | epochs  | `u64` (0 for unbounded)                                |
     ///
     /// Frozen: a later version must add a version marker and keep this one's digests.
+    ///
+    /// Version 2 appends, for a resharded stream only (so every other stream's digest stays
+    /// version 1's): `u8` 2, then the reshard's text ([`Reshard::to_text`]) as a `u32` length
+    /// and its bytes.
     pub fn canonical_bytes(&self) -> Vec<u8> {
         let mut b = Vec::with_capacity(40 + self.name.len());
         let name = &self.name.as_bytes()[..self.name.len().min(MAX_STREAM_NAME)];
@@ -317,6 +384,12 @@ impl StreamSpec {
         b.extend_from_slice(&block.to_le_bytes());
         b.push(self.tail.code());
         b.extend_from_slice(&self.epochs.unwrap_or(0).to_le_bytes());
+        if let Some(r) = &self.reshard {
+            let text = r.to_text();
+            b.push(2);
+            b.extend_from_slice(&(text.len() as u32).to_le_bytes());
+            b.extend_from_slice(text.as_bytes());
+        }
         b
     }
 }
@@ -482,6 +555,7 @@ mod tests {
             shuffle,
             tail,
             epochs: Some(3),
+            reshard: None,
         }
     }
 
@@ -623,6 +697,7 @@ mod tests {
             shuffle: Shuffle::Block(64),
             tail: Tail::Pad,
             epochs: Some(3),
+            reshard: None,
         };
         let b = StreamSpec {
             name: "s".into(),
@@ -632,6 +707,7 @@ mod tests {
             shuffle: Shuffle::None,
             tail: Tail::Drop,
             epochs: None,
+            reshard: None,
         };
         assert_eq!(a.digest(), 0x3e4a_1cea_7af7_fefb);
         assert_eq!(b.digest(), 0x974c_4d3d_e6c5_8e4e);

@@ -48,6 +48,7 @@ from feedstore._native import (
     WindowFull,
     Writer,
     __version__,
+    reshard,
     state_at,
 )
 
@@ -78,6 +79,7 @@ __all__ = [
     "WindowFull",
     "Writer",
     "__version__",
+    "reshard",
     "state_at",
 ]
 

@@ -12,6 +12,7 @@ samples are torch tensors over the store's shared memory (``torch.from_dlpack``;
         checkpoint["data"] = dataset.state_dict()             # exact resume
     ...
     dataset.load_state_dict(checkpoint["data"])               # continues with the next sample
+    dataset.load_state_dict(every_ranks_checkpoint_data)      # ... at another world size
 
 Producers run in their own processes, so ``num_workers=0`` is the natural setting: a worker
 process would only add a copy (tensors crossing from a worker are moved into torch's own shared
@@ -169,6 +170,9 @@ class StreamDataset(IterableDataset):
         self._consumed: Dict[int, int] = {}
         # Batches the trainer consumed through worker processes (see `_stream_rank`).
         self._batches = 0
+        # A run resumed at another world size: where each of its stream ranks starts, as
+        # `feedstore.reshard` said (state texts carrying what the old run left).
+        self._starts: Dict[int, str] = {}
 
     @property
     def workers(self) -> int:
@@ -203,10 +207,17 @@ class StreamDataset(IterableDataset):
 
     def _state(self, stream_rank: int) -> Optional[str]:
         seq = self._consumed.get(stream_rank)
+        start = self._starts.get(stream_rank)
         if seq is None:
-            return None
+            return start
         return feedstore.state_at(
-            self.name, self.records, stream_rank, seq, self.stream_world, **self.spec
+            self.name,
+            self.records,
+            stream_rank,
+            seq,
+            self.stream_world,
+            resumed=start,
+            **self.spec,
         )
 
     def open(self, stream_rank: int) -> feedstore.Stream:
@@ -243,24 +254,86 @@ class StreamDataset(IterableDataset):
         self._batches += 1
 
     def state_dict(self) -> Dict[str, Any]:
-        """Where each stream rank stands: the samples consumed so far."""
+        """Where each stream rank stands: the samples consumed so far, and each rank's state
+        text (``states``: what ``feedstore.reshard`` and ``feedstore produce --resume`` take)."""
+        states = {r: self._state(r) for r in self.stream_ranks()}
         return {
             "name": self.name,
             "stream_world": self.stream_world,
             "consumed": dict(self._consumed),
             "batches": self._batches,
+            "states": {r: s for r, s in states.items() if s is not None},
         }
 
-    def load_state_dict(self, state: Dict[str, Any]) -> None:
+    def load_state_dict(self, state: Any) -> None:
         """Resumes from ``state_dict()``: the next iteration continues with exactly the next
-        sample of every stream rank."""
+        sample of every stream rank.
+
+        To resume at another world size (or another ``num_workers``), pass the list of every
+        trainer rank's ``state_dict()`` from the old run: the stream ranks are resharded
+        (``feedstore.reshard``), so that across the new ranks every sample the old run left of
+        the epochs it had begun is read once. Its producers resume from the same states
+        (``feedstore produce --resume`` with every ``states`` text, one per line, or
+        ``Writer(states=feedstore.reshard(...))``). Passing the list at the same world
+        resumes as passing this rank's own state does."""
+        if isinstance(state, (list, tuple)):
+            self._load_every_rank(list(state))
+            return
         if state["name"] != self.name or state["stream_world"] != self.stream_world:
             raise feedstore.StreamMismatch(
                 f"state of stream {state['name']!r} with {state['stream_world']} ranks, "
-                f"not {self.name!r} with {self.stream_world}"
+                f"not {self.name!r} with {self.stream_world} (to resume at another world "
+                "size, pass every rank's state_dict() as a list)"
             )
         self._consumed = {int(k): int(v) for k, v in state["consumed"].items()}
         self._batches = int(state.get("batches", 0))
+        # A resharded run's states carry its reshard: each rank starts from its share of it.
+        self._starts = {}
+        resumed = next((s for s in state.get("states", {}).values() if "@" in s), None)
+        if resumed is not None:
+            self._starts = {
+                r: feedstore.state_at(
+                    self.name,
+                    self.records,
+                    r,
+                    0,
+                    self.stream_world,
+                    resumed=resumed,
+                    **self.spec,
+                )
+                for r in self.stream_ranks()
+            }
+
+    def _load_every_rank(self, states: List[Dict[str, Any]]) -> None:
+        """``load_state_dict`` from every old trainer rank's state: resharded when the stream
+        had another number of ranks."""
+        if not states:
+            raise feedstore.InvalidArgument("no states: pass every old rank's state_dict()")
+        worlds = {s["stream_world"] for s in states}
+        names = {s["name"] for s in states}
+        if names != {self.name} or len(worlds) != 1:
+            raise feedstore.StreamMismatch(
+                f"states of streams {sorted(names)} with {sorted(worlds)} ranks: pass every rank's "
+                f"state_dict() of one run of stream {self.name!r}"
+            )
+        old_world = worlds.pop()
+        texts: Dict[int, str] = {}
+        for s in states:
+            texts.update({int(r): t for r, t in s.get("states", {}).items()})
+        missing = [r for r in range(old_world) if r not in texts]
+        resumed = next((t for t in texts.values() if "@" in t), None)
+        for r in missing:  # ranks that read nothing
+            texts[r] = feedstore.state_at(
+                self.name, self.records, r, 0, old_world, resumed=resumed, **self.spec
+            )
+        ordered = [texts[r] for r in range(old_world)]
+        if old_world != self.stream_world:
+            ordered = feedstore.reshard(
+                ordered, self.stream_world, name=self.name, records=self.records, **self.spec
+            )
+        self._consumed = {}
+        self._batches = 0
+        self._starts = {r: ordered[r] for r in self.stream_ranks()}
 
     def loader(self, batch_size: int, **kwargs: Any) -> "_TrackingLoader":
         """A ``DataLoader`` over this dataset with ``collate`` and ``num_workers`` set, which

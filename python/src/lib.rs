@@ -27,6 +27,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<sample::Sample>()?;
     m.add_class::<sample::Tensor>()?;
     m.add_function(wrap_pyfunction!(stream::state_at, m)?)?;
+    m.add_function(wrap_pyfunction!(stream::reshard, m)?)?;
     m.add_function(wrap_pyfunction!(batch::encode_batch, m)?)?;
     m.add_function(wrap_pyfunction!(batch::decode_batch, m)?)?;
     m.add_function(wrap_pyfunction!(batch::is_batch, m)?)?;

@@ -7,6 +7,7 @@ use std::time::{Duration, Instant};
 
 use feedstore_consumer::stream::{Delivery, Made, StreamFeeder, StreamOptions};
 use feedstore_consumer::{Client, ConnectOptions, CreateOptions, Error, Role, StreamTask};
+use feedstore_proto::reshard::{read_state, reshard_texts, state_text};
 use feedstore_proto::stream::{StreamSpec, StreamState, default_depth};
 use pyo3::exceptions::PyKeyboardInterrupt;
 use pyo3::prelude::*;
@@ -38,6 +39,7 @@ fn spec(
         shuffle: shuffle.parse().map_err(InvalidArgument::new_err)?,
         tail: tail.parse().map_err(InvalidArgument::new_err)?,
         epochs,
+        reshard: None,
     })
 }
 
@@ -134,7 +136,8 @@ impl Stream {
     /// at `socket` (default: `$FEEDSTORE_SOCKET`, else this user's daemon, else the system
     /// daemon's). Producers and every rank must pass the same spec: `world`, `seed`, `shuffle`
     /// ("full", "none", "block:N"), `tail` ("drop", "pad") and `epochs` (None: until closed).
-    /// `state` is a string from `state()`; `wait` the seconds to wait for a producer to create
+    /// `state` is a string from `state()` (or from `feedstore.reshard`, to resume a run saved
+    /// at another world size); `wait` the seconds to wait for a producer to create
     /// the stream, and then for each sample, before raising `feedstore.Timeout`. (The prefetch
     /// depth is the stream's, set by its producer; `depth` is accepted and ignored, with a
     /// `DeprecationWarning`.)
@@ -169,13 +172,15 @@ impl Stream {
                 1,
             )?;
         }
-        let spec = spec(name, records, world, seed, shuffle, tail, epochs)?;
-        let from = state
-            .map(|s| {
-                StreamState::from_text(s)
-                    .ok_or_else(|| InvalidArgument::new_err(format!("{s:?} is not a stream state")))
-            })
-            .transpose()?;
+        let mut spec = spec(name, records, world, seed, shuffle, tail, epochs)?;
+        let from = match state {
+            None => None,
+            Some(text) => {
+                let (resumed, state) = read_state(&spec, text).map_err(InvalidArgument::new_err)?;
+                spec = resumed;
+                Some(state)
+            }
+        };
         let wait = Duration::try_from_secs_f64(wait).map_err(|_| {
             InvalidArgument::new_err("wait must be a non-negative number of seconds")
         })?;
@@ -329,9 +334,10 @@ impl Stream {
         self.stacked_copies.load(Ordering::Relaxed)
     }
 
-    /// Where the stream stands, as text: save it with a checkpoint.
+    /// Where the stream stands, as text: save it with a checkpoint. (A stream resumed at
+    /// another world size prefixes it with what the old run left: see `feedstore.reshard`.)
     fn state(&self) -> PyResult<String> {
-        self.with(|s| Ok(s.state().to_text()))
+        self.with(|s| Ok(state_text(s.spec(), &s.state())))
     }
 
     /// What this consumer measured of its own reading, as it reports it to the daemon (and
@@ -411,11 +417,13 @@ impl Stream {
 
 /// The state text (as `Stream.state()` gives) of `rank` standing before its `seq`-th sample of
 /// the stream with this spec: what a checkpoint saves for a rank that has consumed `seq`
-/// samples, when the consumer that read them is in another process.
+/// samples, when the consumer that read them is in another process. For a run resumed at
+/// another world size, `resumed` is a state text of that run (from `feedstore.reshard`): the
+/// sequence numbers are that run's.
 #[pyfunction]
 #[pyo3(signature = (name, records, rank, seq, world=1, *, seed=0, shuffle="full", tail="drop",
-    epochs=Some(1)), text_signature = "(name, records, rank, seq, world=1, *, seed=0, \
-    shuffle='full', tail='drop', epochs=1)")]
+    epochs=Some(1), resumed=None), text_signature = "(name, records, rank, seq, world=1, *, \
+    seed=0, shuffle='full', tail='drop', epochs=1, resumed=None)")]
 #[allow(clippy::too_many_arguments)]
 pub fn state_at(
     name: &str,
@@ -427,11 +435,44 @@ pub fn state_at(
     shuffle: &str,
     tail: &str,
     epochs: Option<u64>,
+    resumed: Option<&str>,
 ) -> PyResult<String> {
-    let spec = spec(name, records, world, seed, shuffle, tail, epochs)?;
+    let mut spec = spec(name, records, world, seed, shuffle, tail, epochs)?;
+    if let Some(text) = resumed {
+        spec = read_state(&spec, text).map_err(InvalidArgument::new_err)?.0;
+    }
     spec.check(rank)
         .map_err(|e| InvalidArgument::new_err(e.to_string()))?;
-    Ok(StreamState::at(&spec, rank, seq).to_text())
+    Ok(state_text(&spec, &StreamState::at(&spec, rank, seq)))
+}
+
+/// Resumes a run at another world size: `states` holds every rank's `Stream.state()` text from
+/// a run of `len(states)` ranks of the stream the keywords describe (the same as its `Stream`s
+/// and `Writer`s took, `world` aside); returns one state text per rank of a run of `world`
+/// ranks, in rank order. Across the new ranks, every sample of the epochs the old ranks had
+/// begun that none of them read is read exactly once (their uneven progress included), in
+/// shares that differ by one sample at most; later epochs are the new world's ordinary ones.
+/// Open rank `r`'s `Stream(..., rank=r, world=world, state=new[r])`, and the producers with
+/// `Writer(..., world=world, states=new)`. Raises `InvalidArgument` for states of another
+/// stream, a rank missing or twice, or states that cannot be resharded (see the message).
+#[pyfunction]
+#[pyo3(signature = (states, world, *, name, records, seed=0, shuffle="full", tail="drop",
+    epochs=Some(1)), text_signature = "(states, world, *, name, records, seed=0, \
+    shuffle='full', tail='drop', epochs=1)")]
+#[allow(clippy::too_many_arguments)]
+pub fn reshard(
+    states: Vec<String>,
+    world: u32,
+    name: &str,
+    records: u64,
+    seed: u64,
+    shuffle: &str,
+    tail: &str,
+    epochs: Option<u64>,
+) -> PyResult<Vec<String>> {
+    let spec = spec(name, records, world, seed, shuffle, tail, epochs)?;
+    let texts: Vec<&str> = states.iter().map(String::as_str).collect();
+    reshard_texts(&spec, &texts, world).map_err(|e| InvalidArgument::new_err(e.to_string()))
 }
 
 /// A sample a stream wants: rank `rank`'s `seq`-th sample, made from manifest record `record`.
@@ -477,17 +518,20 @@ const WRITER_TELL_AFTER: Duration = Duration::from_secs(5);
 #[pymethods]
 impl Writer {
     /// Joins the stream as a producer for `ranks` (default: all), creating it if new. The spec
-    /// arguments must match the readers'. `start` maps ranks to the sequence number their
-    /// readers resume at (from their saved states), for ranks the daemon does not know yet.
+    /// arguments must match the readers'. `states` lists the readers' saved state texts (any
+    /// order; from `Stream.state()` or `feedstore.reshard`): their ranks start where those say,
+    /// and a resharded run's producers must pass them. `start` maps ranks to the sequence
+    /// number their readers resume at otherwise. Both apply to ranks the daemon does not know
+    /// yet.
     /// `depth` and `batch` apply if the stream is new: samples made ahead of each reader (the
     /// samples it holds included; default 64, or with `batch` the larger of 64 and three
     /// batches: one held, one ready, one being made), and (above 1, at most 1024) tasks
     /// handed out a batch at a time for `put_batch` (`depth` at least `batch`).
     #[new]
     #[pyo3(signature = (name, records, world=1, *, seed=0, shuffle="full", tail="drop",
-        epochs=Some(1), ranks=None, start=None, socket=None, depth=None, batch=1),
+        epochs=Some(1), ranks=None, start=None, socket=None, depth=None, batch=1, states=None),
         text_signature = "(name, records, world=1, *, seed=0, shuffle='full', tail='drop', \
-        epochs=1, ranks=None, start=None, socket=None, depth=None, batch=1)")]
+        epochs=1, ranks=None, start=None, socket=None, depth=None, batch=1, states=None)")]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -503,11 +547,26 @@ impl Writer {
         socket: Option<String>,
         depth: Option<u32>,
         batch: u32,
+        states: Option<Vec<String>>,
     ) -> PyResult<Writer> {
         let depth = depth.unwrap_or_else(|| default_depth(batch));
-        let spec = spec(name, records, world, seed, shuffle, tail, epochs)?;
+        let mut spec = spec(name, records, world, seed, shuffle, tail, epochs)?;
         let ranks = ranks.unwrap_or_else(|| (0..world).collect());
-        let start = start.unwrap_or_default();
+        let mut start = start.unwrap_or_default();
+        if let Some(states) = states {
+            let mut resumed: Option<StreamSpec> = None;
+            for text in &states {
+                let (s, state) = read_state(&spec, text).map_err(InvalidArgument::new_err)?;
+                if resumed.as_ref().is_some_and(|r| *r != s) {
+                    return Err(InvalidArgument::new_err(
+                        "the states come from different runs (their reshards differ)",
+                    ));
+                }
+                start.insert(state.rank, state.seq(&s));
+                resumed = Some(s);
+            }
+            spec = resumed.unwrap_or(spec);
+        }
         let tasks: Vec<StreamTask> = ranks
             .iter()
             .map(|&rank| {

@@ -230,6 +230,7 @@ fn run_feedstore(
         shuffle: Shuffle::Full,
         tail: Tail::Drop,
         epochs: Some(needed.div_ceil(per_rank)),
+        reshard: None,
     };
     // The ring holds the batch in use as well as the samples made ahead of it.
     let depth = depth + setup.batch as u32;

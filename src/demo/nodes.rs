@@ -364,6 +364,7 @@ fn run_once(
             shuffle: Shuffle::Full,
             tail: Tail::Drop,
             epochs: Some(needed.div_ceil(per_rank)),
+            reshard: None,
         })
         .collect();
     // Rank r of every stream lives on node r mod N.

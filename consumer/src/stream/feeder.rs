@@ -271,6 +271,7 @@ impl StreamFeeder {
     }
 
     fn join_with(client: &Client, spec: &StreamSpec, join: &Join) -> Result<Joined, Error> {
+        super::can_send(client, spec)?;
         let request = Request::StreamJoin {
             spec: spec.clone(),
             depth: join.depth,

@@ -40,8 +40,8 @@ mod streams;
 pub use objects::{CacheEntry, Created, Got};
 pub use session::{FEATURES, NEGOTIATED_SINCE, Speaks, feature};
 pub use streams::{
-    PRODUCER_STAGES, ProducerFigures, RankAt, RankFigures, RankInfo, StreamInfo, StreamItem,
-    StreamTask, TakeTasks,
+    PRODUCER_STAGES, ProducerFigures, RESHARD_SINCE, RankAt, RankFigures, RankInfo, StreamInfo,
+    StreamItem, StreamTask, TakeTasks,
 };
 
 use crate::stream::StreamSpec;
@@ -67,14 +67,15 @@ pub const MAGIC: u16 = 0xFD5E;
 /// ([`Speaks`]), and the connection speaks the newest both do; a daemon serves clients down to
 /// [`MIN_VERSION`]. Version 12: a hello says how many times the client connected again after
 /// its daemon went away; statistics count such clients (`reconnects`, `reconnected_clients`).
-pub const VERSION: u16 = 12;
+/// Version 13: a stream spec carries its reshard (a stream resumed at another world size).
+pub const VERSION: u16 = 13;
 /// The release and the protocols it speaks, as `--version` prints them.
 pub const LONG_VERSION: &str = concat!(
     env!("CARGO_PKG_VERSION"),
-    " (protocols 9-12, peer protocol 3)"
+    " (protocols 9-13, peer protocol 3)"
 );
 // (The text names the numbers: a new version fails the build here until it says so too.)
-const _: () = assert!(MIN_VERSION == 9 && VERSION == 12 && crate::peer::PEER_VERSION == 3);
+const _: () = assert!(MIN_VERSION == 9 && VERSION == 13 && crate::peer::PEER_VERSION == 3);
 
 /// The oldest protocol version this crate speaks: 0.1.0's, so that a daemon serves clients of
 /// the previous release (and a client reaches its daemon).

@@ -1,12 +1,20 @@
 //! The stream family: specs, tasks, delivered items, positions and listings.
 
+use std::sync::Arc;
+
 use crate::Handle;
+use crate::reshard::{MAX_RESHARD_TEXT, Reshard};
 use crate::stream::{Shuffle, StreamSpec, Tail};
 use crate::wire::{DecodeError, Reader, Wire, Writer};
 
+/// The first protocol version whose stream specs carry their reshard.
+pub const RESHARD_SINCE: u16 = 13;
+
 /// The spec as it crosses the socket: name, records, seed, world, shuffle kind and block size,
-/// tail, epochs (0 for unbounded). (Its checkpoint digest has an encoding of its own,
-/// [`StreamSpec::canonical_bytes`].)
+/// tail, epochs (0 for unbounded), and from protocol [`RESHARD_SINCE`] on the reshard's text
+/// ([`Reshard::to_text`]) as a `u32` length and its bytes (none: 0). (Its checkpoint digest has
+/// an encoding of its own, [`StreamSpec::canonical_bytes`].) A resharded spec cannot be sent
+/// in an older version: a client checks the version agreed first.
 impl Wire for StreamSpec {
     const MIN_BYTES: usize = 2 + 8 + 8 + 4 + 1 + 4 + 1 + 8;
     fn encode(&self, w: &mut Writer<'_>) {
@@ -19,6 +27,15 @@ impl Wire for StreamSpec {
         w.u32(block);
         w.u8(self.tail.code());
         w.u64(self.epochs.unwrap_or(0));
+        if w.version >= RESHARD_SINCE {
+            let text = self
+                .reshard
+                .as_ref()
+                .map(|r| r.to_text())
+                .unwrap_or_default();
+            w.u32(text.len() as u32);
+            w.buf.extend_from_slice(text.as_bytes());
+        }
     }
     fn decode(r: &mut Reader<'_>) -> Result<Self, DecodeError> {
         let name = r.string()?;
@@ -33,7 +50,7 @@ impl Wire for StreamSpec {
             0 => None,
             e => Some(e),
         };
-        Ok(StreamSpec {
+        let mut spec = StreamSpec {
             name,
             records,
             seed,
@@ -41,7 +58,22 @@ impl Wire for StreamSpec {
             shuffle,
             tail,
             epochs,
-        })
+            reshard: None,
+        };
+        if r.version >= RESHARD_SINCE {
+            let n = r.u32()? as usize;
+            let invalid = DecodeError::InvalidValue { field: "reshard" };
+            if n > MAX_RESHARD_TEXT {
+                return Err(invalid);
+            }
+            if n > 0 {
+                let text = std::str::from_utf8(r.bytes(n)?).map_err(|_| invalid.clone())?;
+                let reshard = Reshard::from_text(&spec, text).ok_or(invalid.clone())?;
+                spec.reshard = Some(Arc::new(reshard));
+                spec.check(0).map_err(|_| invalid)?;
+            }
+        }
+        Ok(spec)
     }
 }
 

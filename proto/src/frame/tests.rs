@@ -82,6 +82,7 @@ fn spec() -> impl Strategy<Value = StreamSpec> {
                 shuffle,
                 tail,
                 epochs,
+                reshard: None,
             },
         )
 }
@@ -506,6 +507,7 @@ fn min_bytes_are_the_smallest_encodings() {
         shuffle: Shuffle::None,
         tail: Tail::Drop,
         epochs: None,
+        reshard: None,
     });
     min_bytes_is_tight(&StreamTask { rank: 0, seq: 0 });
     min_bytes_is_tight(&TakeTasks {
@@ -562,6 +564,7 @@ fn a_stream_spec_has_one_encoding() {
         shuffle: Shuffle::Full,
         tail: Tail::Drop,
         epochs: None,
+        reshard: None,
     };
     let good = encode_request(
         &Request::StreamAttach {

@@ -50,6 +50,18 @@ impl Streams {
             spec.check(r.rank)
                 .map_err(|e| fail(Status::InvalidArgument, e.to_string()))?;
         }
+        if spec.reshard.is_some() && (!owners.is_empty() || placement.relay.is_some()) {
+            // (The peer protocol carries no reshard yet.)
+            return Err(fail(
+                Status::InvalidArgument,
+                "a resharded stream (resumed at another world size) is read on this node \
+                 only: its ranks cannot be placed on other nodes yet",
+            ));
+        }
+        if let Some((id, differences)) = self.stale(uid, spec) {
+            tracing::info!(stream = ?spec.name, %differences, "an idle stream gives way to a producer of another spec");
+            self.remove(objects, id, "replaced");
+        }
         let existing = self.find(uid, spec)?;
         // Another node's session and a producer's put-only connections (no ranks) say nothing
         // about relays; this node's producers that name ranks must agree.
@@ -249,6 +261,17 @@ impl Streams {
             .client(conn)
             .ok_or_else(|| fail(Status::Protocol, "unknown connection"))?
             .uid;
+        if let Some((_, differences)) = self.stale(uid, spec) {
+            // (A producer of this spec replaces it: wait for one.)
+            return Err(fail(
+                Status::NotFound,
+                format!(
+                    "stream {:?} of uid {uid} has another spec and nobody uses it ({differences}): \
+                     waiting for a producer of this spec to replace it",
+                    spec.name
+                ),
+            ));
+        }
         let id = self.find(uid, spec)?.ok_or_else(|| {
             fail(
                 Status::NotFound,

@@ -137,13 +137,15 @@ struct Stream {
 }
 
 impl Stream {
-    fn end(&self) -> Option<u64> {
-        self.spec.end_seq()
+    /// One past rank `rank`'s last sequence number, if the stream ends.
+    fn end(&self, rank: u32) -> Option<u64> {
+        self.spec.end_seq(rank)
     }
 
-    fn window_end(&self, rank: &Rank) -> u64 {
+    /// Where rank `id`'s window ends now.
+    fn window_end(&self, id: u32, rank: &Rank) -> u64 {
         let end = rank.released.saturating_add(u64::from(self.depth));
-        self.end().map_or(end, |e| end.min(e))
+        self.end(id).map_or(end, |e| end.min(e))
     }
 
     /// The rank's window, made if it is new (the caller has checked there is room for it).
@@ -153,10 +155,10 @@ impl Stream {
             .or_insert_with(|| Rank::new(start, None))
     }
 
-    /// Whether the rank needs nothing more from this node's producers.
-    fn rank_done(&self, rank: &Rank) -> bool {
+    /// Whether rank `id` needs nothing more from this node's producers.
+    fn rank_done(&self, id: u32, rank: &Rank) -> bool {
         match rank.owner {
-            None => rank.done(self.end()),
+            None => rank.done(self.end(id)),
             Some(node) => self.remotes.get(&node).is_some_and(|r| r.ended),
         }
     }
@@ -254,6 +256,16 @@ impl Streams {
         self.streams
             .get_mut(&id)
             .ok_or_else(|| fail(Status::NotFound, format!("no stream {id}")))
+    }
+
+    /// `uid`'s stream named in `spec` if it has another spec and nobody uses it (no producer,
+    /// no consumer: a run that ended or was stopped), with what differs. A producer of
+    /// another spec (a run resumed at another world size, say) takes its name over instead of
+    /// waiting for it to expire.
+    fn stale(&self, uid: u32, spec: &StreamSpec) -> Option<(u32, String)> {
+        let &id = self.by_name.get(&(uid, spec.name.clone()))?;
+        let stream = &self.streams[&id];
+        (stream.spec != *spec && stream.idle()).then(|| (id, stream.spec.differences(spec)))
     }
 
     /// `uid`'s stream named in `spec`, checked against it.

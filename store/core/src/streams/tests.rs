@@ -16,6 +16,7 @@ fn spec(epochs: u64) -> StreamSpec {
         shuffle: Shuffle::Full,
         tail: Tail::Drop,
         epochs: Some(epochs),
+        reshard: None,
     }
 }
 
@@ -836,4 +837,62 @@ fn only_the_streams_own_cached_sample_is_taken_back() {
     assert!(!s.cached_sample(id, 0, item.handle), "no key");
     let other = o.create(p, 64, false).unwrap().handle;
     assert!(!s.cached_sample(id, item.key, other), "another object");
+}
+
+/// A stream resumed at another world size: its ranks end one sample apart where their shares
+/// say, it cannot be placed on other nodes, and the old run's stream gives way to it once
+/// nobody uses it (a consumer arriving first waits for that).
+#[test]
+fn a_resharded_stream_replaces_the_idle_old_one_and_ends_each_rank_at_its_share() {
+    use feedstore_proto::reshard::Reshard;
+    use feedstore_proto::stream::StreamState;
+
+    let (mut o, mut s, p, c) = setup();
+    let old = spec(1);
+    let id = s
+        .join(&mut o, p, &old, 8, &starts(&[0, 1]), &Placement::default())
+        .map(|(id, _)| id)
+        .unwrap();
+    // Rank 0 read 1 of its 4, rank 1 read 2: 5 left for 3 new ranks.
+    let states = [StreamState::at(&old, 0, 1), StreamState::at(&old, 1, 2)];
+    let reshard = Reshard::new(&old, &states, 3).unwrap();
+    let new = reshard.spec();
+    let tasks = reshard.states();
+    let tasks: Vec<StreamTask> = tasks
+        .iter()
+        .map(|t| StreamTask {
+            rank: t.rank,
+            seq: t.seq(&new),
+        })
+        .collect();
+    // While the old run's producer is there, the name is taken.
+    let p2 = client(&mut o, Role::Writer, 1000);
+    let err = s
+        .join(&mut o, p2, &new, 8, &tasks, &Placement::default())
+        .unwrap_err();
+    assert_eq!(err.status, Status::SpecMismatch);
+    s.disconnect(p);
+    // A consumer of the new run waits (not found yet), then the producer replaces it.
+    let err = s.attach(&mut o, c, &new, 0, 0).unwrap_err();
+    assert_eq!(err.status, Status::NotFound, "{}", err.message);
+    let placed = Placement {
+        owners: [(2, 7)].into_iter().collect(),
+        relay: None,
+    };
+    let err = s.join(&mut o, p2, &new, 8, &tasks, &placed).unwrap_err();
+    assert_eq!(err.status, Status::InvalidArgument);
+    let (new_id, _) = s
+        .join(&mut o, p2, &new, 8, &tasks, &Placement::default())
+        .unwrap();
+    assert_ne!(new_id, id);
+    // Shares of 2, 2 and 1, then nothing more (one epoch): each rank's tasks stop there.
+    let mut made = vec![0u64; 3];
+    for t in s.take(p2, new_id, 100, None).unwrap() {
+        made[t.rank as usize] = made[t.rank as usize].max(t.seq + 1);
+    }
+    assert_eq!(made, [2, 2, 1]);
+    assert_eq!(
+        (0..3).map(|r| reshard.share(r)).collect::<Vec<_>>(),
+        [2, 2, 1]
+    );
 }

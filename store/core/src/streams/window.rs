@@ -247,7 +247,7 @@ impl Streams {
             Some(ranks) => r.owner.is_none() && ranks.contains(rank),
         };
         let mut serving = stream.ranks.iter().filter(|(k, r)| served(k, r)).peekable();
-        if serving.peek().is_some() && serving.all(|(_, r)| stream.rank_done(r)) {
+        if serving.peek().is_some() && serving.all(|(&k, r)| stream.rank_done(k, r)) {
             return Err(fail(Status::Ended, "every rank's last epoch is made"));
         }
         let mut order: Vec<u32> = stream
@@ -272,8 +272,8 @@ impl Streams {
                     if tasks.len() >= max as usize {
                         break;
                     }
-                    let window_end = stream.window_end(&stream.ranks[&rank]);
-                    let end = stream.end();
+                    let window_end = stream.window_end(rank, &stream.ranks[&rank]);
+                    let end = stream.end(rank);
                     let r = stream.ranks.get_mut(&rank).expect("listed");
                     if stream.batch > 1 && r.owner.is_none() {
                         // A whole batch, even past `max`: a batch split between producers
@@ -456,7 +456,7 @@ impl Streams {
         let Some(stream) = self.streams.get_mut(&id) else {
             return Ok(Some(Status::Ended));
         };
-        if stream.end().is_some_and(|end| seq >= end) {
+        if stream.end(rank).is_some_and(|end| seq >= end) {
             return Ok(Some(Status::Ended));
         }
         let r = Self::consumer_of(stream, conn, rank, "wait")?;
@@ -475,7 +475,7 @@ impl Streams {
         let Some(stream) = self.streams.get_mut(&id) else {
             return;
         };
-        if stream.end().is_none_or(|end| seq < end) {
+        if stream.end(rank).is_none_or(|end| seq < end) {
             return;
         }
         let Some(r) = stream.ranks.get_mut(&rank) else {
