@@ -27,6 +27,13 @@
 #define FEEDSTORE_VERSION_PATCH 0
 
 /**
+ * Bytes that always hold a state text (`fs_stream_state`, `fs_reshard`) and its NUL: 64 for a
+ * stream not resumed at another world size, more for one that was (its state carries what
+ * the old run left, at most 32 KiB).
+ */
+#define FS_STATE_BYTES 32832
+
+/**
  * What a call did. Negative values are errors; `fs_last_error()` says more.
  */
 typedef enum FsStatus {
@@ -206,7 +213,8 @@ const char *fs_last_error(void);
 
 /**
  * Opens `rank`'s share of a stream on the daemon at `socket`, from a saved state (the text of
- * `fs_stream_state`) or, with `state` null, from the beginning. `wait_ms` bounds how long it
+ * `fs_stream_state`, or of `fs_reshard` to resume a run saved at another world size) or, with
+ * `state` null, from the beginning. `wait_ms` bounds how long it
  * waits for a producer to create the stream, and each `fs_stream_next` for a sample (0 for the
  * default, 300 s). The prefetch depth is the stream's, set by its producer.
  *
@@ -232,12 +240,33 @@ enum FsStatus fs_stream_next(struct FsStream *stream, struct FsSample **out);
 
 /**
  * Writes the stream's state (save it with a checkpoint; pass it to `fs_stream_open` to resume
- * with exactly the next sample) into `buf` as a NUL-terminated string. 64 bytes always suffice.
+ * with exactly the next sample) into `buf` as a NUL-terminated string. `FS_STATE_BYTES` always
+ * suffice (64 for a stream not resumed at another world size).
  *
  * # Safety
  * `stream` comes from `fs_stream_open`; `buf` is writable for `len` bytes.
  */
 enum FsStatus fs_stream_state(const struct FsStream *stream, char *buf, size_t len);
+
+/**
+ * Resumes a run at another world size: `states` holds `n` state texts (`fs_stream_state`),
+ * one per rank of a run of `n` ranks of the stream `spec` describes (its `world` is the new
+ * run's); writes the state new rank `rank` opens from (`fs_stream_open`) into `buf`
+ * (`FS_STATE_BYTES` always suffice). Across the new ranks, every sample the old ranks left of
+ * the epochs they had begun is read exactly once; later epochs are the new world's ordinary
+ * ones. `FS_STATUS_INVALID_ARGUMENT` (see `fs_last_error`) for states of another stream, a
+ * rank missing or twice, or states that cannot be resharded.
+ *
+ * # Safety
+ * `spec` points to a valid `FsStreamSpec` whose `name` is a NUL-terminated string; `states`
+ * points to `n` NUL-terminated strings; `buf` is writable for `len` bytes.
+ */
+enum FsStatus fs_reshard(const struct FsStreamSpec *spec,
+                         const char *const *states,
+                         size_t n,
+                         uint32_t rank,
+                         char *buf,
+                         size_t len);
 
 /**
  * Detaches and frees a stream; samples already taken stay valid. Null is ignored.

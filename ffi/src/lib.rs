@@ -27,8 +27,9 @@ mod error;
 use std::ffi::{CStr, c_char, c_void};
 
 use feedstore_consumer::{Stream, StreamOptions, StreamSample, stacked_image};
+use feedstore_proto::reshard::{read_state, reshard_texts, state_text};
 use feedstore_proto::sample::{DType, SampleError, SampleView, TensorLayout};
-use feedstore_proto::stream::{Shuffle, StreamSpec, StreamState, Tail};
+use feedstore_proto::stream::{Shuffle, StreamSpec, Tail};
 
 use crate::error::{FfiError, guard};
 
@@ -180,6 +181,12 @@ pub const FEEDSTORE_VERSION_MINOR: u32 = 2;
 /// See [`FEEDSTORE_VERSION_MAJOR`].
 pub const FEEDSTORE_VERSION_PATCH: u32 = 0;
 
+/// Bytes that always hold a state text (`fs_stream_state`, `fs_reshard`) and its NUL: 64 for a
+/// stream not resumed at another world size, more for one that was (its state carries what
+/// the old run left, at most 32 KiB).
+pub const FS_STATE_BYTES: usize = 32832;
+const _: () = assert!(FS_STATE_BYTES == feedstore_proto::reshard::MAX_RESHARD_TEXT + 64);
+
 // The header's numbers are the crate's version, or the build fails.
 const _: () = assert!(
     FEEDSTORE_VERSION_MAJOR == decimal(env!("CARGO_PKG_VERSION_MAJOR"))
@@ -215,7 +222,8 @@ pub extern "C" fn fs_last_error() -> *const c_char {
 }
 
 /// Opens `rank`'s share of a stream on the daemon at `socket`, from a saved state (the text of
-/// `fs_stream_state`) or, with `state` null, from the beginning. `wait_ms` bounds how long it
+/// `fs_stream_state`, or of `fs_reshard` to resume a run saved at another world size) or, with
+/// `state` null, from the beginning. `wait_ms` bounds how long it
 /// waits for a producer to create the stream, and each `fs_stream_next` for a sample (0 for the
 /// default, 300 s). The prefetch depth is the stream's, set by its producer.
 ///
@@ -241,16 +249,15 @@ pub unsafe extern "C" fn fs_stream_open(
         let spec = unsafe { &*spec };
         // SAFETY: as above.
         let name = unsafe { text(spec.name, "spec.name")? };
-        let spec = spec_from(spec, name)?;
+        let mut spec = spec_from(spec, name)?;
         let from = if state.is_null() {
             None
         } else {
             // SAFETY: as above.
             let state = unsafe { text(state, "state")? };
-            Some(
-                StreamState::from_text(state)
-                    .ok_or_else(|| FfiError::invalid(format!("{state:?} is not a stream state")))?,
-            )
+            let (resumed, state) = read_state(&spec, state).map_err(FfiError::invalid)?;
+            spec = resumed;
+            Some(state)
         };
         let mut options = StreamOptions::default();
         if wait_ms > 0 {
@@ -293,7 +300,8 @@ pub unsafe extern "C" fn fs_stream_next(
 }
 
 /// Writes the stream's state (save it with a checkpoint; pass it to `fs_stream_open` to resume
-/// with exactly the next sample) into `buf` as a NUL-terminated string. 64 bytes always suffice.
+/// with exactly the next sample) into `buf` as a NUL-terminated string. `FS_STATE_BYTES` always
+/// suffice (64 for a stream not resumed at another world size).
 ///
 /// # Safety
 /// `stream` comes from `fs_stream_open`; `buf` is writable for `len` bytes.
@@ -308,26 +316,82 @@ pub unsafe extern "C" fn fs_stream_state(
             return Err(FfiError::invalid("stream and buf must not be null"));
         }
         // SAFETY: a live stream per the contract.
-        let text = unsafe { &*stream }.inner.state().to_text();
-        if text.len() + 1 > len {
+        let stream = unsafe { &*stream };
+        let text = state_text(stream.inner.spec(), &stream.inner.state());
+        // SAFETY: per the contract, `buf` is writable for `len` bytes.
+        unsafe { write_text(text, buf, len) }
+    })
+}
+
+/// Resumes a run at another world size: `states` holds `n` state texts (`fs_stream_state`),
+/// one per rank of a run of `n` ranks of the stream `spec` describes (its `world` is the new
+/// run's); writes the state new rank `rank` opens from (`fs_stream_open`) into `buf`
+/// (`FS_STATE_BYTES` always suffice). Across the new ranks, every sample the old ranks left of
+/// the epochs they had begun is read exactly once; later epochs are the new world's ordinary
+/// ones. `FS_STATUS_INVALID_ARGUMENT` (see `fs_last_error`) for states of another stream, a
+/// rank missing or twice, or states that cannot be resharded.
+///
+/// # Safety
+/// `spec` points to a valid `FsStreamSpec` whose `name` is a NUL-terminated string; `states`
+/// points to `n` NUL-terminated strings; `buf` is writable for `len` bytes.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn fs_reshard(
+    spec: *const FsStreamSpec,
+    states: *const *const c_char,
+    n: usize,
+    rank: u32,
+    buf: *mut c_char,
+    len: usize,
+) -> FsStatus {
+    guard(|| {
+        if spec.is_null() || states.is_null() || buf.is_null() {
+            return Err(FfiError::invalid("spec, states and buf must not be null"));
+        }
+        // SAFETY: per the contract, `spec` points to a valid spec with a NUL-terminated name.
+        let spec = unsafe { &*spec };
+        // SAFETY: as above.
+        let name = unsafe { text(spec.name, "spec.name")? };
+        let spec = spec_from(spec, name)?;
+        if rank >= spec.world {
             return Err(FfiError::invalid(format!(
-                "the state needs {} bytes, the buffer has {len}",
-                text.len() + 1
+                "rank {rank} is outside a world of {}",
+                spec.world
             )));
         }
-        let mut terminated = text.into_bytes();
-        terminated.push(0);
-        // SAFETY: `buf` is writable for `len >= terminated.len()` bytes per the contract, and
-        // cannot overlap a fresh allocation.
-        unsafe {
-            std::ptr::copy_nonoverlapping(
-                terminated.as_ptr().cast::<c_char>(),
-                buf,
-                terminated.len(),
-            )
-        };
-        Ok(FsStatus::Ok)
+        // SAFETY: per the contract, `states` points to `n` pointers.
+        let pointers = unsafe { std::slice::from_raw_parts(states, n) };
+        let texts = pointers
+            .iter()
+            // SAFETY: each is a NUL-terminated string per the contract.
+            .map(|&p| unsafe { text(p, "states[i]") })
+            .collect::<Result<Vec<&str>, _>>()?;
+        let mut new = reshard_texts(&spec, &texts, spec.world)
+            .map_err(|e| FfiError::invalid(e.to_string()))?;
+        let text = new.swap_remove(rank as usize);
+        // SAFETY: per the contract, `buf` is writable for `len` bytes.
+        unsafe { write_text(text, buf, len) }
     })
+}
+
+/// Writes `text` and a NUL into `buf`, or says how many bytes it needs.
+///
+/// # Safety
+/// `buf` is writable for `len` bytes.
+unsafe fn write_text(text: String, buf: *mut c_char, len: usize) -> Result<FsStatus, FfiError> {
+    if text.len() + 1 > len {
+        return Err(FfiError::invalid(format!(
+            "the state needs {} bytes, the buffer has {len}",
+            text.len() + 1
+        )));
+    }
+    let mut terminated = text.into_bytes();
+    terminated.push(0);
+    // SAFETY: `buf` is writable for `len >= terminated.len()` bytes per the contract, and
+    // cannot overlap a fresh allocation.
+    unsafe {
+        std::ptr::copy_nonoverlapping(terminated.as_ptr().cast::<c_char>(), buf, terminated.len())
+    };
+    Ok(FsStatus::Ok)
 }
 
 /// Detaches and frees a stream; samples already taken stay valid. Null is ignored.

@@ -2,7 +2,8 @@
 //! a producer feeds their stream: the example (`examples/read_stream.c`) prints what each sample
 //! holds, checked line by line against the stream's spec; `tests/c/held_view.c` keeps a sample
 //! across a reopen of its stream and a refill of the store; `tests/c/stacked.c` reads batches a
-//! producer placed in one object as one stacked tensor each.
+//! producer placed in one object as one stacked tensor each; `tests/c/reshard.c` resumes a run
+//! saved at another world size.
 
 use std::io::{BufRead, BufReader, Write};
 use std::path::{Path, PathBuf};
@@ -63,14 +64,24 @@ fn produce(
     shape: [u32; 3],
     fill: fn(u64) -> u8,
 ) -> std::thread::JoinHandle<()> {
-    let (socket, spec) = (socket.to_owned(), spec.clone());
+    produce_ranks(socket, spec, &[StreamTask { rank: 0, seq: 0 }], shape, fill)
+}
+
+/// [`produce`] for `ranks`, each from its sequence number.
+fn produce_ranks(
+    socket: &Path,
+    spec: &StreamSpec,
+    ranks: &[StreamTask],
+    shape: [u32; 3],
+    fill: fn(u64) -> u8,
+) -> std::thread::JoinHandle<()> {
+    let (socket, spec, ranks) = (socket.to_owned(), spec.clone(), ranks.to_vec());
     std::thread::spawn(move || {
         let client = ConnectOptions::new(Role::Writer)
             .socket(&socket)
             .connect()
             .unwrap();
-        let feeder =
-            StreamFeeder::join(&client, &spec, 16, &[StreamTask { rank: 0, seq: 0 }]).unwrap();
+        let feeder = StreamFeeder::join(&client, &spec, 16, &ranks).unwrap();
         while let Ok(Some(tasks)) = feeder.take(8, Duration::from_millis(100)) {
             let made = tasks
                 .into_iter()
@@ -339,4 +350,89 @@ fn c_reads_a_placed_batch_as_one_tensor() {
     );
     daemon.stop();
     let _ = std::fs::remove_dir_all(&dir); // (kept when the test fails, to look at)
+}
+
+/// `tests/c/reshard.c`: each rank of a run of 3 reshards the states of a run of 2 itself
+/// (`fs_reshard`), opens the stream from its share and reads it to the end: together they read
+/// every sample the old ranks left of their epoch once, then the next epoch as a run of 3; the
+/// state each saves at the end resumes at the end.
+#[test]
+fn c_ranks_resume_a_run_of_another_world_size() {
+    use feedstore_proto::reshard::Reshard;
+    use std::collections::BTreeMap;
+
+    let dir = scratch("reshard");
+    let binary = compile("tests/c/reshard.c", &dir);
+    let socket = dir.join("feedstored.sock");
+    let _daemon = daemon(&socket);
+    let old = StreamSpec {
+        name: "c-reshard".into(),
+        records: 23,
+        seed: 8,
+        world: 2,
+        shuffle: Shuffle::Full,
+        tail: Tail::Drop,
+        epochs: Some(2),
+        reshard: None,
+    };
+    // Rank 0 read 4 of its 11, rank 1 none.
+    let states = [StreamState::at(&old, 0, 4), StreamState::at(&old, 1, 0)];
+    let reshard = Reshard::new(&old, &states, 3).unwrap();
+    let new = reshard.spec();
+    let starts: Vec<StreamTask> = (0..3).map(|rank| StreamTask { rank, seq: 0 }).collect();
+    let producer = produce_ranks(&socket, &new, &starts, [1, 8, 8], |r| r as u8);
+    let mut read: BTreeMap<u64, u32> = BTreeMap::new();
+    for (rank, p) in (0..2).flat_map(|r| (0..4).map(move |p| (r, p))) {
+        if p < [4, 0][rank as usize] {
+            *read.entry(old.record_at(rank, p)).or_default() += 1;
+        }
+    }
+    let plain = new.plain();
+    for rank in 0..3u32 {
+        let out = Command::new(&binary)
+            .arg(&socket)
+            .args(["c-reshard", "23", "8", "2", "3", &rank.to_string()])
+            .args(states.iter().map(StreamState::to_text))
+            .output()
+            .unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success(),
+            "rank {rank}: {}\n{stdout}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let mut lines = stdout.lines().collect::<Vec<_>>();
+        let state = lines
+            .pop()
+            .unwrap()
+            .strip_prefix("state ")
+            .unwrap()
+            .to_owned();
+        assert!(state.starts_with("r1:"), "{state}");
+        let share = reshard.share(rank);
+        assert_eq!(
+            lines.len() as u64,
+            new.end_seq(rank).unwrap(),
+            "rank {rank}"
+        );
+        for (seq, line) in lines.iter().enumerate() {
+            let (s, record) = line.split_once(' ').unwrap();
+            assert_eq!(s.parse::<u64>().unwrap(), seq as u64);
+            let record: u64 = record.parse().unwrap();
+            if (seq as u64) < share {
+                *read.entry(record).or_default() += 1;
+            } else {
+                let k = seq as u64 - share;
+                assert_eq!(record, plain.record_at(rank, plain.per_rank() + k));
+            }
+        }
+    }
+    let mut expected: BTreeMap<u64, u32> = BTreeMap::new();
+    for rank in 0..2 {
+        for p in 0..old.per_rank() {
+            *expected.entry(old.record_at(rank, p)).or_default() += 1;
+        }
+    }
+    assert_eq!(read, expected, "the epoch begun, each sample once");
+    producer.join().unwrap();
 }
