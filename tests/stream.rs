@@ -35,14 +35,17 @@ fn spec(name: &str, records: u64, seed: u64, world: u32, epochs: u64) -> StreamS
     }
 }
 
+/// The spec as a child process's words: name, records, seed, world, epochs, and the reshard's
+/// text (`-` for none).
 fn spec_args(s: &StreamSpec) -> String {
     format!(
-        "{} {} {} {} {}",
+        "{} {} {} {} {} {}",
         s.name,
         s.records,
         s.seed,
         s.world,
-        s.epochs.unwrap()
+        s.epochs.unwrap(),
+        s.reshard.as_ref().map_or("-".into(), |r| r.to_text())
     )
 }
 
@@ -55,7 +58,13 @@ fn parse_spec<'a>(words: &mut impl Iterator<Item = &'a str>) -> StreamSpec {
         n().parse().unwrap(),
         n().parse().unwrap(),
     );
-    spec(&name, records, seed, world, epochs)
+    let mut s = spec(&name, records, seed, world, epochs);
+    let reshard = n();
+    if reshard != "-" {
+        let reshard = feedstore_proto::reshard::Reshard::from_text(&s, reshard).unwrap();
+        s.reshard = Some(std::sync::Arc::new(reshard));
+    }
+    s
 }
 
 /// A consumer's checkpoint file: its state and the records it consumed up to it.
@@ -1112,9 +1121,12 @@ impl Nodes {
 
 /// What an uninterrupted run delivers to each rank: the spec's records in sequence order.
 fn expected(spec: &StreamSpec) -> Vec<Vec<u64>> {
-    let end = spec.end_seq(0).unwrap();
     (0..spec.world)
-        .map(|r| (0..end).map(|seq| spec.record_at(r, seq)).collect())
+        .map(|r| {
+            (0..spec.end_seq(r).unwrap())
+                .map(|seq| spec.record_at(r, seq))
+                .collect()
+        })
         .collect()
 }
 
@@ -1163,6 +1175,42 @@ fn ranks_on_another_node_are_fed_by_pulls_in_the_seeds_order() {
     assert!(b.cache_lookup(&keys).unwrap().iter().any(Option::is_some));
     assert!(a.cache_lookup(&keys).unwrap().iter().all(Option::is_none));
     assert_eq!(a.stats().unwrap().cache_entries, 0);
+    nodes.assert_at_rest(2);
+}
+
+/// A stream resumed at another world size (3 ranks' states dealt to 4) is read across nodes: the
+/// peer session carries the reshard, so the ranks' node ends each rank at its share and the
+/// next epoch, and every rank reads exactly the resharded sequence.
+#[test]
+fn a_resharded_stream_is_read_across_nodes() {
+    if skip_unless_root("a_resharded_stream_is_read_across_nodes") {
+        return;
+    }
+    let _w = watchdog(
+        "a_resharded_stream_is_read_across_nodes",
+        Duration::from_secs(240),
+    );
+    let nodes = Nodes::start("rs", 2);
+    let old = spec("elastic-across", 64, 23, 3, 2);
+    let states: Vec<StreamState> = [(0, 5), (1, 0), (2, 21)]
+        .iter()
+        .map(|&(rank, seq)| StreamState::at(&old, rank, seq))
+        .collect();
+    let s = feedstore_proto::reshard::Reshard::new(&old, &states, 4)
+        .unwrap()
+        .spec();
+    assert!(s.reshard.is_some());
+    let producer = nodes.producer(1, &s, "");
+    let consumers: Vec<ClientProcess> = (0..4).map(|r| nodes.consumer(&s, r, 0)).collect();
+    for mut p in consumers.into_iter().chain([producer]) {
+        let status = wait_child(&mut p.child, Duration::from_secs(120));
+        assert!(status.success(), "{status}");
+    }
+    assert_eq!(
+        nodes.records(&s),
+        expected(&s),
+        "each rank its share, then the epoch"
+    );
     nodes.assert_at_rest(2);
 }
 

@@ -39,8 +39,10 @@ use crate::{Handle, Status};
 
 /// The newest daemon-to-daemon protocol version this crate speaks. Version 3: records
 /// authenticated by a per-connection key instead of a CRC-32C per range; a reply names the
-/// handle it answers and the uid that wrote the object.
-pub const PEER_VERSION: u16 = 3;
+/// handle it answers and the uid that wrote the object. Version 4: a stream session's join may
+/// carry a resharded spec ([`crate::peer_stream::RESHARDED_SINCE`]); everything else reads as in
+/// version 3.
+pub const PEER_VERSION: u16 = 4;
 
 /// The oldest peer protocol version this crate speaks; a peer that shares none with this range
 /// is refused at handshake. Version 2 (0.1.0) is not spoken: its records carry no

@@ -18,9 +18,15 @@
 //! ends.
 
 use crate::Status;
-use crate::frame::{StreamItem, StreamTask, TakeTasks};
+use crate::frame::{RESHARD_SINCE, StreamItem, StreamTask, TakeTasks};
 use crate::stream::StreamSpec;
 use crate::wire::{DecodeError, Reader, Wire, Writer, truncate};
+
+/// The first peer protocol version whose joins may carry a resharded spec (a stream resumed at
+/// another world size): such a join is a frame of its own kind, whose spec carries its
+/// reshard as the client protocol does from [`RESHARD_SINCE`]. A connector never sends one on
+/// a session of an older version.
+pub const RESHARDED_SINCE: u16 = 4;
 
 /// The largest frame (after its length word) either side sends or accepts.
 pub const MAX_SESSION_FRAME: usize = 1 << 20;
@@ -91,6 +97,8 @@ const JOIN: u8 = 1;
 const TAKE: u8 = 2;
 const PUT: u8 = 3;
 const LEAVE: u8 = 4;
+/// A join whose spec is resharded (peer protocol [`RESHARDED_SINCE`] on).
+const JOIN_RESHARDED: u8 = 5;
 const JOINED: u8 = 101;
 const TASKS: u8 = 102;
 const DONE: u8 = 103;
@@ -146,12 +154,24 @@ impl SessionRequest {
                 spec,
                 depth,
                 ranks,
-            } => frame(id, JOIN, |w| {
-                w.u32(*uid);
-                spec.encode(w);
-                w.u32(*depth);
-                w.list(ranks);
-            }),
+            } => {
+                let kind = if spec.reshard.is_some() {
+                    JOIN_RESHARDED
+                } else {
+                    JOIN
+                };
+                frame(id, kind, |w| {
+                    w.u32(*uid);
+                    let layout = w.version;
+                    if kind == JOIN_RESHARDED {
+                        w.version = RESHARD_SINCE;
+                    }
+                    spec.encode(w);
+                    w.version = layout;
+                    w.u32(*depth);
+                    w.list(ranks);
+                })
+            }
             SessionRequest::Take(take) => frame(id, TAKE, |w| take.encode(w)),
             SessionRequest::Put {
                 stream,
@@ -170,9 +190,20 @@ impl SessionRequest {
     pub fn decode(frame: &[u8]) -> Result<(u32, SessionRequest), DecodeError> {
         let (id, kind, mut r) = split(frame)?;
         let request = match kind {
-            JOIN => SessionRequest::Join {
+            JOIN | JOIN_RESHARDED => SessionRequest::Join {
                 uid: r.u32()?,
-                spec: StreamSpec::decode(&mut r)?,
+                spec: {
+                    let layout = r.version;
+                    if kind == JOIN_RESHARDED {
+                        r.version = RESHARD_SINCE;
+                    }
+                    let spec = StreamSpec::decode(&mut r)?;
+                    r.version = layout;
+                    if (kind == JOIN_RESHARDED) != spec.reshard.is_some() {
+                        return Err(DecodeError::InvalidValue { field: "reshard" });
+                    }
+                    spec
+                },
                 depth: r.u32()?,
                 ranks: bounded(r.list()?, "session ranks")?,
             },
@@ -270,6 +301,35 @@ mod tests {
             depth: 8,
             ranks: vec![task],
         });
+        // A resharded spec travels in a join of its own kind, reshard and all.
+        let old = spec();
+        let states = [0, 1, 2, 3].map(|r| crate::stream::StreamState::at(&old, r, r.into()));
+        let resharded = crate::reshard::Reshard::new(&old, &states, 3)
+            .unwrap()
+            .spec();
+        let join = SessionRequest::Join {
+            uid: 1000,
+            spec: resharded.clone(),
+            depth: 8,
+            ranks: vec![task],
+        };
+        let wire = join.encode(1);
+        assert_eq!(wire[8], JOIN_RESHARDED);
+        round_trip_request(join);
+        // (A plain join whose bytes claim the resharded kind, or the other way round, is
+        // refused.)
+        let mut plain = SessionRequest::Join {
+            uid: 1000,
+            spec: old,
+            depth: 8,
+            ranks: vec![task],
+        }
+        .encode(1);
+        plain[8] = JOIN_RESHARDED;
+        assert!(SessionRequest::decode(&plain[4..]).is_err());
+        let mut claimed = wire;
+        claimed[8] = JOIN;
+        assert!(SessionRequest::decode(&claimed[4..]).is_err());
         round_trip_request(SessionRequest::Take(TakeTasks {
             stream: 3,
             max: 16,

@@ -72,10 +72,15 @@ pub const VERSION: u16 = 13;
 /// The release and the protocols it speaks, as `--version` prints them.
 pub const LONG_VERSION: &str = concat!(
     env!("CARGO_PKG_VERSION"),
-    " (protocols 9-13, peer protocol 3)"
+    " (protocols 9-13, peer protocols 3-4)"
 );
 // (The text names the numbers: a new version fails the build here until it says so too.)
-const _: () = assert!(MIN_VERSION == 9 && VERSION == 13 && crate::peer::PEER_VERSION == 3);
+const _: () = assert!(
+    MIN_VERSION == 9
+        && VERSION == 13
+        && crate::peer::PEER_OLDEST_VERSION == 3
+        && crate::peer::PEER_VERSION == 4
+);
 
 /// The oldest protocol version this crate speaks: 0.1.0's, so that a daemon serves clients of
 /// the previous release (and a client reaches its daemon).

@@ -26,7 +26,9 @@ use std::time::Duration;
 
 use feedstore_proto::frame::{StreamItem, StreamTask, TakeTasks};
 use feedstore_proto::peer::TAG_BYTES;
-use feedstore_proto::peer_stream::{MAX_SESSION_ITEMS, SessionReply, SessionRequest, frame_len};
+use feedstore_proto::peer_stream::{
+    MAX_SESSION_ITEMS, RESHARDED_SINCE, SessionReply, SessionRequest, frame_len,
+};
 use feedstore_proto::ring::ENTRY_FAILED;
 use feedstore_proto::{Role, Status};
 use tokio::io::AsyncReadExt;
@@ -96,6 +98,8 @@ pub(crate) struct Session {
     alive: Arc<AtomicBool>,
     next_id: AtomicU32,
     reader: tokio::task::JoinHandle<()>,
+    /// The peer protocol version agreed at handshake.
+    protocol: u16,
 }
 
 impl Drop for Session {
@@ -154,6 +158,7 @@ impl Session {
             alive,
             next_id: AtomicU32::new(1),
             reader: task,
+            protocol: peer.protocol,
         }
     }
 
@@ -369,6 +374,16 @@ async fn join_remote(
     } else {
         ranks.chunks(MAX_SESSION_ITEMS as usize).collect()
     };
+    if spec.reshard.is_some() && session.protocol < RESHARDED_SINCE {
+        return Err(PullError::fatal(
+            Status::InvalidArgument,
+            format!(
+                "node {node:08x}'s feedstored speaks peer protocol {}, which cannot carry a \
+                 stream resumed at another world size (from {RESHARDED_SINCE} on): upgrade it",
+                session.protocol
+            ),
+        ));
+    }
     for chunk in chunks {
         let join = SessionRequest::Join {
             uid,

@@ -41,7 +41,8 @@ pub struct PeerIdentity {
     /// It opened a stream session ([`feedstore_proto::peer_stream`]), not a range channel.
     pub streams: bool,
     /// The peer protocol version both speak ([`PeerHello::agreed_version`]): what this
-    /// connection's messages follow (only [`PEER_VERSION`] so far).
+    /// connection's messages follow (3 or 4: only a version-4 stream session carries a
+    /// resharded join).
     pub protocol: u16,
 }
 
@@ -558,17 +559,11 @@ pub(crate) async fn handshake<S: AsyncRead + AsyncWrite + Unpin>(
     }
 }
 
-/// The peer protocol version of an accepted handshake. Every version this daemon could agree
-/// on is [`PEER_VERSION`] today; the next version must read the messages of the one agreed.
+/// The peer protocol version of an accepted handshake. Versions 3 and 4 read the same but for
+/// a stream session's resharded join, which only a session of version 4 sends.
 fn agreed(mine: &PeerHello, theirs: &PeerHello) -> u16 {
-    let version = mine
-        .agreed_version(theirs)
-        .expect("an accepted handshake has a common version");
-    debug_assert_eq!(
-        version, PEER_VERSION,
-        "only one peer protocol is spoken yet"
-    );
-    version
+    mine.agreed_version(theirs)
+        .expect("an accepted handshake has a common version")
 }
 
 /// Sends this side's verdict on the handshake and reads the peer's: its code and reason.

@@ -50,14 +50,6 @@ impl Streams {
             spec.check(r.rank)
                 .map_err(|e| fail(Status::InvalidArgument, e.to_string()))?;
         }
-        if spec.reshard.is_some() && (!owners.is_empty() || placement.relay.is_some()) {
-            // (The peer protocol carries no reshard yet.)
-            return Err(fail(
-                Status::InvalidArgument,
-                "a resharded stream (resumed at another world size) is read on this node \
-                 only: its ranks cannot be placed on other nodes yet",
-            ));
-        }
         if let Some((id, differences)) = self.stale(uid, spec) {
             tracing::info!(stream = ?spec.name, %differences, "an idle stream gives way to a producer of another spec");
             self.remove(objects, id, "replaced");
