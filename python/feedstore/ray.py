@@ -403,9 +403,10 @@ class _Ranks:
 
     def _check(self, stream: str, world: int) -> Dict[int, str]:
         if self.world.setdefault(stream, world) != world:
-            raise ValueError(
-                f"stream {stream!r} has {self.world[stream]} ranks in this run, not {world}"
-            )
+            # A run resumed at another world size (its states resharded): its ranks say anew
+            # where they read.
+            self.world[stream] = world
+            self.at[stream] = {}
         return self.at.setdefault(stream, {})
 
     def claim(self, stream: str, rank: int, world: int, address: str) -> Optional[Dict[int, str]]:
@@ -491,6 +492,10 @@ def open_stream(name: str, records: int, *, rank: Optional[int] = None,
     worker reports to holds them all; string keys from JSON are accepted). A worker whose
     stream rank has no state in a non-empty mapping raises ``ValueError`` rather than start
     that rank over. A plain ``state`` string resumes the world rank's own stream rank only.
+    States of every rank of a run with another number of workers (ranks ``0..n-1``, ``n`` not
+    ``world``) are resharded for this one (``feedstore.reshard``): across the new ranks, every
+    sample the old run left of the epochs it began is read once. Its producers must resume from
+    the same states: ``produce(..., states=[...])``.
     Raises ``feedstore.RankInUse`` when no stream rank of this node is free within ``wait``
     (a consumer still holds it: a live worker, or a process that inherited a dead worker's
     connection, such as a forked DataLoader worker), and ``RuntimeError`` when this node has
@@ -510,6 +515,12 @@ def open_stream(name: str, records: int, *, rank: Optional[int] = None,
         states = {rank: state}
     else:
         states = {int(r): s for r, s in (state or {}).items()}
+        if states and len(states) != world and set(states) == set(range(len(states))):
+            spec = {k: v for k, v in kwargs.items() if k in ("seed", "shuffle", "tail", "epochs")}
+            resharded = feedstore.reshard(
+                [states[r] for r in range(len(states))], world, name=name, records=records, **spec
+            )
+            states = dict(enumerate(resharded))
     if placement is None:
         candidates = [rank]
     elif group is not None:
@@ -582,31 +593,60 @@ def _ranks_at(placement: Dict[int, str]) -> str:
     return ",".join(f"{a}={','.join(map(str, ranks))}" for a, ranks in by_node.items())
 
 
-@ray.remote(num_cpus=1)
+@ray.remote(num_cpus=1, max_concurrency=2)
 class _Producer:
-    """`feedstore produce --stream` on this actor's node, once every rank has said where it is."""
+    """`feedstore produce --stream` on this actor's node, once every rank has said where it is
+    (two threads: `stop` while `run` waits for the process)."""
+
+    def __init__(self) -> None:
+        self.process: Optional[subprocess.Popen] = None
+        self.stopped = False
+
+    def stop(self) -> None:
+        """Stops the producer process (SIGTERM: it leaves the stream and prints its profile),
+        or keeps it from starting."""
+        self.stopped = True
+        if self.process is not None:
+            self.process.send_signal(signal.SIGTERM)
 
     def run(self, stream: str, world: int, argv: List[str], relay: Optional[str],
-            bin_dir: Optional[str], timeout: float) -> dict:
+            bin_dir: Optional[str], timeout: float, states: Optional[List[str]] = None) -> dict:
         _, socket, run = ray.get(local_daemon().where.remote())
         registry = _registry(run)
         deadline = time.monotonic() + timeout
         while (placement := ray.get(registry.placement.remote(stream, world))) is None:
+            if self.stopped:
+                return {"node": ray.get_runtime_context().get_node_id(), "returncode": 0,
+                        "stdout": "", "stderr": "stopped before it started"}
             if time.monotonic() > deadline:
                 raise RuntimeError(f"the ranks of stream {stream!r} did not all open it in time")
             time.sleep(0.2)
-        command = [
-            _binary("feedstore", bin_dir), "produce", "--socket", socket,
-            "--stream", stream, "--world", str(world), "--ranks-at", _ranks_at(placement),
-            *(["--relay", relay] if relay else []), *argv,
-        ]
-        done = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        with tempfile.TemporaryDirectory() as scratch:
+            resume = []
+            if states:
+                # (`feedstore produce` reshards a run of another world size's states itself.)
+                path = os.path.join(scratch, "states.txt")
+                with open(path, "w") as f:
+                    f.write("".join(s + "\n" for s in states))
+                resume = ["--resume", path]
+            command = [
+                _binary("feedstore", bin_dir), "produce", "--socket", socket,
+                "--stream", stream, "--world", str(world), "--ranks-at", _ranks_at(placement),
+                *(["--relay", relay] if relay else []), *resume, *argv,
+            ]
+            if self.stopped:
+                return {"node": ray.get_runtime_context().get_node_id(), "returncode": 0,
+                        "stdout": "", "stderr": "stopped before it started"}
+            self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+            if self.stopped:  # (`stop` ran between the check and the start)
+                self.process.send_signal(signal.SIGTERM)
+            stdout, stderr = self.process.communicate()
         return {
             "node": ray.get_runtime_context().get_node_id(),
-            "returncode": done.returncode,
+            "returncode": self.process.returncode,
             # The summary, stage profile and verdict; the progress lines and errors.
-            "stdout": done.stdout.decode(errors="replace")[-4000:],
-            "stderr": done.stderr.decode(errors="replace")[-4000:],
+            "stdout": stdout.decode(errors="replace")[-4000:],
+            "stderr": stderr.decode(errors="replace")[-4000:],
         }
 
 
@@ -628,15 +668,29 @@ class ProduceJob:
                 raise RuntimeError(f"a producer on node {r['node']} failed:\n{r['stderr']}")
         return results
 
+    def stop(self, timeout: Optional[float] = 60) -> List[dict]:
+        """Stops every producer (a run that ends before its stream does, to resume later or at
+        another size) and returns what ``wait`` does, without checking exit statuses. Its
+        actors go, and their CPUs with them."""
+        ray.get([a.stop.remote() for a in self.actors], timeout=timeout)
+        results = self.wait(timeout=timeout, check=False)
+        for actor in self.actors:
+            ray.kill(actor)
+        return results
+
 
 def produce(cluster: Cluster, stream: str, *, manifest: str, tokenizer: str, world: int,
             epochs: int = 1, seed: int = 0, placement: str = "spread",
             producers: Optional[int] = None, args: Sequence[str] = (),
-            bin_dir: Optional[str] = None, timeout: float = 600.0) -> ProduceJob:
+            bin_dir: Optional[str] = None, timeout: float = 600.0,
+            states: Optional[Sequence[str]] = None) -> ProduceJob:
     """Starts producers for ``stream`` (``world`` ranks, ``epochs``, ``seed``) by ``placement``:
     ``producers`` actors (default: one per node) running ``feedstore produce`` with this
     node's daemon, ``args`` passed on (``--workers``, ``--image-size``, S3 flags, ...). They
-    begin once every rank has opened the stream (``open_stream``) and so said where it is."""
+    begin once every rank has opened the stream (``open_stream``) and so said where it is.
+    ``states``: the ranks' saved states to resume from (``feedstore produce --resume``), those
+    of every rank of a run with another number of workers included (resharded to ``world``, as
+    ``open_stream`` does for the ranks)."""
     if placement not in PLACEMENTS:
         raise ValueError(f"placement must be one of {PLACEMENTS}, not {placement!r}")
     count = producers or len(cluster.daemons)
@@ -651,5 +705,6 @@ def produce(cluster: Cluster, stream: str, *, manifest: str, tokenizer: str, wor
         strategy = "SPREAD"
     relay = cluster.addresses[here] if placement == "relay" else None
     actors = [_Producer.options(scheduling_strategy=strategy).remote() for _ in range(count)]
-    refs = [a.run.remote(stream, world, argv, relay, bin_dir, timeout) for a in actors]
+    states = list(states) if states is not None else None
+    refs = [a.run.remote(stream, world, argv, relay, bin_dir, timeout, states) for a in actors]
     return ProduceJob(refs, actors)

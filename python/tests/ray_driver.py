@@ -112,11 +112,14 @@ class Reader:
                                   world=config["world"], epochs=config["epochs"], wait=120,
                                   state=states)
         self.stream, seen = stream, []
-        for sample in stream:
+        while count is None or len(seen) < count:
+            sample = next(stream, None)
+            if sample is None:
+                break
             seen.append([sample.seq, sample.record, sample.id])
-            if len(seen) == count:
-                return {"rank": stream.rank, "seen": seen, "state": stream.state(),
-                        "node": ray.get_runtime_context().get_node_id()}
+        if count is not None and len(seen) == count:
+            return {"rank": stream.rank, "seen": seen, "state": stream.state(),
+                    "node": ray.get_runtime_context().get_node_id()}
         sample = None
         stream.close()
         return {"rank": stream.rank, "seen": seen,
@@ -148,6 +151,48 @@ def move_ranks(cluster, config, killed):
         with open(f"{config['out']}/rank{a['rank']}.json", "w") as f:
             json.dump({"node": a["node"], "seen": b["seen"] + a["seen"], "world_rank": world_rank,
                        "resumed": True, "first_node": b["node"]}, f)
+
+
+def resize(cluster, config, job, killed):
+    """World ranks 0-1 read on node 0 and 2-3 on node 1 (`config["counts"]` samples each) and
+    are killed with their producers; the run resumes with `config["new_world"]` ranks, first
+    and second halves on nodes 0 and 1, whose producers and ranks reshard the old ranks'
+    states. Writes what each old rank read (before.json) and each new rank (rank{r}.json)."""
+    nodes = sorted(cluster.addresses, key=lambda n: cluster.addresses[n])
+
+    def readers(world):
+        return [Reader.options(scheduling_strategy=NodeAffinitySchedulingStrategy(
+            nodes[rank * 2 // world], soft=False)).remote() for rank in range(world)]
+
+    first = readers(config["world"])
+    before = ray.get([a.read.remote(config, r, None, config["counts"][r])
+                      for r, a in enumerate(first)])
+    for actor in first:
+        ray.kill(actor)
+    stopped = job.stop()
+    killed["killed"] = f"{len(first)} reader actors, {len(stopped)} producers"
+    states = [b["state"] for b in sorted(before, key=lambda b: b["rank"])]
+    new = dict(config, world=config["new_world"])
+    job = fray.produce(
+        cluster, config["stream"], manifest=config["manifest"], tokenizer=config["tokenizer"],
+        world=new["world"], epochs=config["epochs"], placement=config["placement"],
+        args=config["args"], bin_dir=config["bin_dir"], states=states,
+    )
+    second = readers(new["world"])
+    try:
+        after = ray.get([a.read.remote(new, r, dict(enumerate(states)), None)
+                         for r, a in enumerate(second)])
+    except Exception:
+        # What the producers said is the likeliest why.
+        for p in job.stop():
+            print(f"producer on {p['node']}: {p['returncode']}\n{p['stderr']}", file=sys.stderr)
+        raise
+    with open(f"{config['out']}/before.json", "w") as f:
+        json.dump(before, f)
+    for world_rank, a in enumerate(after):
+        with open(f"{config['out']}/rank{a['rank']}.json", "w") as f:
+            json.dump({"node": a["node"], "seen": a["seen"], "world_rank": world_rank}, f)
+    return job
 
 
 def train(config):
@@ -183,6 +228,8 @@ def main():
             killer.start()
         if config["move_ranks"]:
             move_ranks(cluster, config, killed)
+        elif config.get("new_world"):
+            job = resize(cluster, config, job, killed)
         else:
             train(config)
             if config["kill_rank"]:

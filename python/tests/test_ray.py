@@ -182,6 +182,64 @@ def test_ray_train_ranks_on_two_nodes_read_their_shares_in_order(
         assert max(s["served_reads"] for s in stats.values()) > 0
 
 
+def test_a_ray_run_resumes_with_another_number_of_workers(ray_nodes, daemon, tmp_path):
+    """Four ranks (plain actors, two per node) read a few samples each, unevenly (one none),
+    and stop with their producers; the run resumes with three: `feedstore.ray.produce(states=)`
+    and `open_stream(state=)` reshard the four states. Each new rank reads exactly what the
+    same resharded stream delivers on a single daemon, the old ranks what a run of four does,
+    and together both runs read every record once per epoch."""
+    import collections
+
+    lan, env = ray_nodes
+    name, counts = "ray-resize", [3, 0, 11, 2]
+    expected_before = reference(daemon, tmp_path)
+    states = [feedstore.state_at(name, RECORDS, r, counts[r], WORLD, epochs=EPOCHS)
+              for r in range(WORLD)]
+    # The same resume on one daemon: what each new rank must read.
+    resumed = feedstore.reshard(states, 3, name=name, records=RECORDS, epochs=EPOCHS)
+    states_file = tmp_path / "states.txt"
+    states_file.write_text("".join(s + "\n" for s in states))
+    producer = produce(daemon, tmp_path, name, RECORDS, "--world", "3", "--epochs",
+                       str(EPOCHS), "--resume", str(states_file))
+    expected_after = []
+    for rank in range(3):
+        with feedstore.Stream(name, RECORDS, rank, 3, epochs=EPOCHS, state=resumed[rank],
+                              socket=daemon.socket, wait=120) as stream:
+            expected_after.append([[s.seq, s.record, s.id] for s in stream])
+    finish(producer)
+
+    out = tmp_path / "out"
+    out.mkdir()
+    config = {
+        "address": f"{lan.ip(0)}:6379", "ip": lan.ip(0), "stream": name,
+        "records": RECORDS, "world": WORLD, "new_world": 3, "counts": counts, "epochs": EPOCHS,
+        "placement": "spread", "manifest": str(manifest(tmp_path / "ray.jsonl", RECORDS)),
+        "tokenizer": str(tmp_path / "tokenizer.json"), "args": IMAGE_ARGS,
+        "bin_dir": str(binary("feedstored").parent), "out": str(out),
+        "kill_producer": False, "kill_rank": False, "move_ranks": False, "pause": 0.0,
+        "checkpoint_every": 0,
+    }
+    done = lan.exec(0, sys.executable, HERE / "ray_driver.py", json.dumps(config), check=False,
+                    env=env, timeout=600)
+    assert done.returncode == 0, done.stderr.decode()[-6000:]
+    before = sorted(json.loads((out / "before.json").read_text()), key=lambda b: b["rank"])
+    assert [b["state"] for b in before] == states
+    for rank, b in enumerate(before):
+        assert b["seen"] == expected_before[rank][: counts[rank]], f"old rank {rank}"
+    after = [json.loads((out / f"rank{r}.json").read_text()) for r in range(3)]
+    for rank in range(3):
+        assert after[rank]["seen"] == expected_after[rank], f"new rank {rank}"
+    assert len({a["node"] for a in after}) == 2, "the new ranks read on both nodes"
+    read = collections.Counter(
+        s[1] for runs in ([b["seen"] for b in before], [a["seen"] for a in after])
+        for seen in runs for s in seen
+    )
+    assert read == {r: EPOCHS for r in range(RECORDS)}, "every record once per epoch"
+    stats = json.loads((out / "stats.json").read_text())["stats"]
+    for s in stats.values():
+        assert s["leases"] == 0 and s["pulls_in_flight"] == 0, s
+
+
 def test_restarted_world_ranks_pair_with_their_nodes_stream_ranks():
     """How every worker of a restarted group maps its world rank to a stream rank (the same in
     all of them): own rank kept where it is one of the node's, the rest in order."""
