@@ -43,9 +43,9 @@ def train_loop(config):
 
     import feedstore.ray as fray
 
-    # From the checkpoint of a run with as many workers or another number: open_stream
-    # reshards the states when their count differs from this run's.
-    states = saved_states(ray.train.get_checkpoint())
+    # From this run's checkpoint after a restart, or the one it resumes (of a run with as many
+    # workers or another number: open_stream reshards the states when their count differs).
+    states = saved_states(ray.train.get_checkpoint() or config["resume"])
     with fray.open_stream(config["stream"], config["records"], epochs=config["epochs"],
                           state=states) as s:
         started, samples, batches = time.monotonic(), 0, 0
@@ -89,13 +89,15 @@ def main():
         result = TorchTrainer(
             train_loop,
             train_loop_config={"stream": "example", "records": a.records, "epochs": a.epochs,
-                               "batch": a.batch, "stop_after": stop_after},
+                               "batch": a.batch, "stop_after": stop_after,
+                               "resume": checkpoint},
             scaling_config=ScalingConfig(num_workers=workers, placement_strategy="SPREAD"),
             run_config=RunConfig(storage_path=storage),
-            resume_from_checkpoint=checkpoint,
         ).fit()
-        # A run stopped early leaves its producers waiting for ranks that are gone.
-        job.stop() if stop_after else job.wait()
+        if stop_after:
+            job.stop()  # a run stopped early leaves its producers waiting for ranks gone
+        else:
+            job.wait()
         print(f"{workers} workers, rank 0:", result.metrics,
               "nodes:", {k[:8]: v["pulls"] for k, v in cluster.stats().items()})
         return result
