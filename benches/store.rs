@@ -22,6 +22,10 @@
 //! 7. what keeping the object table in a ledger (`--fd-store`) costs the daemon: a lease and
 //!    its release, and a create, seal and delete, on the object table itself (no socket),
 //!    with a ledger and without, blocks interleaved.
+//! 8. what resuming at another world size costs (`-- --reshard`, alone): mapping a sequence
+//!    number to its record (what a producer does per sample) in a resharded stream's share
+//!    against the same stream's ordinary epochs, blocks interleaved; the reshard itself and its
+//!    text, for 1,024 ranks of an epoch of 10^9 records resumed at 768.
 
 use std::hint::black_box;
 use std::io::{Read, Write};
@@ -50,6 +54,10 @@ fn main() {
     }
     let quick = args.iter().any(|a| a == "--quick");
     let scale = if quick { 10 } else { 1 };
+    if args.iter().any(|a| a == "--reshard") {
+        reshard_cost(quick);
+        return;
+    }
     if args.iter().any(|a| a == "--ledger") {
         // That table alone (the object table in this process).
         ledger_cost(quick);
@@ -642,6 +650,75 @@ impl feedstore_store::objects::ledger::LedgerStore for KeptHere {
 /// Table 7: nanoseconds per lease + release and per create + seal + delete on the object
 /// table, with a ledger kept and without, in interleaved blocks (the daemon does these under
 /// its objects lock; a get's round trip over the socket is some 17-24 µs around them).
+fn reshard_cost(quick: bool) {
+    use feedstore_proto::reshard::Reshard;
+    use feedstore_proto::stream::StreamState;
+    let old = StreamSpec {
+        name: "bench".into(),
+        records: 1_000_000_000,
+        seed: 3,
+        world: 1024,
+        shuffle: Shuffle::Full,
+        tail: Tail::Drop,
+        epochs: Some(3),
+        reshard: None,
+    };
+    let per_rank = old.per_rank();
+    let (mut together, mut apart) = (Vec::new(), Vec::new());
+    for r in 0..old.world {
+        together.push(StreamState::at(&old, r, per_rank / 2));
+        // Positions spread over the second half of the epoch.
+        let seq = per_rank / 2 + u64::from(r) * 97_531 % (per_rank / 2);
+        apart.push(StreamState::at(&old, r, seq));
+    }
+    let t = Instant::now();
+    let reshard = Reshard::new(&old, &apart, 768).unwrap();
+    let made = t.elapsed();
+    let stopped_together = Reshard::new(&old, &together, 768).unwrap().to_text().len();
+    let text = reshard.to_text().len();
+    let resharded = reshard.spec();
+    let plain = resharded.plain();
+    let share = reshard.share(5);
+    let rounds = if quick { 20 } else { 200 };
+    let block = 10_000u64;
+    let mut took = [Duration::ZERO; 2];
+    for round in 0..rounds {
+        let base = round * block % (share - block);
+        let t = Instant::now();
+        for seq in base..base + block {
+            black_box(resharded.record_at(5, black_box(seq)));
+        }
+        took[0] += t.elapsed();
+        let t = Instant::now();
+        for seq in base..base + block {
+            black_box(plain.record_at(5, black_box(seq)));
+        }
+        took[1] += t.elapsed();
+    }
+    let ns = |d: Duration| d.as_nanos() as f64 / (rounds * block) as f64;
+    println!(
+        "8. resuming 1,024 ranks of an epoch of 10^9 records at 768 ({rounds} x {block} sequence numbers each, interleaved)"
+    );
+    println!();
+    println!("| | figure |");
+    println!("|---|---|");
+    println!(
+        "| record of a sequence number, inside the share of the reshard | {:.0} ns |",
+        ns(took[0])
+    );
+    println!(
+        "| record of a sequence number, ordinary epochs | {:.0} ns |",
+        ns(took[1])
+    );
+    println!("| ratio | {:.2}x |", ns(took[0]) / ns(took[1]));
+    println!(
+        "| `Reshard::new`, ranks at 1,024 different positions | {:.2} ms |",
+        made.as_secs_f64() * 1e3
+    );
+    println!("| its text, ranks at 1,024 different positions | {text} bytes |");
+    println!("| its text, ranks stopped together | {stopped_together} bytes |");
+}
+
 fn ledger_cost(quick: bool) {
     use feedstore_store::objects::{ClientInfo, Objects, Process};
     let table = |ledger: bool| {
