@@ -12,7 +12,7 @@ use feedstore_producer::manifest::{IndexedManifest, Manifest};
 use feedstore_producer::pipeline::{Event, ProducerConfig, run};
 use feedstore_producer::profile::Profiler;
 use feedstore_producer::vision::ResizeMode;
-use feedstore_proto::reshard::{read_state, reshard_texts};
+use feedstore_proto::reshard::resume;
 use feedstore_proto::sample::{DType, TensorLayout};
 use feedstore_proto::stream::{Shuffle, StreamSpec, StreamState, Tail, default_depth};
 use feedstore_s3::{S3Fetcher, S3Options};
@@ -310,44 +310,21 @@ fn resume_states(
     }
     let text = String::from_utf8(bytes).with_context(|| format!("{}: not text", path.display()))?;
     let lines: Vec<&str> = text.lines().filter(|l| !l.trim().is_empty()).collect();
-    let read: Result<Vec<_>, String> = lines.iter().map(|l| read_state(spec, l)).collect();
-    let pairs = match read {
-        Ok(pairs) => pairs,
-        Err(why) => {
-            let texts = reshard_texts(spec, &lines, spec.world).map_err(|e| {
-                anyhow::anyhow!(
-                    "{}: {why}; nor are they every rank's state of a run at another world size \
-                     ({e}); seed, epochs, shuffle, tail and the manifest's record count must \
-                     match",
-                    path.display()
-                )
-            })?;
-            eprintln!(
-                "feedstore produce: resharding the states of {} ranks in {} to --world {}",
-                lines.len(),
-                path.display(),
-                spec.world
-            );
-            texts
-                .iter()
-                .map(|t| read_state(spec, t))
-                .collect::<Result<_, _>>()
-                .map_err(|e| anyhow::anyhow!("{e}"))?
-        }
-    };
-    let mut resumed: Option<StreamSpec> = None;
-    let mut states = Vec::with_capacity(pairs.len());
-    for (s, state) in pairs {
-        if resumed.as_ref().is_some_and(|r| *r != s) {
-            bail!(
-                "{}: the states come from different runs (their reshards differ)",
-                path.display()
-            );
-        }
-        resumed = Some(s);
-        states.push(state);
+    let (resumed, states, resharded) = resume(spec, &lines).map_err(|why| {
+        anyhow::anyhow!(
+            "{}: {why}; seed, epochs, shuffle, tail and the manifest's record count must match",
+            path.display()
+        )
+    })?;
+    if resharded {
+        eprintln!(
+            "feedstore produce: resharding the states of {} ranks in {} to --world {}",
+            lines.len(),
+            path.display(),
+            spec.world
+        );
     }
-    Ok((resumed.unwrap_or_else(|| spec.clone()), states))
+    Ok((resumed, states))
 }
 
 impl StreamArgs {

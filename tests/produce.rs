@@ -1560,22 +1560,23 @@ fn produce_resumes_a_run_of_another_world_size() {
         wait: Duration::from_secs(60),
         ..StreamOptions::default()
     };
-    let record = |sample: &feedstore_consumer::StreamSample| {
+    // A sample's (epoch, record), its bytes checked against its record.
+    let record = |spec: &StreamSpec, rank: u32, sample: &feedstore_consumer::StreamSample| {
         let id = sample.view().unwrap().id().to_owned();
         assert_eq!(id, format!("t{}", sample.record()));
-        sample.record()
+        (spec.epoch_at(rank, sample.seq()), sample.record())
     };
 
     // The old run, 2 ranks: rank 0 reads 2 samples, rank 1 one past its first epoch (6 each).
     let old = at(2);
     let mut producer = produce(2, false);
-    let mut read: BTreeMap<u64, u32> = BTreeMap::new();
+    let mut read: BTreeMap<(u64, u64), u32> = BTreeMap::new();
     let mut saved = Vec::new();
     for (rank, n) in [(0u32, 2), (1, 7)] {
         let mut stream = Stream::open(&daemon.socket, &old, rank, None, options()).unwrap();
         for _ in 0..n {
             let sample = stream.next_sample().unwrap().unwrap();
-            *read.entry(record(&sample)).or_default() += 1;
+            *read.entry(record(&old, rank, &sample)).or_default() += 1;
         }
         saved.push(stream.state().to_text());
     }
@@ -1590,18 +1591,25 @@ fn produce_resumes_a_run_of_another_world_size() {
     let new = at(3);
     let lines: Vec<&str> = saved.iter().map(String::as_str).collect();
     let texts = reshard_texts(&new, &lines, 3).unwrap();
-    let plain_next = |rank: u32, k: u64| new.record_at(rank, 2 * new.per_rank() + k);
+    let plain_next = |rank: u32, k: u64| (2, new.record_at(rank, 2 * new.per_rank() + k));
     let mut shares = Vec::new();
     for (rank, text) in texts.iter().enumerate() {
         let rank = rank as u32;
         let (spec, state) = read_state(&new, text).unwrap();
         let mut stream = Stream::open(&daemon.socket, &spec, rank, Some(state), options()).unwrap();
-        let records: Vec<u64> = (&mut stream).map(|s| record(&s.unwrap())).collect();
-        let share = records.len() - new.per_rank() as usize;
+        let records: Vec<(u64, u64)> = (&mut stream)
+            .map(|s| record(&spec, rank, &s.unwrap()))
+            .collect();
+        let share = spec.reshard.as_ref().unwrap().share(rank) as usize;
+        assert_eq!(
+            records.len(),
+            share + new.per_rank() as usize,
+            "rank {rank}"
+        );
         for &r in &records[..share] {
             *read.entry(r).or_default() += 1;
         }
-        let next: Vec<u64> = (0..new.per_rank()).map(|k| plain_next(rank, k)).collect();
+        let next: Vec<(u64, u64)> = (0..new.per_rank()).map(|k| plain_next(rank, k)).collect();
         assert_eq!(
             records[share..],
             next[..],
@@ -1618,10 +1626,11 @@ fn produce_resumes_a_run_of_another_world_size() {
     );
     assert!(shares.iter().max().unwrap() - shares.iter().min().unwrap() <= 1);
     // Epochs 0 and 1, whole, once: as one run of 2 reads them.
-    let mut expected: BTreeMap<u64, u32> = BTreeMap::new();
+    let mut expected: BTreeMap<(u64, u64), u32> = BTreeMap::new();
     for rank in 0..2 {
         for p in 0..2 * old.per_rank() {
-            *expected.entry(old.record_at(rank, p)).or_default() += 1;
+            let entry = (p / old.per_rank(), old.record_at(rank, p));
+            *expected.entry(entry).or_default() += 1;
         }
     }
     assert_eq!(read, expected);

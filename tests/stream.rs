@@ -1569,15 +1569,15 @@ fn feed_until(
     }
 }
 
-/// Reads up to `n` samples of `rank` from `state` on: the records read (each checked against
-/// its bytes and the spec) and the state after them.
+/// Reads up to `n` samples of `rank` from `state` on: the (epoch, record) of each read (each
+/// checked against its bytes and the spec) and the state after them.
 fn read_some(
     daemon: &DaemonProcess,
     spec: &StreamSpec,
     rank: u32,
     state: Option<StreamState>,
     n: u64,
-) -> (Vec<u64>, StreamState) {
+) -> (Vec<(u64, u64)>, StreamState) {
     let options = StreamOptions {
         wait: Duration::from_secs(30),
         ..StreamOptions::default()
@@ -1590,7 +1590,7 @@ fn read_some(
         };
         assert_eq!(sample.record(), spec.record_at(rank, sample.seq()));
         assert_eq!(&sample[..], &pattern(sample.record(), PAYLOAD)[..]);
-        records.push(sample.record());
+        records.push((spec.epoch_at(rank, sample.seq()), sample.record()));
     }
     (records, stream.state())
 }
@@ -1630,7 +1630,7 @@ fn a_run_resumed_at_another_world_size_reads_every_sample_left_once() {
             .map(|rank| StreamTask { rank, seq: 0 })
             .collect();
         // The old run: each rank reads its part, saves its state, and the run stops.
-        let mut read: BTreeMap<u64, u32> = BTreeMap::new();
+        let mut read: BTreeMap<(u64, u64), u32> = BTreeMap::new();
         let states: Vec<StreamState> = std::thread::scope(|scope| {
             scope.spawn(|| feed_until(&daemon, &old, &starts, &stop));
             let states = (0..old_world)
@@ -1677,8 +1677,11 @@ fn a_run_resumed_at_another_world_size_reads_every_sample_left_once() {
                 }
                 // After its share, the rank reads the new world's epochs, as a run at that
                 // world from the start would.
-                let expected: Vec<u64> = (0..(records.len() - share) as u64)
-                    .map(|k| plain.record_at(rank, reshard.next_epoch() * plain.per_rank() + k))
+                let expected: Vec<(u64, u64)> = (0..(records.len() - share) as u64)
+                    .map(|k| {
+                        let seq = reshard.next_epoch() * plain.per_rank() + k;
+                        (seq / plain.per_rank(), plain.record_at(rank, seq))
+                    })
                     .collect();
                 assert_eq!(records[share..], expected[..], "case {case}, rank {rank}");
                 later.push(records.len() - share);
@@ -1687,13 +1690,14 @@ fn a_run_resumed_at_another_world_size_reads_every_sample_left_once() {
         });
         let (most, least) = (shares.iter().max().unwrap(), shares.iter().min().unwrap());
         assert!(most - least <= 1, "case {case}: shares {shares:?}");
-        // Every sample of the epochs begun once: as the old run would have read them whole.
-        let mut expected: BTreeMap<u64, u32> = BTreeMap::new();
+        // Every sample of the epochs begun once, in its epoch: as the old run would have read
+        // them whole.
+        let mut expected: BTreeMap<(u64, u64), u32> = BTreeMap::new();
         for epoch in 0..reshard.next_epoch() {
             for rank in 0..old_world {
                 for p in 0..per_rank {
                     *expected
-                        .entry(old.record_at(rank, epoch * per_rank + p))
+                        .entry((epoch, old.record_at(rank, epoch * per_rank + p)))
                         .or_default() += 1;
                 }
             }

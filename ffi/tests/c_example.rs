@@ -381,11 +381,10 @@ fn c_ranks_resume_a_run_of_another_world_size() {
     let new = reshard.spec();
     let starts: Vec<StreamTask> = (0..3).map(|rank| StreamTask { rank, seq: 0 }).collect();
     let producer = produce_ranks(&socket, &new, &starts, [1, 8, 8], |r| r as u8);
-    let mut read: BTreeMap<u64, u32> = BTreeMap::new();
-    for (rank, p) in (0..2).flat_map(|r| (0..4).map(move |p| (r, p))) {
-        if p < [4, 0][rank as usize] {
-            *read.entry(old.record_at(rank, p)).or_default() += 1;
-        }
+    // (epoch, record) of each sample read.
+    let mut read: BTreeMap<(u64, u64), u32> = BTreeMap::new();
+    for p in 0..4 {
+        *read.entry((0, old.record_at(0, p))).or_default() += 1;
     }
     let plain = new.plain();
     for rank in 0..3u32 {
@@ -420,17 +419,19 @@ fn c_ranks_resume_a_run_of_another_world_size() {
             assert_eq!(s.parse::<u64>().unwrap(), seq as u64);
             let record: u64 = record.parse().unwrap();
             if (seq as u64) < share {
-                *read.entry(record).or_default() += 1;
+                *read
+                    .entry((new.epoch_at(rank, seq as u64), record))
+                    .or_default() += 1;
             } else {
                 let k = seq as u64 - share;
                 assert_eq!(record, plain.record_at(rank, plain.per_rank() + k));
             }
         }
     }
-    let mut expected: BTreeMap<u64, u32> = BTreeMap::new();
+    let mut expected: BTreeMap<(u64, u64), u32> = BTreeMap::new();
     for rank in 0..2 {
         for p in 0..old.per_rank() {
-            *expected.entry(old.record_at(rank, p)).or_default() += 1;
+            *expected.entry((0, old.record_at(rank, p))).or_default() += 1;
         }
     }
     assert_eq!(read, expected, "the epoch begun, each sample once");

@@ -226,6 +226,18 @@ impl Reshard {
         }
         // Past the last epoch some rank has begun, the new world reads whole epochs.
         let next_epoch = last + u64::from(at.iter().any(|s| s.epoch == last && s.position > 0));
+        if (next_epoch - first).saturating_mul(u64::from(old.world)) > MAX_RESHARD_CELLS as u64 {
+            return Err(ReshardError::Invalid(format!(
+                "{} ranks over {} unfinished epochs: more than {MAX_RESHARD_CELLS} counts to keep",
+                old.world,
+                next_epoch - first
+            )));
+        }
+        if next_epoch.checked_mul(new.per_rank()).is_none() {
+            return Err(ReshardError::Invalid(
+                "more samples than 64 bits count".into(),
+            ));
+        }
         let mut remainders: Vec<Remainder> = Vec::new();
         for epoch in first..next_epoch {
             let read: Vec<u64> = at
@@ -286,7 +298,14 @@ impl Reshard {
                         found: states.len(),
                     });
                 }
-                let (seq, share) = (s.seq(stream), self.share(s.rank));
+                let share = self.share(s.rank);
+                let seq = s
+                    .epoch
+                    .checked_mul(stream.per_rank())
+                    .and_then(|e| e.checked_add(s.position))
+                    .ok_or_else(|| {
+                        ReshardError::Invalid(format!("rank {} is past the stream's end", s.rank))
+                    })?;
                 if seq < share {
                     return Err(ReshardError::Invalid(format!(
                         "rank {} has read {seq} of the {share} samples that the run before the \
@@ -295,11 +314,12 @@ impl Reshard {
                         s.rank, self.world
                     )));
                 }
-                Ok(StreamState::at(
-                    &plain,
-                    s.rank,
-                    seq - share + self.next_epoch * plain.per_rank(),
-                ))
+                let ordinary = (seq - share)
+                    .checked_add(self.next_epoch * plain.per_rank())
+                    .ok_or_else(|| {
+                        ReshardError::Invalid(format!("rank {} is past the stream's end", s.rank))
+                    })?;
+                Ok(StreamState::at(&plain, s.rank, ordinary))
             })
             .collect()
     }
@@ -357,6 +377,20 @@ impl Reshard {
         self.next_epoch
     }
 
+    /// The epoch new rank `rank`'s sample at `seq` belongs to: of the remainders, the epoch it
+    /// was left from.
+    pub fn epoch_at(&self, rank: u32, seq: u64) -> u64 {
+        let mut seq = seq;
+        for r in &self.remainders {
+            let n = r.share(self.world, rank).1;
+            if seq < n {
+                return r.epoch;
+            }
+            seq -= n;
+        }
+        self.next_epoch.saturating_add(seq / self.new.per_rank())
+    }
+
     /// The record new rank `rank` (below the new world) reads at its sequence number `seq`:
     /// from the remainders while `seq < share(rank)`, then the new spec's epochs from
     /// [`Reshard::next_epoch`] on.
@@ -376,8 +410,10 @@ impl Reshard {
             }
             seq -= n;
         }
-        self.new
-            .ordinary_record_at(rank, self.next_epoch * self.new.per_rank() + seq)
+        self.new.ordinary_record_at(
+            rank,
+            (self.next_epoch * self.new.per_rank()).saturating_add(seq),
+        )
     }
 }
 
@@ -385,6 +421,9 @@ impl Reshard {
 /// a side may agree to, with room to spare. 1,024 ranks at different positions take 6 KiB; a
 /// reshard that would take more is refused ([`Reshard::new`]).
 pub const MAX_RESHARD_TEXT: usize = 32 << 10;
+/// The most counts a reshard keeps (old ranks times the epochs they left unfinished): 1,024
+/// ranks over 16 epochs, or 65,536 ranks in one, about 1.5 MiB of tables.
+pub const MAX_RESHARD_CELLS: usize = 1 << 16;
 /// The most old ranks a reshard may have (a bound for text read from a checkpoint).
 pub const MAX_OLD_WORLD: u32 = 1 << 16;
 /// The most epochs the old ranks may be apart (a rank that many epochs behind the others is a
@@ -476,14 +515,14 @@ impl Reshard {
             return None;
         }
         let per_rank = old.per_rank();
-        let epochs: Vec<&str> = if counts.is_empty() {
-            Vec::new()
-        } else {
-            counts.split(';').collect()
-        };
+        // (A reshard that left nothing is never written: its stream is the plain one.)
+        let epochs: Vec<&str> = counts.split(';').collect();
         let next_epoch = first.checked_add(epochs.len() as u64)?;
-        if epochs.len() as u64 > MAX_EPOCHS_APART
+        if counts.is_empty()
+            || epochs.len() as u64 > MAX_EPOCHS_APART
+            || epochs.len().saturating_mul(old_world as usize) > MAX_RESHARD_CELLS
             || next_epoch.checked_mul(per_rank).is_none()
+            || next_epoch.checked_mul(new.per_rank()).is_none()
             || old.epochs.is_some_and(|e| next_epoch > e)
         {
             return None;
@@ -525,13 +564,16 @@ impl Reshard {
             }
             remainders.push(r);
         }
-        Some(Reshard {
+        let reshard = Reshard {
             old,
             new,
             world,
             next_epoch,
             remainders,
-        })
+        };
+        // One text per reshard: what it writes, nothing else (no leading zeros, no runs split
+        // or of one).
+        (reshard.to_text() == text.trim()).then_some(reshard)
     }
 }
 
@@ -582,6 +624,46 @@ pub fn read_state(spec: &StreamSpec, text: &str) -> Result<(StreamSpec, StreamSt
     Ok((spec, state))
 }
 
+/// [`read_state`] of each of `texts`, which must belong to one run: the reshard they carry is
+/// read once (each must carry the same), so a rank's cost stays its state's. The spec they
+/// belong to and the states.
+pub fn read_states(
+    spec: &StreamSpec,
+    texts: &[&str],
+) -> Result<(StreamSpec, Vec<StreamState>), String> {
+    let mut run: Option<(&str, StreamSpec, u64)> = None;
+    let mut states = Vec::with_capacity(texts.len());
+    for text in texts {
+        let text = text.trim();
+        let (prefix, rest) = text.rsplit_once('@').unwrap_or(("", text));
+        match &run {
+            None => {
+                let (s, state) = read_state(spec, text)?;
+                let digest = s.digest();
+                run = Some((prefix, s, digest));
+                states.push(state);
+            }
+            Some((p, _, digest)) if *p == prefix => {
+                let state = StreamState::from_text(rest).ok_or_else(|| {
+                    format!("{:?} is not a stream state", crate::truncate(text, 80))
+                })?;
+                if state.spec_digest != *digest {
+                    return Err(format!(
+                        "a state belongs to another stream spec (digest {:016x}, this one \
+                         {digest:016x})",
+                        state.spec_digest
+                    ));
+                }
+                states.push(state);
+            }
+            Some(_) => {
+                return Err("the states come from different runs (their reshards differ)".into());
+            }
+        }
+    }
+    Ok((run.map_or_else(|| spec.plain(), |(_, s, _)| s), states))
+}
+
 /// [`Reshard::new`] from states as checkpoints keep them ([`state_text`]), one per rank of the
 /// old run, for the stream `spec` describes (any world; its reshard aside): the new world's
 /// states, in rank order, in the same text form.
@@ -598,21 +680,7 @@ pub fn reshard_texts(
         world: old_world,
         ..spec.plain()
     };
-    let mut old_spec: Option<StreamSpec> = None;
-    let mut states = Vec::with_capacity(texts.len());
-    for text in texts {
-        let (s, state) = read_state(&old, text).map_err(ReshardError::Invalid)?;
-        match &old_spec {
-            Some(o) if *o != s => {
-                return Err(ReshardError::Invalid(
-                    "the states come from different runs (their reshards differ)".into(),
-                ));
-            }
-            _ => old_spec = Some(s),
-        }
-        states.push(state);
-    }
-    let old = old_spec.unwrap_or(old);
+    let (old, states) = read_states(&old, texts).map_err(ReshardError::Invalid)?;
     let reshard = Reshard::new(&old, &states, world)?;
     let new = reshard.spec();
     Ok(reshard
@@ -620,6 +688,30 @@ pub fn reshard_texts(
         .iter()
         .map(|s| state_text(&new, s))
         .collect())
+}
+
+/// Where a resume starts: the states in `texts` ([`state_text`]) for the stream `spec`
+/// describes at its world size, read as they are, or, when they are every rank's of a run at
+/// another world size, resharded to it ([`reshard_texts`]). The spec they belong to (with its
+/// reshard, if any), the states, and whether they were resharded; or why not.
+pub fn resume(
+    spec: &StreamSpec,
+    texts: &[&str],
+) -> Result<(StreamSpec, Vec<StreamState>, bool), String> {
+    match read_states(spec, texts) {
+        Ok((resumed, states)) => Ok((resumed, states, false)),
+        Err(why) => {
+            let texts = reshard_texts(spec, texts, spec.world).map_err(|e| {
+                format!(
+                    "{why}; nor are they every rank's states of a run at another world size \
+                     ({e})"
+                )
+            })?;
+            let texts: Vec<&str> = texts.iter().map(String::as_str).collect();
+            let (resumed, states) = read_states(spec, &texts)?;
+            Ok((resumed, states, true))
+        }
+    }
 }
 
 #[cfg(test)]
@@ -685,6 +777,7 @@ mod tests {
             let mut seq = 0;
             for r in &reshard.remainders {
                 for _ in 0..r.share(new_world, rank).1 {
+                    assert_eq!(resharded.epoch_at(rank, seq), r.epoch);
                     *read
                         .entry((r.epoch, resharded.record_at(rank, seq)))
                         .or_default() += 1;
@@ -723,9 +816,10 @@ mod tests {
         }
         let (most, least) = (shares.iter().max().unwrap(), shares.iter().min().unwrap());
         assert!(most - least <= 1, "shares {shares:?} differ by one at most");
+        // (A reshard that left nothing is never written.)
         assert_eq!(
             Reshard::from_text(&old, &reshard.to_text()).as_ref(),
-            Some(&reshard),
+            (!reshard.remainders.is_empty()).then_some(&reshard),
             "{}",
             reshard.to_text()
         );
@@ -1036,23 +1130,43 @@ mod tests {
         assert!(reshard_texts(&old, &refs(&saved[..3]), 2).is_err());
     }
 
+    /// Texts no states could give, or not as a reshard writes them, are refused, in bounded
+    /// time and memory.
     #[test]
     fn hostile_texts_are_refused() {
         let old = spec(103, 4, Tail::Drop);
         let digest = format!("{:016x}", old.digest());
         let many = format!("r1:{digest}:4:3:0:{}", vec!["0*4"; 100_000].join(";"));
         assert_eq!(Reshard::from_text(&old, &many), None);
+        // 65,536 ranks over 2 epochs: a short text for more counts than a reshard keeps.
+        let wide = spec(1 << 40, 1 << 16, Tail::Drop);
+        let wide_digest = format!("{:016x}", wide.digest());
+        let one = format!("r1:{wide_digest}:10000:3:0:1000000,1*ffff");
+        assert!(
+            Reshard::from_text(&wide, &one).is_some(),
+            "one epoch: within the bound"
+        );
+        let cells = format!("{one};1,0*ffff");
+        assert!(cells.len() < 100);
+        assert_eq!(Reshard::from_text(&wide, &cells), None);
         for lie in [
-            format!("r1:{digest}:4:3:0:1,1,1,1;0*4"),
-            format!("r1:{digest}:4:3:0:1,1,1,1;1,0,0,0"),
-            format!("r1:{digest}:4:3:0:+1,1,1,1"),
-            format!("r1:{digest}:4:3:0:1,1,1,A"),
-            format!("r1:{digest}:4:3:fffffffffffffff0:1,1,1,1"),
-            format!("r1:{digest}:4:3:4:1,1,1,1"),
+            format!("r1:{digest}:4:3:0:1*4;0*4"),
+            format!("r1:{digest}:4:3:0:1*4;1,0*3"),
+            format!("r1:{digest}:4:3:0:+1*4"),
+            format!("r1:{digest}:4:3:0:1*3,A"),
+            format!("r1:{digest}:4:3:fffffffffffffff0:1*4"),
+            format!("r1:{digest}:4:3:4:1*4"),
+            // Nothing left: never written.
+            format!("r1:{digest}:4:3:2:"),
+            // Not as written: runs split or of one, leading zeros.
+            format!("r1:{digest}:4:3:0:1,1,1,1"),
+            format!("r1:{digest}:4:3:0:1*2,1*2"),
+            format!("r1:{digest}:4:3:0:01*4"),
+            format!("r1:{digest}:4:03:0:1*4"),
         ] {
             assert_eq!(Reshard::from_text(&old, &lie), None, "{lie}");
         }
-        assert!(Reshard::from_text(&old, &format!("r1:{digest}:4:3:0:1,1,1,1")).is_some());
+        assert!(Reshard::from_text(&old, &format!("r1:{digest}:4:3:0:1*4")).is_some());
     }
 
     #[test]

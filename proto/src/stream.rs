@@ -281,6 +281,15 @@ impl StreamSpec {
         }
     }
 
+    /// The epoch of a rank's sample at a sequence number (of a resharded stream's share of
+    /// the reshard, the epoch the sample was left from).
+    pub fn epoch_at(&self, rank: u32, seq: u64) -> u64 {
+        match &self.reshard {
+            None => seq / self.per_rank().max(1),
+            Some(r) => r.epoch_at(rank, seq),
+        }
+    }
+
     /// [`StreamSpec::record_at`] in the ordinary epochs, the reshard aside.
     pub(crate) fn ordinary_record_at(&self, rank: u32, seq: u64) -> u64 {
         let per_rank = self.per_rank();
@@ -313,7 +322,8 @@ impl StreamSpec {
         let per_rank = self.per_rank();
         let (epoch, position) = (seq / per_rank, seq % per_rank);
         (k < per_rank).then(|| {
-            self.ordinary_record_at(rank, base + epoch * per_rank + (position + k) % per_rank)
+            let seq = (epoch * per_rank + (position + k) % per_rank).saturating_add(base);
+            self.ordinary_record_at(rank, seq)
         })
     }
 

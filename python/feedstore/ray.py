@@ -398,16 +398,12 @@ class _Ranks:
     fixed: producers feed each rank's window on that node from then on."""
 
     def __init__(self):
-        self.world: Dict[str, int] = {}
-        self.at: Dict[str, Dict[int, str]] = {}
+        # Per stream and world size: a run resumed at another size (its states resharded)
+        # has ranks that say anew where they read.
+        self.at: Dict[tuple, Dict[int, str]] = {}
 
     def _check(self, stream: str, world: int) -> Dict[int, str]:
-        if self.world.setdefault(stream, world) != world:
-            # A run resumed at another world size (its states resharded): its ranks say anew
-            # where they read.
-            self.world[stream] = world
-            self.at[stream] = {}
-        return self.at.setdefault(stream, {})
+        return self.at.setdefault((stream, world), {})
 
     def claim(self, stream: str, rank: int, world: int, address: str) -> Optional[Dict[int, str]]:
         """Before the placement is fixed, records that ``rank`` reads on ``address`` and

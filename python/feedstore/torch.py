@@ -254,15 +254,20 @@ class StreamDataset(IterableDataset):
         self._batches += 1
 
     def state_dict(self) -> Dict[str, Any]:
-        """Where each stream rank stands: the samples consumed so far, and each rank's state
-        text (``states``: what ``feedstore.reshard`` and ``feedstore produce --resume`` take)."""
-        states = {r: self._state(r) for r in self.stream_ranks()}
+        """Where each stream rank stands: the samples consumed so far, and every stream rank's
+        state text of this trainer rank (``states``: what ``feedstore.reshard`` and
+        ``feedstore produce --resume`` take; a rank that read nothing stands at its start)."""
+        states = {}
+        for r in self.stream_ranks():
+            states[r] = self._state(r) or feedstore.state_at(
+                self.name, self.records, r, 0, self.stream_world, **self.spec
+            )
         return {
             "name": self.name,
             "stream_world": self.stream_world,
             "consumed": dict(self._consumed),
             "batches": self._batches,
-            "states": {r: s for r, s in states.items() if s is not None},
+            "states": states,
         }
 
     def load_state_dict(self, state: Any) -> None:
@@ -287,22 +292,9 @@ class StreamDataset(IterableDataset):
             )
         self._consumed = {int(k): int(v) for k, v in state["consumed"].items()}
         self._batches = int(state.get("batches", 0))
-        # A resharded run's states carry its reshard: each rank starts from its share of it.
-        self._starts = {}
-        resumed = next((s for s in state.get("states", {}).values() if "@" in s), None)
-        if resumed is not None:
-            self._starts = {
-                r: feedstore.state_at(
-                    self.name,
-                    self.records,
-                    r,
-                    0,
-                    self.stream_world,
-                    resumed=resumed,
-                    **self.spec,
-                )
-                for r in self.stream_ranks()
-            }
+        # Where each rank stood (a resharded run's states carry its reshard, which the states
+        # of later samples keep).
+        self._starts = {int(r): s for r, s in state.get("states", {}).items()}
 
     def _load_every_rank(self, states: List[Dict[str, Any]]) -> None:
         """``load_state_dict`` from every old trainer rank's state: resharded when the stream
@@ -317,14 +309,27 @@ class StreamDataset(IterableDataset):
                 f"state_dict() of one run of stream {self.name!r}"
             )
         old_world = worlds.pop()
+        if old_world == self.stream_world:
+            # This rank's own state_dict says all (its batch count included).
+            mine = set(self.stream_ranks())
+            own = [s for s in states if {int(r) for r in s.get("states", s["consumed"])} == mine]
+            if own:
+                self.load_state_dict(own[0])
+                return
         texts: Dict[int, str] = {}
         for s in states:
             texts.update({int(r): t for r, t in s.get("states", {}).items()})
+            # (A state_dict from before states were saved says only what was consumed.)
+            for r, seq in s["consumed"].items():
+                if int(r) not in texts:
+                    texts[int(r)] = feedstore.state_at(
+                        self.name, self.records, int(r), int(seq), old_world, **self.spec
+                    )
         missing = [r for r in range(old_world) if r not in texts]
-        resumed = next((t for t in texts.values() if "@" in t), None)
-        for r in missing:  # ranks that read nothing
-            texts[r] = feedstore.state_at(
-                self.name, self.records, r, 0, old_world, resumed=resumed, **self.spec
+        if missing:
+            raise feedstore.InvalidArgument(
+                f"no state for stream rank {missing[0]} of the {old_world}: pass every trainer "
+                "rank's state_dict() (each saves its own)"
             )
         ordered = [texts[r] for r in range(old_world)]
         if old_world != self.stream_world:

@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use feedstore_consumer::stream::{Delivery, Made, StreamFeeder, StreamOptions};
 use feedstore_consumer::{Client, ConnectOptions, CreateOptions, Error, Role, StreamTask};
-use feedstore_proto::reshard::{read_state, reshard_texts, state_text};
+use feedstore_proto::reshard::{read_state, reshard_texts, resume, state_text};
 use feedstore_proto::stream::{StreamSpec, StreamState, default_depth};
 use pyo3::exceptions::PyKeyboardInterrupt;
 use pyo3::prelude::*;
@@ -520,9 +520,10 @@ impl Writer {
     /// Joins the stream as a producer for `ranks` (default: all), creating it if new. The spec
     /// arguments must match the readers'. `states` lists the readers' saved state texts (any
     /// order; from `Stream.state()` or `feedstore.reshard`): their ranks start where those say,
-    /// and a resharded run's producers must pass them. `start` maps ranks to the sequence
-    /// number their readers resume at otherwise. Both apply to ranks the daemon does not know
-    /// yet.
+    /// and a resharded run's producers must pass them. Every rank's states of a run at another
+    /// world size are resharded to `world` first, as `feedstore.reshard` does. `start` maps
+    /// ranks to the sequence number their readers resume at otherwise. Both apply to ranks the
+    /// daemon does not know yet.
     /// `depth` and `batch` apply if the stream is new: samples made ahead of each reader (the
     /// samples it holds included; default 64, or with `batch` the larger of 64 and three
     /// batches: one held, one ready, one being made), and (above 1, at most 1024) tasks
@@ -554,18 +555,12 @@ impl Writer {
         let ranks = ranks.unwrap_or_else(|| (0..world).collect());
         let mut start = start.unwrap_or_default();
         if let Some(states) = states {
-            let mut resumed: Option<StreamSpec> = None;
-            for text in &states {
-                let (s, state) = read_state(&spec, text).map_err(InvalidArgument::new_err)?;
-                if resumed.as_ref().is_some_and(|r| *r != s) {
-                    return Err(InvalidArgument::new_err(
-                        "the states come from different runs (their reshards differ)",
-                    ));
-                }
-                start.insert(state.rank, state.seq(&s));
-                resumed = Some(s);
+            let texts: Vec<&str> = states.iter().map(String::as_str).collect();
+            let (resumed, states, _) = resume(&spec, &texts).map_err(InvalidArgument::new_err)?;
+            for state in states {
+                start.insert(state.rank, state.seq(&resumed));
             }
-            spec = resumed.unwrap_or(spec);
+            spec = resumed;
         }
         let tasks: Vec<StreamTask> = ranks
             .iter()

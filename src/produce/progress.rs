@@ -76,8 +76,10 @@ impl Progress {
     /// A stream run's opening line, and the bar's length: this producer's share, its ranks'
     /// positions over every epoch.
     pub(super) fn feeding(&self, name: &str, feed: &FeedConfig, records: u64) {
-        if let (Some(bar), Some(epochs)) = (&self.bar, feed.spec.epochs) {
-            bar.set_length(feed.spec.per_rank() * feed.ranks.len() as u64 * epochs);
+        if let (Some(bar), Some(_)) = (&self.bar, feed.spec.epochs) {
+            // (Each rank's end: a resharded stream's ranks end one sample apart at most.)
+            let ends = feed.ranks.iter().filter_map(|r| feed.spec.end_seq(r.rank));
+            bar.set_length(ends.sum());
             bar.set_style(bar_style(true));
         }
         // Through the bar (when there is one), which would draw over it otherwise.

@@ -258,14 +258,24 @@ impl Streams {
             .ok_or_else(|| fail(Status::NotFound, format!("no stream {id}")))
     }
 
-    /// `uid`'s stream named in `spec` if it has another spec and nobody uses it (no producer,
-    /// no consumer: a run that ended or was stopped), with what differs. A producer of
-    /// another spec (a run resumed at another world size, say) takes its name over instead of
-    /// waiting for it to expire.
+    /// `uid`'s stream named in `spec` if it is the same stream at another world size (or
+    /// resumed otherwise: only `world` and the reshard differ) and nobody uses it (no producer,
+    /// no consumer, no rank read on another node: a run that ended or was stopped), with what
+    /// differs. A producer of the run resumed from it takes its name over instead of waiting
+    /// for it to expire; any other difference stays a mismatch.
     fn stale(&self, uid: u32, spec: &StreamSpec) -> Option<(u32, String)> {
         let &id = self.by_name.get(&(uid, spec.name.clone()))?;
         let stream = &self.streams[&id];
-        (stream.spec != *spec && stream.idle()).then(|| (id, stream.spec.differences(spec)))
+        let resumed = StreamSpec {
+            world: spec.world,
+            ..stream.spec.plain()
+        } == spec.plain();
+        (stream.spec != *spec
+            && resumed
+            && stream.idle()
+            && stream.remotes.is_empty()
+            && stream.relay.is_none())
+        .then(|| (id, stream.spec.differences(spec)))
     }
 
     /// `uid`'s stream named in `spec`, checked against it.

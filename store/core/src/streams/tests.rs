@@ -840,8 +840,8 @@ fn only_the_streams_own_cached_sample_is_taken_back() {
 }
 
 /// A stream resumed at another world size: its ranks end one sample apart where their shares
-/// say, and the old run's stream gives way to it once nobody uses it (a consumer arriving
-/// first waits for that).
+/// say, and the old run's stream gives way to it once nobody uses it (no producer, no
+/// consumer; a consumer of the new run arriving first waits for that), and only to it.
 #[test]
 fn a_resharded_stream_replaces_the_idle_old_one_and_ends_each_rank_at_its_share() {
     use feedstore_proto::reshard::Reshard;
@@ -872,6 +872,31 @@ fn a_resharded_stream_replaces_the_idle_old_one_and_ends_each_rank_at_its_share(
         .unwrap_err();
     assert_eq!(err.status, Status::SpecMismatch);
     s.disconnect(p);
+    // Nor while a consumer of the old run is attached.
+    let old_reader = client(&mut o, Role::Reader, 1000);
+    s.attach(&mut o, old_reader, &old, 0, 1).unwrap();
+    let err = s
+        .join(&mut o, p2, &new, 8, &tasks, &Placement::default())
+        .unwrap_err();
+    assert_eq!(err.status, Status::SpecMismatch);
+    s.disconnect(old_reader);
+    // Idle, it gives way only to the same stream at another size: another seed is another
+    // stream, refused as before.
+    let reseeded = StreamSpec {
+        seed: 9,
+        ..old.clone()
+    };
+    let err = s
+        .join(
+            &mut o,
+            p2,
+            &reseeded,
+            8,
+            &starts(&[0]),
+            &Placement::default(),
+        )
+        .unwrap_err();
+    assert_eq!(err.status, Status::SpecMismatch);
     // A consumer of the new run waits (not found yet), then the producer replaces it.
     let err = s.attach(&mut o, c, &new, 0, 0).unwrap_err();
     assert_eq!(err.status, Status::NotFound, "{}", err.message);
