@@ -1091,6 +1091,17 @@ impl Nodes {
         c
     }
 
+    /// Starts a consumer for every rank of `spec`, each on its node, and waits for them and
+    /// `producers` to finish, each successfully.
+    fn read_all(&self, spec: &StreamSpec, producers: impl IntoIterator<Item = ClientProcess>) {
+        let consumers: Vec<ClientProcess> =
+            (0..spec.world).map(|r| self.consumer(spec, r, 0)).collect();
+        for mut p in consumers.into_iter().chain(producers) {
+            let status = wait_child(&mut p.child, Duration::from_secs(120));
+            assert!(status.success(), "{status}");
+        }
+    }
+
     fn env(&self) -> &'static [(&'static str, &'static str)] {
         if self.reconnect {
             &[(feedstore_proto::RECONNECT_ENV, "30")]
@@ -1149,11 +1160,7 @@ fn ranks_on_another_node_are_fed_by_pulls_in_the_seeds_order() {
     let nodes = Nodes::start("sa", 2);
     let s = spec("across", 64, 21, 4, 2);
     let producer = nodes.producer(1, &s, "");
-    let consumers: Vec<ClientProcess> = (0..4).map(|r| nodes.consumer(&s, r, 0)).collect();
-    for mut p in consumers.into_iter().chain([producer]) {
-        let status = wait_child(&mut p.child, Duration::from_secs(120));
-        assert!(status.success(), "{status}");
-    }
+    nodes.read_all(&s, [producer]);
     assert_eq!(
         nodes.records(&s),
         expected(&s),
@@ -1201,11 +1208,7 @@ fn a_resharded_stream_is_read_across_nodes() {
         .spec();
     assert!(s.reshard.is_some());
     let producer = nodes.producer(1, &s, "");
-    let consumers: Vec<ClientProcess> = (0..4).map(|r| nodes.consumer(&s, r, 0)).collect();
-    for mut p in consumers.into_iter().chain([producer]) {
-        let status = wait_child(&mut p.child, Duration::from_secs(120));
-        assert!(status.success(), "{status}");
-    }
+    nodes.read_all(&s, [producer]);
     assert_eq!(
         nodes.records(&s),
         expected(&s),
@@ -1320,11 +1323,7 @@ fn relayed_samples_pass_through_the_relay_node_once() {
     let nodes = Nodes::start("sc", 3);
     let s = spec("relayed", 64, 4, 4, 2);
     let producer = nodes.producer(2, &s, &format!("relay={}", nodes.addr(0)));
-    let consumers: Vec<ClientProcess> = (0..4).map(|r| nodes.consumer(&s, r, 0)).collect();
-    for mut p in consumers.into_iter().chain([producer]) {
-        let status = wait_child(&mut p.child, Duration::from_secs(120));
-        assert!(status.success(), "{status}");
-    }
+    nodes.read_all(&s, [producer]);
     assert_eq!(nodes.records(&s), expected(&s));
     let stats: Vec<StoreStats> = nodes
         .nodes
@@ -1397,11 +1396,7 @@ fn producers_serving_part_of_the_ranks_get_only_their_ranks_tasks() {
     let s = spec("subsets", 64, 17, 4, 2);
     let a = nodes.producer_of(0, &s, &[0, 1, 2], "");
     let b = nodes.producer_of(1, &s, &[3], "");
-    let consumers: Vec<ClientProcess> = (0..4).map(|r| nodes.consumer(&s, r, 0)).collect();
-    for mut p in consumers.into_iter().chain([a, b]) {
-        let status = wait_child(&mut p.child, Duration::from_secs(120));
-        assert!(status.success(), "{status}");
-    }
+    nodes.read_all(&s, [a, b]);
     assert_eq!(nodes.records(&s), expected(&s));
     let (n0, n1) = (nodes.nodes[0].reader(), nodes.nodes[1].reader());
     assert_eq!(n0.stats().unwrap().pulls, 0, "ranks 0-1 made on node 0");

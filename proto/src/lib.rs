@@ -40,12 +40,13 @@ mod handle;
 pub mod handover;
 pub mod peer;
 pub mod peer_stream;
-pub mod reshard;
 pub mod ring;
 pub mod sample;
 mod stats;
 mod status;
 pub mod stream;
+/// Resuming a stream at another world size (a part of [`stream`]).
+pub use stream::reshard;
 mod wire;
 
 pub use handle::Handle;

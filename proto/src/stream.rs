@@ -19,7 +19,9 @@
 
 use std::sync::Arc;
 
-use crate::reshard::Reshard;
+pub mod reshard;
+
+use reshard::Reshard;
 
 /// Longest stream name, in bytes.
 pub const MAX_STREAM_NAME: usize = 128;

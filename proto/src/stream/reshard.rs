@@ -734,6 +734,14 @@ mod tests {
         }
     }
 
+    /// Rank `r`'s state at `seqs[r]`, for every rank of `spec`.
+    fn states_at(spec: &StreamSpec, seqs: &[u64]) -> Vec<StreamState> {
+        seqs.iter()
+            .enumerate()
+            .map(|(r, &seq)| StreamState::at(spec, r as u32, seq))
+            .collect()
+    }
+
     thread_local! {
         /// The shuffle [`check`] runs with.
         static SHUFFLE: std::cell::Cell<Shuffle> = const { std::cell::Cell::new(Shuffle::Full) };
@@ -749,12 +757,7 @@ mod tests {
             ..spec(records, old_world, tail)
         };
         let per_rank = old.per_rank();
-        let states: Vec<StreamState> = seqs
-            .iter()
-            .enumerate()
-            .map(|(r, &seq)| StreamState::at(&old, r as u32, seq))
-            .collect();
-        let reshard = Reshard::new(&old, &states, new_world).unwrap();
+        let reshard = Reshard::new(&old, &states_at(&old, seqs), new_world).unwrap();
         // What each epoch's slots were read as: (epoch, record) counts.
         let mut read: HashMap<(u64, u64), u32> = HashMap::new();
         for (r, &seq) in seqs.iter().enumerate() {
@@ -859,11 +862,7 @@ mod tests {
     #[test]
     fn the_text_form_reads_back_and_stays_small() {
         let old = spec(103, 4, Tail::Drop);
-        let states: Vec<StreamState> = [5u64, 9, 27, 11]
-            .iter()
-            .enumerate()
-            .map(|(r, &seq)| StreamState::at(&old, r as u32, seq))
-            .collect();
+        let states = states_at(&old, &[5, 9, 27, 11]);
         let reshard = Reshard::new(&old, &states, 3).unwrap();
         let text = reshard.to_text();
         assert_eq!(Reshard::from_text(&old, &text), Some(reshard.clone()));
@@ -1014,8 +1013,6 @@ mod tests {
         assert_eq!(r.next_epoch(), 2);
     }
 
-    /// A hostile text is refused in bounded time and memory: too many epochs, counts no states
-    /// could give, digits that are not lowercase hex.
     /// A resharded spec crosses the socket whole from protocol 13 on; only a resharded spec's
     /// digest changes; a forged reshard, or one for another world, is refused.
     #[test]
@@ -1023,11 +1020,7 @@ mod tests {
         use crate::frame::RESHARD_SINCE;
         use crate::wire::{Reader, Wire, Writer};
         let old = spec(103, 4, Tail::Drop);
-        let states: Vec<StreamState> = [5u64, 9, 27, 11]
-            .iter()
-            .enumerate()
-            .map(|(r, &seq)| StreamState::at(&old, r as u32, seq))
-            .collect();
+        let states = states_at(&old, &[5, 9, 27, 11]);
         let new = Reshard::new(&old, &states, 3).unwrap().spec();
         let plain = new.plain();
         assert_ne!(new.digest(), plain.digest());
