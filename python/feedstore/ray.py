@@ -398,26 +398,27 @@ class _Ranks:
     fixed: producers feed each rank's window on that node from then on."""
 
     def __init__(self):
-        # Per stream and world size: a run resumed at another size (its states resharded)
-        # has ranks that say anew where they read.
-        self.at: Dict[tuple, Dict[int, str]] = {}
-
-    def _check(self, stream: str, world: int) -> Dict[int, str]:
-        return self.at.setdefault((stream, world), {})
+        self.world: Dict[str, int] = {}
+        self.at: Dict[str, Dict[int, str]] = {}
 
     def claim(self, stream: str, rank: int, world: int, address: str) -> Optional[Dict[int, str]]:
         """Before the placement is fixed, records that ``rank`` reads on ``address`` and
         returns None (where a rank first opens is where it reads); afterwards returns the
-        placement, unchanged."""
-        at = self._check(stream, world)
+        placement, unchanged. A rank of another world size than the placement's starts a new
+        one: a run resumed at another size (its states resharded) places its ranks anew."""
+        if self.world.get(stream) != world:
+            self.world[stream], self.at[stream] = world, {}
+        at = self.at[stream]
         if len(at) == world:
             return dict(at)
         at[rank] = address
         return None
 
     def placement(self, stream: str, world: int) -> Optional[Dict[int, str]]:
-        at = self._check(stream, world)
-        return dict(at) if len(at) == world else None
+        """The placement once every rank of a run of ``world`` ranks has said where it reads;
+        None before (and for a run of another size than the latest ranks')."""
+        at = self.at.get(stream, {})
+        return dict(at) if self.world.get(stream) == world and len(at) == world else None
 
 
 def _registry_name(run: str) -> str:
@@ -668,11 +669,12 @@ class ProduceJob:
         """Stops every producer (a run that ends before its stream does, to resume later or at
         another size) and returns what ``wait`` does, without checking exit statuses. Its
         actors go, and their CPUs with them."""
-        ray.get([a.stop.remote() for a in self.actors], timeout=timeout)
-        results = self.wait(timeout=timeout, check=False)
-        for actor in self.actors:
-            ray.kill(actor)
-        return results
+        try:
+            ray.get([a.stop.remote() for a in self.actors], timeout=timeout)
+            return self.wait(timeout=timeout, check=False)
+        finally:
+            for actor in self.actors:
+                ray.kill(actor)
 
 
 def produce(cluster: Cluster, stream: str, *, manifest: str, tokenizer: str, world: int,

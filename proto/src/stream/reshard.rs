@@ -233,7 +233,9 @@ impl Reshard {
                 next_epoch - first
             )));
         }
-        if next_epoch.checked_mul(new.per_rank()).is_none() {
+        if next_epoch.checked_mul(new.per_rank()).is_none()
+            || next_epoch.checked_mul(per_rank).is_none()
+        {
             return Err(ReshardError::Invalid(
                 "more samples than 64 bits count".into(),
             ));
@@ -336,13 +338,19 @@ impl Reshard {
     /// Where each new rank starts, in rank order: states of [`Reshard::spec`].
     pub fn states(&self) -> Vec<StreamState> {
         let spec = self.spec();
+        let (digest, per_rank) = (spec.digest(), spec.per_rank());
         let start = if spec.reshard.is_some() {
             0
         } else {
-            self.next_epoch * spec.per_rank()
+            self.next_epoch * per_rank
         };
         (0..self.world)
-            .map(|rank| StreamState::at(&spec, rank, start))
+            .map(|rank| StreamState {
+                spec_digest: digest,
+                rank,
+                epoch: start / per_rank,
+                position: start % per_rank,
+            })
             .collect()
     }
 
@@ -621,7 +629,30 @@ pub fn read_state(spec: &StreamSpec, text: &str) -> Result<(StreamSpec, StreamSt
             spec.digest()
         ));
     }
+    within(&spec, &state)?;
     Ok((spec, state))
+}
+
+/// Refuses a state of a rank outside the stream's world, or past its end (a sequence number
+/// 64 bits cannot hold included).
+fn within(spec: &StreamSpec, state: &StreamState) -> Result<(), String> {
+    if state.rank >= spec.world {
+        return Err(format!(
+            "the state is rank {}'s, outside a world of {}",
+            state.rank, spec.world
+        ));
+    }
+    let seq = state
+        .epoch
+        .checked_mul(spec.per_rank())
+        .and_then(|e| e.checked_add(state.position));
+    match seq {
+        Some(seq) if spec.end_seq(state.rank).is_none_or(|end| seq <= end) => Ok(()),
+        _ => Err(format!(
+            "rank {}'s state is past the stream's end",
+            state.rank
+        )),
+    }
 }
 
 /// [`read_state`] of each of `texts`, which must belong to one run: the reshard they carry is
@@ -636,6 +667,7 @@ pub fn read_states(
     for text in texts {
         let text = text.trim();
         let (prefix, rest) = text.rsplit_once('@').unwrap_or(("", text));
+        let prefix = prefix.trim();
         match &run {
             None => {
                 let (s, state) = read_state(spec, text)?;
@@ -643,7 +675,7 @@ pub fn read_states(
                 run = Some((prefix, s, digest));
                 states.push(state);
             }
-            Some((p, _, digest)) if *p == prefix => {
+            Some((p, run_spec, digest)) if *p == prefix => {
                 let state = StreamState::from_text(rest).ok_or_else(|| {
                     format!("{:?} is not a stream state", crate::truncate(text, 80))
                 })?;
@@ -654,6 +686,7 @@ pub fn read_states(
                         state.spec_digest
                     ));
                 }
+                within(run_spec, &state)?;
                 states.push(state);
             }
             Some(_) => {
@@ -1121,6 +1154,22 @@ mod tests {
             assert_eq!(state, StreamState::at(&at_two, r as u32, at_two.per_rank()));
         }
         assert!(reshard_texts(&old, &refs(&saved[..3]), 2).is_err());
+        // A state past the end (or past what 64 bits hold), or of a rank outside the world.
+        let digest = old.digest();
+        for (text, why) in [
+            (
+                format!("{digest:016x}:0:ffffffffffffffff:0"),
+                "past the stream's end",
+            ),
+            (format!("{digest:016x}:0:4:1"), "past the stream's end"),
+            (format!("{digest:016x}:4:0:0"), "outside a world of 4"),
+        ] {
+            let err = read_state(&old, &text).unwrap_err();
+            assert!(err.contains(why), "{text}: {err}");
+        }
+        // The same reshard with spaces around it is the same run.
+        let spaced = three[0].replacen('@', " @", 1);
+        assert!(read_states(&at_three, &[&spaced, &three[1]]).is_ok());
     }
 
     /// Texts no states could give, or not as a reshard writes them, are refused, in bounded

@@ -259,10 +259,10 @@ impl Streams {
     }
 
     /// `uid`'s stream named in `spec` if it is the same stream at another world size (or
-    /// resumed otherwise: only `world` and the reshard differ) and nobody uses it (no producer,
-    /// no consumer, no rank read on another node: a run that ended or was stopped), with what
-    /// differs. A producer of the run resumed from it takes its name over instead of waiting
-    /// for it to expire; any other difference stays a mismatch.
+    /// resumed otherwise: only `world` and the reshard differ) and nobody uses it (no producer
+    /// and no consumer here: a run that ended or was stopped; its feeders of other nodes' ranks
+    /// leave with it), with what differs. A producer of the run resumed from it takes its name
+    /// over instead of waiting for it to expire; any other difference stays a mismatch.
     fn stale(&self, uid: u32, spec: &StreamSpec) -> Option<(u32, String)> {
         let &id = self.by_name.get(&(uid, spec.name.clone()))?;
         let stream = &self.streams[&id];
@@ -270,12 +270,8 @@ impl Streams {
             world: spec.world,
             ..stream.spec.plain()
         } == spec.plain();
-        (stream.spec != *spec
-            && resumed
-            && stream.idle()
-            && stream.remotes.is_empty()
-            && stream.relay.is_none())
-        .then(|| (id, stream.spec.differences(spec)))
+        (stream.spec != *spec && resumed && stream.idle())
+            .then(|| (id, stream.spec.differences(spec)))
     }
 
     /// `uid`'s stream named in `spec`, checked against it.
