@@ -33,14 +33,20 @@ POLL_SECONDS = 1.0
 
 def _rng_state() -> tuple:
     """This process's random state as torch seeds it in a worker (Python, numpy, torch), in
-    plain picklable form (a torch tensor sent over a pipe would go through a /dev/shm file)."""
-    return (random.getstate(), np.random.get_state(), torch.get_rng_state().numpy().tobytes())
+    plain form: tuples, numbers and bytes (a torch tensor sent over a pipe would go through a
+    /dev/shm file, and a numpy array in a saved state would not load under
+    ``torch.load(weights_only=True)``, current torch's default)."""
+    name, key, *rest = np.random.get_state()
+    numpy_state = (name, np.ascontiguousarray(key, dtype=np.uint32).tobytes(), *rest)
+    return (random.getstate(), numpy_state, torch.get_rng_state().numpy().tobytes())
 
 
 def _set_rng_state(state: tuple) -> None:
-    python, numpy_state, torch_state = state
+    python, (name, key, *rest), torch_state = state
     random.setstate(python)
-    np.random.set_state(numpy_state)
+    if isinstance(key, bytes):
+        key = np.frombuffer(key, dtype=np.uint32)
+    np.random.set_state((name, key, *rest))
     torch.set_rng_state(torch.frombuffer(bytearray(torch_state), dtype=torch.uint8))
 
 
