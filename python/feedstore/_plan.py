@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 import torch.utils.data
 
+from feedstore import _elastic
 from feedstore import _torch_private as private
 from feedstore._worker import _MISSING, _Fetcher, _WorkerArgs, _rng_state, _set_rng_state
 
@@ -116,7 +117,6 @@ class _LoaderIter:
         self._dataset = loader.dataset
         self._iterable = isinstance(loader.dataset, torch.utils.data.IterableDataset)
         self._auto_collation = loader.batch_sampler is not None
-        self._index_sampler = loader.batch_sampler if self._auto_collation else loader.sampler
         self._drop_last = loader.drop_last
         self._num_workers = loader.num_workers
         self._prefetch_factor = loader.prefetch_factor or 2  # (None on torch 2 without workers)
@@ -137,6 +137,15 @@ class _LoaderIter:
         )
 
     def _new_epoch(self, loader: "DataLoader") -> None:
+        # An epoch resumed at another world size (`_elastic`) reads the rank's part of what
+        # the old ranks left in place of the sampler; later epochs are the sampler's.
+        reshard, self._reshard_next = getattr(self, "_reshard_next", None), None
+        if reshard is None:
+            self._index_sampler = loader.batch_sampler if self._auto_collation else loader.sampler
+        else:
+            self._index_sampler = _elastic.share(reshard, loader)
+        self._epoch_reshard = reshard
+        self._epoch_sampler = _elastic.describe(loader)
         self._sampler_iter = iter(self._index_sampler)
         self._num_yielded = 0
         self._len_called = private.iterable_len_called(loader)
@@ -180,6 +189,14 @@ class _LoaderIter:
     def _next_data(self) -> Any:
         raise NotImplementedError
 
+    def _epoch_state(self) -> dict:
+        """What a state says of the epoch's draws: the DistributedSampler's (what resuming at
+        another world size needs) and, in a resharded epoch, its reshard."""
+        state = {"sampler": self._epoch_sampler}
+        if self._epoch_reshard is not None:
+            state["reshard"] = self._epoch_reshard
+        return state
+
     def _prime(self) -> None:
         try:
             self._primed = [next(self._sampler_iter)]
@@ -218,6 +235,7 @@ def _draws_alone(sampler: Any) -> bool:
         samplers.SubsetRandomSampler,
         samplers.WeightedRandomSampler,
         torch.utils.data.distributed.DistributedSampler,
+        _elastic._Share,
     )
 
 
@@ -228,6 +246,7 @@ class _InProcessIter(_LoaderIter):
 
     def __init__(self, loader: "DataLoader", resume: Optional[dict]) -> None:
         self._loader = loader
+        self._reshard_next = (resume or {}).get("reshard")
         _Epoch.begin(loader, self, resume, lambda: self._setup(loader))
         if resume is None or resume.get("rng") is None:
             # torch's in-process iterator draws the permutation at the first `next`, not at
@@ -313,4 +332,5 @@ class _InProcessIter(_LoaderIter):
             "rng": self._rng_at_start,
             "draws_base_seed": self._draws_base_seed,
             "base_seed": self._base_seed,
+            **self._epoch_state(),
         }

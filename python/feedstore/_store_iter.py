@@ -60,6 +60,7 @@ class _StoreIter(_Workers, _LoaderIter):
         self._outbox = _Outbox()
         self._outbox.on_fill = _filler(weakref.ref(self))
         self._workers: List[Optional[_Worker]] = []
+        self._reshard_next = (resume or {}).get("reshard")
         _Epoch.begin(loader, self, resume, lambda: self._setup(loader))
         self._context = loader.multiprocessing_context or multiprocessing.get_context()
         self._workers = [None] * self._num_workers
@@ -502,4 +503,5 @@ class _StoreIter(_Workers, _LoaderIter):
                     "tasks": [w.taken if w else 0 for w in workers],
                     "active": [w.active if w else False for w in workers],
                 },
+                **self._epoch_state(),
             }

@@ -24,7 +24,8 @@ sampler's side, each epoch's draws, its resume and the iterator without workers 
 iterator with workers, dispatching tasks and taking batches in order (``_store_iter``); the
 threads that carry tasks out and replies in (``_transport``); starting, restarting and stopping
 the workers (``_lifecycle``); the node's pool (``_pool``), batches in the store (``_batch``) and
-the decode-once cache (``_cache``). The imports run one way, from this module down to
+the decode-once cache (``_cache``); an epoch resumed at another number of ranks
+(``_elastic``). The imports run one way, from this module down to
 ``_worker``.
 
 Stopping: ``close()`` (or leaving ``with loader:`` / ``with iter(loader) as batches:``) stops
@@ -47,7 +48,7 @@ import torch
 import torch.utils.data
 
 import feedstore
-from feedstore import _lifecycle, _pool
+from feedstore import _elastic, _lifecycle, _pool
 from feedstore._plan import _InProcessIter
 from feedstore._store_iter import _StoreIter
 
@@ -284,9 +285,13 @@ class DataLoader(torch.utils.data.DataLoader):
     def state_dict(self) -> dict:
         """Where the current epoch stands: `load_state_dict` on a new loader (same dataset,
         sampler, batch size and workers) makes its next batch the one this loader would
-        yield next. Save it with the trainer's checkpoint."""
+        yield next. Save it with the trainer's checkpoint; under data parallelism, save every
+        rank's (a list of them resumes at another number of ranks: `load_state_dict`)."""
         state: dict = {"version": STATE_VERSION, "num_workers": self.num_workers}
         current = self._feedstore_iterator()
+        if self._feedstore_resume is not None:
+            state.update(self._feedstore_resume)  # loaded, not iterated yet: still where it was
+            return state
         if current is not None and not getattr(current, "_shut", False):
             state.update(current.feedstore_state())
         elif self._feedstore_last is not None:
@@ -298,13 +303,38 @@ class DataLoader(torch.utils.data.DataLoader):
         state["rng_after"] = self.generator.get_state() if self.generator is not None else None
         return state
 
-    def load_state_dict(self, state: dict) -> None:
-        """Makes the next iteration resume where `state` (from `state_dict`) stood."""
-        if state.get("version") != STATE_VERSION:
-            raise ValueError(f"not a feedstore DataLoader state (version {state.get('version')})")
+    def load_state_dict(self, state: Any) -> None:
+        """Makes the next iteration resume where `state` (from `state_dict`) stood.
+
+        Under data parallelism with torch's ``DistributedSampler``, `state` may be the list of
+        every rank's ``state_dict()`` of a run with another number of ranks (saved in the same
+        step): this rank then reads its part of what the old ranks left of their epoch, every
+        sample of it once across the new ranks and none the old ranks read, in as many batches
+        on every rank (padded, or cut with the sampler's ``drop_last``, as the sampler deals an
+        epoch); the epoch after is the new world's ordinary one. Call ``sampler.set_epoch``
+        with the saved epoch before iterating, as after any resume. With as many ranks as
+        before, the list resumes this rank from its own state."""
+        if isinstance(state, (list, tuple)):
+            resume = _elastic.plan(list(state), self)
+            if resume is None:
+                self._feedstore_resume = None  # nothing left of the epoch: the next starts
+                return
+            if "version" not in resume:
+                resume = {"version": STATE_VERSION, "num_workers": self.num_workers, **resume}
+            state = resume
+        if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
+            version = state.get("version") if isinstance(state, dict) else type(state).__name__
+            raise ValueError(f"not a feedstore DataLoader state (version {version})")
         if state["num_workers"] != self.num_workers:
             raise ValueError(
                 f"the state was saved with num_workers={state['num_workers']}, this loader has "
                 f"{self.num_workers}: batches would come from other workers' random states"
+            )
+        saved, now = state.get("sampler"), _elastic.describe(self)
+        if saved and now and (saved.get("world"), saved.get("rank")) != (now["world"], now["rank"]):
+            raise ValueError(
+                f"the state is rank {saved.get('rank')}'s of {saved.get('world')} ranks and this "
+                f"loader's sampler is rank {now['rank']} of {now['world']}: pass the list of "
+                "every rank's state to resume at another number of ranks"
             )
         self._feedstore_resume = state
