@@ -115,6 +115,30 @@ def test_a_run_resumes_at_another_world_size(daemon, old_world, reads, new_world
     assert sum(read.values()) == begun * per_old * old_world
 
 
+def test_a_resharded_run_resumes_at_another_size_again_mid_share(daemon):
+    """2 ranks → 3, stopped while every new rank still reads its share of what the 2 left →
+    2 again: what the 3 left of their shares comes first, and over the three runs each sample
+    of the epoch is read once; the epoch after is a run of 2's."""
+    name = "elastic-nested"
+    first = run(daemon, name, 2, [7, 0])
+    to_three = feedstore.reshard([state for _, state in first], 3, name=name, **SPEC)
+    second = run(daemon, name, 3, [2, 0, 5], to_three)
+    to_two = feedstore.reshard([state for _, state in second], 2, name=name, **SPEC)
+    assert all("|r2:" in s for s in to_two), to_two
+    third = run(daemon, name, 2, [10**9] * 2, to_two)
+
+    per_rank = SPEC["records"] // 2
+    left = 2 * per_rank - 7 - 7  # the epoch less what the first two runs read
+    shares = [len(records) - per_rank for records, _ in third]
+    assert sorted(shares) == [left // 2, left - left // 2], shares
+    fresh = run(daemon, f"{name}-fresh", 2, [2 * per_rank] * 2)
+    for rank, (records, _) in enumerate(third):
+        assert records[shares[rank] :] == fresh[rank][0][per_rank:]
+    read = collections.Counter(r for records, _ in first + second for r in records)
+    read.update(r for rank, (records, _) in enumerate(third) for r in records[: shares[rank]])
+    assert read == collections.Counter(r for records, _ in fresh for r in records[:per_rank])
+
+
 def test_reshard_refuses_what_it_cannot_resume(daemon):
     spec = dict(name="refused", **SPEC)
     at = lambda rank, seq, world: feedstore.state_at(  # noqa: E731

@@ -10,8 +10,15 @@
 //! as its `k div W'`-th sample of that epoch's remainder. After the last epoch any old rank had
 //! begun, the new world reads the stream's ordinary epochs at world `W'`.
 //!
-//! What it holds is the old spec and, per epoch left unfinished, one count per old rank: its
-//! size grows with the old world, never with the data set (see [`Reshard::to_text`]).
+//! A run that was itself resharded reads its share of that reshard first: each of its ranks
+//! `r` has `share(r)` samples of it, a prefix of which it read. Those shares are dealt in turn,
+//! so they differ by one at most, and what is left of them is again a grid read row by row: the
+//! reshard of such a run deals that *carried* remainder first, then its ordinary epochs' (a
+//! reshard over a reshard, nested as deep as [`MAX_LEVELS`]).
+//!
+//! What it holds is the old spec and, per epoch left unfinished (and per reshard carried), one
+//! count per old rank: its size grows with the old worlds, never with the data set (see
+//! [`Reshard::to_text`]).
 
 use std::sync::Arc;
 
@@ -43,12 +50,44 @@ pub enum ReshardError {
     Invalid(String),
 }
 
-/// One epoch's remainder: how many of its own slots each old rank had read.
+/// How many slots each old rank has in a remainder's grid: `rows` for the first `full` ranks,
+/// one fewer for the rest (an epoch's grid is full; the shares of a reshard dealt in turn are
+/// one longer for its first ranks).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+struct Grid {
+    rows: u64,
+    full: usize,
+}
+
+impl Grid {
+    fn cap(self, rank: usize) -> u64 {
+        if rank < self.full {
+            self.rows
+        } else {
+            self.rows - 1
+        }
+    }
+
+    /// The grid of a reshard's shares (`None` if they are not dealt in turn: never, for a
+    /// reshard's).
+    fn of_shares(shares: &[u64]) -> Option<Grid> {
+        let rows = shares.iter().copied().max()?;
+        let full = shares.iter().take_while(|&&s| s == rows).count();
+        let rest_shorter = shares[full..].iter().all(|&s| s + 1 == rows);
+        (rows > 0 && rest_shorter).then_some(Grid { rows, full })
+    }
+}
+
+/// One remainder: how many of its own slots each old rank had read, of an epoch or of the old
+/// run's own reshard.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 struct Remainder {
-    epoch: u64,
-    /// Per old rank, slots read (at most `per_rank`).
+    /// The epoch of the old stream's ordinary order, or `None` for the old stream's own
+    /// reshard (its ranks' shares: the carried remainder).
+    epoch: Option<u64>,
+    /// Per old rank, slots read (at most its cap in the grid).
     read: Vec<u64>,
+    grid: Grid,
     /// The same, sorted, with prefix sums, for counting the slots left before a row.
     sorted: Vec<u64>,
     prefix: Vec<u64>,
@@ -60,8 +99,8 @@ struct Remainder {
 }
 
 impl Remainder {
-    /// `None` when the counts do not fit in 64 bits.
-    fn new(epoch: u64, read: Vec<u64>, per_rank: u64, offset: u64) -> Option<Remainder> {
+    /// `None` when a count is past its rank's slots or the counts do not fit in 64 bits.
+    fn new(epoch: Option<u64>, read: Vec<u64>, grid: Grid, offset: u64) -> Option<Remainder> {
         let mut sorted = read.clone();
         sorted.sort_unstable();
         let mut prefix = Vec::with_capacity(sorted.len() + 1);
@@ -70,13 +109,14 @@ impl Remainder {
             prefix.push(prefix.last().copied().unwrap_or(0).checked_add(c)?);
         }
         let mut left = 0u64;
-        for &c in &read {
-            left = left.checked_add(per_rank.checked_sub(c)?)?;
+        for (rank, &c) in read.iter().enumerate() {
+            left = left.checked_add(grid.cap(rank).checked_sub(c)?)?;
         }
         offset.checked_add(left)?;
         Some(Remainder {
             epoch,
             read,
+            grid,
             sorted,
             prefix,
             left,
@@ -97,16 +137,18 @@ impl Remainder {
         (first, n)
     }
 
-    /// Slots left in the rows before `row`: `Σ max(0, row − read_r)`.
+    /// Slots left in the rows before `row` (at most the shortest rank's cap, `rows - 1`, so
+    /// every rank has a slot in each of them): `Σ max(0, row − read_r)`.
     fn left_before(&self, row: u64) -> u64 {
         let below = self.sorted.partition_point(|&c| c < row);
         below as u64 * row - self.prefix[below]
     }
 
     /// The `k`-th slot left (`k < left`), as (old rank, position).
-    fn nth(&self, k: u64, per_rank: u64) -> (u32, u64) {
-        // The row: the last one with fewer than k + 1 slots left before it.
-        let (mut lo, mut hi) = (self.sorted[0], per_rank);
+    fn nth(&self, k: u64) -> (u32, u64) {
+        // The row: the last one with fewer than k + 1 slots left before it (the search looks
+        // only at rows below the last, where every rank has a slot).
+        let (mut lo, mut hi) = (self.sorted[0], self.grid.rows);
         while hi - lo > 1 {
             let mid = lo + (hi - lo) / 2;
             if self.left_before(mid) <= k {
@@ -117,7 +159,7 @@ impl Remainder {
         }
         let mut j = k - self.left_before(lo);
         for (rank, &c) in self.read.iter().enumerate() {
-            if c <= lo {
+            if c <= lo && lo < self.grid.cap(rank) {
                 if j == 0 {
                     return (rank as u32, lo);
                 }
@@ -126,20 +168,44 @@ impl Remainder {
         }
         unreachable!("row {lo} holds slot {k}")
     }
+
+    /// Its counts as [`Reshard::to_text`] writes them: runs `value*times` (`*times` left out
+    /// for one), separated by `,`.
+    fn counts_text(&self) -> String {
+        let mut runs: Vec<(u64, u64)> = Vec::new();
+        for &c in &self.read {
+            match runs.last_mut() {
+                Some((v, n)) if *v == c => *n += 1,
+                _ => runs.push((c, 1)),
+            }
+        }
+        runs.iter()
+            .map(|&(v, n)| {
+                if n == 1 {
+                    format!("{v:x}")
+                } else {
+                    format!("{v:x}*{n:x}")
+                }
+            })
+            .collect::<Vec<_>>()
+            .join(",")
+    }
 }
 
 /// What a run at one world size left unread, dealt to the ranks of another
 /// ([`Reshard::new`]).
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct Reshard {
-    /// The stream as the old run read it (its ordinary epochs: a reshard of a resharded
-    /// stream starts from where its ranks stand in those).
+    /// The stream as the old run read it: its ordinary epochs, or, when the old run was itself
+    /// resharded, with that reshard (whose shares' remainder this one deals first).
     old: StreamSpec,
-    /// The same at the new world size.
+    /// The same at the new world size, without a reshard.
     new: StreamSpec,
     /// The new world's size.
     world: u32,
-    /// The epochs some old rank had begun and not every one had finished, in order.
+    /// What is left, in the order it is dealt: of the old run's own reshard (the carried
+    /// remainder, first when there is one), then of the epochs some old rank had begun and not
+    /// every one had finished, in order.
     remainders: Vec<Remainder>,
     /// The first epoch the new world reads whole.
     next_epoch: u64,
@@ -147,7 +213,8 @@ pub struct Reshard {
 
 impl Reshard {
     /// Deals what the ranks of `old` left unread (their `states`, one per rank, in any order)
-    /// to `world` new ranks.
+    /// to `world` new ranks. When `old` was itself resharded, what its ranks left of their
+    /// shares of that reshard is dealt first.
     pub fn new(
         old: &StreamSpec,
         states: &[StreamState],
@@ -158,10 +225,6 @@ impl Reshard {
         }
         old.check(0)
             .map_err(|e| ReshardError::Invalid(e.to_string()))?;
-        if let Some(before) = &old.reshard {
-            let states = before.in_ordinary_epochs(old, states)?;
-            return Reshard::new(&old.plain(), &states, world);
-        }
         let expected = old.digest();
         let mut by_rank: Vec<Option<&StreamState>> =
             vec![None; old.world.min(MAX_OLD_WORLD) as usize];
@@ -194,27 +257,59 @@ impl Reshard {
                 old.world
             )));
         }
+        let plain = old.plain();
         let new = StreamSpec {
             world,
-            reshard: None,
-            ..old.clone()
+            ..plain.clone()
         };
         new.check(0)
             .map_err(|e| ReshardError::Invalid(format!("at the new world size: {e}")))?;
         let per_rank = old.per_rank();
+        let past_end =
+            |rank: u32| ReshardError::Invalid(format!("rank {rank} is past the stream's end"));
         // Each state as its sequence number says (a position past the rank's share is the next
-        // epoch's), within the stream.
+        // epoch's), within the stream; of a resharded stream, split into what the rank read of
+        // its share of that reshard and where it stands in the ordinary epochs after it.
         let mut at = Vec::with_capacity(states.len());
+        let mut carried_read = Vec::new();
         for s in &states {
             let seq = s
                 .epoch
                 .checked_mul(per_rank)
                 .and_then(|e| e.checked_add(s.position))
                 .filter(|&seq| old.end_seq(s.rank).is_none_or(|end| seq <= end))
-                .ok_or_else(|| {
-                    ReshardError::Invalid(format!("rank {} is past the stream's end", s.rank))
-                })?;
-            at.push(StreamState::at(old, s.rank, seq));
+                .ok_or_else(|| past_end(s.rank))?;
+            let ordinary = match &old.reshard {
+                None => seq,
+                Some(before) => {
+                    let share = before.share(s.rank);
+                    carried_read.push(seq.min(share));
+                    (seq.saturating_sub(share))
+                        .checked_add(before.next_epoch * per_rank)
+                        .ok_or_else(|| past_end(s.rank))?
+                }
+            };
+            at.push(StreamState::at(&plain, s.rank, ordinary));
+        }
+        let mut remainders: Vec<Remainder> = Vec::new();
+        if let Some(before) = &old.reshard {
+            let carried = before
+                .carried(carried_read, 0)
+                .ok_or_else(|| ReshardError::Invalid("more samples than 64 bits count".into()))?;
+            if carried.left == 0 {
+                // Every rank past its share: a reshard of the ordinary states they stand for.
+                return Reshard::new(&plain, &at, world);
+            }
+            if before.levels() >= MAX_LEVELS {
+                return Err(ReshardError::Invalid(format!(
+                    "the run was resized {} times while some rank still read its share of the \
+                     first resize: resume at world {} until every rank has read its share, \
+                     then resize again",
+                    before.levels(),
+                    old.world
+                )));
+            }
+            remainders.push(carried);
         }
         let first = at.iter().map(|s| s.epoch).min().unwrap_or(0);
         let last = at.iter().map(|s| s.epoch).max().unwrap_or(0);
@@ -226,9 +321,15 @@ impl Reshard {
         }
         // Past the last epoch some rank has begun, the new world reads whole epochs.
         let next_epoch = last + u64::from(at.iter().any(|s| s.epoch == last && s.position > 0));
-        if (next_epoch - first).saturating_mul(u64::from(old.world)) > MAX_RESHARD_CELLS as u64 {
+        let before_cells = old.reshard.as_ref().map_or(0, |r| r.cells());
+        let cells = (next_epoch - first)
+            .saturating_add(remainders.len() as u64)
+            .saturating_mul(u64::from(old.world))
+            .saturating_add(before_cells as u64);
+        if cells > MAX_RESHARD_CELLS as u64 {
             return Err(ReshardError::Invalid(format!(
-                "{} ranks over {} unfinished epochs: more than {MAX_RESHARD_CELLS} counts to keep",
+                "{} ranks over {} unfinished epochs (and earlier resizes' shares): more than \
+                 {MAX_RESHARD_CELLS} counts to keep",
                 old.world,
                 next_epoch - first
             )));
@@ -240,7 +341,10 @@ impl Reshard {
                 "more samples than 64 bits count".into(),
             ));
         }
-        let mut remainders: Vec<Remainder> = Vec::new();
+        let grid = Grid {
+            rows: per_rank,
+            full: at.len(),
+        };
         for epoch in first..next_epoch {
             let read: Vec<u64> = at
                 .iter()
@@ -251,7 +355,7 @@ impl Reshard {
                 })
                 .collect();
             let offset = remainders.last().map_or(0, |r| r.offset + r.left);
-            let r = Remainder::new(epoch, read, per_rank, offset)
+            let r = Remainder::new(Some(epoch), read, grid, offset)
                 .ok_or_else(|| ReshardError::Invalid("more samples than 64 bits count".into()))?;
             if r.left > 0 {
                 remainders.push(r);
@@ -275,59 +379,26 @@ impl Reshard {
         Ok(reshard)
     }
 
-    /// The states of a resharded stream's ranks (`stream`'s, whose reshard this is) as states
-    /// of its ordinary epochs, for a reshard of those: refused while a rank still reads its
-    /// share of this reshard.
-    fn in_ordinary_epochs(
-        &self,
-        stream: &StreamSpec,
-        states: &[StreamState],
-    ) -> Result<Vec<StreamState>, ReshardError> {
-        let expected = stream.digest();
-        let plain = stream.plain();
-        states
-            .iter()
-            .map(|s| {
-                if s.spec_digest != expected {
-                    return Err(ReshardError::OtherStream {
-                        expected,
-                        found: s.spec_digest,
-                    });
-                }
-                if s.rank >= self.world {
-                    return Err(ReshardError::Ranks {
-                        world: self.world,
-                        found: states.len(),
-                    });
-                }
-                let share = self.share(s.rank);
-                let seq = s
-                    .epoch
-                    .checked_mul(stream.per_rank())
-                    .and_then(|e| e.checked_add(s.position))
-                    .ok_or_else(|| {
-                        ReshardError::Invalid(format!("rank {} is past the stream's end", s.rank))
-                    })?;
-                if seq < share {
-                    return Err(ReshardError::Invalid(format!(
-                        "rank {} has read {seq} of the {share} samples that the run before the \
-                         last resize left it: resume at world {} until every rank has read its \
-                         share, then resize again",
-                        s.rank, self.world
-                    )));
-                }
-                let ordinary = (seq - share)
-                    .checked_add(self.next_epoch * plain.per_rank())
-                    .ok_or_else(|| {
-                        ReshardError::Invalid(format!("rank {} is past the stream's end", s.rank))
-                    })?;
-                Ok(StreamState::at(&plain, s.rank, ordinary))
-            })
-            .collect()
+    /// What this reshard's ranks left of their shares of it (`read`, per rank, each at most
+    /// its share), as the remainder a reshard of its stream deals first.
+    fn carried(&self, read: Vec<u64>, offset: u64) -> Option<Remainder> {
+        let shares: Vec<u64> = (0..self.world).map(|rank| self.share(rank)).collect();
+        Remainder::new(None, read, Grid::of_shares(&shares)?, offset)
+    }
+
+    /// The reshards this one stands on, itself included: 1 for a reshard of a plain run.
+    fn levels(&self) -> usize {
+        1 + self.old.reshard.as_ref().map_or(0, |r| r.levels())
+    }
+
+    /// The counts it keeps, those of the reshards it stands on included.
+    fn cells(&self) -> usize {
+        let own: usize = self.remainders.iter().map(|r| r.read.len()).sum();
+        own + self.old.reshard.as_ref().map_or(0, |r| r.cells())
     }
 
     /// The stream the new world reads: the old spec at the new world size, resuming this
-    /// reshard (none when the old ranks left no epoch unfinished).
+    /// reshard (none when the old ranks left nothing unread).
     pub fn spec(&self) -> StreamSpec {
         StreamSpec {
             reshard: (!self.remainders.is_empty()).then(|| Arc::new(self.clone())),
@@ -385,18 +456,32 @@ impl Reshard {
         self.next_epoch
     }
 
-    /// The epoch new rank `rank`'s sample at `seq` belongs to: of the remainders, the epoch it
-    /// was left from.
-    pub fn epoch_at(&self, rank: u32, seq: u64) -> u64 {
+    /// Where new rank `rank`'s sample at `seq` comes from: (the remainder, the old rank, its
+    /// position in that remainder's grid), or the sequence number in the new spec's ordinary
+    /// epochs.
+    fn source(&self, rank: u32, seq: u64) -> Result<(&Remainder, u32, u64), u64> {
         let mut seq = seq;
         for r in &self.remainders {
-            let n = r.share(self.world, rank).1;
+            let (first, n) = r.share(self.world, rank);
             if seq < n {
-                return r.epoch;
+                let (old_rank, position) = r.nth(first + seq * u64::from(self.world));
+                return Ok((r, old_rank, position));
             }
             seq -= n;
         }
-        self.next_epoch.saturating_add(seq / self.new.per_rank())
+        Err((self.next_epoch * self.new.per_rank()).saturating_add(seq))
+    }
+
+    /// The epoch new rank `rank`'s sample at `seq` belongs to: of the remainders, the epoch it
+    /// was left from.
+    pub fn epoch_at(&self, rank: u32, seq: u64) -> u64 {
+        match self.source(rank, seq) {
+            Ok((r, old_rank, position)) => match r.epoch {
+                Some(epoch) => epoch,
+                None => self.old.epoch_at(old_rank, position),
+            },
+            Err(seq) => seq / self.new.per_rank(),
+        }
     }
 
     /// The record new rank `rank` (below the new world) reads at its sequence number `seq`:
@@ -408,20 +493,16 @@ impl Reshard {
             "rank {rank} of a world of {}",
             self.world
         );
-        let mut seq = seq;
-        let per_rank = self.old.per_rank();
-        for r in &self.remainders {
-            let (first, n) = r.share(self.world, rank);
-            if seq < n {
-                let (old_rank, position) = r.nth(first + seq * u64::from(self.world), per_rank);
-                return self.old.record_at(old_rank, r.epoch * per_rank + position);
-            }
-            seq -= n;
+        match self.source(rank, seq) {
+            Ok((r, old_rank, position)) => match r.epoch {
+                Some(epoch) => self
+                    .old
+                    .ordinary_record_at(old_rank, epoch * self.old.per_rank() + position),
+                // The old run's own share: its record as that run reads it.
+                None => self.old.record_at(old_rank, position),
+            },
+            Err(seq) => self.new.ordinary_record_at(rank, seq),
         }
-        self.new.ordinary_record_at(
-            rank,
-            (self.next_epoch * self.new.per_rank()).saturating_add(seq),
-        )
     }
 }
 
@@ -429,14 +510,18 @@ impl Reshard {
 /// a side may agree to, with room to spare. 1,024 ranks at different positions take 6 KiB; a
 /// reshard that would take more is refused ([`Reshard::new`]).
 pub const MAX_RESHARD_TEXT: usize = 32 << 10;
-/// The most counts a reshard keeps (old ranks times the epochs they left unfinished): 1,024
-/// ranks over 16 epochs, or 65,536 ranks in one, about 1.5 MiB of tables.
+/// The most counts a reshard keeps (old ranks times the epochs they left unfinished, over the
+/// reshards it stands on): 1,024 ranks over 16 epochs, or 65,536 ranks in one, about 1.5 MiB
+/// of tables.
 pub const MAX_RESHARD_CELLS: usize = 1 << 16;
 /// The most old ranks a reshard may have (a bound for text read from a checkpoint).
 pub const MAX_OLD_WORLD: u32 = 1 << 16;
 /// The most epochs the old ranks may be apart (a rank that many epochs behind the others is a
 /// run gone wrong, not one to resume).
 pub const MAX_EPOCHS_APART: u64 = 16;
+/// The most reshards one may stand on, itself included: resizes while some rank still reads
+/// its share of an earlier one.
+pub const MAX_LEVELS: usize = 8;
 
 impl Reshard {
     /// A one-line text form for checkpoints:
@@ -446,45 +531,63 @@ impl Reshard {
     /// stop together write one run: 1,024 ranks at one position of an epoch of 10^9 records
     /// take 39 bytes, at 1,024 different positions 6 KiB. It grows with the old world and the
     /// epochs its ranks are apart (at most [`MAX_EPOCHS_APART`]), never with the data set.
+    ///
+    /// A reshard of a resharded run is that run's reshard's text, `|`, then
+    /// `r2:<old spec digest>:<old world>:<new world>:<first epoch>:<carried>:<counts>`, where
+    /// `<carried>` is what each old rank read of its share of that reshard (the old spec's
+    /// digest covers that reshard) and `<counts>` may be empty.
     pub fn to_text(&self) -> String {
+        let carried = self.remainders.first().filter(|r| r.epoch.is_none());
         let epochs: Vec<String> = self
             .remainders
             .iter()
-            .map(|r| {
-                let mut runs: Vec<(u64, u64)> = Vec::new();
-                for &c in &r.read {
-                    match runs.last_mut() {
-                        Some((v, n)) if *v == c => *n += 1,
-                        _ => runs.push((c, 1)),
-                    }
-                }
-                runs.iter()
-                    .map(|&(v, n)| {
-                        if n == 1 {
-                            format!("{v:x}")
-                        } else {
-                            format!("{v:x}*{n:x}")
-                        }
-                    })
-                    .collect::<Vec<_>>()
-                    .join(",")
-            })
+            .filter(|r| r.epoch.is_some())
+            .map(Remainder::counts_text)
             .collect();
-        let first = self.remainders.first().map_or(self.next_epoch, |r| r.epoch);
-        format!(
-            "r1:{:016x}:{:x}:{:x}:{:x}:{}",
+        let first = self
+            .remainders
+            .iter()
+            .find_map(|r| r.epoch)
+            .unwrap_or(self.next_epoch);
+        let head = format!(
+            "{:016x}:{:x}:{:x}:{:x}",
             self.old.digest(),
             self.old.world,
             self.world,
-            first,
-            epochs.join(";")
-        )
+            first
+        );
+        match (&self.old.reshard, carried) {
+            (Some(before), Some(carried)) => format!(
+                "{}|r2:{head}:{}:{}",
+                before.to_text(),
+                carried.counts_text(),
+                epochs.join(";")
+            ),
+            _ => format!("r1:{head}:{}", epochs.join(";")),
+        }
     }
 
     /// Parses [`Reshard::to_text`] for the stream `spec` (at either world size): `None` when it
-    /// is not one, names another stream, or lies (counts past an epoch, more than
-    /// [`MAX_OLD_WORLD`] ranks).
+    /// is not one, names another stream, or lies (counts past an epoch or a share, more than
+    /// [`MAX_OLD_WORLD`] ranks or [`MAX_LEVELS`] reshards).
     pub fn from_text(spec: &StreamSpec, text: &str) -> Option<Reshard> {
+        if text.len() > MAX_RESHARD_TEXT || text.matches('|').count() >= MAX_LEVELS {
+            return None;
+        }
+        let text = text.trim();
+        let (before, level) = match text.rsplit_once('|') {
+            Some((before, level)) => (Some(Reshard::from_text(spec, before)?), level),
+            None => (None, text),
+        };
+        let reshard = Reshard::level_from_text(spec, before, level)?;
+        // One text per reshard: what it writes, nothing else (no leading zeros, no runs split
+        // or of one, no spaces inside).
+        (reshard.to_text() == text).then_some(reshard)
+    }
+
+    /// One level of [`Reshard::from_text`]: `r1:...` of a plain run, or `r2:...` of the run
+    /// `before` had resharded.
+    fn level_from_text(spec: &StreamSpec, before: Option<Reshard>, text: &str) -> Option<Reshard> {
         // Lowercase hex digits only, one to sixteen: one text per reshard.
         let hex = |s: &str| {
             (!s.is_empty()
@@ -494,41 +597,67 @@ impl Reshard {
             .then(|| u64::from_str_radix(s, 16).ok())
             .flatten()
         };
-        if text.len() > MAX_RESHARD_TEXT {
-            return None;
-        }
-        let mut parts = text.trim().split(':');
-        if parts.next()? != "r1" {
-            return None;
-        }
+        let mut parts = text.split(':');
+        let nested = match (parts.next()?, &before) {
+            ("r1", None) => false,
+            ("r2", Some(_)) => true,
+            _ => return None,
+        };
         let digest = hex(parts.next()?)?;
         let old_world = u32::try_from(hex(parts.next()?)?).ok()?;
         let world = u32::try_from(hex(parts.next()?)?).ok()?;
         let first = hex(parts.next()?)?;
+        let carried_counts = if nested { Some(parts.next()?) } else { None };
         let counts = parts.next()?;
         if parts.next().is_some() || old_world == 0 || old_world > MAX_OLD_WORLD {
             return None;
         }
-        let old = StreamSpec {
-            world: old_world,
-            reshard: None,
-            ..spec.clone()
+        let old = match &before {
+            Some(before) => before.spec(),
+            None => StreamSpec {
+                world: old_world,
+                ..spec.plain()
+            },
         };
         let new = StreamSpec {
             world,
-            reshard: None,
-            ..spec.clone()
+            ..spec.plain()
         };
-        if old.digest() != digest || old.check(0).is_err() || new.check(0).is_err() {
+        if old.world != old_world
+            || old.digest() != digest
+            || old.check(0).is_err()
+            || new.check(0).is_err()
+        {
             return None;
         }
+        // Counts, as runs; `None` when they are not `old_world` of them.
+        let read_counts = |text: &str| -> Option<Vec<u64>> {
+            let mut read = Vec::with_capacity(old_world as usize);
+            for run in text.split(',') {
+                let (v, n) = match run.split_once('*') {
+                    Some((v, n)) => (hex(v)?, hex(n)?),
+                    None => (hex(run)?, 1),
+                };
+                if n == 0 || n > u64::from(old_world) - read.len() as u64 {
+                    return None;
+                }
+                read.extend(std::iter::repeat_n(v, n as usize));
+            }
+            (read.len() == old_world as usize).then_some(read)
+        };
         let per_rank = old.per_rank();
         // (A reshard that left nothing is never written: its stream is the plain one.)
-        let epochs: Vec<&str> = counts.split(';').collect();
+        let epochs: Vec<&str> = if counts.is_empty() {
+            Vec::new()
+        } else {
+            counts.split(';').collect()
+        };
         let next_epoch = first.checked_add(epochs.len() as u64)?;
-        if counts.is_empty()
+        let before_cells = before.as_ref().map_or(0, Reshard::cells);
+        let own_cells = (epochs.len() + usize::from(nested)).saturating_mul(old_world as usize);
+        if (epochs.is_empty() && !nested)
             || epochs.len() as u64 > MAX_EPOCHS_APART
-            || epochs.len().saturating_mul(old_world as usize) > MAX_RESHARD_CELLS
+            || own_cells.saturating_add(before_cells) > MAX_RESHARD_CELLS
             || next_epoch.checked_mul(per_rank).is_none()
             || next_epoch.checked_mul(new.per_rank()).is_none()
             || old.epochs.is_some_and(|e| next_epoch > e)
@@ -536,52 +665,46 @@ impl Reshard {
             return None;
         }
         let mut remainders: Vec<Remainder> = Vec::new();
+        if let (Some(before), Some(carried)) = (&before, carried_counts) {
+            let carried = before.carried(read_counts(carried)?, 0)?;
+            // Something is left of the shares (else the reshard is of the ordinary states), so
+            // some rank is still in its share: it stands at the start of the epoch after them.
+            if carried.left == 0 || first != before.next_epoch {
+                return None;
+            }
+            remainders.push(carried);
+        }
+        let grid = Grid {
+            rows: per_rank,
+            full: old_world as usize,
+        };
         for (i, epoch) in epochs.iter().enumerate() {
-            let mut read = Vec::with_capacity(old_world as usize);
-            for run in epoch.split(',') {
-                let (v, n) = match run.split_once('*') {
-                    Some((v, n)) => (hex(v)?, hex(n)?),
-                    None => (hex(run)?, 1),
-                };
-                if v > per_rank || n == 0 || n > u64::from(old_world) - read.len() as u64 {
+            let read = read_counts(epoch)?;
+            // What states could say: a rank that had not finished an epoch (or its share of
+            // the reshard before) read nothing of the next.
+            if let Some(before) = remainders.last() {
+                let unfinished = |rank: usize| before.read[rank] < before.grid.cap(rank);
+                if (0..read.len()).any(|rank| unfinished(rank) && read[rank] > 0) {
                     return None;
                 }
-                read.extend(std::iter::repeat_n(v, n as usize));
-            }
-            if read.len() != old_world as usize {
-                return None;
-            }
-            // What states could say: a rank that had not finished an epoch read nothing of
-            // the next, and some rank had begun the last.
-            if let Some(before) = remainders.last()
-                && before
-                    .read
-                    .iter()
-                    .zip(&read)
-                    .any(|(&b, &r)| b < per_rank && r > 0)
-            {
-                return None;
             }
             if i + 1 == epochs.len() && read.iter().all(|&r| r == 0) {
                 return None;
             }
             let offset = remainders.last().map_or(0, |r| r.offset + r.left);
-            let r = Remainder::new(first + i as u64, read, per_rank, offset)?;
+            let r = Remainder::new(Some(first + i as u64), read, grid, offset)?;
             if r.left == 0 {
                 return None;
             }
             remainders.push(r);
         }
-        let reshard = Reshard {
+        Some(Reshard {
             old,
             new,
             world,
             next_epoch,
             remainders,
-        };
-        // One text per reshard: what it writes, nothing else (no leading zeros, no runs split
-        // or of one).
-        (reshard.to_text() == text.trim()).then_some(reshard)
+        })
     }
 }
 
@@ -785,22 +908,58 @@ mod tests {
     /// world's epochs equal an uninterrupted run at the new world.
     fn check(records: u64, tail: Tail, old_world: u32, seqs: &[u64], new_world: u32) {
         assert_eq!(seqs.len(), old_world as usize);
-        let old = StreamSpec {
+        check_chain(records, tail, &[(old_world, seqs.to_vec())], new_world);
+    }
+
+    /// [`check`] over a chain of runs: the first at `runs[0].0` ranks read to `runs[0].1`, was
+    /// resharded to the next run's world, whose ranks read to their sequence numbers (of the
+    /// resharded stream: their share of it first), and so on; the last is resharded to
+    /// `new_world`. Returns the last reshard.
+    fn check_chain(records: u64, tail: Tail, runs: &[(u32, Vec<u64>)], new_world: u32) -> Reshard {
+        let first_spec = StreamSpec {
             shuffle: SHUFFLE.get(),
-            ..spec(records, old_world, tail)
+            ..spec(records, runs[0].0, tail)
         };
-        let per_rank = old.per_rank();
-        let reshard = Reshard::new(&old, &states_at(&old, seqs), new_world).unwrap();
         // What each epoch's slots were read as: (epoch, record) counts.
         let mut read: HashMap<(u64, u64), u32> = HashMap::new();
-        for (r, &seq) in seqs.iter().enumerate() {
-            for s in 0..seq {
-                *read
-                    .entry((s / per_rank, old.record_at(r as u32, s)))
-                    .or_default() += 1;
+        // The spec whose grid each epoch was begun in, from the epoch on.
+        let mut grids: Vec<(u64, StreamSpec)> = vec![(0, first_spec.clone())];
+        let mut old = first_spec.clone();
+        let mut last: Option<Reshard> = None;
+        for (i, (world, seqs)) in runs.iter().enumerate() {
+            assert_eq!((old.world, seqs.len()), (*world, *world as usize));
+            for (r, &seq) in seqs.iter().enumerate() {
+                // Each rank reads from where the reshard before started it.
+                let start = last.as_ref().map_or(0, |l| l.states()[r].seq(&old));
+                assert!(start <= seq, "rank {r} at {seq}, before its start {start}");
+                for s in start..seq {
+                    let rank = r as u32;
+                    *read
+                        .entry((old.epoch_at(rank, s), old.record_at(rank, s)))
+                        .or_default() += 1;
+                }
             }
+            let to = runs.get(i + 1).map_or(new_world, |(w, _)| *w);
+            let reshard = Reshard::new(&old, &states_at(&old, seqs), to).unwrap();
+            // (A reshard that left nothing is never written.)
+            assert_eq!(
+                Reshard::from_text(&old, &reshard.to_text()).as_ref(),
+                (!reshard.remainders.is_empty()).then_some(&reshard),
+                "{}",
+                reshard.to_text()
+            );
+            // Nested when the old run was resharded and some rank had not read its share.
+            assert_eq!(
+                reshard.to_text().contains('|'),
+                reshard.old.reshard.is_some()
+            );
+            old = reshard.spec();
+            if i + 1 < runs.len() {
+                grids.push((reshard.next_epoch(), old.plain()));
+            }
+            last = Some(reshard);
         }
-        let last_epoch = seqs.iter().map(|s| s / per_rank).max().unwrap();
+        let reshard = last.unwrap();
         // The stream the new world reads: the reshard's records first, then the new spec's.
         let resharded = reshard.spec();
         let new = resharded.plain();
@@ -809,13 +968,18 @@ mod tests {
         let mut shares = Vec::new();
         for rank in 0..new_world {
             let share = reshard.share(rank);
-            // The remainders' samples, by epoch: each new rank reads them in epoch order.
+            // The remainders' samples, each in the remainder it was dealt from, in order.
             let mut seq = 0;
             for r in &reshard.remainders {
                 for _ in 0..r.share(new_world, rank).1 {
-                    assert_eq!(resharded.epoch_at(rank, seq), r.epoch);
+                    if let Some(epoch) = r.epoch {
+                        assert_eq!(resharded.epoch_at(rank, seq), epoch);
+                    }
                     *read
-                        .entry((r.epoch, resharded.record_at(rank, seq)))
+                        .entry((
+                            resharded.epoch_at(rank, seq),
+                            resharded.record_at(rank, seq),
+                        ))
                         .or_default() += 1;
                     seq += 1;
                 }
@@ -823,10 +987,15 @@ mod tests {
             assert_eq!(seq, share);
             shares.push(share);
             // Each rank ends after its share and the epochs left, and starts where its state
-            // says.
+            // says (a plain stream's sequence numbers count from its first epoch).
+            let before = if resharded.reshard.is_some() {
+                share
+            } else {
+                reshard.next_epoch() * new.per_rank()
+            };
             assert_eq!(
                 resharded.end_seq(rank),
-                Some(share + (4 - reshard.next_epoch()) * new.per_rank())
+                Some(before + (4 - reshard.next_epoch()) * new.per_rank())
             );
             let start = reshard.states()[rank as usize];
             assert_eq!((start.rank, start.spec_digest), (rank, resharded.digest()));
@@ -842,9 +1011,12 @@ mod tests {
                 assert_eq!(stand_ins, own);
             }
             // Then the next epoch, as a run at the new world would read it.
-            for p in 0..new.per_rank() {
+            for p in 0..new
+                .per_rank()
+                .min(resharded.end_seq(rank).map_or(u64::MAX, |end| end - before))
+            {
                 assert_eq!(
-                    resharded.record_at(rank, share + p),
+                    resharded.record_at(rank, before + p),
                     new.record_at(rank, reshard.next_epoch() * new.per_rank() + p),
                     "rank {rank}, position {p} of the next epoch"
                 );
@@ -852,42 +1024,28 @@ mod tests {
         }
         let (most, least) = (shares.iter().max().unwrap(), shares.iter().min().unwrap());
         assert!(most - least <= 1, "shares {shares:?} differ by one at most");
-        // (A reshard that left nothing is never written.)
-        assert_eq!(
-            Reshard::from_text(&old, &reshard.to_text()).as_ref(),
-            (!reshard.remainders.is_empty()).then_some(&reshard),
-            "{}",
-            reshard.to_text()
-        );
-        let first_epoch = seqs.iter().map(|s| s / per_rank).min().unwrap();
-        for epoch in first_epoch..=last_epoch {
-            // Every slot of the epoch once: its records as an uninterrupted run reads them.
+        let first_epoch = runs[0].1.iter().min().unwrap() / first_spec.per_rank();
+        for epoch in first_epoch..reshard.next_epoch() {
+            // Every slot of the epoch once: its records as an uninterrupted run at the world it
+            // was begun in reads them.
+            let grid = &grids.iter().rfind(|(from, _)| *from <= epoch).unwrap().1;
+            let per_rank = grid.per_rank();
             let mut expected: HashMap<u64, u32> = HashMap::new();
-            for r in 0..old_world {
+            for r in 0..grid.world {
                 for p in 0..per_rank {
                     *expected
-                        .entry(old.record_at(r, epoch * per_rank + p))
+                        .entry(grid.record_at(r, epoch * per_rank + p))
                         .or_default() += 1;
                 }
             }
-            if epoch >= reshard.next_epoch() {
-                continue;
-            }
-            let total: u32 = read
+            let got: HashMap<u64, u32> = read
                 .iter()
                 .filter(|((e, _), _)| *e == epoch)
-                .map(|(_, n)| n)
-                .sum();
-            assert_eq!(
-                u64::from(total),
-                per_rank * u64::from(old_world),
-                "epoch {epoch}"
-            );
-            for (record, n) in expected {
-                let got = read.get(&(epoch, record)).copied().unwrap_or(0);
-                assert_eq!(got, n, "epoch {epoch}, record {record}");
-            }
+                .map(|(&(_, record), &n)| (record, n))
+                .collect();
+            assert_eq!(got, expected, "epoch {epoch}");
         }
+        reshard
     }
 
     /// The text form reads back as the same reshard, from the spec at either world, is small,
@@ -1117,7 +1275,8 @@ mod tests {
         let wrong = read_state(&old, &three[1]).unwrap_err();
         assert!(wrong.contains("a world of 3, not 4"), "{wrong}");
         assert!(read_state(&at_three, &saved[0]).is_err());
-        // Inside the shares: read back as it was, and not resharded again yet.
+        // Inside the shares: read back as it was, and resharded again over it (nested), the
+        // new texts read back at the new world.
         let reshard = resharded.reshard.clone().unwrap();
         let shares: Vec<u64> = (0..3).map(|r| reshard.share(r)).collect();
         let inside = texts(&resharded, &[shares[0] - 1, shares[1], shares[2] + 5]);
@@ -1128,10 +1287,17 @@ mod tests {
                 StreamState::at(&resharded, 0, shares[0] - 1)
             )
         );
-        let refused = reshard_texts(&at_three, &refs(&inside), 2).unwrap_err();
-        assert!(
-            refused.to_string().contains("resume at world 3"),
-            "{refused}"
+        let nested = reshard_texts(&at_three, &refs(&inside), 2).unwrap();
+        let at_two = StreamSpec {
+            world: 2,
+            ..old.clone()
+        };
+        let (twice, _) = read_states(&at_two, &refs(&nested)).unwrap();
+        let twice = twice.reshard.unwrap();
+        assert!(nested[0].contains('|') && twice.levels() == 2);
+        assert_eq!(
+            twice.share(0) + twice.share(1),
+            1 + (at_three.per_rank() * 3 - 5)
         );
         // Past them: the same as resharding the ordinary states they stand for.
         let past = texts(&resharded, &[shares[0], shares[1] + 3, shares[2] + 40]);
@@ -1144,10 +1310,6 @@ mod tests {
         // At an epoch's end nothing is left: plain states of the next epoch.
         let ends = texts(&old, &[old.per_rank(); 4]);
         let two = reshard_texts(&old, &refs(&ends), 2).unwrap();
-        let at_two = StreamSpec {
-            world: 2,
-            ..old.clone()
-        };
         for (r, t) in two.iter().enumerate() {
             let (s, state) = read_state(&at_two, t).unwrap();
             assert_eq!(s, at_two);
@@ -1209,6 +1371,199 @@ mod tests {
             assert_eq!(Reshard::from_text(&old, &lie), None, "{lie}");
         }
         assert!(Reshard::from_text(&old, &format!("r1:{digest}:4:3:0:1*4")).is_some());
+    }
+
+    /// The shares of a resharded stream (its ranks' own, in full) plus `extra` of each rank's
+    /// next samples, capped at the stream's end.
+    fn past_shares(spec: &StreamSpec, extra: &[u64]) -> Vec<u64> {
+        let r = spec.reshard.as_ref().unwrap();
+        (0..spec.world)
+            .map(|rank| {
+                let seq = r.share(rank) + extra[rank as usize];
+                seq.min(spec.end_seq(rank).unwrap())
+            })
+            .collect()
+    }
+
+    /// A run resharded again while its ranks still read their shares of the first reshard:
+    /// what they left of those shares is dealt first, every sample of the epochs begun read
+    /// once over all three runs, and the epochs after are the last world's.
+    #[test]
+    fn a_reshard_of_a_reshard_deals_what_is_left_of_the_shares_first() {
+        let first = spec(103, 4, Tail::Drop);
+        let once = Reshard::new(&first, &states_at(&first, &[5, 9, 27, 11]), 3)
+            .unwrap()
+            .spec();
+        let shares: Vec<u64> = (0..3)
+            .map(|r| once.reshard.as_ref().unwrap().share(r))
+            .collect();
+        // 4 → 3 → 2: one rank read nothing of its share, one part of it, one is past it.
+        check_chain(
+            103,
+            Tail::Drop,
+            &[
+                (4, vec![5, 9, 27, 11]),
+                (3, vec![0, shares[1] / 2, shares[2] + 7]),
+            ],
+            2,
+        );
+        // 4 → 3 → 5, every rank inside its share; and a rank at its very end.
+        check_chain(
+            103,
+            Tail::Drop,
+            &[(4, vec![5, 9, 27, 11]), (3, vec![1, 2, 3])],
+            5,
+        );
+        check_chain(
+            103,
+            Tail::Drop,
+            &[
+                (4, vec![5, 9, 27, 11]),
+                (3, vec![shares[0], shares[1] - 1, 0]),
+            ],
+            1,
+        );
+        // Three reshards deep: 2 → 3 → 2 → 4.
+        let last = check_chain(
+            100,
+            Tail::Pad,
+            &[(2, vec![10, 3]), (3, vec![4, 0, 9]), (2, vec![2, 5])],
+            4,
+        );
+        assert_eq!(last.levels(), 3);
+        // Every rank past its share: the ordinary states' reshard, not nested.
+        let plain = check_chain(
+            103,
+            Tail::Drop,
+            &[
+                (4, vec![5, 9, 27, 11]),
+                (3, past_shares(&once, &[0, 3, 40])),
+            ],
+            2,
+        );
+        assert_eq!(plain.levels(), 1);
+    }
+
+    /// Random chains of two and three reshards, every shuffle and tail.
+    #[test]
+    fn any_chain_of_reshards() {
+        let mut x = 0x9e37_79b9_7f4a_7c15u64;
+        let mut next = |n: u64| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x % n
+        };
+        let mut nested = [0usize; 3];
+        for _ in 0..150 {
+            let depth = 2 + next(2) as usize;
+            let worlds: Vec<u32> = (0..=depth).map(|_| 1 + next(6) as u32).collect();
+            let records = u64::from(*worlds.iter().max().unwrap()) + next(50);
+            let tail = if next(2) == 0 { Tail::Drop } else { Tail::Pad };
+            SHUFFLE.set([Shuffle::None, Shuffle::Full, Shuffle::Block(4)][next(3) as usize]);
+            let first = StreamSpec {
+                shuffle: SHUFFLE.get(),
+                ..spec(records, worlds[0], tail)
+            };
+            let per_rank = first.per_rank();
+            let mut runs = vec![(
+                worlds[0],
+                (0..worlds[0])
+                    .map(|_| next(per_rank + 1))
+                    .collect::<Vec<u64>>(),
+            )];
+            // Each later run's ranks stand anywhere in their share or a little past it.
+            let mut old = first;
+            for &world in &worlds[1..depth] {
+                let (w, seqs) = runs.last().unwrap();
+                assert_eq!(*w, old.world);
+                let reshard = Reshard::new(&old, &states_at(&old, seqs), world).unwrap();
+                old = reshard.spec();
+                let seqs = (0..world)
+                    .map(|rank| {
+                        let start = reshard.states()[rank as usize].seq(&old);
+                        let share = old.reshard.as_ref().map_or(0, |r| r.share(rank));
+                        let end = old.end_seq(rank).unwrap();
+                        (start + next(share + old.per_rank() / 2 + 1)).min(end)
+                    })
+                    .collect();
+                runs.push((world, seqs));
+            }
+            let levels = check_chain(records, tail, &runs, worlds[depth]).levels();
+            nested[levels - 1] += 1;
+        }
+        // The chains did nest, two and three deep.
+        eprintln!("reshards 1, 2 and 3 deep: {nested:?}");
+        assert!(nested[1] >= 30 && nested[2] >= 10, "{nested:?}");
+    }
+
+    /// A nested text reads back only as written: on the reshard it stands on, with counts
+    /// within the shares, standing at the epoch after them, at most [`MAX_LEVELS`] deep.
+    #[test]
+    fn nested_texts_are_checked_and_bounded() {
+        let first = spec(103, 4, Tail::Drop);
+        let once = Reshard::new(&first, &states_at(&first, &[5, 9, 27, 11]), 3).unwrap();
+        let twice = Reshard::new(&once.spec(), &states_at(&once.spec(), &[1, 2, 3]), 2).unwrap();
+        let text = twice.to_text();
+        let (head, level) = text.rsplit_once('|').unwrap();
+        assert_eq!(head, once.to_text());
+        assert!(level.starts_with("r2:"), "{text}");
+        assert_eq!(Reshard::from_text(&first, &text), Some(twice.clone()));
+        let digest = format!("{:016x}", once.spec().digest());
+        let next = format!("{:x}", once.next_epoch());
+        for lie in [
+            // A level without the reshard it stands on, or a first level that says it has one.
+            level.to_string(),
+            text.replacen("r1:", "r2:", 1),
+            text.replace("|r2:", "|r1:"),
+            // Counts past a share, or none left of the shares.
+            format!("{head}|r2:{digest}:3:2:{next}:ffff*3:"),
+            format!(
+                "{head}|r2:{digest}:3:2:{next}:{:x},{:x},{:x}:",
+                once.share(0),
+                once.share(1),
+                once.share(2)
+            ),
+            // Not at the epoch after the shares, or a rank inside its share that read on.
+            format!("{head}|r2:{digest}:3:2:0:1*3:"),
+            format!("{head}|r2:{digest}:3:2:{next}:1*3:5*3"),
+            format!("{head}|r2:{digest}:3:2:{next}:1,{:x}*2:5*3", once.share(1)),
+            // Spaces, another digest, another old world.
+            text.replace('|', " | "),
+            format!("{head}|r2:{:016x}:3:2:{next}:1*3:", first.digest()),
+            format!("{head}|r2:{digest}:4:2:{next}:1*4:"),
+        ] {
+            assert_eq!(Reshard::from_text(&first, &lie), None, "{lie}");
+        }
+        assert!(
+            Reshard::from_text(&first, &format!("{head}|r2:{digest}:3:2:{next}:1*3:")).is_some()
+        );
+        // Deeper than MAX_LEVELS: refused when made, and as text.
+        let mut spec = first.clone();
+        let mut texts = Vec::new();
+        for level in 0..=MAX_LEVELS {
+            let world = [3, 2][level % 2];
+            let seqs: Vec<u64> = (0..spec.world).map(|r| u64::from(r == 0)).collect();
+            match Reshard::new(&spec, &states_at(&spec, &seqs), world) {
+                Ok(r) => {
+                    assert_eq!(r.levels(), level + 1);
+                    texts.push(r.to_text());
+                    spec = r.spec();
+                }
+                Err(e) => {
+                    assert_eq!(level, MAX_LEVELS, "{e}");
+                    assert!(e.to_string().contains("resume at world"), "{e}");
+                }
+            }
+        }
+        assert_eq!(texts.len(), MAX_LEVELS);
+        let deepest = texts.last().unwrap();
+        assert!(Reshard::from_text(&first, deepest).is_some());
+        let (_, level) = deepest.rsplit_once('|').unwrap();
+        assert_eq!(
+            Reshard::from_text(&first, &format!("{deepest}|{level}")),
+            None
+        );
     }
 
     #[test]
