@@ -209,6 +209,10 @@ pub struct Reshard {
     remainders: Vec<Remainder>,
     /// The first epoch the new world reads whole.
     next_epoch: u64,
+    /// [`Reshard::to_text`], rendered once when it is made: a nested reshard's text holds the
+    /// texts below it, and so does its old spec's digest, so rendering them again at each
+    /// level would cost twice as much per level.
+    text: Arc<str>,
 }
 
 impl Reshard {
@@ -367,8 +371,10 @@ impl Reshard {
             world,
             remainders,
             next_epoch,
-        };
-        let text = reshard.to_text().len();
+            text: Arc::from(""),
+        }
+        .rendered();
+        let text = reshard.text.len();
         if text > MAX_RESHARD_TEXT {
             return Err(ReshardError::Invalid(format!(
                 "what the ranks left takes {text} bytes to say, more than {MAX_RESHARD_TEXT}: \
@@ -537,6 +543,16 @@ impl Reshard {
     /// `<carried>` is what each old rank read of its share of that reshard (the old spec's
     /// digest covers that reshard) and `<counts>` may be empty.
     pub fn to_text(&self) -> String {
+        self.text.to_string()
+    }
+
+    /// `self` with its text ([`Reshard::to_text`]) rendered.
+    fn rendered(mut self) -> Reshard {
+        self.text = Arc::from(self.render());
+        self
+    }
+
+    fn render(&self) -> String {
         let carried = self.remainders.first().filter(|r| r.epoch.is_none());
         let epochs: Vec<String> = self
             .remainders
@@ -691,6 +707,11 @@ impl Reshard {
             if i + 1 == epochs.len() && read.iter().all(|&r| r == 0) {
                 return None;
             }
+            // A rank that read all of the last epoch stands at the next: as many epochs apart
+            // from the first as there are, which must be fewer than MAX_EPOCHS_APART.
+            if i as u64 + 1 == MAX_EPOCHS_APART && read.contains(&per_rank) {
+                return None;
+            }
             let offset = remainders.last().map_or(0, |r| r.offset + r.left);
             let r = Remainder::new(Some(first + i as u64), read, grid, offset)?;
             if r.left == 0 {
@@ -698,13 +719,17 @@ impl Reshard {
             }
             remainders.push(r);
         }
-        Some(Reshard {
-            old,
-            new,
-            world,
-            next_epoch,
-            remainders,
-        })
+        Some(
+            Reshard {
+                old,
+                new,
+                world,
+                next_epoch,
+                remainders,
+                text: Arc::from(""),
+            }
+            .rendered(),
+        )
     }
 }
 
@@ -747,7 +772,9 @@ pub fn read_state(spec: &StreamSpec, text: &str) -> Result<(StreamSpec, StreamSt
     };
     if state.spec_digest != spec.digest() {
         return Err(format!(
-            "the state belongs to another stream spec (digest {:016x}, this one {:016x})",
+            "the state belongs to another stream spec (digest {:016x}, this one {:016x}): the \
+             name, records, seed, shuffle, tail, epochs (1 unless given) and world must be the \
+             run's that saved it; a state of a run at another world size is resharded first",
             state.spec_digest,
             spec.digest()
         ));
@@ -832,6 +859,23 @@ pub fn reshard_texts(
         .ok()
         .filter(|&w| w > 0)
         .ok_or_else(|| ReshardError::Invalid("no states to reshard".into()))?;
+    // One state per old rank: a rank past the count, or twice, means states missing (the old
+    // world is the count of states, and a spec at another world has another digest).
+    let mut seen = vec![false; texts.len()];
+    for text in texts {
+        let state = text.trim().rsplit_once('@').map_or(text.trim(), |(_, s)| s);
+        if let Some(state) = StreamState::from_text(state) {
+            match seen.get_mut(state.rank as usize) {
+                Some(seen @ false) => *seen = true,
+                _ => {
+                    return Err(ReshardError::Ranks {
+                        world: old_world,
+                        found: texts.len(),
+                    });
+                }
+            }
+        }
+    }
     let old = StreamSpec {
         world: old_world,
         ..spec.plain()
@@ -1097,16 +1141,20 @@ mod tests {
         assert!(apart.len() < 10 << 10, "{} bytes", apart.len());
     }
 
+    /// Reproducible draws below `n` (xorshift from `seed`).
+    fn draws(mut seed: u64) -> impl FnMut(u64) -> u64 {
+        move |n| {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed % n
+        }
+    }
+
     /// Worlds 1 to 9 to worlds 1 to 9, every shuffle and tail, ranks anywhere in two epochs.
     #[test]
     fn any_world_to_any_world() {
-        let mut x = 0x2545_f491_4f6c_dd1du64;
-        let mut next = |n: u64| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x % n
-        };
+        let mut next = draws(0x2545_f491_4f6c_dd1du64);
         for _ in 0..300 {
             let old_world = 1 + next(9) as u32;
             let new_world = 1 + next(9) as u32;
@@ -1371,6 +1419,30 @@ mod tests {
             assert_eq!(Reshard::from_text(&old, &lie), None, "{lie}");
         }
         assert!(Reshard::from_text(&old, &format!("r1:{digest}:4:3:0:1*4")).is_some());
+        // Ranks 15 epochs apart are kept, 16 refused: as text too (a rank that read all of the
+        // last of 16 epochs stands 16 epochs past the first).
+        let endless = StreamSpec {
+            epochs: None,
+            ..old.clone()
+        };
+        let far = |last_read: u64| {
+            let states = states_at(&endless, &[15 * 25 + last_read, 0, 0, 0]);
+            let text = format!(
+                "r1:{:016x}:4:3:0:{}{:x},0*3",
+                endless.digest(),
+                "19,0*3;".repeat(15),
+                last_read
+            );
+            (
+                Reshard::new(&endless, &states, 3),
+                Reshard::from_text(&endless, &text),
+            )
+        };
+        let (made, read) = far(1);
+        assert_eq!(made.ok(), read);
+        assert!(read.is_some());
+        let (made, read) = far(25);
+        assert!(made.is_err() && read.is_none());
     }
 
     /// The shares of a resharded stream (its ranks' own, in full) plus `extra` of each rank's
@@ -1447,13 +1519,7 @@ mod tests {
     /// Random chains of two and three reshards, every shuffle and tail.
     #[test]
     fn any_chain_of_reshards() {
-        let mut x = 0x9e37_79b9_7f4a_7c15u64;
-        let mut next = |n: u64| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x % n
-        };
+        let mut next = draws(0x9e37_79b9_7f4a_7c15u64);
         let mut nested = [0usize; 3];
         for _ in 0..150 {
             let depth = 2 + next(2) as usize;
