@@ -28,8 +28,10 @@ from torch.utils.data.distributed import DistributedSampler
 if TYPE_CHECKING:
     from feedstore.loader import DataLoader
 
-# What a state's reshard may hold: old ranks summed over its levels (each a count per rank).
+# What a state's reshard may hold: old ranks summed over its levels (each a count per rank),
+# and levels (resizes within one epoch; each is one pass over the epoch's order), as streams'.
 MAX_CELLS = 65536
+MAX_LEVELS = 8
 
 _BASE_KEYS = ("size", "seed", "shuffle", "epoch")
 # What every old rank's sampler must agree on (the first three are the epoch's order's).
@@ -98,6 +100,11 @@ def _checked_levels(reshard: Any) -> list:
         raise _cannot(f"the state's reshard has no epoch it resumes ({base!r})")
     for key in ("size", "seed", "epoch"):
         _int(base[key], f"the reshard's {key}")
+    if len(reshard["levels"]) > MAX_LEVELS:
+        raise _cannot(
+            f"the epoch was resized more than {MAX_LEVELS} times: resume at the same number "
+            "of ranks until it ends, then resize"
+        )
     cells = 0
     for level in reshard["levels"]:
         if not isinstance(level, dict) or not isinstance(level.get("tasks"), list):
@@ -148,7 +155,8 @@ def _left(order: torch.Tensor, level: dict) -> torch.Tensor:
     rounds = grid.shape[0]
     batch = level["batch"]
     readable = rounds - rounds % batch if level["batch_drop_last"] else rounds
-    taken = torch.tensor(level["tasks"], dtype=torch.int64).mul(batch).clamp(max=readable)
+    # (In Python's integers first: a forged batch size cannot overflow.)
+    taken = torch.tensor([min(t * batch, readable) for t in level["tasks"]], dtype=torch.int64)
     slot = torch.arange(rounds, dtype=torch.int64).unsqueeze(1)
     left = grid[(slot >= taken) & (slot < readable)]  # (row-major: slot order)
     read = grid[slot < taken]
@@ -187,12 +195,18 @@ def share(reshard: Any, loader: "DataLoader") -> torch.utils.data.Sampler:
         raise _cannot(
             "the state resumes a DistributedSampler's epoch, and this loader has another sampler"
         )
-    if any(now[key] != base[key] for key in _BASE_KEYS):
-        saved = ", ".join(f"{key}={base[key]!r}" for key in _BASE_KEYS)
-        ours = ", ".join(f"{key}={now[key]!r}" for key in _BASE_KEYS)
+    differ = [key for key in _BASE_KEYS if now[key] != base[key]]
+    if differ:
+        saved = ", ".join(f"{key}={base[key]!r}" for key in differ)
+        ours = ", ".join(f"{key}={now[key]!r}" for key in differ)
+        fix = (
+            f"call sampler.set_epoch({base['epoch']}) before iterating"
+            if differ == ["epoch"]
+            else "the dataset, seed and shuffle must be the old run's"
+        )
         raise ValueError(
             f"the state resumes the epoch of a DistributedSampler with {saved}; this loader's "
-            f"has {ours} (call sampler.set_epoch({base['epoch']}) before iterating)"
+            f"has {ours} ({fix})"
         )
     order = _first_order(base)
     if levels:
@@ -277,7 +291,8 @@ def plan(states: list, loader: "DataLoader") -> Optional[dict]:
             reshards.append(state.get("reshard"))
         else:
             raise _cannot(
-                f"the states are of epochs {at} and {epoch}: save every rank at the same step"
+                f"the states are of epochs {at} and {epoch}: save every rank's state in the same "
+                "epoch (ranks may stand at different batches of it)"
             )
     if any(reshard != reshards[0] for reshard in reshards):
         raise _cannot("the states are of different runs (their epoch was resharded otherwise)")
@@ -290,7 +305,20 @@ def plan(states: list, loader: "DataLoader") -> Optional[dict]:
         levels = list(_checked_levels(reshards[0]))
         if reshards[0]["base"] != base:
             raise _cannot("the states' reshard is of another epoch than theirs")
-    levels.append({key: first[key] for key in ("world", *_LEVEL_KEYS[3:])} | {"tasks": taken})
+    if any(taken):
+        # (A run that read nothing of its share adds no level: its deal's padding or cut
+        # would only change what is left.)
+        level = {key: first[key] for key in ("world", *_LEVEL_KEYS[3:])}
+        levels.append(dict(level, tasks=taken))
     reshard = {"base": base, "levels": levels}
     _checked_levels(reshard)
-    return {"tasks": 0, "batches": 0, "finished": False, "rng": None, "reshard": reshard}
+    return {
+        "tasks": 0,
+        "batches": 0,
+        "finished": False,
+        "rng": None,
+        "reshard": reshard,
+        # What this rank's sampler draws in that epoch: a state saved before the first batch
+        # is placed (and resharded again) by it.
+        "sampler": dict(now, epoch=epoch),
+    }

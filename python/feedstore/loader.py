@@ -235,6 +235,7 @@ class DataLoader(torch.utils.data.DataLoader):
         self._feedstore_last = state
 
     def __iter__(self) -> Any:
+        pending = self._feedstore_resume
         resume = self._feedstore_take_resume()
         current = self._feedstore_iterator()
         reuse = (
@@ -252,10 +253,16 @@ class DataLoader(torch.utils.data.DataLoader):
                 raise
         else:
             self._feedstore_generation += 1  # a new iterator: the state to keep is its
-            if self.num_workers == 0:
-                iterator = _InProcessIter(self, resume)
-            else:
-                iterator = _StoreIter(self, resume)
+            try:
+                if self.num_workers == 0:
+                    iterator = _InProcessIter(self, resume)
+                else:
+                    iterator = _StoreIter(self, resume)
+            except BaseException:
+                # Refused (a resharded epoch another than the sampler's) or not started: the
+                # next iteration resumes the same state, not the ordinary epoch.
+                self._feedstore_resume = pending
+                raise
         # (Without workers there is nothing to stop: the iterator is kept.)
         keep = self.persistent_workers or self.num_workers == 0
         self._feedstore_current = iterator if keep else weakref.ref(iterator)
@@ -298,6 +305,9 @@ class DataLoader(torch.utils.data.DataLoader):
             state.update(self._feedstore_last)
         else:
             state.update(tasks=0, batches=0, finished=False, rng=None)
+            sampler = _elastic.describe(self)  # at the start of the sampler's epoch
+            if sampler is not None:
+                state["sampler"] = sampler
             return state
         # Where a finished epoch left the loader's generator: the next epoch starts there.
         state["rng_after"] = self.generator.get_state() if self.generator is not None else None
@@ -308,12 +318,14 @@ class DataLoader(torch.utils.data.DataLoader):
 
         Under data parallelism with torch's ``DistributedSampler``, `state` may be the list of
         every rank's ``state_dict()`` of a run with another number of ranks (saved in the same
-        step): this rank then reads its part of what the old ranks left of their epoch, every
-        sample of it once across the new ranks and none the old ranks read, in as many batches
-        on every rank (padded, or cut with the sampler's ``drop_last``, as the sampler deals an
-        epoch); the epoch after is the new world's ordinary one. Call ``sampler.set_epoch``
-        with the saved epoch before iterating, as after any resume. With as many ranks as
-        before, the list resumes this rank from its own state."""
+        epoch, at any batch of it): this rank then reads its part of what the old ranks left of
+        their epoch, none the old ranks read, in as many batches on every rank: dealt as the
+        sampler deals an epoch, so the last round is padded by repeating samples left (or cut,
+        with the sampler's ``drop_last``), and the batch sampler's ``drop_last`` drops a short
+        last batch as in any epoch. The epoch after is the new world's ordinary one. Call
+        ``sampler.set_epoch`` with the saved epoch before iterating, as after any resume (the
+        next one if every rank had finished it). With as many ranks as before, the list resumes
+        this rank from its own state."""
         if isinstance(state, (list, tuple)):
             resume = _elastic.plan(list(state), self)
             if resume is None:

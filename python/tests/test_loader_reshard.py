@@ -175,6 +175,49 @@ def test_a_resharded_epoch_resumes_and_reshards_again(daemon):
     assert_left_once(n, before, [i for batches, _ in third for i in flat(batches)], 2)
 
 
+def test_states_saved_before_the_first_batch_of_a_resharded_epoch(daemon):
+    """A run resharded 2 → 3 checkpoints before any rank's first batch: its states reload at
+    3, and at 2 they reshard what the 2 ranks left with no new level (a run that read nothing
+    adds no padding or cut of its own)."""
+    n = 50
+    kw = dict(workers=0)
+    first = [take(loader(daemon, n, 2, r, **kw), k) for r, k in enumerate([2, 1])]
+    saved = []
+    for rank in range(3):
+        dl = loader(daemon, n, 3, rank, **kw)
+        dl.load_state_dict(checkpoint([state for _, state in first]))
+        saved.append(checkpoint(dl.state_dict()))  # loaded, never iterated
+    levels = saved[0]["reshard"]["levels"]
+    at_three = []
+    for rank in range(3):
+        dl = loader(daemon, n, 3, rank, **kw)
+        dl.load_state_dict(checkpoint(saved))
+        at_three.append(take(dl)[0])
+    at_two = resumed(daemon, n, saved, 2, **kw)
+    assert at_two[0][1]["reshard"]["levels"] == levels
+    read = [i for batches, _ in first for i in flat(batches)]
+    for new_reads, world in (
+        ([i for batches in at_three for i in flat(batches)], 3),
+        ([i for batches, _ in at_two for i in flat(batches)], 2),
+    ):
+        assert_left_once(n, read, new_reads, world)
+
+
+def test_a_refused_resume_is_kept_for_the_next_iteration(daemon):
+    """`iter()` refusing a resharded state (the sampler at another epoch) keeps it: after
+    `set_epoch`, the loader resumes it, not the ordinary epoch."""
+    n = 40
+    states = [take(loader(daemon, n, 2, r, workers=0), k)[1] for r, k in enumerate([1, 2])]
+    expected = resumed(daemon, n, states, 3, workers=0)[0][0]
+    dl = loader(daemon, n, 3, 0, workers=0)
+    dl.load_state_dict(checkpoint(states))
+    dl.sampler.set_epoch(EPOCH + 1)
+    with pytest.raises(ValueError, match=rf"set_epoch\({EPOCH}\)"):
+        iter(dl)
+    dl.sampler.set_epoch(EPOCH)
+    assert take(dl)[0] == expected
+
+
 def test_drop_last_cuts_what_is_left_as_the_sampler_cuts_an_epoch(daemon):
     n = 50
     old = [take(loader(daemon, n, 2, r, drop_last=True, workers=0), k) for r, k in enumerate([1, 2])]
@@ -230,6 +273,16 @@ def test_what_cannot_be_resharded_is_refused(daemon):
         dl = loader(daemon, n, 2, 0, workers=0)
         dl.load_state_dict(forged)
         iter(dl)
+    # More resizes in one epoch than streams allow are refused.
+    deep = {
+        "base": {"size": n, "seed": 3, "shuffle": True, "epoch": EPOCH},
+        "levels": [{"world": 2, "drop_last": False, "batch": 4, "batch_drop_last": False,
+                    "tasks": [0, 1]}] * 9,
+    }
+    dl = loader(daemon, n, 2, 0, workers=0)
+    dl.load_state_dict(dict(states[0], reshard=deep))
+    with pytest.raises(ValueError, match="resized more than 8 times"):
+        iter(dl)
     huge = {
         "base": {"size": n, "seed": 3, "shuffle": True, "epoch": EPOCH},
         "levels": [{"world": 70000, "drop_last": False, "batch": 4, "batch_drop_last": False,
@@ -241,6 +294,8 @@ def test_what_cannot_be_resharded_is_refused(daemon):
         iter(dl)
     # Every old rank at its epoch's start (or end): nothing to reshard, the ordinary epoch.
     fresh = [take(loader(daemon, n, 2, r, workers=0), 0)[1] for r in range(2)]
+    # (A loader never iterated stands at the start of its sampler's epoch too.)
+    fresh[1] = loader(daemon, n, 2, 1, workers=0).state_dict()
     dl = loader(daemon, n, 3, 0, workers=0)
     dl.load_state_dict(fresh)
     expected = tud.DistributedSampler(range(n), num_replicas=3, rank=0, seed=3)
