@@ -147,6 +147,12 @@ def test_reshard_refuses_what_it_cannot_resume(daemon):
     states = [at(0, 3, 2), at(1, 5, 2)]
     with pytest.raises(feedstore.InvalidArgument, match="2 states for a world of 2|one per rank"):
         feedstore.reshard([states[0], states[0]], 3, **spec)
+    # A rank missing (rank 1's state alone): said so, not a digest mismatch.
+    with pytest.raises(feedstore.InvalidArgument, match="1 states for a world of 1: one per rank"):
+        feedstore.reshard([states[1]], 3, **spec)
+    # Another spec's states say which settings must be the old run's.
+    with pytest.raises(feedstore.InvalidArgument, match="epochs .1 unless given."):
+        feedstore.reshard(states, 3, **dict(spec, epochs=None))
     with pytest.raises(feedstore.InvalidArgument, match="another stream"):
         feedstore.reshard(states, 3, **dict(spec, seed=10))
     new = feedstore.reshard(states, 3, **spec)

@@ -281,11 +281,21 @@ impl Streams {
         };
         let existing = &self.streams[&id].spec;
         if existing != spec {
+            let resized = StreamSpec {
+                world: spec.world,
+                ..existing.plain()
+            } == spec.plain();
+            let fix = if resized {
+                "it is this stream at another world size or resume: it gives way once nothing \
+                 uses it, so stop the old run's producers and trainers first"
+            } else {
+                "open it with the producers' settings (or close it, `feedstore stream close`, \
+                 or pick another name)"
+            };
             return Err(fail(
                 Status::SpecMismatch,
                 format!(
-                    "stream {:?} exists with another spec: {}; open it with the producers' \
-                     settings (or close it, `feedstore stream close`, or pick another name)",
+                    "stream {:?} exists with another spec: {}; {fix}",
                     spec.name,
                     existing.differences(spec)
                 ),
