@@ -11,7 +11,7 @@ use feedstore_producer::feed::{FeedConfig, feed};
 use feedstore_producer::manifest::{IndexedManifest, Manifest};
 use feedstore_producer::pipeline::{Event, ProducerConfig, run};
 use feedstore_producer::profile::Profiler;
-use feedstore_producer::vision::ResizeMode;
+use feedstore_producer::vision::{NORMALIZATIONS, ResizeMode};
 use feedstore_proto::reshard::resume;
 use feedstore_proto::sample::{DType, TensorLayout};
 use feedstore_proto::stream::{Shuffle, StreamSpec, StreamState, Tail, default_depth};
@@ -95,6 +95,19 @@ pub struct Args {
     /// Tensor layout: chw or hwc.
     #[arg(long, value_name = "LAYOUT", default_value = "chw")]
     layout: String,
+    /// Pixel normalisation, `(x / 255 - mean) / std` per channel, as the vision encoder was
+    /// trained with: `clip` (OpenAI CLIP's, Qwen2/2.5-VL's), `siglip` (mean = std = 0.5:
+    /// SigLIP, Qwen3-VL), `imagenet`, or `none` (x / 255). Each sample's metadata says which
+    /// (`normalize`), and it is part of the decode-once cache's key. Not applied to --dtype u8.
+    #[arg(long, value_name = "NAME", default_value = "clip")]
+    normalize: String,
+    /// A normalisation of your own: the mean per channel on the 0..1 scale, e.g.
+    /// 0.485,0.456,0.406 (with --std, instead of --normalize).
+    #[arg(long, value_name = "R,G,B", requires = "std", conflicts_with = "normalize")]
+    mean: Option<String>,
+    /// The standard deviation per channel on the 0..1 scale, with --mean.
+    #[arg(long, value_name = "R,G,B", requires = "mean")]
+    std: Option<String>,
     /// Decode every pixel of a JPEG before resizing, as transformers' image processors do
     /// [default: decode at the largest DCT scale (1/2, 1/4, 1/8) that keeps the image at least
     /// the output size, as Pillow's `Image.draft` + resize: far less work for large photos, and
@@ -525,6 +538,7 @@ fn producer_config(args: &Args) -> anyhow::Result<ProducerConfig> {
         "hwc" => TensorLayout::Hwc,
         other => bail!("--layout {other:?}: expected chw or hwc"),
     };
+    (config.transform.mean, config.transform.std) = normalization(args)?;
     config.validate().map_err(|e| {
         anyhow::anyhow!(
             "{e} (--image-size, --patch-size, --merge-size, --min-pixels, --max-pixels, \
@@ -535,6 +549,47 @@ fn producer_config(args: &Args) -> anyhow::Result<ProducerConfig> {
         check_batch_shape(args, &config, batch)?;
     }
     Ok(config)
+}
+
+/// The mean and standard deviation of `--normalize`, or of `--mean` and `--std`.
+fn normalization(args: &Args) -> anyhow::Result<([f32; 3], [f32; 3])> {
+    if let (Some(mean), Some(std)) = (&args.mean, &args.std) {
+        return Ok((
+            channels("--mean", mean, 0.0)?,
+            channels("--std", std, 0.001)?,
+        ));
+    }
+    let name = args.normalize.to_ascii_lowercase();
+    match NORMALIZATIONS.iter().find(|(n, _, _)| *n == name) {
+        Some(&(_, mean, std)) => Ok((mean, std)),
+        None => {
+            let names: Vec<&str> = NORMALIZATIONS.iter().map(|(n, _, _)| *n).collect();
+            bail!(
+                "--normalize {:?}: expected {}, or --mean and --std",
+                args.normalize,
+                names.join(", ")
+            )
+        }
+    }
+}
+
+/// Three values `R,G,B` between `low` and 1: a mean or standard deviation on the 0..1 scale.
+fn channels(flag: &str, text: &str, low: f32) -> anyhow::Result<[f32; 3]> {
+    let values: Vec<f32> = text
+        .split(',')
+        .map(|v| v.trim().parse::<f32>())
+        .collect::<Result<_, _>>()
+        .map_err(|_| anyhow::anyhow!("{flag} {text:?}: expected three numbers R,G,B"))?;
+    let Ok(values) = <[f32; 3]>::try_from(values) else {
+        bail!("{flag} {text:?}: expected three numbers R,G,B");
+    };
+    if let Some(v) = values.iter().find(|v| !(low..=1.0).contains(*v)) {
+        bail!(
+            "{flag} {text:?}: {v} is not between {low} and 1; values are on the 0..1 scale \
+             (a mean of 123.675 on the 0..255 scale is 0.485)"
+        );
+    }
+    Ok(values)
 }
 
 /// Refuses `--batch` before any work when no batch could be one view: images of several

@@ -165,6 +165,107 @@ fn produce_renders_the_chat_template_it_is_given() {
     assert!(stderr.contains("broken.jinja"), "{stderr}");
 }
 
+/// `--normalize` and `--mean`/`--std`: each sample's pixels are `(x / 255 - mean) / std` of the
+/// pixels `--dtype u8` leaves as decoded, exactly, and its metadata says which normalisation;
+/// values off the 0..1 scale, a name no model uses and `--mean` without `--std` are refused
+/// before any work.
+#[test]
+fn produce_normalizes_as_the_model_expects() {
+    use feedstore_producer::vision::{CLIP_MEAN, CLIP_STD};
+    use feedstore_proto::sample::SampleView;
+
+    let _w = watchdog(
+        "produce_normalizes_as_the_model_expects",
+        Duration::from_secs(180),
+    );
+    let dir = scratch_dir("produce-normalize");
+    let daemon = DaemonProcess::start(&dir, &[]);
+    let tokenizer = tokenizer_file(&dir);
+    let manifest = dir.join("m.jsonl");
+    let record = serde_json::json!({"id": "hopper", "image": "grace_hopper.jpg", "conversations": [
+        {"from": "human", "value": "<image>\nwhat is this?"}, {"from": "gpt", "value": "a photo"}]});
+    std::fs::write(&manifest, record.to_string()).unwrap();
+    let reader = daemon.reader();
+    // The run's one sample: its image's bytes and its `normalize` metadata.
+    let produce = |name: &str, extra: &[&str]| -> (Vec<u8>, String) {
+        let handles = dir.join(format!("{name}.handles.jsonl"));
+        let out = produce_command(&daemon.socket, &manifest, &tokenizer)
+            .arg("--image-root")
+            .arg(format!("{DATA}/photos"))
+            .arg("--handles")
+            .arg(&handles)
+            .args(["--image-size", "56x56", "--workers", "1"])
+            .args(extra)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{name}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let row: serde_json::Value =
+            serde_json::from_str(std::fs::read_to_string(&handles).unwrap().trim()).unwrap();
+        let handle: feedstore_proto::Handle = row["handle"].as_str().unwrap().parse().unwrap();
+        let lease = reader.get(handle).unwrap();
+        let sample = SampleView::new(&lease).unwrap();
+        let normalize = sample
+            .metadata_entries()
+            .find(|(k, _)| *k == "normalize")
+            .map(|(_, v)| v.to_string())
+            .unwrap();
+        (sample.image(0).unwrap().bytes().to_vec(), normalize)
+    };
+    let (hwc, said) = produce("u8", &["--dtype", "u8", "--layout", "hwc"]);
+    assert_eq!(said, "none");
+    let plane = 56 * 56;
+    for (name, extra, mean, std) in [
+        ("clip", &[][..], CLIP_MEAN, CLIP_STD),
+        ("siglip", &["--normalize", "siglip"][..], [0.5; 3], [0.5; 3]),
+        (
+            "imagenet",
+            &["--normalize", "IMAGENET"][..],
+            [0.485, 0.456, 0.406],
+            [0.229, 0.224, 0.225],
+        ),
+        ("none", &["--normalize", "none"][..], [0.0; 3], [1.0; 3]),
+        (
+            "mean=0.25,0.5,0.75 std=0.5,0.25,0.125",
+            &["--mean", "0.25,0.5,0.75", "--std", "0.5, 0.25, 0.125"][..],
+            [0.25, 0.5, 0.75],
+            [0.5, 0.25, 0.125],
+        ),
+    ] {
+        let (chw, said) = produce(name.split('=').next().unwrap(), extra);
+        assert_eq!(said, name);
+        let chw: Vec<f32> = chw
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+            .collect();
+        assert_eq!(chw.len(), 3 * plane);
+        for i in 0..plane {
+            for c in 0..3 {
+                let want = (f32::from(hwc[i * 3 + c]) / 255.0 - mean[c]) / std[c];
+                assert_eq!(chw[c * plane + i], want, "{name}: pixel {i} channel {c}");
+            }
+        }
+    }
+    for (extra, says) in [
+        (&["--normalize", "clip2"][..], "expected clip, siglip, imagenet, none"),
+        (&["--mean", "123.675,116.28,103.53", "--std", "0.2,0.2,0.2"][..], "0..1 scale"),
+        (&["--mean", "0.5,0.5", "--std", "0.2,0.2,0.2"][..], "three numbers"),
+        (&["--mean", "0.5,0.5,0.5", "--std", "0,0.5,0.5"][..], "--std"),
+        (&["--mean", "0.5,0.5,0.5"][..], "--std"),
+        (&["--normalize", "siglip", "--mean", "0.5,0.5,0.5", "--std", "0.5,0.5,0.5"][..], "cannot be used with"),
+    ] {
+        let out = produce_command(&daemon.socket, &manifest, &tokenizer)
+            .args(extra)
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success() && stderr.contains(says), "{extra:?}: {stderr}");
+    }
+}
+
 /// On a terminal (tmux on a server of its own), `feedstore produce` shows a progress bar: records,
 /// rate and elapsed time, and the profiler's verdict under it; the summary follows as usual.
 #[test]

@@ -877,10 +877,17 @@ pub fn make_sample_into<B: SampleBuffer>(
             .iter()
             .map(|(_, (w, h))| [1, h / config.patch_size, w / config.patch_size])
             .collect(),
-        metadata: vec![KeyValue {
-            key: "line".into(),
-            value: record.line.to_string(),
-        }],
+        metadata: vec![
+            KeyValue {
+                key: "line".into(),
+                value: record.line.to_string(),
+            },
+            // What the pixels are: a reader checks it against what its model expects.
+            KeyValue {
+                key: "normalize".into(),
+                value: t.normalization(),
+            },
+        ],
     };
 
     let started = Instant::now();

@@ -295,6 +295,24 @@ pub const CLIP_MEAN: [f32; 3] = [0.481_454_66, 0.457_827_5, 0.408_210_73];
 /// See [`CLIP_MEAN`]. Quoted digit for digit from the reference processor (`OPENAI_CLIP_STD`).
 #[allow(clippy::excessive_precision)]
 pub const CLIP_STD: [f32; 3] = [0.268_629_54, 0.261_302_58, 0.275_777_11];
+/// SigLIP's (SigLIP 2's, and the Qwen3-VL vision encoder's) mean and standard deviation: 0.5 per
+/// channel, pixels to -1..1.
+pub const SIGLIP_MEAN: [f32; 3] = [0.5; 3];
+/// See [`SIGLIP_MEAN`].
+pub const SIGLIP_STD: [f32; 3] = [0.5; 3];
+/// ImageNet's mean and standard deviation (torchvision's and timm's default).
+pub const IMAGENET_MEAN: [f32; 3] = [0.485, 0.456, 0.406];
+/// See [`IMAGENET_MEAN`].
+pub const IMAGENET_STD: [f32; 3] = [0.229, 0.224, 0.225];
+
+/// The named normalisations, `(x / 255 - mean) / std` per channel: (name, mean, std). `none`
+/// keeps pixels on the 0..1 scale.
+pub const NORMALIZATIONS: [(&str, [f32; 3], [f32; 3]); 4] = [
+    ("clip", CLIP_MEAN, CLIP_STD),
+    ("siglip", SIGLIP_MEAN, SIGLIP_STD),
+    ("imagenet", IMAGENET_MEAN, IMAGENET_STD),
+    ("none", [0.0; 3], [1.0; 3]),
+];
 
 /// A decoded image, upright, and the output size its source asks for.
 #[derive(Debug)]
@@ -345,6 +363,24 @@ impl ImageTransform {
             layout: TensorLayout::Chw,
             max_source_pixels: 64 << 20,
             jpeg_draft: true,
+        }
+    }
+
+    /// The normalisation in words, as each sample records it: a name of [`NORMALIZATIONS`],
+    /// `mean=R,G,B std=R,G,B` for another, or `none` for `u8` output (pixels as decoded).
+    pub fn normalization(&self) -> String {
+        if self.dtype == DType::U8 {
+            return "none".into();
+        }
+        let named = NORMALIZATIONS
+            .iter()
+            .find(|(_, mean, std)| *mean == self.mean && *std == self.std);
+        match named {
+            Some((name, _, _)) => (*name).into(),
+            None => {
+                let list = |v: [f32; 3]| format!("{},{},{}", v[0], v[1], v[2]);
+                format!("mean={} std={}", list(self.mean), list(self.std))
+            }
         }
     }
 
