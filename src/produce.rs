@@ -29,8 +29,10 @@ use progress::{BarOnError, LazyFile, Progress, catch_interrupts};
 pub struct Args {
     #[command(flatten)]
     socket: SocketArg,
-    /// JSONL manifest in LLaVA / Qwen-VL form: {"id", "image" | "images", "conversations",
-    /// "tools" (optional)} or {"id", "text"}; a regular file. A turn is {"from", "value"}, from
+    /// Manifest in LLaVA / Qwen-VL form, a record per line (JSONL) or one JSON array of them
+    /// (LLaVA's .json files, read a record at a time): {"id", "image" | "images",
+    /// "conversations", "tools" (optional)} or {"id", "text"}; a regular file. A turn is
+    /// {"from", "value"}, from
     /// human, gpt, system, tool / observation (a tool's result) or function_call (a call, its
     /// value {"name", "arguments"} as an object or JSON text); a gpt turn may carry
     /// "tool_calls". Relative image paths resolve against the manifest's folder.
@@ -103,7 +105,12 @@ pub struct Args {
     normalize: String,
     /// A normalisation of your own: the mean per channel on the 0..1 scale, e.g.
     /// 0.485,0.456,0.406 (with --std, instead of --normalize).
-    #[arg(long, value_name = "R,G,B", requires = "std", conflicts_with = "normalize")]
+    #[arg(
+        long,
+        value_name = "R,G,B",
+        requires = "std",
+        conflicts_with = "normalize"
+    )]
     mean: Option<String>,
     /// The standard deviation per channel on the 0..1 scale, with --mean.
     #[arg(long, value_name = "R,G,B", requires = "mean")]

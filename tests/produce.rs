@@ -250,20 +250,141 @@ fn produce_normalizes_as_the_model_expects() {
         }
     }
     for (extra, says) in [
-        (&["--normalize", "clip2"][..], "expected clip, siglip, imagenet, none"),
-        (&["--mean", "123.675,116.28,103.53", "--std", "0.2,0.2,0.2"][..], "0..1 scale"),
-        (&["--mean", "0.5,0.5", "--std", "0.2,0.2,0.2"][..], "three numbers"),
-        (&["--mean", "0.5,0.5,0.5", "--std", "0,0.5,0.5"][..], "--std"),
+        (
+            &["--normalize", "clip2"][..],
+            "expected clip, siglip, imagenet, none",
+        ),
+        (
+            &["--mean", "123.675,116.28,103.53", "--std", "0.2,0.2,0.2"][..],
+            "0..1 scale",
+        ),
+        (
+            &["--mean", "0.5,0.5", "--std", "0.2,0.2,0.2"][..],
+            "three numbers",
+        ),
+        (
+            &["--mean", "0.5,0.5,0.5", "--std", "0,0.5,0.5"][..],
+            "--std",
+        ),
         (&["--mean", "0.5,0.5,0.5"][..], "--std"),
-        (&["--normalize", "siglip", "--mean", "0.5,0.5,0.5", "--std", "0.5,0.5,0.5"][..], "cannot be used with"),
+        (
+            &[
+                "--normalize",
+                "siglip",
+                "--mean",
+                "0.5,0.5,0.5",
+                "--std",
+                "0.5,0.5,0.5",
+            ][..],
+            "cannot be used with",
+        ),
     ] {
         let out = produce_command(&daemon.socket, &manifest, &tokenizer)
             .args(extra)
             .output()
             .unwrap();
         let stderr = String::from_utf8_lossy(&out.stderr);
-        assert!(!out.status.success() && stderr.contains(says), "{extra:?}: {stderr}");
+        assert!(
+            !out.status.success() && stderr.contains(says),
+            "{extra:?}: {stderr}"
+        );
     }
+}
+
+/// A LLaVA JSON file (one array of records, pretty-printed) makes the same samples, pixels and
+/// token ids, as the same records given as JSONL, and its rejects name their position.
+#[test]
+fn produce_reads_a_llava_json_array_as_its_jsonl() {
+    use feedstore_proto::sample::SampleView;
+
+    let _w = watchdog(
+        "produce_reads_a_llava_json_array_as_its_jsonl",
+        Duration::from_secs(180),
+    );
+    let dir = scratch_dir("produce-json-array");
+    let daemon = DaemonProcess::start(&dir, &[]);
+    let tokenizer = tokenizer_file(&dir);
+    let records = serde_json::json!([
+        {"id": "hopper", "image": "grace_hopper.jpg", "conversations": [
+            {"from": "human", "value": "<image>\nwho is this? [a \"quote\"]"},
+            {"from": "gpt", "value": "a rear admiral"}]},
+        {"id": "no-image", "image": "missing.jpg", "conversations": [
+            {"from": "human", "value": "<image>"}, {"from": "gpt", "value": "x"}]},
+        {"id": "cat", "images": ["chelsea.png"], "conversations": [
+            {"from": "human", "value": "<image>\nand this?"}, {"from": "gpt", "value": "a cat"}]},
+        {"id": "words", "text": "plain text, trained on in full"},
+    ]);
+    let jsonl = dir.join("m.jsonl");
+    let lines: Vec<String> = records
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r.to_string())
+        .collect();
+    std::fs::write(&jsonl, lines.join("\n")).unwrap();
+    let array = dir.join("m.json");
+    std::fs::write(&array, serde_json::to_string_pretty(&records).unwrap()).unwrap();
+    let reader = daemon.reader();
+    // Per id: tokens, labels and image bytes; and the rejects' (line, id).
+    let produce = |manifest: &Path| {
+        let ext = manifest.extension().unwrap().to_str().unwrap();
+        let handles = manifest.with_extension(format!("{ext}.handles"));
+        let out = produce_command(&daemon.socket, manifest, &tokenizer)
+            .arg("--image-root")
+            .arg(format!("{DATA}/photos"))
+            .arg("--handles")
+            .arg(&handles)
+            .args([
+                "--image-size",
+                "56x56",
+                "--workers",
+                "1",
+                "--max-reject-rate",
+                "0.5",
+            ])
+            .output()
+            .unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success(),
+            "{}\n{stdout}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(stdout.contains("produced 3 samples"), "{stdout}");
+        let mut samples = BTreeMap::new();
+        for row in std::fs::read_to_string(&handles).unwrap().lines() {
+            let row: serde_json::Value = serde_json::from_str(row).unwrap();
+            let handle: feedstore_proto::Handle = row["handle"].as_str().unwrap().parse().unwrap();
+            let lease = reader.get(handle).unwrap();
+            let sample = SampleView::new(&lease).unwrap();
+            let images: Vec<Vec<u8>> = (0..sample.image_count())
+                .map(|i| sample.image(i).unwrap().bytes().to_vec())
+                .collect();
+            let id = row["id"].as_str().unwrap().to_string();
+            samples.insert(
+                id,
+                (sample.tokens().to_vec(), sample.labels().to_vec(), images),
+            );
+        }
+        let rejects =
+            std::fs::read_to_string(manifest.with_extension(format!("{ext}.rejects.jsonl")))
+                .unwrap();
+        let rejects: Vec<(u64, String)> = rejects
+            .lines()
+            .map(|l| {
+                let r: serde_json::Value = serde_json::from_str(l).unwrap();
+                (
+                    r["line"].as_u64().unwrap(),
+                    r["id"].as_str().unwrap().to_string(),
+                )
+            })
+            .collect();
+        (samples, rejects)
+    };
+    let (from_lines, rejected) = produce(&jsonl);
+    assert_eq!(from_lines.len(), 3);
+    assert_eq!(rejected, [(2, "no-image".to_string())]);
+    assert_eq!(produce(&array), (from_lines, rejected));
 }
 
 /// On a terminal (tmux on a server of its own), `feedstore produce` shows a progress bar: records,

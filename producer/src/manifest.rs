@@ -1,4 +1,5 @@
-//! Manifests: LLaVA / Qwen-VL style JSONL, one record per line.
+//! Manifests: LLaVA / Qwen-VL style JSONL, one record per line, or LLaVA's JSON files, one
+//! array of the same records (told apart by the first characters that are not white space: `[` then `{`).
 //!
 //! ```json
 //! {"id": "vqa-1", "image": "s3://bucket/images/1.png",
@@ -8,8 +9,12 @@
 //! ```
 //!
 //! Image references are `s3://bucket/key` or file paths, relative ones resolved against the
-//! manifest's folder (or the image root the reader is given: see [`crate::input::LocalFiles`]). A bad line never stops the run: [`Manifest`] yields a [`Reject`] with the
-//! line number, the id when it could be read, and the reason, and goes on with the next line.
+//! manifest's folder (or the image root the reader is given: see [`crate::input::LocalFiles`]).
+//! A bad record never stops the run: [`Manifest`] yields a [`Reject`] with the record's line
+//! number (in an array, its position in it, from 1), the id when it could be read, and the
+//! reason, and goes on with the next one. An array is read one record at a time, never whole;
+//! an array whose structure breaks (text after it, a missing comma, a file cut short) ends the
+//! manifest there, saying where, as a read failure does.
 
 use std::io::{BufRead, BufReader, Read};
 use std::path::{Path, PathBuf};
@@ -204,19 +209,60 @@ pub const MAX_IMAGES_PER_RECORD: usize = 128;
 /// The longest line read; longer ones are rejected without being held in memory whole.
 pub const MAX_LINE_BYTES: u64 = 16 << 20;
 
-/// Reads a manifest, yielding a record or a reject per non-blank line. A failure to read the
-/// manifest itself ends it: the failure is yielded once as a reject (stage `manifest`, reason
-/// "cannot read the manifest: ...") and kept in [`Manifest::failure`] for the caller to end
-/// the run with.
+/// Reads a manifest, yielding a record or a reject per non-blank line (or element of an
+/// array). A failure to read the manifest itself ends it: the failure is yielded once as a
+/// reject (stage `manifest`, reason "cannot read the manifest: ...") and kept in
+/// [`Manifest::failure`] for the caller to end the run with.
 pub struct Manifest<R> {
     reader: BufReader<R>,
     base: PathBuf,
+    /// The last record's line number (in an array, its position).
     line: u64,
     buf: Vec<u8>,
     /// Byte offset of the next line, and of the line last read.
     offset: u64,
     line_start: u64,
+    /// `None` for JSONL; for an array, where the reader stands in it.
+    array: Option<InArray>,
     failure: ReadFailure,
+}
+
+/// Where a reader of a JSON array stands: what the next character (past white space) may be.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum InArray {
+    /// Before the opening `[` (a byte-order mark may come first).
+    Open,
+    /// Just after `[`: a record or `]`.
+    First,
+    /// After a record: `,` or `]`.
+    Between,
+    /// After `,`: a record.
+    Next,
+    /// Past `]`: only white space.
+    Closed,
+}
+
+/// What reading the next line (or array element) into the buffer found.
+enum Unit {
+    /// A line or element is in the buffer.
+    Read,
+    /// The manifest ended.
+    End,
+    /// A line or element longer than [`MAX_LINE_BYTES`], of this many bytes, was skipped.
+    TooLong(u64),
+    /// The array's structure broke here: the manifest ends, saying why.
+    Broken(String),
+}
+
+/// Whether `reader`'s first characters past white space (and a byte-order mark) open a JSON
+/// array of records, `[` then `{` (or `]`): LLaVA's `.json` form, not JSONL, whose lines are
+/// objects (a JSONL file whose first line is some other array reads as JSONL, that line a
+/// reject). Looks no further than what one buffer holds.
+fn opens_array<R: Read>(reader: &mut BufReader<R>) -> std::io::Result<bool> {
+    let head = reader.fill_buf()?;
+    let head = head.strip_prefix(b"\xef\xbb\xbf").unwrap_or(head);
+    let mut chars = head.iter().filter(|b| !b.is_ascii_whitespace());
+    Ok(chars.next() == Some(&b'[') && matches!(chars.next(), Some(b'{' | b']')))
 }
 
 /// Where a [`Manifest`] keeps the error that ended it; a clone stays readable after the
@@ -247,11 +293,24 @@ impl Manifest<std::fs::File> {
 impl<R: Read> Manifest<R> {
     /// Reads a manifest from any reader; relative image paths resolve against `base`.
     pub fn new(reader: R, base: PathBuf) -> Manifest<R> {
-        Manifest::starting_at(reader, base, 0, 0, 1 << 20)
+        let mut manifest = Manifest::starting_at(reader, base, 0, 0, 1 << 20, None);
+        // (A read error here is met again by the first read, which reports it.)
+        if opens_array(&mut manifest.reader).unwrap_or(false) {
+            manifest.array = Some(InArray::Open);
+        }
+        manifest
     }
 
-    /// A reader positioned at byte `offset`, which is the start of line `line + 1`.
-    fn starting_at(reader: R, base: PathBuf, offset: u64, line: u64, buffer: usize) -> Manifest<R> {
+    /// A reader positioned at byte `offset`, which is the start of line `line + 1` (or, in an
+    /// array, `at` its element `line + 1`).
+    fn starting_at(
+        reader: R,
+        base: PathBuf,
+        offset: u64,
+        line: u64,
+        buffer: usize,
+        array: Option<InArray>,
+    ) -> Manifest<R> {
         Manifest {
             reader: BufReader::with_capacity(buffer, reader),
             base,
@@ -259,6 +318,7 @@ impl<R: Read> Manifest<R> {
             buf: Vec::new(),
             offset,
             line_start: offset,
+            array,
             failure: ReadFailure::default(),
         }
     }
@@ -266,6 +326,122 @@ impl<R: Read> Manifest<R> {
     /// A handle on the error that ends this manifest early, for after the run.
     pub fn failure(&self) -> ReadFailure {
         self.failure.clone()
+    }
+
+    /// Reads the next line (or array element) into `buf`. Over-long ones are consumed and
+    /// reported with their length without keeping more than the limit.
+    fn next_unit(&mut self) -> std::io::Result<Unit> {
+        if self.array.is_some() {
+            return self.next_element();
+        }
+        Ok(match self.next_line()? {
+            Ok(true) => Unit::Read,
+            Ok(false) => Unit::End,
+            Err(len) => Unit::TooLong(len),
+        })
+    }
+
+    /// Reads the next array element into `buf`: an object as a JSONL line holds one (or any
+    /// other value, which parsing then refuses), found by its brackets and strings, not parsed.
+    fn next_element(&mut self) -> std::io::Result<Unit> {
+        self.buf.clear();
+        let mut element = Element::default();
+        let mut len = 0u64;
+        loop {
+            let chunk = self.reader.fill_buf()?;
+            if chunk.is_empty() {
+                let state = self.array.unwrap_or(InArray::Closed);
+                return Ok(match (element.started, state) {
+                    (false, InArray::Closed) => Unit::End,
+                    (true, _) => self.broken(format!(
+                        "the JSON array ends inside record {} (the file was cut short?)",
+                        self.line
+                    )),
+                    _ => self.broken(
+                        "the JSON array ends without its closing ']' (the file was \
+                                      cut short?)"
+                            .into(),
+                    ),
+                });
+            }
+            let mut used = 0;
+            let mut done = None;
+            let mut kept_from = 0;
+            for (i, &b) in chunk.iter().enumerate() {
+                if !element.started {
+                    used = i + 1;
+                    let at = self.offset + i as u64;
+                    let state = self.array.unwrap_or(InArray::Closed);
+                    if b.is_ascii_whitespace() || (state == InArray::Open && at < 3 && b >= 0xbb) {
+                        continue;
+                    }
+                    match (state, b) {
+                        (InArray::Open, b'[') => self.array = Some(InArray::First),
+                        (InArray::First | InArray::Between, b']') => {
+                            self.array = Some(InArray::Closed);
+                        }
+                        (InArray::Between, b',') => self.array = Some(InArray::Next),
+                        (InArray::First | InArray::Next, _) => {
+                            element.started = true;
+                            self.line += 1;
+                            self.line_start = at;
+                            kept_from = i;
+                        }
+                        _ => {
+                            let expected = match state {
+                                InArray::Open => "'['",
+                                InArray::Between => "',' or ']'",
+                                InArray::Closed => "nothing after the array's closing ']'",
+                                InArray::First | InArray::Next => unreachable!(),
+                            };
+                            self.array = Some(InArray::Closed);
+                            done = Some(Unit::Broken(format!(
+                                "byte {at} of the JSON array is {:?}, where {expected} belongs \
+                                 (after record {})",
+                                char::from(b),
+                                self.line
+                            )));
+                            break;
+                        }
+                    }
+                    if !element.started {
+                        continue;
+                    }
+                }
+                match element.push(b) {
+                    None => used = i + 1,
+                    // The element ends with this byte, or (a bare value) before it.
+                    Some(with) => {
+                        used = i + usize::from(with);
+                        done = Some(Unit::Read);
+                        break;
+                    }
+                }
+            }
+            if element.started {
+                let kept = &chunk[kept_from..used];
+                len += kept.len() as u64;
+                let room = (MAX_LINE_BYTES as usize).saturating_sub(self.buf.len());
+                self.buf.extend_from_slice(&kept[..kept.len().min(room)]);
+            }
+            self.offset += used as u64;
+            self.reader.consume(used);
+            if let Some(unit) = done {
+                if matches!(unit, Unit::Read) {
+                    self.array = Some(InArray::Between);
+                    if len > MAX_LINE_BYTES {
+                        return Ok(Unit::TooLong(len));
+                    }
+                }
+                return Ok(unit);
+            }
+        }
+    }
+
+    /// Ends the manifest: the array broke where `why` says.
+    fn broken(&mut self, why: String) -> Unit {
+        self.array = Some(InArray::Closed);
+        Unit::Broken(why)
     }
 
     /// Reads the next line into `buf`; `Ok(false)` at the end. Over-long lines are consumed and
@@ -381,14 +557,17 @@ impl<R: Read> Manifest<R> {
     }
 }
 
-/// A manifest indexed for random access: record `i` is the `i`-th non-blank line (good or not),
-/// which is how a stream numbers records. The index holds 16 bytes per record.
+/// A manifest indexed for random access: record `i` is the `i`-th non-blank line (good or not;
+/// in an array, its `i`-th element), which is how a stream numbers records. The index holds 16
+/// bytes per record.
 #[derive(Debug)]
 pub struct IndexedManifest {
     file: std::fs::File,
     base: PathBuf,
-    /// (byte offset, line number - 1) of each record's line.
+    /// (byte offset, line number - 1) of each record's line (or array element).
     lines: Vec<(u64, u64)>,
+    /// Whether the manifest is a JSON array.
+    array: bool,
 }
 
 impl IndexedManifest {
@@ -403,6 +582,7 @@ impl IndexedManifest {
             lines.push((manifest.line_start, manifest.line - 1));
         }
         Ok(IndexedManifest {
+            array: manifest.array.is_some(),
             // The descriptor indexed, read again by position: not the path, which may have
             // been replaced since.
             file: manifest.reader.into_inner(),
@@ -431,7 +611,8 @@ impl IndexedManifest {
             file: &self.file,
             offset,
         };
-        Manifest::starting_at(at, self.base.clone(), offset, line, 64 << 10)
+        let array = self.array.then_some(InArray::Next);
+        Manifest::starting_at(at, self.base.clone(), offset, line, 64 << 10, array)
             .next()
             .unwrap_or_else(|| {
                 Err(Reject::manifest(
@@ -458,6 +639,59 @@ impl Read for ReadAt<'_> {
     }
 }
 
+/// One element of a JSON array, followed byte by byte to its end: nested brackets and
+/// strings (with their escapes) counted, nothing else checked (parsing does that).
+#[derive(Debug, Default)]
+struct Element {
+    started: bool,
+    /// Open brackets (`{`, `[`) not yet closed.
+    depth: u64,
+    in_string: bool,
+    escaped: bool,
+    /// A bare value (a number, `true`, ...): it ends at the first delimiter.
+    bare: bool,
+    seen: bool,
+}
+
+impl Element {
+    /// Takes the element's next byte: `Some(true)` when it ends with this byte, `Some(false)`
+    /// when it ended just before it (a bare value's delimiter), `None` while it goes on.
+    fn push(&mut self, b: u8) -> Option<bool> {
+        let first = !self.seen;
+        self.seen = true;
+        if self.in_string {
+            match (self.escaped, b) {
+                (true, _) => self.escaped = false,
+                (false, b'\\') => self.escaped = true,
+                (false, b'"') => {
+                    self.in_string = false;
+                    if self.depth == 0 {
+                        return Some(true); // a bare string
+                    }
+                }
+                _ => {}
+            }
+            return None;
+        }
+        if self.bare {
+            return (b == b',' || b == b']' || b.is_ascii_whitespace()).then_some(false);
+        }
+        match b {
+            b'"' => self.in_string = true,
+            b'{' | b'[' => self.depth += 1,
+            b'}' | b']' if self.depth > 0 => {
+                self.depth -= 1;
+                if self.depth == 0 {
+                    return Some(true);
+                }
+            }
+            _ if first => self.bare = true,
+            _ => {}
+        }
+        None
+    }
+}
+
 impl<R: Read> Iterator for Manifest<R> {
     type Item = Result<Record, Reject>;
 
@@ -466,21 +700,29 @@ impl<R: Read> Iterator for Manifest<R> {
             return None;
         }
         loop {
-            match self.next_line() {
-                Err(e) => {
-                    let reason = format!("cannot read the manifest: {e}");
-                    let _ = self.failure.0.set(reason.clone());
-                    return Some(Err(Reject::manifest(self.line + 1, None, reason)));
+            let failed = |this: &mut Self, reason: String| {
+                let _ = this.failure.0.set(reason.clone());
+                Some(Err(Reject::manifest(this.line + 1, None, reason)))
+            };
+            match self.next_unit() {
+                Err(e) => return failed(self, format!("cannot read the manifest: {e}")),
+                Ok(Unit::Broken(why)) => {
+                    return failed(self, format!("cannot read the manifest: {why}"));
                 }
-                Ok(Ok(false)) => return None,
-                Ok(Err(len)) => {
+                Ok(Unit::End) => return None,
+                Ok(Unit::TooLong(len)) => {
+                    let what = if self.array.is_some() {
+                        "record"
+                    } else {
+                        "line"
+                    };
                     return Some(Err(Reject::manifest(
                         self.line,
                         None,
-                        format!("line of {len} bytes exceeds the limit of {MAX_LINE_BYTES}"),
+                        format!("{what} of {len} bytes exceeds the limit of {MAX_LINE_BYTES}"),
                     )));
                 }
-                Ok(Ok(true)) => match self.parse() {
+                Ok(Unit::Read) => match self.parse() {
                     Ok(None) => continue,
                     Ok(Some(record)) => return Some(Ok(record)),
                     Err(reject) => return Some(Err(reject)),
@@ -690,6 +932,75 @@ mod tests {
         assert_eq!(out[1].as_ref().unwrap().line, 2);
     }
 
+    /// Records as LLaVA's JSON files hold them, one array (compact, pretty-printed, with a
+    /// byte-order mark): the same records and rejects, by position, as the same lines of JSONL.
+    #[test]
+    fn a_json_array_reads_as_the_same_records_as_jsonl() {
+        let records = [
+            r#"{"id": "a", "image": "x.png", "conversations": [{"from": "human", "value": "<image>\nsay \"[}\" and \\"}, {"from": "gpt", "value": "ok ]"}]}"#,
+            r#"{"id": 7, "text": "seven, with a comma"}"#,
+            r#"{"id": "no-content"}"#,
+            r#"{"id": "last", "text": "end"}"#,
+        ];
+        let jsonl = read(&records.join("\n"));
+        assert_eq!(jsonl.iter().filter(|r| r.is_ok()).count(), 3);
+        let values: Vec<serde_json::Value> = records
+            .iter()
+            .map(|r| serde_json::from_str(r).unwrap())
+            .collect();
+        for array in [
+            format!("[{}]", records.join(",")),
+            format!("\u{feff}  [\n  {}\n]\n", records.join(" ,\n  ")),
+            serde_json::to_string_pretty(&values).unwrap(),
+        ] {
+            assert_eq!(read(&array), jsonl, "{array}");
+        }
+        // Values that are not records are rejects at their position; the rest reads on.
+        let out = read(r#"[{}, 1, "two]", [3, {}], -4.5e1 ,{"id": "five", "text": "5"}]"#);
+        assert_eq!(out.len(), 6);
+        assert!(out[..5].iter().all(Result::is_err), "{out:?}");
+        let five = out[5].as_ref().unwrap();
+        assert_eq!((five.id.as_str(), five.line), ("five", 6));
+        assert!(read("[]").is_empty() && read(" [ ]\n\n").is_empty());
+        // An over-long record is skipped, not held whole, and the next one read.
+        let long = format!(
+            "[{{\"id\": \"big\", \"text\": \"{}\"}}, {{\"id\": \"next\", \"text\": \"ok\"}}]",
+            "x".repeat(MAX_LINE_BYTES as usize + 10)
+        );
+        let out = read(&long);
+        assert!(out[0].as_ref().unwrap_err().reason.contains("record of"));
+        assert_eq!(out[1].as_ref().unwrap().line, 2);
+    }
+
+    /// An array whose structure breaks ends the manifest there, saying where, after the
+    /// records before the break.
+    #[test]
+    fn a_broken_array_ends_the_manifest_saying_where() {
+        for (text, says) in [
+            (
+                r#"[{"id": "a", "text": "x"} {"id": "b", "text": "y"}]"#,
+                "where ',' or ']' belongs (after record 1)",
+            ),
+            (
+                r#"[{"id": "a", "text": "x"}, {"id": "b", "te"#,
+                "ends inside record 2",
+            ),
+            (r#"[{"id": "a", "text": "x"},"#, "without its closing ']'"),
+            (
+                r#"[{"id": "a", "text": "x"}] {"id": "b"}"#,
+                "nothing after the array's closing ']'",
+            ),
+        ] {
+            let mut manifest = Manifest::new(text.as_bytes(), PathBuf::from("/d"));
+            let out: Vec<_> = manifest.by_ref().collect();
+            assert_eq!(out[0].as_ref().map(|r| r.id.as_str()), Ok("a"), "{text}");
+            assert_eq!(out.len(), 2, "{text}");
+            let failure = manifest.failure().get().unwrap_or_default().to_string();
+            assert!(failure.contains(says), "{text}: {failure}");
+            assert!(out[1].as_ref().unwrap_err().reason.contains(says));
+        }
+    }
+
     #[test]
     fn indexed_records_equal_the_sequential_ones() {
         let dir = std::env::temp_dir().join(format!("feedstore-manifest-{}", std::process::id()));
@@ -714,6 +1025,17 @@ mod tests {
         }
         assert_eq!(indexed.get(3).unwrap().line, 7);
         assert!(indexed.get(4).is_err());
+        // The same of an array, pretty-printed: record i is its i-th element.
+        let array = dir.join("m.json");
+        let text = "[\n  {\"id\": \"a\",\n   \"text\": \"x\"},\n  {\"id\": 2},\n  {\"id\": \"c\", \"text\": \"[{\"}\n]\n";
+        std::fs::write(&array, text).unwrap();
+        let sequential: Vec<_> = Manifest::open(&array).unwrap().collect();
+        let indexed = IndexedManifest::open(&array).unwrap();
+        assert_eq!((indexed.len(), sequential.len()), (3, 3));
+        for (i, item) in sequential.iter().enumerate() {
+            assert_eq!(&indexed.get(i as u64), item, "record {i}");
+        }
+        assert_eq!(indexed.get(2).unwrap().id, "c");
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }
