@@ -99,10 +99,11 @@ pub struct Args {
     layout: String,
     /// Pixel normalisation, `(x / 255 - mean) / std` per channel, as the vision encoder was
     /// trained with: `clip` (OpenAI CLIP's, Qwen2/2.5-VL's), `siglip` (mean = std = 0.5:
-    /// SigLIP, Qwen3-VL), `imagenet`, or `none` (x / 255). Each sample's metadata says which
-    /// (`normalize`), and it is part of the decode-once cache's key. Not applied to --dtype u8.
-    #[arg(long, value_name = "NAME", default_value = "clip")]
-    normalize: String,
+    /// SigLIP, Qwen3-VL), `imagenet`, or `none` (x / 255) [default: clip]. Each sample's
+    /// metadata says which (`normalize`; `u8` for --dtype u8, which keeps pixels as decoded),
+    /// and it is part of the decode-once cache's key.
+    #[arg(long, value_name = "NAME")]
+    normalize: Option<String>,
     /// A normalisation of your own: the mean per channel on the 0..1 scale, e.g.
     /// 0.485,0.456,0.406 (with --std, instead of --normalize).
     #[arg(
@@ -560,20 +561,23 @@ fn producer_config(args: &Args) -> anyhow::Result<ProducerConfig> {
 
 /// The mean and standard deviation of `--normalize`, or of `--mean` and `--std`.
 fn normalization(args: &Args) -> anyhow::Result<([f32; 3], [f32; 3])> {
+    if args.dtype.eq_ignore_ascii_case("u8") && (args.normalize.is_some() || args.mean.is_some()) {
+        bail!("--dtype u8 keeps pixels as decoded: drop --normalize, --mean and --std");
+    }
     if let (Some(mean), Some(std)) = (&args.mean, &args.std) {
         return Ok((
             channels("--mean", mean, 0.0)?,
             channels("--std", std, 0.001)?,
         ));
     }
-    let name = args.normalize.to_ascii_lowercase();
+    let given = args.normalize.as_deref().unwrap_or("clip");
+    let name = given.to_ascii_lowercase();
     match NORMALIZATIONS.iter().find(|(n, _, _)| *n == name) {
         Some(&(_, mean, std)) => Ok((mean, std)),
         None => {
             let names: Vec<&str> = NORMALIZATIONS.iter().map(|(n, _, _)| *n).collect();
             bail!(
-                "--normalize {:?}: expected {}, or --mean and --std",
-                args.normalize,
+                "--normalize {given:?}: expected {}, or --mean and --std",
                 names.join(", ")
             )
         }

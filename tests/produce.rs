@@ -216,7 +216,7 @@ fn produce_normalizes_as_the_model_expects() {
         (sample.image(0).unwrap().bytes().to_vec(), normalize)
     };
     let (hwc, said) = produce("u8", &["--dtype", "u8", "--layout", "hwc"]);
-    assert_eq!(said, "none");
+    assert_eq!(said, "u8");
     let plane = 56 * 56;
     for (name, extra, mean, std) in [
         ("clip", &[][..], CLIP_MEAN, CLIP_STD),
@@ -267,6 +267,10 @@ fn produce_normalizes_as_the_model_expects() {
             "--std",
         ),
         (&["--mean", "0.5,0.5,0.5"][..], "--std"),
+        (
+            &["--dtype", "u8", "--normalize", "siglip"][..],
+            "keeps pixels as decoded",
+        ),
         (
             &[
                 "--normalize",

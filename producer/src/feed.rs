@@ -290,9 +290,12 @@ impl Shared {
             drained: tokio::sync::Notify::new(),
             reported: Mutex::new(HashSet::new()),
             events: Mutex::new(events),
+            // (The normalisation by name too: samples cached before it was said in their
+            // metadata are not reused.)
             key_base: format!(
-                "{:?} patch {} merge {} tokenizer {:?}",
+                "{:?} normalize {} patch {} merge {} tokenizer {:?}",
                 config.transform,
+                config.transform.normalization(),
                 config.patch_size,
                 config.merge_size,
                 tokenizer.identity()

@@ -250,8 +250,9 @@ enum Unit {
     End,
     /// A line or element longer than [`MAX_LINE_BYTES`], of this many bytes, was skipped.
     TooLong(u64),
-    /// The array's structure broke here: the manifest ends, saying why.
-    Broken(String),
+    /// The array's structure broke (in or after the record of this number): the manifest
+    /// ends, saying why.
+    Broken(String, u64),
 }
 
 /// Whether `reader`'s first characters past white space (and a byte-order mark) open a JSON
@@ -353,14 +354,17 @@ impl<R: Read> Manifest<R> {
                 let state = self.array.unwrap_or(InArray::Closed);
                 return Ok(match (element.started, state) {
                     (false, InArray::Closed) => Unit::End,
-                    (true, _) => self.broken(format!(
-                        "the JSON array ends inside record {} (the file was cut short?)",
-                        self.line
-                    )),
+                    (true, _) => self.broken(
+                        format!(
+                            "the file ends inside record {} of the JSON array (cut short?)",
+                            self.line
+                        ),
+                        self.line,
+                    ),
                     _ => self.broken(
-                        "the JSON array ends without its closing ']' (the file was \
-                                      cut short?)"
+                        "the JSON array ends without its closing ']' (the file was cut short?)"
                             .into(),
+                        self.line + 1,
                     ),
                 });
             }
@@ -381,26 +385,30 @@ impl<R: Read> Manifest<R> {
                             self.array = Some(InArray::Closed);
                         }
                         (InArray::Between, b',') => self.array = Some(InArray::Next),
-                        (InArray::First | InArray::Next, _) => {
+                        (InArray::First | InArray::Next, _) if Element::starts(b) => {
                             element.started = true;
                             self.line += 1;
                             self.line_start = at;
                             kept_from = i;
                         }
                         _ => {
-                            let expected = match state {
-                                InArray::Open => "'['",
-                                InArray::Between => "',' or ']'",
-                                InArray::Closed => "nothing after the array's closing ']'",
-                                InArray::First | InArray::Next => unreachable!(),
+                            let expected = match (state, b) {
+                                (InArray::Open, _) => "'['",
+                                (InArray::Between, _) => "',' or ']'",
+                                (InArray::Closed, _) => "nothing after the array's closing ']'",
+                                (InArray::Next, b']') => "a record after ',' (a trailing ',')",
+                                (InArray::First | InArray::Next, _) => "a record",
                             };
                             self.array = Some(InArray::Closed);
-                            done = Some(Unit::Broken(format!(
-                                "byte {at} of the JSON array is {:?}, where {expected} belongs \
-                                 (after record {})",
-                                char::from(b),
-                                self.line
-                            )));
+                            done = Some(Unit::Broken(
+                                format!(
+                                    "byte {at} of the file is {}, where {expected} belongs \
+                                     (after record {})",
+                                    shown(b),
+                                    self.line
+                                ),
+                                self.line + 1,
+                            ));
                             break;
                         }
                     }
@@ -409,11 +417,27 @@ impl<R: Read> Manifest<R> {
                     }
                 }
                 match element.push(b) {
-                    None => used = i + 1,
+                    Ok(None) => used = i + 1,
                     // The element ends with this byte, or (a bare value) before it.
-                    Some(with) => {
+                    Ok(Some(with)) => {
                         used = i + usize::from(with);
                         done = Some(Unit::Read);
+                        break;
+                    }
+                    Err(opened) => {
+                        used = i + 1;
+                        self.array = Some(InArray::Closed);
+                        done = Some(Unit::Broken(
+                            format!(
+                                "byte {} of the file is {}, which does not close the {} before \
+                                 it (record {})",
+                                self.offset + i as u64,
+                                shown(b),
+                                shown(opened),
+                                self.line
+                            ),
+                            self.line,
+                        ));
                         break;
                     }
                 }
@@ -438,10 +462,10 @@ impl<R: Read> Manifest<R> {
         }
     }
 
-    /// Ends the manifest: the array broke where `why` says.
-    fn broken(&mut self, why: String) -> Unit {
+    /// Ends the manifest: the array broke where `why` says, in record `line`.
+    fn broken(&mut self, why: String, line: u64) -> Unit {
         self.array = Some(InArray::Closed);
-        Unit::Broken(why)
+        Unit::Broken(why, line)
     }
 
     /// Reads the next line into `buf`; `Ok(false)` at the end. Over-long lines are consumed and
@@ -644,19 +668,43 @@ impl Read for ReadAt<'_> {
 #[derive(Debug, Default)]
 struct Element {
     started: bool,
-    /// Open brackets (`{`, `[`) not yet closed.
+    /// Open brackets (`{`, `[`) not yet closed, and the outermost [`MAX_TRACKED_DEPTH`] of
+    /// them (deeper ones are counted only: parsing refuses such nesting anyway).
     depth: u64,
+    open: Vec<u8>,
     in_string: bool,
     escaped: bool,
-    /// A bare value (a number, `true`, ...): it ends at the first delimiter.
+    /// A bare value (a number, `true`, ...): it ends at the first byte no such value has.
     bare: bool,
     seen: bool,
 }
 
+/// Brackets whose kind an [`Element`] remembers, to tell a `}` closing a `[` (and the
+/// reverse) from a good close.
+const MAX_TRACKED_DEPTH: usize = 1024;
+
+/// A byte as a message shows it: the character when it is printable ASCII, else its value.
+fn shown(b: u8) -> String {
+    if b.is_ascii_graphic() {
+        format!("'{}'", char::from(b))
+    } else {
+        format!("byte {b:#04x}")
+    }
+}
+
 impl Element {
-    /// Takes the element's next byte: `Some(true)` when it ends with this byte, `Some(false)`
-    /// when it ended just before it (a bare value's delimiter), `None` while it goes on.
-    fn push(&mut self, b: u8) -> Option<bool> {
+    /// Whether a JSON value may begin with `b`.
+    fn starts(b: u8) -> bool {
+        matches!(
+            b,
+            b'{' | b'[' | b'"' | b'-' | b'0'..=b'9' | b't' | b'f' | b'n'
+        )
+    }
+
+    /// Takes the element's next byte: `Ok(Some(true))` when it ends with this byte,
+    /// `Ok(Some(false))` when it ended just before it (a bare value's end), `Ok(None)` while it
+    /// goes on; `Err(opening)` when `b` closes a bracket of the other kind.
+    fn push(&mut self, b: u8) -> Result<Option<bool>, u8> {
         let first = !self.seen;
         self.seen = true;
         if self.in_string {
@@ -666,29 +714,41 @@ impl Element {
                 (false, b'"') => {
                     self.in_string = false;
                     if self.depth == 0 {
-                        return Some(true); // a bare string
+                        return Ok(Some(true)); // a bare string
                     }
                 }
                 _ => {}
             }
-            return None;
+            return Ok(None);
         }
         if self.bare {
-            return (b == b',' || b == b']' || b.is_ascii_whitespace()).then_some(false);
+            let goes_on = b.is_ascii_alphanumeric() || matches!(b, b'+' | b'-' | b'.');
+            return Ok((!goes_on).then_some(false));
         }
         match b {
             b'"' => self.in_string = true,
-            b'{' | b'[' => self.depth += 1,
+            b'{' | b'[' => {
+                if self.depth < MAX_TRACKED_DEPTH as u64 {
+                    self.open.push(b);
+                }
+                self.depth += 1;
+            }
             b'}' | b']' if self.depth > 0 => {
+                if self.depth <= MAX_TRACKED_DEPTH as u64 {
+                    let opening = self.open.pop().unwrap_or(b'[');
+                    if (opening == b'{') != (b == b'}') {
+                        return Err(opening);
+                    }
+                }
                 self.depth -= 1;
                 if self.depth == 0 {
-                    return Some(true);
+                    return Ok(Some(true));
                 }
             }
             _ if first => self.bare = true,
             _ => {}
         }
-        None
+        Ok(None)
     }
 }
 
@@ -700,14 +760,17 @@ impl<R: Read> Iterator for Manifest<R> {
             return None;
         }
         loop {
-            let failed = |this: &mut Self, reason: String| {
+            let failed = |this: &mut Self, reason: String, line: u64| {
                 let _ = this.failure.0.set(reason.clone());
-                Some(Err(Reject::manifest(this.line + 1, None, reason)))
+                Some(Err(Reject::manifest(line, None, reason)))
             };
             match self.next_unit() {
-                Err(e) => return failed(self, format!("cannot read the manifest: {e}")),
-                Ok(Unit::Broken(why)) => {
-                    return failed(self, format!("cannot read the manifest: {why}"));
+                Err(e) => {
+                    let line = self.line + 1;
+                    return failed(self, format!("cannot read the manifest: {e}"), line);
+                }
+                Ok(Unit::Broken(why, line)) => {
+                    return failed(self, format!("cannot read the manifest: {why}"), line);
                 }
                 Ok(Unit::End) => return None,
                 Ok(Unit::TooLong(len)) => {
@@ -990,6 +1053,15 @@ mod tests {
                 r#"[{"id": "a", "text": "x"}] {"id": "b"}"#,
                 "nothing after the array's closing ']'",
             ),
+            (r#"[{"id": "a", "text": "x"},]"#, "(a trailing ',')"),
+            (
+                r#"[{"id": "a", "text": "x"},,{"id": "b", "text": "y"}]"#,
+                "byte 26 of the file is ',', where a record belongs",
+            ),
+            (
+                r#"[{"id": "a", "text": "x"}, {"b": [1, 2}, {"id": "c"}]"#,
+                "byte 38 of the file is '}', which does not close the '['",
+            ),
         ] {
             let mut manifest = Manifest::new(text.as_bytes(), PathBuf::from("/d"));
             let out: Vec<_> = manifest.by_ref().collect();
@@ -997,8 +1069,18 @@ mod tests {
             assert_eq!(out.len(), 2, "{text}");
             let failure = manifest.failure().get().unwrap_or_default().to_string();
             assert!(failure.contains(says), "{text}: {failure}");
-            assert!(out[1].as_ref().unwrap_err().reason.contains(says));
+            let reject = out[1].as_ref().unwrap_err();
+            assert!(reject.reason.contains(says));
+            assert_eq!(reject.line, 2, "{text}: the record it broke in or after");
         }
+        // Text inside a string never becomes a record: a value that runs into a quote breaks
+        // the array there.
+        let text = r#"[{"id": "a", "text": "x"}, 1"oops, {"id": "evil", "text": "y"}"]"#;
+        let mut manifest = Manifest::new(text.as_bytes(), PathBuf::from("/d"));
+        let out: Vec<_> = manifest.by_ref().collect();
+        assert!(out.iter().flatten().all(|r| r.id != "evil"), "{out:?}");
+        let failure = manifest.failure().get().unwrap_or_default().to_string();
+        assert!(failure.contains("byte 28 of the file is '\"'"), "{failure}");
     }
 
     #[test]

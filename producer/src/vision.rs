@@ -367,10 +367,10 @@ impl ImageTransform {
     }
 
     /// The normalisation in words, as each sample records it: a name of [`NORMALIZATIONS`],
-    /// `mean=R,G,B std=R,G,B` for another, or `none` for `u8` output (pixels as decoded).
+    /// `mean=R,G,B std=R,G,B` for another, or `u8` for `u8` output (pixels as decoded, 0..255).
     pub fn normalization(&self) -> String {
         if self.dtype == DType::U8 {
-            return "none".into();
+            return "u8".into();
         }
         let named = NORMALIZATIONS
             .iter()
