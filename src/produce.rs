@@ -91,7 +91,8 @@ pub struct Args {
     /// Patches merged into one image token along each side.
     #[arg(long, value_name = "N", default_value_t = 2)]
     merge_size: u32,
-    /// Tensor element type: f32, bf16, f16 or u8 (u8 skips normalisation).
+    /// Tensor element type: f32, bf16, f16 or u8 (u8 keeps pixels as decoded, 0..255: not
+    /// normalised, so it takes no --normalize, --mean or --std).
     #[arg(long, value_name = "TYPE", default_value = "f32")]
     dtype: String,
     /// Tensor layout: chw or hwc.
@@ -104,8 +105,9 @@ pub struct Args {
     /// and it is part of the decode-once cache's key.
     #[arg(long, value_name = "NAME")]
     normalize: Option<String>,
-    /// A normalisation of your own: the mean per channel on the 0..1 scale, e.g.
-    /// 0.485,0.456,0.406 (with --std, instead of --normalize).
+    /// A normalisation of your own: the mean per channel on the 0..1 scale, 0 to 1, e.g.
+    /// 0.485,0.456,0.406 (with --std, instead of --normalize; values equal to a preset's are
+    /// recorded by its name). Write --mean=... for a value that starts with '-'.
     #[arg(
         long,
         value_name = "R,G,B",
@@ -113,7 +115,7 @@ pub struct Args {
         conflicts_with = "normalize"
     )]
     mean: Option<String>,
-    /// The standard deviation per channel on the 0..1 scale, with --mean.
+    /// The standard deviation per channel on the 0..1 scale, 0.001 to 1, with --mean.
     #[arg(long, value_name = "R,G,B", requires = "mean")]
     std: Option<String>,
     /// Decode every pixel of a JPEG before resizing, as transformers' image processors do
@@ -566,8 +568,18 @@ fn normalization(args: &Args) -> anyhow::Result<([f32; 3], [f32; 3])> {
     }
     if let (Some(mean), Some(std)) = (&args.mean, &args.std) {
         return Ok((
-            channels("--mean", mean, 0.0)?,
-            channels("--std", std, 0.001)?,
+            channels(
+                "--mean",
+                mean,
+                0.0,
+                "a mean of 123.675 on the 0..255 scale is 0.485",
+            )?,
+            channels(
+                "--std",
+                std,
+                0.001,
+                "a std of 58.395 on the 0..255 scale is 0.229",
+            )?,
         ));
     }
     let given = args.normalize.as_deref().unwrap_or("clip");
@@ -584,8 +596,9 @@ fn normalization(args: &Args) -> anyhow::Result<([f32; 3], [f32; 3])> {
     }
 }
 
-/// Three values `R,G,B` between `low` and 1: a mean or standard deviation on the 0..1 scale.
-fn channels(flag: &str, text: &str, low: f32) -> anyhow::Result<[f32; 3]> {
+/// Three values `R,G,B` between `low` and 1: a mean or standard deviation on the 0..1 scale
+/// (`example` shows the scale).
+fn channels(flag: &str, text: &str, low: f32, example: &str) -> anyhow::Result<[f32; 3]> {
     let values: Vec<f32> = text
         .split(',')
         .map(|v| v.trim().parse::<f32>())
@@ -597,7 +610,7 @@ fn channels(flag: &str, text: &str, low: f32) -> anyhow::Result<[f32; 3]> {
     if let Some(v) = values.iter().find(|v| !(low..=1.0).contains(*v)) {
         bail!(
             "{flag} {text:?}: {v} is not between {low} and 1; values are on the 0..1 scale \
-             (a mean of 123.675 on the 0..255 scale is 0.485)"
+             ({example})"
         );
     }
     Ok(values)

@@ -224,6 +224,8 @@ pub struct Manifest<R> {
     line_start: u64,
     /// `None` for JSONL; for an array, where the reader stands in it.
     array: Option<InArray>,
+    /// Whether a line that is not blank was read.
+    content_seen: bool,
     failure: ReadFailure,
 }
 
@@ -320,6 +322,8 @@ impl<R: Read> Manifest<R> {
             offset,
             line_start: offset,
             array,
+            // (A reader started inside the file is past its start.)
+            content_seen: offset > 0,
             failure: ReadFailure::default(),
         }
     }
@@ -785,11 +789,28 @@ impl<R: Read> Iterator for Manifest<R> {
                         format!("{what} of {len} bytes exceeds the limit of {MAX_LINE_BYTES}"),
                     )));
                 }
-                Ok(Unit::Read) => match self.parse() {
-                    Ok(None) => continue,
-                    Ok(Some(record)) => return Some(Ok(record)),
-                    Err(reject) => return Some(Err(reject)),
-                },
+                Ok(Unit::Read) => {
+                    if !self.content_seen {
+                        let text = String::from_utf8_lossy(&self.buf);
+                        let text = text.trim_start_matches('\u{feff}').trim();
+                        self.content_seen = !text.is_empty();
+                        if self.array.is_none() && text == "{" {
+                            // One JSON document over many lines: not a record per line. Said
+                            // once, not as a reject of every line.
+                            let reason = "cannot read the manifest: its first line is a lone \
+                                          '{', one JSON object over many lines; a manifest is a \
+                                          record per line (JSONL) or a JSON array of records"
+                                .to_string();
+                            let line = self.line;
+                            return failed(self, reason, line);
+                        }
+                    }
+                    match self.parse() {
+                        Ok(None) => continue,
+                        Ok(Some(record)) => return Some(Ok(record)),
+                        Err(reject) => return Some(Err(reject)),
+                    }
+                }
             }
         }
     }
@@ -910,6 +931,19 @@ mod tests {
         }
         assert_eq!(out[1].as_ref().unwrap_err().id, None);
         assert_eq!(out[3].as_ref().unwrap_err().id.as_deref(), Some("b"));
+    }
+
+    /// A JSON document over many lines (`{"data": [...]}` pretty-printed) is refused once,
+    /// saying what a manifest is, not rejected line by line.
+    #[test]
+    fn one_object_over_many_lines_is_not_a_manifest() {
+        let text = "\n{\n  \"data\": [\n    {\"id\": \"a\", \"text\": \"x\"}\n  ]\n}\n";
+        let mut manifest = Manifest::new(text.as_bytes(), PathBuf::from("/d"));
+        let out: Vec<_> = manifest.by_ref().collect();
+        assert_eq!(out.len(), 1, "{out:?}");
+        let failure = manifest.failure().get().unwrap_or_default().to_string();
+        assert!(failure.contains("a lone '{'"), "{failure}");
+        assert_eq!(out[0].as_ref().unwrap_err().line, 2);
     }
 
     #[test]
