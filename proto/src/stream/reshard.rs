@@ -298,7 +298,7 @@ impl Reshard {
         let mut remainders: Vec<Remainder> = Vec::new();
         if let Some(before) = &old.reshard {
             let carried = before
-                .carried(carried_read, 0)
+                .carried(carried_read)
                 .ok_or_else(|| ReshardError::Invalid("more samples than 64 bits count".into()))?;
             if carried.left == 0 {
                 // Every rank past its share: a reshard of the ordinary states they stand for.
@@ -386,10 +386,10 @@ impl Reshard {
     }
 
     /// What this reshard's ranks left of their shares of it (`read`, per rank, each at most
-    /// its share), as the remainder a reshard of its stream deals first.
-    fn carried(&self, read: Vec<u64>, offset: u64) -> Option<Remainder> {
+    /// its share), as the remainder a reshard of its stream deals first (so from offset 0).
+    fn carried(&self, read: Vec<u64>) -> Option<Remainder> {
         let shares: Vec<u64> = (0..self.world).map(|rank| self.share(rank)).collect();
-        Remainder::new(None, read, Grid::of_shares(&shares)?, offset)
+        Remainder::new(None, read, Grid::of_shares(&shares)?, 0)
     }
 
     /// The reshards this one stands on, itself included: 1 for a reshard of a plain run.
@@ -682,7 +682,7 @@ impl Reshard {
         }
         let mut remainders: Vec<Remainder> = Vec::new();
         if let (Some(before), Some(carried)) = (&before, carried_counts) {
-            let carried = before.carried(read_counts(carried)?, 0)?;
+            let carried = before.carried(read_counts(carried)?)?;
             // Something is left of the shares (else the reshard is of the ordinary states), so
             // some rank is still in its share: it stands at the start of the epoch after them.
             if carried.left == 0 || first != before.next_epoch {
