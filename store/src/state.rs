@@ -11,9 +11,8 @@
 use std::collections::{HashMap, HashSet};
 use std::ops::{Deref, DerefMut};
 use std::os::fd::OwnedFd;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use feedstore_proto::{Role, SEGMENT_HUGETLB, SEGMENT_WRITABLE, SegmentInfo};
 use feedstore_shm::{Access, Mapping, Segment};
@@ -21,7 +20,7 @@ use tokio::sync::watch;
 
 use crate::config::Limits;
 use crate::credentials::Credentials;
-use crate::objects::Objects;
+use crate::objects::{ConnId, Objects};
 use crate::streams::Streams;
 
 /// Who may connect, and in which role, decided from the client's credentials.
@@ -143,7 +142,7 @@ pub struct Shared {
     /// Follows [`Streams::version`]; stream waiters watch it.
     pub(crate) stream_events: watch::Sender<u64>,
     /// Consumers waiting for their stream to be created.
-    pub(crate) attaches_waiting: AtomicU64,
+    pub(crate) attaches_waiting: AttachWaits,
     /// The daemon's uid (it and root may take the daemon over).
     pub(crate) daemon_uid: u32,
     /// A hand-over to a successor under way, or done.
@@ -154,20 +153,44 @@ pub struct Shared {
     pub started_at: u64,
 }
 
-/// Counts a consumer waiting for its stream to be created, for as long as it lives (the wait
-/// ends, or its connection goes mid-wait).
-pub(crate) struct AttachWaiting<'a>(&'a AtomicU64);
+/// How long a consumer whose wait for its stream ran out still counts as waiting: a client
+/// waits in slices (100 ms each, checking for an interrupt between), and the gauge must not
+/// drop to zero between one slice and the next.
+const ATTACH_LINGER: Duration = Duration::from_secs(1);
 
-impl<'a> AttachWaiting<'a> {
-    pub(crate) fn new(count: &'a AtomicU64) -> Self {
-        count.fetch_add(1, Ordering::Relaxed);
-        AttachWaiting(count)
+/// The consumers waiting for their stream to be created, one entry per connection (so at most
+/// as many as there are connections): waiting now, or since the instant its last wait ran out.
+#[derive(Debug, Default)]
+pub(crate) struct AttachWaits(Mutex<HashMap<ConnId, Option<Instant>>>);
+
+impl AttachWaits {
+    /// Connection `id` is waiting for its stream.
+    pub(crate) fn begin(&self, id: ConnId) {
+        self.lock().insert(id, None);
     }
-}
 
-impl Drop for AttachWaiting<'_> {
-    fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::Relaxed);
+    /// Connection `id`'s wait ran out with no stream: it counts for [`ATTACH_LINGER`] more,
+    /// the client may be about to ask again.
+    pub(crate) fn ran_out(&self, id: ConnId) {
+        if let Some(since) = self.lock().get_mut(&id) {
+            *since = Some(Instant::now());
+        }
+    }
+
+    /// Connection `id` waits no more: attached, refused, or gone.
+    pub(crate) fn end(&self, id: ConnId) {
+        self.lock().remove(&id);
+    }
+
+    /// How many wait now or ran out within [`ATTACH_LINGER`] (forgetting the others).
+    fn count(&self) -> u64 {
+        let mut waits = self.lock();
+        waits.retain(|_, since| since.is_none_or(|t| t.elapsed() < ATTACH_LINGER));
+        waits.len() as u64
+    }
+
+    fn lock(&self) -> MutexGuard<'_, HashMap<ConnId, Option<Instant>>> {
+        self.0.lock().unwrap_or_else(|e| e.into_inner())
     }
 }
 
@@ -297,7 +320,7 @@ impl Shared {
             admissions: Mutex::new(Admissions::default()),
             space: watch::Sender::new(0),
             stream_events: watch::Sender::new(0),
-            attaches_waiting: AtomicU64::new(0),
+            attaches_waiting: AttachWaits::default(),
             daemon_uid: config.daemon_uid,
             handoff: crate::handoff::Handoff::default(),
             started: config.started,
@@ -394,7 +417,7 @@ impl Shared {
 
     /// Adds what lives outside the locks: consumers waiting for streams.
     fn add_stats(&self, stats: &mut feedstore_proto::StoreStats) {
-        stats.attaches_waiting = self.attaches_waiting.load(Ordering::Relaxed);
+        stats.attaches_waiting = self.attaches_waiting.count();
     }
 
     /// Closes the streams nobody has used for the idle timeout.

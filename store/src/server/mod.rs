@@ -28,7 +28,7 @@ use tokio::net::UnixStream;
 use crate::cluster::Cluster;
 use crate::credentials::Credentials;
 use crate::objects::ConnId;
-use crate::state::{AttachWaiting, Shared};
+use crate::state::Shared;
 use crate::streams::StreamError;
 
 /// Why a connection ended.
@@ -84,6 +84,7 @@ impl Drop for Connection {
         let Some(id) = self.id else {
             return;
         };
+        self.shared.attaches_waiting.end(id);
         if self.shared.handoff.is_done() {
             // Handed over: what the client held is its successor's to keep, not this one's
             // to reclaim (this daemon is exiting).

@@ -11,7 +11,7 @@ use feedstore_proto::frame::{
 use feedstore_proto::stream::StreamSpec;
 use feedstore_proto::{Role, Status};
 
-use super::{AttachWaiting, ConnEnd, Connection, error, stream_error, stream_reply};
+use super::{ConnEnd, Connection, error, stream_error, stream_reply};
 use crate::objects::ConnId;
 use crate::streams::{MAX_BATCH, Placement, StreamError, Window};
 
@@ -165,7 +165,6 @@ impl Connection {
     ) -> Result<(), ConnEnd> {
         let shared = self.shared.clone();
         let op = Opcode::StreamAttach;
-        let mut waiting = None;
         let attached = self
             .wait_until(id, timeout_ms, |expired| {
                 let attached = shared.with_streams(|s, o| -> Result<_, StreamError> {
@@ -178,18 +177,23 @@ impl Connection {
                 });
                 match attached {
                     Err(e) if e.status == Status::NotFound && !expired => {
-                        waiting.get_or_insert_with(|| AttachWaiting::new(&shared.attaches_waiting));
+                        shared.attaches_waiting.begin(id);
                         None
                     }
-                    Err(e) if e.status == Status::NotFound => Some(Err(StreamError {
-                        status: Status::Timeout,
-                        message: e.message,
-                    })),
-                    other => Some(other),
+                    Err(e) if e.status == Status::NotFound => {
+                        shared.attaches_waiting.ran_out(id);
+                        Some(Err(StreamError {
+                            status: Status::Timeout,
+                            message: e.message,
+                        }))
+                    }
+                    other => {
+                        shared.attaches_waiting.end(id);
+                        Some(other)
+                    }
                 }
             })
             .await?;
-        drop(waiting);
         match attached {
             Ok((stream, capacity, ring_bytes, fd)) => {
                 let response = Response::StreamAttached {
