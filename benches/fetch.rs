@@ -26,26 +26,14 @@ use feedstore_producer::feed::{FeedConfig, feed};
 use feedstore_producer::manifest::{ImageSource, IndexedManifest, Manifest};
 use feedstore_producer::pipeline::{Fetch, ProducerConfig, run};
 use feedstore_proto::stream::{Shuffle, StreamSpec, Tail};
-use feedstore_s3::{S3Fetcher, S3Options};
+use feedstore_s3::S3Fetcher;
 use feedstore_testkit::moto::Moto;
 use feedstore_testkit::proxy::{FaultProxy, Plan};
 
 mod common;
 
 const BUCKET: &str = "bench-images";
-const TOKENIZER: &str = concat!(
-    env!("CARGO_MANIFEST_DIR"),
-    "/producer/tests/data/qwen3-tokenizer.json.gz"
-);
-
-fn options(endpoint: String) -> S3Options {
-    S3Options {
-        endpoint: Some(endpoint),
-        force_path_style: true,
-        static_credentials: Some(("bench".into(), "bench".into())),
-        ..S3Options::default()
-    }
-}
+use common::s3_options as options;
 
 fn source(key: &str) -> ImageSource {
     ImageSource::S3 {
@@ -189,13 +177,7 @@ fn main() {
     println!();
 
     // 3. The producer behind the proxy: the profiler's verdict at 1 and 64 fetches in flight.
-    let mut gz = Vec::new();
-    std::io::Read::read_to_end(
-        &mut flate2::read::GzDecoder::new(&std::fs::read(TOKENIZER).unwrap()[..]),
-        &mut gz,
-    )
-    .unwrap();
-    let tokenizer = Arc::new(ChatTokenizer::from_bytes(&gz, 8192).unwrap());
+    let tokenizer = Arc::new(ChatTokenizer::from_bytes(&common::tokenizer_json(), 8192).unwrap());
     let manifest = dir.join("bench.jsonl");
     let lines: Vec<String> = keys
         .iter()

@@ -407,16 +407,7 @@ print(json.dumps(out))
 /// Microseconds per conversation: feedstore's encode, the tokenizer alone on the finished text,
 /// and Python transformers.
 fn tokenize(quick: bool) {
-    use std::io::Read;
-    let gz = std::fs::read(concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/producer/tests/data/qwen3-tokenizer.json.gz"
-    ))
-    .unwrap();
-    let mut json = Vec::new();
-    flate2::read::GzDecoder::new(&gz[..])
-        .read_to_end(&mut json)
-        .unwrap();
+    let json = common::tokenizer_json();
     let chat = ChatTokenizer::from_bytes(&json, 1 << 20).unwrap();
     let plain = tokenizers::Tokenizer::from_bytes(&json).unwrap();
     let m = |role: Role, content: &str| Message::new(role, content);

@@ -2,6 +2,7 @@
 
 use std::path::PathBuf;
 use std::sync::Arc;
+use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use anyhow::{Context, bail};
@@ -9,8 +10,9 @@ use feedstore_consumer::{RankAt, StreamTask};
 use feedstore_producer::chat::ChatTokenizer;
 use feedstore_producer::feed::{FeedConfig, feed};
 use feedstore_producer::manifest::{IndexedManifest, Manifest};
-use feedstore_producer::pipeline::{Event, ProducerConfig, run};
+use feedstore_producer::pipeline::{Event, ProducerConfig, run, run_inputs};
 use feedstore_producer::profile::Profiler;
+use feedstore_producer::shards::{Shards, shard_list};
 use feedstore_producer::vision::{NORMALIZATIONS, ResizeMode};
 use feedstore_proto::reshard::resume;
 use feedstore_proto::sample::{DType, TensorLayout};
@@ -36,8 +38,23 @@ pub struct Args {
     /// human, gpt, system, tool / observation (a tool's result) or function_call (a call, its
     /// value {"name", "arguments"} as an object or JSON text); a gpt turn may carry
     /// "tool_calls". Relative image paths resolve against the manifest's folder.
-    #[arg(long, value_name = "FILE")]
-    manifest: PathBuf,
+    #[arg(long, value_name = "FILE", required_unless_present = "shards")]
+    manifest: Option<PathBuf>,
+    /// WebDataset shards instead of a manifest: tar files (local or s3://) whose members
+    /// sharing a key make a sample: a record (.json, as a manifest line: conversations,
+    /// messages or text; its id defaults to the key) or a caption (.txt), and its images (.jpg,
+    /// .jpeg, .png, .webp, .gif; in the record's "image"/"images" order when it names them).
+    /// Each value is a shard, a brace pattern (s3://bucket/shard-{000..127}.tar) or @FILE, a
+    /// file listing them, one per line. Shards are read in order, a 4 MiB chunk (one ranged
+    /// GET) at a time; a corrupt member or a shard cut short rejects only the samples it
+    /// touches. Not with --stream.
+    #[arg(
+        long,
+        value_name = "SHARDS",
+        num_args = 1..,
+        conflicts_with_all = ["manifest", "stream", "image_root"]
+    )]
+    shards: Vec<String>,
     /// Relative image paths resolve against this folder (LLaVA's `image_folder`), and every
     /// image must lie beneath it: no `..` and no symbolic link (an absolute one at all) leads
     /// out [default: the manifest's folder].
@@ -67,7 +84,7 @@ pub struct Args {
     #[arg(long, value_name = "FILE")]
     chat_template: Option<PathBuf>,
     /// Where rejected records go, one JSON object per line with line, id, stage and reason
-    /// [default: <manifest>.rejects.jsonl].
+    /// [default: <manifest>.rejects.jsonl; with --shards, shards.rejects.jsonl here].
     #[arg(long, value_name = "FILE")]
     rejects: Option<PathBuf>,
     /// Also write each produced sample's handle here, one JSON object per line with line, id,
@@ -439,13 +456,19 @@ fn image_size(args: &Args) -> anyhow::Result<ResizeMode> {
 /// with progress on stderr, then the profile.
 pub fn run_produce(args: Args) -> anyhow::Result<()> {
     let config = producer_config(&args)?;
-    let image_root = match &args.image_root {
-        Some(root) => root.clone(),
-        None => std::path::absolute(&args.manifest)
-            .with_context(|| format!("{}", args.manifest.display()))?
+    let shards = match args.shards.is_empty() {
+        true => None,
+        false => Some(shard_list(&args.shards).map_err(|e| anyhow::anyhow!("--shards: {e}"))?),
+    };
+    let image_root = match (&args.image_root, &args.manifest) {
+        (Some(root), _) => root.clone(),
+        (None, Some(manifest)) => std::path::absolute(manifest)
+            .with_context(|| format!("{}", manifest.display()))?
             .parent()
             .map(PathBuf::from)
             .unwrap_or_else(|| PathBuf::from("/")),
+        // Shards hold their images: no path is read from a record.
+        (None, None) => std::env::current_dir().context("the current folder")?,
     };
     let local = feedstore_producer::input::LocalFiles::beneath(
         &image_root,
@@ -461,29 +484,50 @@ pub fn run_produce(args: Args) -> anyhow::Result<()> {
         )
         .context("loading the tokenizer and its chat template")?,
     );
-    let rejects_path = args.rejects.clone().unwrap_or_else(|| {
-        let mut p = args.manifest.clone().into_os_string();
-        p.push(".rejects.jsonl");
-        p.into()
-    });
+    let rejects_path = args
+        .rejects
+        .clone()
+        .unwrap_or_else(|| match &args.manifest {
+            Some(manifest) => {
+                let mut p = manifest.clone().into_os_string();
+                p.push(".rejects.jsonl");
+                p.into()
+            }
+            None => PathBuf::from("shards.rejects.jsonl"),
+        });
     let rejects = LazyFile::new(&rejects_path)?;
     let handles = args.handles.as_deref().map(LazyFile::new).transpose()?;
     if !(args.s3_attempt_timeout > 0.0 && args.s3_attempt_timeout.is_finite()) {
         bail!("--s3-attempt-timeout must be a positive number of seconds");
     }
+    let (from, images) = match (&args.manifest, &shards) {
+        (Some(manifest), _) => (
+            manifest.display().to_string(),
+            format!(
+                "images beneath {}{}",
+                image_root.display(),
+                if args.allow_absolute_image_paths {
+                    " (absolute paths anywhere)"
+                } else {
+                    ""
+                }
+            ),
+        ),
+        (None, Some(shards)) => (
+            match shards.len() {
+                1 => format!("the shard {}", shards[0]),
+                n => format!("{n} shards, {} to {}", shards[0], shards[n - 1]),
+            },
+            "images in the shards".to_owned(),
+        ),
+        (None, None) => unreachable!("clap requires --manifest or --shards"),
+    };
     eprintln!(
-        "producing from {} into the store at {} with {} workers and {} fetches in flight; \
-         images beneath {}{}; chat template: {}",
-        args.manifest.display(),
+        "producing from {from} into the store at {} with {} workers and {} fetches in flight; \
+         {images}; chat template: {}",
         config.socket.display(),
         config.workers,
         config.fetch_concurrency,
-        image_root.display(),
-        if args.allow_absolute_image_paths {
-            " (absolute paths anywhere)"
-        } else {
-            ""
-        },
         tokenizer.template().origin()
     );
     let fetcher = Arc::new(s3_fetcher(&args)?.with_local(local));
@@ -491,22 +535,40 @@ pub fn run_produce(args: Args) -> anyhow::Result<()> {
     let _abandon = BarOnError(progress.bar.clone());
     // Ctrl-C (or SIGTERM) ends the run with the profile so far; a second one kills at once.
     catch_interrupts();
-    let summary = match &args.stream.stream {
-        None => {
-            let manifest = Manifest::open(&args.manifest)
-                .with_context(|| format!("opening {}", args.manifest.display()))?;
+    let mut on_event = |event: &Event, profiler: &Profiler| progress.on_event(event, profiler);
+    let summary = match (&args.stream.stream, &args.manifest, shards) {
+        (_, _, Some(shards)) => {
+            let inputs = Shards::new(shards, fetcher.clone(), args.max_image_bytes);
+            let stats = inputs.stats();
+            let summary = run_inputs(&config, tokenizer, fetcher, inputs, &mut on_event)?;
+            let (requests, bytes) = (
+                stats.requests.load(Ordering::Relaxed),
+                stats.bytes.load(Ordering::Relaxed),
+            );
+            eprintln!(
+                "read {} from the shards in {requests} reads ({:.3} per sample)",
+                feedstore_store::config::format_bytes(bytes),
+                requests as f64 / (summary.produced + summary.rejected).max(1) as f64
+            );
+            summary
+        }
+        (None, Some(manifest_path), None) => {
+            let manifest = Manifest::open(manifest_path)
+                .with_context(|| format!("opening {}", manifest_path.display()))?;
             let failure = manifest.failure();
-            let on_event = |event: &Event, profiler: &Profiler| progress.on_event(event, profiler);
-            let summary = run(&config, tokenizer, fetcher, manifest, on_event)?;
+            let summary = run(&config, tokenizer, fetcher, manifest, &mut on_event)?;
             if let Some(e) = failure.get() {
-                bail!("{}: {e}", args.manifest.display());
+                bail!("{}: {e}", manifest_path.display());
             }
             summary
         }
-        Some(name) => {
+        (Some(_), None, None) | (None, None, None) => {
+            unreachable!("clap requires --manifest or --shards")
+        }
+        (Some(name), Some(manifest_path), None) => {
             let manifest = Arc::new(
-                IndexedManifest::open(&args.manifest)
-                    .with_context(|| format!("indexing {}", args.manifest.display()))?,
+                IndexedManifest::open(manifest_path)
+                    .with_context(|| format!("indexing {}", manifest_path.display()))?,
             );
             let feed_config = args.stream.feed(name, manifest.len())?;
             progress.feeding(name, &feed_config, manifest.len());

@@ -299,8 +299,6 @@ fn produce_normalizes_as_the_model_expects() {
 /// token ids, as the same records given as JSONL, and its rejects name their position.
 #[test]
 fn produce_reads_a_llava_json_array_as_its_jsonl() {
-    use feedstore_proto::sample::SampleView;
-
     let _w = watchdog(
         "produce_reads_a_llava_json_array_as_its_jsonl",
         Duration::from_secs(180),
@@ -355,40 +353,258 @@ fn produce_reads_a_llava_json_array_as_its_jsonl() {
             String::from_utf8_lossy(&out.stderr)
         );
         assert!(stdout.contains("produced 3 samples"), "{stdout}");
-        let mut samples = BTreeMap::new();
-        for row in std::fs::read_to_string(&handles).unwrap().lines() {
-            let row: serde_json::Value = serde_json::from_str(row).unwrap();
-            let handle: feedstore_proto::Handle = row["handle"].as_str().unwrap().parse().unwrap();
-            let lease = reader.get(handle).unwrap();
-            let sample = SampleView::new(&lease).unwrap();
-            let images: Vec<Vec<u8>> = (0..sample.image_count())
-                .map(|i| sample.image(i).unwrap().bytes().to_vec())
+        let rejects: Vec<(u64, String)> =
+            rejects_in(&manifest.with_extension(format!("{ext}.rejects.jsonl")))
+                .into_iter()
+                .map(|(line, id, _)| (line, id))
                 .collect();
-            let id = row["id"].as_str().unwrap().to_string();
-            samples.insert(
-                id,
-                (sample.tokens().to_vec(), sample.labels().to_vec(), images),
-            );
-        }
-        let rejects =
-            std::fs::read_to_string(manifest.with_extension(format!("{ext}.rejects.jsonl")))
-                .unwrap();
-        let rejects: Vec<(u64, String)> = rejects
-            .lines()
-            .map(|l| {
-                let r: serde_json::Value = serde_json::from_str(l).unwrap();
-                (
-                    r["line"].as_u64().unwrap(),
-                    r["id"].as_str().unwrap().to_string(),
-                )
-            })
-            .collect();
-        (samples, rejects)
+        (samples_by_id(&reader, &handles), rejects)
     };
     let (from_lines, rejected) = produce(&jsonl);
     assert_eq!(from_lines.len(), 3);
     assert_eq!(rejected, [(2, "no-image".to_string())]);
     assert_eq!(produce(&array), (from_lines, rejected));
+}
+
+/// Each sample a `--handles` file lists, by id: its tokens, labels and images' bytes.
+type Produced = BTreeMap<String, (Vec<u32>, Vec<i32>, Vec<Vec<u8>>)>;
+fn samples_by_id(reader: &feedstore_consumer::Client, handles: &Path) -> Produced {
+    use feedstore_proto::sample::SampleView;
+    let mut samples = BTreeMap::new();
+    for row in std::fs::read_to_string(handles).unwrap().lines() {
+        let row: serde_json::Value = serde_json::from_str(row).unwrap();
+        let handle: feedstore_proto::Handle = row["handle"].as_str().unwrap().parse().unwrap();
+        let lease = reader.get(handle).unwrap();
+        let sample = SampleView::new(&lease).unwrap();
+        let images: Vec<Vec<u8>> = (0..sample.image_count())
+            .map(|i| sample.image(i).unwrap().bytes().to_vec())
+            .collect();
+        let id = row["id"].as_str().unwrap().to_string();
+        samples.insert(
+            id,
+            (sample.tokens().to_vec(), sample.labels().to_vec(), images),
+        );
+    }
+    samples
+}
+
+/// Each reject in a rejects file: line, id (empty when none) and reason.
+fn rejects_in(path: &Path) -> Vec<(u64, String, String)> {
+    std::fs::read_to_string(path)
+        .unwrap()
+        .lines()
+        .map(|l| {
+            let r: serde_json::Value = serde_json::from_str(l).unwrap();
+            (
+                r["line"].as_u64().unwrap(),
+                r["id"].as_str().unwrap_or("").to_string(),
+                r["reason"].as_str().unwrap().to_string(),
+            )
+        })
+        .collect()
+}
+
+/// `feedstore produce --shards`: the records of a JSONL manifest as WebDataset samples over
+/// two shards (written by Python's tarfile, pax and GNU), a record and its image, a record
+/// naming its image, a caption and text alone, give the same tokens, labels and pixels per id,
+/// from local files and from S3 (moto, ranged GETs: one per shard). A corrupt image member and
+/// a missing shard reject only what they touch.
+#[test]
+fn produce_reads_webdataset_shards_as_their_jsonl() {
+    use feedstore_s3::{S3Fetcher, S3Options};
+    use feedstore_testkit::moto::Moto;
+    use feedstore_testkit::tar::python_tar;
+
+    let _w = watchdog(
+        "produce_reads_webdataset_shards_as_their_jsonl",
+        Duration::from_secs(240),
+    );
+    let dir = scratch_dir("produce-shards");
+    let daemon = DaemonProcess::start(&dir, &[]);
+    let tokenizer = tokenizer_file(&dir);
+    let photo = |name: &str| std::fs::read(format!("{DATA}/photos/{name}")).unwrap();
+    let turns = |q: &str, a: &str| serde_json::json!([{"from": "human", "value": format!("<image>\n{q}")}, {"from": "gpt", "value": a}]);
+    let jsonl = [
+        serde_json::json!({"id": "hopper", "image": "grace_hopper.jpg", "conversations": turns("who?", "an admiral")}),
+        serde_json::json!({"id": "cat", "image": "chelsea.png", "conversations": turns("and this?", "a cat")}),
+        serde_json::json!({"id": "rocket", "image": "rocket.jpg", "conversations": [
+            {"from": "human", "value": "<image>"}, {"from": "gpt", "value": "a rocket on its pad"}]}),
+        serde_json::json!({"id": "words", "text": "plain text, trained on in full"}),
+    ];
+    let manifest = dir.join("m.jsonl");
+    let lines: Vec<String> = jsonl.iter().map(|r| r.to_string()).collect();
+    std::fs::write(&manifest, lines.join("\n")).unwrap();
+    let record = |value: serde_json::Value| value.to_string().into_bytes();
+    let rocket = photo("rocket.jpg");
+    python_tar(
+        &dir.join("shard-0.tar"),
+        "pax",
+        &[
+            (
+                "hopper.json",
+                record(serde_json::json!({"conversations": turns("who?", "an admiral")})),
+            ),
+            ("hopper.jpg", photo("grace_hopper.jpg")),
+            ("cat.png", photo("chelsea.png")),
+            (
+                "cat.json",
+                record(
+                    serde_json::json!({"id": "cat", "image": "cat.png", "conversations": turns("and this?", "a cat")}),
+                ),
+            ),
+        ],
+    );
+    python_tar(
+        &dir.join("shard-1.tar"),
+        "gnu",
+        &[
+            ("rocket.jpg", rocket.clone()),
+            ("rocket.txt", b"a rocket on its pad\n".to_vec()),
+            ("words.json", jsonl[3].to_string().into_bytes()),
+            (
+                "broken.json",
+                record(serde_json::json!({"conversations": turns("?", "!")})),
+            ),
+            ("broken.jpg", rocket[..rocket.len() / 3].to_vec()),
+        ],
+    );
+    let reader = daemon.reader();
+    let flags = [
+        "--image-size",
+        "56x56",
+        "--workers",
+        "1",
+        "--max-reject-rate",
+        "0.5",
+        "--s3-path-style",
+    ];
+    let handles = dir.join("m.handles");
+    let out = produce_command(&daemon.socket, &manifest, &tokenizer)
+        .arg("--image-root")
+        .arg(format!("{DATA}/photos"))
+        .arg("--handles")
+        .arg(&handles)
+        .args(flags)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let from_lines = samples_by_id(&reader, &handles);
+    assert_eq!(from_lines.len(), 4);
+
+    let shards = |spec: &str, name: &str, env: &[(&str, String)]| {
+        let (handles, rejects) = (
+            dir.join(format!("{name}.handles")),
+            dir.join(format!("{name}.rejects")),
+        );
+        let out = Command::new(env!("CARGO_BIN_EXE_feedstore"))
+            .arg("produce")
+            .arg("--socket")
+            .arg(&daemon.socket)
+            .args(["--shards", spec, "--tokenizer"])
+            .arg(&tokenizer)
+            .arg("--handles")
+            .arg(&handles)
+            .arg("--rejects")
+            .arg(&rejects)
+            .args(flags)
+            .envs(env.iter().map(|(k, v)| (k, v)))
+            .output()
+            .unwrap();
+        let (stdout, stderr) = (
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr),
+        );
+        assert!(out.status.success(), "{stderr}\n{stdout}");
+        assert!(stdout.contains("produced 4 samples"), "{stdout}");
+        (
+            samples_by_id(&reader, &handles),
+            rejects_in(&rejects),
+            stderr.into_owned(),
+        )
+    };
+    let local = format!("{}/shard-{{0..2}}.tar", dir.display());
+    let (samples, mut rejects, _) = shards(&local, "local", &[]);
+    rejects.sort();
+    assert_eq!(samples, from_lines);
+    assert_eq!(rejects.len(), 2, "{rejects:?}");
+    let (line, id, reason) = &rejects[0];
+    assert_eq!((*line, id.as_str()), (5, "broken"));
+    assert!(
+        reason.contains("broken.jpg") || reason.contains("decode"),
+        "{reason}"
+    );
+    assert!(
+        rejects[1].2.contains("cannot open shard") && rejects[1].2.contains("shard-2.tar"),
+        "{rejects:?}"
+    );
+
+    // The same shards in S3: one ranged GET each.
+    let moto = Moto::start().unwrap();
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap()
+        .block_on(async {
+            let s3 = S3Fetcher::new(&S3Options {
+                endpoint: Some(moto.endpoint()),
+                force_path_style: true,
+                static_credentials: Some(("testing".into(), "testing".into())),
+                ..S3Options::default()
+            })
+            .await;
+            s3.client()
+                .create_bucket()
+                .bucket("wds")
+                .send()
+                .await
+                .unwrap();
+            for n in 0..2 {
+                let body = std::fs::read(dir.join(format!("shard-{n}.tar"))).unwrap();
+                s3.client()
+                    .put_object()
+                    .bucket("wds")
+                    .key(format!("train/shard-{n}.tar"))
+                    .body(body.into())
+                    .send()
+                    .await
+                    .unwrap();
+            }
+        });
+    let env = [
+        ("AWS_ACCESS_KEY_ID", "testing".to_owned()),
+        ("AWS_SECRET_ACCESS_KEY", "testing".to_owned()),
+        (
+            "AWS_CONFIG_FILE",
+            dir.join("no-aws-config").display().to_string(),
+        ),
+        (
+            "AWS_SHARED_CREDENTIALS_FILE",
+            dir.join("no-aws-credentials").display().to_string(),
+        ),
+        ("AWS_EC2_METADATA_DISABLED", "true".to_owned()),
+        ("AWS_ENDPOINT_URL", moto.endpoint()),
+    ];
+    let list = dir.join("shards.txt");
+    std::fs::write(
+        &list,
+        "# the training shards\ns3://wds/train/shard-{0..1}.tar\n",
+    )
+    .unwrap();
+    let (samples, rejects, stderr) = shards(&format!("@{}", list.display()), "s3", &env);
+    assert_eq!(samples, from_lines);
+    assert_eq!(rejects.len(), 1, "{rejects:?}");
+    assert!(
+        rejects[0].2.contains("s3://wds/train/shard-1.tar"),
+        "{rejects:?}"
+    );
+    assert!(
+        stderr.contains(" in 2 reads (0.400 per sample)"),
+        "{stderr}"
+    );
 }
 
 /// On a terminal (tmux on a server of its own), `feedstore produce` shows a progress bar: records,

@@ -34,3 +34,28 @@ pub fn derive_images(dir: &Path) -> Vec<PathBuf> {
     }
     out
 }
+
+/// The Qwen3 `tokenizer.json`, decompressed from the committed copy.
+pub fn tokenizer_json() -> Vec<u8> {
+    use std::io::Read;
+    let gz = std::fs::read(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/producer/tests/data/qwen3-tokenizer.json.gz"
+    ))
+    .unwrap();
+    let mut json = Vec::new();
+    flate2::read::GzDecoder::new(&gz[..])
+        .read_to_end(&mut json)
+        .unwrap();
+    json
+}
+
+/// S3 client options for a moto server (or a proxy in front of it) at `endpoint`.
+pub fn s3_options(endpoint: String) -> feedstore_s3::S3Options {
+    feedstore_s3::S3Options {
+        endpoint: Some(endpoint),
+        force_path_style: true,
+        static_credentials: Some(("bench".into(), "bench".into())),
+        ..feedstore_s3::S3Options::default()
+    }
+}

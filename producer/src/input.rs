@@ -303,10 +303,18 @@ impl Fetch for LocalFiles {
         source: &'a ImageSource,
     ) -> Pin<Box<dyn Future<Output = Result<Bytes, FetchError>> + Send + 'a>> {
         Box::pin(async move {
-            let ImageSource::Local { base, path } = source else {
-                return Err(FetchError::Unsupported(format!(
-                    "{source} (no S3 endpoint configured)"
-                )));
+            let (base, path) = match source {
+                ImageSource::Local { base, path } => (base, path),
+                ImageSource::S3 { .. } => {
+                    return Err(FetchError::Unsupported(format!(
+                        "{source} (no S3 endpoint configured)"
+                    )));
+                }
+                ImageSource::Member { .. } => {
+                    return Err(FetchError::Unsupported(format!(
+                        "{source} (a shard's member is read with its shard)"
+                    )));
+                }
             };
             let (files, base, path) = (self.clone(), base.clone(), path.clone());
             tokio::task::spawn_blocking(move || files.read(&base, &path).map(Bytes::from))

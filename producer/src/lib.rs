@@ -11,6 +11,8 @@
 //!   image paths kept beneath a root (`openat2(RESOLVE_BENEATH)`), nothing that blocks.
 //! - [`manifest`]: LLaVA / Qwen-VL JSONL records, every bad line a [`manifest::Reject`] with its
 //!   line number, id and reason, never the end of the run; indexed for random access by streams.
+//! - [`shards`]: WebDataset tar shards, local or S3, read a chunk at a time: members sharing a
+//!   key make a sample, a bad member or a shard cut short rejects only the samples it touches.
 //! - [`pipeline`]: records in, samples sealed in the store out: tokio fetches, CPU workers, every
 //!   failure a reject, with the [`profile`] stage profiler naming the bottleneck.
 //! - the S3 fetcher is the `feedstore-s3` crate (`producer/s3/`: AWS SDK, standard configuration,
@@ -42,6 +44,7 @@ pub mod input;
 pub mod manifest;
 pub mod pipeline;
 pub mod profile;
+pub mod shards;
 pub mod source;
 pub mod template;
 pub mod vision;

@@ -57,7 +57,7 @@ pub struct Reject {
     pub line: u64,
     /// The record's id, when it could be read.
     pub id: Option<String>,
-    /// The pipeline stage that refused it (`manifest`, `fetch`, `decode`, `tokenize`, `write`).
+    /// The pipeline stage that refused it (`manifest`, `shard`, `fetch`, `decode`, `tokenize`, `write`).
     pub stage: String,
     /// Why, in words.
     pub reason: String,
@@ -75,14 +75,72 @@ impl Reject {
 }
 
 #[derive(Deserialize)]
-#[serde(expecting = "a JSON object with \"id\" and \"conversations\" (or \"text\")")]
+#[serde(
+    expecting = "a JSON object with \"id\" and \"conversations\" (or \"messages\" or \"text\")"
+)]
 struct RawRecord {
     id: Option<serde_json::Value>,
     image: Option<serde_json::Value>,
     images: Option<serde_json::Value>,
     conversations: Option<Vec<RawTurn>>,
+    messages: Option<Vec<RawMessage>>,
     text: Option<String>,
     tools: Option<serde_json::Value>,
+}
+
+/// A turn in the chat form (`{"role", "content"}`), its content text or a list of parts
+/// (`{"type": "text", "text"}`, `{"type": "image"}`), as `apply_chat_template` takes it.
+#[derive(Deserialize)]
+struct RawMessage {
+    role: String,
+    #[serde(default)]
+    content: serde_json::Value,
+    tool_calls: Option<serde_json::Value>,
+}
+
+impl RawMessage {
+    /// The same turn in LLaVA's form: parts joined, an image part a placeholder.
+    fn into_turn(self) -> Result<RawTurn, String> {
+        let value = match self.content {
+            serde_json::Value::String(text) => text,
+            serde_json::Value::Null => String::new(),
+            serde_json::Value::Array(parts) => {
+                let mut text = String::new();
+                for part in parts {
+                    match part.get("type").and_then(|t| t.as_str()) {
+                        Some("image" | "image_url") => {
+                            text.push_str(crate::chat::IMAGE_PLACEHOLDER)
+                        }
+                        Some("text") => match part.get("text") {
+                            Some(serde_json::Value::String(t)) => text.push_str(t),
+                            _ => return Err("a \"text\" part without a string \"text\"".into()),
+                        },
+                        _ => {
+                            return Err(format!(
+                                "a {:?} message's part is neither {{\"type\": \"text\"}} nor \
+                                 {{\"type\": \"image\"}}: {}",
+                                self.role,
+                                feedstore_proto::truncate(&part.to_string(), 200)
+                            ));
+                        }
+                    }
+                }
+                text
+            }
+            other => {
+                return Err(format!(
+                    "a {:?} message's \"content\" is neither text nor a list of parts: {}",
+                    self.role,
+                    feedstore_proto::truncate(&other.to_string(), 200)
+                ));
+            }
+        };
+        Ok(RawTurn {
+            from: self.role,
+            value: serde_json::Value::String(value),
+            tool_calls: self.tool_calls,
+        })
+    }
 }
 
 #[derive(Deserialize)]
@@ -119,9 +177,22 @@ fn image_refs(
 /// with no images).
 fn content(
     conversations: Option<Vec<RawTurn>>,
+    messages: Option<Vec<RawMessage>>,
     text: Option<String>,
     images: usize,
 ) -> Result<Content, String> {
+    let conversations = match (conversations, messages) {
+        (Some(_), Some(_)) => {
+            return Err("record has both \"conversations\" and \"messages\"".into());
+        }
+        (None, Some(messages)) => Some(
+            messages
+                .into_iter()
+                .map(RawMessage::into_turn)
+                .collect::<Result<Vec<_>, String>>()?,
+        ),
+        (conversations, None) => conversations,
+    };
     match (conversations, text) {
         (Some(turns), None) => {
             if turns.is_empty() {
@@ -145,7 +216,7 @@ fn content(
         )),
         (None, Some(text)) => Ok(Content::Text(text)),
         (Some(_), Some(_)) => Err("record has both \"conversations\" and \"text\"".into()),
-        (None, None) => Err("missing field \"conversations\" (or \"text\")".into()),
+        (None, None) => Err("missing field \"conversations\" (or \"messages\" or \"text\")".into()),
     }
 }
 
@@ -200,6 +271,63 @@ fn message(turn: RawTurn) -> Result<Message, String> {
         role,
         content,
         tool_calls: turn.tool_calls,
+    })
+}
+
+/// The record in `text`, one JSON object, as record `line`; `default_id` stands for a missing
+/// `"id"` (a shard's sample key). `images` turns the record's image references (at most
+/// [`MAX_IMAGES_PER_RECORD`]) into its sources.
+pub(crate) fn record_from_json(
+    line: u64,
+    text: &str,
+    default_id: Option<&str>,
+    images: impl FnOnce(&[String]) -> Result<Vec<ImageSource>, String>,
+) -> Result<Record, Reject> {
+    let raw: RawRecord = serde_json::from_str(text).map_err(|e| {
+        Reject::manifest(
+            line,
+            default_id.map(str::to_owned),
+            format!("malformed JSON: {e}"),
+        )
+    })?;
+    let id = match (raw.id, default_id) {
+        (Some(serde_json::Value::String(s)), _) if !s.is_empty() => s,
+        (Some(serde_json::Value::Number(n)), _) => n.to_string(),
+        (Some(_), _) => {
+            return Err(Reject::manifest(
+                line,
+                default_id.map(str::to_owned),
+                "field \"id\" must be a non-empty string or a number",
+            ));
+        }
+        (None, Some(id)) => id.to_owned(),
+        (None, None) => return Err(Reject::manifest(line, None, "missing field \"id\"")),
+    };
+    let reject = |reason: String| Reject::manifest(line, Some(id.clone()), reason);
+    let refs = image_refs(raw.image, raw.images).map_err(reject)?;
+    if refs.len() > MAX_IMAGES_PER_RECORD {
+        return Err(reject(format!(
+            "{} images; a record may have at most {MAX_IMAGES_PER_RECORD}",
+            refs.len()
+        )));
+    }
+    let images = images(&refs).map_err(reject)?;
+    let content =
+        content(raw.conversations, raw.messages, raw.text, images.len()).map_err(reject)?;
+    if let Some(tools) = &raw.tools {
+        if !tools.is_array() {
+            return Err(reject(format!("\"tools\" is not a list: {tools}")));
+        }
+        if matches!(content, Content::Text(_)) {
+            return Err(reject("a \"text\" record cannot have \"tools\"".into()));
+        }
+    }
+    Ok(Record {
+        line,
+        id,
+        images,
+        content,
+        tools: raw.tools,
     })
 }
 
@@ -514,49 +642,10 @@ impl<R: Read> Manifest<R> {
         if text.is_empty() {
             return Ok(None);
         }
-        let raw: RawRecord = serde_json::from_str(text)
-            .map_err(|e| Reject::manifest(line, None, format!("malformed JSON: {e}")))?;
-        let id = match raw.id {
-            Some(serde_json::Value::String(s)) if !s.is_empty() => s,
-            Some(serde_json::Value::Number(n)) => n.to_string(),
-            Some(_) => {
-                return Err(Reject::manifest(
-                    line,
-                    None,
-                    "field \"id\" must be a non-empty string or a number",
-                ));
-            }
-            None => return Err(Reject::manifest(line, None, "missing field \"id\"")),
-        };
-        let reject = |reason: String| Reject::manifest(line, Some(id.clone()), reason);
-        let refs = image_refs(raw.image, raw.images).map_err(reject)?;
-        if refs.len() > MAX_IMAGES_PER_RECORD {
-            return Err(reject(format!(
-                "{} images; a record may have at most {MAX_IMAGES_PER_RECORD}",
-                refs.len()
-            )));
-        }
-        let images = refs
-            .iter()
-            .map(|r| self.image_source(r))
-            .collect::<Result<Vec<_>, _>>()
-            .map_err(reject)?;
-        let content = content(raw.conversations, raw.text, images.len()).map_err(reject)?;
-        if let Some(tools) = &raw.tools {
-            if !tools.is_array() {
-                return Err(reject(format!("\"tools\" is not a list: {tools}")));
-            }
-            if matches!(content, Content::Text(_)) {
-                return Err(reject("a \"text\" record cannot have \"tools\"".into()));
-            }
-        }
-        Ok(Some(Record {
-            line,
-            id,
-            images,
-            content,
-            tools: raw.tools,
-        }))
+        record_from_json(line, text, None, |refs| {
+            refs.iter().map(|r| self.image_source(r)).collect()
+        })
+        .map(Some)
     }
 
     fn image_source(&self, reference: &str) -> Result<ImageSource, String> {
@@ -858,6 +947,31 @@ mod tests {
             out[2].as_ref().unwrap().content,
             Content::Text("hello world".into())
         );
+    }
+
+    /// Chat `messages` (text, or parts with image parts where the images go) are the same
+    /// record as LLaVA's `conversations`.
+    #[test]
+    fn chat_messages_are_the_same_record_as_conversations() {
+        let out = read(concat!(
+            "{\"id\": \"a\", \"image\": \"1.png\", \"conversations\": [{\"from\": \"system\", \"value\": \"s\"}, {\"from\": \"human\", \"value\": \"<image>\\nq\"}, {\"from\": \"gpt\", \"value\": \"r\", \"tool_calls\": [{\"name\": \"f\"}]}]}\n",
+            "{\"id\": \"a\", \"image\": \"1.png\", \"messages\": [{\"role\": \"system\", \"content\": \"s\"}, {\"role\": \"user\", \"content\": [{\"type\": \"image\"}, {\"type\": \"text\", \"text\": \"\\nq\"}]}, {\"role\": \"assistant\", \"content\": \"r\", \"tool_calls\": [{\"name\": \"f\"}]}]}\n",
+            "{\"id\": \"b\", \"messages\": [{\"role\": \"user\", \"content\": [{\"type\": \"video\"}]}]}\n",
+            "{\"id\": \"c\", \"messages\": [{\"role\": \"user\", \"content\": 5}]}\n",
+            "{\"id\": \"d\", \"messages\": [], \"conversations\": []}\n",
+            "{\"id\": \"e\", \"messages\": [{\"role\": \"robot\", \"content\": \"x\"}]}\n",
+        ));
+        let (a, b) = (out[0].as_ref().unwrap(), out[1].as_ref().unwrap());
+        assert_eq!((&a.content, &a.images), (&b.content, &b.images));
+        for (line, want) in [
+            (2, "neither {\"type\": \"text\"}"),
+            (3, "neither text nor a list of parts"),
+            (4, "both \"conversations\" and \"messages\""),
+            (5, "unknown speaker"),
+        ] {
+            let reason = &out[line].as_ref().unwrap_err().reason;
+            assert!(reason.contains(want), "line {}: {reason}", line + 1);
+        }
     }
 
     #[test]

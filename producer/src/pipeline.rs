@@ -571,6 +571,39 @@ impl<J: Send + 'static> Skeleton<J> {
     }
 }
 
+/// What the pipeline reads, one at a time: a record whose images it fetches, a record read
+/// together with its images (a shard's sample), or a reject.
+#[derive(Debug)]
+pub enum Input {
+    /// A record; its images are fetched.
+    Record(Record),
+    /// A record and its images' bytes, in the order of [`Record::images`].
+    Read(Record, Vec<Bytes>),
+    /// A record that will not be produced.
+    Rejected(Reject),
+}
+
+/// Where the pipeline's inputs come from, read on its IO runtime (so reading may await: a
+/// shard's next chunk from S3). The pipeline asks for the next input only once it may fetch
+/// another (`fetch_concurrency`), so what an input holds is bounded by that.
+pub trait Inputs: Send + 'static {
+    /// The next input, `None` at the end.
+    fn next(&mut self) -> impl Future<Output = Option<Input>> + Send;
+}
+
+/// A manifest (any iterator of records and rejects) as [`Inputs`].
+#[derive(Debug)]
+pub struct Records<I>(pub I);
+
+impl<I: Iterator<Item = Result<Record, Reject>> + Send + 'static> Inputs for Records<I> {
+    async fn next(&mut self) -> Option<Input> {
+        Some(match self.0.next()? {
+            Ok(record) => Input::Record(record),
+            Err(reject) => Input::Rejected(reject),
+        })
+    }
+}
+
 /// Runs the pipeline over `records` to the end, calling `on_event` (on this thread) for every
 /// sample and reject as they happen, and with [`Event::Idle`] while nothing happens.
 pub fn run(
@@ -578,6 +611,17 @@ pub fn run(
     tokenizer: Arc<ChatTokenizer>,
     fetcher: Arc<dyn Fetch>,
     records: impl Iterator<Item = Result<Record, Reject>> + Send + 'static,
+    on_event: impl FnMut(&Event, &Profiler),
+) -> Result<Summary, ProducerError> {
+    run_inputs(config, tokenizer, fetcher, Records(records), on_event)
+}
+
+/// [`run`] over any [`Inputs`]: a manifest's records, or a shard's samples.
+pub fn run_inputs(
+    config: &ProducerConfig,
+    tokenizer: Arc<ChatTokenizer>,
+    fetcher: Arc<dyn Fetch>,
+    mut inputs: impl Inputs,
     on_event: impl FnMut(&Event, &Profiler),
 ) -> Result<Summary, ProducerError> {
     let (mut skeleton, clients) =
@@ -624,11 +668,21 @@ pub fn run(
     );
     skeleton.io(async move {
         let permits = Arc::new(tokio::sync::Semaphore::new(fetch_concurrency));
-        for item in records {
-            let record = match item {
-                Ok(r) => r,
-                Err(reject) => {
+        loop {
+            let started = Instant::now();
+            let record = match inputs.next().await {
+                None => break,
+                Some(Input::Record(record)) => record,
+                Some(Input::Rejected(reject)) => {
                     let _ = event_tx.send(Event::Rejected(reject));
+                    continue;
+                }
+                Some(Input::Read(record, images)) => {
+                    // Reading it was its fetch.
+                    profiler.record(Stage::Fetch, started.elapsed());
+                    profiler.fetched(images.iter().map(|i| i.len() as u64).sum());
+                    let permit = permits.clone().acquire_owned().await.expect("never closed");
+                    job_tx.send(Job { record, images }, Some(permit));
                     continue;
                 }
             };

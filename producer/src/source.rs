@@ -1,5 +1,5 @@
 //! Where image bytes come from: an [`ImageSource`] (a file on this node or an S3 object, as a
-//! manifest names it), the [`Fetch`] trait each kind of source implements
+//! manifest names it, or a member of a WebDataset shard), the [`Fetch`] trait each kind of source implements
 //! (`input::LocalFiles`, `feedstore_s3::S3Fetcher`), and why a fetch failed. A leaf: the
 //! manifest names sources, the inputs and the S3 client fetch them, the pipeline drives
 //! fetches, and this module knows none of them.
@@ -27,6 +27,15 @@ pub enum ImageSource {
         /// The path as written: absolute, or relative to the image root.
         path: PathBuf,
     },
+    /// A member of a WebDataset shard, read with its shard (never fetched on its own).
+    Member {
+        /// The shard, as [`crate::shards::Shard`] shows it.
+        shard: String,
+        /// The member's name in the tar.
+        name: String,
+        /// Where its header starts in the shard.
+        offset: u64,
+    },
 }
 
 impl ImageSource {
@@ -44,6 +53,11 @@ impl std::fmt::Display for ImageSource {
         match self {
             ImageSource::S3 { bucket, key } => write!(f, "s3://{bucket}/{key}"),
             ImageSource::Local { base, path } => write!(f, "{}", base.join(path).display()),
+            ImageSource::Member {
+                shard,
+                name,
+                offset,
+            } => write!(f, "{shard}#{name}@{offset}"),
         }
     }
 }
@@ -80,4 +94,17 @@ pub trait Fetch: Send + Sync + 'static {
         &'a self,
         source: &'a ImageSource,
     ) -> Pin<Box<dyn Future<Output = Result<Bytes, FetchError>> + Send + 'a>>;
+
+    /// Reads at most `len` bytes of the object from byte `offset` (a shard, a chunk at a
+    /// time): fewer only where the object ends, none at or past its end. Not every source
+    /// serves ranges: the default refuses.
+    fn fetch_range<'a>(
+        &'a self,
+        source: &'a ImageSource,
+        offset: u64,
+        len: u64,
+    ) -> Pin<Box<dyn Future<Output = Result<Bytes, FetchError>> + Send + 'a>> {
+        let _ = (offset, len);
+        Box::pin(async move { Err(FetchError::Unsupported(format!("{source} (ranged reads)"))) })
+    }
 }

@@ -24,6 +24,7 @@
 pub mod moto;
 pub mod proxy;
 pub mod systemd;
+pub mod tar;
 
 /// `target/<profile>` of the running test executable: where cargo put it, the workspace's
 /// binaries and the libraries a test builds with a nested `cargo build` of the same profile.

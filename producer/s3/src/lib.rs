@@ -142,21 +142,46 @@ impl S3Fetcher {
         &self.client
     }
 
-    async fn get(&self, bucket: &str, key: &str) -> Result<Bytes, FetchError> {
+    /// The object, or `range` of it (offset, length: at most that many bytes, none past its
+    /// end), retried as a whole on a body cut off or stalled.
+    async fn get(
+        &self,
+        bucket: &str,
+        key: &str,
+        range: Option<(u64, u64)>,
+    ) -> Result<Bytes, FetchError> {
         let uri = format!("s3://{bucket}/{key}");
         let mut attempt = 1;
         loop {
-            let response = self
-                .client
-                .get_object()
-                .bucket(bucket)
-                .key(key)
-                .send()
-                .await
-                .map_err(|e| request_error(&uri, &self.endpoint, e))?;
-            let max = self.max_object_bytes;
+            let request = self.client.get_object().bucket(bucket).key(key);
+            let request = match range {
+                Some((_, 0)) => return Ok(Bytes::new()),
+                Some((offset, len)) => {
+                    request.range(format!("bytes={offset}-{}", offset.saturating_add(len - 1)))
+                }
+                None => request,
+            };
+            let response = match request.send().await {
+                Ok(response) => response,
+                // A range starting at or past the end: nothing there.
+                Err(SdkError::ServiceError(e))
+                    if range.is_some() && e.raw().status().as_u16() == 416 =>
+                {
+                    return Ok(Bytes::new());
+                }
+                Err(e) => return Err(request_error(&uri, &self.endpoint, e)),
+            };
+            let max = range.map_or(self.max_object_bytes, |(_, len)| len);
+            let too_large = |size: &str| match range {
+                None => too_large(&uri, size, max),
+                Some(_) => FetchError::Other(format!(
+                    "{uri} from {}: a GET of {max} bytes got {size} (does the server ignore \
+                     Range?)",
+                    self.endpoint
+                )),
+            };
             if let Some(length) = response.content_length().filter(|&n| n as u64 > max) {
-                return Err(too_large(&uri, &length.to_string(), max));
+                return Err(too_large(&length.to_string()));
             }
             // The SDK retries a request until its response head arrives; a body cut off or
             // stalled after that is retried here, the whole GET again.
@@ -164,7 +189,7 @@ impl S3Fetcher {
             let failure = match tokio::time::timeout(self.attempt_timeout, body).await {
                 Ok(Ok(Some(body))) => return Ok(body),
                 Ok(Ok(None)) => {
-                    return Err(too_large(&uri, "more than that (past its length)", max));
+                    return Err(too_large("more than that (past its length)"));
                 }
                 Ok(Err(e)) => format!("body: {}", DisplayErrorContext(&e)),
                 Err(_) => format!(
@@ -291,8 +316,20 @@ impl Fetch for S3Fetcher {
         source: &'a ImageSource,
     ) -> Pin<Box<dyn Future<Output = Result<Bytes, FetchError>> + Send + 'a>> {
         match source {
-            ImageSource::S3 { bucket, key } => Box::pin(self.get(bucket, key)),
-            ImageSource::Local { .. } => self.local.fetch(source),
+            ImageSource::S3 { bucket, key } => Box::pin(self.get(bucket, key, None)),
+            _ => self.local.fetch(source),
+        }
+    }
+
+    fn fetch_range<'a>(
+        &'a self,
+        source: &'a ImageSource,
+        offset: u64,
+        len: u64,
+    ) -> Pin<Box<dyn Future<Output = Result<Bytes, FetchError>> + Send + 'a>> {
+        match source {
+            ImageSource::S3 { bucket, key } => Box::pin(self.get(bucket, key, Some((offset, len)))),
+            _ => self.local.fetch_range(source, offset, len),
         }
     }
 }
