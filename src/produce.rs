@@ -40,14 +40,15 @@ pub struct Args {
     /// "tool_calls". Relative image paths resolve against the manifest's folder.
     #[arg(long, value_name = "FILE", required_unless_present = "shards")]
     manifest: Option<PathBuf>,
-    /// WebDataset shards instead of a manifest: tar files (local or s3://) whose members
-    /// sharing a key make a sample: a record (.json, as a manifest line: conversations,
-    /// messages or text; its id defaults to the key) or a caption (.txt), and its images (.jpg,
-    /// .jpeg, .png, .webp, .gif; in the record's "image"/"images" order when it names them).
-    /// Each value is a shard, a brace pattern (s3://bucket/shard-{000..127}.tar) or @FILE, a
-    /// file listing them, one per line. Shards are read in order, a 4 MiB chunk (one ranged
-    /// GET) at a time; a corrupt member or a shard cut short rejects only the samples it
-    /// touches. Not with --stream.
+    /// WebDataset shards instead of a manifest: uncompressed tar files (local or s3://) whose
+    /// members sharing a key make a sample: a record (.json, as a manifest line: conversations,
+    /// messages or text; its id defaults to the key) or a caption (.txt, with at least one
+    /// image), and its images (.jpg, .jpeg, .png, .webp, .gif; in the record's
+    /// "image"/"images" order when it names them). Each value is a shard, a brace pattern
+    /// (s3://bucket/shard-{000..127}.tar) or @FILE, a file listing shards or patterns, one
+    /// per line. Shards are read in order, a 4 MiB chunk (one ranged GET) at a time; a corrupt
+    /// member or a shard cut short rejects only the samples it touches; a shard that cannot be
+    /// read makes the run exit non-zero at its end. Not with --stream.
     #[arg(
         long,
         value_name = "SHARDS",
@@ -536,8 +537,11 @@ pub fn run_produce(args: Args) -> anyhow::Result<()> {
     // Ctrl-C (or SIGTERM) ends the run with the profile so far; a second one kills at once.
     catch_interrupts();
     let mut on_event = |event: &Event, profiler: &Profiler| progress.on_event(event, profiler);
+    // Shards that could not be read to their end: counted, and the run fails once it is over.
+    let mut unreadable = None;
     let summary = match (&args.stream.stream, &args.manifest, shards) {
         (_, _, Some(shards)) => {
+            let named = shards.len();
             let inputs = Shards::new(shards, fetcher.clone(), args.max_image_bytes);
             let stats = inputs.stats();
             let summary = run_inputs(&config, tokenizer, fetcher, inputs, &mut on_event)?;
@@ -546,10 +550,12 @@ pub fn run_produce(args: Args) -> anyhow::Result<()> {
                 stats.bytes.load(Ordering::Relaxed),
             );
             eprintln!(
-                "read {} from the shards in {requests} reads ({:.3} per sample)",
+                "read {} from {named} shard(s) in {requests} reads ({:.3} reads per sample)",
                 feedstore_store::config::format_bytes(bytes),
                 requests as f64 / (summary.produced + summary.rejected).max(1) as f64
             );
+            let failed = stats.unreadable.load(Ordering::Relaxed);
+            unreadable = (failed > 0).then_some((failed, named));
             summary
         }
         (None, Some(manifest_path), None) => {
@@ -583,7 +589,17 @@ pub fn run_produce(args: Args) -> anyhow::Result<()> {
             )?
         }
     };
-    progress.finish(&summary, args.max_reject_rate)
+    let rejects_path = progress.rejects_path().to_owned();
+    progress.finish(&summary, args.max_reject_rate)?;
+    if let Some((failed, named)) = unreadable {
+        bail!(
+            "{failed} of {named} shard(s) could not be read to their end (missing, not a tar \
+             file, or a read that failed after its retries): their samples are missing from \
+             this run; see {}",
+            rejects_path.display()
+        );
+    }
+    Ok(())
 }
 
 /// The pipeline's settings from the command line, checked before any work.

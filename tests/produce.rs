@@ -518,7 +518,9 @@ fn produce_reads_webdataset_shards_as_their_jsonl() {
             String::from_utf8_lossy(&out.stdout),
             String::from_utf8_lossy(&out.stderr),
         );
-        assert!(out.status.success(), "{stderr}\n{stdout}");
+        // A shard that cannot be read fails the run, once every other sample is made.
+        let unreadable = stderr.contains("shard(s) could not be read to their end");
+        assert_eq!(out.status.success(), !unreadable, "{stderr}\n{stdout}");
         assert!(stdout.contains("produced 4 samples"), "{stdout}");
         (
             samples_by_id(&reader, &handles),
@@ -527,7 +529,11 @@ fn produce_reads_webdataset_shards_as_their_jsonl() {
         )
     };
     let local = format!("{}/shard-{{0..2}}.tar", dir.display());
-    let (samples, mut rejects, _) = shards(&local, "local", &[]);
+    let (samples, mut rejects, stderr) = shards(&local, "local", &[]);
+    assert!(
+        stderr.contains("1 of 3 shard(s) could not be read to their end"),
+        "{stderr}"
+    );
     rejects.sort();
     assert_eq!(samples, from_lines);
     assert_eq!(rejects.len(), 2, "{rejects:?}");
@@ -602,9 +608,10 @@ fn produce_reads_webdataset_shards_as_their_jsonl() {
         "{rejects:?}"
     );
     assert!(
-        stderr.contains(" in 2 reads (0.400 per sample)"),
+        stderr.contains("from 2 shard(s) in 2 reads (0.400 reads per sample)"),
         "{stderr}"
     );
+    assert!(!stderr.contains("could not be read"), "{stderr}");
 }
 
 /// On a terminal (tmux on a server of its own), `feedstore produce` shows a progress bar: records,

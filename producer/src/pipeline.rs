@@ -584,8 +584,9 @@ pub enum Input {
 }
 
 /// Where the pipeline's inputs come from, read on its IO runtime (so reading may await: a
-/// shard's next chunk from S3). The pipeline asks for the next input only once it may fetch
-/// another (`fetch_concurrency`), so what an input holds is bounded by that.
+/// shard's next chunk from S3). The pipeline asks for the next input only once the last one
+/// holds one of its `fetch_concurrency` permits (held until a worker takes it), so the inputs
+/// held at once are bounded by that plus one.
 pub trait Inputs: Send + 'static {
     /// The next input, `None` at the end.
     fn next(&mut self) -> impl Future<Output = Option<Input>> + Send;

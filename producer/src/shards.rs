@@ -11,16 +11,18 @@
 //! (`jpg`, `jpeg`, `png`, `webp`, `gif`), in the order of the record's `image` / `images` when it
 //! names them (by member name, file name or extension: `"jpg"`, `"0.png"`) and in the shard's
 //! order when it does not. Without a `.json`, a `.txt` member is a caption: the user turn is the
-//! images' placeholders, the assistant's turn the caption (text alone when there is no image).
-//! Other members are skipped unread.
+//! images' placeholders, the assistant's turn the caption (a caption needs an image). Other
+//! members are skipped unread. Shards are uncompressed tar files (a compressed one is refused,
+//! saying so).
 //!
 //! A shard is never held whole: [`Shards`] keeps one chunk ([`CHUNK_BYTES`], one ranged GET from
 //! S3, with the next one's GET under way while it is read) plus the sample being gathered, each member bounded (images by `--max-image-bytes`,
 //! records by the manifest's line limit), so memory is bounded however large the shard. What
 //! goes wrong rejects the sample it happened in, with its shard and byte offset, never the run:
-//! a member over its limit, a corrupt header (reading goes on at the next header that checks
-//! out), a shard cut short (the sample it ends in; a shard must end with tar's end-of-archive
-//! blocks), a shard that cannot be read (one reject for the rest of it).
+//! a member over its limit, a corrupt header (the samples before and after it, since the member
+//! lost may be either's; reading goes on at the next header that checks out), a shard cut
+//! short (the sample it ends in; a shard must end with tar's end-of-archive blocks), a shard
+//! that cannot be read (one reject, counted in [`ShardStats::unreadable`]).
 
 use std::collections::VecDeque;
 use std::fs::File;
@@ -49,6 +51,9 @@ const MAX_EXTENDED_HEADER: u64 = 1 << 20;
 const IMAGE_EXTENSIONS: [&str; 5] = ["jpg", "jpeg", "png", "webp", "gif"];
 
 const BLOCK: u64 = 512;
+
+/// The largest member a header may claim (1 PiB): past it, the header is taken as corrupt.
+const MAX_MEMBER_SPAN: u64 = 1 << 50;
 
 /// A shard: a tar file on this node or an S3 object.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -91,33 +96,33 @@ impl std::fmt::Display for Shard {
 }
 
 /// The shards `specs` name, in order: each a shard, a brace pattern (`shard-{000..127}.tar`,
-/// `{train,val}-{0..3}.tar`), or `@FILE`, a file listing them (one per line, `#` comments;
-/// relative paths against the file's folder).
+/// `{train,val}-{0..3}.tar`), or `@FILE`, a file listing them (one shard or pattern per line,
+/// `#` comments; relative paths against the file's folder). At most [`MAX_SHARDS`], their names
+/// [`MAX_NAME_BYTES`] each.
 pub fn shard_list(specs: &[String]) -> Result<Vec<Shard>, String> {
     let mut shards = Vec::new();
+    let add = |name: &str, folder: Option<&Path>, shards: &mut Vec<Shard>| {
+        for name in expand(name, MAX_SHARDS - shards.len())? {
+            let shard = Shard::parse(&name)?;
+            shards.push(match (shard, folder) {
+                (Shard::Local(p), Some(folder)) if p.is_relative() => Shard::Local(folder.join(p)),
+                (other, _) => other,
+            });
+        }
+        Ok::<_, String>(())
+    };
     for spec in specs {
         match spec.strip_prefix('@') {
             Some(list) => {
                 let text = read_list(Path::new(list))?;
                 let folder = Path::new(list).parent().unwrap_or(Path::new(""));
                 for line in text.lines().map(str::trim) {
-                    if line.is_empty() || line.starts_with('#') {
-                        continue;
-                    }
-                    for name in expand(line, MAX_SHARDS - shards.len())? {
-                        let shard = Shard::parse(&name)?;
-                        shards.push(match shard {
-                            Shard::Local(p) if p.is_relative() => Shard::Local(folder.join(p)),
-                            other => other,
-                        });
+                    if !line.is_empty() && !line.starts_with('#') {
+                        add(line, Some(folder), &mut shards)?;
                     }
                 }
             }
-            None => {
-                for name in expand(spec, MAX_SHARDS - shards.len())? {
-                    shards.push(Shard::parse(&name)?);
-                }
-            }
+            None => add(spec, None, &mut shards)?,
         }
     }
     if shards.is_empty() {
@@ -144,50 +149,96 @@ fn read_list(path: &Path) -> Result<String, String> {
     String::from_utf8(bytes).map_err(|_| format!("the shard list {} is not text", path.display()))
 }
 
+/// The longest shard name (a path or an S3 URI), pattern or expanded.
+pub const MAX_NAME_BYTES: usize = 4096;
+
+/// The most brace groups in one pattern.
+const MAX_BRACE_GROUPS: usize = 16;
+
 /// Expands the brace patterns in `pattern` (`{000..127}`: numbers, zero-padded to the first's
-/// width; `{a,b}`: alternatives), to at most `limit` names.
+/// width; `{a,b}`: alternatives; no nesting), to at most `limit` names of at most
+/// [`MAX_NAME_BYTES`] each.
 pub fn expand(pattern: &str, limit: usize) -> Result<Vec<String>, String> {
-    let Some(open) = pattern.find('{') else {
-        if pattern.contains('}') {
+    let over = || format!("{pattern:?} names over {limit} shards");
+    if limit == 0 {
+        return Err(over());
+    }
+    if pattern.len() > MAX_NAME_BYTES {
+        return Err(format!(
+            "a shard name or pattern of {} bytes (at most {MAX_NAME_BYTES})",
+            pattern.len()
+        ));
+    }
+    // The pattern as parts, each a list of choices (a literal is one).
+    let mut parts: Vec<Vec<String>> = Vec::new();
+    let mut count = 1usize;
+    let mut rest = pattern;
+    while let Some(open) = rest.find('{') {
+        if rest[..open].contains('}') {
             return Err(format!("{pattern:?}: a '}}' without its '{{'"));
         }
-        return Ok(vec![pattern.to_owned()]);
-    };
-    let close = pattern[open..]
-        .find('}')
-        .map(|c| open + c)
-        .ok_or_else(|| format!("{pattern:?}: a '{{' without its '}}'"))?;
-    let body = &pattern[open + 1..close];
-    if body.contains('{') {
-        return Err(format!("{pattern:?}: nested braces are not expanded"));
-    }
-    let choices: Vec<String> = match body.split_once("..") {
-        Some((from, to)) => {
-            let parse = |n: &str| {
-                n.parse::<u64>()
-                    .map_err(|_| format!("{pattern:?}: {{{body}}} is not a range of numbers"))
-            };
-            let (a, b) = (parse(from)?, parse(to)?);
-            if a > b {
-                return Err(format!("{pattern:?}: {{{body}}} is an empty range"));
-            }
-            if b - a >= limit as u64 {
-                return Err(format!("{pattern:?} names over {limit} shards"));
-            }
-            let width = if from.starts_with('0') { from.len() } else { 0 };
-            (a..=b).map(|n| format!("{n:0width$}")).collect()
+        parts.push(vec![rest[..open].to_owned()]);
+        let close = rest[open..]
+            .find('}')
+            .map(|c| open + c)
+            .ok_or_else(|| format!("{pattern:?}: a '{{' without its '}}'"))?;
+        let body = &rest[open + 1..close];
+        if body.contains('{') {
+            return Err(format!("{pattern:?}: nested braces are not expanded"));
         }
-        None => body.split(',').map(str::to_owned).collect(),
-    };
-    let rest = expand(&pattern[close + 1..], limit)?;
-    if choices.len().saturating_mul(rest.len()) > limit {
-        return Err(format!("{pattern:?} names over {limit} shards"));
+        if parts.len() / 2 >= MAX_BRACE_GROUPS {
+            return Err(format!("{pattern:?}: over {MAX_BRACE_GROUPS} brace groups"));
+        }
+        let choices: Vec<String> = match body.split_once("..") {
+            Some((from, to)) => {
+                let parse = |n: &str| {
+                    n.parse::<u64>()
+                        .ok()
+                        .filter(|_| n.len() <= 20)
+                        .ok_or_else(|| format!("{pattern:?}: {{{body}}} is not a range of numbers"))
+                };
+                let (a, b) = (parse(from)?, parse(to)?);
+                if a > b {
+                    return Err(format!("{pattern:?}: {{{body}}} is an empty range"));
+                }
+                if b - a >= limit as u64 {
+                    return Err(over());
+                }
+                let width = if from.starts_with('0') { from.len() } else { 0 };
+                (a..=b).map(|n| format!("{n:0width$}")).collect()
+            }
+            None if body.matches(',').count() >= limit => return Err(over()),
+            None => body.split(',').map(str::to_owned).collect(),
+        };
+        count = count
+            .checked_mul(choices.len())
+            .filter(|&c| c <= limit)
+            .ok_or_else(over)?;
+        parts.push(choices);
+        rest = &rest[close + 1..];
     }
-    let head = &pattern[..open];
-    let mut names = Vec::with_capacity(choices.len() * rest.len());
-    for choice in &choices {
-        for tail in &rest {
-            names.push(format!("{head}{choice}{tail}"));
+    if rest.contains('}') {
+        return Err(format!("{pattern:?}: a '}}' without its '{{'"));
+    }
+    parts.push(vec![rest.to_owned()]);
+    // Every combination, the last part turning fastest.
+    let mut names = Vec::with_capacity(count);
+    let mut at = vec![0usize; parts.len()];
+    for _ in 0..count {
+        let name: String = parts.iter().zip(&at).map(|(p, &i)| p[i].as_str()).collect();
+        if name.len() > MAX_NAME_BYTES {
+            return Err(format!(
+                "{pattern:?} expands to a name of {} bytes (at most {MAX_NAME_BYTES})",
+                name.len()
+            ));
+        }
+        names.push(name);
+        for (i, part) in at.iter_mut().zip(&parts).rev() {
+            *i += 1;
+            if *i < part.len() {
+                break;
+            }
+            *i = 0;
         }
     }
     Ok(names)
@@ -200,8 +251,12 @@ pub struct ShardStats {
     pub requests: AtomicU64,
     /// Bytes read.
     pub bytes: AtomicU64,
-    /// The most bytes a shard's reader held at once: its buffer and the sample being gathered.
+    /// The most bytes a shard's reader held at once: its buffer, the chunk being fetched and
+    /// the sample being gathered.
     pub peak_held: AtomicU64,
+    /// Shards that could not be read to their end (missing, unreadable, not a tar file, a
+    /// read that failed after its retries).
+    pub unreadable: AtomicU64,
 }
 
 /// The samples of a list of shards, read in order, as the pipeline's [`Inputs`]: a record with
@@ -261,6 +316,7 @@ impl Shards {
             {
                 Ok((len, file)) => Body::Local { file, len },
                 Err(e) => {
+                    self.stats.unreadable.fetch_add(1, Ordering::Relaxed);
                     self.samples += 1;
                     self.ready.push_back(Input::Rejected(shard_reject(
                         self.samples,
@@ -364,8 +420,9 @@ struct ReadAhead {
 }
 
 impl ReadAhead {
-    async fn wait(mut self) -> Result<Result<Bytes, FetchError>, tokio::task::JoinError> {
-        self.task.take().expect("awaited once").await
+    /// Its chunk (the task stays here, so a wait cancelled still aborts it on drop).
+    async fn wait(&mut self) -> Result<Result<Bytes, FetchError>, tokio::task::JoinError> {
+        self.task.as_mut().expect("awaited once").await
     }
 }
 
@@ -436,6 +493,13 @@ impl ShardReader {
             }
             let from = self.at + self.buffered();
             let mut want = CHUNK_BYTES.max(n - self.buffered());
+            // Room for what is left and a chunk, made once (growing it as it fills would hold
+            // the old and the new buffer at once); more only for a member larger than that.
+            let room = (self.buffered() + want) as usize;
+            if self.buf.capacity() < room {
+                self.buf
+                    .reserve_exact(room.max(2 * CHUNK_BYTES as usize) - self.buf.len());
+            }
             let got = match &mut self.body {
                 Body::Local { file, len } => {
                     self.stats.requests.fetch_add(1, Ordering::Relaxed);
@@ -466,11 +530,16 @@ impl ShardReader {
                     ahead,
                 } => {
                     let bytes = match ahead.take() {
-                        Some(next) if next.offset == from => {
-                            want = CHUNK_BYTES;
-                            next.wait().await.map_err(|e| {
+                        // The chunk under way holds `from` (after a jump into it, past its start).
+                        Some(mut next)
+                            if next.offset <= from && from - next.offset < CHUNK_BYTES =>
+                        {
+                            let into = from - next.offset;
+                            want = CHUNK_BYTES - into;
+                            let chunk = next.wait().await.map_err(|e| {
                                 FetchError::Other(format!("reading {source} at byte {from}: {e}"))
-                            })??
+                            })??;
+                            chunk.slice((into as usize).min(chunk.len())..)
                         }
                         _ => {
                             self.stats.requests.fetch_add(1, Ordering::Relaxed);
@@ -517,9 +586,16 @@ impl ShardReader {
     async fn take(&mut self, n: u64) -> Result<Bytes, Cut> {
         match self.fill(n).await {
             Ok(true) => {
+                // Copied out, so the sample holds its own bytes, not the chunk's.
                 let bytes = Bytes::copy_from_slice(&self.buf[self.start..self.start + n as usize]);
                 self.start += n as usize;
                 self.at += n;
+                if self.buf.capacity() as u64 > 2 * CHUNK_BYTES {
+                    // Grown for a large member: given back.
+                    self.buf.drain(..self.start);
+                    self.start = 0;
+                    self.buf.shrink_to(2 * CHUNK_BYTES as usize);
+                }
                 Ok(bytes)
             }
             Ok(false) => Err(Cut::Short),
@@ -528,13 +604,14 @@ impl ShardReader {
     }
 
     /// Passes over the next `n` bytes, reading what is buffered and jumping over the rest.
+    /// `n` is at most [`MAX_MEMBER_SPAN`], so the offset never overflows.
     fn skip(&mut self, n: u64) {
         if n <= self.buffered() {
             self.start += n as usize;
         } else {
             self.buf.clear();
             self.start = 0;
-            // A file's bytes past its end read as none: the next read finds the shard cut short.
+            // Bytes past the end read as none: the next read finds the shard cut short.
         }
         self.at += n;
     }
@@ -544,22 +621,80 @@ impl ShardReader {
         let offset = self.at;
         let header = match self.take(BLOCK).await {
             Ok(block) => block,
+            // Not even one header's worth.
+            Err(Cut::Short) if offset == 0 && self.buffered() > 0 => {
+                self.stats.unreadable.fetch_add(1, Ordering::Relaxed);
+                let head = &self.buf[self.start..];
+                let what = match compressed(head) {
+                    Some(kind) => format!("a {kind}-compressed file"),
+                    None => format!("{} bytes, less than a tar header", head.len()),
+                };
+                return Step::End {
+                    whole: None,
+                    cut: None,
+                    why: Some(format!("{}: not a tar file: {what}", self.name)),
+                };
+            }
             Err(cut) => return self.cut(cut, offset, "a header"),
         };
+        if offset == 0
+            && let Some(kind) = compressed(&header)
+        {
+            self.stats.unreadable.fetch_add(1, Ordering::Relaxed);
+            return Step::End {
+                whole: None,
+                cut: None,
+                why: Some(format!(
+                    "{}: a {kind}-compressed file, not a tar file: feedstore reads uncompressed \
+                     tar shards (decompress it first)",
+                    self.name
+                )),
+            };
+        }
         let header = match parse_header(&header) {
             Ok(Some(h)) => h,
-            // End of archive: the sample gathered last is whole.
+            // End of archive (two blocks of zeros, or one at the end of the file): the sample
+            // gathered last is whole.
             Ok(None) => {
-                return Step::End {
-                    whole: self.gathering.take(),
-                    cut: None,
-                    why: None,
+                let end = match self.fill(BLOCK).await {
+                    Ok(true) => self.buf[self.start..self.start + BLOCK as usize]
+                        .iter()
+                        .all(|&b| b == 0),
+                    _ => true,
                 };
+                if end {
+                    self.pending_problem = None;
+                    return Step::End {
+                        whole: self.gathering.take(),
+                        cut: None,
+                        why: None,
+                    };
+                }
+                return self
+                    .resync(offset, "a block of zeros amid the members".into())
+                    .await;
             }
             Err(why) => return self.resync(offset, why).await,
         };
         let size = self.pending_size.take().unwrap_or(header.size);
-        let padded = size.next_multiple_of(BLOCK);
+        let Some(padded) = size
+            .checked_next_multiple_of(BLOCK)
+            .filter(|&p| p <= MAX_MEMBER_SPAN)
+        else {
+            return self.resync(offset, format!("a size of {size} bytes")).await;
+        };
+        // A local shard's length is known: a member running past it is cut short now, not
+        // after a jump past the end.
+        if let Body::Local { len, .. } = &self.body
+            && offset + BLOCK + size > *len
+        {
+            let name = self.pending_name.take().unwrap_or(header.name);
+            return self.cut(
+                Cut::Short,
+                offset,
+                &format!("member {name} (of {size} bytes)"),
+            );
+        }
         match header.kind {
             b'x' | b'L' if size > MAX_EXTENDED_HEADER => {
                 self.pending_problem = Some(format!(
@@ -586,9 +721,16 @@ impl ShardReader {
                 return Step::Member;
             }
             b'0' | 0 | b'7' => {}
-            // Directories, links, global pax headers and the rest hold no member of a sample.
+            // A long link name: for the link that follows, which is skipped.
+            b'K' => {
+                self.skip(padded);
+                return Step::Member;
+            }
+            // Directories, links, global pax headers and the rest hold no member of a sample
+            // (what an extended header said was about this one).
             _ => {
                 self.pending_name = None;
+                self.pending_problem = None;
                 self.skip(padded);
                 return Step::Member;
             }
@@ -597,6 +739,7 @@ impl ShardReader {
         let name = name.strip_prefix("./").unwrap_or(&name).to_owned();
         let Some((key, suffix)) = split_key(&name).map(|(k, s)| (k.to_owned(), s.to_owned()))
         else {
+            self.pending_problem = None;
             self.skip(padded);
             return Step::Member;
         };
@@ -675,20 +818,39 @@ impl ShardReader {
     /// The shard stopped at `offset` while reading `what`: the sample being gathered is
     /// rejected (cut short), and the shard ends, saying why when no sample says it.
     fn cut(&mut self, cut: Cut, offset: u64, what: &str) -> Step {
+        let end = match &self.body {
+            Body::Local { len, .. } => *len,
+            Body::Remote { .. } => self.at + self.buffered(),
+        };
         let (reason, failed) = match cut {
+            // Nothing could be read: the shard, not a sample, failed.
+            Cut::Failed(e) if offset == 0 && self.gathering.is_none() => {
+                self.stats.unreadable.fetch_add(1, Ordering::Relaxed);
+                return Step::End {
+                    whole: None,
+                    cut: None,
+                    why: Some(format!("cannot read shard {}: {e}", self.name)),
+                };
+            }
             Cut::Short if what == "a header" && self.buffered() == 0 => (
                 format!(
-                    "the shard ends at byte {offset} without tar's end-of-archive blocks: cut \
-                     short?"
+                    "the shard ends at byte {offset} without tar's end-of-archive blocks (cut \
+                     short?), so a member of the sample it ends in may be missing"
                 ),
                 false,
             ),
             Cut::Short => (
-                format!("the shard is cut short in {what} at byte {offset}"),
+                format!(
+                    "the shard is cut short in {what}, which starts at byte {offset}: the shard \
+                     ends at byte {end}"
+                ),
                 false,
             ),
             Cut::Failed(e) => (format!("cannot read {what} at byte {offset}: {e}"), true),
         };
+        if failed {
+            self.stats.unreadable.fetch_add(1, Ordering::Relaxed);
+        }
         let cut = self.gathering.take().map(|mut g| {
             g.problem.get_or_insert(reason.clone());
             g
@@ -709,23 +871,21 @@ impl ShardReader {
     }
 
     /// A header at `offset` that does not check out: the sample being gathered is rejected,
-    /// and reading goes on at the next block that is a valid header (or the end of the
-    /// archive: two blocks of zeros).
+    /// and so is the first one after it (the lost member may have been either's); reading goes
+    /// on at the next block that is a valid header (or the end of the archive: two blocks of
+    /// zeros). A shard with no valid header at all is not a tar file: one reject, no more.
     async fn resync(&mut self, offset: u64, why: String) -> Step {
-        let mut sample = self
-            .gathering
-            .take()
-            .unwrap_or_else(|| Gathered::new(self.name.clone(), String::new(), offset));
+        let gathered = self.gathering.take();
         self.pending_name = None;
         self.pending_size = None;
-        self.pending_problem = None;
+        let mut found = false;
         while let Ok(true) = self.fill(BLOCK).await {
             let block = &self.buf[self.start..self.start + BLOCK as usize];
             match parse_header(block) {
-                Ok(Some(_)) => break,
+                Ok(Some(_)) => found = true,
                 Ok(None) => {
                     // The end, unless another block follows that is not zeros.
-                    let end = match self.fill(2 * BLOCK).await {
+                    found = match self.fill(2 * BLOCK).await {
                         Ok(true) => {
                             let next = self.start + BLOCK as usize;
                             self.buf[next..next + BLOCK as usize]
@@ -734,19 +894,42 @@ impl ShardReader {
                         }
                         _ => true,
                     };
-                    if end {
-                        break;
-                    }
                 }
                 Err(_) => {}
             }
+            if found {
+                break;
+            }
             self.skip(BLOCK);
         }
-        sample.problem = Some(format!(
-            "a corrupt tar header at byte {offset} ({why}); reading went on at byte {}",
-            self.at
-        ));
-        Step::Sample(sample)
+        let corrupt = format!("a corrupt tar header at byte {offset} ({why})");
+        if !found && gathered.is_none() && offset == 0 {
+            self.stats.unreadable.fetch_add(1, Ordering::Relaxed);
+            return Step::End {
+                whole: None,
+                cut: None,
+                why: Some(format!(
+                    "{}: not a tar file: no header in it checks out ({why} at byte 0)",
+                    self.name
+                )),
+            };
+        }
+        let mut sample =
+            gathered.unwrap_or_else(|| Gathered::new(self.name.clone(), String::new(), offset));
+        if found {
+            sample.problem = Some(format!("{corrupt}; reading went on at byte {}", self.at));
+            self.pending_problem = Some(format!(
+                "a member of it may have been lost to {corrupt}, just before it"
+            ));
+            Step::Sample(sample)
+        } else {
+            sample.problem = Some(format!("{corrupt}, and no valid header after it"));
+            Step::End {
+                whole: None,
+                cut: Some(sample),
+                why: None,
+            }
+        }
     }
 }
 
@@ -759,6 +942,20 @@ enum Kind {
     /// `.txt`: a caption.
     Caption,
     Other,
+}
+
+/// The compression `block` (a file's first bytes) starts with, if any.
+fn compressed(block: &[u8]) -> Option<&'static str> {
+    const MAGIC: [(&[u8], &str); 4] = [
+        (b"\x1f\x8b", "gzip"),
+        (b"\x28\xb5\x2f\xfd", "zstd"),
+        (b"BZh", "bzip2"),
+        (b"\xfd7zXZ\x00", "xz"),
+    ];
+    MAGIC
+        .iter()
+        .find(|(magic, _)| block.starts_with(magic))
+        .map(|&(_, kind)| kind)
 }
 
 /// A member's key and suffix: `dir/000017.seg.png` is `dir/000017` and `seg.png`. None for a
@@ -813,7 +1010,13 @@ impl Gathered {
     /// The sample as the pipeline's input: its record and images, or a reject naming its shard
     /// and offset.
     fn into_input(self, line: u64) -> Input {
-        let at = format!("{} at byte {}", self.shard, self.offset);
+        let at = match self.key.is_empty() {
+            true => format!("{} at byte {}", self.shard, self.offset),
+            false => format!(
+                "{}: sample {} (from byte {})",
+                self.shard, self.key, self.offset
+            ),
+        };
         let id = (!self.key.is_empty()).then(|| self.key.clone());
         if let Some(problem) = &self.problem {
             return Input::Rejected(shard_reject(line, id, format!("{at}: {problem}")));
@@ -839,7 +1042,20 @@ impl Gathered {
             stage: "manifest".into(),
             reason,
         };
-        if let Some(json) = &self.json {
+        // img2dataset's shards: a .json of metadata (url, caption, size) beside the .txt
+        // caption; a .json that is a record has a conversation or a text.
+        let is_record = |json: &Bytes| {
+            serde_json::from_slice::<serde_json::Value>(json).map_or(true, |v| {
+                ["conversations", "messages", "text"]
+                    .iter()
+                    .any(|k| v.get(k).is_some())
+            })
+        };
+        if let Some(json) = self
+            .json
+            .as_ref()
+            .filter(|j| self.caption.is_none() || is_record(j))
+        {
             let text = std::str::from_utf8(json)
                 .map_err(|e| reject(format!("the .json member is not UTF-8: {e}")))?;
             let mut picked = Vec::new();
@@ -869,15 +1085,17 @@ impl Gathered {
             .map_err(|e| reject(format!("the .txt member is not UTF-8: {e}")))?
             .trim_end()
             .to_owned();
-        let content = if self.images.is_empty() {
-            Content::Text(caption)
-        } else {
-            let placeholders = vec![IMAGE_PLACEHOLDER; self.images.len()].join("\n");
-            Content::Conversation(vec![
-                Message::new(Role::User, placeholders),
-                Message::new(Role::Assistant, caption),
-            ])
-        };
+        if self.images.is_empty() {
+            return Err(reject(
+                "a caption (.txt) with no image (a sample of text alone is a .json with \"text\")"
+                    .into(),
+            ));
+        }
+        let placeholders = vec![IMAGE_PLACEHOLDER; self.images.len()].join("\n");
+        let content = Content::Conversation(vec![
+            Message::new(Role::User, placeholders),
+            Message::new(Role::Assistant, caption),
+        ]);
         Ok((
             Record {
                 line,

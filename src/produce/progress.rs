@@ -227,6 +227,11 @@ impl Progress {
 
     /// The run's end: the bar finished, the files flushed, the summary and profile printed;
     /// an error if a file could not be written or too many records were rejected.
+    /// Where the rejects go.
+    pub(super) fn rejects_path(&self) -> &std::path::Path {
+        &self.rejects_path
+    }
+
     pub(super) fn finish(mut self, summary: &Summary, max_reject_rate: f64) -> anyhow::Result<()> {
         if let Some(bar) = &self.bar {
             // Several producers share ranks, or a resume started past 0: the bar's length was

@@ -183,11 +183,18 @@ impl S3Fetcher {
             if let Some(length) = response.content_length().filter(|&n| n as u64 > max) {
                 return Err(too_large(&length.to_string()));
             }
+            // A ranged reply says which bytes it holds, of how many: `bytes FIRST-LAST/TOTAL`.
+            let span = response.content_range().map(parse_content_range);
             // The SDK retries a request until its response head arrives; a body cut off or
             // stalled after that is retried here, the whole GET again.
             let body = collect_bounded(response.body, max);
             let failure = match tokio::time::timeout(self.attempt_timeout, body).await {
-                Ok(Ok(Some(body))) => return Ok(body),
+                Ok(Ok(Some(body))) => {
+                    match range.map(|r| check_range(r, span, body.len() as u64)) {
+                        None | Some(Ok(())) => return Ok(body),
+                        Some(Err(e)) => e,
+                    }
+                }
                 Ok(Ok(None)) => {
                     return Err(too_large("more than that (past its length)"));
                 }
@@ -207,6 +214,39 @@ impl S3Fetcher {
             tokio::time::sleep(backoff(self.initial_backoff, attempt)).await;
             attempt += 1;
         }
+    }
+}
+
+/// `Content-Range: bytes FIRST-LAST/TOTAL` as (first, total), `None` where it is not that.
+fn parse_content_range(header: &str) -> Option<(u64, Option<u64>)> {
+    let (span, total) = header.strip_prefix("bytes ")?.split_once('/')?;
+    let first = span.split_once('-')?.0.trim().parse().ok()?;
+    Some((first, total.trim().parse().ok()))
+}
+
+/// Whether `got` bytes answer a GET of `len` bytes from `offset`, as the reply's `span` says
+/// (`None`: no Content-Range): from `offset`, and short only at the object's end. A reply
+/// without one is the whole object, which answers a range from 0 only.
+fn check_range(
+    (offset, len): (u64, u64),
+    span: Option<Option<(u64, Option<u64>)>>,
+    got: u64,
+) -> Result<(), String> {
+    match span {
+        None if offset == 0 => Ok(()),
+        None => Err(format!(
+            "a GET of bytes {offset}.. came back without a Content-Range (does the server \
+             ignore Range?)"
+        )),
+        Some(None) => Err("a Content-Range that is not `bytes FIRST-LAST/TOTAL`".into()),
+        Some(Some((first, _))) if first != offset => Err(format!(
+            "a GET of bytes {offset}.. came back with bytes {first}.."
+        )),
+        Some(Some((_, total))) if got < len && total != Some(offset + got) => Err(format!(
+            "a GET of {len} bytes from {offset} got {got}, short of the object's end \
+             ({total:?} bytes)"
+        )),
+        Some(_) => Ok(()),
     }
 }
 
@@ -331,5 +371,41 @@ impl Fetch for S3Fetcher {
             ImageSource::S3 { bucket, key } => Box::pin(self.get(bucket, key, Some((offset, len)))),
             _ => self.local.fetch_range(source, offset, len),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_ranged_reply_must_hold_the_bytes_asked_or_end_the_object() {
+        let span = |h: &str| Some(parse_content_range(h));
+        assert_eq!(parse_content_range("bytes 5-9/20"), Some((5, Some(20))));
+        assert_eq!(parse_content_range("bytes 5-9/*"), Some((5, None)));
+        assert_eq!(parse_content_range("items 5-9/20"), None);
+        // Whole, or short at the end.
+        assert!(check_range((0, 10), span("bytes 0-9/20"), 10).is_ok());
+        assert!(check_range((10, 10), span("bytes 10-14/15"), 5).is_ok());
+        // A whole object for a range from 0 is the range.
+        assert!(check_range((0, 10), None, 7).is_ok());
+        // Short before the end, another start, no Content-Range past 0, a bad header.
+        assert!(
+            check_range((10, 10), span("bytes 10-14/20"), 5)
+                .unwrap_err()
+                .contains("short")
+        );
+        assert!(check_range((10, 10), span("bytes 10-14/*"), 5).is_err());
+        assert!(
+            check_range((10, 10), span("bytes 0-9/20"), 10)
+                .unwrap_err()
+                .contains("bytes 0")
+        );
+        assert!(
+            check_range((10, 10), None, 10)
+                .unwrap_err()
+                .contains("ignore Range")
+        );
+        assert!(check_range((10, 10), span("nonsense"), 10).is_err());
     }
 }
