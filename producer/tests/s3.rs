@@ -261,3 +261,150 @@ fn transient_failures_are_retried_and_final_ones_are_not() {
         );
     }
 }
+
+/// A shard of 15 MiB in S3, read through a proxy that resets the body of one ranged GET: four
+/// chunks (each the next one's GET under way while it is read, a reply cut off retried), members
+/// no sample uses jumped over where they run past what is buffered, every sample whole and byte
+/// for byte, and a range past the end (416) read as the end. Then `fetch_range` alone: a range
+/// from the middle, one past the end, and a missing key.
+#[test]
+fn a_shard_in_s3_is_read_a_ranged_get_at_a_time() {
+    use feedstore_producer::pipeline::{Input, Inputs};
+    use feedstore_producer::shards::{CHUNK_BYTES, Shard, Shards};
+    use std::sync::atomic::Ordering;
+
+    let moto = Moto::start().unwrap();
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let dir = std::env::temp_dir().join(format!(
+        "feedstore-producer-{}-s3-shard",
+        std::process::id()
+    ));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let photo = std::fs::read(format!("{DATA}/photos/grace_hopper.jpg")).unwrap();
+    let record = serde_json::json!({"conversations": [
+        {"from": "human", "value": "<image>\nwho?"}, {"from": "gpt", "value": "an admiral"}]})
+    .to_string()
+    .into_bytes();
+    let keys: Vec<String> = (0..12).map(|i| format!("{i:03}")).collect();
+    let names: Vec<[String; 3]> = keys
+        .iter()
+        .map(|k| [format!("{k}.npy"), format!("{k}.jpg"), format!("{k}.json")])
+        .collect();
+    let mut members = Vec::new();
+    for (i, [npy, jpg, json]) in names.iter().enumerate() {
+        // Every third sample carries 3 MiB no sample uses: jumped over, not fetched.
+        let filler = if i % 3 == 0 { 3 << 20 } else { 1000 };
+        members.push((npy.as_str(), vec![i as u8; filler]));
+        members.push((jpg.as_str(), photo.clone()));
+        members.push((json.as_str(), record.clone()));
+    }
+    let tar = dir.join("shard.tar");
+    feedstore_testkit::tar::python_tar(&tar, "ustar", &members);
+    let bytes = std::fs::read(&tar).unwrap();
+    assert!(bytes.len() as u64 > 3 * CHUNK_BYTES);
+    let direct = runtime.block_on(S3Fetcher::new(&options(moto.endpoint())));
+    runtime.block_on(async {
+        direct
+            .client()
+            .create_bucket()
+            .bucket("wds")
+            .send()
+            .await
+            .unwrap();
+        direct
+            .client()
+            .put_object()
+            .bucket("wds")
+            .key("train/shard-0.tar")
+            .body(bytes.clone().into())
+            .send()
+            .await
+            .unwrap();
+    });
+    // The first ranged GET's body is cut off once: retried as a whole.
+    let proxy = FaultProxy::start(
+        moto.addr(),
+        Plan {
+            latency: Duration::ZERO,
+            rules: vec![Rule::new("shard-0.tar", Fault::ResetMidBody).times(1)],
+        },
+    )
+    .unwrap();
+    let fetcher = Arc::new(runtime.block_on(S3Fetcher::new(&options(proxy.endpoint()))));
+    let mut reader = Shards::new(
+        vec![Shard::S3 {
+            bucket: "wds".into(),
+            key: "train/shard-0.tar".into(),
+        }],
+        fetcher.clone(),
+        64 << 20,
+    );
+    let read = runtime.block_on(async {
+        let mut read = Vec::new();
+        while let Some(input) = reader.next().await {
+            match input {
+                Input::Read(record, images) => {
+                    assert_eq!(images.len(), 1);
+                    assert_eq!(images[0], photo, "{} byte for byte", record.id);
+                    read.push(record.id);
+                }
+                other => panic!("{other:?}"),
+            }
+        }
+        read
+    });
+    assert_eq!(read, keys);
+    let stats = reader.stats();
+    let (got, requests) = (
+        stats.bytes.load(Ordering::Relaxed),
+        stats.requests.load(Ordering::Relaxed),
+    );
+    // The 3 MiB fillers past the buffer are not fetched.
+    assert!(
+        got < bytes.len() as u64 - (3 << 20),
+        "read {got} of {}",
+        bytes.len()
+    );
+    assert!(
+        requests <= 2 * (bytes.len() as u64 / CHUNK_BYTES + 1) + 4,
+        "{requests}"
+    );
+    let seen = proxy.requests_for("shard-0.tar");
+    assert!(
+        seen >= 3 && proxy.faults() == 1,
+        "{seen} GETs, {} faults",
+        proxy.faults()
+    );
+
+    runtime.block_on(async {
+        let source = s3("wds", "train/shard-0.tar");
+        let len = bytes.len() as u64;
+        let middle = fetcher.fetch_range(&source, 1000, 5000).await.unwrap();
+        assert_eq!(middle, bytes[1000..6000]);
+        let tail = fetcher.fetch_range(&source, len - 10, 100).await.unwrap();
+        assert_eq!(tail, bytes[bytes.len() - 10..]);
+        assert!(
+            fetcher
+                .fetch_range(&source, len, 100)
+                .await
+                .unwrap()
+                .is_empty()
+        );
+        assert!(
+            fetcher
+                .fetch_range(&source, len + 5000, 100)
+                .await
+                .unwrap()
+                .is_empty()
+        );
+        assert!(matches!(
+            fetcher.fetch_range(&s3("wds", "nope.tar"), 0, 100).await,
+            Err(FetchError::NotFound(_))
+        ));
+    });
+    let _ = std::fs::remove_dir_all(&dir);
+}
