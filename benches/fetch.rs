@@ -190,15 +190,7 @@ fn main() {
         .collect();
     std::fs::write(&manifest, lines.join("\n")).unwrap();
     let socket = dir.join("feedstored.sock");
-    let store = feedstore_store::config::DaemonConfig {
-        socket: socket.clone(),
-        capacity_bytes: 2 << 30,
-        segment_bytes: 2 << 30,
-        ..feedstore_store::config::DaemonConfig::default()
-    };
-    let daemon = feedstore_store::daemon::Daemon::bind(&store)
-        .unwrap()
-        .spawn();
+    let daemon = common::embedded_daemon(&socket, 2 << 30);
     println!("| producer (2 CPU workers) | samples/s | CPU workers idle | verdict |");
     println!("|---|---|---|---|");
     for concurrency in [1usize, 64] {

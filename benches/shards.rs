@@ -194,15 +194,7 @@ fn main() {
 
     let tokenizer = Arc::new(ChatTokenizer::from_bytes(&common::tokenizer_json(), 8192).unwrap());
     let socket = dir.join("feedstored.sock");
-    let store_config = feedstore_store::config::DaemonConfig {
-        socket: socket.clone(),
-        capacity_bytes: 2 << 30,
-        segment_bytes: 2 << 30,
-        ..feedstore_store::config::DaemonConfig::default()
-    };
-    let daemon = feedstore_store::daemon::Daemon::bind(&store_config)
-        .unwrap()
-        .spawn();
+    let daemon = common::embedded_daemon(&socket, 2 << 30);
     let fetcher: Arc<S3Fetcher> =
         Arc::new(runtime.block_on(S3Fetcher::new(&options(proxy.endpoint()))));
     let mut config = ProducerConfig::new(socket.clone());

@@ -59,3 +59,19 @@ pub fn s3_options(endpoint: String) -> feedstore_s3::S3Options {
         ..feedstore_s3::S3Options::default()
     }
 }
+
+/// A store of `capacity_bytes` (one segment) served from this process on `socket`.
+pub fn embedded_daemon(
+    socket: &Path,
+    capacity_bytes: u64,
+) -> feedstore_store::daemon::DaemonHandle {
+    let config = feedstore_store::config::DaemonConfig {
+        socket: socket.to_owned(),
+        capacity_bytes,
+        segment_bytes: capacity_bytes,
+        ..feedstore_store::config::DaemonConfig::default()
+    };
+    feedstore_store::daemon::Daemon::bind(&config)
+        .unwrap()
+        .spawn()
+}
