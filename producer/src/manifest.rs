@@ -48,6 +48,9 @@ pub struct Record {
     /// Tool definitions the chat template lists (the record's `"tools"`), as
     /// `apply_chat_template(..., tools=...)` takes them.
     pub tools: Option<serde_json::Value>,
+    /// Where it was read, where its line does not say: a shard's sample (`SHARD: sample KEY
+    /// (from byte N)`), named in its rejects at every stage.
+    pub origin: Option<String>,
 }
 
 /// A sample that will not be produced, as written to the rejects JSONL file.
@@ -328,6 +331,7 @@ pub(crate) fn record_from_json(
         images,
         content,
         tools: raw.tools,
+        origin: None,
     })
 }
 

@@ -759,6 +759,10 @@ pub(crate) async fn fetch_all(
 }
 
 pub(crate) fn reject(record: &Record, stage: &str, reason: String) -> Reject {
+    let reason = match &record.origin {
+        Some(origin) => format!("{origin}: {reason}"),
+        None => reason,
+    };
     Reject {
         line: record.line,
         id: Some(record.id.clone()),

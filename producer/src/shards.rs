@@ -1022,7 +1022,10 @@ impl Gathered {
             return Input::Rejected(shard_reject(line, id, format!("{at}: {problem}")));
         }
         match self.record(line) {
-            Ok((record, images)) => Input::Read(record, images),
+            Ok((mut record, images)) => {
+                record.origin = Some(at);
+                Input::Read(record, images)
+            }
             Err(mut reject) => {
                 reject.reason = format!("{at}: {}", reject.reason);
                 Input::Rejected(reject)
@@ -1103,6 +1106,7 @@ impl Gathered {
                 images: self.images.iter().map(source).collect(),
                 content,
                 tools: None,
+                origin: None,
             },
             self.images.iter().map(|m| m.bytes.clone()).collect(),
         ))
