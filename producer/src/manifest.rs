@@ -50,7 +50,7 @@ pub struct Record {
     pub tools: Option<serde_json::Value>,
     /// Where it was read, where its line does not say: a shard's sample (`SHARD: sample KEY
     /// (from byte N)`), named in its rejects at every stage.
-    pub origin: Option<String>,
+    pub origin: Option<Box<str>>,
 }
 
 /// A sample that will not be produced, as written to the rejects JSONL file.

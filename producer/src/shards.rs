@@ -1023,7 +1023,7 @@ impl Gathered {
         }
         match self.record(line) {
             Ok((mut record, images)) => {
-                record.origin = Some(at);
+                record.origin = Some(at.into());
                 Input::Read(record, images)
             }
             Err(mut reject) => {
