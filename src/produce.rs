@@ -12,7 +12,8 @@ use feedstore_producer::feed::{FeedConfig, feed};
 use feedstore_producer::manifest::{IndexedManifest, Manifest};
 use feedstore_producer::pipeline::{Event, ProducerConfig, run, run_inputs};
 use feedstore_producer::profile::Profiler;
-use feedstore_producer::shards::{Shards, shard_list};
+use feedstore_producer::shards::{Shard, Shards, shard_list};
+use feedstore_producer::tables::ParquetFiles;
 use feedstore_producer::vision::{NORMALIZATIONS, ResizeMode};
 use feedstore_proto::reshard::resume;
 use feedstore_proto::sample::{DType, TensorLayout};
@@ -38,7 +39,7 @@ pub struct Args {
     /// human, gpt, system, tool / observation (a tool's result) or function_call (a call, its
     /// value {"name", "arguments"} as an object or JSON text); a gpt turn may carry
     /// "tool_calls". Relative image paths resolve against the manifest's folder.
-    #[arg(long, value_name = "FILE", required_unless_present = "shards")]
+    #[arg(long, value_name = "FILE", required_unless_present_any = ["shards", "parquet"])]
     manifest: Option<PathBuf>,
     /// WebDataset shards instead of a manifest: uncompressed tar files (local or s3://) whose
     /// members sharing a key make a sample: a record (.json, as a manifest line: conversations,
@@ -53,12 +54,28 @@ pub struct Args {
         long,
         value_name = "SHARDS",
         num_args = 1..,
-        conflicts_with_all = ["manifest", "stream", "image_root"]
+        conflicts_with_all = ["manifest", "stream", "image_root", "parquet"]
     )]
     shards: Vec<String>,
+    /// Parquet files instead of a manifest (Hugging Face datasets' exports, local or s3://;
+    /// patterns and @FILE as for --shards): a row is a record, its columns a manifest line's
+    /// keys (id, conversations, messages, text, image, images). An Image column ({bytes,
+    /// path}, alone or in a list) holds the image, or names a path that resolves as a
+    /// manifest's (against --image-root, by default the first local file's folder). Read a row
+    /// group (at most 1 GiB) at a time, every page header checked before it is decoded;
+    /// snappy, zstd, lz4_raw or uncompressed (gzip and brotli are refused). A row group or file
+    /// that cannot be read is one reject and makes the run exit non-zero at its end. Not with
+    /// --stream.
+    #[arg(
+        long,
+        value_name = "FILES",
+        num_args = 1..,
+        conflicts_with_all = ["manifest", "stream"]
+    )]
+    parquet: Vec<String>,
     /// Relative image paths resolve against this folder (LLaVA's `image_folder`), and every
     /// image must lie beneath it: no `..` and no symbolic link (an absolute one at all) leads
-    /// out [default: the manifest's folder].
+    /// out [default: the manifest's folder; with --parquet, the first local file's].
     #[arg(long, value_name = "DIR")]
     image_root: Option<PathBuf>,
     /// Read absolute image paths outside the image root too, as given (relative paths stay
@@ -85,7 +102,8 @@ pub struct Args {
     #[arg(long, value_name = "FILE")]
     chat_template: Option<PathBuf>,
     /// Where rejected records go, one JSON object per line with line, id, stage and reason
-    /// [default: <manifest>.rejects.jsonl; with --shards, shards.rejects.jsonl here].
+    /// [default: <manifest>.rejects.jsonl; with --shards or --parquet, shards.rejects.jsonl
+    /// or parquet.rejects.jsonl here].
     #[arg(long, value_name = "FILE")]
     rejects: Option<PathBuf>,
     /// Also write each produced sample's handle here, one JSON object per line with line, id,
@@ -461,6 +479,20 @@ pub fn run_produce(args: Args) -> anyhow::Result<()> {
         true => None,
         false => Some(shard_list(&args.shards).map_err(|e| anyhow::anyhow!("--shards: {e}"))?),
     };
+    let tables = match args.parquet.is_empty() {
+        true => None,
+        false => Some(shard_list(&args.parquet).map_err(|e| anyhow::anyhow!("--parquet: {e}"))?),
+    };
+    // Where a Parquet row's image paths resolve: beside the first local file.
+    let tables_folder = tables.iter().flatten().find_map(|file| match file {
+        Shard::Local(path) => Some(
+            std::path::absolute(path)
+                .ok()?
+                .parent()
+                .map_or_else(|| PathBuf::from("/"), PathBuf::from),
+        ),
+        Shard::S3 { .. } => None,
+    });
     let image_root = match (&args.image_root, &args.manifest) {
         (Some(root), _) => root.clone(),
         (None, Some(manifest)) => std::path::absolute(manifest)
@@ -469,7 +501,10 @@ pub fn run_produce(args: Args) -> anyhow::Result<()> {
             .map(PathBuf::from)
             .unwrap_or_else(|| PathBuf::from("/")),
         // Shards hold their images: no path is read from a record.
-        (None, None) => std::env::current_dir().context("the current folder")?,
+        (None, None) => match tables_folder {
+            Some(folder) => folder,
+            None => std::env::current_dir().context("the current folder")?,
+        },
     };
     let local = feedstore_producer::input::LocalFiles::beneath(
         &image_root,
@@ -494,6 +529,7 @@ pub fn run_produce(args: Args) -> anyhow::Result<()> {
                 p.push(".rejects.jsonl");
                 p.into()
             }
+            None if tables.is_some() => PathBuf::from("parquet.rejects.jsonl"),
             None => PathBuf::from("shards.rejects.jsonl"),
         });
     let rejects = LazyFile::new(&rejects_path)?;
@@ -502,6 +538,16 @@ pub fn run_produce(args: Args) -> anyhow::Result<()> {
         bail!("--s3-attempt-timeout must be a positive number of seconds");
     }
     let (from, images) = match (&args.manifest, &shards) {
+        (None, None) if let Some(files) = &tables => (
+            match files.len() {
+                1 => format!("the Parquet file {}", files[0]),
+                n => format!("{n} Parquet files, {} to {}", files[0], files[n - 1]),
+            },
+            format!(
+                "images in the files, or paths beneath {}",
+                image_root.display()
+            ),
+        ),
         (Some(manifest), _) => (
             manifest.display().to_string(),
             format!(
@@ -521,7 +567,7 @@ pub fn run_produce(args: Args) -> anyhow::Result<()> {
             },
             "images in the shards".to_owned(),
         ),
-        (None, None) => unreachable!("clap requires --manifest or --shards"),
+        (None, None) => unreachable!("clap requires --manifest, --shards or --parquet"),
     };
     eprintln!(
         "producing from {from} into the store at {} with {} workers and {} fetches in flight; \
@@ -537,9 +583,39 @@ pub fn run_produce(args: Args) -> anyhow::Result<()> {
     // Ctrl-C (or SIGTERM) ends the run with the profile so far; a second one kills at once.
     catch_interrupts();
     let mut on_event = |event: &Event, profiler: &Profiler| progress.on_event(event, profiler);
-    // Shards that could not be read to their end: counted, and the run fails once it is over.
+    // Shards or Parquet files that could not be read to their end: counted, and the run fails
+    // once it is over.
     let mut unreadable = None;
     let summary = match (&args.stream.stream, &args.manifest, shards) {
+        (_, None, None) if let Some(files) = tables => {
+            let named = files.len();
+            let inputs = ParquetFiles::new(
+                files,
+                fetcher.clone(),
+                args.max_image_bytes,
+                image_root.clone(),
+            );
+            let stats = inputs.stats();
+            let summary = run_inputs(&config, tokenizer, fetcher, inputs, &mut on_event)?;
+            let load = |n: &std::sync::atomic::AtomicU64| n.load(Ordering::Relaxed);
+            eprintln!(
+                "read {} from {named} Parquet file(s), {} row group(s) (the largest {}), in \
+                 {} reads",
+                feedstore_store::config::format_bytes(load(&stats.bytes)),
+                load(&stats.row_groups),
+                feedstore_store::config::format_bytes(load(&stats.peak_row_group)),
+                load(&stats.requests),
+            );
+            let failed = load(&stats.unreadable);
+            unreadable = (failed > 0).then(|| {
+                format!(
+                    "{failed} Parquet file(s) or row group(s) of the {named} file(s) could not be \
+                     read (missing, not a Parquet file, a corrupt page, a limit passed, or a \
+                     read that failed after its retries): their rows are missing from this run"
+                )
+            });
+            summary
+        }
         (_, _, Some(shards)) => {
             let named = shards.len();
             let inputs = Shards::new(shards, fetcher.clone(), args.max_image_bytes);
@@ -555,7 +631,13 @@ pub fn run_produce(args: Args) -> anyhow::Result<()> {
                 requests as f64 / (summary.produced + summary.rejected).max(1) as f64
             );
             let failed = stats.unreadable.load(Ordering::Relaxed);
-            unreadable = (failed > 0).then_some((failed, named));
+            unreadable = (failed > 0).then(|| {
+                format!(
+                    "{failed} of {named} shard(s) could not be read to their end (missing, not \
+                     a tar file, or a read that failed after its retries): their samples are \
+                     missing from this run"
+                )
+            });
             summary
         }
         (None, Some(manifest_path), None) => {
@@ -591,13 +673,8 @@ pub fn run_produce(args: Args) -> anyhow::Result<()> {
     };
     let rejects_path = progress.rejects_path().to_owned();
     progress.finish(&summary, args.max_reject_rate)?;
-    if let Some((failed, named)) = unreadable {
-        bail!(
-            "{failed} of {named} shard(s) could not be read to their end (missing, not a tar \
-             file, or a read that failed after its retries): their samples are missing from \
-             this run; see {}",
-            rejects_path.display()
-        );
+    if let Some(unreadable) = unreadable {
+        bail!("{unreadable}; see {}", rejects_path.display());
     }
     Ok(())
 }

@@ -404,20 +404,22 @@ fn rejects_in(path: &Path) -> Vec<(u64, String, String)> {
         .collect()
 }
 
-/// `feedstore produce --shards`: the records of a JSONL manifest as WebDataset samples over
-/// two shards (written by Python's tarfile, pax and GNU), a record and its image, a record
-/// naming its image, a caption and text alone, give the same tokens, labels and pixels per id,
-/// from local files and from S3 (moto, ranged GETs: one per shard). A corrupt image member and
-/// a missing shard reject only what they touch.
+/// `feedstore produce --shards` and `--parquet`: the records of a JSONL manifest as WebDataset
+/// samples over two shards (written by Python's tarfile, pax and GNU: a record and its image, a
+/// record naming its image, a caption and text alone) and as a Hugging Face dataset's Parquet
+/// export (written by `datasets`, images embedded) give the same tokens, labels and pixels per
+/// id, from local files and from S3 (moto: one ranged GET per shard; a Parquet file's size, end
+/// and row group). A corrupt image, a missing shard and a Parquet file cut short reject only
+/// what they touch, and the run exits non-zero when a shard or file could not be read.
 #[test]
-fn produce_reads_webdataset_shards_as_their_jsonl() {
+fn produce_reads_shards_and_parquet_as_their_jsonl() {
     use feedstore_s3::{S3Fetcher, S3Options};
     use feedstore_testkit::moto::Moto;
-    use feedstore_testkit::tar::python_tar;
+    use feedstore_testkit::tar::{data_python, python_tar, run_python_with};
 
     let _w = watchdog(
-        "produce_reads_webdataset_shards_as_their_jsonl",
-        Duration::from_secs(240),
+        "produce_reads_shards_and_parquet_as_their_jsonl",
+        Duration::from_secs(300),
     );
     let dir = scratch_dir("produce-shards");
     let daemon = DaemonProcess::start(&dir, &[]);
@@ -495,7 +497,9 @@ fn produce_reads_webdataset_shards_as_their_jsonl() {
     let from_lines = samples_by_id(&reader, &handles);
     assert_eq!(from_lines.len(), 4);
 
-    let shards = |spec: &str, name: &str, env: &[(&str, String)]| {
+    // `feedstore produce --shards SPEC` (or another such flag): its samples, rejects and
+    // stderr.
+    let produce_from = |flag: &str, spec: &str, name: &str, env: &[(&str, String)]| {
         let (handles, rejects) = (
             dir.join(format!("{name}.handles")),
             dir.join(format!("{name}.rejects")),
@@ -504,7 +508,7 @@ fn produce_reads_webdataset_shards_as_their_jsonl() {
             .arg("produce")
             .arg("--socket")
             .arg(&daemon.socket)
-            .args(["--shards", spec, "--tokenizer"])
+            .args([flag, spec, "--tokenizer"])
             .arg(&tokenizer)
             .arg("--handles")
             .arg(&handles)
@@ -518,8 +522,8 @@ fn produce_reads_webdataset_shards_as_their_jsonl() {
             String::from_utf8_lossy(&out.stdout),
             String::from_utf8_lossy(&out.stderr),
         );
-        // A shard that cannot be read fails the run, once every other sample is made.
-        let unreadable = stderr.contains("shard(s) could not be read to their end");
+        // A shard or file that cannot be read fails the run, once every other sample is made.
+        let unreadable = stderr.contains("could not be read");
         assert_eq!(out.status.success(), !unreadable, "{stderr}\n{stdout}");
         assert!(stdout.contains("produced 4 samples"), "{stdout}");
         (
@@ -529,6 +533,8 @@ fn produce_reads_webdataset_shards_as_their_jsonl() {
         )
     };
     let local = format!("{}/shard-{{0..2}}.tar", dir.display());
+    let shards =
+        |spec: &str, name: &str, env: &[(&str, String)]| produce_from("--shards", spec, name, env);
     let (samples, mut rejects, stderr) = shards(&local, "local", &[]);
     assert!(
         stderr.contains("1 of 3 shard(s) could not be read to their end"),
@@ -552,6 +558,57 @@ fn produce_reads_webdataset_shards_as_their_jsonl() {
         "{rejects:?}"
     );
 
+    // The same records as a Hugging Face dataset's Parquet export, written by `datasets`
+    // itself (images embedded as bytes), and a copy of it cut short.
+    let parquet = dir.join("train-0.parquet");
+    run_python_with(
+        &data_python(),
+        r#"
+import json, sys
+from datasets import Dataset, Features, Image, Value
+spec = json.load(sys.stdin)
+rows = {"id": [], "image": [], "conversations": [], "text": []}
+for record in spec["records"]:
+    for key in rows:
+        rows[key].append(record.get(key))
+    if record.get("image"):
+        rows["image"][-1] = {"bytes": open(spec["photos"] + "/" + record["image"], "rb").read(),
+                             "path": record["image"]}
+broken = open(spec["photos"] + "/rocket.jpg", "rb").read()
+for key, value in {"id": "broken", "image": {"bytes": broken[: len(broken) // 3], "path": None},
+                   "conversations": [{"from": "human", "value": "<image>\n?"},
+                                     {"from": "gpt", "value": "!"}], "text": None}.items():
+    rows[key].append(value)
+features = Features({"id": Value("string"), "image": Image(),
+                     "conversations": [{"from": Value("string"), "value": Value("string")}],
+                     "text": Value("string")})
+Dataset.from_dict(rows, features=features).to_parquet(spec["out"])
+"#,
+        &serde_json::json!({"out": parquet, "records": jsonl, "photos": format!("{DATA}/photos")}),
+    );
+    let whole = std::fs::read(&parquet).unwrap();
+    std::fs::write(dir.join("train-1.parquet"), &whole[..whole.len() / 2]).unwrap();
+    let files = format!("{}/train-{{0..1}}.parquet", dir.display());
+    let (samples, mut rejects, stderr) = produce_from("--parquet", &files, "parquet", &[]);
+    assert_eq!(samples, from_lines);
+    rejects.sort();
+    assert_eq!(rejects.len(), 2, "{rejects:?}");
+    let (line, id, reason) = &rejects[0];
+    assert_eq!((*line, id.as_str()), (5, "broken"));
+    // A decode reject says which file and row.
+    assert!(
+        reason.starts_with(&format!("{}: row 4 (row group 0): ", parquet.display())),
+        "{reason}"
+    );
+    assert!(
+        rejects[1].2.contains("train-1.parquet: not a Parquet file"),
+        "{rejects:?}"
+    );
+    assert!(
+        stderr.contains("1 Parquet file(s) or row group(s) of the 2 file(s) could not be read"),
+        "{stderr}"
+    );
+
     // The same shards in S3: one ranged GET each.
     let moto = Moto::start().unwrap();
     tokio::runtime::Builder::new_current_thread()
@@ -569,6 +626,14 @@ fn produce_reads_webdataset_shards_as_their_jsonl() {
             s3.client()
                 .create_bucket()
                 .bucket("wds")
+                .send()
+                .await
+                .unwrap();
+            s3.client()
+                .put_object()
+                .bucket("wds")
+                .key("hf/train-0.parquet")
+                .body(whole.clone().into())
                 .send()
                 .await
                 .unwrap();
@@ -616,6 +681,26 @@ fn produce_reads_webdataset_shards_as_their_jsonl() {
         "{stderr}"
     );
     assert!(!stderr.contains("could not be read"), "{stderr}");
+
+    // The Parquet file in S3: its size, its end (the footer whole) and its row group.
+    let (samples, rejects, stderr) = produce_from(
+        "--parquet",
+        "s3://wds/hf/train-0.parquet",
+        "parquet-s3",
+        &env,
+    );
+    assert_eq!(samples, from_lines);
+    assert_eq!(rejects.len(), 1, "{rejects:?}");
+    assert!(
+        rejects[0]
+            .2
+            .starts_with("s3://wds/hf/train-0.parquet: row 4 (row group 0): "),
+        "{rejects:?}"
+    );
+    assert!(
+        stderr.contains("from 1 Parquet file(s), 1 row group(s)") && stderr.contains("in 3 reads"),
+        "{stderr}"
+    );
 }
 
 /// On a terminal (tmux on a server of its own), `feedstore produce` shows a progress bar: records,

@@ -13,6 +13,8 @@
 //!   line number, id and reason, never the end of the run; indexed for random access by streams.
 //! - [`shards`]: WebDataset tar shards, local or S3, read a chunk at a time: members sharing a
 //!   key make a sample, a bad member or a shard cut short rejects only the samples it touches.
+//! - [`tables`]: Parquet files (Hugging Face `datasets`: `Image` columns of bytes or paths), a
+//!   row group at a time with every page header checked before it is decoded; a row is a record.
 //! - [`pipeline`]: records in, samples sealed in the store out: tokio fetches, CPU workers, every
 //!   failure a reject, with the [`profile`] stage profiler naming the bottleneck.
 //! - the S3 fetcher is the `feedstore-s3` crate (`producer/s3/`: AWS SDK, standard configuration,
@@ -46,6 +48,7 @@ pub mod pipeline;
 pub mod profile;
 pub mod shards;
 pub mod source;
+pub mod tables;
 pub mod template;
 pub mod vision;
 

@@ -653,29 +653,33 @@ impl<R: Read> Manifest<R> {
     }
 
     fn image_source(&self, reference: &str) -> Result<ImageSource, String> {
-        if reference.trim().is_empty() {
-            return Err("empty image reference".into());
-        }
-        if let Some(rest) = reference.strip_prefix("s3://") {
-            return match rest.split_once('/') {
-                Some((bucket, key)) if !bucket.is_empty() && !key.is_empty() => {
-                    Ok(ImageSource::S3 {
-                        bucket: bucket.into(),
-                        key: key.into(),
-                    })
-                }
-                _ => Err(format!(
-                    "image reference {reference:?} is not s3://bucket/key"
-                )),
-            };
-        }
-        if let Some((scheme, _)) = reference.split_once("://") {
-            return Err(format!(
-                "image reference {reference:?}: scheme {scheme}:// is not supported (use s3:// or a path)"
-            ));
-        }
-        Ok(ImageSource::local(&self.base, reference))
+        image_source(&self.base, reference)
     }
+}
+
+/// The source an image reference in a record names: `s3://bucket/key`, or a path (relative
+/// ones against `base`, the manifest's folder, unless the reader is given another image root).
+pub(crate) fn image_source(base: &Path, reference: &str) -> Result<ImageSource, String> {
+    if reference.trim().is_empty() {
+        return Err("empty image reference".into());
+    }
+    if let Some(rest) = reference.strip_prefix("s3://") {
+        return match rest.split_once('/') {
+            Some((bucket, key)) if !bucket.is_empty() && !key.is_empty() => Ok(ImageSource::S3 {
+                bucket: bucket.into(),
+                key: key.into(),
+            }),
+            _ => Err(format!(
+                "image reference {reference:?} is not s3://bucket/key"
+            )),
+        };
+    }
+    if let Some((scheme, _)) = reference.split_once("://") {
+        return Err(format!(
+            "image reference {reference:?}: scheme {scheme}:// is not supported (use s3:// or a path)"
+        ));
+    }
+    Ok(ImageSource::local(base, reference))
 }
 
 /// A manifest indexed for random access: record `i` is the `i`-th non-blank line (good or not;

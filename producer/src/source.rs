@@ -107,4 +107,13 @@ pub trait Fetch: Send + Sync + 'static {
         let _ = (offset, len);
         Box::pin(async move { Err(FetchError::Unsupported(format!("{source} (ranged reads)"))) })
     }
+
+    /// The object's length in bytes (a Parquet file's footer is read from its end). Not every
+    /// source serves it: the default refuses.
+    fn size<'a>(
+        &'a self,
+        source: &'a ImageSource,
+    ) -> Pin<Box<dyn Future<Output = Result<u64, FetchError>> + Send + 'a>> {
+        Box::pin(async move { Err(FetchError::Unsupported(format!("{source} (its size)"))) })
+    }
 }

@@ -3,51 +3,14 @@
 //! never more than two chunks and a sample above where it started: memory is bounded by the
 //! chunk, not the shard. Its own test binary, so the allocator counts this reader alone.
 
-use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::Ordering;
 
 use feedstore_producer::input::LocalFiles;
 use feedstore_producer::pipeline::{Input, Inputs};
 use feedstore_producer::shards::{CHUNK_BYTES, Shard, Shards};
+use feedstore_testkit::alloc::{Counting, peak, reset_peak};
 use feedstore_testkit::tar::run_python;
-
-/// The system allocator, counting the bytes live and the most ever live.
-struct Counting;
-
-static LIVE: AtomicUsize = AtomicUsize::new(0);
-static PEAK: AtomicUsize = AtomicUsize::new(0);
-
-// SAFETY: every call is the system allocator's, with the same arguments; the counters are
-// only arithmetic on the side.
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        // SAFETY: the caller's contract, passed on.
-        let p = unsafe { System.alloc(layout) };
-        if !p.is_null() {
-            let live = LIVE.fetch_add(layout.size(), Ordering::Relaxed) + layout.size();
-            PEAK.fetch_max(live, Ordering::Relaxed);
-        }
-        p
-    }
-
-    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        // SAFETY: the caller's contract, passed on.
-        unsafe { System.dealloc(ptr, layout) };
-        LIVE.fetch_sub(layout.size(), Ordering::Relaxed);
-    }
-
-    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
-        // SAFETY: the caller's contract, passed on.
-        let p = unsafe { System.realloc(ptr, layout, new_size) };
-        if !p.is_null() {
-            let live = LIVE.fetch_add(new_size, Ordering::Relaxed) + new_size;
-            PEAK.fetch_max(live, Ordering::Relaxed);
-            LIVE.fetch_sub(layout.size(), Ordering::Relaxed);
-        }
-        p
-    }
-}
 
 #[global_allocator]
 static ALLOCATOR: Counting = Counting;
@@ -101,8 +64,7 @@ with tarfile.open(spec["out"], "w") as tar:
         Arc::new(LocalFiles::anywhere(64 << 20)),
         64 << 20,
     );
-    let base = LIVE.load(Ordering::Relaxed);
-    PEAK.store(base, Ordering::Relaxed);
+    let base = reset_peak();
     // Each sample is taken and dropped, as the pipeline does once a worker has made it.
     let (mut samples, mut last) = (0, String::new());
     runtime.block_on(async {
@@ -118,7 +80,7 @@ with tarfile.open(spec["out"], "w") as tar:
             }
         }
     });
-    let peak = PEAK.load(Ordering::Relaxed) - base;
+    let peak = peak() - base;
     assert_eq!((samples, last.as_str()), (10_000, "009999"));
     // Two chunks (the buffer grows by at most a chunk past a member's end), one sample, and
     // what a sample's record and the reader's bookkeeping take.

@@ -21,6 +21,7 @@
 //! # Ok::<(), std::io::Error>(())
 //! ```
 
+pub mod alloc;
 pub mod moto;
 pub mod proxy;
 pub mod systemd;

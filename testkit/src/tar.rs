@@ -1,5 +1,6 @@
 //! WebDataset shards for tests, written by Python's `tarfile` (what `webdataset`'s writers
-//! use), so the reader is tested against real tar files, not ones made by its own rules.
+//! use), so the reader is tested against real tar files, not ones made by its own rules; and
+//! the Python that writes other test data (Parquet through pyarrow and `datasets`).
 
 use std::io::Write;
 use std::path::Path;
@@ -32,16 +33,27 @@ with tarfile.open(spec["out"], "w", format=formats[spec["format"]]) as tar:
 
 /// Runs `script` with `python3`, `input` as JSON on its stdin; panics unless it succeeds.
 pub fn run_python(script: &str, input: &serde_json::Value) {
-    let mut child = Command::new("python3")
+    run_python_with("python3", script, input)
+}
+
+/// The Python that has pyarrow and Hugging Face `datasets`: `$FEEDSTORE_PYTHON`, else the venv
+/// `scripts/test --install-only` makes (`/opt/feedstore-ray`).
+pub fn data_python() -> String {
+    std::env::var("FEEDSTORE_PYTHON").unwrap_or_else(|_| "/opt/feedstore-ray/bin/python".into())
+}
+
+/// Runs `script` with `python`, `input` as JSON on its stdin; panics unless it succeeds.
+pub fn run_python_with(python: &str, script: &str, input: &serde_json::Value) {
+    let mut child = Command::new(python)
         .args(["-c", script])
         .stdin(Stdio::piped())
         .spawn()
-        .expect("python3 runs");
+        .unwrap_or_else(|e| panic!("{python} runs: {e}"));
     child
         .stdin
         .take()
         .unwrap()
         .write_all(input.to_string().as_bytes())
         .unwrap();
-    assert!(child.wait().unwrap().success(), "python3 failed");
+    assert!(child.wait().unwrap().success(), "{python} failed");
 }

@@ -215,6 +215,45 @@ impl S3Fetcher {
             attempt += 1;
         }
     }
+
+    /// An object's length: a GET of its first byte, whose `Content-Range` says the total (an
+    /// empty object answers 416). The GET's retries, timeouts and errors are `get`'s.
+    async fn object_size(&self, bucket: &str, key: &str) -> Result<u64, FetchError> {
+        let uri = format!("s3://{bucket}/{key}");
+        let response = match self
+            .client
+            .get_object()
+            .bucket(bucket)
+            .key(key)
+            .range("bytes=0-0")
+            .send()
+            .await
+        {
+            Ok(response) => response,
+            Err(SdkError::ServiceError(e)) if e.raw().status().as_u16() == 416 => return Ok(0),
+            Err(e) => return Err(request_error(&uri, &self.endpoint, e)),
+        };
+        match response.content_range().map(parse_content_range) {
+            Some(Some((0, Some(total)))) => Ok(total),
+            // No Content-Range: the whole object came back, and it is that long.
+            None => response
+                .content_length()
+                .and_then(|n| u64::try_from(n).ok())
+                .filter(|&n| n <= 1)
+                .ok_or_else(|| {
+                    FetchError::Other(format!(
+                        "{uri} from {}: a GET of its first byte came back without a \
+                         Content-Range (does the server ignore Range?)",
+                        self.endpoint
+                    ))
+                }),
+            Some(_) => Err(FetchError::Other(format!(
+                "{uri} from {}: a GET of its first byte came back with a Content-Range that \
+                 is not `bytes 0-0/TOTAL`",
+                self.endpoint
+            ))),
+        }
+    }
 }
 
 /// `Content-Range: bytes FIRST-LAST/TOTAL` as (first, total), `None` where it is not that.
@@ -370,6 +409,16 @@ impl Fetch for S3Fetcher {
         match source {
             ImageSource::S3 { bucket, key } => Box::pin(self.get(bucket, key, Some((offset, len)))),
             _ => self.local.fetch_range(source, offset, len),
+        }
+    }
+
+    fn size<'a>(
+        &'a self,
+        source: &'a ImageSource,
+    ) -> Pin<Box<dyn Future<Output = Result<u64, FetchError>> + Send + 'a>> {
+        match source {
+            ImageSource::S3 { bucket, key } => Box::pin(self.object_size(bucket, key)),
+            _ => self.local.size(source),
         }
     }
 }
