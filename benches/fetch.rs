@@ -68,14 +68,7 @@ async fn fetch_all(
 }
 
 fn main() {
-    let args: Vec<String> = std::env::args().collect();
-    let quick = args.iter().any(|a| a == "--quick");
-    let latency = Duration::from_millis(
-        args.iter()
-            .position(|a| a == "--latency-ms")
-            .and_then(|i| args.get(i + 1))
-            .map_or(50, |v| v.parse().expect("--latency-ms N")),
-    );
+    let (quick, latency) = common::s3_bench_flags();
     let copies = if quick { 4 } else { 16 };
     let dir = std::env::temp_dir().join(format!("feedstore-bench-fetch-{}", std::process::id()));
     let images = common::derive_images(&dir.join("images"));

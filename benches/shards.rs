@@ -1,33 +1,38 @@
-//! Per-image S3 objects against WebDataset shards, behind S3-like latency: samples/s and GET
-//! requests per sample, side by side in one run.
+//! Per-image S3 objects against WebDataset shards and Parquet files, behind S3-like latency:
+//! samples/s and GET requests per sample, side by side in one run; and the two readers alone.
 //!
 //! A real `moto_server` on loopback behind the test harness's proxy, which adds a fixed latency
 //! (default 50 ms) to every request. Two workloads, each stored twice in the same bucket: one
 //! object per image (a JSONL manifest of `s3://` records, fetched 32 at a time, the producer's
 //! default) and the same samples in 8 tar shards written by Python's `tarfile` (read a 4 MiB
-//! ranged GET at a time, the next one under way). The whole producer (`feedstore produce`'s
-//! pipeline, 2 CPU workers, an embedded store) makes every sample of each.
+//! ranged GET at a time, the next one under way) and in 8 Parquet files written by pyarrow with
+//! Hugging Face's `Image` column (a row group at a time, one ranged GET of up to 16 MiB each).
+//! The whole producer (`feedstore produce`'s pipeline, 2 CPU workers, an embedded store) makes
+//! every sample of each. A second table reads the same shards and Parquet files from local
+//! disk with no pipeline behind them: what the readers alone deliver.
 //!
 //! - photos: the 9 derived benchmark JPEGs (long side 512-2048 px) under 16 keys each, 144
 //!   records: decode-heavy;
 //! - shapes: 2,000 64×64 PNG crops of the photos, easy-VQA-sized: the per-object latency is
 //!   most of a sample's cost.
 //!
-//! Run: `cargo bench --bench shards` (needs `pip install 'moto[server]'`); `-- --latency-ms N`
-//! changes the latency, `-- --quick` makes a quarter of the shapes.
+//! Run: `cargo bench --bench shards` (needs `pip install 'moto[server]'` and pyarrow in
+//! `$FEEDSTORE_PYTHON`, as `scripts/test --install-only` sets up); `-- --latency-ms N` changes
+//! the latency, `-- --quick` makes a quarter of the shapes.
 
 use std::path::Path;
 use std::sync::Arc;
-use std::time::Duration;
 
 use feedstore_producer::chat::ChatTokenizer;
+use feedstore_producer::input::LocalFiles;
 use feedstore_producer::manifest::Manifest;
-use feedstore_producer::pipeline::{ProducerConfig, Summary, run, run_inputs};
+use feedstore_producer::pipeline::{Input, Inputs, ProducerConfig, Summary, run, run_inputs};
 use feedstore_producer::shards::{Shard, Shards};
+use feedstore_producer::tables::ParquetFiles;
 use feedstore_s3::S3Fetcher;
 use feedstore_testkit::moto::Moto;
 use feedstore_testkit::proxy::{FaultProxy, Plan};
-use feedstore_testkit::tar::python_tar;
+use feedstore_testkit::tar::{data_python, python_tar, run_python_with};
 
 mod common;
 
@@ -70,16 +75,68 @@ fn shapes(count: usize) -> Vec<Vec<u8>> {
         .collect()
 }
 
-/// Uploads `images` as objects `<name>/img/<i>.<ext>` and as 8 shards
-/// `<name>/shard-<n>.tar`; writes the manifest of the objects. Returns the manifest and the
-/// shards.
+/// How a workload's samples are stored.
+struct Stored {
+    /// The manifest of an object per image.
+    manifest: std::path::PathBuf,
+    /// The 8 shards, in S3 and on disk.
+    shards: Vec<Shard>,
+    local_shards: Vec<Shard>,
+    /// The 8 Parquet files, in S3 and on disk.
+    tables: Vec<Shard>,
+    local_tables: Vec<Shard>,
+}
+
+/// Writes a Parquet file at `out` with pyarrow: a row (id, an `Image` of the file's bytes, the
+/// conversation) per (key, image file).
+fn write_parquet(out: &Path, rows: &[(String, std::path::PathBuf)]) {
+    let script = r#"
+import json, sys
+import pyarrow as pa, pyarrow.parquet as pq
+spec = json.load(sys.stdin)
+image = pa.struct([("bytes", pa.binary()), ("path", pa.string())])
+table = pa.table({
+    "id": pa.array([key for key, _ in spec["rows"]]),
+    "image": pa.array([{"bytes": open(f, "rb").read(), "path": None} for _, f in spec["rows"]],
+                      type=image),
+    "conversations": pa.array([[{"from": "human", "value": "<image>\nWhat is in the picture?"},
+                                {"from": "gpt", "value": "A photograph."}]] * len(spec["rows"])),
+})
+# Row groups of 100, as `datasets` writes image data sets; no dictionary (a data set's images
+# are all different, these repeat).
+pq.write_table(table, spec["out"], row_group_size=100, use_dictionary=["id"])
+"#;
+    run_python_with(
+        &data_python(),
+        script,
+        &serde_json::json!({"out": out, "rows": rows}),
+    );
+}
+
+/// Uploads `images` as objects `<name>/img/<i>.<ext>`, as 8 shards `<name>/shard-<n>.tar` and
+/// as 8 Parquet files `<name>/part-<n>.parquet`; writes the manifest of the objects.
 fn store(
     runtime: &tokio::runtime::Runtime,
     s3: &S3Fetcher,
     dir: &Path,
     name: &str,
     images: &[(Vec<u8>, &str)],
-) -> (std::path::PathBuf, Vec<Shard>) {
+) -> Stored {
+    let put = |key: &str, body: Vec<u8>| {
+        runtime.block_on(async {
+            s3.client()
+                .put_object()
+                .bucket(BUCKET)
+                .key(key)
+                .body(body.into())
+                .send()
+                .await
+                .unwrap();
+        })
+    };
+    let files = dir.join(format!("{name}-img"));
+    std::fs::create_dir_all(&files).unwrap();
+    let mut tables: Vec<Vec<(String, std::path::PathBuf)>> = vec![Vec::new(); SHARDS];
     let mut lines = Vec::new();
     let mut shards: Vec<Vec<(String, Vec<u8>)>> = vec![Vec::new(); SHARDS];
     for (i, (bytes, ext)) in images.iter().enumerate() {
@@ -94,20 +151,14 @@ fn store(
                 .into_bytes(),
         ));
         shard.push((format!("{key}.{ext}"), bytes.clone()));
-        runtime.block_on(async {
-            s3.client()
-                .put_object()
-                .bucket(BUCKET)
-                .key(&object)
-                .body(bytes.clone().into())
-                .send()
-                .await
-                .unwrap();
-        });
+        let file = files.join(format!("{key}.{ext}"));
+        std::fs::write(&file, bytes).unwrap();
+        tables[i * SHARDS / images.len()].push((key, file));
+        put(&object, bytes.clone());
     }
     let manifest = dir.join(format!("{name}.jsonl"));
     std::fs::write(&manifest, lines.join("\n")).unwrap();
-    let mut names = Vec::new();
+    let (mut names, mut local_shards) = (Vec::new(), Vec::new());
     for (n, members) in shards.iter().enumerate() {
         let path = dir.join(format!("{name}-{n}.tar"));
         let members: Vec<(&str, Vec<u8>)> = members
@@ -116,33 +167,50 @@ fn store(
             .collect();
         python_tar(&path, "pax", &members);
         let key = format!("{name}/shard-{n}.tar");
-        runtime.block_on(async {
-            s3.client()
-                .put_object()
-                .bucket(BUCKET)
-                .key(&key)
-                .body(std::fs::read(&path).unwrap().into())
-                .send()
-                .await
-                .unwrap();
-        });
+        put(&key, std::fs::read(&path).unwrap());
         names.push(Shard::S3 {
             bucket: BUCKET.into(),
             key,
         });
+        local_shards.push(Shard::Local(path));
     }
-    (manifest, names)
+    let (mut parts, mut local_tables) = (Vec::new(), Vec::new());
+    for (n, rows) in tables.iter().enumerate() {
+        let path = dir.join(format!("{name}-{n}.parquet"));
+        write_parquet(&path, rows);
+        let key = format!("{name}/part-{n}.parquet");
+        put(&key, std::fs::read(&path).unwrap());
+        parts.push(Shard::S3 {
+            bucket: BUCKET.into(),
+            key,
+        });
+        local_tables.push(Shard::Local(path));
+    }
+    std::fs::remove_dir_all(&files).unwrap();
+    Stored {
+        manifest,
+        shards: names,
+        local_shards,
+        tables: parts,
+        local_tables,
+    }
+}
+
+/// Reads every input of `inputs` and drops it: (inputs, seconds).
+fn drain(runtime: &tokio::runtime::Runtime, mut inputs: impl Inputs) -> (u64, f64) {
+    let started = std::time::Instant::now();
+    let mut count = 0;
+    runtime.block_on(async {
+        while let Some(input) = inputs.next().await {
+            assert!(matches!(input, Input::Read(..)), "{input:?}");
+            count += 1;
+        }
+    });
+    (count, started.elapsed().as_secs_f64())
 }
 
 fn main() {
-    let args: Vec<String> = std::env::args().collect();
-    let quick = args.iter().any(|a| a == "--quick");
-    let latency = Duration::from_millis(
-        args.iter()
-            .position(|a| a == "--latency-ms")
-            .and_then(|i| args.get(i + 1))
-            .map_or(50, |v| v.parse().expect("--latency-ms N")),
-    );
+    let (quick, latency) = common::s3_bench_flags();
     let dir = std::env::temp_dir().join(format!("feedstore-bench-shards-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let moto = Moto::start().expect("moto_server (pip install 'moto[server]')");
@@ -206,30 +274,42 @@ fn main() {
     };
 
     println!(
-        "## Per-image objects against {SHARDS} tar shards, behind a {} ms proxy (moto_server on loopback, 2 CPU workers, 32 fetches in flight)",
+        "## Per-image objects against {SHARDS} tar shards and {SHARDS} Parquet files, behind a {} ms proxy (moto_server on loopback, 2 CPU workers, 32 fetches in flight)",
         latency.as_millis()
     );
     println!();
     println!("| workload | read as | samples | MB | samples/s | GETs per sample | verdict |");
     println!("|---|---|---|---|---|---|---|");
-    for (name, what, (manifest, shards), images) in &workloads {
+    for (name, what, stored, images) in &workloads {
         let bytes: usize = images.iter().map(|(b, _)| b.len()).sum();
         let mut rates = Vec::new();
-        for shards in [None, Some(shards.clone())] {
+        for form in ["an object per image", "8 shards", "8 Parquet files"] {
             let before = proxy.seen().len();
-            let summary: Summary = match &shards {
-                None => run(
+            let summary: Summary = match form {
+                "an object per image" => run(
                     &config,
                     tokenizer.clone(),
                     fetcher.clone(),
-                    Manifest::open(manifest).unwrap(),
+                    Manifest::open(&stored.manifest).unwrap(),
                     |_, _| {},
                 ),
-                Some(list) => run_inputs(
+                "8 shards" => run_inputs(
                     &config,
                     tokenizer.clone(),
                     fetcher.clone(),
-                    Shards::new(list.clone(), fetcher.clone(), 64 << 20),
+                    Shards::new(stored.shards.clone(), fetcher.clone(), 64 << 20),
+                    |_, _| {},
+                ),
+                _ => run_inputs(
+                    &config,
+                    tokenizer.clone(),
+                    fetcher.clone(),
+                    ParquetFiles::new(
+                        stored.tables.clone(),
+                        fetcher.clone(),
+                        64 << 20,
+                        dir.clone(),
+                    ),
                     |_, _| {},
                 ),
             }
@@ -240,12 +320,7 @@ fn main() {
             let rate = summary.produced as f64 / summary.profile.wall.as_secs_f64();
             rates.push(rate);
             println!(
-                "| {name} ({what}) | {} | {} | {:.1} | {rate:.1} | {:.3} | {} |",
-                if shards.is_some() {
-                    format!("{SHARDS} shards")
-                } else {
-                    "an object per image".into()
-                },
+                "| {name} ({what}) | {form} | {} | {:.1} | {rate:.1} | {:.3} | {} |",
                 summary.produced,
                 bytes as f64 / 1e6,
                 gets as f64 / summary.produced as f64,
@@ -254,9 +329,54 @@ fn main() {
             eprint!("{}", summary.profile.table());
         }
         println!(
-            "| {name} | shards / objects | | | {:.2}x | | |",
-            rates[1] / rates[0]
+            "| {name} | shards / objects, Parquet / objects | | | {:.2}x, {:.2}x | | |",
+            rates[1] / rates[0],
+            rates[2] / rates[0]
         );
+    }
+
+    // The readers alone, from local disk: what each hands the pipeline, with nothing behind.
+    println!();
+    println!(
+        "## The readers alone: the same samples from local disk, each input dropped as read (best of 3)"
+    );
+    println!();
+    println!("| workload | read as | samples | MB on disk | samples/s | MB/s |");
+    println!("|---|---|---|---|---|---|");
+    let local = Arc::new(LocalFiles::anywhere(64 << 20));
+    for (name, what, stored, _) in &workloads {
+        for (form, files) in [
+            ("8 shards", &stored.local_shards),
+            ("8 Parquet files", &stored.local_tables),
+        ] {
+            let on_disk: u64 = files
+                .iter()
+                .map(|f| match f {
+                    Shard::Local(p) => std::fs::metadata(p).unwrap().len(),
+                    Shard::S3 { .. } => unreachable!("local files"),
+                })
+                .sum();
+            let best = (0..3)
+                .map(|_| match form {
+                    "8 shards" => drain(
+                        &runtime,
+                        Shards::new(files.clone(), local.clone(), 64 << 20),
+                    ),
+                    _ => drain(
+                        &runtime,
+                        ParquetFiles::new(files.clone(), local.clone(), 64 << 20, dir.clone()),
+                    ),
+                })
+                .min_by(|a, b| a.1.total_cmp(&b.1))
+                .unwrap();
+            println!(
+                "| {name} ({what}) | {form} | {} | {:.1} | {:.0} | {:.0} |",
+                best.0,
+                on_disk as f64 / 1e6,
+                best.0 as f64 / best.1,
+                on_disk as f64 / 1e6 / best.1
+            );
+        }
     }
     daemon.stop();
     let _ = std::fs::remove_dir_all(&dir);

@@ -355,19 +355,8 @@ fn resume_states(
     path: &std::path::Path,
     spec: &StreamSpec,
 ) -> anyhow::Result<(StreamSpec, Vec<StreamState>)> {
-    use std::io::Read;
-    let mut bytes = Vec::new();
-    feedstore_producer::input::open_regular(path)
-        .and_then(|f| f.take(MAX_RESUME_FILE + 1).read_to_end(&mut bytes))
-        .with_context(|| format!("reading {}", path.display()))?;
-    if bytes.len() as u64 > MAX_RESUME_FILE {
-        bail!(
-            "{}: larger than {} MiB",
-            path.display(),
-            MAX_RESUME_FILE >> 20
-        );
-    }
-    let text = String::from_utf8(bytes).with_context(|| format!("{}: not text", path.display()))?;
+    let text = feedstore_producer::input::read_text(path, MAX_RESUME_FILE, "the states file")
+        .map_err(|e| anyhow::anyhow!(e))?;
     let lines: Vec<&str> = text.lines().filter(|l| !l.trim().is_empty()).collect();
     let (resumed, states, resharded) = resume(spec, &lines).map_err(|why| {
         anyhow::anyhow!(

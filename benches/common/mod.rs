@@ -4,6 +4,20 @@
 
 use std::path::{Path, PathBuf};
 
+/// The S3 benches' flags: `--quick` (a shorter run) and `--latency-ms N`, the latency the
+/// proxy adds to every request (default 50 ms).
+pub fn s3_bench_flags() -> (bool, std::time::Duration) {
+    let args: Vec<String> = std::env::args().collect();
+    let quick = args.iter().any(|a| a == "--quick");
+    let latency = std::time::Duration::from_millis(
+        args.iter()
+            .position(|a| a == "--latency-ms")
+            .and_then(|i| args.get(i + 1))
+            .map_or(50, |v| v.parse().expect("--latency-ms N")),
+    );
+    (quick, latency)
+}
+
 /// The committed test photos.
 pub const PHOTOS: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/producer/tests/data/photos");
 

@@ -14,14 +14,13 @@ use std::io::Read;
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
-use std::pin::Pin;
 use std::sync::Arc;
 
 use bytes::Bytes;
 use nix::errno::Errno;
 use nix::fcntl::{OFlag, OpenHow, ResolveFlag};
 
-use crate::source::{Fetch, FetchError, ImageSource};
+use crate::source::{Fetch, FetchError, Fetching, ImageSource};
 
 /// The default limit on one image file or object: generous for any photo or scan a
 /// vision-language model is trained on. Memory held by images at once is bounded by this times
@@ -36,6 +35,24 @@ pub const MAX_IMAGE_BYTES_LIMIT: u64 = 1 << 40;
 /// runs, a FIFO never blocks).
 pub fn open_regular(path: &Path) -> std::io::Result<File> {
     open_checked(None, path).map(|(file, _)| file)
+}
+
+/// The text of the regular file at `path` (a list of shards, a checkpoint's states), refused
+/// past `max` bytes without reading more, or when it is not UTF-8; `what` names it in errors.
+pub fn read_text(path: &Path, max: u64, what: &str) -> Result<String, String> {
+    use std::io::Read;
+    let mut bytes = Vec::new();
+    open_regular(path)
+        .and_then(|f| f.take(max + 1).read_to_end(&mut bytes))
+        .map_err(|e| format!("reading {what} {}: {e}", path.display()))?;
+    if bytes.len() as u64 > max {
+        return Err(format!(
+            "{what} {} is over {} MiB",
+            path.display(),
+            max >> 20
+        ));
+    }
+    String::from_utf8(bytes).map_err(|_| format!("{what} {} is not text", path.display()))
 }
 
 /// Opens `path` (beneath `dir` when given: no `..`, absolute or magic link leads out) first as an
@@ -301,7 +318,7 @@ impl Fetch for LocalFiles {
     fn fetch<'a>(
         &'a self,
         source: &'a ImageSource,
-    ) -> Pin<Box<dyn Future<Output = Result<Bytes, FetchError>> + Send + 'a>> {
+    ) -> Fetching<'a, Bytes> {
         Box::pin(async move {
             let (base, path) = match source {
                 ImageSource::Local { base, path } => (base, path),

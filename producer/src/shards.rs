@@ -114,7 +114,8 @@ pub fn shard_list(specs: &[String]) -> Result<Vec<Shard>, String> {
     for spec in specs {
         match spec.strip_prefix('@') {
             Some(list) => {
-                let text = read_list(Path::new(list))?;
+                // At most 64 MiB, a regular file.
+                let text = crate::input::read_text(Path::new(list), 64 << 20, "the shard list")?;
                 let folder = Path::new(list).parent().unwrap_or(Path::new(""));
                 for line in text.lines().map(str::trim) {
                     if !line.is_empty() && !line.starts_with('#') {
@@ -129,24 +130,6 @@ pub fn shard_list(specs: &[String]) -> Result<Vec<Shard>, String> {
         return Err("no shard named".into());
     }
     Ok(shards)
-}
-
-/// A shard list file's text (at most 64 MiB, a regular file).
-fn read_list(path: &Path) -> Result<String, String> {
-    use std::io::Read;
-    const MAX: u64 = 64 << 20;
-    let mut bytes = Vec::new();
-    crate::input::open_regular(path)
-        .and_then(|f| f.take(MAX + 1).read_to_end(&mut bytes))
-        .map_err(|e| format!("reading the shard list {}: {e}", path.display()))?;
-    if bytes.len() as u64 > MAX {
-        return Err(format!(
-            "the shard list {} is over {} MiB",
-            path.display(),
-            MAX >> 20
-        ));
-    }
-    String::from_utf8(bytes).map_err(|_| format!("the shard list {} is not text", path.display()))
 }
 
 /// The longest shard name (a path or an S3 URI), pattern or expanded.
@@ -635,7 +618,7 @@ impl ShardReader {
                     why: Some(format!("{}: not a tar file: {what}", self.name)),
                 };
             }
-            Err(cut) => return self.cut(cut, offset, "a header"),
+            Err(cut) => return self.cut(cut, offset, Reading::Header),
         };
         if offset == 0
             && let Some(kind) = compressed(&header)
@@ -692,7 +675,7 @@ impl ShardReader {
             return self.cut(
                 Cut::Short,
                 offset,
-                &format!("member {name} (of {size} bytes)"),
+                Reading::Part(format!("member {name} (of {size} bytes)")),
             );
         }
         match header.kind {
@@ -707,7 +690,9 @@ impl ShardReader {
             b'x' | b'L' => {
                 let data = match self.take(padded).await {
                     Ok(d) => d,
-                    Err(cut) => return self.cut(cut, offset, "an extended header"),
+                    Err(cut) => {
+                        return self.cut(cut, offset, Reading::Part("an extended header".into()));
+                    }
                 };
                 let data = &data[..size as usize];
                 if header.kind == b'L' {
@@ -793,7 +778,7 @@ impl ShardReader {
             Ok(d) => d.slice(..size as usize),
             Err(cut) => {
                 // The sample that ended before this member is whole; this one is cut.
-                let mut step = self.cut(cut, offset, &format!("member {name}"));
+                let mut step = self.cut(cut, offset, Reading::Part(format!("member {name}")));
                 if let Step::End { whole: w, .. } = &mut step {
                     *w = whole;
                 }
@@ -817,7 +802,7 @@ impl ShardReader {
 
     /// The shard stopped at `offset` while reading `what`: the sample being gathered is
     /// rejected (cut short), and the shard ends, saying why when no sample says it.
-    fn cut(&mut self, cut: Cut, offset: u64, what: &str) -> Step {
+    fn cut(&mut self, cut: Cut, offset: u64, what: Reading) -> Step {
         let end = match &self.body {
             Body::Local { len, .. } => *len,
             Body::Remote { .. } => self.at + self.buffered(),
@@ -832,7 +817,7 @@ impl ShardReader {
                     why: Some(format!("cannot read shard {}: {e}", self.name)),
                 };
             }
-            Cut::Short if what == "a header" && self.buffered() == 0 => (
+            Cut::Short if matches!(what, Reading::Header) && self.buffered() == 0 => (
                 format!(
                     "the shard ends at byte {offset} without tar's end-of-archive blocks (cut \
                      short?), so a member of the sample it ends in may be missing"
@@ -956,6 +941,23 @@ fn compressed(block: &[u8]) -> Option<&'static str> {
         .iter()
         .find(|(magic, _)| block.starts_with(magic))
         .map(|&(_, kind)| kind)
+}
+
+/// What a shard's reader was reading when the shard stopped.
+enum Reading {
+    /// A member's header, where a shard may end (with its end-of-archive blocks).
+    Header,
+    /// Anything else, as a reject names it: `member 000017.jpg`.
+    Part(String),
+}
+
+impl std::fmt::Display for Reading {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Reading::Header => f.write_str("a header"),
+            Reading::Part(what) => f.write_str(what),
+        }
+    }
 }
 
 /// A member's key and suffix: `dir/000017.seg.png` is `dir/000017` and `seg.png`. None for a

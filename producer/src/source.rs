@@ -86,6 +86,9 @@ pub enum FetchError {
     Other(String),
 }
 
+/// A fetch under way: what [`Fetch`]'s methods return.
+pub type Fetching<'a, T> = Pin<Box<dyn Future<Output = Result<T, FetchError>> + Send + 'a>>;
+
 /// Where image bytes come from. One implementation per kind of source; the pipeline does not
 /// know which it is talking to.
 pub trait Fetch: Send + Sync + 'static {
@@ -93,7 +96,7 @@ pub trait Fetch: Send + Sync + 'static {
     fn fetch<'a>(
         &'a self,
         source: &'a ImageSource,
-    ) -> Pin<Box<dyn Future<Output = Result<Bytes, FetchError>> + Send + 'a>>;
+    ) -> Fetching<'a, Bytes>;
 
     /// Reads at most `len` bytes of the object from byte `offset` (a shard, a chunk at a
     /// time): fewer only where the object ends, none at or past its end. Not every source
@@ -103,17 +106,19 @@ pub trait Fetch: Send + Sync + 'static {
         source: &'a ImageSource,
         offset: u64,
         len: u64,
-    ) -> Pin<Box<dyn Future<Output = Result<Bytes, FetchError>> + Send + 'a>> {
+    ) -> Fetching<'a, Bytes> {
         let _ = (offset, len);
         Box::pin(async move { Err(FetchError::Unsupported(format!("{source} (ranged reads)"))) })
     }
 
-    /// The object's length in bytes (a Parquet file's footer is read from its end). Not every
-    /// source serves it: the default refuses.
-    fn size<'a>(
+    /// The object's last `len` bytes (all of it, when shorter) and its length: a Parquet
+    /// file's footer, read from its end. Not every source serves it: the default refuses.
+    fn fetch_tail<'a>(
         &'a self,
         source: &'a ImageSource,
-    ) -> Pin<Box<dyn Future<Output = Result<u64, FetchError>> + Send + 'a>> {
-        Box::pin(async move { Err(FetchError::Unsupported(format!("{source} (its size)"))) })
+        len: u64,
+    ) -> Fetching<'a, (Bytes, u64)> {
+        let _ = len;
+        Box::pin(async move { Err(FetchError::Unsupported(format!("{source} (its end)"))) })
     }
 }

@@ -15,15 +15,18 @@
 //!
 //! A file is read where it is (a file on this node through `pread`, an S3 object through ranged
 //! GETs with the image fetcher's retries): its footer (at most [`MAX_FOOTER_BYTES`]), then one
-//! row group at a time, every column chunk of it in one read (at most [`MAX_ROW_GROUP_BYTES`]).
+//! row group at a time, every column chunk of it in one read (at most [`MAX_ROW_GROUP_BYTES`];
+//! from S3, the next row group's GETs run while one is decoded).
 //! Before a page of it is decoded, every page header is read here and its sizes checked: no
-//! page states more than the image limit plus [`PAGE_SLACK`] uncompressed (the parquet crate
-//! would make room for what a header states, up to 2 GiB, from a file of a few bytes), and
-//! only codecs whose output that size bounds are read (snappy, zstd, lz4_raw, none). So memory is
-//! bounded by a row group's bytes, its decoded pages and the rows in flight, however large the
-//! file. A row group that cannot be read (a corrupt page, a limit passed, a panic in the
-//! decoder) is one reject naming file, row group and rows; a file that cannot be read is one
-//! reject; both count in [`TableStats::unreadable`], so the run can fail at its end.
+//! page may state more than [`PAGE_LIMIT`] uncompressed, nor more than its codec can inflate its
+//! bytes to (the parquet crate makes room for what a header states, up to 2 GiB, before it
+//! decompresses); only codecs whose output that size bounds are read (snappy, zstd, lz4_raw,
+//! none), and a schema nested deeper than [`MAX_SCHEMA_DEPTH`] is refused before the crate
+//! builds it by recursion. So memory is bounded by two row groups' bytes (the one decoded and,
+//! from S3, the next), a page per column and the rows in flight, however large the file. A row
+//! group that cannot be read (a corrupt page, a limit passed, a panic in the decoder) is one
+//! reject naming file, row group and rows; a file that cannot be read is one reject; both count
+//! in [`TableStats::unreadable`], so the run can fail at its end.
 //!
 //! Decoding runs on a thread of its own (the parquet crate's reads are blocking), a row at a
 //! time into a channel of one: the pipeline's permits bound what is read ahead.
@@ -45,6 +48,7 @@ use parquet::record::reader::RowIter;
 use parquet::record::{Field, Row};
 use serde_json::{Map, Value};
 
+use crate::chat::IMAGE_PLACEHOLDER;
 use crate::manifest::{MAX_IMAGES_PER_RECORD, Reject};
 use crate::pipeline::{Input, Inputs};
 use crate::shards::Shard;
@@ -73,6 +77,9 @@ const RATIO_FLOOR: u64 = 64 << 10;
 
 /// How deep the JSON a row becomes, or a page header, may nest.
 const MAX_DEPTH: u32 = 64;
+
+/// How deep a file's schema may nest (`datasets`' deepest types are a few levels).
+pub const MAX_SCHEMA_DEPTH: usize = 32;
 
 /// What reading has taken so far.
 #[derive(Debug, Default)]
@@ -159,6 +166,8 @@ impl Inputs for ParquetFiles {
             let files = std::mem::take(&mut self.files);
             let spawned = std::thread::Builder::new()
                 .name("feedstore-parquet".into())
+                // Decoding recurses along the schema (at most MAX_SCHEMA_DEPTH levels).
+                .stack_size(8 << 20)
                 .spawn(move || reader.read_all(files));
             if let Err(e) = spawned {
                 self.stats.unreadable.fetch_add(1, Ordering::Relaxed);
@@ -212,8 +221,12 @@ struct Reader {
 
 impl Reader {
     fn read_all(mut self, files: Vec<Shard>) {
-        for file in files {
-            match self.read_file(&file) {
+        // The next S3 file's end (its footer) is read while this one is decoded.
+        let mut opening = files.first().and_then(|f| self.start_open(f));
+        for (i, file) in files.iter().enumerate() {
+            let this = opening.take();
+            opening = files.get(i + 1).and_then(|f| self.start_open(f));
+            match self.read_file(file, this) {
                 Ok(()) => {}
                 Err(Halt::Gone) => return,
                 Err(Halt::Failed(reason)) => {
@@ -232,12 +245,33 @@ impl Reader {
         self.tx.blocking_send(input).map_err(|_| Halt::Gone)
     }
 
-    fn read_file(&mut self, file: &Shard) -> Result<(), Halt> {
-        let body = Body::open(file, &*self.fetcher, &self.runtime)?;
-        if let Body::Remote { .. } = body {
-            // Its size: a GET of its first byte.
-            self.stats.requests.fetch_add(1, Ordering::Relaxed);
-        }
+    /// Starts reading an S3 file's end: its last [`TAIL_BYTES`] and its length, in one GET.
+    fn start_open(&self, file: &Shard) -> Option<AbortOnDrop<(Bytes, u64)>> {
+        let Shard::S3 { bucket, key } = file else {
+            return None;
+        };
+        let source = ImageSource::S3 {
+            bucket: bucket.clone(),
+            key: key.clone(),
+        };
+        let (fetcher, stats) = (self.fetcher.clone(), self.stats.clone());
+        Some(AbortOnDrop(Some(self.runtime.spawn(async move {
+            stats.requests.fetch_add(1, Ordering::Relaxed);
+            let (tail, len) = fetcher
+                .fetch_tail(&source, TAIL_BYTES)
+                .await
+                .map_err(|e| e.to_string())?;
+            stats.bytes.fetch_add(tail.len() as u64, Ordering::Relaxed);
+            Ok((tail, len))
+        }))))
+    }
+
+    fn read_file(
+        &mut self,
+        file: &Shard,
+        opening: Option<AbortOnDrop<(Bytes, u64)>>,
+    ) -> Result<(), Halt> {
+        let body = Body::open(file, opening, &self.runtime)?;
         let source = Source {
             body,
             fetcher: self.fetcher.clone(),
@@ -248,9 +282,16 @@ impl Reader {
         let name: Arc<str> = file.to_string().into();
         let file_name = name.rsplit('/').next().unwrap_or(&name).to_owned();
         let mut row = 0u64;
-        for group in 0..metadata.num_row_groups() {
+        // The next row group's read is under way while one is decoded.
+        let groups = metadata.num_row_groups();
+        let mut next = (groups > 0).then(|| source.start_row_group(&metadata, 0));
+        for group in 0..groups {
             let end = rows_before(&metadata, group + 1);
-            let outcome = match source.row_group(&metadata, group, self.page_limit) {
+            let current = next.take().expect("started");
+            next = (group + 1 < groups).then(|| source.start_row_group(&metadata, group + 1));
+            let read =
+                current.and_then(|pending| source.finish_row_group(pending, self.page_limit));
+            let outcome = match read {
                 Ok(bytes) => {
                     self.stats.row_groups.fetch_add(1, Ordering::Relaxed);
                     self.rows_of(&metadata, group, bytes, &name, &file_name, &mut row)
@@ -377,6 +418,7 @@ impl Reader {
                 images.held.len()
             )));
         }
+        caption_as_conversation(&mut object, images.held.len());
         let text = Value::Object(object).to_string();
         let mut picked = Vec::new();
         let record = crate::manifest::record_from_json(line, &text, Some(default_id), |refs| {
@@ -523,6 +565,38 @@ impl Images {
     }
 }
 
+/// A row of images and a caption (`caption`, or `text`) with no conversation, as captioning
+/// data sets are (LAION's, Conceptual Captions'): the images, then the caption as the reply,
+/// as a WebDataset sample's `.txt` is.
+fn caption_as_conversation(object: &mut Map<String, Value>, held: usize) {
+    if held == 0 || object.contains_key("conversations") || object.contains_key("messages") {
+        return;
+    }
+    let images = match (object.get("image"), object.get("images")) {
+        (_, Some(Value::Array(images))) => {
+            images.len() + usize::from(object.get("image").is_some_and(Value::is_string))
+        }
+        (Some(Value::String(_)), _) => 1,
+        _ => held,
+    };
+    let caption = ["caption", "text"]
+        .into_iter()
+        .find_map(|key| match object.get(key) {
+            Some(Value::String(caption)) => Some((key, caption.clone())),
+            _ => None,
+        });
+    if let Some((key, caption)) = caption {
+        object.remove(key);
+        object.insert(
+            "conversations".into(),
+            serde_json::json!([
+                {"from": "human", "value": vec![IMAGE_PLACEHOLDER; images].join("\n")},
+                {"from": "gpt", "value": caption},
+            ]),
+        );
+    }
+}
+
 /// A JSON number, or null for NaN and infinities (JSON has none).
 fn float(v: f64) -> Value {
     serde_json::Number::from_f64(v).map_or(Value::Null, Value::Number)
@@ -548,14 +622,19 @@ fn image(row: &Row) -> Option<(Option<&[u8]>, Option<&str>)> {
 enum Body {
     /// A regular file on this node, `len` bytes when opened.
     Local { file: std::fs::File, len: u64 },
-    /// An S3 object of `len` bytes.
-    Remote { source: ImageSource, len: u64 },
+    /// An S3 object of `len` bytes, whose end (`tail`) was read first.
+    Remote {
+        source: ImageSource,
+        len: u64,
+        tail: Bytes,
+    },
 }
 
 impl Body {
+    /// Opens a local file, or waits for an S3 file's end (`opening`).
     fn open(
         file: &Shard,
-        fetcher: &dyn Fetch,
+        opening: Option<AbortOnDrop<(Bytes, u64)>>,
         runtime: &tokio::runtime::Handle,
     ) -> Result<Body, String> {
         match file {
@@ -570,10 +649,12 @@ impl Body {
                     bucket: bucket.clone(),
                     key: key.clone(),
                 };
-                let len = runtime
-                    .block_on(fetcher.size(&source))
-                    .map_err(|e| e.to_string())?;
-                Ok(Body::Remote { source, len })
+                let mut opening = opening.expect("an S3 file's end is read before it is opened");
+                let task = opening.0.take().expect("awaited once");
+                let (tail, len) = runtime
+                    .block_on(task)
+                    .map_err(|e| format!("the read was lost: {e}"))??;
+                Ok(Body::Remote { source, len, tail })
             }
         }
     }
@@ -597,53 +678,40 @@ impl Source {
     /// `len` bytes from `offset`, all of them: one `pread`, or ranged GETs of at most
     /// [`GET_BYTES`] each, one after another (a row group is one buffer).
     fn read(&self, offset: u64, len: u64) -> Result<Bytes, String> {
-        let bytes = match &self.body {
+        match &self.body {
             Body::Local { file, .. } => {
                 self.stats.requests.fetch_add(1, Ordering::Relaxed);
                 let mut buf = vec![0; len as usize];
                 file.read_exact_at(&mut buf, offset)
                     .map_err(|e| format!("reading {len} bytes at byte {offset}: {e}"))?;
-                Bytes::from(buf)
+                self.stats.bytes.fetch_add(len, Ordering::Relaxed);
+                Ok(Bytes::from(buf))
             }
-            Body::Remote { source, .. } => {
-                let get = |at: u64, n: u64| {
-                    self.stats.requests.fetch_add(1, Ordering::Relaxed);
-                    let got = self
-                        .runtime
-                        .block_on(self.fetcher.fetch_range(source, at, n))
-                        .map_err(|e| e.to_string())?;
-                    match got.len() as u64 == n {
-                        true => Ok(got),
-                        false => Err(format!(
-                            "{n} bytes at byte {at} came back as {}: the object changed while \
-                             it was read",
-                            got.len()
-                        )),
-                    }
-                };
-                if len <= GET_BYTES {
-                    get(offset, len)?
-                } else {
-                    let mut buf = Vec::with_capacity(len as usize);
-                    let mut at = offset;
-                    while at < offset + len {
-                        let n = GET_BYTES.min(offset + len - at);
-                        buf.extend_from_slice(&get(at, n)?);
-                        at += n;
-                    }
-                    Bytes::from(buf)
-                }
-            }
-        };
-        if bytes.len() as u64 != len {
-            return Err(format!(
-                "{len} bytes at byte {offset} came back as {}: the file changed while it was \
-                 read",
-                bytes.len()
-            ));
+            Body::Remote { source, .. } => self.runtime.block_on(read_remote(
+                self.fetcher.clone(),
+                source.clone(),
+                self.stats.clone(),
+                offset,
+                len,
+            )),
         }
-        self.stats.bytes.fetch_add(len, Ordering::Relaxed);
-        Ok(bytes)
+    }
+
+    /// Starts reading `len` bytes from `offset`: an S3 file's GETs run on the IO runtime
+    /// while the thread decodes what it has; a local file's `pread` waits for [`Pending::wait`].
+    fn start(&self, offset: u64, len: u64) -> Pending {
+        match &self.body {
+            Body::Local { .. } => Pending::Later { offset, len },
+            Body::Remote { source, .. } => {
+                Pending::Running(AbortOnDrop(Some(self.runtime.spawn(read_remote(
+                    self.fetcher.clone(),
+                    source.clone(),
+                    self.stats.clone(),
+                    offset,
+                    len,
+                )))))
+            }
+        }
     }
 
     /// The file's metadata, from its footer: the file's last [`TAIL_BYTES`] in one read, and
@@ -653,8 +721,16 @@ impl Source {
         if len < 12 {
             return Err(format!("not a Parquet file ({len} bytes)"));
         }
-        let tail_len = len.min(TAIL_BYTES);
-        let tail = self.read(len - tail_len, tail_len)?;
+        let tail = match &self.body {
+            Body::Remote { tail, .. } => tail.clone(),
+            Body::Local { .. } => self.read(len - len.min(TAIL_BYTES), len.min(TAIL_BYTES))?,
+        };
+        let tail_len = tail.len() as u64;
+        if tail_len < 12 {
+            return Err(format!(
+                "not a Parquet file (its end came back as {tail_len} bytes)"
+            ));
+        }
         let end = &tail[tail.len() - 8..];
         match &end[4..] {
             b"PAR1" => {}
@@ -682,21 +758,30 @@ impl Source {
             true => tail.slice((tail_len - 8 - footer_len) as usize..(tail_len - 8) as usize),
             false => self.read(len - 8 - footer_len, footer_len)?,
         };
+        // The crate builds the schema's tree by recursion, as deep as the footer says: checked
+        // first, so a footer of nested groups cannot overflow the stack.
+        if schema_depth(&footer).map_err(|e| format!("its footer cannot be read: {e}"))?
+            > MAX_SCHEMA_DEPTH
+        {
+            return Err(format!(
+                "its schema nests deeper than {MAX_SCHEMA_DEPTH} levels, which feedstore does \
+                 not read"
+            ));
+        }
         ParquetMetaDataReader::decode_metadata(&footer)
             .map_err(|e| format!("its footer cannot be read: {e}"))
     }
 
-    /// Row group `group`'s column chunks, read in one piece once every one is checked: where
-    /// it lies in the file, its codec and every page header's sizes.
-    fn row_group(
+    /// Starts reading row group `group`'s column chunks, in one piece, once where each lies in
+    /// the file and its codec are checked.
+    fn start_row_group(
         &self,
         metadata: &ParquetMetaData,
         group: usize,
-        page_limit: u64,
-    ) -> Result<RowGroupBytes, String> {
+    ) -> Result<PendingGroup, String> {
         let file_len = self.body.len();
         let data_end = file_len.saturating_sub(8);
-        let mut chunks = Vec::new();
+        let mut chunks: Vec<Chunk> = Vec::new();
         for column in metadata.row_group(group).columns() {
             let path = column.column_path().string();
             // How far the codec can inflate a page: snappy at most ~21x (a 64-byte copy in 3
@@ -740,7 +825,30 @@ impl Source {
                 hi - lo
             ));
         }
-        let bytes = self.read(lo, hi - lo)?;
+        Ok(PendingGroup {
+            chunks,
+            lo,
+            read: self.start(lo, hi - lo),
+        })
+    }
+
+    /// The row group `pending` reads, once every page header in it is checked.
+    fn finish_row_group(
+        &self,
+        pending: PendingGroup,
+        page_limit: u64,
+    ) -> Result<RowGroupBytes, String> {
+        let PendingGroup { chunks, lo, read } = pending;
+        let bytes = match read {
+            Pending::Later { offset, len } => self.read(offset, len)?,
+            Pending::Running(mut task) => {
+                let handle = task.0.take().expect("awaited once");
+                self.runtime
+                    .block_on(handle)
+                    .map_err(|e| format!("the read was lost: {e}"))??
+            }
+        };
+        let (file_len, hi) = (self.body.len(), lo + bytes.len() as u64);
         self.stats
             .peak_row_group
             .fetch_max(hi - lo, Ordering::Relaxed);
@@ -760,6 +868,77 @@ impl Source {
             bytes,
         })
     }
+}
+
+/// A column chunk of a row group: (its path, offset, size, the most its codec inflates a page,
+/// the codec).
+type Chunk = (String, u64, u64, u64, Compression);
+
+/// A row group being read.
+struct PendingGroup {
+    chunks: Vec<Chunk>,
+    /// The file offset of its first byte.
+    lo: u64,
+    read: Pending,
+}
+
+/// A read started.
+enum Pending {
+    /// A local file's, made when waited for.
+    Later { offset: u64, len: u64 },
+    /// An S3 file's GETs, under way on the IO runtime.
+    Running(AbortOnDrop),
+}
+
+/// A read's task, aborted if it is dropped unawaited (the reader stopped, or a row group
+/// failed before it).
+struct AbortOnDrop<T = Bytes>(Option<tokio::task::JoinHandle<Result<T, String>>>);
+
+impl<T> Drop for AbortOnDrop<T> {
+    fn drop(&mut self) {
+        if let Some(task) = &self.0 {
+            task.abort();
+        }
+    }
+}
+
+/// `len` bytes of an S3 file from `offset`, all of them, in ranged GETs of at most
+/// [`GET_BYTES`] one after another.
+async fn read_remote(
+    fetcher: Arc<dyn Fetch>,
+    source: ImageSource,
+    stats: Arc<TableStats>,
+    offset: u64,
+    len: u64,
+) -> Result<Bytes, String> {
+    let get = async |at: u64, n: u64| {
+        stats.requests.fetch_add(1, Ordering::Relaxed);
+        let got = fetcher
+            .fetch_range(&source, at, n)
+            .await
+            .map_err(|e| e.to_string())?;
+        match got.len() as u64 == n {
+            true => Ok(got),
+            false => Err(format!(
+                "{n} bytes at byte {at} came back as {}: the object changed while it was read",
+                got.len()
+            )),
+        }
+    };
+    let bytes = if len <= GET_BYTES {
+        get(offset, len).await?
+    } else {
+        let mut buf = Vec::with_capacity(len as usize);
+        let mut at = offset;
+        while at < offset + len {
+            let n = GET_BYTES.min(offset + len - at);
+            buf.extend_from_slice(&get(at, n).await?);
+            at += n;
+        }
+        Bytes::from(buf)
+    };
+    stats.bytes.fetch_add(len, Ordering::Relaxed);
+    Ok(bytes)
 }
 
 /// The rows of the row groups before `group`.
@@ -858,6 +1037,63 @@ fn check_pages(chunk: &[u8], at: u64, limit: &Limit) -> Result<(), String> {
             })?;
     }
     Ok(())
+}
+
+/// How deep the schema in a footer (Thrift's `FileMetaData`, field 2: the schema's elements in
+/// depth-first order, each group with its `num_children`, field 5) nests, counted without
+/// building it; past [`MAX_SCHEMA_DEPTH`] the count stops (at one more).
+fn schema_depth(footer: &[u8]) -> Result<usize, String> {
+    let mut thrift = Compact {
+        bytes: footer,
+        at: 0,
+    };
+    const TOO_DEEP: &str = "too deep";
+    let mut deepest = 0;
+    let read = thrift.fields(0, |thrift, id, kind| {
+        if (id, kind) != (2, 9) || deepest > 0 {
+            return thrift.skip(kind, 1);
+        }
+        let header = thrift.byte()?;
+        let size = match header >> 4 {
+            15 => thrift.varint()?,
+            n => u64::from(n),
+        };
+        if header & 0x0f != 12 || size > (thrift.bytes.len() - thrift.at) as u64 {
+            return Err("a schema that is not a list of elements".into());
+        }
+        // The children each open group has still to come.
+        let mut open: Vec<i64> = Vec::new();
+        for _ in 0..size {
+            let mut children = 0;
+            thrift.fields(1, |thrift, id, kind| match (id, kind) {
+                (5, 5) => {
+                    children = thrift.zigzag()?;
+                    Ok(())
+                }
+                _ => thrift.skip(kind, 2),
+            })?;
+            if let Some(left) = open.last_mut() {
+                *left -= 1;
+            }
+            if children > 0 {
+                open.push(children);
+                deepest = deepest.max(open.len());
+                if deepest > MAX_SCHEMA_DEPTH {
+                    return Err(TOO_DEEP.into());
+                }
+            }
+            while open.last().is_some_and(|&left| left <= 0) {
+                open.pop();
+            }
+        }
+        deepest = deepest.max(1);
+        Ok(())
+    });
+    match read {
+        Err(e) if e == TOO_DEEP => Ok(MAX_SCHEMA_DEPTH + 1),
+        Err(e) => Err(e),
+        Ok(()) => Ok(deepest),
+    }
 }
 
 /// A page header's uncompressed and compressed sizes (its fields 2 and 3, i32) and its length,
@@ -1036,6 +1272,32 @@ mod tests {
         // Structs nested past the bound.
         let deep = vec![0x1c; 200];
         assert!(page_sizes(&deep).unwrap_err().contains("deep"));
+    }
+
+    #[test]
+    fn a_schema_is_measured_without_recursion() {
+        // FileMetaData { version: 1, schema: [n elements, each a group of one child] }.
+        let footer = |n: u32, children: u8| {
+            let mut bytes = vec![0x15, 0x02, 0x19, 0xfc];
+            let mut v = n;
+            while v >= 0x80 {
+                bytes.push(v as u8 | 0x80);
+                v >>= 7;
+            }
+            bytes.push(v as u8);
+            for _ in 0..n {
+                bytes.extend([0x55, children * 2, 0x00]);
+            }
+            bytes.push(0x00);
+            bytes
+        };
+        assert_eq!(schema_depth(&footer(100_000, 1)), Ok(MAX_SCHEMA_DEPTH + 1));
+        assert_eq!(schema_depth(&footer(5, 1)), Ok(5));
+        assert_eq!(schema_depth(&footer(3, 0)), Ok(1));
+        // A list longer than the bytes behind it.
+        let mut cut = footer(100, 1);
+        cut.truncate(50);
+        assert!(schema_depth(&cut).is_err());
     }
 
     #[test]

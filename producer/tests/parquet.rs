@@ -10,12 +10,11 @@ mod common;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
-use std::time::Duration;
 
 use common::DATA;
 use feedstore_producer::input::LocalFiles;
 use feedstore_producer::manifest::Content;
-use feedstore_producer::pipeline::{Input, Inputs};
+use feedstore_producer::pipeline::Input;
 use feedstore_producer::shards::Shard;
 use feedstore_producer::source::ImageSource;
 use feedstore_producer::tables::{ParquetFiles, TableStats};
@@ -95,25 +94,8 @@ fn read_all(
     files: Vec<Shard>,
     reader: impl FnOnce(Vec<Shard>) -> ParquetFiles + Send + 'static,
 ) -> (Vec<Input>, Arc<TableStats>) {
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        let runtime = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .unwrap();
-        let mut reader = reader(files);
-        let stats = reader.stats();
-        let inputs = runtime.block_on(async {
-            let mut all = Vec::new();
-            while let Some(input) = reader.next().await {
-                all.push(input);
-            }
-            all
-        });
-        let _ = tx.send((inputs, stats));
-    });
-    rx.recv_timeout(Duration::from_secs(60))
-        .expect("reading the files ended within a minute")
+    let (reader, all) = common::read_inputs(move || reader(files), Vec::new(), Vec::push);
+    (all, reader.stats())
 }
 
 fn plain(
@@ -219,15 +201,30 @@ fn rows_of_every_form_are_records_with_their_images() {
         serde_json::json!([{"id": "by-path", "image": [null, "rocket.jpg"], "conversations": turns("what?", "a rocket")}]),
         serde_json::json!({"compression": "none"}),
     );
+    // A captioning data set's: an image and its caption, nothing else.
+    let captions = dir.join("captions.parquet");
+    write_parquet(
+        &captions,
+        &[("image", "image"), ("caption", "string")],
+        serde_json::json!([{"image": [photo_path("rocket.jpg"), null], "caption": "a rocket on its pad"}]),
+        serde_json::json!({}),
+    );
     let root = PathBuf::from(format!("{DATA}/photos"));
-    let files = [&llava, &cauldron, &paths].map(|p| Shard::Local(p.to_path_buf()));
+    let files = [&llava, &cauldron, &paths, &captions].map(|p| Shard::Local(p.to_path_buf()));
     let (inputs, stats) = read_all(files.to_vec(), plain(root.clone(), 64 << 20));
     let (rows, rejects) = split(inputs);
     assert!(rejects.is_empty(), "{rejects:?}");
     let ids: Vec<&str> = rows.iter().map(|r| r.id.as_str()).collect();
     assert_eq!(
         ids,
-        ["hopper", "cat", "words", "cauldron.parquet:0", "by-path"]
+        [
+            "hopper",
+            "cat",
+            "words",
+            "cauldron.parquet:0",
+            "by-path",
+            "captions.parquet:0"
+        ]
     );
     assert_eq!(rows[0].bytes, [photo("grace_hopper.jpg")]);
     assert_eq!(rows[1].bytes, [photo("chelsea.png")]);
@@ -238,6 +235,15 @@ fn rows_of_every_form_are_records_with_their_images() {
     assert_eq!(rows[3].bytes, [photo("rocket.jpg"), photo("chelsea.png")]);
     assert_eq!(messages(&rows[3].content), 2);
     assert_eq!(rows[4].sources, [ImageSource::local(&root, "rocket.jpg")]);
+    // The caption is the reply to the image.
+    assert_eq!(rows[5].bytes, [photo("rocket.jpg")]);
+    match &rows[5].content {
+        Content::Conversation(turns) => {
+            assert_eq!(turns.len(), 2);
+            assert_eq!(turns[1].content, "a rocket on its pad");
+        }
+        other => panic!("{other:?}"),
+    }
     // Where each row came from, for its rejects at any stage.
     assert_eq!(
         rows[1].origin,
@@ -249,10 +255,10 @@ fn rows_of_every_form_are_records_with_their_images() {
     );
     assert!(matches!(&rows[0].sources[0], ImageSource::Member { name, .. } if name == "image"));
     assert!(matches!(&rows[3].sources[1], ImageSource::Member { name, .. } if name == "images[1]"));
-    assert_eq!(stats.row_groups.load(Ordering::Relaxed), 4);
+    assert_eq!(stats.row_groups.load(Ordering::Relaxed), 5);
     assert_eq!(stats.unreadable.load(Ordering::Relaxed), 0);
     // A read of each file's end (its footer whole), and one per row group.
-    assert_eq!(stats.requests.load(Ordering::Relaxed), 3 + 4);
+    assert_eq!(stats.requests.load(Ordering::Relaxed), 4 + 5);
 }
 
 #[test]
@@ -285,6 +291,21 @@ fn a_file_that_is_not_read_is_one_reject_naming_it() {
     for b in &mut garbled[n - 8 - footer..n - 8] {
         *b = 0xff;
     }
+    // A schema nested 40 deep (the reader builds it by recursion: refused before).
+    let deep = dir.join("deep.parquet");
+    run_python_with(
+        &data_python(),
+        r#"
+import json, sys
+import pyarrow as pa, pyarrow.parquet as pq
+out = json.load(sys.stdin)
+t = pa.int32()
+for _ in range(40):
+    t = pa.struct([("x", t)])
+pq.write_table(pa.table({"deep": pa.array([None], type=t)}), out)
+"#,
+        &serde_json::json!(deep),
+    );
     let fifo = dir.join("fifo.parquet");
     nix::unistd::mkfifo(&fifo, nix::sys::stat::Mode::S_IRWXU).unwrap();
     let cases = [

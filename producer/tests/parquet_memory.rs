@@ -6,14 +6,15 @@
 
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::time::Duration;
 
 use feedstore_producer::input::LocalFiles;
-use feedstore_producer::pipeline::{Input, Inputs};
+use feedstore_producer::pipeline::Input;
 use feedstore_producer::shards::Shard;
 use feedstore_producer::tables::{PAGE_LIMIT, ParquetFiles};
 use feedstore_testkit::alloc::{Counting, peak, reset_peak};
 use feedstore_testkit::tar::{data_python, run_python_with};
+
+mod common;
 
 #[global_allocator]
 static ALLOCATOR: Counting = Counting;
@@ -50,36 +51,28 @@ pq.write_table(table, spec["out"], row_group_size=spec["group"], data_page_size=
     );
 }
 
-/// Reads `path` to its end on a thread of its own, dropping each input as the pipeline does
-/// once a worker has made it: (rows, rejects, the heap's growth at most), within a minute.
+/// Reads `path` to its end, dropping each input as the pipeline does once a worker has made
+/// it: (rows, rejects, the heap's growth at most), within a minute.
 fn read(path: PathBuf, page_limit: u64) -> (usize, Vec<String>, usize) {
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        let runtime = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .unwrap();
-        let base = reset_peak();
-        let mut reader = ParquetFiles::new(
+    let base = reset_peak();
+    let make = move || {
+        ParquetFiles::new(
             vec![Shard::Local(path)],
             Arc::new(LocalFiles::anywhere(1 << 20)),
             1 << 20,
             PathBuf::from("/"),
         )
-        .with_page_limit(page_limit);
-        let (mut rows, mut rejects) = (0, Vec::new());
-        runtime.block_on(async {
-            while let Some(input) = reader.next().await {
-                match input {
-                    Input::Read(..) | Input::Record(_) => rows += 1,
-                    Input::Rejected(r) => rejects.push(r.reason),
-                }
-            }
-        });
-        let _ = tx.send((rows, rejects, peak().saturating_sub(base)));
-    });
-    rx.recv_timeout(Duration::from_secs(60))
-        .expect("reading ended within a minute")
+        .with_page_limit(page_limit)
+    };
+    let (_, (rows, rejects)) = common::read_inputs(
+        make,
+        (0, Vec::new()),
+        |(rows, rejects): &mut (usize, Vec<String>), input| match input {
+            Input::Read(..) | Input::Record(_) => *rows += 1,
+            Input::Rejected(r) => rejects.push(r.reason),
+        },
+    );
+    (rows, rejects, peak().saturating_sub(base))
 }
 
 #[test]

@@ -408,3 +408,136 @@ fn a_shard_in_s3_is_read_a_ranged_get_at_a_time() {
     });
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A Parquet file of 80 rows (19 MiB) in S3, read through a proxy that resets the body of one
+/// GET: its end in one GET (the footer and the file's length), a row group of 70 rows (over
+/// 16 MiB) in two ranged GETs, the next in one, the reply cut off retried, every image byte for
+/// byte. Then `fetch_tail` alone: an end, an object shorter than asked, an empty one, a missing
+/// key.
+#[test]
+fn a_parquet_file_in_s3_is_read_a_row_group_at_a_time() {
+    use feedstore_producer::pipeline::{Input, Inputs};
+    use feedstore_producer::shards::Shard;
+    use feedstore_producer::tables::{GET_BYTES, ParquetFiles};
+    use std::sync::atomic::Ordering;
+
+    let moto = Moto::start().unwrap();
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let dir = std::env::temp_dir().join(format!(
+        "feedstore-producer-{}-s3-parquet",
+        std::process::id()
+    ));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let photo = std::fs::read(format!("{DATA}/photos/chelsea.png")).unwrap();
+    let path = dir.join("data.parquet");
+    feedstore_testkit::tar::run_python_with(
+        &feedstore_testkit::tar::data_python(),
+        r#"
+import json, sys
+import pyarrow as pa, pyarrow.parquet as pq
+spec = json.load(sys.stdin)
+image = open(spec["photo"], "rb").read()
+n = 80
+table = pa.table({
+    "id": pa.array(["%03d" % i for i in range(n)]),
+    "image": pa.array([{"bytes": image + i.to_bytes(4, "little"), "path": None} for i in range(n)],
+                      type=pa.struct([("bytes", pa.binary()), ("path", pa.string())])),
+    "text": pa.array(["sample %d" % i for i in range(n)]),
+})
+pq.write_table(table, spec["out"], row_group_size=70, compression="snappy")
+"#,
+        &serde_json::json!({"out": path, "photo": format!("{DATA}/photos/chelsea.png")}),
+    );
+    let bytes = std::fs::read(&path).unwrap();
+    let direct = runtime.block_on(S3Fetcher::new(&options(moto.endpoint())));
+    runtime.block_on(async {
+        let client = direct.client();
+        client
+            .create_bucket()
+            .bucket("hf-data")
+            .send()
+            .await
+            .unwrap();
+        for (key, body) in [("data.parquet", bytes.clone()), ("empty", Vec::new())] {
+            client
+                .put_object()
+                .bucket("hf-data")
+                .key(key)
+                .body(body.into())
+                .send()
+                .await
+                .unwrap();
+        }
+    });
+    let proxy = FaultProxy::start(
+        moto.addr(),
+        Plan {
+            latency: Duration::ZERO,
+            rules: vec![Rule::new("data.parquet", Fault::ResetMidBody).times(1)],
+        },
+    )
+    .unwrap();
+    let fetcher = Arc::new(runtime.block_on(S3Fetcher::new(&options(proxy.endpoint()))));
+    let mut reader = ParquetFiles::new(
+        vec![Shard::S3 {
+            bucket: "hf-data".into(),
+            key: "data.parquet".into(),
+        }],
+        fetcher.clone(),
+        64 << 20,
+        dir.clone(),
+    );
+    let stats = reader.stats();
+    let ids = runtime.block_on(async {
+        let mut ids = Vec::new();
+        while let Some(input) = reader.next().await {
+            match input {
+                Input::Read(record, images) => {
+                    let i = ids.len() as u32;
+                    let mut expected = photo.clone();
+                    expected.extend(i.to_le_bytes());
+                    assert_eq!(images, [expected], "{} byte for byte", record.id);
+                    ids.push(record.id);
+                }
+                other => panic!("{other:?}"),
+            }
+        }
+        ids
+    });
+    assert_eq!(ids, (0..80).map(|i| format!("{i:03}")).collect::<Vec<_>>());
+    assert!(stats.peak_row_group.load(Ordering::Relaxed) > GET_BYTES);
+    // The end, two GETs for the first row group, one for the second.
+    assert_eq!(stats.requests.load(Ordering::Relaxed), 4);
+    assert_eq!(stats.row_groups.load(Ordering::Relaxed), 2);
+    assert!(
+        proxy.requests_for("data.parquet") == 5 && proxy.faults() == 1,
+        "{} GETs, {} faults",
+        proxy.requests_for("data.parquet"),
+        proxy.faults()
+    );
+
+    runtime.block_on(async {
+        let source = s3("hf-data", "data.parquet");
+        let len = bytes.len() as u64;
+        let (tail, total) = fetcher.fetch_tail(&source, 100).await.unwrap();
+        assert_eq!((tail.as_ref(), total), (&bytes[bytes.len() - 100..], len));
+        let (whole, total) = fetcher.fetch_tail(&source, len + 100).await.unwrap();
+        assert_eq!((whole.len() as u64, total), (len, len));
+        let (empty, total) = fetcher
+            .fetch_tail(&s3("hf-data", "empty"), 100)
+            .await
+            .unwrap();
+        assert_eq!((empty.len(), total), (0, 0));
+        assert!(matches!(
+            fetcher
+                .fetch_tail(&s3("hf-data", "nope.parquet"), 100)
+                .await,
+            Err(FetchError::NotFound(_))
+        ));
+    });
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -9,12 +9,11 @@ mod common;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
-use std::time::Duration;
 
 use common::DATA;
 use feedstore_producer::input::LocalFiles;
 use feedstore_producer::manifest::Content;
-use feedstore_producer::pipeline::{Input, Inputs};
+use feedstore_producer::pipeline::Input;
 use feedstore_producer::shards::{Shard, Shards, expand, shard_list};
 use feedstore_producer::source::ImageSource;
 use feedstore_testkit::tar::python_tar;
@@ -39,28 +38,18 @@ fn json(value: serde_json::Value) -> Vec<u8> {
 
 /// Every input of `shards`, read to the end: within a minute, or the test fails.
 fn read_all(shards: Vec<Shard>, max_image_bytes: u64) -> (Vec<Input>, Shards) {
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        let runtime = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .unwrap();
-        let mut reader = Shards::new(
-            shards,
-            Arc::new(LocalFiles::anywhere(max_image_bytes)),
-            max_image_bytes,
-        );
-        let inputs = runtime.block_on(async {
-            let mut all = Vec::new();
-            while let Some(input) = reader.next().await {
-                all.push(input);
-            }
-            all
-        });
-        let _ = tx.send((inputs, reader));
-    });
-    rx.recv_timeout(Duration::from_secs(60))
-        .expect("reading the shards ended within a minute")
+    let (reader, all) = common::read_inputs(
+        move || {
+            Shards::new(
+                shards,
+                Arc::new(LocalFiles::anywhere(max_image_bytes)),
+                max_image_bytes,
+            )
+        },
+        Vec::new(),
+        Vec::push,
+    );
+    (all, reader)
 }
 
 /// (id, images' bytes, content) of each sample; (line, id, reason) of each reject.

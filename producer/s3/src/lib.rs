@@ -12,7 +12,6 @@
 //! SDK's standard mode up to the response head, and here when a body is cut off or stalls. A missing key or bucket and a refused access are final: the sample is
 //! rejected with the reason.
 
-use std::pin::Pin;
 
 use bytes::Bytes;
 use std::time::Duration;
@@ -25,7 +24,7 @@ use aws_sdk_s3::error::{DisplayErrorContext, SdkError};
 use aws_smithy_http_client::tls::{Provider, rustls_provider::CryptoMode};
 
 use feedstore_producer::input::{DEFAULT_MAX_IMAGE_BYTES, LocalFiles};
-use feedstore_producer::source::{Fetch, FetchError, ImageSource};
+use feedstore_producer::source::{Fetch, FetchError, Fetching, ImageSource};
 
 /// How to reach S3.
 #[derive(Debug, Clone)]
@@ -142,39 +141,48 @@ impl S3Fetcher {
         &self.client
     }
 
-    /// The object, or `range` of it (offset, length: at most that many bytes, none past its
-    /// end), retried as a whole on a body cut off or stalled.
+    /// The object, or a part of it, retried as a whole on a body cut off or stalled; with the
+    /// object's length where the reply says it (a ranged one's `Content-Range`).
     async fn get(
         &self,
         bucket: &str,
         key: &str,
-        range: Option<(u64, u64)>,
-    ) -> Result<Bytes, FetchError> {
+        part: Part,
+    ) -> Result<(Bytes, Option<u64>), FetchError> {
         let uri = format!("s3://{bucket}/{key}");
         let mut attempt = 1;
         loop {
             let request = self.client.get_object().bucket(bucket).key(key);
-            let request = match range {
-                Some((_, 0)) => return Ok(Bytes::new()),
-                Some((offset, len)) => {
+            let request = match part {
+                Part::Range(_, 0) | Part::Tail(0) => return Ok((Bytes::new(), None)),
+                Part::Range(offset, len) => {
                     request.range(format!("bytes={offset}-{}", offset.saturating_add(len - 1)))
                 }
-                None => request,
+                Part::Tail(len) => request.range(format!("bytes=-{len}")),
+                Part::Whole => request,
             };
             let response = match request.send().await {
                 Ok(response) => response,
-                // A range starting at or past the end: nothing there.
+                // A range starting at or past the end (or any range of an empty object):
+                // nothing there.
                 Err(SdkError::ServiceError(e))
-                    if range.is_some() && e.raw().status().as_u16() == 416 =>
+                    if part != Part::Whole && e.raw().status().as_u16() == 416 =>
                 {
-                    return Ok(Bytes::new());
+                    let total = match part {
+                        Part::Tail(_) => Some(0),
+                        _ => None,
+                    };
+                    return Ok((Bytes::new(), total));
                 }
                 Err(e) => return Err(request_error(&uri, &self.endpoint, e)),
             };
-            let max = range.map_or(self.max_object_bytes, |(_, len)| len);
-            let too_large = |size: &str| match range {
-                None => too_large(&uri, size, max),
-                Some(_) => FetchError::Other(format!(
+            let max = match part {
+                Part::Whole => self.max_object_bytes,
+                Part::Range(_, len) | Part::Tail(len) => len,
+            };
+            let too_large = |size: &str| match part {
+                Part::Whole => too_large(&uri, size, max),
+                _ => FetchError::Other(format!(
                     "{uri} from {}: a GET of {max} bytes got {size} (does the server ignore \
                      Range?)",
                     self.endpoint
@@ -190,9 +198,17 @@ impl S3Fetcher {
             let body = collect_bounded(response.body, max);
             let failure = match tokio::time::timeout(self.attempt_timeout, body).await {
                 Ok(Ok(Some(body))) => {
-                    match range.map(|r| check_range(r, span, body.len() as u64)) {
-                        None | Some(Ok(())) => return Ok(body),
-                        Some(Err(e)) => e,
+                    let got = body.len() as u64;
+                    let checked = match part {
+                        Part::Whole => Ok(Some(got)),
+                        Part::Range(offset, len) => {
+                            check_range((offset, len), span, got).map(|()| span.flatten()?.1)
+                        }
+                        Part::Tail(len) => check_tail(len, span, got),
+                    };
+                    match checked {
+                        Ok(total) => return Ok((body, total)),
+                        Err(e) => e,
                     }
                 }
                 Ok(Ok(None)) => {
@@ -215,44 +231,36 @@ impl S3Fetcher {
             attempt += 1;
         }
     }
+}
 
-    /// An object's length: a GET of its first byte, whose `Content-Range` says the total (an
-    /// empty object answers 416). The GET's retries, timeouts and errors are `get`'s.
-    async fn object_size(&self, bucket: &str, key: &str) -> Result<u64, FetchError> {
-        let uri = format!("s3://{bucket}/{key}");
-        let response = match self
-            .client
-            .get_object()
-            .bucket(bucket)
-            .key(key)
-            .range("bytes=0-0")
-            .send()
-            .await
-        {
-            Ok(response) => response,
-            Err(SdkError::ServiceError(e)) if e.raw().status().as_u16() == 416 => return Ok(0),
-            Err(e) => return Err(request_error(&uri, &self.endpoint, e)),
-        };
-        match response.content_range().map(parse_content_range) {
-            Some(Some((0, Some(total)))) => Ok(total),
-            // No Content-Range: the whole object came back, and it is that long.
-            None => response
-                .content_length()
-                .and_then(|n| u64::try_from(n).ok())
-                .filter(|&n| n <= 1)
-                .ok_or_else(|| {
-                    FetchError::Other(format!(
-                        "{uri} from {}: a GET of its first byte came back without a \
-                         Content-Range (does the server ignore Range?)",
-                        self.endpoint
-                    ))
-                }),
-            Some(_) => Err(FetchError::Other(format!(
-                "{uri} from {}: a GET of its first byte came back with a Content-Range that \
-                 is not `bytes 0-0/TOTAL`",
-                self.endpoint
-            ))),
+/// What part of an object a GET asks for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Part {
+    /// All of it.
+    Whole,
+    /// At most `len` bytes from `offset`.
+    Range(u64, u64),
+    /// Its last `len` bytes, or all of it when shorter.
+    Tail(u64),
+}
+
+/// The object's length, if `got` bytes answer a GET of its last `len`: a `Content-Range` that
+/// ends at its total and holds what came (all of it, when the object is shorter than `len`).
+fn check_tail(
+    len: u64,
+    span: Option<Option<(u64, Option<u64>)>>,
+    got: u64,
+) -> Result<Option<u64>, String> {
+    match span {
+        Some(Some((first, Some(total)))) if first + got == total && (got == len || first == 0) => {
+            Ok(Some(total))
         }
+        // No Content-Range: the whole object came back, shorter than `len`.
+        None if got <= len => Ok(Some(got)),
+        _ => Err(format!(
+            "a GET of the last {len} bytes came back with {got} bytes and Content-Range \
+             {span:?}"
+        )),
     }
 }
 
@@ -393,9 +401,11 @@ impl Fetch for S3Fetcher {
     fn fetch<'a>(
         &'a self,
         source: &'a ImageSource,
-    ) -> Pin<Box<dyn Future<Output = Result<Bytes, FetchError>> + Send + 'a>> {
+    ) -> Fetching<'a, Bytes> {
         match source {
-            ImageSource::S3 { bucket, key } => Box::pin(self.get(bucket, key, None)),
+            ImageSource::S3 { bucket, key } => {
+                Box::pin(async move { Ok(self.get(bucket, key, Part::Whole).await?.0) })
+            }
             _ => self.local.fetch(source),
         }
     }
@@ -405,20 +415,34 @@ impl Fetch for S3Fetcher {
         source: &'a ImageSource,
         offset: u64,
         len: u64,
-    ) -> Pin<Box<dyn Future<Output = Result<Bytes, FetchError>> + Send + 'a>> {
+    ) -> Fetching<'a, Bytes> {
         match source {
-            ImageSource::S3 { bucket, key } => Box::pin(self.get(bucket, key, Some((offset, len)))),
+            ImageSource::S3 { bucket, key } => {
+                Box::pin(
+                    async move { Ok(self.get(bucket, key, Part::Range(offset, len)).await?.0) },
+                )
+            }
             _ => self.local.fetch_range(source, offset, len),
         }
     }
 
-    fn size<'a>(
+    fn fetch_tail<'a>(
         &'a self,
         source: &'a ImageSource,
-    ) -> Pin<Box<dyn Future<Output = Result<u64, FetchError>> + Send + 'a>> {
+        len: u64,
+    ) -> Fetching<'a, (Bytes, u64)> {
         match source {
-            ImageSource::S3 { bucket, key } => Box::pin(self.object_size(bucket, key)),
-            _ => self.local.size(source),
+            ImageSource::S3 { bucket, key } => Box::pin(async move {
+                let uri = format!("s3://{bucket}/{key}");
+                match self.get(bucket, key, Part::Tail(len)).await? {
+                    (tail, Some(total)) => Ok((tail, total)),
+                    (_, None) => Err(FetchError::Other(format!(
+                        "{uri} from {}: a GET of its end did not say its length",
+                        self.endpoint
+                    ))),
+                }
+            }),
+            _ => self.local.fetch_tail(source, len),
         }
     }
 }
@@ -426,6 +450,20 @@ impl Fetch for S3Fetcher {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_reply_for_the_end_must_end_the_object_and_say_its_length() {
+        let span = |h: &str| Some(parse_content_range(h));
+        assert_eq!(check_tail(10, span("bytes 90-99/100"), 10), Ok(Some(100)));
+        // An object shorter than asked: all of it.
+        assert_eq!(check_tail(10, span("bytes 0-6/7"), 7), Ok(Some(7)));
+        assert_eq!(check_tail(10, None, 7), Ok(Some(7)));
+        // Not its end, short in the middle, no total, too much without a range.
+        assert!(check_tail(10, span("bytes 80-89/100"), 10).is_err());
+        assert!(check_tail(10, span("bytes 95-99/100"), 5).is_err());
+        assert!(check_tail(10, span("bytes 90-99/*"), 10).is_err());
+        assert!(check_tail(10, None, 11).is_err());
+    }
 
     #[test]
     fn a_ranged_reply_must_hold_the_bytes_asked_or_end_the_object() {

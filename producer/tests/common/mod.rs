@@ -9,6 +9,36 @@ use feedstore_producer::chat::ChatTokenizer;
 /// The committed test data folder.
 pub const DATA: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/data");
 
+/// Reads every input of the reader `make` makes, on a thread of its own with a current-thread
+/// runtime, handing each to `each` with `state` (which may drop it, as the pipeline does once a
+/// worker has made it): within a minute, or the test fails. Returns the reader and the state.
+pub fn read_inputs<I, S>(
+    make: impl FnOnce() -> I + Send + 'static,
+    mut state: S,
+    mut each: impl FnMut(&mut S, feedstore_producer::pipeline::Input) + Send + 'static,
+) -> (I, S)
+where
+    I: feedstore_producer::pipeline::Inputs,
+    S: Send + 'static,
+{
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let mut reader = make();
+        runtime.block_on(async {
+            while let Some(input) = reader.next().await {
+                each(&mut state, input);
+            }
+        });
+        let _ = tx.send((reader, state));
+    });
+    rx.recv_timeout(std::time::Duration::from_secs(60))
+        .expect("reading ended within a minute")
+}
+
 /// The Qwen3 `tokenizer.json`, decompressed from the committed copy.
 pub fn tokenizer_json() -> Vec<u8> {
     let gz = std::fs::read(format!("{DATA}/qwen3-tokenizer.json.gz")).unwrap();
