@@ -38,8 +38,8 @@ enum Command {
     /// Exercise the store itself end to end: a producer thread writes large objects through the
     /// real socket and shared memory, reader threads verify every byte; then small round trips.
     Check(check::Args),
-    /// Read a manifest (JSONL, or a JSON array of records), fetch, decode, resize, normalise and
-    /// tokenize each record, and write
+    /// Read a manifest (JSONL, or a JSON array of records), WebDataset shards or Parquet files;
+    /// fetch, decode, resize, normalise and tokenize each record, and write
     /// each sample once into the running daemon's shared memory. Bad records go to a rejects
     /// file; the run ends with a stage profile naming the bottleneck.
     Produce(Box<produce::Args>),

@@ -661,11 +661,18 @@ pub fn run_produce(args: Args) -> anyhow::Result<()> {
         }
     };
     let rejects_path = progress.rejects_path().to_owned();
-    progress.finish(&summary, args.max_reject_rate)?;
-    if let Some(unreadable) = unreadable {
-        bail!("{unreadable}; see {}", rejects_path.display());
+    let finished = progress.finish(&summary, args.max_reject_rate);
+    let unreadable = unreadable.map(|u| format!("{u}; see {}", rejects_path.display()));
+    match (finished, unreadable) {
+        (Ok(()), None) => Ok(()),
+        (Ok(()), Some(unreadable)) => bail!("{unreadable}"),
+        // Both: the files lost are said first, since the reject rate counts each as one.
+        (Err(e), Some(unreadable)) => {
+            eprintln!("feedstore: error: {unreadable}");
+            Err(e)
+        }
+        (Err(e), None) => Err(e),
     }
-    Ok(())
 }
 
 /// The pipeline's settings from the command line, checked before any work.

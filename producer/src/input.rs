@@ -315,10 +315,7 @@ impl LocalFiles {
 }
 
 impl Fetch for LocalFiles {
-    fn fetch<'a>(
-        &'a self,
-        source: &'a ImageSource,
-    ) -> Fetching<'a, Bytes> {
+    fn fetch<'a>(&'a self, source: &'a ImageSource) -> Fetching<'a, Bytes> {
         Box::pin(async move {
             let (base, path) = match source {
                 ImageSource::Local { base, path } => (base, path),

@@ -93,10 +93,7 @@ pub type Fetching<'a, T> = Pin<Box<dyn Future<Output = Result<T, FetchError>> + 
 /// know which it is talking to.
 pub trait Fetch: Send + Sync + 'static {
     /// Reads the whole object. `Bytes`, so a client's own buffer is handed over, not copied.
-    fn fetch<'a>(
-        &'a self,
-        source: &'a ImageSource,
-    ) -> Fetching<'a, Bytes>;
+    fn fetch<'a>(&'a self, source: &'a ImageSource) -> Fetching<'a, Bytes>;
 
     /// Reads at most `len` bytes of the object from byte `offset` (a shard, a chunk at a
     /// time): fewer only where the object ends, none at or past its end. Not every source
@@ -113,11 +110,7 @@ pub trait Fetch: Send + Sync + 'static {
 
     /// The object's last `len` bytes (all of it, when shorter) and its length: a Parquet
     /// file's footer, read from its end. Not every source serves it: the default refuses.
-    fn fetch_tail<'a>(
-        &'a self,
-        source: &'a ImageSource,
-        len: u64,
-    ) -> Fetching<'a, (Bytes, u64)> {
+    fn fetch_tail<'a>(&'a self, source: &'a ImageSource, len: u64) -> Fetching<'a, (Bytes, u64)> {
         let _ = len;
         Box::pin(async move { Err(FetchError::Unsupported(format!("{source} (its end)"))) })
     }

@@ -1,32 +1,35 @@
 //! Parquet files, as Hugging Face `datasets` writes them (LLaVA-OneVision, ShareGPT4V exports,
 //! The Cauldron): each row is a record, its columns what a manifest line's keys would be
-//! (`id`, `conversations`, `messages`, `text`, `image`, `images`), read a row group at a time.
+//! (`id`, `conversations`, `messages`, `text`, `image`, `images`; or The Cauldron's `texts`, or a
+//! caption beside images: `as_conversation`), read a row group at a time.
 //!
 //! ```text
 //! train-00000-of-00004.parquet   id   image {bytes, path}   conversations [{from, value}]
 //!                                 └──────── one row: one sample ─────────┘
 //! ```
 //!
-//! Images are `datasets`' `Image` columns: a struct `{bytes, path}`, alone or in a list. One with
-//! bytes is the image (named by its column, `image` or `images[1]`); one with only a path names
-//! a file or `s3://` object as a manifest's path would. A row's record is its columns as JSON,
-//! each image replaced by its name, parsed exactly as a manifest line; its images are those its
-//! `image`/`images` name, or every image it holds in column order when it names none.
+//! Images are `datasets`' `Image` columns: a struct `{bytes, path}`, alone or in a list (or plain
+//! binary in an `image` column or `images` list). One with bytes is the image (named by its
+//! column, `image` or `images[1]`); one with only a path names a file or `s3://` object as a
+//! manifest's path would. A row's record is its columns as JSON, each image replaced by its name,
+//! parsed exactly as a manifest line; its images are those its `image`/`images` name, or every
+//! image it holds in column order when it names none.
 //!
 //! A file is read where it is (a file on this node through `pread`, an S3 object through ranged
 //! GETs with the image fetcher's retries): its footer (at most [`MAX_FOOTER_BYTES`]), then one
 //! row group at a time, every column chunk of it in one read (at most [`MAX_ROW_GROUP_BYTES`];
-//! from S3, the next row group's GETs run while one is decoded).
-//! Before a page of it is decoded, every page header is read here and its sizes checked: no
-//! page may state more than [`PAGE_LIMIT`] uncompressed, nor more than its codec can inflate its
-//! bytes to (the parquet crate makes room for what a header states, up to 2 GiB, before it
-//! decompresses); only codecs whose output that size bounds are read (snappy, zstd, lz4_raw,
-//! none), and a schema nested deeper than [`MAX_SCHEMA_DEPTH`] is refused before the crate
-//! builds it by recursion. So memory is bounded by two row groups' bytes (the one decoded and,
-//! from S3, the next), a page per column and the rows in flight, however large the file. A row
-//! group that cannot be read (a corrupt page, a limit passed, a panic in the decoder) is one
-//! reject naming file, row group and rows; a file that cannot be read is one reject; both count
-//! in [`TableStats::unreadable`], so the run can fail at its end.
+//! from S3, the next row group's GETs run while one is decoded). The parquet crate trusts what
+//! a file states (it makes room for a page's stated size, and a dictionary's stated values,
+//! before it decodes; it builds the schema by recursion), so what it will trust is read here
+//! first, strictly, as it will read it: the schema's depth ([`MAX_SCHEMA_DEPTH`]) and columns
+//! ([`MAX_COLUMNS`]); a row group's rows ([`MAX_ROWS_PER_GROUP`]), codecs (snappy, zstd, lz4_raw,
+//! none: those whose output the stated size bounds) and chunks; every page header's sizes
+//! ([`PAGE_LIMIT`], and no more than its codec inflates to) and values; and what decoding the
+//! row group holds at once ([`DECODE_BUDGET`]). So memory is bounded by two row groups' bytes
+//! (the one decoded and, from S3, the next), that budget and the rows in flight, however large
+//! or hostile the file. A row group that cannot be read (a check, a decode error, a panic in
+//! the decoder) is one reject naming file, row group and rows; a file that cannot be read is one
+//! reject; both count in [`TableStats::unreadable`], so the run can fail at its end.
 //!
 //! Decoding runs on a thread of its own (the parquet crate's reads are blocking), a row at a
 //! time into a channel of one: the pipeline's permits bound what is read ahead.
@@ -49,7 +52,7 @@ use parquet::record::{Field, Row};
 use serde_json::{Map, Value};
 
 use crate::chat::IMAGE_PLACEHOLDER;
-use crate::manifest::{MAX_IMAGES_PER_RECORD, Reject};
+use crate::manifest::{MAX_IMAGES_PER_RECORD, MAX_LINE_BYTES, Reject};
 use crate::pipeline::{Input, Inputs};
 use crate::shards::Shard;
 use crate::source::{Fetch, ImageSource};
@@ -67,9 +70,27 @@ pub const GET_BYTES: u64 = 16 << 20;
 pub const MAX_ROW_GROUP_BYTES: u64 = 1 << 30;
 
 /// The most bytes a page may state uncompressed [default]. Writers put many values in a page
-/// (pyarrow checks its page size only every 1,024 values, so a row group of 100 images is often
-/// one page): this bounds what decoding a page may take, whatever its header says.
-pub const PAGE_LIMIT: u64 = 256 << 20;
+/// (pyarrow checks its page size only every 1,024 values, so a row group of 100 images is one
+/// page): a page may be as large as a row group.
+pub const PAGE_LIMIT: u64 = MAX_ROW_GROUP_BYTES;
+
+/// The most a row group's decoding may hold at once, as its page headers state it: every
+/// column's dictionary and largest page, with room for their values.
+pub const DECODE_BUDGET: u64 = 2 << 30;
+
+/// The most rows a row group may hold (every row becomes a sample or a reject).
+pub const MAX_ROWS_PER_GROUP: u64 = 1 << 20;
+
+/// The most leaf columns a file may have (each gets its own reader and buffers).
+pub const MAX_COLUMNS: usize = 1024;
+
+/// The most values a dictionary page may state.
+const MAX_DICTIONARY_VALUES: u64 = 1 << 22;
+
+/// What the crate holds per dictionary value (a `ByteArray`), and per value of a row being
+/// built (a record `Field`), for the decode budget.
+const DICTIONARY_VALUE_BYTES: u64 = 32;
+const ROW_VALUE_BYTES: u64 = 48;
 
 /// Below this, any page size is let through whatever its codec (the ratio check is for bombs,
 /// not for pages of a few values).
@@ -106,6 +127,9 @@ pub struct ParquetFiles {
     image_root: PathBuf,
     stats: Arc<TableStats>,
     rows: Option<tokio::sync::mpsc::Receiver<Input>>,
+    /// Set by the reader's thread when it has read every file (or was told to stop): a channel
+    /// closed before that means the thread died, which the run must hear of.
+    done: Arc<std::sync::atomic::AtomicBool>,
 }
 
 impl std::fmt::Debug for ParquetFiles {
@@ -133,6 +157,7 @@ impl ParquetFiles {
             image_root,
             stats: Arc::default(),
             rows: None,
+            done: Arc::default(),
         }
     }
 
@@ -162,6 +187,7 @@ impl Inputs for ParquetFiles {
                 stats: self.stats.clone(),
                 tx,
                 line: 0,
+                done: self.done.clone(),
             };
             let files = std::mem::take(&mut self.files);
             let spawned = std::thread::Builder::new()
@@ -179,7 +205,18 @@ impl Inputs for ParquetFiles {
             }
             self.rows = Some(rx);
         }
-        self.rows.as_mut()?.recv().await
+        let next = self.rows.as_mut()?.recv().await;
+        if next.is_none() && !self.done.swap(true, Ordering::SeqCst) {
+            self.stats.unreadable.fetch_add(1, Ordering::Relaxed);
+            return Some(Input::Rejected(table_reject(
+                0,
+                None,
+                "the Parquet reader's thread stopped before the last file's end: the rows after \
+                 it are missing"
+                    .into(),
+            )));
+        }
+        next
     }
 }
 
@@ -188,8 +225,29 @@ fn table_reject(line: u64, id: Option<String>, reason: String) -> Reject {
         line,
         id,
         stage: "parquet".into(),
-        reason,
+        reason: bounded(reason),
     }
+}
+
+/// A reason cut to 1 KiB: the crate's errors may quote a value whole (an invalid string's
+/// every byte).
+fn bounded(mut reason: String) -> String {
+    if reason.len() > 1024 {
+        let cut = feedstore_proto::truncate(&reason, 1024).len();
+        reason.truncate(cut);
+        reason.push_str("...");
+    }
+    reason
+}
+
+/// What a caught panic said.
+fn panicked(panic: &(dyn std::any::Any + Send)) -> String {
+    let said = panic
+        .downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| panic.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "a panic".into());
+    format!("the Parquet decoder gave up: {said}")
 }
 
 /// Why reading stopped.
@@ -217,16 +275,29 @@ struct Reader {
     tx: tokio::sync::mpsc::Sender<Input>,
     /// Rows numbered so far: a row's `line`.
     line: u64,
+    done: Arc<std::sync::atomic::AtomicBool>,
 }
 
 impl Reader {
     fn read_all(mut self, files: Vec<Shard>) {
+        self.read_files(files);
+        // Before the channel closes (with `self`), so the pipeline never sees it closed early.
+        self.done.store(true, Ordering::SeqCst);
+    }
+
+    fn read_files(&mut self, files: Vec<Shard>) {
         // The next S3 file's end (its footer) is read while this one is decoded.
         let mut opening = files.first().and_then(|f| self.start_open(f));
         for (i, file) in files.iter().enumerate() {
             let this = opening.take();
             opening = files.get(i + 1).and_then(|f| self.start_open(f));
-            match self.read_file(file, this) {
+            // A file that passed every check may still hold what the parquet crate panics on:
+            // that loses the file (one reject), not the run.
+            let read = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                self.read_file(file, this)
+            }))
+            .unwrap_or_else(|panic| Err(Halt::Failed(panicked(&*panic))));
+            match read {
                 Ok(()) => {}
                 Err(Halt::Gone) => return,
                 Err(Halt::Failed(reason)) => {
@@ -280,13 +351,14 @@ impl Reader {
         };
         let metadata = source.footer()?;
         let name: Arc<str> = file.to_string().into();
-        let file_name = name.rsplit('/').next().unwrap_or(&name).to_owned();
         let mut row = 0u64;
         // The next row group's read is under way while one is decoded.
         let groups = metadata.num_row_groups();
         let mut next = (groups > 0).then(|| source.start_row_group(&metadata, 0));
+        let mut end = 0u64;
         for group in 0..groups {
-            let end = rows_before(&metadata, group + 1);
+            // The rows before the next row group.
+            end = end.saturating_add(metadata.row_group(group).num_rows().max(0) as u64);
             let current = next.take().expect("started");
             next = (group + 1 < groups).then(|| source.start_row_group(&metadata, group + 1));
             let read =
@@ -294,7 +366,7 @@ impl Reader {
             let outcome = match read {
                 Ok(bytes) => {
                     self.stats.row_groups.fetch_add(1, Ordering::Relaxed);
-                    self.rows_of(&metadata, group, bytes, &name, &file_name, &mut row)
+                    self.rows_of(&metadata, group, bytes, &name, &mut row)
                 }
                 Err(reason) => Err(Halt::Failed(reason)),
             };
@@ -306,8 +378,14 @@ impl Reader {
                     // numbers); the file goes on at the next.
                     self.stats.unreadable.fetch_add(1, Ordering::Relaxed);
                     let line = self.line + 1;
-                    self.line += end.saturating_sub(row).max(1);
-                    let reason = format!("{name}: row group {group} (rows {row}..{end}): {reason}");
+                    self.line = self.line.saturating_add(end.saturating_sub(row).max(1));
+                    let reason = match end > row + 1 {
+                        true => format!(
+                            "{name}: row group {group} (rows {row} to {}): {reason}",
+                            end - 1
+                        ),
+                        false => format!("{name}: row group {group} (row {row}): {reason}"),
+                    };
                     row = end;
                     self.send(Input::Rejected(table_reject(line, None, reason)))?;
                 }
@@ -323,7 +401,6 @@ impl Reader {
         group: usize,
         bytes: RowGroupBytes,
         name: &Arc<str>,
-        file_name: &str,
         row: &mut u64,
     ) -> Result<(), Halt> {
         let properties = Arc::new(
@@ -349,7 +426,8 @@ impl Reader {
                 let parsed = next.map_err(|e| Halt::Failed(e.to_string()))?;
                 self.line += 1;
                 let origin = format!("{name}: row {} (row group {group})", *row);
-                let id = format!("{file_name}:{}", *row);
+                // The file's whole name: data sets' subsets share file names.
+                let id = format!("{name}:{}", *row);
                 *row += 1;
                 let input = match self.row_input(parsed, &id, name) {
                     Ok(Input::Read(mut record, images)) => {
@@ -362,7 +440,7 @@ impl Reader {
                     }
                     Ok(rejected) => rejected,
                     Err(mut reject) => {
-                        reject.reason = format!("{origin}: {}", reject.reason);
+                        reject.reason = bounded(format!("{origin}: {}", reject.reason));
                         Input::Rejected(reject)
                     }
                 };
@@ -370,17 +448,7 @@ impl Reader {
             }
             Ok(())
         }));
-        match decoded {
-            Ok(outcome) => outcome,
-            Err(panic) => {
-                let said = panic
-                    .downcast_ref::<&str>()
-                    .map(|s| s.to_string())
-                    .or_else(|| panic.downcast_ref::<String>().cloned())
-                    .unwrap_or_else(|| "a panic".into());
-                Err(Halt::Failed(format!("the decoder gave up: {said}")))
-            }
-        }
+        decoded.unwrap_or_else(|panic| Err(Halt::Failed(panicked(&*panic))))
     }
 
     /// A row as the pipeline's input: its record with its images' bytes, or with the paths it
@@ -412,14 +480,16 @@ impl Reader {
                 .map_err(reject)?;
             object.insert(column, value);
         }
-        if images.held.len() > MAX_IMAGES_PER_RECORD {
+        as_conversation(&mut object, images.held.len());
+        let text = Value::Object(object).to_string();
+        // As long as a manifest's line may be (a row's strings may repeat a dictionary's).
+        if text.len() as u64 > MAX_LINE_BYTES {
             return Err(reject(format!(
-                "{} images; a record may have at most {MAX_IMAGES_PER_RECORD}",
-                images.held.len()
+                "its columns make {} bytes of record, over the {MAX_LINE_BYTES}-byte limit on \
+                 a record",
+                text.len()
             )));
         }
-        caption_as_conversation(&mut object, images.held.len());
-        let text = Value::Object(object).to_string();
         let mut picked = Vec::new();
         let record = crate::manifest::record_from_json(line, &text, Some(default_id), |refs| {
             if images.held.is_empty() {
@@ -488,24 +558,16 @@ impl Images {
             Field::Decimal(d) => Value::String(format!("{d:?}")),
             Field::Str(s) => Value::String(s.clone()),
             // Binary that is not an image's: text when it is UTF-8, else nothing a record uses.
+            // An `image` column, or an `images` list, of plain binary: image bytes.
+            Field::Bytes(b) if at == "image" || at.starts_with("images[") => {
+                self.hold(at, b.data(), max_image_bytes)?
+            }
             Field::Bytes(b) => match std::str::from_utf8(b.data()) {
                 Ok(s) => Value::String(s.to_owned()),
                 Err(_) => Value::Null,
             },
             Field::Group(row) => match image(row) {
-                Some((Some(bytes), _)) => {
-                    if bytes.len() as u64 > max_image_bytes {
-                        return Err(format!(
-                            "column {at}: an image of {} bytes, over the {max_image_bytes}-byte \
-                             limit (--max-image-bytes)",
-                            bytes.len()
-                        ));
-                    }
-                    // One copy, so a row does not pin its page.
-                    self.held
-                        .push((at.to_owned(), Bytes::copy_from_slice(bytes)));
-                    Value::String(at.to_owned())
-                }
+                Some((Some(bytes), _)) => self.hold(at, bytes, max_image_bytes)?,
                 Some((None, Some(path))) => Value::String(path.to_owned()),
                 Some((None, None)) => Value::Null,
                 None => {
@@ -541,6 +603,26 @@ impl Images {
         })
     }
 
+    /// Keeps an image's bytes (one copy, so a row does not pin its page), named `at`.
+    fn hold(&mut self, at: &str, bytes: &[u8], max_image_bytes: u64) -> Result<Value, String> {
+        if bytes.len() as u64 > max_image_bytes {
+            return Err(format!(
+                "column {at}: an image of {} bytes, over the {max_image_bytes}-byte limit \
+                 (--max-image-bytes)",
+                bytes.len()
+            ));
+        }
+        if self.held.len() >= MAX_IMAGES_PER_RECORD {
+            return Err(format!(
+                "more than {MAX_IMAGES_PER_RECORD} images; a record may have at most \
+                 {MAX_IMAGES_PER_RECORD}"
+            ));
+        }
+        self.held
+            .push((at.to_owned(), Bytes::copy_from_slice(bytes)));
+        Ok(Value::String(at.to_owned()))
+    }
+
     /// The held images a record's references name, in their order; every held image when it
     /// names none.
     fn pick(&self, refs: &[String]) -> Result<Vec<usize>, String> {
@@ -565,13 +647,17 @@ impl Images {
     }
 }
 
-/// A row of images and a caption (`caption`, or `text`) with no conversation, as captioning
-/// data sets are (LAION's, Conceptual Captions'): the images, then the caption as the reply,
-/// as a WebDataset sample's `.txt` is.
-fn caption_as_conversation(object: &mut Map<String, Value>, held: usize) {
-    if held == 0 || object.contains_key("conversations") || object.contains_key("messages") {
+/// A row's turns in the forms data sets other than LLaVA's give them, as `conversations`: The
+/// Cauldron's `texts` (`[{user, assistant}, ...]`: the images before the first question, unless
+/// it places them), or a caption (`caption`, or `text`, beside images; LAION's, Conceptual
+/// Captions'): the images, then the caption as the reply, as a WebDataset sample's `.txt` is.
+/// A row with `conversations` or `messages` is left as it is.
+fn as_conversation(object: &mut Map<String, Value>, held: usize) {
+    let given = |key: &str| object.get(key).is_some_and(|v| !v.is_null());
+    if given("conversations") || given("messages") {
         return;
     }
+    // How many images the row names (by `image`/`images`), or holds when it names none.
     let images = match (object.get("image"), object.get("images")) {
         (_, Some(Value::Array(images))) => {
             images.len() + usize::from(object.get("image").is_some_and(Value::is_string))
@@ -579,6 +665,30 @@ fn caption_as_conversation(object: &mut Map<String, Value>, held: usize) {
         (Some(Value::String(_)), _) => 1,
         _ => held,
     };
+    let placeholders = vec![IMAGE_PLACEHOLDER; images].join("\n");
+    if let Some(Value::Array(texts)) = object.get("texts") {
+        let mut turns = Vec::new();
+        for (i, text) in texts.iter().enumerate() {
+            let (Some(Value::String(user)), Some(Value::String(assistant))) =
+                (text.get("user"), text.get("assistant"))
+            else {
+                // Not The Cauldron's form: the record says what is missing.
+                return;
+            };
+            let user = match i == 0 && images > 0 && !user.contains(IMAGE_PLACEHOLDER) {
+                true => format!("{placeholders}\n{user}"),
+                false => user.clone(),
+            };
+            turns.push(serde_json::json!({"from": "human", "value": user}));
+            turns.push(serde_json::json!({"from": "gpt", "value": assistant}));
+        }
+        object.remove("texts");
+        object.insert("conversations".into(), Value::Array(turns));
+        return;
+    }
+    if held == 0 {
+        return;
+    }
     let caption = ["caption", "text"]
         .into_iter()
         .find_map(|key| match object.get(key) {
@@ -590,7 +700,7 @@ fn caption_as_conversation(object: &mut Map<String, Value>, held: usize) {
         object.insert(
             "conversations".into(),
             serde_json::json!([
-                {"from": "human", "value": vec![IMAGE_PLACEHOLDER; images].join("\n")},
+                {"from": "human", "value": placeholders},
                 {"from": "gpt", "value": caption},
             ]),
         );
@@ -639,8 +749,16 @@ impl Body {
     ) -> Result<Body, String> {
         match file {
             Shard::Local(path) => {
-                let file =
-                    crate::input::open_regular(path).map_err(|e| format!("cannot open: {e}"))?;
+                let file = crate::input::open_regular(path).map_err(|e| {
+                    let name = path.to_string_lossy();
+                    match name.contains(['*', '?']) {
+                        true => format!(
+                            "cannot open: {e} (* and ? are not patterns here: name files with \
+                             braces, train-{{00000..00009}}.parquet, or list them in @FILE)"
+                        ),
+                        false => format!("cannot open: {e}"),
+                    }
+                })?;
                 let len = file.metadata().map_err(|e| e.to_string())?.len();
                 Ok(Body::Local { file, len })
             }
@@ -741,7 +859,11 @@ impl Source {
                         .into(),
                 );
             }
-            _ => return Err("not a Parquet file (it does not end in PAR1)".into()),
+            _ => {
+                return Err(
+                    "not a Parquet file, or one cut short (it does not end in PAR1)".into(),
+                );
+            }
         }
         let footer_len = u64::from(u32::from_le_bytes(end[..4].try_into().expect("4 bytes")));
         if footer_len > MAX_FOOTER_BYTES {
@@ -768,8 +890,15 @@ impl Source {
                  not read"
             ));
         }
-        ParquetMetaDataReader::decode_metadata(&footer)
-            .map_err(|e| format!("its footer cannot be read: {e}"))
+        let metadata = ParquetMetaDataReader::decode_metadata(&footer)
+            .map_err(|e| format!("its footer cannot be read: {e}"))?;
+        let columns = metadata.file_metadata().schema_descr().num_columns();
+        if columns > MAX_COLUMNS {
+            return Err(format!(
+                "it has {columns} columns, more than the {MAX_COLUMNS} read"
+            ));
+        }
+        Ok(metadata)
     }
 
     /// Starts reading row group `group`'s column chunks, in one piece, once where each lies in
@@ -781,8 +910,20 @@ impl Source {
     ) -> Result<PendingGroup, String> {
         let file_len = self.body.len();
         let data_end = file_len.saturating_sub(8);
+        let row_group = metadata.row_group(group);
+        let rows = u64::try_from(row_group.num_rows())
+            .map_err(|_| format!("it states {} rows", row_group.num_rows()))?;
+        if rows > MAX_ROWS_PER_GROUP {
+            return Err(format!(
+                "it states {rows} rows, over the {MAX_ROWS_PER_GROUP} read in a row group; \
+                 {SMALLER_GROUPS}"
+            ));
+        }
+        if rows > 0 && row_group.columns().is_empty() {
+            return Err(format!("it states {rows} rows and has no columns"));
+        }
         let mut chunks: Vec<Chunk> = Vec::new();
-        for column in metadata.row_group(group).columns() {
+        for column in row_group.columns() {
             let path = column.column_path().string();
             // How far the codec can inflate a page: snappy at most ~21x (a 64-byte copy in 3
             // bytes), lz4 ~255x, none 1x; zstd is bounded only by the limit.
@@ -793,12 +934,21 @@ impl Source {
                 Compression::ZSTD(_) => u64::MAX,
                 other => {
                     return Err(format!(
-                        "column {path} is compressed with {other}, which feedstore does not \
-                         read (its pages inflate to no stated bound); write the file with \
-                         snappy or zstd"
+                        "column {path} is compressed with {}, which feedstore does not read \
+                         (its pages inflate to no stated bound); write the file again with \
+                         snappy or zstd (pyarrow: pq.write_table(pq.read_table(path), out, \
+                         compression=\"snappy\"))",
+                        codec_name(other)
                     ));
                 }
             };
+            // Every row has a value (or a null) in every leaf column.
+            if column.num_values() < row_group.num_rows() {
+                return Err(format!(
+                    "column {path} states {} values for {rows} rows",
+                    column.num_values()
+                ));
+            }
             let start = column
                 .dictionary_page_offset()
                 .unwrap_or(column.data_page_offset());
@@ -816,12 +966,21 @@ impl Source {
             }
             chunks.push((path, start, size, ratio, column.compression()));
         }
-        let lo = chunks.iter().map(|c| c.1).min().unwrap_or(0);
-        let hi = chunks.iter().map(|c| c.1 + c.2).max().unwrap_or(0);
+        // Chunks may not share bytes: each page is checked, and decoded, once.
+        let mut spans: Vec<(u64, u64)> = chunks.iter().map(|c| (c.1, c.1 + c.2)).collect();
+        spans.sort_unstable();
+        if let Some(pair) = spans.windows(2).find(|pair| pair[0].1 > pair[1].0) {
+            return Err(format!(
+                "its column chunks overlap (bytes {}..{} and {}..{})",
+                pair[0].0, pair[0].1, pair[1].0, pair[1].1
+            ));
+        }
+        let lo = spans.first().map_or(0, |s| s.0);
+        let hi = spans.iter().map(|s| s.1).max().unwrap_or(0);
         if hi - lo > MAX_ROW_GROUP_BYTES {
             return Err(format!(
                 "its column chunks span {} bytes, over the {MAX_ROW_GROUP_BYTES}-byte limit \
-                 on a row group (write the file with smaller row groups)",
+                 on a row group; {SMALLER_GROUPS}",
                 hi - lo
             ));
         }
@@ -848,10 +1007,8 @@ impl Source {
                     .map_err(|e| format!("the read was lost: {e}"))??
             }
         };
-        let (file_len, hi) = (self.body.len(), lo + bytes.len() as u64);
-        self.stats
-            .peak_row_group
-            .fetch_max(hi - lo, Ordering::Relaxed);
+        let file_len = self.body.len();
+        let mut decoding = 0u64;
         for (path, start, size, ratio, codec) in &chunks {
             let from = (start - lo) as usize;
             let limit = Limit {
@@ -859,9 +1016,19 @@ impl Source {
                 ratio: *ratio,
                 codec: *codec,
             };
-            check_pages(&bytes[from..from + *size as usize], *start, &limit)
+            decoding += check_pages(&bytes[from..from + *size as usize], *start, &limit)
                 .map_err(|e| format!("column {path}: {e}"))?;
         }
+        if decoding > DECODE_BUDGET {
+            return Err(format!(
+                "decoding it would hold {decoding} bytes at once (its columns' dictionaries and \
+                 largest pages, as their headers state them), over the {DECODE_BUDGET}-byte \
+                 budget for a row group; {SMALLER_GROUPS}"
+            ));
+        }
+        self.stats
+            .peak_row_group
+            .fetch_max(bytes.len() as u64, Ordering::Relaxed);
         Ok(RowGroupBytes {
             file_len,
             base: lo,
@@ -941,13 +1108,9 @@ async fn read_remote(
     Ok(bytes)
 }
 
-/// The rows of the row groups before `group`.
-fn rows_before(metadata: &ParquetMetaData, group: usize) -> u64 {
-    metadata.row_groups()[..group.min(metadata.num_row_groups())]
-        .iter()
-        .map(|g| g.num_rows().max(0) as u64)
-        .fold(0, u64::saturating_add)
-}
+/// What to do about a row group too large.
+const SMALLER_GROUPS: &str =
+    "write the file with smaller row groups (datasets: to_parquet(path, batch_size=16))";
 
 /// A row group's bytes, which its page readers read: any byte outside them is an error.
 struct RowGroupBytes {
@@ -1007,13 +1170,18 @@ struct Limit {
 }
 
 /// Checks every page header of a column chunk (`chunk`, from file offset `at`): each page lies
-/// within the chunk and states no more bytes uncompressed than `limit` allows.
-fn check_pages(chunk: &[u8], at: u64, limit: &Limit) -> Result<(), String> {
+/// within the chunk, states no more bytes uncompressed than `limit` allows, and no more values
+/// than its bytes can hold (the crate makes room for a dictionary's stated values before it
+/// reads one). Returns what decoding the chunk may hold at once: its dictionaries and its
+/// largest data page, each with room for its values.
+fn check_pages(chunk: &[u8], at: u64, limit: &Limit) -> Result<u64, String> {
+    let (mut dictionaries, mut largest) = (0u64, 0u64);
     let mut offset = 0usize;
     while offset < chunk.len() {
         let here = at + offset as u64;
-        let (uncompressed, compressed, header) = page_sizes(&chunk[offset..])
+        let page = page_header(&chunk[offset..])
             .map_err(|e| format!("the page header at byte {here}: {e}"))?;
+        let (uncompressed, compressed, values) = (page.uncompressed, page.compressed, page.values);
         if uncompressed > limit.bytes {
             return Err(format!(
                 "the page at byte {here} states {uncompressed} bytes uncompressed, over the \
@@ -1025,10 +1193,27 @@ fn check_pages(chunk: &[u8], at: u64, limit: &Limit) -> Result<(), String> {
             return Err(format!(
                 "the page at byte {here} states {uncompressed} bytes uncompressed from \
                  {compressed}, more than {} inflates to",
-                limit.codec
+                codec_name(limit.codec)
             ));
         }
-        offset = header
+        // A dictionary's values take a byte each at least; a data page's levels may pack 8 to
+        // a byte, and runs of nulls more (a floor for them).
+        let most = match page.dictionary {
+            true => uncompressed.min(MAX_DICTIONARY_VALUES),
+            false => uncompressed.saturating_mul(8).max(MAX_ROWS_PER_GROUP),
+        };
+        if values > most {
+            return Err(format!(
+                "the page at byte {here} states {values} values in {uncompressed} bytes (at \
+                 most {most})"
+            ));
+        }
+        match page.dictionary {
+            true => dictionaries += uncompressed + values * DICTIONARY_VALUE_BYTES,
+            false => largest = largest.max(uncompressed + values * ROW_VALUE_BYTES),
+        }
+        offset = page
+            .len
             .checked_add(compressed as usize)
             .and_then(|n| offset.checked_add(n))
             .filter(|&end| end <= chunk.len())
@@ -1036,74 +1221,170 @@ fn check_pages(chunk: &[u8], at: u64, limit: &Limit) -> Result<(), String> {
                 format!("the page at byte {here} ({compressed} bytes) runs past its column chunk")
             })?;
     }
-    Ok(())
+    Ok(dictionaries + largest)
+}
+
+/// A codec's name, as a user would write it.
+fn codec_name(codec: Compression) -> &'static str {
+    match codec {
+        Compression::UNCOMPRESSED => "uncompressed",
+        Compression::SNAPPY => "snappy",
+        Compression::GZIP(_) => "gzip",
+        Compression::LZO => "lzo",
+        Compression::BROTLI(_) => "brotli",
+        Compression::LZ4 => "lz4 (Hadoop's)",
+        Compression::ZSTD(_) => "zstd",
+        Compression::LZ4_RAW => "lz4_raw",
+    }
 }
 
 /// How deep the schema in a footer (Thrift's `FileMetaData`, field 2: the schema's elements in
 /// depth-first order, each group with its `num_children`, field 5) nests, counted without
-/// building it; past [`MAX_SCHEMA_DEPTH`] the count stops (at one more).
+/// building it; past [`MAX_SCHEMA_DEPTH`] the count stops (at one more). The crate builds the
+/// first field 2 it meets, right away, and needs it before the row groups (field 4): so the
+/// schema must be the footer's first field, after the version (field 1) alone, as every writer
+/// puts it, and its elements are read strictly (each known field with its wire type, once), so
+/// the crate reads the same elements counted here.
 fn schema_depth(footer: &[u8]) -> Result<usize, String> {
+    const ELEMENT: &[(i64, Wire)] = &[
+        (1, I32),
+        (2, I32),
+        (3, I32),
+        (4, Binary),
+        (5, I32),
+        (6, I32),
+        (7, I32),
+        (8, I32),
+        (9, I32),
+        (10, Struct),
+    ];
     let mut thrift = Compact {
         bytes: footer,
         at: 0,
     };
-    const TOO_DEEP: &str = "too deep";
-    let mut deepest = 0;
-    let read = thrift.fields(0, |thrift, id, kind| {
-        if (id, kind) != (2, 9) || deepest > 0 {
-            return thrift.skip(kind, 1);
+    // Field 1 (delta 1, i32), then field 2 (delta 1, list); or field 2 first (delta 2).
+    let mut header = thrift.byte()?;
+    if header == 0x15 {
+        thrift.i32()?;
+        header = thrift.byte()?;
+        if header != 0x19 {
+            return Err("its schema does not follow its version, as every writer puts it".into());
         }
-        let header = thrift.byte()?;
-        let size = match header >> 4 {
-            15 => thrift.varint()?,
-            n => u64::from(n),
-        };
-        if header & 0x0f != 12 || size > (thrift.bytes.len() - thrift.at) as u64 {
-            return Err("a schema that is not a list of elements".into());
-        }
-        // The children each open group has still to come.
-        let mut open: Vec<i64> = Vec::new();
-        for _ in 0..size {
-            let mut children = 0;
-            thrift.fields(1, |thrift, id, kind| match (id, kind) {
-                (5, 5) => {
-                    children = thrift.zigzag()?;
-                    Ok(())
-                }
-                _ => thrift.skip(kind, 2),
-            })?;
-            if let Some(left) = open.last_mut() {
-                *left -= 1;
-            }
-            if children > 0 {
-                open.push(children);
-                deepest = deepest.max(open.len());
-                if deepest > MAX_SCHEMA_DEPTH {
-                    return Err(TOO_DEEP.into());
+    } else if header != 0x29 {
+        return Err("its schema is not its first field, as every writer puts it".into());
+    }
+    let list = thrift.byte()?;
+    let size = match list >> 4 {
+        15 => thrift.varint()?,
+        n => u64::from(n),
+    };
+    if list & 0x0f != 12 || size > (thrift.bytes.len() - thrift.at) as u64 {
+        return Err("a schema that is not a list of elements".into());
+    }
+    let mut deepest = 1;
+    // The children each open group has still to come.
+    let mut open: Vec<i64> = Vec::new();
+    for _ in 0..size {
+        let mut children = 0;
+        thrift.strict(1, ELEMENT, |thrift, id, kind| match (id, kind) {
+            (5, _) => {
+                children = i64::from(thrift.i32()?);
+                match children < 0 {
+                    true => Err(format!("a group of {children} children")),
+                    false => Ok(()),
                 }
             }
-            while open.last().is_some_and(|&left| left <= 0) {
-                open.pop();
+            (10, _) => thrift.logical_type(),
+            (_, 5) => thrift.i32().map(drop),
+            (_, kind) => thrift.skip(kind, 2),
+        })?;
+        if let Some(left) = open.last_mut() {
+            *left -= 1;
+        }
+        if children > 0 {
+            open.push(children);
+            deepest = deepest.max(open.len());
+            if deepest > MAX_SCHEMA_DEPTH {
+                return Ok(MAX_SCHEMA_DEPTH + 1);
             }
         }
-        deepest = deepest.max(1);
-        Ok(())
-    });
-    match read {
-        Err(e) if e == TOO_DEEP => Ok(MAX_SCHEMA_DEPTH + 1),
-        Err(e) => Err(e),
-        Ok(()) => Ok(deepest),
+        while open.last().is_some_and(|&left| left <= 0) {
+            open.pop();
+        }
+    }
+    Ok(deepest)
+}
+
+/// What a page header states, read as the parquet crate will read it.
+#[derive(Debug, PartialEq, Eq)]
+struct PageHeader {
+    uncompressed: u64,
+    compressed: u64,
+    /// The values its data or dictionary page header states (0 for other pages).
+    values: u64,
+    dictionary: bool,
+    /// The header's own length.
+    len: usize,
+}
+
+/// Thrift wire types a known field may have.
+#[derive(Debug, Clone, Copy)]
+enum Wire {
+    Bool,
+    Byte,
+    I32,
+    Binary,
+    Struct,
+}
+
+impl Wire {
+    fn accepts(self, kind: u8) -> bool {
+        matches!(
+            (self, kind),
+            (Wire::Bool, 1 | 2)
+                | (Wire::Byte, 3)
+                | (Wire::I32, 5)
+                | (Wire::Binary, 8)
+                | (Wire::Struct, 12)
+        )
     }
 }
 
-/// A page header's uncompressed and compressed sizes (its fields 2 and 3, i32) and its length,
-/// read as Thrift's compact protocol; every other field is skipped.
-fn page_sizes(bytes: &[u8]) -> Result<(u64, u64, usize), String> {
+use Wire::{Binary, Bool, Byte, I32, Struct};
+
+/// A page header (Thrift's `PageHeader`), read strictly: every field the crate knows must have
+/// its wire type and come once (the crate reads a known field by its id, whatever its type, and
+/// keeps the last copy: a lenient reader here could check one size while the crate used
+/// another). Fields 1-4: type, uncompressed and compressed size, crc; 5, 7 and 8: the data,
+/// dictionary and v2 data page headers, whose field 1 is the values the page holds.
+fn page_header(bytes: &[u8]) -> Result<PageHeader, String> {
+    const HEADER: &[(i64, Wire)] = &[
+        (1, I32),
+        (2, I32),
+        (3, I32),
+        (4, I32),
+        (5, Struct),
+        (6, Struct),
+        (7, Struct),
+        (8, Struct),
+    ];
+    const DATA: &[(i64, Wire)] = &[(1, I32), (2, I32), (3, I32), (4, I32), (5, Struct)];
+    const DICTIONARY: &[(i64, Wire)] = &[(1, I32), (2, I32), (3, Bool)];
+    const DATA_V2: &[(i64, Wire)] = &[
+        (1, I32),
+        (2, I32),
+        (3, I32),
+        (4, I32),
+        (5, I32),
+        (6, I32),
+        (7, Bool),
+        (8, Struct),
+    ];
     let mut thrift = Compact { bytes, at: 0 };
-    let (mut uncompressed, mut compressed) = (None, None);
-    thrift.fields(0, |thrift, id, kind| match (id, kind) {
-        (2 | 3, 5) => {
-            let v = thrift.zigzag()?;
+    let (mut uncompressed, mut compressed, mut values, mut dictionary) = (None, None, 0, false);
+    thrift.strict(0, HEADER, |thrift, id, kind| match id {
+        2 | 3 => {
+            let v = thrift.i32()?;
             let v = u64::try_from(v).map_err(|_| format!("a negative page size ({v})"))?;
             match id {
                 2 => uncompressed = Some(v),
@@ -1111,10 +1392,38 @@ fn page_sizes(bytes: &[u8]) -> Result<(u64, u64, usize), String> {
             }
             Ok(())
         }
-        _ => thrift.skip(kind, 1),
+        5 | 7 | 8 => {
+            dictionary |= id == 7;
+            let known = match id {
+                5 => DATA,
+                7 => DICTIONARY,
+                _ => DATA_V2,
+            };
+            thrift.strict(1, known, |thrift, id, kind| match (id, kind) {
+                (1, _) => {
+                    let v = thrift.i32()?;
+                    values = values.max(
+                        u64::try_from(v).map_err(|_| format!("a negative value count ({v})"))?,
+                    );
+                    Ok(())
+                }
+                (_, 5) => thrift.i32().map(drop),
+                (_, kind) => thrift.skip(kind, 2),
+            })
+        }
+        _ => match kind {
+            5 => thrift.i32().map(drop),
+            kind => thrift.skip(kind, 1),
+        },
     })?;
     match (uncompressed, compressed) {
-        (Some(u), Some(c)) => Ok((u, c, thrift.at)),
+        (Some(uncompressed), Some(compressed)) => Ok(PageHeader {
+            uncompressed,
+            compressed,
+            values,
+            dictionary,
+            len: thrift.at,
+        }),
         _ => Err("no page sizes in it".into()),
     }
 }
@@ -1147,6 +1456,83 @@ impl Compact<'_> {
     fn zigzag(&mut self) -> Result<i64, String> {
         let v = self.varint()?;
         Ok((v >> 1) as i64 ^ -((v & 1) as i64))
+    }
+
+    /// An i32, refused past its range (the crate would cut it to 32 bits).
+    fn i32(&mut self) -> Result<i32, String> {
+        let v = self.zigzag()?;
+        i32::try_from(v).map_err(|_| format!("{v} where an i32 goes"))
+    }
+
+    /// A schema element's logical type (Thrift's `LogicalType` union), read strictly: its
+    /// variants and their fields as the crate knows them.
+    fn logical_type(&mut self) -> Result<(), String> {
+        const VARIANTS: &[(i64, Wire)] = &[
+            (1, Struct),
+            (2, Struct),
+            (3, Struct),
+            (4, Struct),
+            (5, Struct),
+            (6, Struct),
+            (7, Struct),
+            (8, Struct),
+            (10, Struct),
+            (11, Struct),
+            (12, Struct),
+            (13, Struct),
+            (14, Struct),
+            (15, Struct),
+            (16, Struct),
+            (17, Struct),
+            (18, Struct),
+            (19, Struct),
+        ];
+        const TIME_UNIT: &[(i64, Wire)] = &[(1, Struct), (2, Struct), (3, Struct)];
+        self.strict(2, VARIANTS, |thrift, variant, _| {
+            let fields: &[(i64, Wire)] = match variant {
+                5 => &[(1, I32), (2, I32)],
+                7 | 8 => &[(1, Bool), (2, Struct)],
+                10 => &[(1, Byte), (2, Bool)],
+                16 => &[(1, Byte)],
+                17 => &[(1, Binary)],
+                18 => &[(1, Binary), (2, I32)],
+                _ => &[],
+            };
+            thrift.strict(3, fields, |thrift, _, kind| match kind {
+                5 => thrift.i32().map(drop),
+                // A time unit: one of three empty structs.
+                12 => thrift.strict(4, TIME_UNIT, |thrift, _, _| {
+                    thrift.strict(5, &[], |_, _, _| Ok(()))
+                }),
+                kind => thrift.skip(kind, 4),
+            })
+        })
+    }
+
+    /// A struct's fields, read strictly: each id in `known` must come with its wire type and at
+    /// most once, and is handed to `read`; other ids are skipped.
+    fn strict(
+        &mut self,
+        depth: u32,
+        known: &[(i64, Wire)],
+        mut read: impl FnMut(&mut Self, i64, u8) -> Result<(), String>,
+    ) -> Result<(), String> {
+        let mut seen = 0u64;
+        self.fields(depth, |thrift, id, kind| {
+            match known.iter().find(|(k, _)| *k == id) {
+                Some(&(_, wire)) => {
+                    if !wire.accepts(kind) {
+                        return Err(format!("field {id} has Thrift type {kind}, not {wire:?}"));
+                    }
+                    if seen & (1 << id) != 0 {
+                        return Err(format!("field {id} comes twice"));
+                    }
+                    seen |= 1 << id;
+                    read(thrift, id, kind)
+                }
+                None => thrift.skip(kind, depth + 1),
+            }
+        })
     }
 
     fn advance(&mut self, n: u64) -> Result<(), String> {
@@ -1246,32 +1632,85 @@ mod tests {
     use super::*;
 
     #[test]
-    fn page_headers_are_read_for_their_sizes_and_lies_refused() {
-        // type=DATA_PAGE(0), uncompressed=300, compressed=200, a data page header struct with
-        // a binary and a list inside, then stop.
-        let mut header = vec![0x15, 0x00, 0x15, 0xd8, 0x04, 0x15, 0x90, 0x03];
-        header.extend([
-            0x2c, 0x18, 0x02, b'h', b'i', 0x19, 0x25, 0x02, 0x04, 0x00, 0x00,
-        ]);
-        assert_eq!(page_sizes(&header), Ok((300, 200, header.len())));
+    fn page_headers_are_read_strictly_for_their_sizes_and_values() {
+        // type=DATA_PAGE, uncompressed=300, compressed=200, a data page header of 7 values with
+        // statistics (a binary inside), then stop.
+        let header = [
+            0x15, 0x00, 0x15, 0xd8, 0x04, 0x15, 0x90, 0x03, 0x2c, 0x15, 0x0e, 0x4c, 0x18, 0x02,
+            b'h', b'i', 0x00, 0x00, 0x00,
+        ];
+        assert_eq!(
+            page_header(&header),
+            Ok(PageHeader {
+                uncompressed: 300,
+                compressed: 200,
+                values: 7,
+                dictionary: false,
+                len: header.len(),
+            })
+        );
         // Cut anywhere, it is refused, never read past.
         for cut in 0..header.len() {
-            assert!(page_sizes(&header[..cut]).is_err(), "cut at {cut}");
+            assert!(page_header(&header[..cut]).is_err(), "cut at {cut}");
         }
-        // A negative size; a list claiming more elements than bytes.
-        assert!(
-            page_sizes(&[0x25, 0x01, 0x00])
-                .unwrap_err()
-                .contains("negative")
+        let refused = |bytes: &[u8], said: &str| {
+            let e = page_header(bytes).unwrap_err();
+            assert!(e.contains(said), "{e} (expected {said})");
+        };
+        // A negative size; a size past an i32 (the crate would cut it short).
+        refused(&[0x25, 0x01, 0x00], "negative");
+        refused(
+            &[0x25, 0x80, 0x80, 0x80, 0x80, 0x10, 0x00],
+            "where an i32 goes",
         );
-        assert!(
-            page_sizes(&[0x19, 0xf5, 0xff, 0xff, 0xff, 0x0f])
-                .unwrap_err()
-                .contains("elements")
+        // The uncompressed size given again as an i64 (the crate would keep the second): a
+        // known field with another wire type, or given twice, is refused.
+        refused(
+            &[
+                0x15, 0x00, 0x15, 0xc8, 0x01, 0x15, 0x90, 0x03, 0x06, 0x04, 0xfe, 0xff, 0x0f, 0x00,
+            ],
+            "field 2 has Thrift type 6",
+        );
+        refused(
+            &[0x15, 0x00, 0x15, 0xc8, 0x01, 0x05, 0x04, 0x02, 0x00],
+            "field 2 comes twice",
+        );
+        // A crc given as a binary would put the two readers out of step.
+        refused(&[0x48, 0x02, b'a', b'b', 0x00], "field 4 has Thrift type 8");
+        // A list claiming more elements than bytes, in a field no one knows.
+        refused(
+            &[0x15, 0x00, 0x99, 0xf5, 0xff, 0xff, 0xff, 0x0f],
+            "elements",
         );
         // Structs nested past the bound.
-        let deep = vec![0x1c; 200];
-        assert!(page_sizes(&deep).unwrap_err().contains("deep"));
+        let mut deep = vec![0x15, 0x00, 0x15, 0x02, 0x15, 0x02, 0x9c];
+        deep.extend([0x1c; 200]);
+        refused(&deep, "deep");
+    }
+
+    #[test]
+    fn a_page_may_not_state_more_values_than_its_bytes_hold() {
+        // A dictionary page (type 2) of 20 bytes stating 2^31 - 1 values: the crate would make
+        // room for all of them (64 GiB of byte arrays) before reading one.
+        let mut bomb = vec![0x15, 0x04, 0x15, 0x28, 0x15, 0x28, 0x4c, 0x15];
+        bomb.extend([0xfe, 0xff, 0xff, 0xff, 0x0f, 0x00, 0x00]);
+        bomb.extend([0; 20]);
+        let limit = Limit {
+            bytes: 1 << 30,
+            ratio: 1,
+            codec: Compression::UNCOMPRESSED,
+        };
+        let e = check_pages(&bomb, 0, &limit).unwrap_err();
+        assert!(e.contains("states 2147483647 values in 20 bytes"), "{e}");
+        // Five values in 20 bytes are fine, and what decoding holds is counted.
+        let mut fine = vec![
+            0x15, 0x04, 0x15, 0x28, 0x15, 0x28, 0x4c, 0x15, 0x0a, 0x00, 0x00,
+        ];
+        fine.extend([0; 20]);
+        assert_eq!(
+            check_pages(&fine, 0, &limit),
+            Ok(20 + 5 * DICTIONARY_VALUE_BYTES)
+        );
     }
 
     #[test]
@@ -1298,6 +1737,31 @@ mod tests {
         let mut cut = footer(100, 1);
         cut.truncate(50);
         assert!(schema_depth(&cut).is_err());
+        // What the crate would read otherwise than this count is refused: a schema after
+        // another field, or as a set; a child count as an i64, negative, or past an i32.
+        let refused = |bytes: &[u8], said: &str| {
+            let e = schema_depth(bytes).unwrap_err();
+            assert!(e.contains(said), "{e} (expected {said})");
+        };
+        refused(&[0x36, 0x02, 0x19, 0x1c, 0x00, 0x00], "not its first field");
+        refused(
+            &[0x15, 0x02, 0x1a, 0x1c, 0x00, 0x00],
+            "does not follow its version",
+        );
+        refused(
+            &[0x29, 0x1c, 0x56, 0x02, 0x00, 0x00],
+            "field 5 has Thrift type 6",
+        );
+        refused(&[0x29, 0x1c, 0x55, 0x01, 0x00, 0x00], "children");
+        refused(
+            &[0x29, 0x1c, 0x55, 0xfe, 0xff, 0xff, 0xff, 0x1f, 0x00],
+            "where an i32 goes",
+        );
+        // A logical type's field with another wire type (an integer's bit width as an i32).
+        refused(
+            &[0x29, 0x1c, 0xac, 0xac, 0x15, 0x10, 0x00, 0x00, 0x00, 0x00],
+            "field 1 has Thrift type 5",
+        );
     }
 
     #[test]
@@ -1327,7 +1791,7 @@ mod tests {
         chunk.extend(page(5, 2));
         assert_eq!(
             check_pages(&chunk, 100, &limit(10, Compression::SNAPPY)),
-            Ok(())
+            Ok(10)
         );
         assert!(
             check_pages(&chunk, 100, &limit(9, Compression::SNAPPY))
@@ -1348,11 +1812,11 @@ mod tests {
         assert!(
             check_pages(&bomb, 0, &limit(1 << 30, Compression::SNAPPY))
                 .unwrap_err()
-                .contains("more than SNAPPY inflates to")
+                .contains("more than snappy inflates to")
         );
         assert_eq!(
             check_pages(&page(3200, 100), 0, &limit(1 << 30, Compression::SNAPPY)),
-            Ok(())
+            Ok(3200)
         );
     }
 }

@@ -40,7 +40,8 @@ fn photo(name: &str) -> Vec<u8> {
 
 /// Writes `rows` to a Parquet file at `out` with pyarrow: `columns` are (name, kind), kind one
 /// of `image` (a value is `[file or null, path or null]`), `images` (a list of those),
-/// `turns` ({from, value}), `messages` ({role, content}), `string`, `strings`, `int`.
+/// `turns` ({from, value}), `messages` ({role, content}), `qa` ({user, assistant, source}),
+/// `binary` (a file, its bytes), `string`, `strings`, `int`.
 fn write_parquet(
     out: &Path,
     columns: &[(&str, &str)],
@@ -57,8 +58,10 @@ types = {
     "images": pa.list_(image),
     "turns": pa.list_(pa.struct([("from", pa.string()), ("value", pa.string())])),
     "messages": pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())])),
+    "qa": pa.list_(pa.struct([("user", pa.string()), ("assistant", pa.string()), ("source", pa.string())])),
     "string": pa.string(),
     "strings": pa.list_(pa.string()),
+    "binary": pa.binary(),
     "int": pa.int64(),
 }
 def img(v):
@@ -71,6 +74,8 @@ for name, kind in spec["columns"]:
     values = [row.get(name) for row in spec["rows"]]
     if kind == "image":
         values = [img(v) for v in values]
+    elif kind == "binary":
+        values = [None if v is None else open(v, "rb").read() for v in values]
     elif kind == "images":
         values = [None if v is None else [img(x) for x in v] for v in values]
     fields.append(pa.field(name, types[kind]))
@@ -177,12 +182,21 @@ fn rows_of_every_form_are_records_with_their_images() {
         ]),
         serde_json::json!({"row_group_size": 2, "compression": "zstd"}),
     );
-    // The Cauldron's: a list of images, chat messages, no id (the row names it).
+    // The Cauldron's: a list of images and its `texts` (questions and answers, the images
+    // placed before the first), no id (the row names it); and the same images with chat
+    // messages.
     let cauldron = dir.join("cauldron.parquet");
     write_parquet(
         &cauldron,
-        &[("images", "images"), ("messages", "messages")],
+        &[
+            ("images", "images"),
+            ("texts", "qa"),
+            ("messages", "messages"),
+        ],
         serde_json::json!([{
+            "images": [[photo_path("rocket.jpg"), "rocket.jpg"], [photo_path("chelsea.png"), "chelsea.png"]],
+            "texts": [{"user": "which came first?", "assistant": "the cat"}, {"user": "sure?", "assistant": "yes"}],
+        }, {
             "images": [[photo_path("rocket.jpg"), "rocket.jpg"], [photo_path("chelsea.png"), "chelsea.png"]],
             "messages": [{"role": "user", "content": "<image><image>which came first?"}, {"role": "assistant", "content": "the cat"}],
         }]),
@@ -201,12 +215,12 @@ fn rows_of_every_form_are_records_with_their_images() {
         serde_json::json!([{"id": "by-path", "image": [null, "rocket.jpg"], "conversations": turns("what?", "a rocket")}]),
         serde_json::json!({"compression": "none"}),
     );
-    // A captioning data set's: an image and its caption, nothing else.
+    // A captioning data set's: an image (here a plain binary column) and its caption.
     let captions = dir.join("captions.parquet");
     write_parquet(
         &captions,
-        &[("image", "image"), ("caption", "string")],
-        serde_json::json!([{"image": [photo_path("rocket.jpg"), null], "caption": "a rocket on its pad"}]),
+        &[("image", "binary"), ("caption", "string")],
+        serde_json::json!([{"image": photo_path("rocket.jpg"), "caption": "a rocket on its pad"}]),
         serde_json::json!({}),
     );
     let root = PathBuf::from(format!("{DATA}/photos"));
@@ -215,15 +229,19 @@ fn rows_of_every_form_are_records_with_their_images() {
     let (rows, rejects) = split(inputs);
     assert!(rejects.is_empty(), "{rejects:?}");
     let ids: Vec<&str> = rows.iter().map(|r| r.id.as_str()).collect();
+    // A row without an id is named by its file's whole name (data sets' subsets share file
+    // names) and its row.
+    let named = |file: &Path, row: u32| format!("{}:{row}", file.display());
     assert_eq!(
         ids,
         [
             "hopper",
             "cat",
             "words",
-            "cauldron.parquet:0",
+            &named(&cauldron, 0),
+            &named(&cauldron, 1),
             "by-path",
-            "captions.parquet:0"
+            &named(&captions, 0)
         ]
     );
     assert_eq!(rows[0].bytes, [photo("grace_hopper.jpg")]);
@@ -233,11 +251,20 @@ fn rows_of_every_form_are_records_with_their_images() {
         (0, &Content::Text("plain text, trained on in full".into()))
     );
     assert_eq!(rows[3].bytes, [photo("rocket.jpg"), photo("chelsea.png")]);
-    assert_eq!(messages(&rows[3].content), 2);
-    assert_eq!(rows[4].sources, [ImageSource::local(&root, "rocket.jpg")]);
+    match &rows[3].content {
+        Content::Conversation(turns) => {
+            assert_eq!(turns.len(), 4);
+            assert_eq!(turns[0].content, "<image>\n<image>\nwhich came first?");
+            assert_eq!(turns[3].content, "yes");
+        }
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(rows[4].bytes, rows[3].bytes);
+    assert_eq!(messages(&rows[4].content), 2);
+    assert_eq!(rows[5].sources, [ImageSource::local(&root, "rocket.jpg")]);
     // The caption is the reply to the image.
-    assert_eq!(rows[5].bytes, [photo("rocket.jpg")]);
-    match &rows[5].content {
+    assert_eq!(rows[6].bytes, [photo("rocket.jpg")]);
+    match &rows[6].content {
         Content::Conversation(turns) => {
             assert_eq!(turns.len(), 2);
             assert_eq!(turns[1].content, "a rocket on its pad");
@@ -311,7 +338,7 @@ pq.write_table(pa.table({"deep": pa.array([None], type=t)}), out)
     let cases = [
         (
             write("jpeg.parquet", &photo("grace_hopper.jpg")),
-            "not a Parquet file (it does not end in PAR1)",
+            "not a Parquet file, or one cut short (it does not end in PAR1)",
         ),
         (write("empty.parquet", b""), "not a Parquet file (0 bytes)"),
         (
@@ -391,7 +418,7 @@ fn what_a_limit_or_a_codec_refuses_loses_only_its_row_group() {
     assert_eq!(*line, 2);
     assert!(
         reason.starts_with(&format!(
-            "{}: row group 1 (rows 1..2): column image.bytes: the page at byte ",
+            "{}: row group 1 (row 1): column image.bytes: the page at byte ",
             one_per_group.display()
         )) && reason.contains("bytes uncompressed, over the 204800-byte limit on a page"),
         "{reason}"
@@ -409,7 +436,7 @@ fn what_a_limit_or_a_codec_refuses_loses_only_its_row_group() {
     assert!(
         rejects[0]
             .2
-            .contains("row group 0 (rows 0..4): column id is compressed with GZIP")
+            .contains("row group 0 (rows 0 to 3): column id is compressed with gzip")
             && rejects[0].2.contains("snappy or zstd"),
         "{rejects:?}"
     );

@@ -12,7 +12,6 @@
 //! SDK's standard mode up to the response head, and here when a body is cut off or stalls. A missing key or bucket and a refused access are final: the sample is
 //! rejected with the reason.
 
-
 use bytes::Bytes;
 use std::time::Duration;
 
@@ -252,7 +251,9 @@ fn check_tail(
     got: u64,
 ) -> Result<Option<u64>, String> {
     match span {
-        Some(Some((first, Some(total)))) if first + got == total && (got == len || first == 0) => {
+        Some(Some((first, Some(total))))
+            if first.checked_add(got) == Some(total) && (got == len || first == 0) =>
+        {
             Ok(Some(total))
         }
         // No Content-Range: the whole object came back, shorter than `len`.
@@ -398,10 +399,7 @@ fn backoff(initial: Duration, attempt: u32) -> Duration {
 }
 
 impl Fetch for S3Fetcher {
-    fn fetch<'a>(
-        &'a self,
-        source: &'a ImageSource,
-    ) -> Fetching<'a, Bytes> {
+    fn fetch<'a>(&'a self, source: &'a ImageSource) -> Fetching<'a, Bytes> {
         match source {
             ImageSource::S3 { bucket, key } => {
                 Box::pin(async move { Ok(self.get(bucket, key, Part::Whole).await?.0) })
@@ -426,11 +424,7 @@ impl Fetch for S3Fetcher {
         }
     }
 
-    fn fetch_tail<'a>(
-        &'a self,
-        source: &'a ImageSource,
-        len: u64,
-    ) -> Fetching<'a, (Bytes, u64)> {
+    fn fetch_tail<'a>(&'a self, source: &'a ImageSource, len: u64) -> Fetching<'a, (Bytes, u64)> {
         match source {
             ImageSource::S3 { bucket, key } => Box::pin(async move {
                 let uri = format!("s3://{bucket}/{key}");
