@@ -25,9 +25,11 @@
 //! ([`MAX_COLUMNS`]); a row group's rows ([`MAX_ROWS_PER_GROUP`]), codecs (snappy, zstd, lz4_raw,
 //! none: those whose output the stated size bounds) and chunks; every page header's sizes
 //! ([`PAGE_LIMIT`], and no more than its codec inflates to) and values; and what decoding the
-//! row group holds at once ([`DECODE_BUDGET`]). So memory is bounded by two row groups' bytes
-//! (the one decoded and, from S3, the next), that budget and the rows in flight, however large
-//! or hostile the file. A row group that cannot be read (a check, a decode error, a panic in
+//! row group holds at once ([`DECODE_BUDGET`]), and only encodings decoded within a page's bytes.
+//! So memory is bounded by two row groups' bytes (the one decoded and, from S3, the next), that
+//! budget and the rows in flight, however large the file, as far as the crate allocates what
+//! these checks cover: it runs in this process, and a hazard in it that they miss could still
+//! end the run (a decoder in a memory-limited process of its own would contain any). A row group that cannot be read (a check, a decode error, a panic in
 //! the decoder) is one reject naming file, row group and rows; a file that cannot be read is one
 //! reject; both count in [`TableStats::unreadable`], so the run can fail at its end.
 //!
@@ -43,7 +45,7 @@ use bytes::{Buf, Bytes};
 use parquet::basic::Compression;
 use parquet::errors::ParquetError;
 use parquet::file::metadata::page_index::RowGroupPageIndex;
-use parquet::file::metadata::{ParquetMetaData, ParquetMetaDataReader};
+use parquet::file::metadata::{ParquetMetaData, ParquetMetaDataOptions, ParquetMetaDataReader};
 use parquet::file::properties::ReaderProperties;
 use parquet::file::reader::{ChunkReader, Length};
 use parquet::file::serialized_reader::SerializedRowGroupReader;
@@ -84,6 +86,9 @@ pub const MAX_ROWS_PER_GROUP: u64 = 1 << 20;
 /// The most leaf columns a file may have (each gets its own reader and buffers).
 pub const MAX_COLUMNS: usize = 1024;
 
+/// The most values a column chunk's data pages may state together.
+const MAX_VALUES_PER_CHUNK: u64 = 1 << 24;
+
 /// The most values a dictionary page may state.
 const MAX_DICTIONARY_VALUES: u64 = 1 << 22;
 
@@ -98,6 +103,12 @@ const RATIO_FLOOR: u64 = 64 << 10;
 
 /// How deep the JSON a row becomes, or a page header, may nest.
 const MAX_DEPTH: u32 = 64;
+
+/// The longest id a reject carries (a row's `id` column may hold anything).
+const MAX_ID_BYTES: usize = 256;
+
+/// The longest fixed-length byte array a schema may declare.
+const MAX_TYPE_LENGTH: i32 = 1 << 16;
 
 /// How deep a file's schema may nest (`datasets`' deepest types are a few levels).
 pub const MAX_SCHEMA_DEPTH: usize = 32;
@@ -460,7 +471,9 @@ impl Reader {
             .get_column_iter()
             .find(|(name, _)| *name == "id")
             .and_then(|(_, field)| match field {
-                Field::Str(s) if !s.is_empty() => Some(s.clone()),
+                Field::Str(s) if !s.is_empty() => {
+                    Some(feedstore_proto::truncate(s, MAX_ID_BYTES).to_owned())
+                }
                 Field::Int(v) => Some(v.to_string()),
                 Field::Long(v) => Some(v.to_string()),
                 _ => None,
@@ -524,6 +537,8 @@ impl Reader {
 struct Images {
     /// (name, bytes) of each image with bytes, in column order.
     held: Vec<(String, Bytes)>,
+    /// The bytes of text taken so far.
+    text: usize,
 }
 
 impl Images {
@@ -556,14 +571,14 @@ impl Images {
             Field::Float(v) => float(f64::from(*v)),
             Field::Double(v) => float(*v),
             Field::Decimal(d) => Value::String(format!("{d:?}")),
-            Field::Str(s) => Value::String(s.clone()),
+            Field::Str(s) => Value::String(self.text(s)?.to_owned()),
             // Binary that is not an image's: text when it is UTF-8, else nothing a record uses.
             // An `image` column, or an `images` list, of plain binary: image bytes.
             Field::Bytes(b) if at == "image" || at.starts_with("images[") => {
                 self.hold(at, b.data(), max_image_bytes)?
             }
             Field::Bytes(b) => match std::str::from_utf8(b.data()) {
-                Ok(s) => Value::String(s.to_owned()),
+                Ok(s) => Value::String(self.text(s)?.to_owned()),
                 Err(_) => Value::Null,
             },
             Field::Group(row) => match image(row) {
@@ -601,6 +616,18 @@ impl Images {
                 Value::Object(object)
             }
         })
+    }
+
+    /// Counts a string of the row before it is copied: a row's text is bounded as a manifest's
+    /// line is.
+    fn text<'s>(&mut self, s: &'s str) -> Result<&'s str, String> {
+        self.text += s.len();
+        match self.text as u64 > MAX_LINE_BYTES {
+            true => Err(format!(
+                "its text runs past {MAX_LINE_BYTES} bytes, the limit on a record"
+            )),
+            false => Ok(s),
+        }
     }
 
     /// Keeps an image's bytes (one copy, so a row does not pin its page), named `at`.
@@ -882,16 +909,21 @@ impl Source {
         };
         // The crate builds the schema's tree by recursion, as deep as the footer says: checked
         // first, so a footer of nested groups cannot overflow the stack.
-        if schema_depth(&footer).map_err(|e| format!("its footer cannot be read: {e}"))?
-            > MAX_SCHEMA_DEPTH
-        {
+        let unreadable = |e: &dyn std::fmt::Display| format!("its footer cannot be read: {e}");
+        let (depth, schema_end) = schema_depth(&footer).map_err(|e| unreadable(&e))?;
+        if depth > MAX_SCHEMA_DEPTH {
             return Err(format!(
                 "its schema nests deeper than {MAX_SCHEMA_DEPTH} levels, which feedstore does \
                  not read"
             ));
         }
-        let metadata = ParquetMetaDataReader::decode_metadata(&footer)
-            .map_err(|e| format!("its footer cannot be read: {e}"))?;
+        // The schema measured, built alone; the footer then read with it, every schema field
+        // in it skipped (the crate would build each one it meets, by recursion).
+        let schema = ParquetMetaDataReader::decode_schema(&footer[..schema_end])
+            .map_err(|e| unreadable(&e))?;
+        let options = ParquetMetaDataOptions::new().with_schema(schema);
+        let metadata = ParquetMetaDataReader::decode_metadata_with_options(&footer, Some(&options))
+            .map_err(|e| unreadable(&e))?;
         let columns = metadata.file_metadata().schema_descr().num_columns();
         if columns > MAX_COLUMNS {
             return Err(format!(
@@ -1175,7 +1207,7 @@ struct Limit {
 /// reads one). Returns what decoding the chunk may hold at once: its dictionaries and its
 /// largest data page, each with room for its values.
 fn check_pages(chunk: &[u8], at: u64, limit: &Limit) -> Result<u64, String> {
-    let (mut dictionaries, mut largest) = (0u64, 0u64);
+    let (mut dictionaries, mut largest, mut values_in_chunk) = (0u64, 0u64, 0u64);
     let mut offset = 0usize;
     while offset < chunk.len() {
         let here = at + offset as u64;
@@ -1208,9 +1240,19 @@ fn check_pages(chunk: &[u8], at: u64, limit: &Limit) -> Result<u64, String> {
                  most {most})"
             ));
         }
+        // A row's list may run on across pages (the crate gathers it whole): every value of
+        // the chunk counts, not only the largest page's.
         match page.dictionary {
             true => dictionaries += uncompressed + values * DICTIONARY_VALUE_BYTES,
-            false => largest = largest.max(uncompressed + values * ROW_VALUE_BYTES),
+            false => {
+                largest = largest.max(uncompressed);
+                values_in_chunk += values;
+                if values_in_chunk > MAX_VALUES_PER_CHUNK {
+                    return Err(format!(
+                        "its pages state more than {MAX_VALUES_PER_CHUNK} values"
+                    ));
+                }
+            }
         }
         offset = page
             .len
@@ -1221,7 +1263,7 @@ fn check_pages(chunk: &[u8], at: u64, limit: &Limit) -> Result<u64, String> {
                 format!("the page at byte {here} ({compressed} bytes) runs past its column chunk")
             })?;
     }
-    Ok(dictionaries + largest)
+    Ok(dictionaries + largest + values_in_chunk * ROW_VALUE_BYTES)
 }
 
 /// A codec's name, as a user would write it.
@@ -1244,8 +1286,10 @@ fn codec_name(codec: Compression) -> &'static str {
 /// first field 2 it meets, right away, and needs it before the row groups (field 4): so the
 /// schema must be the footer's first field, after the version (field 1) alone, as every writer
 /// puts it, and its elements are read strictly (each known field with its wire type, once), so
-/// the crate reads the same elements counted here.
-fn schema_depth(footer: &[u8]) -> Result<usize, String> {
+/// the crate reads the same elements counted here. Returns the depth and where the schema ends:
+/// the crate is given this schema alone to build ([`ParquetMetaDataReader::decode_schema`]),
+/// and skips every schema field of the footer (a second one included) when it reads the rest.
+fn schema_depth(footer: &[u8]) -> Result<(usize, usize), String> {
     const ELEMENT: &[(i64, Wire)] = &[
         (1, I32),
         (2, I32),
@@ -1294,6 +1338,14 @@ fn schema_depth(footer: &[u8]) -> Result<usize, String> {
                     false => Ok(()),
                 }
             }
+            (2, _) => {
+                // A fixed-length byte array's length: some decoders allocate values times it.
+                let length = thrift.i32()?;
+                match (0..=MAX_TYPE_LENGTH).contains(&length) {
+                    true => Ok(()),
+                    false => Err(format!("a fixed length of {length} bytes")),
+                }
+            }
             (10, _) => thrift.logical_type(),
             (_, 5) => thrift.i32().map(drop),
             (_, kind) => thrift.skip(kind, 2),
@@ -1305,14 +1357,14 @@ fn schema_depth(footer: &[u8]) -> Result<usize, String> {
             open.push(children);
             deepest = deepest.max(open.len());
             if deepest > MAX_SCHEMA_DEPTH {
-                return Ok(MAX_SCHEMA_DEPTH + 1);
+                return Ok((MAX_SCHEMA_DEPTH + 1, thrift.at));
             }
         }
         while open.last().is_some_and(|&left| left <= 0) {
             open.pop();
         }
     }
-    Ok(deepest)
+    Ok((deepest, thrift.at))
 }
 
 /// What a page header states, read as the parquet crate will read it.
@@ -1399,6 +1451,7 @@ fn page_header(bytes: &[u8]) -> Result<PageHeader, String> {
                 7 => DICTIONARY,
                 _ => DATA_V2,
             };
+            let page = id;
             thrift.strict(1, known, |thrift, id, kind| match (id, kind) {
                 (1, _) => {
                     let v = thrift.i32()?;
@@ -1407,7 +1460,7 @@ fn page_header(bytes: &[u8]) -> Result<PageHeader, String> {
                     );
                     Ok(())
                 }
-                (_, 5) => thrift.i32().map(drop),
+                (_, 5) => encoding_read(page, id, thrift.i32()?),
                 (_, kind) => thrift.skip(kind, 2),
             })
         }
@@ -1425,6 +1478,47 @@ fn page_header(bytes: &[u8]) -> Result<PageHeader, String> {
             len: thrift.at,
         }),
         _ => Err("no page sizes in it".into()),
+    }
+}
+
+/// Whether the encoding field `field` of a page header's `page` struct (5: data, 7: dictionary,
+/// 8: data v2) names one the crate decodes within the page's bytes: PLAIN, the dictionary's
+/// indexes (PLAIN_DICTIONARY, RLE_DICTIONARY) and RLE (or BIT_PACKED levels), what pyarrow and
+/// `datasets` write. The DELTA encodings and BYTE_STREAM_SPLIT make the crate allocate what
+/// their own headers, or the schema, state.
+fn encoding_read(page: i64, field: i64, encoding: i32) -> Result<(), String> {
+    const NAMES: [&str; 11] = [
+        "PLAIN",
+        "GROUP_VAR_INT",
+        "PLAIN_DICTIONARY",
+        "RLE",
+        "BIT_PACKED",
+        "DELTA_BINARY_PACKED",
+        "DELTA_LENGTH_BYTE_ARRAY",
+        "DELTA_BYTE_ARRAY",
+        "RLE_DICTIONARY",
+        "BYTE_STREAM_SPLIT",
+        "ALP",
+    ];
+    let allowed: &[i32] = match (page, field) {
+        // Values.
+        (5, 2) | (8, 4) => &[0, 2, 3, 8],
+        // Levels (a v1 data page's).
+        (5, 3 | 4) => &[3, 4],
+        // A dictionary's values.
+        (7, 2) => &[0, 2],
+        _ => return Ok(()),
+    };
+    match allowed.contains(&encoding) {
+        true => Ok(()),
+        false => Err(format!(
+            "encoding {}, which feedstore does not read (pyarrow writes PLAIN, dictionaries \
+             and RLE: pq.write_table(..., use_dictionary=True, column_encoding=None))",
+            usize::try_from(encoding)
+                .ok()
+                .and_then(|e| NAMES.get(e))
+                .map_or_else(|| encoding.to_string(), |name| (*name).to_owned())
+        )),
     }
 }
 
@@ -1550,21 +1644,25 @@ impl Compact<'_> {
         depth: u32,
         mut field: impl FnMut(&mut Self, i64, u8) -> Result<(), String>,
     ) -> Result<(), String> {
-        let mut id = 0i64;
+        // Ids as the crate reads them: an i16, a long-form id cut to its low 16 bits, a delta
+        // that would overflow refused; a type of 0 is the end, whatever the delta.
+        let mut id = 0i16;
         loop {
             let header = self.byte()?;
-            if header == 0 {
+            let (delta, kind) = (header >> 4, header & 0x0f);
+            if kind == 0 {
                 return Ok(());
             }
-            let (delta, kind) = (header >> 4, header & 0x0f);
             id = match delta {
-                0 => self.zigzag()?,
-                d => id + i64::from(d),
+                0 => self.zigzag()? as i16,
+                d => id
+                    .checked_add(i16::from(d))
+                    .ok_or("a field id past an i16")?,
             };
             if depth > MAX_DEPTH {
                 return Err("nested too deep".into());
             }
-            field(self, id, kind)?;
+            field(self, i64::from(id), kind)?;
         }
     }
 
@@ -1702,6 +1800,20 @@ mod tests {
         };
         let e = check_pages(&bomb, 0, &limit).unwrap_err();
         assert!(e.contains("states 2147483647 values in 20 bytes"), "{e}");
+        // The same count under a long-form id the crate cuts to 16 bits (65537 is its field 1).
+        let mut hidden = vec![
+            0x15, 0x04, 0x15, 0x28, 0x15, 0x28, 0x4c, 0x05, 0x82, 0x80, 0x08,
+        ];
+        hidden.extend([0xfe, 0xff, 0xff, 0xff, 0x0f, 0x00, 0x00]);
+        hidden.extend([0; 20]);
+        let e = check_pages(&hidden, 0, &limit).unwrap_err();
+        assert!(e.contains("states 2147483647 values in 20 bytes"), "{e}");
+        // A data page in an encoding that allocates what its own header says.
+        let delta = [
+            0x15, 0x00, 0x15, 0x28, 0x15, 0x28, 0x2c, 0x15, 0x02, 0x15, 0x0c, 0x00, 0x00,
+        ];
+        let e = page_header(&delta).unwrap_err();
+        assert!(e.contains("encoding DELTA_LENGTH_BYTE_ARRAY"), "{e}");
         // Five values in 20 bytes are fine, and what decoding holds is counted.
         let mut fine = vec![
             0x15, 0x04, 0x15, 0x28, 0x15, 0x28, 0x4c, 0x15, 0x0a, 0x00, 0x00,
@@ -1730,9 +1842,10 @@ mod tests {
             bytes.push(0x00);
             bytes
         };
-        assert_eq!(schema_depth(&footer(100_000, 1)), Ok(MAX_SCHEMA_DEPTH + 1));
-        assert_eq!(schema_depth(&footer(5, 1)), Ok(5));
-        assert_eq!(schema_depth(&footer(3, 0)), Ok(1));
+        let depth = |bytes: &[u8]| schema_depth(bytes).map(|d| d.0);
+        assert_eq!(depth(&footer(100_000, 1)), Ok(MAX_SCHEMA_DEPTH + 1));
+        assert_eq!(depth(&footer(5, 1)), Ok(5));
+        assert_eq!(depth(&footer(3, 0)), Ok(1));
         // A list longer than the bytes behind it.
         let mut cut = footer(100, 1);
         cut.truncate(50);
@@ -1756,6 +1869,17 @@ mod tests {
         refused(
             &[0x29, 0x1c, 0x55, 0xfe, 0xff, 0xff, 0xff, 0x1f, 0x00],
             "where an i32 goes",
+        );
+        // A child count under a long-form id (65541, field 5 to the crate) is counted.
+        let mut hidden = vec![0x15, 0x02, 0x19, 0xfc, 0xe8, 0x07];
+        for _ in 0..1000 {
+            hidden.extend([0x05, 0x8a, 0x80, 0x08, 0x02, 0x00]);
+        }
+        assert_eq!(schema_depth(&hidden).map(|d| d.0), Ok(MAX_SCHEMA_DEPTH + 1));
+        // A fixed length too long for the decoders that allocate by it.
+        refused(
+            &[0x29, 0x1c, 0x25, 0xfe, 0xff, 0xff, 0xff, 0x0f, 0x00],
+            "a fixed length",
         );
         // A logical type's field with another wire type (an integer's bit width as an i32).
         refused(

@@ -406,8 +406,9 @@ fn what_a_limit_or_a_codec_refuses_loses_only_its_row_group() {
     );
 
     // A page stating more than the limit (chelsea's 240 KB) loses its row group, not the file.
+    let root = dir.clone();
     let (inputs, stats) = read_all(vec![Shard::Local(one_per_group.clone())], move |files| {
-        plain(dir.clone(), 64 << 20)(files).with_page_limit(200 << 10)
+        plain(root, 64 << 20)(files).with_page_limit(200 << 10)
     });
     let (read, rejects) = split(inputs);
     let ids: Vec<&str> = read.iter().map(|r| r.id.as_str()).collect();
@@ -424,6 +425,29 @@ fn what_a_limit_or_a_codec_refuses_loses_only_its_row_group() {
         "{reason}"
     );
     assert_eq!(stats.unreadable.load(Ordering::Relaxed), 1);
+
+    // An encoding whose decoder allocates what its own header states: refused, saying so.
+    let delta = dir.join("delta.parquet");
+    write_parquet(
+        &delta,
+        &columns,
+        rows.clone(),
+        serde_json::json!({"use_dictionary": false, "column_encoding": {"id": "DELTA_BYTE_ARRAY"}}),
+    );
+    let (inputs, _) = read_all(
+        vec![Shard::Local(delta.clone())],
+        plain(PathBuf::from("/"), 64 << 20),
+    );
+    let (read, rejects) = split(inputs);
+    assert!(read.is_empty());
+    assert!(
+        rejects.len() == 1
+            && rejects[0].2.contains("column id: the page header at byte ")
+            && rejects[0]
+                .2
+                .contains("encoding DELTA_BYTE_ARRAY, which feedstore does not read"),
+        "{rejects:?}"
+    );
 
     // gzip inflates to no stated bound: refused, saying what to write instead.
     let (inputs, _) = read_all(
