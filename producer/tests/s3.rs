@@ -26,6 +26,42 @@ fn options(endpoint: String) -> S3Options {
     }
 }
 
+/// A bucket holding `objects` in `moto`, and a fetcher reaching it through a proxy that cuts
+/// off the body of the first reply for a key containing `cut` (to be retried).
+fn bucket_behind_proxy(
+    runtime: &tokio::runtime::Runtime,
+    moto: &Moto,
+    bucket: &str,
+    objects: &[(&str, Vec<u8>)],
+    cut: &str,
+) -> (FaultProxy, Arc<S3Fetcher>) {
+    let direct = runtime.block_on(S3Fetcher::new(&options(moto.endpoint())));
+    runtime.block_on(async {
+        let client = direct.client();
+        client.create_bucket().bucket(bucket).send().await.unwrap();
+        for (key, body) in objects {
+            client
+                .put_object()
+                .bucket(bucket)
+                .key(*key)
+                .body(body.clone().into())
+                .send()
+                .await
+                .unwrap();
+        }
+    });
+    let proxy = FaultProxy::start(
+        moto.addr(),
+        Plan {
+            latency: Duration::ZERO,
+            rules: vec![Rule::new(cut, Fault::ResetMidBody).times(1)],
+        },
+    )
+    .unwrap();
+    let fetcher = Arc::new(runtime.block_on(S3Fetcher::new(&options(proxy.endpoint()))));
+    (proxy, fetcher)
+}
+
 fn s3(bucket: &str, key: &str) -> ImageSource {
     ImageSource::S3 {
         bucket: bucket.into(),
@@ -306,35 +342,14 @@ fn a_shard_in_s3_is_read_a_ranged_get_at_a_time() {
     feedstore_testkit::tar::python_tar(&tar, "ustar", &members);
     let bytes = std::fs::read(&tar).unwrap();
     assert!(bytes.len() as u64 > 3 * CHUNK_BYTES);
-    let direct = runtime.block_on(S3Fetcher::new(&options(moto.endpoint())));
-    runtime.block_on(async {
-        direct
-            .client()
-            .create_bucket()
-            .bucket("wds")
-            .send()
-            .await
-            .unwrap();
-        direct
-            .client()
-            .put_object()
-            .bucket("wds")
-            .key("train/shard-0.tar")
-            .body(bytes.clone().into())
-            .send()
-            .await
-            .unwrap();
-    });
     // The first ranged GET's body is cut off once: retried as a whole.
-    let proxy = FaultProxy::start(
-        moto.addr(),
-        Plan {
-            latency: Duration::ZERO,
-            rules: vec![Rule::new("shard-0.tar", Fault::ResetMidBody).times(1)],
-        },
-    )
-    .unwrap();
-    let fetcher = Arc::new(runtime.block_on(S3Fetcher::new(&options(proxy.endpoint()))));
+    let (proxy, fetcher) = bucket_behind_proxy(
+        &runtime,
+        &moto,
+        "wds",
+        &[("train/shard-0.tar", bytes.clone())],
+        "shard-0.tar",
+    );
     let mut reader = Shards::new(
         vec![Shard::S3 {
             bucket: "wds".into(),
@@ -453,35 +468,13 @@ pq.write_table(table, spec["out"], row_group_size=70, compression="snappy")
         &serde_json::json!({"out": path, "photo": format!("{DATA}/photos/chelsea.png")}),
     );
     let bytes = std::fs::read(&path).unwrap();
-    let direct = runtime.block_on(S3Fetcher::new(&options(moto.endpoint())));
-    runtime.block_on(async {
-        let client = direct.client();
-        client
-            .create_bucket()
-            .bucket("hf-data")
-            .send()
-            .await
-            .unwrap();
-        for (key, body) in [("data.parquet", bytes.clone()), ("empty", Vec::new())] {
-            client
-                .put_object()
-                .bucket("hf-data")
-                .key(key)
-                .body(body.into())
-                .send()
-                .await
-                .unwrap();
-        }
-    });
-    let proxy = FaultProxy::start(
-        moto.addr(),
-        Plan {
-            latency: Duration::ZERO,
-            rules: vec![Rule::new("data.parquet", Fault::ResetMidBody).times(1)],
-        },
-    )
-    .unwrap();
-    let fetcher = Arc::new(runtime.block_on(S3Fetcher::new(&options(proxy.endpoint()))));
+    let (proxy, fetcher) = bucket_behind_proxy(
+        &runtime,
+        &moto,
+        "hf-data",
+        &[("data.parquet", bytes.clone()), ("empty", Vec::new())],
+        "data.parquet",
+    );
     let mut reader = ParquetFiles::new(
         vec![Shard::S3 {
             bucket: "hf-data".into(),
