@@ -61,9 +61,11 @@ pub struct Args {
     /// patterns and @FILE as for --shards): a row is a record, its columns a manifest line's
     /// keys (id, conversations, messages, text, image, images). An Image column ({bytes,
     /// path}, alone or in a list) holds the image, or names a path that resolves as a
-    /// manifest's (against --image-root, by default the first local file's folder). Read a row
+    /// manifest's (against --image-root, by default the first local file's folder, or the
+    /// current one when every file is in S3). Read a row
     /// group (at most 1 GiB) at a time, every page header checked before it is decoded;
-    /// snappy, zstd, lz4_raw or uncompressed (gzip and brotli are refused). A row group or file
+    /// snappy, zstd, lz4_raw or uncompressed (gzip, brotli, lzo and Hadoop's lz4 are refused,
+    /// as are the DELTA encodings and BYTE_STREAM_SPLIT). A row group or file
     /// that cannot be read is one reject and makes the run exit non-zero at its end. Not with
     /// --stream.
     #[arg(

@@ -40,7 +40,6 @@ pub fn open_regular(path: &Path) -> std::io::Result<File> {
 /// The text of the regular file at `path` (a list of shards, a checkpoint's states), refused
 /// past `max` bytes without reading more, or when it is not UTF-8; `what` names it in errors.
 pub fn read_text(path: &Path, max: u64, what: &str) -> Result<String, String> {
-    use std::io::Read;
     let mut bytes = Vec::new();
     open_regular(path)
         .and_then(|f| f.take(max + 1).read_to_end(&mut bytes))

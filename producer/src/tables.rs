@@ -860,7 +860,7 @@ impl Source {
     }
 
     /// The file's metadata, from its footer: the file's last [`TAIL_BYTES`] in one read, and
-    /// the rest of a footer longer than that in another.
+    /// a footer longer than that whole in another.
     fn footer(&self) -> Result<ParquetMetaData, String> {
         let len = self.body.len();
         if len < 12 {
