@@ -255,6 +255,9 @@ pub struct Shards {
     ready: VecDeque<Input>,
     /// Samples numbered so far: a sample's `line`.
     samples: u64,
+    /// The next shard's first chunk, fetched while the shard before it is read to its end
+    /// (an S3 shard's only).
+    next_first: Option<ReadAhead>,
 }
 
 impl std::fmt::Debug for Shards {
@@ -278,12 +281,35 @@ impl Shards {
             reading: None,
             ready: VecDeque::new(),
             samples: 0,
+            next_first: None,
         }
     }
 
     /// What reading has taken so far.
     pub fn stats(&self) -> Arc<ShardStats> {
         self.stats.clone()
+    }
+
+    /// Starts fetching the next shard's first chunk, if it is in S3 and not started yet.
+    fn start_next(&mut self) {
+        let Some(Shard::S3 { bucket, key }) = self.shards.front() else {
+            return;
+        };
+        if self.next_first.is_some() {
+            return;
+        }
+        self.stats.requests.fetch_add(1, Ordering::Relaxed);
+        let fetcher = self.fetcher.clone();
+        let source = ImageSource::S3 {
+            bucket: bucket.clone(),
+            key: key.clone(),
+        };
+        self.next_first = Some(ReadAhead {
+            offset: 0,
+            task: Some(tokio::spawn(async move {
+                fetcher.fetch_range(&source, 0, CHUNK_BYTES).await
+            })),
+        });
     }
 
     /// Opens the next shard; false when none is left. A shard that cannot be opened is one
@@ -315,7 +341,8 @@ impl Shards {
                     bucket: bucket.clone(),
                     key: key.clone(),
                 },
-                ahead: None,
+                // Its first chunk, when the shard before it started it.
+                ahead: self.next_first.take(),
             },
         };
         self.reading = Some(ShardReader {
@@ -349,6 +376,10 @@ impl Inputs for Shards {
                 continue;
             };
             let step = reader.step().await;
+            if reader.ended {
+                // Its last chunk is read: the next shard's first is fetched meanwhile.
+                self.start_next();
+            }
             let mut finish = |sample: Gathered, out: &mut VecDeque<Input>| {
                 self.samples += 1;
                 out.push_back(sample.into_input(self.samples));
