@@ -8,12 +8,13 @@ use std::time::Duration;
 use anyhow::{Context, bail};
 use feedstore_consumer::{RankAt, StreamTask};
 use feedstore_producer::chat::ChatTokenizer;
+use feedstore_producer::feed::RecordIndex;
 use feedstore_producer::feed::{FeedConfig, feed};
 use feedstore_producer::manifest::{IndexedManifest, Manifest};
 use feedstore_producer::pipeline::{Event, ProducerConfig, run, run_inputs};
 use feedstore_producer::profile::Profiler;
 use feedstore_producer::shards::{Shard, Shards, shard_list};
-use feedstore_producer::tables::ParquetFiles;
+use feedstore_producer::tables::{ParquetFiles, ParquetRows, TableStats};
 use feedstore_producer::vision::{NORMALIZATIONS, ResizeMode};
 use feedstore_proto::reshard::resume;
 use feedstore_proto::sample::{DType, TensorLayout};
@@ -66,13 +67,15 @@ pub struct Args {
     /// group (at most 1 GiB) at a time, every page header checked before it is decoded;
     /// snappy, zstd, lz4_raw or uncompressed (gzip, brotli, lzo and Hadoop's lz4 are refused,
     /// as are the DELTA encodings and BYTE_STREAM_SPLIT). A row group or file
-    /// that cannot be read is one reject and makes the run exit non-zero at its end. Not with
-    /// --stream.
+    /// that cannot be read is one reject and makes the run exit non-zero at its end. With
+    /// --stream, every file's footer is read first (their rows are the stream's records, so
+    /// a file that cannot be opened stops the run before it starts) and a row is read with
+    /// its row group, kept while ranks read the rest (--row-group-cache).
     #[arg(
         long,
         value_name = "FILES",
         num_args = 1..,
-        conflicts_with_all = ["manifest", "stream"]
+        conflicts_with_all = ["manifest"]
     )]
     parquet: Vec<String>,
     /// Relative image paths resolve against this folder (LLaVA's `image_folder`), and every
@@ -234,14 +237,24 @@ struct StreamArgs {
     #[arg(long, value_name = "N", default_value_t = 1, requires = "stream")]
     epochs: u64,
     /// Order within an epoch: full (a fresh permutation each epoch), none (manifest order), or
-    /// block:N (blocks of N consecutive records shuffled, and shuffled within).
+    /// block:N (blocks of N consecutive records shuffled, and shuffled within) [default: full;
+    /// with --parquet, block:N with N the rows of the largest row group, so ranks read a few
+    /// row groups at a time].
+    #[arg(long, value_name = "ORDER", requires = "stream")]
+    shuffle: Option<String>,
+    /// With --parquet: the bytes of decoded rows kept while ranks read their row groups (the
+    /// row group read last is always kept; up to three more may be being read). A --shuffle
+    /// whose ranks read more row groups at once than this holds reads row groups again; the
+    /// run's end says how many.
     #[arg(
         long,
-        value_name = "ORDER",
-        default_value = "full",
-        requires = "stream"
+        value_name = "BYTES",
+        default_value = "1GiB",
+        value_parser = feedstore_store::config::parse_bytes,
+        requires = "stream",
+        requires = "parquet"
     )]
-    shuffle: String,
+    row_group_cache: u64,
     /// The records that do not divide evenly among ranks: drop (left out of that epoch) or pad
     /// (short ranks repeat records from the epoch's start).
     #[arg(
@@ -294,8 +307,16 @@ struct StreamArgs {
 
 impl StreamArgs {
     /// The spec and where each served rank starts.
-    fn feed(&self, name: &str, records: u64) -> anyhow::Result<FeedConfig> {
-        let shuffle: Shuffle = self.shuffle.parse().map_err(|e| anyhow::anyhow!("--{e}"))?;
+    /// The order `--shuffle` asks for, if it names one.
+    fn shuffle(&self) -> anyhow::Result<Option<Shuffle>> {
+        self.shuffle
+            .as_deref()
+            .map(|asked| asked.parse().map_err(|e| anyhow::anyhow!("--{e}")))
+            .transpose()
+    }
+
+    fn feed(&self, name: &str, records: u64, shuffle: Shuffle) -> anyhow::Result<FeedConfig> {
+        let shuffle = self.shuffle()?.unwrap_or(shuffle);
         let tail: Tail = self.tail.parse().map_err(|e| anyhow::anyhow!("--{e}"))?;
         let spec = StreamSpec {
             name: name.to_owned(),
@@ -578,7 +599,7 @@ pub fn run_produce(args: Args) -> anyhow::Result<()> {
     // once it is over.
     let mut unreadable = None;
     let summary = match (&args.stream.stream, &args.manifest, shards) {
-        (_, None, None) if let Some(files) = tables => {
+        (None, None, None) if let Some(files) = tables => {
             let named = files.len();
             let inputs = ParquetFiles::new(
                 files,
@@ -590,21 +611,70 @@ pub fn run_produce(args: Args) -> anyhow::Result<()> {
             let summary = run_inputs(&config, tokenizer, fetcher, inputs, &mut on_event)?;
             let load = |n: &std::sync::atomic::AtomicU64| n.load(Ordering::Relaxed);
             eprintln!(
-                "read {} from {named} Parquet file(s), {} row group(s) (the largest {}), in \
-                 {} reads",
+                "read {} from the {named} Parquet file(s) named, {} row group(s) (the largest \
+                 {}), in {} reads",
                 feedstore_store::config::format_bytes(load(&stats.bytes)),
                 load(&stats.row_groups),
                 feedstore_store::config::format_bytes(load(&stats.peak_row_group)),
                 load(&stats.requests),
             );
-            let failed = load(&stats.unreadable);
-            unreadable = (failed > 0).then(|| {
-                format!(
-                    "{failed} Parquet file(s) or row group(s) of the {named} file(s) could not be \
-                     read (missing, not a Parquet file, a corrupt page, a limit passed, or a \
-                     read that failed after its retries): their rows are missing from this run"
-                )
-            });
+            unreadable = tables_lost(&stats, named, false);
+            summary
+        }
+        (Some(name), None, None) if let Some(files) = tables => {
+            // A --shuffle that does not parse is said before any footer is read.
+            args.stream.shuffle()?;
+            let named = files.len();
+            eprintln!("reading the footers of {named} Parquet file(s)");
+            let started = std::time::Instant::now();
+            let rows = ParquetRows::open(
+                files,
+                fetcher.clone(),
+                args.max_image_bytes,
+                image_root.clone(),
+                args.stream.row_group_cache,
+            )
+            .map_err(|e| anyhow::anyhow!("--parquet: {e}"))?;
+            let rows = Arc::new(rows);
+            eprintln!(
+                "{} rows in {} row group(s) of {named} file(s), read in {:.1} s",
+                rows.len(),
+                rows.row_groups(),
+                started.elapsed().as_secs_f64()
+            );
+            // Blocks of about a row group's rows: ranks read a few row groups at a time.
+            let block = u32::try_from(rows.largest_row_group().max(1)).unwrap_or(u32::MAX);
+            let feed_config = args.stream.feed(name, rows.len(), Shuffle::Block(block))?;
+            if feed_config.spec.shuffle == Shuffle::Full {
+                eprintln!(
+                    "feedstore: warning: --shuffle full reads a row group for about every \
+                     sample unless the files' rows fit in --row-group-cache ({}); \
+                     block:{block} reads each row group once an epoch",
+                    feedstore_store::config::format_bytes(args.stream.row_group_cache)
+                );
+            }
+            progress.feeding(name, &feed_config, rows.len());
+            let on_event = |event: &Event, profiler: &Profiler| progress.on_event(event, profiler);
+            let source: Arc<dyn RecordIndex> = rows.clone();
+            let summary = feed(&config, &feed_config, tokenizer, fetcher, source, on_event)?;
+            let stats = rows.stats();
+            let load = |n: &std::sync::atomic::AtomicU64| n.load(Ordering::Relaxed);
+            let reread = load(&rows.reads().reread);
+            eprintln!(
+                "read {} in {} reads: {} row group read(s), {reread} of them again after the \
+                 cache let them go{}; the cache held at most {}",
+                feedstore_store::config::format_bytes(load(&stats.bytes)),
+                load(&stats.requests),
+                load(&stats.row_groups),
+                match reread {
+                    0 => "",
+                    _ =>
+                        " (a larger --row-group-cache, or a --shuffle block:N of fewer rows, \
+                          reads each once)",
+                },
+                feedstore_store::config::format_bytes(load(&rows.reads().peak_bytes)),
+            );
+            unreadable = tables_lost(&stats, named, true);
             summary
         }
         (_, _, Some(shards)) => {
@@ -649,7 +719,7 @@ pub fn run_produce(args: Args) -> anyhow::Result<()> {
                 IndexedManifest::open(manifest_path)
                     .with_context(|| format!("indexing {}", manifest_path.display()))?,
             );
-            let feed_config = args.stream.feed(name, manifest.len())?;
+            let feed_config = args.stream.feed(name, manifest.len(), Shuffle::Full)?;
             progress.feeding(name, &feed_config, manifest.len());
             let on_event = |event: &Event, profiler: &Profiler| progress.on_event(event, profiler);
             feed(
@@ -675,6 +745,23 @@ pub fn run_produce(args: Args) -> anyhow::Result<()> {
         }
         (Err(e), None) => Err(e),
     }
+}
+
+/// What a run says of Parquet files or row groups it could not read, if any.
+/// (`stream`: the rows of a stream, each rejected one replaced by another record.)
+fn tables_lost(stats: &TableStats, named: usize, stream: bool) -> Option<String> {
+    let failed = stats.unreadable.load(Ordering::Relaxed);
+    let lost = match stream {
+        true => "their rows were left out, each replaced by the next record of its rank's share",
+        false => "their rows are missing from this run",
+    };
+    (failed > 0).then(|| {
+        format!(
+            "{failed} Parquet file(s) or row group(s) of the {named} file(s) could not be read \
+             (missing, not a Parquet file, a corrupt page, a limit passed, or a read that \
+             failed after its retries): {lost}"
+        )
+    })
 }
 
 /// The pipeline's settings from the command line, checked before any work.

@@ -404,6 +404,52 @@ fn rejects_in(path: &Path) -> Vec<(u64, String, String)> {
         .collect()
 }
 
+/// Writes `records` (manifest lines whose `image` names a file of the test photos) as a
+/// Hugging Face dataset's Parquet export, with `datasets` itself: images embedded as bytes, in
+/// row groups of `batch_size` rows (its default otherwise); with `broken`, one more row,
+/// "broken", whose image is a JPEG cut short.
+fn datasets_parquet(
+    out: &Path,
+    records: &[serde_json::Value],
+    broken: bool,
+    batch_size: Option<usize>,
+) {
+    use feedstore_testkit::tar::{data_python, run_python_with};
+    run_python_with(
+        &data_python(),
+        r#"
+import json, sys
+from datasets import Dataset, Features, Image, Value
+spec = json.load(sys.stdin)
+rows = {"id": [], "image": [], "conversations": [], "text": []}
+for record in spec["records"]:
+    for key in rows:
+        rows[key].append(record.get(key))
+    if record.get("image"):
+        rows["image"][-1] = {"bytes": open(spec["photos"] + "/" + record["image"], "rb").read(),
+                             "path": record["image"]}
+if spec["broken"]:
+    cut = open(spec["photos"] + "/rocket.jpg", "rb").read()
+    for key, value in {"id": "broken", "image": {"bytes": cut[: len(cut) // 3], "path": None},
+                       "conversations": [{"from": "human", "value": "<image>\n?"},
+                                         {"from": "gpt", "value": "!"}], "text": None}.items():
+        rows[key].append(value)
+features = Features({"id": Value("string"), "image": Image(),
+                     "conversations": [{"from": Value("string"), "value": Value("string")}],
+                     "text": Value("string")})
+options = {"batch_size": spec["batch_size"]} if spec["batch_size"] else {}
+Dataset.from_dict(rows, features=features).to_parquet(spec["out"], **options)
+"#,
+        &serde_json::json!({
+            "out": out,
+            "records": records,
+            "photos": format!("{DATA}/photos"),
+            "broken": broken,
+            "batch_size": batch_size,
+        }),
+    );
+}
+
 /// `feedstore produce --shards` and `--parquet`: the records of a JSONL manifest as WebDataset
 /// samples over two shards (written by Python's tarfile, pax and GNU: a record and its image, a
 /// record naming its image, a caption and text alone) and as a Hugging Face dataset's Parquet
@@ -415,7 +461,7 @@ fn rejects_in(path: &Path) -> Vec<(u64, String, String)> {
 fn produce_reads_shards_and_parquet_as_their_jsonl() {
     use feedstore_s3::{S3Fetcher, S3Options};
     use feedstore_testkit::moto::Moto;
-    use feedstore_testkit::tar::{data_python, python_tar, run_python_with};
+    use feedstore_testkit::tar::python_tar;
 
     let _w = watchdog(
         "produce_reads_shards_and_parquet_as_their_jsonl",
@@ -561,31 +607,7 @@ fn produce_reads_shards_and_parquet_as_their_jsonl() {
     // The same records as a Hugging Face dataset's Parquet export, written by `datasets`
     // itself (images embedded as bytes), and a copy of it cut short.
     let parquet = dir.join("train-0.parquet");
-    run_python_with(
-        &data_python(),
-        r#"
-import json, sys
-from datasets import Dataset, Features, Image, Value
-spec = json.load(sys.stdin)
-rows = {"id": [], "image": [], "conversations": [], "text": []}
-for record in spec["records"]:
-    for key in rows:
-        rows[key].append(record.get(key))
-    if record.get("image"):
-        rows["image"][-1] = {"bytes": open(spec["photos"] + "/" + record["image"], "rb").read(),
-                             "path": record["image"]}
-broken = open(spec["photos"] + "/rocket.jpg", "rb").read()
-for key, value in {"id": "broken", "image": {"bytes": broken[: len(broken) // 3], "path": None},
-                   "conversations": [{"from": "human", "value": "<image>\n?"},
-                                     {"from": "gpt", "value": "!"}], "text": None}.items():
-    rows[key].append(value)
-features = Features({"id": Value("string"), "image": Image(),
-                     "conversations": [{"from": Value("string"), "value": Value("string")}],
-                     "text": Value("string")})
-Dataset.from_dict(rows, features=features).to_parquet(spec["out"])
-"#,
-        &serde_json::json!({"out": parquet, "records": jsonl, "photos": format!("{DATA}/photos")}),
-    );
+    datasets_parquet(&parquet, &jsonl, true, None);
     let whole = std::fs::read(&parquet).unwrap();
     std::fs::write(dir.join("train-1.parquet"), &whole[..whole.len() / 2]).unwrap();
     let files = format!("{}/train-{{0..1}}.parquet", dir.display());
@@ -699,7 +721,8 @@ Dataset.from_dict(rows, features=features).to_parquet(spec["out"])
         "{rejects:?}"
     );
     assert!(
-        stderr.contains("from 1 Parquet file(s), 1 row group(s)") && stderr.contains("in 2 reads"),
+        stderr.contains("from the 1 Parquet file(s) named, 1 row group(s)")
+            && stderr.contains("in 2 reads"),
         "{stderr}"
     );
 }
@@ -2289,4 +2312,150 @@ fn produce_exits_once_its_readers_are_gone_for_idle_exit() {
         "{stdout}"
     );
     assert!(stderr.contains("no reader attached for"), "{stderr}");
+}
+
+/// `feedstore produce --parquet --stream`: a Hugging Face dataset's Parquet export (written by
+/// `datasets` in row groups of 5) feeds a stream the samples its JSONL feeds: the same records
+/// at the same (rank, sequence number) with the same tokens, labels and pixels, over two
+/// epochs of a block shuffle (by default blocks of the largest row group's rows). Each row
+/// group is read once an epoch at most, and the run says so.
+#[test]
+fn a_parquet_stream_feeds_the_samples_its_jsonl_does() {
+    use feedstore_consumer::{Stream, StreamOptions};
+    use feedstore_proto::stream::{Shuffle, StreamSpec, Tail};
+
+    let _w = watchdog(
+        "a_parquet_stream_feeds_the_samples_its_jsonl_does",
+        Duration::from_secs(300),
+    );
+    let dir = scratch_dir("produce-parquet-stream");
+    let daemon = DaemonProcess::start(&dir, &[]);
+    let tokenizer = tokenizer_file(&dir);
+    let photos = ["grace_hopper.jpg", "chelsea.png", "rocket.jpg"];
+    let records: Vec<serde_json::Value> = (0..12)
+        .map(|i| match i % 4 {
+            3 => serde_json::json!({"id": format!("r{i}"), "text": format!("plain text {i}")}),
+            _ => serde_json::json!({
+                "id": format!("r{i}"),
+                "image": photos[i % 3],
+                "conversations": [
+                    {"from": "human", "value": format!("<image>\nwhat is in picture {i}?")},
+                    {"from": "gpt", "value": format!("answer {i}")},
+                ],
+            }),
+        })
+        .collect();
+    let manifest = dir.join("train.jsonl");
+    let lines: Vec<String> = records.iter().map(|r| r.to_string()).collect();
+    std::fs::write(&manifest, lines.join("\n")).unwrap();
+    let parquet = dir.join("train.parquet");
+    datasets_parquet(&parquet, &records, false, Some(5));
+
+    let spec = |name: &str| StreamSpec {
+        name: name.into(),
+        records: 12,
+        seed: 7,
+        world: 2,
+        shuffle: Shuffle::Block(5),
+        tail: Tail::Drop,
+        epochs: Some(2),
+        reshard: None,
+    };
+    let stream_flags = [
+        "--image-size",
+        "56x56",
+        "--workers",
+        "1",
+        "--world",
+        "2",
+        "--seed",
+        "7",
+        "--epochs",
+        "2",
+        "--prefetch",
+        "4",
+    ];
+    // Every sample of both ranks: (rank, seq, record, id, tokens, labels, pixels).
+    type Fed = Vec<(u32, u64, u64, String, Vec<u32>, Vec<i32>, Vec<Vec<u8>>)>;
+    let read_stream = |name: &str| -> Fed {
+        let mut fed = Vec::new();
+        for rank in 0..2 {
+            let mut stream = Stream::open(
+                &daemon.socket,
+                &spec(name),
+                rank,
+                None,
+                StreamOptions::default(),
+            )
+            .unwrap();
+            for sample in &mut stream {
+                let sample = sample.unwrap();
+                let view = sample.view().expect("a valid sample");
+                let images = (0..view.image_count())
+                    .map(|i| view.image(i).unwrap().bytes().to_vec())
+                    .collect();
+                fed.push((
+                    rank,
+                    sample.seq(),
+                    sample.record(),
+                    view.id().to_owned(),
+                    view.tokens().to_vec(),
+                    view.labels().to_vec(),
+                    images,
+                ));
+            }
+        }
+        fed
+    };
+    let finish = |producer: std::process::Child| {
+        let out = producer.wait_with_output().unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+        assert!(out.status.success(), "{stderr}");
+        stderr
+    };
+    let lines = produce_command(&daemon.socket, &manifest, &tokenizer)
+        .arg("--image-root")
+        .arg(format!("{DATA}/photos"))
+        .args(stream_flags)
+        .args(["--stream", "lines", "--shuffle", "block:5"])
+        .stderr(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let from_lines = read_stream("lines");
+    finish(lines);
+    assert_eq!(from_lines.len(), 24, "6 per rank per epoch, 2 epochs");
+
+    let table = Command::new(env!("CARGO_BIN_EXE_feedstore"))
+        .arg("produce")
+        .arg("--socket")
+        .arg(&daemon.socket)
+        .arg("--parquet")
+        .arg(&parquet)
+        .arg("--tokenizer")
+        .arg(&tokenizer)
+        .args(stream_flags)
+        .args(["--stream", "table", "--rejects"])
+        .arg(dir.join("table.rejects"))
+        .stderr(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let from_table = read_stream("table");
+    let stderr = finish(table);
+    assert_eq!(from_table, from_lines);
+    assert!(
+        stderr.contains("12 rows in 3 row group(s) of 1 file(s)"),
+        "{stderr}"
+    );
+    // Read once each epoch at most (the cache keeps what the next epoch reads, here).
+    let groups_read = stderr
+        .split("row group read(s), 0 of them again")
+        .next()
+        .and_then(|before| before.trim_end().rsplit(' ').next())
+        .and_then(|n| n.parse::<u64>().ok());
+    assert!(
+        groups_read.is_some_and(|n| (3..=6).contains(&n)),
+        "{stderr}"
+    );
 }

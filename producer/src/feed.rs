@@ -3,7 +3,8 @@
 //!
 //! ```text
 //! taker thread ── StreamTake ──▶ tasks (rank, seq) ──▶ IO runtime: record = spec's candidate k,
-//!      ▲                                                 read from the indexed manifest, fetch
+//!      ▲                                                 read by index (a manifest's line, a
+//!      │                                                 Parquet row), fetch
 //!      │ (windows slide as consumers return samples)         │
 //!      │                                                     ▼ ordered queue
 //! daemon ◀── StreamPut (seal + lease + publish) ◀── CPU workers: decode, resize, tokenize, write
@@ -67,6 +68,51 @@ pub struct FeedConfig {
     /// Above 1: place each batch of this many samples of a rank in one object, if the stream is
     /// new (its depth must be at least this). The decode-once cache is then not looked up.
     pub batch: u32,
+}
+
+/// Records read by their index, as a stream's tasks name them: an indexed manifest's lines, or
+/// Parquet rows ([`crate::tables::ParquetRows`]).
+pub trait RecordIndex: Send + Sync {
+    /// How many records there are (the stream's `records`).
+    fn len(&self) -> u64;
+
+    /// Whether there are none.
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Record `index`, with its images' bytes where the source holds them. May block on IO: it
+    /// is called on the taker's thread and on blocking threads, never on the IO runtime.
+    fn get(&self, index: u64) -> Result<Indexed, Reject>;
+
+    /// A hint that record `index` will be asked for soon (a window's length ahead), for a
+    /// source that reads records in pieces to start reading its piece. Nothing by default.
+    fn prefetch(self: Arc<Self>, index: u64) {
+        let _ = index;
+    }
+}
+
+/// A record read by its index.
+#[derive(Debug, Clone)]
+pub struct Indexed {
+    /// The record.
+    pub record: Record,
+    /// Its images' bytes, in the order of [`Record::images`], where the source holds them;
+    /// `None`: the pipeline fetches them.
+    pub images: Option<Vec<Bytes>>,
+}
+
+impl RecordIndex for IndexedManifest {
+    fn len(&self) -> u64 {
+        IndexedManifest::len(self)
+    }
+
+    fn get(&self, index: u64) -> Result<Indexed, Reject> {
+        IndexedManifest::get(self, index).map(|record| Indexed {
+            record,
+            images: None,
+        })
+    }
 }
 
 /// A task and which of its candidate records is being tried.
@@ -249,12 +295,16 @@ impl Gathering {
 /// What the threads share.
 struct Shared {
     spec: StreamSpec,
-    manifest: Arc<IndexedManifest>,
+    records: Arc<dyn RecordIndex>,
     /// Tasks taken and not yet put, and a wake-up for the taker when that falls below `limit`.
     in_flight: Mutex<InFlight>,
     room: Condvar,
     /// The most tasks in flight: enough to keep every fetch and worker busy, no more.
     limit: usize,
+    /// How far ahead of a task its source is told to read ([`RecordIndex::prefetch`]): the
+    /// prefetch depth this producer asks for (a stream made by another producer may have
+    /// another; the hint is only a hint).
+    ahead: u64,
     /// The taker has stopped taking (the stream ended, or the daemon went away).
     taker_done: AtomicBool,
     /// Told when the last task in flight is done after the taker stopped: the IO side ends.
@@ -271,7 +321,7 @@ struct Shared {
 impl Shared {
     fn new(
         feed: &FeedConfig,
-        manifest: Arc<IndexedManifest>,
+        records: Arc<dyn RecordIndex>,
         config: &ProducerConfig,
         tokenizer: &ChatTokenizer,
         limit: usize,
@@ -279,13 +329,14 @@ impl Shared {
     ) -> Shared {
         Shared {
             spec: feed.spec.clone(),
-            manifest,
+            records,
             in_flight: Mutex::new(InFlight {
                 tasks: 0,
                 idle_since: Some(Instant::now()),
             }),
             room: Condvar::new(),
             limit,
+            ahead: u64::from(feed.depth),
             taker_done: AtomicBool::new(false),
             drained: tokio::sync::Notify::new(),
             reported: Mutex::new(HashSet::new()),
@@ -314,6 +365,22 @@ impl Shared {
     fn candidate(&self, work: Work) -> Option<u64> {
         self.spec
             .candidate(work.task.rank, work.task.seq, work.candidate)
+    }
+
+    /// Record `index`, read; a record read with its images' bytes counts as fetched, its
+    /// read the fetch.
+    fn read(&self, index: u64, profiler: &Profiler) -> Result<Indexed, Reject> {
+        let started = Instant::now();
+        let read = self.records.get(index);
+        if let Ok(Indexed {
+            images: Some(images),
+            ..
+        }) = &read
+        {
+            profiler.record(Stage::Fetch, started.elapsed());
+            profiler.fetched(images.iter().map(|i| i.len() as u64).sum());
+        }
+        read
     }
 
     /// A sample's decode-once cache key: its record (id, resolved image sources, content, line)
@@ -406,15 +473,15 @@ pub fn feed(
     feed: &FeedConfig,
     tokenizer: Arc<ChatTokenizer>,
     fetcher: Arc<dyn Fetch>,
-    manifest: Arc<IndexedManifest>,
+    records: Arc<dyn RecordIndex>,
     on_event: impl FnMut(&Event, &Profiler),
 ) -> Result<Summary, ProducerError> {
-    if feed.spec.records != manifest.len() {
+    if feed.spec.records != records.len() {
         return Err(ProducerError::Stream(
             feedstore_consumer::Error::StreamMismatch(format!(
-                "the stream has {} records but the manifest has {}",
+                "the stream has {} records but its source has {}",
                 feed.spec.records,
-                manifest.len()
+                records.len()
             )),
         ));
     }
@@ -445,10 +512,10 @@ pub fn feed(
     let limit = skeleton.fetch_concurrency() + 2 * config.workers.max(1);
     let events = skeleton.events.clone();
     let shared = Arc::new(Shared::new(
-        feed, manifest, config, &tokenizer, limit, events,
+        feed, records, config, &tokenizer, limit, events,
     ));
     // A task, with its candidate's record when the taker already read it (for its cache key).
-    let (work_tx, work_rx) = tokio::sync::mpsc::unbounded_channel::<(Work, Option<Record>)>();
+    let (work_tx, work_rx) = tokio::sync::mpsc::unbounded_channel::<(Work, Option<Indexed>)>();
     for (client, feeder) in clients.into_iter().zip(feeders) {
         let profiler = skeleton.profiler.clone();
         let worker = Worker {
@@ -499,7 +566,7 @@ pub fn feed(
 }
 
 /// A sender of tasks to the IO side (with the candidate's record when already read).
-type WorkSender = tokio::sync::mpsc::UnboundedSender<(Work, Option<Record>)>;
+type WorkSender = tokio::sync::mpsc::UnboundedSender<(Work, Option<Indexed>)>;
 
 /// A CPU worker's job handler: make the sample, put it (or send the task back for its next
 /// candidate).
@@ -582,7 +649,7 @@ struct Io {
 }
 
 impl Io {
-    async fn run(self, mut work_rx: tokio::sync::mpsc::UnboundedReceiver<(Work, Option<Record>)>) {
+    async fn run(self, mut work_rx: tokio::sync::mpsc::UnboundedReceiver<(Work, Option<Indexed>)>) {
         let shared = &self.shared;
         let permits = Arc::new(tokio::sync::Semaphore::new(self.fetch_concurrency));
         loop {
@@ -599,24 +666,41 @@ impl Io {
                 }
             };
             // Walk the candidates until one reads as a record.
-            let (index, record) = loop {
+            let (index, read) = loop {
                 let Some(index) = shared.candidate(work) else {
                     break (u64::MAX, None);
                 };
-                // The taker's read is for the first candidate; later ones read here.
-                match read.take().map_or_else(|| shared.manifest.get(index), Ok) {
-                    Ok(record) => break (index, Some(record)),
+                // The taker's read is for the first candidate; later ones are read here, on a
+                // blocking thread (a Parquet row may wait for its row group).
+                let result = match read.take() {
+                    Some(read) => Ok(read),
+                    None => read_blocking(shared, &self.profiler, index).await,
+                };
+                match result {
+                    Ok(read) => break (index, Some(read)),
                     Err(reject) => {
                         shared.rejected(index, reject);
                         work.candidate += 1;
                     }
                 }
             };
-            let Some(record) = record else {
+            let Some(Indexed { record, images }) = read else {
                 let index = shared.spec.record_at(work.task.rank, work.task.seq);
                 self.jobs.send(Job::Failed { work, index }, None);
                 continue;
             };
+            if let Some(images) = images {
+                // Read with its record (its read was its fetch, counted there).
+                let permit = permits.clone().acquire_owned().await.expect("never closed");
+                let job = Job::Sample {
+                    work,
+                    index,
+                    record,
+                    images,
+                };
+                self.jobs.send(job, Some(permit));
+                continue;
+            }
             let (shared, retry) = (shared.clone(), self.retry.clone());
             let job = move |record, images| Job::Sample {
                 work,
@@ -639,6 +723,31 @@ impl Io {
             .await;
         }
     }
+}
+
+/// A task's first candidate, read, or `None` when it is rejected.
+fn first_read(shared: &Shared, profiler: &Profiler, task: StreamTask) -> Option<Indexed> {
+    let index = shared.candidate(Work { task, candidate: 0 })?;
+    shared.read(index, profiler).ok()
+}
+
+/// Record `index`, read on a blocking thread.
+async fn read_blocking(
+    shared: &Arc<Shared>,
+    profiler: &Arc<Profiler>,
+    index: u64,
+) -> Result<Indexed, Reject> {
+    let (reading, profiler) = (shared.clone(), profiler.clone());
+    tokio::task::spawn_blocking(move || reading.read(index, &profiler))
+        .await
+        .unwrap_or_else(|e| {
+            Err(Reject {
+                line: index + 1,
+                id: None,
+                stage: "read".into(),
+                reason: format!("reading record {index} failed: {e}"),
+            })
+        })
 }
 
 /// The taker: asks the daemon for work while there is room in the pipeline, and reports the
@@ -676,13 +785,31 @@ fn spawn_taker(
             }
             match took {
                 Ok(Some(tasks)) => {
+                    // What each rank reads a window from now, for its source to read ahead.
+                    for task in &tasks {
+                        let ahead = task.seq.saturating_add(shared.ahead);
+                        if shared
+                            .spec
+                            .end_seq(task.rank)
+                            .is_some_and(|end| ahead >= end)
+                        {
+                            continue;
+                        }
+                        let index = shared.spec.record_at(task.rank, ahead);
+                        shared.records.clone().prefetch(index);
+                    }
                     if let Some(gathering) = &shared.gathering {
                         tasks.iter().for_each(|&t| gathering.expect(t));
                     }
                     let tasks = if cache && shared.gathering.is_none() {
                         serve_from_cache(&shared, &taker, &profiler, tasks)
                     } else {
-                        tasks.into_iter().map(|t| (t, None)).collect()
+                        // Read here, off the IO runtime (a Parquet row may wait for its row
+                        // group); a reject is read again, and reported, on the IO side.
+                        tasks
+                            .into_iter()
+                            .map(|t| (t, first_read(&shared, &profiler, t)))
+                            .collect()
                     };
                     shared.started(tasks.len());
                     for (task, record) in tasks {
@@ -849,17 +976,17 @@ fn serve_from_cache(
     taker: &StreamFeeder,
     profiler: &Profiler,
     tasks: Vec<StreamTask>,
-) -> Vec<(StreamTask, Option<Record>)> {
-    let records: Vec<Option<(u64, Record)>> = tasks
+) -> Vec<(StreamTask, Option<Indexed>)> {
+    let records: Vec<Option<(u64, Indexed)>> = tasks
         .iter()
         .map(|&task| {
             let index = shared.candidate(Work { task, candidate: 0 })?;
-            shared.manifest.get(index).ok().map(|r| (index, r))
+            shared.read(index, profiler).ok().map(|r| (index, r))
         })
         .collect();
     let keys: Vec<u128> = records
         .iter()
-        .map(|r| r.as_ref().map_or(0, |(_, record)| shared.key(record)))
+        .map(|r| r.as_ref().map_or(0, |(_, read)| shared.key(&read.record)))
         .collect();
     let found = match taker.lookup(&keys) {
         Ok(found) => found,
@@ -887,7 +1014,7 @@ fn serve_from_cache(
                     key,
                     made: Made::Existing(handle),
                 },
-                (record, handle),
+                (record.record, handle),
             )),
             (record, _) => misses.push((task, record.map(|(_, record)| record))),
         }

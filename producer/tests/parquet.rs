@@ -12,12 +12,13 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
 use common::DATA;
+use feedstore_producer::feed::{Indexed, RecordIndex};
 use feedstore_producer::input::LocalFiles;
 use feedstore_producer::manifest::Content;
 use feedstore_producer::pipeline::Input;
 use feedstore_producer::shards::Shard;
 use feedstore_producer::source::ImageSource;
-use feedstore_producer::tables::{ParquetFiles, TableStats};
+use feedstore_producer::tables::{ParquetFiles, ParquetRows, TableStats};
 use feedstore_testkit::tar::{data_python, run_python_with};
 
 fn scratch_dir(name: &str) -> PathBuf {
@@ -494,4 +495,185 @@ fn what_a_limit_or_a_codec_refuses_loses_only_its_row_group() {
         ),
         "{rejects:?}"
     );
+}
+
+/// A row read by index, as [`split`] makes it.
+fn indexed_row(read: Indexed) -> Row {
+    let (record, images) = (read.record, read.images.unwrap_or_default());
+    assert_eq!(record.images.len(), images.len());
+    Row {
+        id: record.id,
+        bytes: images.iter().map(|b| b.to_vec()).collect(),
+        sources: record.images,
+        content: record.content,
+        origin: record.origin.unwrap_or_default().into(),
+    }
+}
+
+/// `ParquetRows`, a stream's source: rows read by index, in any order and from any number of
+/// threads, are the rows a one-pass read gives (records, image bytes, origins; `line` the
+/// index + 1), over files of several row groups, one with no rows between them. Each row
+/// group is read once while the cache holds it, and again (counted) once the cache let it go;
+/// a row group that fails a check rejects its rows only, counted once; a file written again
+/// with other row groups after the stream started is refused rather than read as other
+/// records.
+#[test]
+fn rows_by_index_are_the_rows_a_one_pass_read_gives() {
+    let dir = scratch_dir("index");
+    let photos = ["grace_hopper.jpg", "chelsea.png", "rocket.jpg"];
+    let made = |n: usize, tag: &str| {
+        serde_json::Value::Array(
+            (0..n)
+                .map(|i| match i % 4 {
+                    3 => {
+                        serde_json::json!({"id": format!("{tag}{i}"), "text": format!("text {i}")})
+                    }
+                    _ => serde_json::json!({
+                        "id": format!("{tag}{i}"),
+                        "image": [photo_path(photos[i % 3]), null],
+                        "conversations": turns(&format!("question {i}?"), "an answer"),
+                    }),
+                })
+                .collect(),
+        )
+    };
+    let columns = [
+        ("id", "string"),
+        ("image", "image"),
+        ("conversations", "turns"),
+        ("text", "string"),
+    ];
+    let (a, empty, b) = (
+        dir.join("a.parquet"),
+        dir.join("empty.parquet"),
+        dir.join("b.parquet"),
+    );
+    let groups_of = |n: usize| serde_json::json!({"row_group_size": n});
+    write_parquet(&a, &columns, made(10, "a"), groups_of(4));
+    write_parquet(&empty, &columns, made(0, "e"), groups_of(4));
+    write_parquet(&b, &columns, made(5, "b"), groups_of(5));
+    let files: Vec<Shard> = [&a, &empty, &b]
+        .iter()
+        .map(|p| Shard::Local(p.to_path_buf()))
+        .collect();
+    let (inputs, _) = read_all(files.clone(), plain(dir.clone(), 64 << 20));
+    let (expected, rejects) = split(inputs);
+    assert!(rejects.is_empty(), "{rejects:?}");
+    assert_eq!(expected.len(), 15);
+
+    let open = |cache_bytes: u64| {
+        ParquetRows::open(
+            files.clone(),
+            Arc::new(LocalFiles::anywhere(64 << 20)),
+            64 << 20,
+            dir.clone(),
+            cache_bytes,
+        )
+        .unwrap()
+    };
+    let same = |rows: &ParquetRows, index: u64| {
+        let read = rows.get(index).unwrap();
+        assert_eq!(read.record.line, index + 1);
+        let (row, want) = (indexed_row(read), &expected[index as usize]);
+        assert_eq!(
+            (&row.id, &row.bytes, &row.sources, &row.content, &row.origin),
+            (
+                &want.id,
+                &want.bytes,
+                &want.sources,
+                &want.content,
+                &want.origin
+            ),
+        );
+    };
+
+    // Out of order, with room for every row group: each is read once.
+    let rows = open(1 << 30);
+    assert_eq!((rows.len(), rows.largest_row_group()), (15, 5));
+    for i in 0..15 {
+        same(&rows, (i * 7) % 15);
+    }
+    let reads = rows.stats();
+    assert_eq!(reads.row_groups.load(Ordering::Relaxed), 4);
+    assert_eq!(rows.reads().reread.load(Ordering::Relaxed), 0);
+    let past = rows.get(15).unwrap_err();
+    assert!(
+        past.reason.contains("row 15 is past the files' 15 rows"),
+        "{past:?}"
+    );
+
+    // Reads ahead, then four threads at once, each its own order: still one read per row
+    // group.
+    let rows = Arc::new(open(1 << 30));
+    for i in [0, 14, 13] {
+        rows.clone().prefetch(i);
+    }
+    std::thread::scope(|scope| {
+        for t in 0..4u64 {
+            let rows = rows.clone();
+            scope.spawn(move || {
+                for i in 0..15 {
+                    same(&rows, (i * (t * 2 + 1) + t) % 15);
+                }
+            });
+        }
+    });
+    assert_eq!(rows.stats().row_groups.load(Ordering::Relaxed), 4);
+
+    // A cache of one row group, read back and forth between files: read again, still the same
+    // rows.
+    let rows = open(1);
+    for i in 0..15u64 {
+        same(&rows, if i % 2 == 0 { i / 2 } else { 14 - i / 2 });
+    }
+    assert!(rows.reads().reread.load(Ordering::Relaxed) > 0);
+
+    // A page over the limit (chelsea's, in rows 1 and 4 of a and row 1 of b) loses its row
+    // groups' rows, each a reject naming the row group; the group is counted once.
+    let rows = open(1 << 30).with_page_limit(200 << 10);
+    for i in 0..15u64 {
+        match rows.get(i) {
+            Ok(_) => assert!(i == 8 || i == 9, "row {i} read"),
+            Err(reject) => {
+                assert_eq!(reject.line, i + 1);
+                let group = match i {
+                    0..4 => format!("{}: row group 0 (rows 0 to 3): ", a.display()),
+                    4..8 => format!("{}: row group 1 (rows 4 to 7): ", a.display()),
+                    _ => format!("{}: row group 0 (rows 0 to 4): ", b.display()),
+                };
+                assert!(
+                    reject.reason.starts_with(&group)
+                        && reject
+                            .reason
+                            .contains("over the 204800-byte limit on a page"),
+                    "{reject:?}"
+                );
+            }
+        }
+    }
+    assert_eq!(rows.stats().unreadable.load(Ordering::Relaxed), 3);
+
+    // b written again once the stream started, with the same row groups or others: its rows
+    // are refused, a's still read.
+    for groups in [5, 2] {
+        let reader = open(1 << 30);
+        write_parquet(&b, &columns, rows_of_five_again(), groups_of(groups));
+        let changed = reader.get(10).unwrap_err();
+        assert!(
+            changed
+                .reason
+                .contains("it changed since the stream started"),
+            "{changed:?}"
+        );
+        same(&reader, 3);
+        write_parquet(&b, &columns, made(5, "b"), groups_of(5));
+    }
+}
+
+fn rows_of_five_again() -> serde_json::Value {
+    serde_json::Value::Array(
+        (0..5)
+            .map(|i| serde_json::json!({"id": format!("again{i}"), "text": "rewritten"}))
+            .collect(),
+    )
 }

@@ -532,5 +532,47 @@ pq.write_table(table, spec["out"], row_group_size=70, compression="snappy")
             Err(FetchError::NotFound(_))
         ));
     });
+
+    // Read by index for a stream, last row first: the end read to count the rows, read again
+    // when the file is opened, then each row group once (the first in two GETs), every image
+    // byte for byte.
+    use feedstore_producer::feed::RecordIndex;
+    use feedstore_producer::tables::ParquetRows;
+    let file = |key: &str| Shard::S3 {
+        bucket: "hf-data".into(),
+        key: key.into(),
+    };
+    let rows = ParquetRows::open(
+        vec![file("data.parquet")],
+        fetcher.clone(),
+        64 << 20,
+        dir.clone(),
+        1 << 30,
+    )
+    .unwrap();
+    assert_eq!((rows.len(), rows.largest_row_group()), (80, 70));
+    for i in (0..80u32).rev() {
+        let read = rows.get(u64::from(i)).unwrap();
+        let mut expected = photo.clone();
+        expected.extend(i.to_le_bytes());
+        assert_eq!(read.record.id, format!("{i:03}"));
+        assert_eq!(read.images.unwrap(), [expected], "row {i} byte for byte");
+    }
+    let stats = rows.stats();
+    assert_eq!(stats.requests.load(Ordering::Relaxed), 5);
+    assert_eq!(stats.row_groups.load(Ordering::Relaxed), 2);
+    // A file missing from the list stops the stream before it starts, naming it.
+    let missing = ParquetRows::open(
+        vec![file("data.parquet"), file("nope.parquet")],
+        fetcher.clone(),
+        64 << 20,
+        dir.clone(),
+        1 << 30,
+    )
+    .unwrap_err();
+    assert!(
+        missing.starts_with("s3://hf-data/nope.parquet: "),
+        "{missing}"
+    );
     let _ = std::fs::remove_dir_all(&dir);
 }

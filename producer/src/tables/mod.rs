@@ -53,6 +53,10 @@ use parquet::record::reader::RowIter;
 use parquet::record::{Field, Row};
 use serde_json::{Map, Value};
 
+mod rows;
+
+pub use rows::{DEFAULT_CACHE_BYTES, OPEN_FILES, ParquetRows, ReadStats};
+
 use crate::chat::IMAGE_PLACEHOLDER;
 use crate::manifest::{MAX_IMAGES_PER_RECORD, MAX_LINE_BYTES, Reject};
 use crate::pipeline::{Input, Inputs};
@@ -193,8 +197,10 @@ impl Inputs for ParquetFiles {
                 fetcher: self.fetcher.clone(),
                 runtime: tokio::runtime::Handle::current(),
                 page_limit: self.page_limit,
-                max_image_bytes: self.max_image_bytes,
-                image_root: self.image_root.clone(),
+                maker: RowMaker {
+                    max_image_bytes: self.max_image_bytes,
+                    image_root: self.image_root.clone(),
+                },
                 stats: self.stats.clone(),
                 tx,
                 line: 0,
@@ -280,8 +286,7 @@ struct Reader {
     fetcher: Arc<dyn Fetch>,
     runtime: tokio::runtime::Handle,
     page_limit: u64,
-    max_image_bytes: u64,
-    image_root: PathBuf,
+    maker: RowMaker,
     stats: Arc<TableStats>,
     tx: tokio::sync::mpsc::Sender<Input>,
     /// Rows numbered so far: a row's `line`.
@@ -327,25 +332,8 @@ impl Reader {
         self.tx.blocking_send(input).map_err(|_| Halt::Gone)
     }
 
-    /// Starts reading an S3 file's end: its last [`TAIL_BYTES`] and its length, in one GET.
     fn start_open(&self, file: &Shard) -> Option<AbortOnDrop<(Bytes, u64)>> {
-        let Shard::S3 { bucket, key } = file else {
-            return None;
-        };
-        let source = ImageSource::S3 {
-            bucket: bucket.clone(),
-            key: key.clone(),
-        };
-        let (fetcher, stats) = (self.fetcher.clone(), self.stats.clone());
-        Some(AbortOnDrop(Some(self.runtime.spawn(async move {
-            stats.requests.fetch_add(1, Ordering::Relaxed);
-            let (tail, len) = fetcher
-                .fetch_tail(&source, TAIL_BYTES)
-                .await
-                .map_err(|e| e.to_string())?;
-            stats.bytes.fetch_add(tail.len() as u64, Ordering::Relaxed);
-            Ok((tail, len))
-        }))))
+        start_open(file, &self.fetcher, &self.stats, &self.runtime)
     }
 
     fn read_file(
@@ -360,7 +348,7 @@ impl Reader {
             runtime: self.runtime.clone(),
             stats: self.stats.clone(),
         };
-        let metadata = source.footer()?;
+        let (metadata, _) = source.footer()?;
         let name: Arc<str> = file.to_string().into();
         let mut row = 0u64;
         // The next row group's read is under way while one is decoded.
@@ -377,7 +365,16 @@ impl Reader {
             let outcome = match read {
                 Ok(bytes) => {
                     self.stats.row_groups.fetch_add(1, Ordering::Relaxed);
-                    self.rows_of(&metadata, group, bytes, &name, &mut row)
+                    let tx = &self.tx;
+                    self.maker.decode(
+                        &metadata,
+                        group,
+                        bytes,
+                        &name,
+                        &mut row,
+                        &mut self.line,
+                        |input| tx.blocking_send(input).map_err(|_| Halt::Gone),
+                    )
                 }
                 Err(reason) => Err(Halt::Failed(reason)),
             };
@@ -404,15 +401,55 @@ impl Reader {
         }
         Ok(())
     }
+}
 
-    /// The rows of one row group, each sent as it is made.
-    fn rows_of(
-        &mut self,
+/// Starts reading an S3 file's end on `runtime`: its last [`TAIL_BYTES`] and its length, in one
+/// GET (`None` for a local file).
+fn start_open(
+    file: &Shard,
+    fetcher: &Arc<dyn Fetch>,
+    stats: &Arc<TableStats>,
+    runtime: &tokio::runtime::Handle,
+) -> Option<AbortOnDrop<(Bytes, u64)>> {
+    let Shard::S3 { bucket, key } = file else {
+        return None;
+    };
+    let source = ImageSource::S3 {
+        bucket: bucket.clone(),
+        key: key.clone(),
+    };
+    let (fetcher, stats) = (fetcher.clone(), stats.clone());
+    Some(AbortOnDrop(Some(runtime.spawn(async move {
+        stats.requests.fetch_add(1, Ordering::Relaxed);
+        let (tail, len) = fetcher
+            .fetch_tail(&source, TAIL_BYTES)
+            .await
+            .map_err(|e| e.to_string())?;
+        stats.bytes.fetch_add(tail.len() as u64, Ordering::Relaxed);
+        Ok((tail, len))
+    }))))
+}
+
+/// What makes a row's record: where its image paths resolve, how large an image may be.
+#[derive(Debug, Clone)]
+struct RowMaker {
+    max_image_bytes: u64,
+    image_root: PathBuf,
+}
+
+impl RowMaker {
+    /// The rows of row group `group`, each handed to `emit` as it is made: `row` counts the
+    /// file's rows, `line` numbers the records (each row's is one more than the last).
+    #[allow(clippy::too_many_arguments)]
+    fn decode(
+        &self,
         metadata: &ParquetMetaData,
         group: usize,
         bytes: RowGroupBytes,
         name: &Arc<str>,
         row: &mut u64,
+        line: &mut u64,
+        mut emit: impl FnMut(Input) -> Result<(), Halt>,
     ) -> Result<(), Halt> {
         let properties = Arc::new(
             ReaderProperties::builder()
@@ -435,12 +472,12 @@ impl Reader {
                 RowIter::from_row_group(None, &reader).map_err(|e| Halt::Failed(e.to_string()))?;
             for next in rows {
                 let parsed = next.map_err(|e| Halt::Failed(e.to_string()))?;
-                self.line += 1;
+                *line += 1;
                 let origin = format!("{name}: row {} (row group {group})", *row);
                 // The file's whole name: data sets' subsets share file names.
                 let id = format!("{name}:{}", *row);
                 *row += 1;
-                let input = match self.row_input(parsed, &id, name) {
+                let input = match self.row_input(parsed, *line, &id, name) {
                     Ok(Input::Read(mut record, images)) => {
                         record.origin = Some(origin.into());
                         Input::Read(record, images)
@@ -455,7 +492,7 @@ impl Reader {
                         Input::Rejected(reject)
                     }
                 };
-                self.send(input)?;
+                emit(input)?;
             }
             Ok(())
         }));
@@ -464,8 +501,13 @@ impl Reader {
 
     /// A row as the pipeline's input: its record with its images' bytes, or with the paths it
     /// names (fetched as a manifest's are).
-    fn row_input(&self, row: Row, default_id: &str, file: &Arc<str>) -> Result<Input, Reject> {
-        let line = self.line;
+    fn row_input(
+        &self,
+        row: Row,
+        line: u64,
+        default_id: &str,
+        file: &Arc<str>,
+    ) -> Result<Input, Reject> {
         // The row's own id where it has one, for a reject before its record is made.
         let id = row
             .get_column_iter()
@@ -861,7 +903,11 @@ impl Source {
 
     /// The file's metadata, from its footer: the file's last [`TAIL_BYTES`] in one read, and
     /// a footer longer than that whole in another.
-    fn footer(&self) -> Result<ParquetMetaData, String> {
+    ///
+    /// With it, a digest of the footer's bytes and the file's length: what names this version
+    /// of the file (a file written again almost surely has other column chunk offsets, sizes or
+    /// statistics).
+    fn footer(&self) -> Result<(ParquetMetaData, u64), String> {
         let len = self.body.len();
         if len < 12 {
             return Err(format!("not a Parquet file ({len} bytes)"));
@@ -930,7 +976,13 @@ impl Source {
                 "it has {columns} columns, more than the {MAX_COLUMNS} read"
             ));
         }
-        Ok(metadata)
+        let version = {
+            use std::hash::{Hash, Hasher};
+            let mut hasher = std::hash::DefaultHasher::new();
+            (len, &footer[..]).hash(&mut hasher);
+            hasher.finish()
+        };
+        Ok((metadata, version))
     }
 
     /// Starts reading row group `group`'s column chunks, in one piece, once where each lies in
