@@ -16,6 +16,9 @@
 //! - shapes: 2,000 64×64 PNG crops of the photos, easy-VQA-sized: the per-object latency is
 //!   most of a sample's cost.
 //!
+//! A third table feeds the same records as a stream to two ranks: objects read in a full
+//! shuffle, Parquet rows by index (`ParquetRows`) in blocks of a row group's rows.
+//!
 //! Run: `cargo bench --bench shards` (needs `pip install 'moto[server]'` and pyarrow in
 //! `$FEEDSTORE_PYTHON`, as `scripts/test --install-only` sets up); `-- --latency-ms N` changes
 //! the latency, `-- --quick` makes a quarter of the shapes.
@@ -23,12 +26,15 @@
 use std::path::Path;
 use std::sync::Arc;
 
+use feedstore_consumer::{Stream, StreamOptions, StreamTask};
 use feedstore_producer::chat::ChatTokenizer;
+use feedstore_producer::feed::{FeedConfig, RecordIndex, feed};
 use feedstore_producer::input::LocalFiles;
-use feedstore_producer::manifest::Manifest;
+use feedstore_producer::manifest::{IndexedManifest, Manifest};
 use feedstore_producer::pipeline::{Input, Inputs, ProducerConfig, Summary, run, run_inputs};
 use feedstore_producer::shards::{Shard, Shards};
-use feedstore_producer::tables::ParquetFiles;
+use feedstore_producer::tables::{DEFAULT_CACHE_BYTES, ParquetFiles, ParquetRows};
+use feedstore_proto::stream::{Shuffle, StreamSpec, Tail};
 use feedstore_s3::S3Fetcher;
 use feedstore_testkit::moto::Moto;
 use feedstore_testkit::proxy::{FaultProxy, Plan};
@@ -209,6 +215,68 @@ fn drain(runtime: &tokio::runtime::Runtime, mut inputs: impl Inputs) -> (u64, f6
     (count, started.elapsed().as_secs_f64())
 }
 
+/// Feeds the stream `name` of `records` to two ranks, each read to its end by a thread of its
+/// own: (samples read, seconds from the feed's start to the last one).
+fn feed_two_ranks(
+    config: &ProducerConfig,
+    tokenizer: &Arc<ChatTokenizer>,
+    fetcher: &Arc<S3Fetcher>,
+    name: &str,
+    records: Arc<dyn RecordIndex>,
+    shuffle: Shuffle,
+) -> (u64, f64) {
+    let spec = StreamSpec {
+        name: name.into(),
+        records: records.len(),
+        seed: 11,
+        world: 2,
+        shuffle,
+        tail: Tail::Pad,
+        epochs: Some(1),
+        reshard: None,
+    };
+    let started = std::time::Instant::now();
+    let readers: Vec<_> = (0..2)
+        .map(|rank| {
+            let (socket, spec) = (config.socket.clone(), spec.clone());
+            std::thread::spawn(move || {
+                let mut stream =
+                    Stream::open(&socket, &spec, rank, None, StreamOptions::default()).unwrap();
+                let mut read = 0u64;
+                for sample in &mut stream {
+                    std::hint::black_box(sample.unwrap().view().unwrap().tokens().len());
+                    read += 1;
+                }
+                read
+            })
+        })
+        .collect();
+    let feed_config = FeedConfig {
+        spec: spec.clone(),
+        depth: 64,
+        at: Vec::new(),
+        relay: String::new(),
+        ranks: vec![
+            StreamTask { rank: 0, seq: 0 },
+            StreamTask { rank: 1, seq: 0 },
+        ],
+        cache: false,
+        batch: 0,
+    };
+    let summary = feed(
+        config,
+        &feed_config,
+        tokenizer.clone(),
+        fetcher.clone(),
+        records,
+        |_, _| {},
+    )
+    .unwrap();
+    assert_eq!(summary.rejected, 0);
+    let read: u64 = readers.into_iter().map(|r| r.join().unwrap()).sum();
+    (read, started.elapsed().as_secs_f64())
+}
+
 fn main() {
     let (quick, latency) = common::s3_bench_flags();
     let dir = std::env::temp_dir().join(format!("feedstore-bench-shards-{}", std::process::id()));
@@ -332,6 +400,67 @@ fn main() {
             "| {name} | shards / objects, Parquet / objects | | | {:.2}x, {:.2}x | | |",
             rates[1] / rates[0],
             rates[2] / rates[0]
+        );
+    }
+
+    // A stream: the same records fed to two ranks reading as fast as they can, in a shuffled
+    // order (objects: a full shuffle; Parquet: blocks of a row group's rows, its default).
+    println!();
+    println!(
+        "## Feeding a stream of 2 ranks, one epoch, behind the same proxy (2 CPU workers, depth 64, decode-once cache off)"
+    );
+    println!();
+    println!(
+        "| workload | read as | shuffle | samples | samples/s | GETs per sample | row group reads |"
+    );
+    println!("|---|---|---|---|---|---|---|");
+    for (name, what, stored, images) in &workloads {
+        let mut rates = Vec::new();
+        for form in ["an object per image", "8 Parquet files"] {
+            let before = proxy.seen().len();
+            let (records, shuffle, rows): (Arc<dyn RecordIndex>, _, _) = match form {
+                "an object per image" => (
+                    Arc::new(IndexedManifest::open(&stored.manifest).unwrap()),
+                    Shuffle::Full,
+                    None,
+                ),
+                _ => {
+                    let rows = Arc::new(
+                        ParquetRows::open(
+                            stored.tables.clone(),
+                            fetcher.clone(),
+                            64 << 20,
+                            dir.clone(),
+                            DEFAULT_CACHE_BYTES,
+                        )
+                        .unwrap(),
+                    );
+                    let block = rows.largest_row_group() as u32;
+                    (rows.clone(), Shuffle::Block(block), Some(rows))
+                }
+            };
+            let stream = format!("{name}-{}", rates.len());
+            let (made, seconds) =
+                feed_two_ranks(&config, &tokenizer, &fetcher, &stream, records, shuffle);
+            assert_eq!(made, images.len() as u64);
+            let gets = proxy.seen().len() - before;
+            let rate = made as f64 / seconds;
+            rates.push(rate);
+            println!(
+                "| {name} ({what}) | {form} | {shuffle} | {made} | {rate:.1} | {:.3} | {} |",
+                gets as f64 / made as f64,
+                rows.map_or("".into(), |r| {
+                    let read = r
+                        .stats()
+                        .row_groups
+                        .load(std::sync::atomic::Ordering::Relaxed);
+                    format!("{read} of {}", r.row_groups())
+                }),
+            );
+        }
+        println!(
+            "| {name} | Parquet / objects | | | {:.2}x | | |",
+            rates[1] / rates[0]
         );
     }
 
