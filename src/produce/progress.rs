@@ -87,14 +87,13 @@ impl Progress {
             &self.bar,
             format!(
                 "feeding stream {name:?}: {records} records, {} per rank per epoch, ranks {:?}, \
-                 {} epoch(s); trainers open it with records={records}, world={}, seed={}, \
+                 {} epoch(s); trainers open it with records={records}, seed={}, \
                  shuffle=\"{}\", tail=\"{}\", epochs={}",
                 feed.spec.per_rank(),
                 feed.ranks.iter().map(|r| r.rank).collect::<Vec<_>>(),
                 feed.spec
                     .epochs
                     .map_or("unbounded".into(), |e| e.to_string()),
-                feed.spec.world,
                 feed.spec.seed,
                 feed.spec.shuffle,
                 feed.spec.tail,

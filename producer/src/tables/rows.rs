@@ -25,8 +25,10 @@
 //! footers).
 //!
 //! Every file's footer is read when the stream starts (its rows make the stream's record count)
-//! and read again when the file is opened later; a file whose footer or length changed meanwhile
-//! is refused, row group by row group, rather than read as other records.
+//! and read again when the file is opened later; a file whose footer or length changed meanwhile,
+//! or a local file whose length or modification time changed while it was open, is refused, row
+//! group by row group, rather than read as other records. (An S3 object written again while it
+//! is open is not seen: ranged GETs are not pinned to an ETag.)
 
 use std::collections::HashSet;
 use std::panic::AssertUnwindSafe;
@@ -118,7 +120,12 @@ struct TableFile {
     ends: Vec<u64>,
     /// Its footer's digest, with its length ([`Source::footer`]).
     version: u64,
+    /// A local file's length and modification time when it was indexed.
+    stamp: Option<Stamp>,
 }
+
+/// A local file's length and modification time.
+type Stamp = (u64, Option<std::time::SystemTime>);
 
 /// A file opened: where its bytes are and its footer.
 struct Opened {
@@ -127,8 +134,42 @@ struct Opened {
     version: u64,
 }
 
-/// A row group's rows, each a record or why it is not one; and the bytes they hold.
-type Rows = (Vec<Result<Indexed, Reject>>, u64);
+impl Opened {
+    /// A local file's length and modification time now, through its open descriptor.
+    fn stamp(&self) -> Result<Option<Stamp>, String> {
+        match &self.source.body {
+            Body::Local { file, .. } => {
+                let meta = file
+                    .metadata()
+                    .map_err(|e| format!("cannot stat it: {e}"))?;
+                Ok(Some((meta.len(), meta.modified().ok())))
+            }
+            Body::Remote { .. } => Ok(None),
+        }
+    }
+
+    /// Refuses a local file written again in place since `table` indexed it (an S3 object is
+    /// checked only when opened: its ranged reads are not pinned to a version).
+    fn unchanged(&self, table: &TableFile) -> Result<(), String> {
+        match self.stamp()? == table.stamp {
+            true => Ok(()),
+            false => Err(CHANGED.into()),
+        }
+    }
+}
+
+/// Why a file's rows are no longer read.
+const CHANGED: &str = "it changed since the stream started (its footer, length or modification \
+                       time differ: written again?): its rows are no longer the stream's records";
+
+/// A row group's rows: each read a record or why it is not one; past them, when the row group
+/// could not be read to its end, why (one reason for every row lost, not a copy each).
+struct Rows {
+    read: Vec<Result<Indexed, Reject>>,
+    lost: Option<Arc<str>>,
+    /// The bytes they hold, about.
+    bytes: u64,
+}
 
 /// Row groups read, most recently used last, and the files open, most recently used last.
 #[derive(Default)]
@@ -165,6 +206,16 @@ impl Drop for IoRuntime {
         if let Some(runtime) = self.0.take() {
             runtime.shutdown_background();
         }
+    }
+}
+
+/// One of [`READS_AT_ONCE`], given back when dropped.
+struct Reading<'a>(&'a Inner);
+
+impl Drop for Reading<'_> {
+    fn drop(&mut self) {
+        *self.0.reading.lock().unwrap_or_else(|e| e.into_inner()) -= 1;
+        self.0.read_done.notify_one();
     }
 }
 
@@ -301,6 +352,7 @@ impl Inner {
                 first,
                 ends,
                 version: opened.version,
+                stamp: opened.stamp().map_err(|e| format!("{shard}: {e}"))?,
             });
             first += end;
         }
@@ -363,11 +415,7 @@ impl Inner {
         let opened =
             self.open_with(shard, start_open(shard, &self.fetcher, &self.stats, handle))?;
         if opened.version != self.files[file].version {
-            return Err(
-                "it changed since the stream started (its footer or length differ: written \
-                 again?): its rows are no longer the stream's records"
-                    .into(),
-            );
+            return Err(CHANGED.into());
         }
         let opened = Arc::new(opened);
         let mut cache = self.cache();
@@ -431,7 +479,7 @@ impl Inner {
             self.read_group(key.0, key.1)
         });
         if filled {
-            self.settle(slot, key, rows.1);
+            self.settle(slot, key, rows.bytes);
         }
     }
 
@@ -447,10 +495,9 @@ impl Inner {
         }
         *reading += 1;
         drop(reading);
-        let rows = self.decode_group(file, group);
-        *self.reading.lock().unwrap_or_else(|e| e.into_inner()) -= 1;
-        self.read_done.notify_one();
-        rows
+        // Given back however the read ends (a panic included).
+        let _read = Reading(self);
+        self.decode_group(file, group)
     }
 
     fn decode_group(&self, file: usize, group: usize) -> Rows {
@@ -460,6 +507,7 @@ impl Inner {
         let mut out: Vec<Result<Indexed, Reject>> = Vec::with_capacity(count);
         let read = std::panic::catch_unwind(AssertUnwindSafe(|| -> Result<(), Halt> {
             let opened = self.opened(file)?;
+            opened.unchanged(table)?;
             let pending = opened.source.start_row_group(&opened.metadata, group)?;
             let bytes = opened.source.finish_row_group(pending, self.page_limit)?;
             self.stats.row_groups.fetch_add(1, Ordering::Relaxed);
@@ -501,7 +549,7 @@ impl Inner {
             Err(Halt::Failed(reason)) => Some(reason),
             Err(Halt::Gone) => Some("reading it stopped".into()),
         };
-        if let Some(reason) = failure {
+        let lost: Option<Arc<str>> = failure.map(|reason| {
             // The rows not read are lost, each a reject naming the row group (counted once
             // however often it is read).
             if self.cache().failed.insert((file, group)) {
@@ -512,14 +560,15 @@ impl Inner {
                 true => format!("rows {first_row} to {last}"),
                 false => format!("row {first_row}"),
             };
-            let reason = format!("{}: row group {group} ({rows}): {reason}", table.name);
-            for k in out.len()..count {
-                let line = table.first + first_row + k as u64 + 1;
-                out.push(Err(table_reject(line, None, reason.clone())));
-            }
+            format!("{}: row group {group} ({rows}): {reason}", table.name).into()
+        });
+        let bytes =
+            out.iter().map(weight).sum::<u64>() + lost.as_ref().map_or(0, |r| r.len() as u64);
+        Rows {
+            read: out,
+            lost,
+            bytes,
         }
-        let bytes = out.iter().map(weight).sum();
-        (out, bytes)
     }
 
     /// Counts `slot`'s `bytes` (row group `key`) in the cache, if it is still there, then lets
@@ -586,7 +635,16 @@ impl RecordIndex for ParquetRows {
         let slot = inner.slot(key, false).expect("made when missing");
         inner.fill(&slot, key);
         match slot.get() {
-            Some((rows, _)) => rows[at].clone(),
+            Some(rows) => match (rows.read.get(at), &rows.lost) {
+                (Some(row), _) => row.clone(),
+                (None, lost) => Err(table_reject(
+                    index + 1,
+                    None,
+                    lost.as_deref()
+                        .unwrap_or("a row the decoder did not give")
+                        .to_owned(),
+                )),
+            },
             None => Err(table_reject(
                 index + 1,
                 None,
