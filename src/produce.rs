@@ -3,7 +3,7 @@
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
 use feedstore_consumer::{RankAt, StreamTask};
@@ -11,8 +11,10 @@ use feedstore_producer::chat::ChatTokenizer;
 use feedstore_producer::feed::RecordIndex;
 use feedstore_producer::feed::{FeedConfig, feed};
 use feedstore_producer::manifest::{IndexedManifest, Manifest};
-use feedstore_producer::pipeline::{Event, ProducerConfig, run, run_inputs};
+use feedstore_producer::pieces::{PieceIndex, ReadPiece};
+use feedstore_producer::pipeline::{Event, ProducerConfig, Summary, run, run_inputs};
 use feedstore_producer::profile::Profiler;
+use feedstore_producer::shards::ShardRows;
 use feedstore_producer::shards::{Shard, Shards, shard_list};
 use feedstore_producer::tables::{ParquetFiles, ParquetRows, TableStats};
 use feedstore_producer::vision::{NORMALIZATIONS, ResizeMode};
@@ -50,12 +52,15 @@ pub struct Args {
     /// (s3://bucket/shard-{000..127}.tar) or @FILE, a file listing shards or patterns, one
     /// per line. Shards are read in order, a 4 MiB chunk (one ranged GET) at a time; a corrupt
     /// member or a shard cut short rejects only the samples it touches; a shard that cannot be
-    /// read makes the run exit non-zero at its end. Not with --stream.
+    /// read makes the run exit non-zero at its end. With --stream, every shard is first read
+    /// through once, its members passed over, to find where each sample starts (a shard that
+    /// cannot be read stops the run before it starts), and a sample is read with about 8 MiB
+    /// of the samples around it, kept while ranks read the rest (--row-group-cache).
     #[arg(
         long,
         value_name = "SHARDS",
         num_args = 1..,
-        conflicts_with_all = ["manifest", "stream", "image_root", "parquet"]
+        conflicts_with_all = ["manifest", "image_root", "parquet"]
     )]
     shards: Vec<String>,
     /// Parquet files instead of a manifest (Hugging Face datasets' exports, local or s3://;
@@ -239,20 +244,19 @@ struct StreamArgs {
     /// Order within an epoch: full (a fresh permutation each epoch), none (manifest order), or
     /// block:N (blocks of N consecutive records shuffled, and shuffled within) [default: full;
     /// with --parquet, block:N with N the rows of the largest row group, so ranks read a few
-    /// row groups at a time].
+    /// row groups at a time; with --shards, N the samples of the largest 8 MiB piece].
     #[arg(long, value_name = "ORDER", requires = "stream")]
     shuffle: Option<String>,
-    /// With --parquet: the bytes of decoded rows kept while ranks read their row groups (the
-    /// row group read last is always kept; up to three more may be being read). A --shuffle
-    /// whose ranks read more row groups at once than this holds reads row groups again; the
-    /// run's end says how many.
+    /// With --parquet or --shards: the bytes of decoded rows or samples kept while ranks read
+    /// their row groups or pieces (the one read last is always kept; up to three more may be
+    /// being read). A --shuffle whose ranks read more of them at once than this holds reads
+    /// them again; the run's end says how many.
     #[arg(
         long,
         value_name = "BYTES",
         default_value = "1GiB",
         value_parser = feedstore_store::config::parse_bytes,
-        requires = "stream",
-        requires = "parquet"
+        requires = "stream"
     )]
     row_group_cache: u64,
     /// The records that do not divide evenly among ranks: drop (left out of that epoch) or pad
@@ -626,7 +630,7 @@ pub fn run_produce(args: Args) -> anyhow::Result<()> {
             args.stream.shuffle()?;
             let named = files.len();
             eprintln!("reading the footers of {named} Parquet file(s)");
-            let started = std::time::Instant::now();
+            let started = Instant::now();
             let rows = ParquetRows::open(
                 files,
                 fetcher.clone(),
@@ -636,45 +640,63 @@ pub fn run_produce(args: Args) -> anyhow::Result<()> {
             )
             .map_err(|e| anyhow::anyhow!("--parquet: {e}"))?;
             let rows = Arc::new(rows);
-            eprintln!(
-                "{} rows in {} row group(s) of {named} file(s), read in {:.1} s",
-                rows.len(),
-                rows.row_groups(),
-                started.elapsed().as_secs_f64()
-            );
-            // Blocks of about a row group's rows: ranks read a few row groups at a time.
-            let block = u32::try_from(rows.largest_row_group().max(1)).unwrap_or(u32::MAX);
-            let feed_config = args.stream.feed(name, rows.len(), Shuffle::Block(block))?;
-            if feed_config.spec.shuffle == Shuffle::Full {
-                eprintln!(
-                    "feedstore: warning: --shuffle full reads a row group for about every \
-                     sample unless the files' rows fit in --row-group-cache ({}); \
-                     block:{block} reads each row group once an epoch",
-                    feedstore_store::config::format_bytes(args.stream.row_group_cache)
-                );
-            }
-            progress.feeding(name, &feed_config, rows.len());
-            let on_event = |event: &Event, profiler: &Profiler| progress.on_event(event, profiler);
-            let source: Arc<dyn RecordIndex> = rows.clone();
-            let summary = feed(&config, &feed_config, tokenizer, fetcher, source, on_event)?;
-            let stats = rows.stats();
-            let load = |n: &std::sync::atomic::AtomicU64| n.load(Ordering::Relaxed);
-            let reread = load(&rows.reads().reread);
-            eprintln!(
-                "read {} in {} reads: {} row group read(s), {reread} of them again after the \
-                 cache let them go{}; the cache held at most {}",
-                feedstore_store::config::format_bytes(load(&stats.bytes)),
-                load(&stats.requests),
-                load(&stats.row_groups),
-                match reread {
-                    0 => "",
-                    _ =>
-                        " (a larger --row-group-cache, or a --shuffle block:N of fewer rows, \
-                          reads each once)",
+            let counted = (started, "rows", format!("{named} file(s)"));
+            let pipeline = (&config, tokenizer, fetcher);
+            let summary = feed_by_index(
+                &args,
+                name,
+                (&rows, "row group", counted),
+                pipeline,
+                &mut progress,
+            )?;
+            unreadable = tables_lost(&rows.stats(), named, true);
+            summary
+        }
+        (Some(name), None, Some(shards)) => {
+            // A --shuffle that does not parse is said before any shard is read.
+            args.stream.shuffle()?;
+            let named = shards.len();
+            eprintln!("indexing {named} shard(s): each read through once, its members passed over");
+            let started = Instant::now();
+            let mut said = Instant::now();
+            let rows = ShardRows::open(
+                shards,
+                fetcher.clone(),
+                args.max_image_bytes,
+                (
+                    feedstore_producer::shards::PIECE_BYTES,
+                    args.stream.row_group_cache,
+                ),
+                |indexed| {
+                    if let Some((done, samples)) = indexed
+                        && said.elapsed() >= Duration::from_secs(5)
+                    {
+                        said = Instant::now();
+                        eprintln!("  {done} of {named} shard(s) indexed, {samples} samples");
+                    }
+                    // A first Ctrl-C (or SIGTERM) stops indexing: the run ends, said so.
+                    !progress::was_interrupted()
                 },
-                feedstore_store::config::format_bytes(load(&rows.reads().peak_bytes)),
-            );
-            unreadable = tables_lost(&stats, named, true);
+            )
+            .map_err(|e| anyhow::anyhow!("--shards: {e}"))?;
+            let rows = Arc::new(rows);
+            let counted = (started, "samples", format!("{named} shard(s)"));
+            let pipeline = (&config, tokenizer, fetcher);
+            let summary = feed_by_index(
+                &args,
+                name,
+                (&rows, "piece", counted),
+                pipeline,
+                &mut progress,
+            )?;
+            let failed = rows.stats().unreadable.load(Ordering::Relaxed);
+            unreadable = (failed > 0).then(|| {
+                format!(
+                    "{failed} piece(s) of the {named} shard(s) could not be read (changed since \
+                     they were indexed, or a read that failed after its retries): their samples \
+                     were left out, each replaced by the next record of its rank's share"
+                )
+            });
             summary
         }
         (_, _, Some(shards)) => {
@@ -745,6 +767,60 @@ pub fn run_produce(args: Args) -> anyhow::Result<()> {
         }
         (Err(e), None) => Err(e),
     }
+}
+
+/// Feeds the stream `name` from `rows`, read by index through a cache of pieces (Parquet row
+/// groups, runs of a shard's samples), in blocks of the largest piece's records (ranks read a
+/// few pieces at a time) unless --shuffle says otherwise; says what was indexed, since when,
+/// and what the cache did. `piece` names a piece, `records` the records, `of` the files.
+fn feed_by_index<R: ReadPiece>(
+    args: &Args,
+    name: &str,
+    (rows, piece, (started, records, of)): (&Arc<PieceIndex<R>>, &str, (Instant, &str, String)),
+    (config, tokenizer, fetcher): (&ProducerConfig, Arc<ChatTokenizer>, Arc<S3Fetcher>),
+    progress: &mut Progress,
+) -> anyhow::Result<Summary> {
+    eprintln!(
+        "{} {records} in {} {piece}(s) of {of}, indexed in {:.1} s",
+        rows.len(),
+        rows.pieces(),
+        started.elapsed().as_secs_f64()
+    );
+    let block = u32::try_from(rows.largest_piece().max(1)).unwrap_or(u32::MAX);
+    let feed_config = args.stream.feed(name, rows.len(), Shuffle::Block(block))?;
+    let cache = feedstore_store::config::format_bytes(args.stream.row_group_cache);
+    if feed_config.spec.shuffle == Shuffle::Full {
+        eprintln!(
+            "feedstore: warning: --shuffle full reads a {piece} for about every sample unless \
+             the records fit in --row-group-cache ({cache}); block:{block} reads each {piece} \
+             about once an epoch"
+        );
+    }
+    progress.feeding(name, &feed_config, rows.len());
+    let on_event = |event: &Event, profiler: &Profiler| progress.on_event(event, profiler);
+    let source: Arc<dyn RecordIndex> = rows.clone();
+    let summary = feed(config, &feed_config, tokenizer, fetcher, source, on_event)?;
+    let taken = rows.taken();
+    eprintln!(
+        "read {} in {} reads, {}",
+        feedstore_store::config::format_bytes(taken.bytes),
+        taken.reads,
+        taken.note
+    );
+    let reads = rows.reads();
+    let reread = reads.reread.load(Ordering::Relaxed);
+    eprintln!(
+        "{reread} {piece}(s) read again after the cache let them go{}; the cache held at most {}",
+        match reread {
+            0 => String::new(),
+            _ => format!(
+                " (a --row-group-cache over {cache}, or a --shuffle block:N of fewer records, \
+                 reads each once)"
+            ),
+        },
+        feedstore_store::config::format_bytes(reads.peak_bytes.load(Ordering::Relaxed)),
+    );
+    Ok(summary)
 }
 
 /// What a run says of Parquet files or row groups it could not read, if any.

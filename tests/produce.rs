@@ -2314,18 +2314,19 @@ fn produce_exits_once_its_readers_are_gone_for_idle_exit() {
     assert!(stderr.contains("no reader attached for"), "{stderr}");
 }
 
-/// `feedstore produce --parquet --stream`: a Hugging Face dataset's Parquet export (written by
-/// `datasets` in row groups of 5) feeds a stream the samples its JSONL feeds: the same records
-/// at the same (rank, sequence number) with the same tokens, labels and pixels, over two
-/// epochs of a block shuffle (by default blocks of the largest row group's rows). Each row
-/// group is read once an epoch at most, and the run says so.
+/// `feedstore produce --parquet --stream` and `--shards --stream`: a Hugging Face dataset's
+/// Parquet export (written by `datasets` in row groups of 5) and two WebDataset shards feed a
+/// stream the samples their JSONL feeds: the same records at the same (rank, sequence number)
+/// with the same tokens, labels and pixels, over two epochs of a block shuffle (for Parquet by
+/// default blocks of the largest row group's rows). Each row group is read once an epoch at
+/// most, and the run says so.
 #[test]
-fn a_parquet_stream_feeds_the_samples_its_jsonl_does() {
+fn parquet_and_shard_streams_feed_the_samples_their_jsonl_does() {
     use feedstore_consumer::{Stream, StreamOptions};
     use feedstore_proto::stream::{Shuffle, StreamSpec, Tail};
 
     let _w = watchdog(
-        "a_parquet_stream_feeds_the_samples_its_jsonl_does",
+        "parquet_and_shard_streams_feed_the_samples_their_jsonl_does",
         Duration::from_secs(300),
     );
     let dir = scratch_dir("produce-parquet-stream");
@@ -2444,18 +2445,65 @@ fn a_parquet_stream_feeds_the_samples_its_jsonl_does() {
     let from_table = read_stream("table");
     let stderr = finish(table);
     assert_eq!(from_table, from_lines);
+    let table_stderr = stderr;
+
+    // The same records as two WebDataset shards (pax and GNU), indexed first: the same samples
+    // at the same places.
+    for (n, (range, format)) in [(0..7, "pax"), (7..12, "gnu")].into_iter().enumerate() {
+        let mut members: Vec<(String, Vec<u8>)> = Vec::new();
+        for record in &records[range] {
+            let id = record["id"].as_str().unwrap();
+            let mut json = record.clone();
+            if let Some(image) = json.as_object_mut().unwrap().remove("image") {
+                let image = image.as_str().unwrap();
+                let ext = image.rsplit('.').next().unwrap();
+                let bytes = std::fs::read(format!("{DATA}/photos/{image}")).unwrap();
+                members.push((format!("{id}.{ext}"), bytes));
+            }
+            members.push((format!("{id}.json"), json.to_string().into_bytes()));
+        }
+        let members: Vec<(&str, Vec<u8>)> = members
+            .iter()
+            .map(|(m, b)| (m.as_str(), b.clone()))
+            .collect();
+        feedstore_testkit::tar::python_tar(&dir.join(format!("shard-{n}.tar")), format, &members);
+    }
+    let shards = Command::new(env!("CARGO_BIN_EXE_feedstore"))
+        .arg("produce")
+        .arg("--socket")
+        .arg(&daemon.socket)
+        .arg("--shards")
+        .arg(format!("{}/shard-{{0..1}}.tar", dir.display()))
+        .arg("--tokenizer")
+        .arg(&tokenizer)
+        .args(stream_flags)
+        .args(["--stream", "shards", "--shuffle", "block:5", "--rejects"])
+        .arg(dir.join("shards.rejects"))
+        .stderr(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let from_shards = read_stream("shards");
+    let shards_stderr = finish(shards);
+    assert_eq!(from_shards, from_lines);
+    assert!(
+        shards_stderr.contains("12 samples in 2 piece(s) of 2 shard(s)"),
+        "{shards_stderr}"
+    );
+    let stderr = table_stderr;
     assert!(
         stderr.contains("12 rows in 3 row group(s) of 1 file(s)"),
         "{stderr}"
     );
     // Read once each epoch at most (the cache keeps what the next epoch reads, here).
     let groups_read = stderr
-        .split("row group read(s), 0 of them again")
+        .split(" row group(s) read\n")
         .next()
-        .and_then(|before| before.trim_end().rsplit(' ').next())
+        .and_then(|before| before.rsplit(' ').next())
         .and_then(|n| n.parse::<u64>().ok());
     assert!(
-        groups_read.is_some_and(|n| (3..=6).contains(&n)),
+        groups_read.is_some_and(|n| (3..=6).contains(&n))
+            && stderr.contains("0 row group(s) read again after the cache let them go"),
         "{stderr}"
     );
 }

@@ -15,6 +15,9 @@
 //!   key make a sample, a bad member or a shard cut short rejects only the samples it touches.
 //! - [`tables`]: Parquet files (Hugging Face `datasets`: `Image` columns of bytes or paths), a
 //!   row group at a time with every page header checked before it is decoded; a row is a record.
+//! - [`pieces`]: records read by index (a stream's order) from files read a piece at a time:
+//!   Parquet row groups (`tables::ParquetRows`), runs of a shard's samples
+//!   (`shards::ShardRows`), each piece read whole once and cached.
 //! - [`pipeline`]: records in, samples sealed in the store out: tokio fetches, CPU workers, every
 //!   failure a reject, with the [`profile`] stage profiler naming the bottleneck.
 //! - the S3 fetcher is the `feedstore-s3` crate (`producer/s3/`: AWS SDK, standard configuration,
@@ -44,6 +47,7 @@ pub mod chat;
 pub mod feed;
 pub mod input;
 pub mod manifest;
+pub mod pieces;
 pub mod pipeline;
 pub mod profile;
 pub mod shards;

@@ -589,7 +589,7 @@ fn rows_by_index_are_the_rows_a_one_pass_read_gives() {
 
     // Out of order, with room for every row group: each is read once.
     let rows = open(1 << 30);
-    assert_eq!((rows.len(), rows.largest_row_group()), (15, 5));
+    assert_eq!((rows.len(), rows.largest_piece()), (15, 5));
     for i in 0..15 {
         same(&rows, (i * 7) % 15);
     }
@@ -598,7 +598,7 @@ fn rows_by_index_are_the_rows_a_one_pass_read_gives() {
     assert_eq!(rows.reads().reread.load(Ordering::Relaxed), 0);
     let past = rows.get(15).unwrap_err();
     assert!(
-        past.reason.contains("row 15 is past the files' 15 rows"),
+        past.reason.contains("record 15 is past the 15 records"),
         "{past:?}"
     );
 

@@ -421,6 +421,47 @@ fn a_shard_in_s3_is_read_a_ranged_get_at_a_time() {
             Err(FetchError::NotFound(_))
         ));
     });
+
+    // Indexed for a stream (the shard read through once, the 3 MiB fillers passed over), then
+    // read by index, last sample first, in pieces of about 1 MiB: every image byte for byte.
+    use feedstore_producer::feed::RecordIndex;
+    use feedstore_producer::shards::ShardRows;
+    let rows = ShardRows::open(
+        vec![Shard::S3 {
+            bucket: "wds".into(),
+            key: "train/shard-0.tar".into(),
+        }],
+        fetcher.clone(),
+        64 << 20,
+        (1 << 20, 1 << 30),
+        |_| true,
+    )
+    .unwrap();
+    assert_eq!(rows.len(), 12);
+    assert!(rows.pieces() >= 4, "{} pieces", rows.pieces());
+    for i in (0..12u64).rev() {
+        let read = rows.get(i).unwrap();
+        assert_eq!(read.record.id, keys[i as usize]);
+        let images = read.images.unwrap();
+        assert!(
+            images.len() == 1 && images[0] == photo,
+            "sample {i} byte for byte"
+        );
+    }
+    assert_eq!(rows.reads().reread.load(Ordering::Relaxed), 0);
+    // A shard that is not there stops the index, naming it.
+    let missing = ShardRows::open(
+        vec![Shard::S3 {
+            bucket: "wds".into(),
+            key: "train/nope.tar".into(),
+        }],
+        fetcher.clone(),
+        64 << 20,
+        (1 << 20, 1 << 30),
+        |_| true,
+    )
+    .unwrap_err();
+    assert!(missing.contains("s3://wds/train/nope.tar"), "{missing}");
     let _ = std::fs::remove_dir_all(&dir);
 }
 
@@ -550,7 +591,7 @@ pq.write_table(table, spec["out"], row_group_size=70, compression="snappy")
         1 << 30,
     )
     .unwrap();
-    assert_eq!((rows.len(), rows.largest_row_group()), (80, 70));
+    assert_eq!((rows.len(), rows.largest_piece()), (80, 70));
     for i in (0..80u32).rev() {
         let read = rows.get(u64::from(i)).unwrap();
         let mut expected = photo.clone();

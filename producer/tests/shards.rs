@@ -11,10 +11,11 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
 use common::DATA;
+use feedstore_producer::feed::{Indexed, RecordIndex};
 use feedstore_producer::input::LocalFiles;
-use feedstore_producer::manifest::Content;
+use feedstore_producer::manifest::{Content, Reject};
 use feedstore_producer::pipeline::Input;
-use feedstore_producer::shards::{Shard, Shards, expand, shard_list};
+use feedstore_producer::shards::{Shard, ShardRows, Shards, expand, shard_list};
 use feedstore_producer::source::ImageSource;
 use feedstore_testkit::tar::python_tar;
 
@@ -535,6 +536,7 @@ fn mutated_shards_end_in_samples_or_rejects() {
     }
     let mutated = dir.join("mutated.tar");
     let shard = mutated.display().to_string();
+    let mut refused = 0;
     for round in 0..400 {
         let mut m = bytes.clone();
         let mut forged = false;
@@ -609,5 +611,203 @@ fn mutated_shards_end_in_samples_or_rejects() {
                 Input::Record(_) => unreachable!(),
             }
         }
+        // Indexed for a stream: the index refuses the shard (one the one-pass read could not
+        // read to its end), or reads by index give what the one-pass read gave, sample by
+        // sample, in any order.
+        let indexed = ShardRows::open(
+            vec![Shard::Local(mutated.clone())],
+            Arc::new(LocalFiles::anywhere(1 << 20)),
+            1 << 20,
+            (4 << 10, 1 << 20),
+            |_| true,
+        );
+        let Ok(rows) = indexed else {
+            refused += 1;
+            continue;
+        };
+        let expected: Vec<Compared> = inputs.into_iter().map(compared).collect();
+        assert_eq!(rows.len(), expected.len() as u64, "round {round}");
+        for i in (0..rows.len()).rev() {
+            assert_eq!(
+                compared_read(rows.get(i)),
+                expected[i as usize],
+                "round {round}: sample {i}"
+            );
+        }
     }
+    // Most damage leaves a shard that reads to its end (samples around it rejected).
+    assert!(
+        refused < 200,
+        "{refused} of 400 damaged shards refused by the index"
+    );
+}
+
+/// A sample as compared between a one-pass read and a read by index: (id, images' bytes,
+/// content, origin), or (line, id, reason) of its reject.
+type Compared = Result<(u64, String, Vec<Vec<u8>>, Content, String), Rejected>;
+
+fn compared(input: Input) -> Compared {
+    match input {
+        Input::Read(record, images) => Ok((
+            record.line,
+            record.id,
+            images.iter().map(|b| b.to_vec()).collect(),
+            record.content,
+            record.origin.unwrap_or_default().into(),
+        )),
+        Input::Rejected(r) => Err((r.line, r.id, r.reason)),
+        Input::Record(r) => panic!("a shard's sample {} came without its images", r.id),
+    }
+}
+
+fn compared_read(read: Result<Indexed, Reject>) -> Compared {
+    match read {
+        Ok(Indexed {
+            record,
+            images: Some(images),
+        }) => compared(Input::Read(record, images)),
+        Ok(Indexed { record, .. }) => compared(Input::Record(record)),
+        Err(reject) => compared(Input::Rejected(reject)),
+    }
+}
+
+/// `ShardRows`, a stream's source: samples read by index, in any order and from several
+/// threads, are the samples (and rejects) a one-pass read gives, line for line, over shards in
+/// pax, GNU and ustar form (long names in extended headers before their members) cut into
+/// several pieces. A piece is read once while the cache holds it and again (counted) after;
+/// a shard written again after it was indexed is refused; a missing shard stops the index.
+#[test]
+fn samples_by_index_are_the_samples_a_one_pass_read_gives() {
+    let dir = scratch_dir("index");
+    let photos = [
+        photo("grace_hopper.jpg"),
+        photo("chelsea.png"),
+        photo("rocket.jpg"),
+    ];
+    let long = format!("{}/deep", "d".repeat(120));
+    let members_of = |tag: &str, n: usize| -> Vec<(String, Vec<u8>)> {
+        let mut members = Vec::new();
+        for i in 0..n {
+            let key = match i % 3 {
+                0 => format!("{long}/{tag}{i:03}"),
+                _ => format!("{tag}{i:03}"),
+            };
+            members.push((
+                format!("{key}.json"),
+                json(serde_json::json!({"conversations": conversation(&format!("what is {i}?"), "this")})),
+            ));
+            members.push((format!("{key}.jpg"), photos[i % 3].clone()));
+        }
+        members
+    };
+    let mut shards = Vec::new();
+    for (n, format) in ["pax", "gnu", "ustar"].iter().enumerate() {
+        let members = members_of(&format!("s{n}-"), 9);
+        // (ustar has no long names: its keys stay short.)
+        let members: Vec<(String, Vec<u8>)> = match *format {
+            "ustar" => members
+                .into_iter()
+                .map(|(name, bytes)| (name.replace(&format!("{long}/"), ""), bytes))
+                .collect(),
+            _ => members,
+        };
+        let members: Vec<(&str, Vec<u8>)> = members
+            .iter()
+            .map(|(m, b)| (m.as_str(), b.clone()))
+            .collect();
+        let tar = dir.join(format!("{format}.tar"));
+        python_tar(&tar, format, &members);
+        shards.push(Shard::Local(tar));
+    }
+    // Chelsea (240 KB) is over the limit: its samples are rejects, in both reads alike.
+    let max_image_bytes = 200 << 10;
+    let (inputs, _) = read_all(shards.clone(), max_image_bytes);
+    let expected: Vec<Compared> = inputs.into_iter().map(compared).collect();
+    assert_eq!(expected.len(), 27);
+    assert_eq!(expected.iter().filter(|e| e.is_err()).count(), 9);
+
+    let open = |cache_bytes: u64| {
+        ShardRows::open(
+            shards.clone(),
+            Arc::new(LocalFiles::anywhere(max_image_bytes)),
+            max_image_bytes,
+            (300 << 10, cache_bytes),
+            |_| true,
+        )
+        .unwrap()
+    };
+    let same = |rows: &ShardRows, index: u64| {
+        assert_eq!(
+            compared_read(rows.get(index)),
+            expected[index as usize],
+            "sample {index}"
+        );
+    };
+
+    // Out of order, with room for every piece: each read once.
+    let rows = open(1 << 30);
+    assert_eq!(rows.len(), 27);
+    let pieces = rows.pieces();
+    assert!(pieces > 3, "several pieces a shard: {pieces}");
+    for i in 0..27 {
+        same(&rows, (i * 7) % 27);
+    }
+    assert_eq!(rows.reads().reread.load(Ordering::Relaxed), 0);
+    assert!(rows.get(27).is_err());
+
+    // Four threads at once, each its own order, reading ahead too.
+    let rows = Arc::new(open(1 << 30));
+    rows.clone().prefetch(26);
+    std::thread::scope(|scope| {
+        for t in 0..4u64 {
+            let rows = rows.clone();
+            scope.spawn(move || {
+                for i in 0..27 {
+                    same(&rows, (i * (t * 2 + 1) + t) % 27);
+                }
+            });
+        }
+    });
+    assert_eq!(rows.reads().reread.load(Ordering::Relaxed), 0);
+
+    // A cache of one piece, read back and forth: pieces read again, the same samples.
+    let rows = open(1);
+    for i in 0..27u64 {
+        same(&rows, if i % 2 == 0 { i / 2 } else { 26 - i / 2 });
+    }
+    assert!(rows.reads().reread.load(Ordering::Relaxed) > 0);
+
+    // A shard written again once indexed: its samples are refused, the others still read.
+    let rows = open(1 << 30);
+    let Shard::Local(gnu) = &shards[1] else {
+        unreachable!()
+    };
+    let members = members_of("again-", 9);
+    let members: Vec<(&str, Vec<u8>)> = members
+        .iter()
+        .map(|(m, b)| (m.as_str(), b.clone()))
+        .collect();
+    python_tar(gnu, "gnu", &members);
+    let changed = rows.get(10).unwrap_err();
+    assert!(
+        changed
+            .reason
+            .contains("it changed since the stream started"),
+        "{changed:?}"
+    );
+    same(&rows, 0);
+
+    // A shard that is not there stops the index, naming it.
+    let mut missing = shards.clone();
+    missing.push(Shard::Local(dir.join("nowhere.tar")));
+    let error = ShardRows::open(
+        missing,
+        Arc::new(LocalFiles::anywhere(max_image_bytes)),
+        max_image_bytes,
+        (300 << 10, 1 << 30),
+        |_| true,
+    )
+    .unwrap_err();
+    assert!(error.contains("nowhere.tar"), "{error}");
+    let _ = std::fs::remove_dir_all(&dir);
 }

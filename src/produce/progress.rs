@@ -444,6 +444,11 @@ impl Write for AroundTheBar {
 
 /// Set by the first SIGINT or SIGTERM.
 static INTERRUPTED: AtomicBool = AtomicBool::new(false);
+
+/// Whether the first SIGINT or SIGTERM came (see [`catch_interrupts`]).
+pub(super) fn was_interrupted() -> bool {
+    INTERRUPTED.load(Ordering::Relaxed)
+}
 /// Which signal it was: the exit status is 128 + its number, as if it had killed the process.
 static INTERRUPTED_BY: AtomicI32 = AtomicI32::new(0);
 

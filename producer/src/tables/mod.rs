@@ -55,7 +55,8 @@ use serde_json::{Map, Value};
 
 mod rows;
 
-pub use rows::{DEFAULT_CACHE_BYTES, OPEN_FILES, ParquetRows, ReadStats};
+pub use crate::pieces::{DEFAULT_CACHE_BYTES, PieceIndex, ReadStats};
+pub use rows::{OPEN_FILES, ParquetRows};
 
 use crate::chat::IMAGE_PLACEHOLDER;
 use crate::manifest::{MAX_IMAGES_PER_RECORD, MAX_LINE_BYTES, Reject};

@@ -33,6 +33,10 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use bytes::Bytes;
 
+mod rows;
+
+pub use rows::{PIECE_BYTES, ShardRows};
+
 use crate::chat::{IMAGE_PLACEHOLDER, Message, Role};
 use crate::manifest::{Content, MAX_IMAGES_PER_RECORD, MAX_LINE_BYTES, Record, Reject};
 use crate::pipeline::{Input, Inputs};
@@ -345,20 +349,13 @@ impl Shards {
                 ahead: self.next_first.take(),
             },
         };
-        self.reading = Some(ShardReader {
+        self.reading = Some(ShardReader::new(
             name,
             body,
-            buf: Vec::new(),
-            start: 0,
-            at: 0,
-            ended: false,
-            stats: self.stats.clone(),
-            max_image_bytes: self.max_image_bytes,
-            gathering: None,
-            pending_name: None,
-            pending_size: None,
-            pending_problem: None,
-        });
+            0,
+            self.stats.clone(),
+            self.max_image_bytes,
+        ));
         true
     }
 }
@@ -450,6 +447,8 @@ impl Drop for ReadAhead {
 }
 
 /// One step of a shard's reader.
+// (One step a member: moving a few hundred bytes is nothing beside the member's own.)
+#[allow(clippy::large_enum_variant)]
 enum Step {
     /// A sample ended (the next member has another key).
     Sample(Gathered),
@@ -483,6 +482,13 @@ struct ShardReader {
     pending_size: Option<u64>,
     /// Why the next member's sample cannot be produced (its extended header was refused).
     pending_problem: Option<String>,
+    /// Where the next member's extended headers begin: where its sample begins, if it starts
+    /// one.
+    pending_start: Option<u64>,
+    /// Only the samples' bounds are wanted: members are passed over, not read.
+    index_only: bool,
+    /// Stop (a clean end) at the first sample that begins at or past this offset.
+    stop_at: Option<u64>,
 }
 
 /// Why a shard's bytes stopped.
@@ -494,6 +500,33 @@ enum Cut {
 }
 
 impl ShardReader {
+    /// A reader of the shard `name` from byte `at`, where a sample begins.
+    fn new(
+        name: Arc<str>,
+        body: Body,
+        at: u64,
+        stats: Arc<ShardStats>,
+        max_image_bytes: u64,
+    ) -> ShardReader {
+        ShardReader {
+            name,
+            body,
+            buf: Vec::new(),
+            start: 0,
+            at,
+            ended: false,
+            stats,
+            max_image_bytes,
+            gathering: None,
+            pending_name: None,
+            pending_size: None,
+            pending_problem: None,
+            pending_start: None,
+            index_only: false,
+            stop_at: None,
+        }
+    }
+
     fn buffered(&self) -> u64 {
         (self.buf.len() - self.start) as u64
     }
@@ -711,6 +744,7 @@ impl ShardReader {
         }
         match header.kind {
             b'x' | b'L' if size > MAX_EXTENDED_HEADER => {
+                self.pending_start.get_or_insert(offset);
                 self.pending_problem = Some(format!(
                     "an extended header of {size} bytes at byte {offset} (at most \
                      {MAX_EXTENDED_HEADER} are read)"
@@ -719,6 +753,7 @@ impl ShardReader {
                 return Step::Member;
             }
             b'x' | b'L' => {
+                self.pending_start.get_or_insert(offset);
                 let data = match self.take(padded).await {
                     Ok(d) => d,
                     Err(cut) => {
@@ -747,6 +782,7 @@ impl ShardReader {
             _ => {
                 self.pending_name = None;
                 self.pending_problem = None;
+                self.pending_start = None;
                 self.skip(padded);
                 return Step::Member;
             }
@@ -756,6 +792,7 @@ impl ShardReader {
         let Some((key, suffix)) = split_key(&name).map(|(k, s)| (k.to_owned(), s.to_owned()))
         else {
             self.pending_problem = None;
+            self.pending_start = None;
             self.skip(padded);
             return Step::Member;
         };
@@ -766,15 +803,29 @@ impl ShardReader {
             e if IMAGE_EXTENSIONS.contains(&e) => Kind::Image,
             _ => Kind::Other,
         };
+        let start = self.pending_start.take().unwrap_or(offset);
         let whole = match &self.gathering {
             Some(g) if g.key != key => self.gathering.take(),
             _ => None,
         };
+        if self.gathering.is_none() && self.stop_at.is_some_and(|stop| start >= stop) {
+            // The next piece's first sample: this piece ends cleanly here.
+            return Step::End {
+                whole,
+                cut: None,
+                why: None,
+            };
+        }
+        let new = self.gathering.is_none();
         let shard = self.name.clone();
-        let sample = self
-            .gathering
-            .get_or_insert_with(|| Gathered::new(shard, key, offset));
+        let sample = self.gathering.get_or_insert_with(|| Gathered {
+            start,
+            ..Gathered::new(shard, key, offset)
+        });
         if let Some(problem) = self.pending_problem.take() {
+            if new {
+                sample.carried = Some(problem.clone());
+            }
             sample.problem.get_or_insert(problem);
         }
         let problem = match kind {
@@ -801,7 +852,7 @@ impl ShardReader {
         if let Some(problem) = problem {
             sample.problem = Some(problem);
         }
-        if kind == Kind::Other || sample.problem.is_some() {
+        if kind == Kind::Other || sample.problem.is_some() || self.index_only {
             self.skip(padded);
             return whole.map_or(Step::Member, Step::Sample);
         }
@@ -894,6 +945,8 @@ impl ShardReader {
         let gathered = self.gathering.take();
         self.pending_name = None;
         self.pending_size = None;
+        // A sample made of the bad header alone starts where its extended headers did.
+        let start = self.pending_start.take().unwrap_or(offset);
         let mut found = false;
         while let Ok(true) = self.fill(BLOCK).await {
             let block = &self.buf[self.start..self.start + BLOCK as usize];
@@ -930,8 +983,10 @@ impl ShardReader {
                 )),
             };
         }
-        let mut sample =
-            gathered.unwrap_or_else(|| Gathered::new(self.name.clone(), String::new(), offset));
+        let mut sample = gathered.unwrap_or_else(|| Gathered {
+            start,
+            ..Gathered::new(self.name.clone(), String::new(), offset)
+        });
         if found {
             sample.problem = Some(format!("{corrupt}; reading went on at byte {}", self.at));
             self.pending_problem = Some(format!(
@@ -1013,6 +1068,11 @@ struct Gathered {
     key: String,
     /// Where its first member's header starts.
     offset: u64,
+    /// Where the sample starts: its first member's header, or the extended headers before it.
+    start: u64,
+    /// The problem it took from the members before it (a header lost just before it), which a
+    /// read starting at `start` would not see.
+    carried: Option<String>,
     images: Vec<ImageMember>,
     json: Option<Bytes>,
     caption: Option<Bytes>,
@@ -1026,6 +1086,8 @@ impl Gathered {
             shard,
             key,
             offset,
+            start: offset,
+            carried: None,
             images: Vec::new(),
             json: None,
             caption: None,
