@@ -17,7 +17,8 @@
 //!   most of a sample's cost.
 //!
 //! A third table feeds the same records as a stream to two ranks: objects read in a full
-//! shuffle, Parquet rows by index (`ParquetRows`) in blocks of a row group's rows.
+//! shuffle, shard samples by index (`ShardRows`, the shards indexed first) in blocks of a
+//! piece's samples, and Parquet rows by index (`ParquetRows`) in blocks of a row group's rows.
 //!
 //! Run: `cargo bench --bench shards` (needs `pip install 'moto[server]'` and pyarrow in
 //! `$FEEDSTORE_PYTHON`, as `scripts/test --install-only` sets up); `-- --latency-ms N` changes
@@ -25,6 +26,7 @@
 
 use std::path::Path;
 use std::sync::Arc;
+use std::sync::atomic::Ordering;
 
 use feedstore_consumer::{Stream, StreamOptions, StreamTask};
 use feedstore_producer::chat::ChatTokenizer;
@@ -32,7 +34,7 @@ use feedstore_producer::feed::{FeedConfig, RecordIndex, feed};
 use feedstore_producer::input::LocalFiles;
 use feedstore_producer::manifest::{IndexedManifest, Manifest};
 use feedstore_producer::pipeline::{Input, Inputs, ProducerConfig, Summary, run, run_inputs};
-use feedstore_producer::shards::{Shard, Shards};
+use feedstore_producer::shards::{PIECE_BYTES, Shard, ShardRows, Shards};
 use feedstore_producer::tables::{DEFAULT_CACHE_BYTES, ParquetFiles, ParquetRows};
 use feedstore_proto::stream::{Shuffle, StreamSpec, Tail};
 use feedstore_s3::S3Fetcher;
@@ -411,34 +413,60 @@ fn main() {
     );
     println!();
     println!(
-        "| workload | read as | shuffle | samples | samples/s | GETs per sample | row group reads |"
+        "| workload | read as | shuffle | samples | samples/s | GETs per sample | pieces read |"
     );
     println!("|---|---|---|---|---|---|---|");
     for (name, what, stored, images) in &workloads {
         let mut rates = Vec::new();
-        for form in ["an object per image", "8 Parquet files"] {
+        for form in ["an object per image", "8 shards", "8 Parquet files"] {
             let before = proxy.seen().len();
-            let (records, shuffle, rows): (Arc<dyn RecordIndex>, _, _) = match form {
-                "an object per image" => (
-                    Arc::new(IndexedManifest::open(&stored.manifest).unwrap()),
-                    Shuffle::Full,
-                    None,
-                ),
-                _ => {
-                    let rows = Arc::new(
-                        ParquetRows::open(
-                            stored.tables.clone(),
-                            fetcher.clone(),
-                            64 << 20,
-                            dir.clone(),
-                            DEFAULT_CACHE_BYTES,
-                        )
-                        .unwrap(),
-                    );
-                    let block = rows.largest_row_group() as u32;
-                    (rows.clone(), Shuffle::Block(block), Some(rows))
-                }
-            };
+            // The source, its order, and what it says it read.
+            let (records, shuffle, count): (Arc<dyn RecordIndex>, _, Box<dyn Fn() -> String>) =
+                match form {
+                    "an object per image" => (
+                        Arc::new(IndexedManifest::open(&stored.manifest).unwrap()),
+                        Shuffle::Full,
+                        Box::new(String::new),
+                    ),
+                    "8 shards" => {
+                        let rows = Arc::new(
+                            ShardRows::open(
+                                stored.shards.clone(),
+                                fetcher.clone(),
+                                64 << 20,
+                                (PIECE_BYTES, DEFAULT_CACHE_BYTES),
+                                |_| true,
+                            )
+                            .unwrap(),
+                        );
+                        let block = Shuffle::Block(rows.largest_piece() as u32);
+                        let read = rows.clone();
+                        let count = move || {
+                            let again = read.reads().reread.load(Ordering::Relaxed);
+                            format!("{} pieces, {again} read again", read.pieces())
+                        };
+                        (rows, block, Box::new(count))
+                    }
+                    _ => {
+                        let rows = Arc::new(
+                            ParquetRows::open(
+                                stored.tables.clone(),
+                                fetcher.clone(),
+                                64 << 20,
+                                dir.clone(),
+                                DEFAULT_CACHE_BYTES,
+                            )
+                            .unwrap(),
+                        );
+                        let block = Shuffle::Block(rows.largest_piece() as u32);
+                        let read = rows.clone();
+                        let count = move || {
+                            let groups = read.stats().row_groups.load(Ordering::Relaxed);
+                            format!("{groups} of {} row groups", read.pieces())
+                        };
+                        (rows, block, Box::new(count))
+                    }
+                };
             let stream = format!("{name}-{}", rates.len());
             let (made, seconds) =
                 feed_two_ranks(&config, &tokenizer, &fetcher, &stream, records, shuffle);
@@ -449,18 +477,13 @@ fn main() {
             println!(
                 "| {name} ({what}) | {form} | {shuffle} | {made} | {rate:.1} | {:.3} | {} |",
                 gets as f64 / made as f64,
-                rows.map_or("".into(), |r| {
-                    let read = r
-                        .stats()
-                        .row_groups
-                        .load(std::sync::atomic::Ordering::Relaxed);
-                    format!("{read} of {}", r.row_groups())
-                }),
+                count(),
             );
         }
         println!(
-            "| {name} | Parquet / objects | | | {:.2}x | | |",
-            rates[1] / rates[0]
+            "| {name} | shards / objects, Parquet / objects | | | {:.2}x, {:.2}x | | |",
+            rates[1] / rates[0],
+            rates[2] / rates[0]
         );
     }
 
