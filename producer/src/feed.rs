@@ -70,8 +70,8 @@ pub struct FeedConfig {
     pub batch: u32,
 }
 
-/// Records read by their index, as a stream's tasks name them: an indexed manifest's lines, or
-/// Parquet rows ([`crate::tables::ParquetRows`]).
+/// Records read by their index, as a stream's tasks name them: an indexed manifest's lines,
+/// Parquet rows ([`crate::tables::ParquetRows`]) or shard samples ([`crate::shards::ShardRows`]).
 pub trait RecordIndex: Send + Sync {
     /// How many records there are (the stream's `records`).
     fn len(&self) -> u64;

@@ -99,6 +99,10 @@ pub trait ReadPiece: Send + Sync + 'static {
     /// Piece `key` in words, for a reject (`FILE: row group 3`).
     fn describe(&self, key: Key) -> String;
 
+    /// Counts a piece that could not be read whole, once a piece however often it is read
+    /// (the reader's own `unreadable`).
+    fn count_lost(&self);
+
     /// What reading has taken so far.
     fn taken(&self) -> Taken;
 }
@@ -208,6 +212,8 @@ struct Cache {
     bytes: u64,
     /// Pieces ever read, to count those read again.
     seen: HashSet<Key>,
+    /// Pieces that could not be read whole, counted once each ([`ReadPiece::count_lost`]).
+    lost: HashSet<Key>,
 }
 
 struct Slot {
@@ -383,6 +389,9 @@ impl<R: ReadPiece> Pieces<R> {
             self.read(key)
         });
         if filled {
+            if piece.lost.is_some() && self.cache().lost.insert(key) {
+                self.reader.count_lost();
+            }
             self.settle(slot, key, piece.bytes);
         }
     }

@@ -25,9 +25,8 @@
 //! differ) is refused piece by piece rather than read as other samples; an S3 shard is not
 //! checked (ranged GETs are not pinned to an ETag).
 
-use std::collections::HashSet;
+use std::sync::Arc;
 use std::sync::atomic::Ordering;
-use std::sync::{Arc, Mutex};
 
 use super::{Body, Gathered, Shard, ShardReader, ShardStats, Step, shard_reject};
 use crate::feed::Indexed;
@@ -50,8 +49,6 @@ pub struct ShardPieces {
     handle: tokio::runtime::Handle,
     max_image_bytes: u64,
     stats: Arc<ShardStats>,
-    /// Pieces that could not be read to their end, counted once each in `unreadable`.
-    failed: Mutex<HashSet<Key>>,
 }
 
 /// A shard as it was indexed.
@@ -106,7 +103,6 @@ impl PieceIndex<ShardPieces> {
             handle: runtime.handle().clone(),
             max_image_bytes,
             stats: Arc::default(),
-            failed: Mutex::default(),
         };
         for (i, shard) in shards.into_iter().enumerate() {
             pieces.index(shard, piece_bytes, &mut || progress(None))?;
@@ -267,7 +263,7 @@ impl ShardPieces {
                         .into(),
                 );
             }
-            // (Its own stats: a failed read is counted once a piece, below.)
+            // (Its own stats: a piece that fails is counted once, by the cache.)
             let mut reader = ShardReader::new(
                 indexed.name.clone(),
                 body,
@@ -314,10 +310,6 @@ impl ShardPieces {
             Err(reason) => Some(reason),
         };
         let lost: Option<Arc<str>> = failure.map(|reason| {
-            let mut failed = self.failed.lock().unwrap_or_else(|e| e.into_inner());
-            if failed.insert((shard, piece)) {
-                self.stats.unreadable.fetch_add(1, Ordering::Relaxed);
-            }
             format!(
                 "{}: the samples from byte {} (samples {} to {} of the shard): {reason}",
                 indexed.name,
@@ -356,6 +348,10 @@ impl ReadPiece for ShardPieces {
 
     fn reject(&self, line: u64, reason: String) -> Reject {
         shard_reject(line, None, reason)
+    }
+
+    fn count_lost(&self) {
+        self.stats.unreadable.fetch_add(1, Ordering::Relaxed);
     }
 
     fn describe(&self, (shard, piece): Key) -> String {

@@ -29,7 +29,6 @@
 //! group by row group, rather than read as other records. (An S3 object written again while it
 //! is open is not seen: ranged GETs are not pinned to an ETag.)
 
-use std::collections::HashSet;
 use std::panic::AssertUnwindSafe;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
@@ -69,8 +68,6 @@ pub struct Tables {
     stats: Arc<TableStats>,
     /// Files open, most recently used last.
     open: Mutex<Vec<(usize, Arc<Opened>)>>,
-    /// Row groups that could not be read, counted once each in `unreadable`.
-    failed: Mutex<HashSet<Key>>,
 }
 
 /// A file, as its footer was when the stream started.
@@ -152,7 +149,6 @@ impl PieceIndex<Tables> {
             page_limit: PAGE_LIMIT,
             stats: Arc::default(),
             open: Mutex::default(),
-            failed: Mutex::default(),
         };
         tables.index(files)?;
         Ok(PieceIndex(Arc::new(Pieces::new(
@@ -342,10 +338,6 @@ impl Tables {
         let lost: Option<Arc<str>> = failure.map(|reason| {
             // The rows not read are lost, each a reject naming the row group (counted once
             // however often it is read).
-            let mut failed = self.failed.lock().unwrap_or_else(|e| e.into_inner());
-            if failed.insert((file, group)) {
-                self.stats.unreadable.fetch_add(1, Ordering::Relaxed);
-            }
             let last = first_row + count as u64 - 1;
             let rows = match last > first_row {
                 true => format!("rows {first_row} to {last}"),
@@ -384,6 +376,10 @@ impl ReadPiece for Tables {
 
     fn reject(&self, line: u64, reason: String) -> Reject {
         table_reject(line, None, reason)
+    }
+
+    fn count_lost(&self) {
+        self.stats.unreadable.fetch_add(1, Ordering::Relaxed);
     }
 
     fn describe(&self, (file, group): Key) -> String {
